@@ -1,0 +1,64 @@
+"""Which rollout and attempt the current code runs for, carried in contextvars.
+
+contextvars follow ``asyncio`` tasks by themselves. Thread pools do not copy them: wrap the callable with
+:func:`propagate` (or submit through :func:`submit`) so spans made in the worker land in the right rollout
+and under the right parent span.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import itertools
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass
+class RolloutScope:
+    """The rollout/attempt a piece of code works for, plus the attempt's span sequence counter."""
+
+    rollout_id: str
+    attempt_id: str
+    mode: str = "train"
+    request_token_ids: bool = True
+    _sequence: Iterator[int] = field(default_factory=itertools.count, repr=False)
+
+    def next_sequence_id(self) -> int:
+        # itertools.count.__next__ is atomic under the GIL: safe from several threads of one attempt.
+        return next(self._sequence)
+
+
+_current_scope: contextvars.ContextVar[Optional[RolloutScope]] = contextvars.ContextVar("agl_rollout", default=None)
+
+
+def current_scope() -> Optional[RolloutScope]:
+    return _current_scope.get()
+
+
+def enter_scope(scope: Optional[RolloutScope]) -> contextvars.Token:
+    return _current_scope.set(scope)
+
+
+def exit_scope(token: contextvars.Token) -> None:
+    _current_scope.reset(token)
+
+
+def propagate(fn: Callable[..., T]) -> Callable[..., T]:
+    """Bind ``fn`` to a copy of the caller's context (rollout and parent span), for use in another thread."""
+    ctx = contextvars.copy_context()
+
+    @functools.wraps(fn)
+    def run_in_context(*args: Any, **kwargs: Any) -> T:
+        # A Context can be entered by one thread at a time: run each call in its own copy.
+        return ctx.copy().run(fn, *args, **kwargs)
+
+    return run_in_context
+
+
+def submit(executor: Executor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> "Future[T]":
+    """``executor.submit`` that keeps the caller's rollout and span context in the worker thread."""
+    return executor.submit(propagate(fn), *args, **kwargs)

@@ -1,0 +1,113 @@
+"""The contract every agl instrumentor follows (after OpenTelemetry contrib's BaseInstrumentor).
+
+- ``instruments``: requirement strings of the package it hooks; outside that range ``instrument()``
+  warns once and does nothing instead of crashing the user's program.
+- ``instrument()`` is idempotent; ``uninstrument()`` restores exactly what was there before.
+- Third parties register their own instrumentor class under the entry-point group ``agl.integrations``.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.metadata
+import logging
+import re
+import threading
+from typing import Any, ClassVar, Optional, Tuple
+
+logger = logging.getLogger("agl.instrumentation")
+
+_REQ = re.compile(r"^\s*([A-Za-z0-9_.\-\[\]]+)\s*(.*)$")
+
+
+def _version_tuple(version: str) -> Tuple[int, ...]:
+    parts = []
+    for piece in re.split(r"[.+-]", version):
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts)
+
+
+def requirement_problem(requirement: str) -> Optional[str]:
+    """None when ``requirement`` (e.g. ``"openai>=1.60,<4"``) is installed, else a sentence saying why not."""
+    match = _REQ.match(requirement)
+    if not match:
+        return f"cannot parse requirement {requirement!r}"
+    dist, spec = match.group(1).split("[")[0], match.group(2)
+    try:
+        installed = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return f"{dist} is not installed"
+    have = _version_tuple(installed)
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        op = re.match(r"(>=|<=|==|!=|>|<)\s*(.+)", clause)
+        if not op:
+            continue
+        want = _version_tuple(op.group(2))
+        size = max(len(have), len(want))
+        a, b = have + (0,) * (size - len(have)), want + (0,) * (size - len(want))
+        ok = {
+            ">=": a >= b,
+            "<=": a <= b,
+            ">": a > b,
+            "<": a < b,
+            "==": a == b,
+            "!=": a != b,
+        }[op.group(1)]
+        if not ok:
+            return f"{dist} {installed} is outside the supported range {spec.strip()}"
+    return None
+
+
+class Instrumentor(abc.ABC):
+    """Base class: subclasses set ``name`` and ``instruments`` and implement the two hooks."""
+
+    name: ClassVar[str]
+    instruments: ClassVar[Tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = False
+        self._warned = False
+
+    @property
+    def is_instrumented(self) -> bool:
+        return self._active
+
+    def dependency_problem(self) -> Optional[str]:
+        for requirement in self.instruments:
+            problem = requirement_problem(requirement)
+            if problem:
+                return problem
+        return None
+
+    def instrument(self, **kwargs: Any) -> bool:
+        """Hook the framework; True if it is (now) hooked. Calling it twice equals calling it once."""
+        with self._lock:
+            if self._active:
+                return True
+            problem = self.dependency_problem()
+            if problem:
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("agl: not instrumenting %s: %s", self.name, problem)
+                return False
+            self._instrument(**kwargs)
+            self._active = True
+            return True
+
+    def uninstrument(self) -> None:
+        with self._lock:
+            if not self._active:
+                return
+            self._uninstrument()
+            self._active = False
+
+    @abc.abstractmethod
+    def _instrument(self, **kwargs: Any) -> None:
+        ...
+
+    @abc.abstractmethod
+    def _uninstrument(self) -> None:
+        ...

@@ -1,0 +1,71 @@
+"""Span attribute names: the one vocabulary every integration writes and LightningRL reads.
+
+Names follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``) where those define the concept;
+``agl.*`` names are added only where none exists (token ids, logprobs, rewards, rollout bookkeeping).
+See docs/semconv.md for the meaning and type of each attribute.
+"""
+
+from __future__ import annotations
+
+# --- span kind and rollout bookkeeping (agl) -------------------------------------------------------------
+SPAN_KIND = "agl.span.kind"  # agent | llm | tool | chain | reward | annotation
+ROLLOUT_ID = "agl.rollout_id"
+ATTEMPT_ID = "agl.attempt_id"
+SEQUENCE_ID = "agl.sequence_id"
+
+# --- agents (OTel GenAI) ---------------------------------------------------------------------------------
+OPERATION_NAME = "gen_ai.operation.name"  # chat | invoke_agent | execute_tool | ...
+AGENT_NAME = "gen_ai.agent.name"
+AGENT_ID = "gen_ai.agent.id"
+FRAMEWORK = "agl.framework"  # which integration produced the span: openai, langchain, ...
+
+# --- LLM requests and responses (OTel GenAI) -------------------------------------------------------------
+PROVIDER_NAME = "gen_ai.provider.name"
+REQUEST_MODEL = "gen_ai.request.model"
+REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+REQUEST_TOP_P = "gen_ai.request.top_p"
+REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+INPUT_MESSAGES = "gen_ai.input.messages"  # JSON list of chat messages as sent
+TOOL_DEFINITIONS = "gen_ai.tool.definitions"  # JSON list of tools offered
+OUTPUT_MESSAGES = "gen_ai.output.messages"  # JSON list with the assistant message (content + tool calls)
+RESPONSE_ID = "gen_ai.response.id"
+RESPONSE_MODEL = "gen_ai.response.model"
+RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+
+# --- LLM extras for training (agl) -----------------------------------------------------------------------
+LLM_API = "agl.llm.api"  # chat.completions | responses
+LLM_STREAM = "agl.llm.stream"  # bool
+PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"  # list[int], exactly as the server tokenized the prompt
+RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"  # list[int], exactly as sampled
+RESPONSE_LOGPROBS = "agl.llm.response_logprobs"  # list[float], one per response token
+TOKEN_IDS_SOURCE = "agl.llm.token_ids_source"  # server | absent
+RESOURCES_VERSION = "agl.llm.resources_version"  # the policy version that answered (agl server)
+
+# --- tools (OTel GenAI) ----------------------------------------------------------------------------------
+TOOL_NAME = "gen_ai.tool.name"
+TOOL_CALL_ID = "gen_ai.tool.call.id"
+TOOL_CALL_ARGUMENTS = "gen_ai.tool.call.arguments"  # JSON string
+TOOL_CALL_RESULT = "gen_ai.tool.call.result"  # string (JSON when structured)
+ERROR_TYPE = "error.type"  # exception class name when the operation failed
+
+# --- rewards and annotations (agl) -----------------------------------------------------------------------
+REWARD_VALUE = "agl.reward.value"  # float: the primary reward
+REWARD_PRIMARY = "agl.reward.primary"  # str: name of the primary dimension
+REWARD_DIMENSIONS = "agl.reward.dimensions"  # JSON object {name: float} when rewards are named
+REWARD_SOURCE = "agl.reward.source"  # emitted | returned
+MESSAGE_BODY = "agl.message.body"
+OBJECT_JSON = "agl.object.json"
+OBJECT_TYPE = "agl.object.type"
+OPERATION = "agl.operation.name"
+OPERATION_INPUT = "agl.operation.input"
+OPERATION_OUTPUT = "agl.operation.output"
+
+# --- span names written by agl itself --------------------------------------------------------------------
+SPAN_REWARD = "agl.reward"
+SPAN_MESSAGE = "agl.message"
+SPAN_OBJECT = "agl.object"
+SPAN_EXCEPTION = "agl.exception"
+SPAN_OPERATION = "agl.operation"
+SPAN_CHAT = "chat"  # llm spans: "chat {model}" per the GenAI conventions

@@ -1,0 +1,187 @@
+"""The LightningStore contract: the one place where trainers and runners meet.
+
+The interface is synchronous and thread-safe: runners call it from worker threads or processes, the
+trainer from its main thread, and the HTTP server from its request handlers. Every backend (in-memory,
+SQLite, PostgreSQL, the HTTP client) implements exactly this class and passes the same test suite.
+
+State machine of a rollout (see docs/store.md):
+
+    queued --dequeue--> running --complete(succeeded)--> succeeded
+                        running --complete(failed|timeout|unresponsive)--> queued  (attempts left)
+                                                                      \\-> failed  (no attempts left)
+    queued|running --cancel--> cancelled
+
+Each dequeue creates a new Attempt; spans are keyed by (rollout_id, attempt_id), so spans of a failed
+attempt are kept and never mixed into its retry.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from pydantic import BaseModel, Field
+
+from agl.types import (
+    Attempt,
+    AttemptStatus,
+    Resource,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    RolloutStatus,
+    Span,
+)
+
+
+class EnqueueRequest(BaseModel):
+    """One rollout to enqueue. ``task_id`` groups rollouts of the same task (GRPO groups)."""
+
+    input: Any = None
+    task_id: Optional[str] = None
+    mode: RolloutMode = "train"
+    resources_id: Optional[str] = None
+    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    metadata: Dict[str, Any] = Field(default_factory=dict)
+
+
+class StoreStats(BaseModel):
+    rollouts: Dict[str, int] = Field(default_factory=dict, description="count per rollout status")
+    attempts: int = 0
+    spans: int = 0
+    resources_versions: int = 0
+
+
+class LightningStore(abc.ABC):
+    """Abstract store. All methods are thread-safe; ids that do not exist raise ``Unknown*Error``."""
+
+    # -- rollouts ------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def enqueue_many(self, requests: Sequence[EnqueueRequest]) -> List[Rollout]:
+        """Add rollouts to the queue (FIFO) in one transaction and wake waiting runners."""
+
+    def enqueue_rollout(
+        self,
+        input: Any = None,
+        *,
+        task_id: Optional[str] = None,
+        mode: RolloutMode = "train",
+        resources_id: Optional[str] = None,
+        config: Optional[RolloutConfig] = None,
+        metadata: Optional[Dict[str, Any]] = None,
+    ) -> Rollout:
+        request = EnqueueRequest(
+            input=input,
+            task_id=task_id,
+            mode=mode,
+            resources_id=resources_id,
+            config=config or RolloutConfig(),
+            metadata=metadata or {},
+        )
+        return self.enqueue_many([request])[0]
+
+    @abc.abstractmethod
+    def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
+        """Claim up to ``limit`` queued rollouts for ``runner_id``, creating one new Attempt each.
+
+        Waits up to ``timeout`` seconds for work if the queue is empty (woken when work arrives, not by
+        polling where the backend can be woken). Returned rollouts have ``attempt`` set.
+        """
+
+    def dequeue_rollout(self, runner_id: str, *, timeout: float = 0.0) -> Optional[Rollout]:
+        claimed = self.dequeue_many(runner_id, 1, timeout=timeout)
+        return claimed[0] if claimed else None
+
+    @abc.abstractmethod
+    def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
+        """Record that the runner of this attempt is alive. Raises StaleAttemptError if it already ended."""
+
+    @abc.abstractmethod
+    def complete_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus,
+        *,
+        reward: Optional[float] = None,
+        error: Optional[str] = None,
+    ) -> Rollout:
+        """End the live attempt with ``status`` and move the rollout on (succeeded, requeued or failed).
+
+        ``reward`` is the rollout's final reward (kept on success only). Ending an attempt that is not the
+        rollout's live attempt raises StaleAttemptError and changes nothing.
+        """
+
+    @abc.abstractmethod
+    def cancel_rollout(self, rollout_id: str) -> Rollout:
+        """Cancel a queued or running rollout; its live attempt (if any) ends as cancelled."""
+
+    @abc.abstractmethod
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        """The rollout with its latest attempt in ``attempt`` (None if never dequeued)."""
+
+    @abc.abstractmethod
+    def query_rollouts(
+        self,
+        *,
+        status: Optional[Iterable[RolloutStatus]] = None,
+        rollout_ids: Optional[Iterable[str]] = None,
+        task_id: Optional[str] = None,
+        mode: Optional[RolloutMode] = None,
+        limit: Optional[int] = None,
+        offset: int = 0,
+    ) -> List[Rollout]:
+        """Rollouts in enqueue order, filtered."""
+
+    @abc.abstractmethod
+    def query_attempts(self, rollout_id: str) -> List[Attempt]:
+        """Every attempt of a rollout, first first."""
+
+    @abc.abstractmethod
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> List[Rollout]:
+        """Wait until every listed rollout is terminal or ``timeout`` passes; return the terminal ones."""
+
+    @abc.abstractmethod
+    def reap_expired(self) -> List[Rollout]:
+        """End attempts past their timeout or heartbeat deadline (retrying per max_attempts).
+
+        Backends call this themselves on dequeue and wait; a long-running server also calls it on a timer.
+        Returns the rollouts that changed.
+        """
+
+    # -- spans ---------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def add_spans(self, spans: Sequence[Span]) -> int:
+        """Store spans in one transaction. A span of an unknown rollout or attempt raises and stores nothing.
+
+        A span whose (rollout, attempt, span_id) is already stored is ignored (idempotent retries), never
+        overwritten. A span of a running attempt counts as its heartbeat. Returns the number stored.
+        """
+
+    @abc.abstractmethod
+    def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
+        """Spans of one attempt (``"latest"``: the newest attempt; ``None``: every attempt), by sequence id."""
+
+    # -- resources -----------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        """Store a new resources version; it becomes the latest."""
+
+    @abc.abstractmethod
+    def get_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
+        """A resources version by id (raises if unknown), or the latest (None if there is none)."""
+
+    # -- misc ----------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def stats(self) -> StoreStats:
+        ...
+
+    def close(self) -> None:
+        """Release connections. Safe to call twice."""
+
+    def __enter__(self) -> "LightningStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

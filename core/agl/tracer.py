@@ -1,0 +1,349 @@
+"""agl's tracer: its own OpenTelemetry TracerProvider feeding the store through a background batcher.
+
+Why this shape:
+- agl never replaces the user's global TracerProvider; integrations get spans from ``get_tracer()``.
+  OpenTelemetry's *context* is shared, so our spans still nest under (and above) the user's spans.
+- The thread that makes an LLM call does no store I/O and no JSON encoding: ``on_end`` appends the
+  finished span to a bounded deque and a daemon thread converts and writes batches. Heavy payloads
+  (messages, token ids, raw responses) are attached with :meth:`Tracer.set_deferred` and encoded there.
+- A full queue drops the span and counts it (``stats().dropped``) with a warning: never silent.
+- ``flush()`` at rollout end waits until every span finished so far is in the store.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.resources import Resource as OtelResource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.trace import StatusCode
+
+from agl import semconv
+from agl.context import current_scope
+from agl.types import Span, SpanEvent, SpanKind
+
+logger = logging.getLogger("agl.tracer")
+
+_BOOKKEEPING = (semconv.ROLLOUT_ID, semconv.ATTEMPT_ID, semconv.SEQUENCE_ID)
+
+
+@dataclass
+class TracerStats:
+    """Counters a user can read at any time; the runner reports non-zero ``dropped`` per rollout."""
+
+    enqueued: int = 0
+    exported: int = 0
+    dropped: int = 0  # queue full
+    unscoped: int = 0  # finished outside any rollout: not stored
+    export_errors: int = 0  # failed store writes (retried)
+    rejected: int = 0  # spans the store refused (e.g. unknown rollout): dropped after logging
+
+
+def to_jsonable(value: Any) -> Any:
+    """Best-effort conversion of SDK objects (pydantic models, dataclasses) into JSON-ready data."""
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        try:
+            return dump(mode="json", exclude_none=True)
+        except Exception:  # noqa: BLE001 - some SDK models refuse mode="json"
+            return dump()
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _encode_attribute(value: Any) -> Any:
+    """Deferred attribute values: lists of numbers stay lists, strings stay strings, the rest is JSON."""
+    if isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return list(value)
+    return json.dumps(to_jsonable(value), ensure_ascii=False)
+
+
+def _otel_value(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+class StoreSpanProcessor(SpanProcessor):
+    """Stamps rollout ids on start; queues finished spans; a daemon thread writes them in batches."""
+
+    def __init__(self, max_queue: int = 100_000, batch_size: int = 1024, interval: float = 0.2):
+        self.max_queue = max_queue
+        self.batch_size = batch_size
+        self.interval = interval
+        self.sink: Any = None  # anything with add_spans(list[Span])
+        self.stats = TracerStats()
+        self._deferred: Dict[int, Dict[str, Any]] = {}
+        self._init_worker_state()
+        os.register_at_fork(after_in_child=self._init_worker_state)
+
+    def _init_worker_state(self) -> None:
+        # Called again in a forked child: the parent's thread does not exist there, and the parent's
+        # queued spans belong to the parent.
+        self._queue: collections.deque[Tuple[ReadableSpan, Optional[Dict[str, Any]]]] = collections.deque()
+        self._deferred.clear()
+        self._wake = threading.Event()
+        self._done = threading.Condition()
+        self._processed = 0  # exported + rejected + dropped-by-worker, under _done
+        self._worker: Optional[threading.Thread] = None
+        self._stopped = False
+        self._warned_drop = False
+        self._warned_unscoped = False
+        self.stats = TracerStats()
+
+    # -- hot path: runs on the user's thread ----------------------------------------------------------------
+    def on_start(self, span: Any, parent_context: Optional[otel_context.Context] = None) -> None:
+        scope = current_scope()
+        if scope is not None:
+            span.set_attributes(
+                {
+                    semconv.ROLLOUT_ID: scope.rollout_id,
+                    semconv.ATTEMPT_ID: scope.attempt_id,
+                    semconv.SEQUENCE_ID: scope.next_sequence_id(),
+                }
+            )
+
+    def set_deferred(self, span: Any, attributes: Mapping[str, Any]) -> None:
+        ctx = span.get_span_context()
+        bucket = self._deferred.get(ctx.span_id)
+        if bucket is None:
+            self._deferred[ctx.span_id] = dict(attributes)
+        else:
+            bucket.update(attributes)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        deferred = self._deferred.pop(span.context.span_id, None)
+        attrs = span.attributes
+        if not attrs or semconv.ROLLOUT_ID not in attrs:
+            self.stats.unscoped += 1
+            if not self._warned_unscoped:
+                self._warned_unscoped = True
+                logger.debug("span %r ended outside any rollout; agl stores spans of rollouts only", span.name)
+            return
+        if len(self._queue) >= self.max_queue:
+            self.stats.dropped += 1
+            with self._done:
+                self._processed += 1
+            if not self._warned_drop:
+                self._warned_drop = True
+                logger.warning(
+                    "agl span queue is full (%d spans): dropping spans. The store is slower than the agent; "
+                    "see tracer stats().dropped, raise max_queue or use a faster store.",
+                    self.max_queue,
+                )
+            return
+        self._queue.append((span, deferred))
+        self.stats.enqueued += 1
+        if self._worker is None:
+            self._start_worker()
+        elif len(self._queue) >= self.batch_size:
+            self._wake.set()
+
+    # -- background -----------------------------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        with self._done:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="agl-span-writer", daemon=True)
+                self._worker.start()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            while self._queue:
+                if self.sink is None:
+                    break  # keep spans until a store is attached
+                n = min(len(self._queue), self.batch_size)
+                batch = [self._queue[i] for i in range(n)]
+                spans = [convert_span(s, d) for s, d in batch]
+                try:
+                    self.sink.add_spans(spans)
+                except Exception as exc:  # noqa: BLE001 - the store's failure must not kill the writer
+                    if _is_permanent(exc):
+                        self.stats.rejected += n
+                        logger.error("agl store refused %d spans and they were dropped: %s", n, exc)
+                    else:
+                        self.stats.export_errors += 1
+                        logger.warning("agl could not write %d spans (will retry): %s", n, exc)
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, 2.0)
+                        continue
+                else:
+                    self.stats.exported += n
+                    backoff = 0.05
+                for _ in range(n):
+                    self._queue.popleft()
+                with self._done:
+                    self._processed += n
+                    self._done.notify_all()
+            if self._stopped and not self._queue:
+                return
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        deadline = time.monotonic() + timeout_millis / 1000
+        with self._done:
+            target = self.stats.enqueued + self.stats.dropped
+        if self._worker is None:
+            return not self._queue
+        self._wake.set()
+        with self._done:
+            while self._processed < target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._done.wait(min(left, 0.05))
+                self._wake.set()
+        return True
+
+    def shutdown(self) -> None:
+        self.force_flush(5_000)
+        self._stopped = True
+        self._wake.set()
+
+
+def _is_permanent(exc: Exception) -> bool:
+    from agl.errors import AglError, StoreClosedError
+
+    return isinstance(exc, AglError) and not isinstance(exc, StoreClosedError)
+
+
+def convert_span(span: ReadableSpan, deferred: Optional[Dict[str, Any]] = None) -> Span:
+    """An OpenTelemetry ReadableSpan (plus deferred payloads) as an agl Span."""
+    attrs = span.attributes or {}
+    attributes: Dict[str, Any] = {k: _otel_value(v) for k, v in attrs.items() if k not in _BOOKKEEPING}
+    if deferred:
+        for key, value in deferred.items():
+            attributes[key] = _encode_attribute(value)
+    status_code = span.status.status_code
+    status = "error" if status_code is StatusCode.ERROR else "ok" if status_code is StatusCode.OK else "unset"
+    events = [
+        SpanEvent.model_construct(
+            name=e.name, timestamp=e.timestamp, attributes={k: _otel_value(v) for k, v in (e.attributes or {}).items()}
+        )
+        for e in span.events
+    ]
+    parent = span.parent
+    return Span.model_construct(
+        rollout_id=attrs[semconv.ROLLOUT_ID],
+        attempt_id=attrs[semconv.ATTEMPT_ID],
+        sequence_id=attrs[semconv.SEQUENCE_ID],
+        trace_id=format(span.context.trace_id, "032x"),
+        span_id=format(span.context.span_id, "016x"),
+        parent_id=format(parent.span_id, "016x") if parent is not None else None,
+        name=span.name,
+        kind=attrs.get(semconv.SPAN_KIND, "chain"),
+        start_time=span.start_time or 0,
+        end_time=span.end_time or span.start_time or 0,
+        status=status,
+        error=span.status.description if status == "error" else None,
+        attributes=attributes,
+        events=events,
+    )
+
+
+class Tracer:
+    """The process-wide agl tracer. Get it with :func:`get_tracer`."""
+
+    def __init__(self, max_queue: int = 100_000, batch_size: int = 1024) -> None:
+        self.provider = TracerProvider(resource=OtelResource.create({"service.name": "agl"}))
+        self.processor = StoreSpanProcessor(max_queue=max_queue, batch_size=batch_size)
+        self.provider.add_span_processor(self.processor)
+        self.otel = self.provider.get_tracer("agl")
+
+    def set_store(self, store: Any) -> None:
+        """Where finished spans go (anything with ``add_spans``). Spans wait in the queue until set."""
+        self.processor.sink = store
+
+    @property
+    def store(self) -> Any:
+        return self.processor.sink
+
+    def stats(self) -> TracerStats:
+        return self.processor.stats
+
+    @contextlib.contextmanager
+    def span(
+        self,
+        name: str,
+        kind: SpanKind,
+        attributes: Optional[Mapping[str, Any]] = None,
+        *,
+        parent: Optional[otel_trace.Span] = None,
+    ) -> Iterator[otel_trace.Span]:
+        """Start a span of ``kind`` as the current span; an exception marks it as an error and propagates."""
+        attrs: Dict[str, Any] = {semconv.SPAN_KIND: kind}
+        if attributes:
+            attrs.update(attributes)
+        ctx = otel_trace.set_span_in_context(parent) if parent is not None else None
+        with self.otel.start_as_current_span(
+            name, context=ctx, attributes=attrs, record_exception=False, set_status_on_exception=False
+        ) as span:
+            try:
+                yield span
+            except BaseException as exc:
+                record_exception(span, exc)
+                raise
+
+    def start_span(
+        self,
+        name: str,
+        kind: SpanKind,
+        attributes: Optional[Mapping[str, Any]] = None,
+        *,
+        parent: Optional[otel_trace.Span] = None,
+        start_time: Optional[int] = None,
+    ) -> otel_trace.Span:
+        """Start a span without making it current (for callback-style integrations that end it later)."""
+        attrs: Dict[str, Any] = {semconv.SPAN_KIND: kind}
+        if attributes:
+            attrs.update(attributes)
+        ctx = otel_trace.set_span_in_context(parent) if parent is not None else None
+        return self.otel.start_span(name, context=ctx, attributes=attrs, start_time=start_time)
+
+    def set_deferred(self, span: otel_trace.Span, attributes: Mapping[str, Any]) -> None:
+        """Attach attributes encoded later on the writer thread (messages, token ids, raw objects).
+
+        Values must not be mutated by the caller afterwards: pass snapshots (e.g. ``list(messages)``).
+        """
+        self.processor.set_deferred(span, attributes)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every span that has ended is in the store. False if ``timeout`` passed first."""
+        return self.processor.force_flush(int(timeout * 1000))
+
+
+_tracer: Optional[Tracer] = None
+_tracer_lock = threading.Lock()
+
+
+def get_tracer() -> Tracer:
+    """The process-wide tracer (created on first use)."""
+    global _tracer
+    if _tracer is None:
+        with _tracer_lock:
+            if _tracer is None:
+                _tracer = Tracer()
+    return _tracer
+
+
+def record_exception(span: otel_trace.Span, exc: BaseException) -> None:
+    """Mark a span as failed with the exception's type and message (without ending it)."""
+    span.record_exception(exc)
+    span.set_attribute(semconv.ERROR_TYPE, type(exc).__name__)
+    span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")

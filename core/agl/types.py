@@ -1,0 +1,206 @@
+"""The data model shared by every part of agl: tasks, rollouts, attempts, spans and resources.
+
+Everything that crosses a process or machine boundary (store, HTTP, runner) is one of these pydantic
+models, so there is exactly one span format and one rollout format in the system.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RolloutStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+AttemptStatus = Literal["running", "succeeded", "failed", "timeout", "unresponsive", "cancelled"]
+RolloutMode = Literal["train", "val"]
+SpanKind = Literal["agent", "llm", "tool", "chain", "reward", "annotation"]
+
+TERMINAL_ROLLOUT_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL_ATTEMPT_STATUSES: frozenset[str] = frozenset(
+    {"succeeded", "failed", "timeout", "unresponsive", "cancelled"}
+)
+
+
+def new_id(prefix: str) -> str:
+    """A short, sortable-enough unique id such as ``ro-3f2a9c1b7d4e``."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def now() -> float:
+    return time.time()
+
+
+class Task(BaseModel):
+    """One item of a dataset. Rollouts of the same task form a GRPO group."""
+
+    task_id: str = Field(default_factory=lambda: new_id("task"))
+    input: Any = None
+    metadata: Dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutConfig(BaseModel):
+    """Retry and timeout policy of one rollout.
+
+    ``max_attempts`` counts every attempt, the first included. ``timeout_seconds`` bounds one attempt's
+    wall time; ``heartbeat_timeout_seconds`` bounds the silence between heartbeats (or spans) of a runner.
+    ``None`` disables the bound.
+    """
+
+    max_attempts: int = Field(default=1, ge=1)
+    timeout_seconds: Optional[float] = Field(default=None, gt=0)
+    heartbeat_timeout_seconds: Optional[float] = Field(default=None, gt=0)
+
+
+class Attempt(BaseModel):
+    """One try at running a rollout, owned by one runner."""
+
+    rollout_id: str
+    attempt_id: str
+    sequence: int = Field(description="1 for the first attempt of the rollout, 2 for the first retry, ...")
+    runner_id: Optional[str] = None
+    status: AttemptStatus = "running"
+    start_time: float = Field(default_factory=now)
+    end_time: Optional[float] = None
+    last_heartbeat: float = Field(default_factory=now)
+    error: Optional[str] = None
+
+
+class Rollout(BaseModel):
+    """A task being (or having been) run by the agent, possibly over several attempts."""
+
+    rollout_id: str = Field(default_factory=lambda: new_id("ro"))
+    task_id: str = Field(default_factory=lambda: new_id("task"))
+    input: Any = None
+    mode: RolloutMode = "train"
+    status: RolloutStatus = "queued"
+    resources_id: Optional[str] = Field(
+        default=None, description="Resources version to run with; None means the latest at dequeue time."
+    )
+    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    metadata: Dict[str, Any] = Field(default_factory=dict)
+    n_attempts: int = 0
+    final_reward: Optional[float] = None
+    error: Optional[str] = None
+    create_time: float = Field(default_factory=now)
+    start_time: Optional[float] = None
+    end_time: Optional[float] = None
+    attempt: Optional[Attempt] = Field(
+        default=None, description="The attempt a runner is working on; set on dequeued rollouts only."
+    )
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_ROLLOUT_STATUSES
+
+
+class SpanEvent(BaseModel):
+    name: str
+    timestamp: int
+    attributes: Dict[str, Any] = Field(default_factory=dict)
+
+
+class Span(BaseModel):
+    """The unified span: one LLM call, tool call, agent step, reward or annotation.
+
+    A plain-data copy of an OpenTelemetry span plus the rollout bookkeeping. ``sequence_id`` orders the
+    spans of one attempt by their start, independent of clocks on different machines.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int = Field(ge=0)
+    trace_id: str
+    span_id: str
+    parent_id: Optional[str] = None
+    name: str
+    kind: SpanKind = "chain"
+    start_time: int = Field(description="Unix time in nanoseconds.")
+    end_time: int = Field(description="Unix time in nanoseconds.")
+    status: Literal["unset", "ok", "error"] = "unset"
+    error: Optional[str] = None
+    attributes: Dict[str, Any] = Field(default_factory=dict)
+    events: List[SpanEvent] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resources: what a rollout runs with (the model endpoint, a prompt template), versioned by the store.
+# ---------------------------------------------------------------------------------------------------------
+
+
+class LLM(BaseModel):
+    """An OpenAI-compatible endpoint and the model and sampling parameters to use there."""
+
+    resource_type: Literal["llm"] = "llm"
+    endpoint: str
+    model: str
+    api_key: Optional[str] = None
+    sampling_parameters: Dict[str, Any] = Field(default_factory=dict)
+
+    def get_base_url(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> str:
+        """The base URL for the agent's OpenAI client.
+
+        With a rollout and attempt id, the URL routes through ``/rollout/{rid}/attempt/{aid}`` when the
+        endpoint is an agl proxy (``ProxyLLM``); a plain LLM endpoint is returned unchanged, because the
+        client-side tracer already knows which rollout a call belongs to.
+        """
+        return self.endpoint.rstrip("/")
+
+
+class ProxyLLM(LLM):
+    """An LLM served through an agl proxy that attributes requests to rollouts by URL."""
+
+    resource_type: Literal["proxy_llm"] = "proxy_llm"  # type: ignore[assignment]
+
+    def get_base_url(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> str:
+        base = self.endpoint.rstrip("/")
+        if rollout_id is None or attempt_id is None:
+            return base
+        prefix, sep, suffix = base.rpartition("/v1")
+        if not sep:
+            return f"{base}/rollout/{rollout_id}/attempt/{attempt_id}"
+        return f"{prefix}/rollout/{rollout_id}/attempt/{attempt_id}/v1{suffix}"
+
+
+class PromptTemplate(BaseModel):
+    """A prompt the algorithm may optimise; ``format`` fills it with str.format fields."""
+
+    resource_type: Literal["prompt_template"] = "prompt_template"
+    template: str
+    engine: Literal["f-string"] = "f-string"
+
+    def format(self, **kwargs: Any) -> str:
+        return self.template.format(**kwargs)
+
+
+Resource = Union[LLM, ProxyLLM, PromptTemplate]
+NamedResources = Dict[str, Resource]
+
+
+class ResourcesUpdate(BaseModel):
+    """A versioned snapshot of named resources. ``version`` increases by one per new snapshot."""
+
+    resources_id: str
+    version: int
+    resources: Dict[str, Resource] = Field(default_factory=dict)
+    create_time: float = Field(default_factory=now)
+
+
+def parse_resources(raw: Dict[str, Any]) -> Dict[str, Resource]:
+    """Turn ``{name: dict|model}`` into typed resources (dicts are told apart by ``resource_type``)."""
+    out: Dict[str, Resource] = {}
+    for name, value in raw.items():
+        if isinstance(value, (LLM, PromptTemplate)):
+            out[name] = value
+            continue
+        if not isinstance(value, dict):
+            raise TypeError(f"resource {name!r} must be an LLM, ProxyLLM, PromptTemplate or dict, got {type(value)}")
+        kind = value.get("resource_type", "llm")
+        cls = {"llm": LLM, "proxy_llm": ProxyLLM, "prompt_template": PromptTemplate}.get(kind)
+        if cls is None:
+            raise ValueError(f"resource {name!r} has unknown resource_type {kind!r}")
+        out[name] = cls.model_validate(value)
+    return out

@@ -1,0 +1,1 @@
+"""Framework adapters, one package per framework: ``agl.integrations.<framework>``."""
