@@ -1,3 +1,69 @@
-"""agl: train any existing AI agent with reinforcement learning."""
+"""agl: train any existing AI agent with reinforcement learning.
+
+    import agl
+    agl.instrument()          # one line: every LLM call, tool call and agent step becomes a span
+
+Then run the agent through ``agl.Trainer(...).dev(...)`` or ``.fit(...)``; see README.md.
+"""
+
+from agl.algorithm import Algorithm, Baseline
+from agl.context import RolloutScope, propagate, rollout_scope, submit
+from agl.emitters import emit_exception, emit_message, emit_object, emit_reward, operation
+from agl.instrumentation import instrument, uninstrument
+from agl.litagent import FunctionalLitAgent, LitAgent, rollout
+from agl.runner import Runner
+from agl.store import InMemoryLightningStore, LightningStore, SqliteLightningStore, open_store
+from agl.tool import tool
+from agl.tracer import get_tracer
+from agl.trainer import Trainer
+from agl.types import (
+    LLM,
+    Attempt,
+    NamedResources,
+    PromptTemplate,
+    ProxyLLM,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    Span,
+    Task,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Algorithm",
+    "Attempt",
+    "Baseline",
+    "FunctionalLitAgent",
+    "InMemoryLightningStore",
+    "LLM",
+    "LightningStore",
+    "LitAgent",
+    "NamedResources",
+    "PromptTemplate",
+    "ProxyLLM",
+    "ResourcesUpdate",
+    "Rollout",
+    "RolloutConfig",
+    "RolloutScope",
+    "Runner",
+    "Span",
+    "SqliteLightningStore",
+    "Task",
+    "Trainer",
+    "emit_exception",
+    "emit_message",
+    "emit_object",
+    "emit_reward",
+    "get_tracer",
+    "instrument",
+    "open_store",
+    "operation",
+    "propagate",
+    "rollout",
+    "rollout_scope",
+    "submit",
+    "tool",
+    "uninstrument",
+]

@@ -7,12 +7,13 @@ and under the right parent span.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import itertools
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -25,6 +26,7 @@ class RolloutScope:
     attempt_id: str
     mode: str = "train"
     request_token_ids: bool = True
+    episode_rewards: List[float] = field(default_factory=list)  # primary values of emit_reward at top level
     _sequence: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     def next_sequence_id(self) -> int:
@@ -35,8 +37,16 @@ class RolloutScope:
 _current_scope: contextvars.ContextVar[Optional[RolloutScope]] = contextvars.ContextVar("agl_rollout", default=None)
 
 
+# True inside an ``agl.operation``: rewards emitted there are step rewards, not the episode's reward.
+_in_operation: contextvars.ContextVar[bool] = contextvars.ContextVar("agl_in_operation", default=False)
+
+
 def current_scope() -> Optional[RolloutScope]:
     return _current_scope.get()
+
+
+def in_operation() -> bool:
+    return _in_operation.get()
 
 
 def enter_scope(scope: Optional[RolloutScope]) -> contextvars.Token:
@@ -62,3 +72,16 @@ def propagate(fn: Callable[..., T]) -> Callable[..., T]:
 def submit(executor: Executor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> "Future[T]":
     """``executor.submit`` that keeps the caller's rollout and span context in the worker thread."""
     return executor.submit(propagate(fn), *args, **kwargs)
+
+
+@contextlib.contextmanager
+def rollout_scope(
+    rollout_id: str, attempt_id: str, *, mode: str = "train", request_token_ids: bool = True
+) -> Iterator[RolloutScope]:
+    """Attribute the spans made inside to a rollout attempt (the Runner does this for you)."""
+    scope = RolloutScope(rollout_id, attempt_id, mode, request_token_ids)
+    token = enter_scope(scope)
+    try:
+        yield scope
+    finally:
+        exit_scope(token)

@@ -57,3 +57,17 @@ class InvalidSpanError(AglError, ValueError):
 
 class StoreClosedError(AglError, RuntimeError):
     """The store was closed; open a new one."""
+
+
+class DuplicateResourcesError(AglError, ValueError):
+    """``add_resources`` was given a ``resources_id`` that is already stored (versions are never overwritten)."""
+
+    def __init__(self, resources_id: str):
+        super().__init__(
+            f"resources id {resources_id!r} is already stored and versions are never overwritten: "
+            "call add_resources without resources_id to get a fresh id, or pick an unused one"
+        )
+
+
+class UnsupportedStoreError(AglError, NotImplementedError):
+    """A store URL whose backend this version of agl does not provide."""

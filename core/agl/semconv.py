@@ -7,11 +7,9 @@ See docs/semconv.md for the meaning and type of each attribute.
 
 from __future__ import annotations
 
-# --- span kind and rollout bookkeeping (agl) -------------------------------------------------------------
+# --- span kind (agl) ----------------------------------------------------------------------------------
 SPAN_KIND = "agl.span.kind"  # agent | llm | tool | chain | reward | annotation
-ROLLOUT_ID = "agl.rollout_id"
-ATTEMPT_ID = "agl.attempt_id"
-SEQUENCE_ID = "agl.sequence_id"
+# Rollout id, attempt id and sequence id are fields of agl.types.Span, not attributes.
 
 # --- agents (OTel GenAI) ---------------------------------------------------------------------------------
 OPERATION_NAME = "gen_ai.operation.name"  # chat | invoke_agent | execute_tool | ...
@@ -55,6 +53,7 @@ REWARD_VALUE = "agl.reward.value"  # float: the primary reward
 REWARD_PRIMARY = "agl.reward.primary"  # str: name of the primary dimension
 REWARD_DIMENSIONS = "agl.reward.dimensions"  # JSON object {name: float} when rewards are named
 REWARD_SOURCE = "agl.reward.source"  # emitted | returned
+REWARD_SCOPE = "agl.reward.scope"  # episode (the rollout's outcome) | step (inside an agl.operation)
 MESSAGE_BODY = "agl.message.body"
 OBJECT_JSON = "agl.object.json"
 OBJECT_TYPE = "agl.object.type"

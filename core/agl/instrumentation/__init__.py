@@ -1,0 +1,78 @@
+"""``agl.instrument()``: hook the OpenAI client and every installed agent framework, in one call.
+
+The OpenAI client is always hooked (every framework's LLM calls go through it, so token ids are captured
+in one place). Framework adapters are found through the entry-point group ``agl.integrations``; a
+third-party package adds its own adapter by registering an ``Instrumentor`` subclass there.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import threading
+from typing import Any, Dict, Iterable, List, Optional
+
+from agl.instrumentation.base import Instrumentor
+
+logger = logging.getLogger("agl.instrumentation")
+
+ENTRY_POINT_GROUP = "agl.integrations"
+_lock = threading.Lock()
+_instances: Dict[str, Instrumentor] = {}
+
+
+def _discover() -> Dict[str, Any]:
+    """name -> entry point (not loaded yet: loading imports the framework adapter)."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _instance(name: str, loader: Any) -> Optional[Instrumentor]:
+    if name not in _instances:
+        try:
+            cls = loader() if callable(loader) else loader.load()
+        except ImportError as exc:
+            logger.debug("agl integration %s is not importable: %s", name, exc)
+            return None
+        _instances[name] = cls()
+    return _instances[name]
+
+
+def available_integrations() -> List[str]:
+    """Names of the framework adapters that are registered (installed or not)."""
+    return sorted(_discover())
+
+
+def instrument(frameworks: Optional[Iterable[str]] = None, *, request_token_ids: Optional[bool] = None) -> List[str]:
+    """Instrument the OpenAI client and the installed frameworks (or only ``frameworks``).
+
+    ``request_token_ids=True`` makes every OpenAI call ask the server for token ids (vLLM / agl server);
+    by default they are asked for inside training rollouts only. Idempotent; returns what is hooked.
+    """
+    from agl.instrumentation.openai_client import OpenAIInstrumentor
+
+    with _lock:
+        hooked: List[str] = []
+        openai_inst = _instance("openai", lambda: OpenAIInstrumentor)
+        if openai_inst is not None and openai_inst.instrument(request_token_ids=request_token_ids):
+            hooked.append("openai")
+        registered = _discover()
+        wanted = list(registered) if frameworks is None else list(frameworks)
+        for name in wanted:
+            if name == "openai":
+                continue
+            if name not in registered:
+                raise ValueError(f"unknown framework {name!r}: agl has adapters for {sorted(registered)}")
+            inst = _instance(name, registered[name])
+            if inst is not None and inst.instrument():
+                hooked.append(name)
+        return hooked
+
+
+def uninstrument(frameworks: Optional[Iterable[str]] = None) -> None:
+    """Undo ``instrument()``: every hooked function and handler is restored exactly."""
+    with _lock:
+        names = list(_instances) if frameworks is None else list(frameworks)
+        for name in names:
+            inst = _instances.get(name)
+            if inst is not None:
+                inst.uninstrument()

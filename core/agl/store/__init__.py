@@ -1,0 +1,69 @@
+"""Stores: where trainers and runners meet. ``open_store`` picks a backend from a URL or path."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from agl.errors import UnsupportedStoreError
+from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.store.memory import InMemoryLightningStore
+from agl.store.sqlite import SqliteLightningStore
+
+__all__ = [
+    "DEFAULT_STORE_PATH",
+    "EnqueueRequest",
+    "InMemoryLightningStore",
+    "LightningStore",
+    "SqliteLightningStore",
+    "StoreStats",
+    "open_store",
+]
+
+#: Where ``open_store(None)`` keeps its SQLite file when ``$AGL_STORE`` is not set (relative to the cwd).
+DEFAULT_STORE_PATH = os.path.join(".agl", "store.db")
+
+_SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+
+
+def open_store(url_or_path: Optional[str] = None) -> LightningStore:
+    """The store ``url_or_path`` names.
+
+    - ``None``: ``$AGL_STORE`` if set (any form below), else the SQLite file ``./.agl/store.db``.
+    - ``"memory"`` or ``"memory://"``: a new in-memory store (this process only).
+    - ``"sqlite:///relative.db"``, ``"sqlite:////absolute.db"`` or a path ending in ``.db``, ``.sqlite`` or
+      ``.sqlite3``: a SQLite file, created with its folder if missing.
+
+    The HTTP client (``http(s)://``) and PostgreSQL (``postgresql://``) are named here so that a wrong
+    guess gets a clear error instead of a file called ``http:``.
+    """
+    if url_or_path is None:
+        url_or_path = os.environ.get("AGL_STORE") or DEFAULT_STORE_PATH
+    target = url_or_path.strip()
+    scheme = target.split("://", 1)[0].lower() if "://" in target else ""
+    if target.lower() in ("memory", "memory://"):
+        return InMemoryLightningStore()
+    if scheme == "sqlite":
+        path = target[len("sqlite:///") :] if target.startswith("sqlite:///") else ""
+        if not path or path == ":memory:":
+            raise ValueError(
+                f"store URL {target!r} names no file: write sqlite:///relative/path.db or sqlite:////absolute/path.db "
+                "(for a store in memory use 'memory')"
+            )
+        return SqliteLightningStore(path)
+    if scheme in ("http", "https"):
+        raise UnsupportedStoreError(
+            f"store URL {target!r}: the HTTP store client arrives with `agl store serve` (issue 7); until then run "
+            "trainer and runners on one machine against a SQLite file (e.g. open_store('runs/store.db'))"
+        )
+    if scheme in ("postgresql", "postgres"):
+        raise UnsupportedStoreError(
+            f"store URL {target!r}: the PostgreSQL store is not available yet; use a SQLite file "
+            "(e.g. open_store('runs/store.db')), which several processes on one machine can share"
+        )
+    if not scheme and target.lower().endswith(_SQLITE_SUFFIXES):
+        return SqliteLightningStore(os.path.expanduser(target))
+    raise ValueError(
+        f"cannot tell which store {target!r} names: use 'memory', 'sqlite:///path.db' or a path ending in "
+        f"{', '.join(_SQLITE_SUFFIXES)}"
+    )

@@ -18,7 +18,7 @@ attempt are kept and never mixed into its retry.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence
 
 from pydantic import BaseModel, Field
 
@@ -55,6 +55,9 @@ class StoreStats(BaseModel):
 
 class LightningStore(abc.ABC):
     """Abstract store. All methods are thread-safe; ids that do not exist raise ``Unknown*Error``."""
+
+    #: True when forked/spawned runner processes can use this same store object (SQLite, HTTP client).
+    multiprocess_safe: ClassVar[bool] = False
 
     # -- rollouts ------------------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -1,0 +1,100 @@
+"""In-process throughput of the store backends: full rollout cycles/s and spans/s.
+
+    python benchmarks/store.py [--rollouts 5000] [--spans 100000]
+
+A rollout cycle is what one training rollout costs the store: enqueued in batches (``enqueue_many``),
+claimed in batches (``dequeue_many``), a few spans added in one call, and ``complete_attempt``. Span
+throughput adds spans in batches of 1000, as the tracer's background writer does. The SQLite figures
+use a temporary file. Prints figures against the SQLite targets and always exits 0: these are
+measurements, not assertions (machines differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Callable, List
+
+from agl.store import EnqueueRequest, InMemoryLightningStore, LightningStore, SqliteLightningStore
+from agl.types import Rollout, Span
+
+CYCLES_TARGET = 5_000  # rollout cycles/s on SQLite
+SPANS_TARGET = 50_000  # spans/s on SQLite
+BATCH = 100  # rollouts per enqueue_many / dequeue_many
+SPANS_PER_ROLLOUT = 4
+SPAN_BATCH = 1000
+
+
+def make_span(rollout: Rollout, i: int) -> Span:
+    assert rollout.attempt is not None
+    now = time.time_ns()
+    return Span(
+        rollout_id=rollout.rollout_id,
+        attempt_id=rollout.attempt.attempt_id,
+        sequence_id=i,
+        trace_id="0" * 32,
+        span_id=f"{i:016x}",
+        parent_id=None if i == 0 else f"{0:016x}",
+        name="openai.chat" if i else "agent",
+        kind="llm" if i else "agent",
+        start_time=now,
+        end_time=now + 1000,
+        status="ok",
+        attributes={
+            "gen_ai.request.model": "tiny",
+            "gen_ai.usage.prompt_tokens": 42,
+            "gen_ai.prompt.0.content": "What is 6 times 7? Answer with a number only.",
+            "gen_ai.completion.0.content": "42",
+        },
+    )
+
+
+def rollout_cycles(store: LightningStore, n: int) -> float:
+    """Rollout cycles per second."""
+    requests = [EnqueueRequest(input={"question": "6*7", "answer": 42}) for _ in range(BATCH)]
+    start = time.perf_counter()
+    for _ in range(n // BATCH):
+        store.enqueue_many(requests)
+        for rollout in store.dequeue_many("bench", BATCH):
+            assert rollout.attempt is not None
+            store.add_spans([make_span(rollout, i) for i in range(SPANS_PER_ROLLOUT)])
+            store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
+    return (n // BATCH) * BATCH / (time.perf_counter() - start)
+
+
+def span_throughput(store: LightningStore, n: int) -> float:
+    """Spans per second, added in batches of SPAN_BATCH to one running attempt each."""
+    store.enqueue_many([EnqueueRequest() for _ in range(n // SPAN_BATCH)])
+    rollouts = store.dequeue_many("bench", n // SPAN_BATCH)
+    batches: List[List[Span]] = [[make_span(r, i) for i in range(SPAN_BATCH)] for r in rollouts]
+    start = time.perf_counter()
+    for batch in batches:
+        store.add_spans(batch)
+    return len(batches) * SPAN_BATCH / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=5_000)
+    parser.add_argument("--spans", type=int, default=100_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        backends: List[tuple[str, Callable[[], LightningStore]]] = [
+            ("InMemory", InMemoryLightningStore),
+            ("SQLite", lambda: SqliteLightningStore(os.path.join(tmp, f"bench-{time.perf_counter_ns()}.db"))),
+        ]
+        print(f"{'backend':<10} {'rollout cycles/s':>18} {'spans/s':>12}")
+        for name, factory in backends:
+            with factory() as store:
+                cycles = rollout_cycles(store, args.rollouts)
+            with factory() as store:
+                spans = span_throughput(store, args.spans)
+            print(f"{name:<10} {cycles:>18,.0f} {spans:>12,.0f}")
+        print(f"{'target':<10} {CYCLES_TARGET:>18,} {SPANS_TARGET:>12,}   (SQLite)")
+        print(f"({BATCH} rollouts per batch, {SPANS_PER_ROLLOUT} spans per rollout, span batches of {SPAN_BATCH})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""What the OpenAI instrumentation costs the agent: per call, and at the end of a rollout.
+
+    python benchmarks/tracer_overhead.py [--calls 500] [--rounds 10]
+
+The real ``openai`` client talks to an in-process transport (``MockTransport``, no network) that returns
+a canned chat completion with vLLM token ids, so the client's own work is the whole baseline. Spans go to
+a real store: SQLite on a temp file when ``agl.store.SqliteLightningStore`` exists, else an in-memory
+list (the output says which). Every span is checked to be in the store.
+
+1. Hot path: agl's own CPU time per call on the calling thread. The instrumentation wrapper runs around a
+   ``create`` that returns a parsed completion at once, so nothing but agl's code (span start and end,
+   request and response reading, the deferred hand-off) is timed.
+   End to end: rounds alternate ``--calls`` real client calls uninstrumented and ``--calls`` instrumented
+   inside a rollout (a fresh one per round); the figure is the median of the paired per-round
+   differences, as CPU time of the calling thread (``time.thread_time``, leaving out the writer thread)
+   and as wall time. It also contains the client's own code running slower beside agl's (more live
+   objects: the payloads wait for the writer, which the in-process transport starves of the GIL).
+2. Flush of 2,000 spans all still queued (the store is attached only when ``flush()`` starts): the
+   writer's full cost for a rollout's spans, i.e. the worst end-of-rollout flush.
+3. End-of-rollout flush with a simulated model latency (the transport sleeps, as a network wait releases
+   the GIL): last call returned -> ``flush()`` returned, the writer having worked during the rollout.
+
+Prints figures against the targets (<= 50 us per call, <= 50 ms per 2,000-span flush); exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, List, Tuple
+
+import openai
+import wrapt
+
+from agl.context import RolloutScope, enter_scope, exit_scope
+from agl.instrumentation import openai_client
+from agl.instrumentation.openai_client import OpenAIInstrumentor
+from agl.tracer import get_tracer
+
+try:
+    import httpx2 as httpx_module  # what openai >= 3 uses
+except ImportError:  # pragma: no cover - openai 1.x/2.x
+    import httpx as httpx_module  # type: ignore[no-redef]
+
+CALL_TARGET_US = 50.0
+FLUSH_TARGET_MS = 50.0
+FLUSH_SPANS = 2_000
+HOT_CALLS = 1_000
+LATENCY_S = 0.002
+PROMPT_TOKENS = 600
+RESPONSE_TOKENS = 200
+
+MESSAGES = [{"role": "system", "content": "You are a careful assistant that uses tools."}] + [
+    {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "some words " * 20} for i in range(7)
+]
+
+
+def canned_completion() -> bytes:
+    return json.dumps(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "bench-model",
+            "prompt_token_ids": list(range(100_000, 100_000 + PROMPT_TOKENS)),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "word " * (RESPONSE_TOKENS // 2)},
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                    "token_ids": list(range(100_000, 100_000 + RESPONSE_TOKENS)),
+                }
+            ],
+            "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": RESPONSE_TOKENS, "total_tokens": 800},
+        }
+    ).encode()
+
+
+def make_client(latency: float = 0.0) -> openai.OpenAI:
+    body = canned_completion()
+    headers = {"content-type": "application/json"}
+
+    def handler(request: Any) -> Any:
+        if latency:
+            time.sleep(latency)
+        return httpx_module.Response(200, content=body, headers=headers)
+
+    http_client = httpx_module.Client(transport=httpx_module.MockTransport(handler))
+    return openai.OpenAI(base_url="http://bench.invalid/v1", api_key="x", max_retries=0, http_client=http_client)
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.spans: List[Any] = []
+
+    def add_spans(self, spans: List[Any]) -> int:
+        self.spans.extend(spans)
+        return len(spans)
+
+
+class Store:
+    """The span sink under test, and where each rollout comes from."""
+
+    def __init__(self, tmp: str) -> None:
+        try:
+            from agl.store import SqliteLightningStore
+        except ImportError:
+            self.sqlite: Any = None
+            self.sink: Any = ListSink()
+            self.label = "in-memory list (agl.store.SqliteLightningStore is not importable)"
+        else:
+            self.sqlite = SqliteLightningStore(os.path.join(tmp, "bench.db"))
+            self.sink = self.sqlite
+            self.label = "SqliteLightningStore on a temp file"
+        self._rollouts = 0
+
+    def new_rollout(self) -> Tuple[str, str]:
+        if self.sqlite is None:
+            self._rollouts += 1
+            return f"ro-{self._rollouts}", "at-1"
+        self.sqlite.enqueue_rollout(input=None)
+        rollout = self.sqlite.dequeue_rollout("bench")
+        return rollout.rollout_id, rollout.attempt.attempt_id
+
+    def count(self, rollout_id: str) -> int:
+        if self.sqlite is None:
+            return sum(1 for s in self.sink.spans if s.rollout_id == rollout_id)
+        return len(self.sqlite.query_spans(rollout_id))
+
+
+def calls(client: openai.OpenAI, n: int) -> Tuple[float, float]:
+    """(wall, calling-thread CPU) seconds for n calls."""
+    create = client.chat.completions.create
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        create(model="bench-model", messages=MESSAGES, temperature=0.7)
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def hot_path(store: "Store", instrumentor: OpenAIInstrumentor, n: int, rounds: int) -> Tuple[float, int]:
+    """Calling-thread CPU microseconds per call spent in agl's wrapper around an instant ``create``.
+
+    Returns the median over ``rounds`` rollouts of ``n`` calls, and how many spans were stored.
+    """
+    completion = make_client().chat.completions.create(model="bench-model", messages=MESSAGES)
+
+    def create(**kwargs: Any) -> Any:
+        return completion
+
+    traced = wrapt.FunctionWrapper(create, openai_client._sync_wrapper(openai_client.CHAT, instrumentor))
+
+    def run(fn: Callable[..., Any]) -> Tuple[float, float]:
+        cpu = time.thread_time()
+        for _ in range(n):
+            fn(model="bench-model", messages=MESSAGES, temperature=0.7)
+        return 0.0, time.thread_time() - cpu
+
+    per_call: List[float] = []
+    stored = 0
+    for _ in range(rounds):
+        (_, plain), _ = in_rollout(store, lambda: run(create))
+        (_, instrumented), rollout_id = in_rollout(store, lambda: run(traced))
+        per_call.append((instrumented - plain) / n * 1e6)
+        get_tracer().flush(120)
+        stored += store.count(rollout_id)
+    return statistics.median(per_call), stored
+
+
+def in_rollout(store: Store, fn: Callable[[], Tuple[float, float]]) -> Tuple[Tuple[float, float], str]:
+    rollout_id, attempt_id = store.new_rollout()
+    token = enter_scope(RolloutScope(rollout_id, attempt_id))
+    try:
+        return fn(), rollout_id
+    finally:
+        exit_scope(token)
+
+
+def timed_flush() -> float:
+    start = time.perf_counter()
+    assert get_tracer().flush(120), "flush timed out"
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=500, help="calls per round and mode")
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+
+    client = make_client()
+    tracer = get_tracer()
+    instrumentor = OpenAIInstrumentor()
+    wall_diff: List[float] = []
+    cpu_diff: List[float] = []
+    plain_wall: List[float] = []
+    stored = expected = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(tmp)
+        tracer.set_store(store.sink)
+        calls(client, 200)  # warm up the client, pydantic and the store
+        instrumentor.instrument()
+        in_rollout(store, lambda: calls(client, 200))
+        tracer.flush(120)
+        instrumentor.uninstrument()
+
+        # 1. per-call overhead
+        hot_us, hot_stored = hot_path(store, instrumentor, HOT_CALLS, args.rounds)
+        stored += hot_stored
+        expected += HOT_CALLS * args.rounds
+        for _ in range(args.rounds):
+            plain = calls(client, args.calls)
+            instrumentor.instrument()
+            traced, rollout_id = in_rollout(store, lambda: calls(client, args.calls))
+            instrumentor.uninstrument()
+            tracer.flush(120)
+            plain_wall.append(plain[0] / args.calls * 1e6)
+            wall_diff.append((traced[0] - plain[0]) / args.calls * 1e6)
+            cpu_diff.append((traced[1] - plain[1]) / args.calls * 1e6)
+            stored += store.count(rollout_id)
+            expected += args.calls
+
+        instrumentor.instrument()
+        # 2. flush with every span of a 2,000-call rollout still queued
+        tracer.set_store(None)
+        _, rollout_id = in_rollout(store, lambda: calls(client, FLUSH_SPANS))
+        tracer.set_store(store.sink)
+        queued_flush_ms = timed_flush()
+        stored += store.count(rollout_id)
+        expected += FLUSH_SPANS
+
+        # 3. end-of-rollout flush when the model takes time to answer (the writer works meanwhile)
+        slow = make_client(LATENCY_S)
+        _, rollout_id = in_rollout(store, lambda: calls(slow, FLUSH_SPANS))
+        end_flush_ms = timed_flush()
+        stored += store.count(rollout_id)
+        expected += FLUSH_SPANS
+        instrumentor.uninstrument()
+
+    base = statistics.median(plain_wall)
+    wall, cpu = statistics.median(wall_diff), statistics.median(cpu_diff)
+    stats = tracer.stats()
+    print(f"store: {store.label}")
+    print(
+        f"canned reply: {PROMPT_TOKENS} prompt + {RESPONSE_TOKENS} response token ids; {len(MESSAGES)} input messages; "
+        f"{args.rounds} rounds x {args.calls} calls per mode (medians of paired rounds)"
+    )
+    print()
+    per_call = f"<= {CALL_TARGET_US:.0f}"
+    rows: List[Tuple[str, str, str, Any]] = [
+        ("uninstrumented call (us, wall)", f"{base:.0f}", "", None),
+        ("hot path: agl code per call, calling thread (us)", f"{hot_us:.1f}", per_call, hot_us <= CALL_TARGET_US),
+        ("end to end overhead, calling thread CPU (us)", f"{cpu:.1f}", per_call, cpu <= CALL_TARGET_US),
+        ("end to end overhead, wall incl. writer (us)", f"{wall:.1f}", per_call, wall <= CALL_TARGET_US),
+        ("end to end ratio (wall)", f"{(base + wall) / base:.3f}x", "", None),
+        (
+            f"flush of {FLUSH_SPANS} spans, all queued (ms)",
+            f"{queued_flush_ms:.0f}",
+            f"<= {FLUSH_TARGET_MS:.0f}",
+            queued_flush_ms <= FLUSH_TARGET_MS,
+        ),
+        ("  = writer cost per span (us)", f"{queued_flush_ms * 1e3 / FLUSH_SPANS:.0f}", "", None),
+        (
+            f"end-of-rollout flush, {LATENCY_S * 1e3:.0f} ms model latency (ms)",
+            f"{end_flush_ms:.1f}",
+            f"<= {FLUSH_TARGET_MS:.0f}",
+            end_flush_ms <= FLUSH_TARGET_MS,
+        ),
+        ("spans stored / expected", f"{stored}/{expected}", "all", stored == expected),
+    ]
+    print(f"{'measure':<52} {'value':>11} {'target':>9}  met")
+    for name, value, target, ok in rows:
+        print(f"{name:<52} {value:>11} {target:>9}  {'' if ok is None else ('yes' if ok else 'NO')}")
+    print(f"(tracer: dropped={stats.dropped} export_errors={stats.export_errors} rejected={stats.rejected})")
+
+
+if __name__ == "__main__":
+    main()

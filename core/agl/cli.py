@@ -1,0 +1,174 @@
+"""The ``agl`` command line: run an agent in dev mode, inspect rollouts, look into the store."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Iterator, List, Optional
+
+from agl.litagent import LitAgent, rollout
+
+
+def load_agent(target: str) -> LitAgent[Any]:
+    """``path/to/file.py:name`` or ``package.module:name`` -> a LitAgent.
+
+    The object may be a LitAgent instance, a LitAgent subclass (built with no arguments) or a plain
+    rollout function (wrapped with ``@agl.rollout``).
+    """
+    module_part, sep, attr = target.partition(":")
+    if not sep or not attr:
+        raise SystemExit(f"agl: agent {target!r} must look like MODULE:NAME or path/to/file.py:NAME")
+    if module_part.endswith(".py") or "/" in module_part:
+        path = Path(module_part)
+        if not path.exists():
+            raise SystemExit(f"agl: file {path} does not exist")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        sys.path.insert(0, str(path.parent.resolve()))
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_part)
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise SystemExit(f"agl: {module_part} has no attribute {attr!r}") from None
+    if isinstance(obj, LitAgent):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, LitAgent):
+        return obj()
+    if callable(obj):
+        return rollout(obj)
+    raise SystemExit(f"agl: {target} is a {type(obj).__name__}, not a LitAgent or a rollout function")
+
+
+@contextlib.contextmanager
+def _endpoint(args: argparse.Namespace) -> Iterator[Optional[dict]]:
+    """The initial resources for ``dev``: a given endpoint, or agl's built-in scripted fake model."""
+    from agl.types import LLM
+
+    if args.fake_model:
+        from agl.testing import FakeOpenAIServer
+
+        with FakeOpenAIServer(always_token_ids=True) as server:
+            yield {"main_llm": LLM(endpoint=server.base_url, model=args.model or "fake-model")}
+    elif args.endpoint:
+        yield {"main_llm": LLM(endpoint=args.endpoint, model=args.model or "default", api_key=args.api_key)}
+    else:
+        yield None
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    import agl
+    from agl.dataset import load_dataset
+
+    agent = load_agent(args.agent)
+    data = load_dataset(args.data)
+    if args.limit:
+        data = data[: args.limit]
+    agl.instrument()
+    with _endpoint(args) as resources:
+        trainer = agl.Trainer(
+            n_runners=args.n_runners,
+            store=args.store,
+            initial_resources=resources,
+            runner_mode=args.runner_mode,
+        )
+        rows = trainer.dev(agent, data)
+    where = f" --store {args.store}" if args.store else ""
+    print(f"inspect one: agl inspect {rows[0].rollout_id}{where}" if rows else "no tasks")
+    return 0 if all(r.status == "succeeded" for r in rows) else 1
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from agl.inspection import render
+    from agl.store import open_store
+
+    store = open_store(args.store)
+    rollout_ = store.get_rollout(args.rollout_id)
+    attempt: Optional[str] = None if args.attempt == "all" else args.attempt
+    spans = store.query_spans(args.rollout_id, attempt)
+    print(
+        f"rollout {rollout_.rollout_id}  task={rollout_.task_id}  status={rollout_.status}  "
+        f"reward={rollout_.final_reward}  attempts={rollout_.n_attempts}  spans={len(spans)}"
+    )
+    if rollout_.error:
+        print(f"error: {rollout_.error}")
+    print(render(spans) if spans else "(no spans)")
+    return 0
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from agl.store import open_store
+
+    store = open_store(args.store)
+    if args.store_command == "stats":
+        print(store.stats().model_dump_json(indent=2))
+        return 0
+    rollouts = store.query_rollouts(status=[args.status] if args.status else None, limit=args.limit)
+    print(f"{'rollout':18} {'task':16} {'mode':5} {'status':10} {'attempts':8} reward")
+    for r in rollouts:
+        reward = "-" if r.final_reward is None else f"{r.final_reward:g}"
+        print(f"{r.rollout_id:18} {r.task_id[:16]:16} {r.mode:5} {r.status:10} {r.n_attempts:<8} {reward}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agl", description="Train any AI agent with reinforcement learning.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    store_help = "store location: a .db file, sqlite:///path or memory (default: $AGL_STORE or .agl/store.db)"
+
+    dev = sub.add_parser("dev", help="run an agent on a dataset with the current model, no training")
+    dev.add_argument("agent", help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
+    dev.add_argument("--data", required=True, help="tasks: .jsonl (one per line) or .json (a list)")
+    dev.add_argument("--n-runners", type=int, default=2)
+    dev.add_argument("--runner-mode", choices=["process", "thread"], default="process")
+    dev.add_argument("--store", default=None, help=store_help)
+    dev.add_argument("--endpoint", help="OpenAI-compatible base URL the agent should use (main_llm)")
+    dev.add_argument("--model", help="model name to ask the endpoint for")
+    dev.add_argument("--api-key", default=None)
+    dev.add_argument("--fake-model", action="store_true", help="serve agl's scripted fake model locally and use it")
+    dev.add_argument("--limit", type=int, help="run only the first N tasks")
+    dev.set_defaults(func=cmd_dev)
+
+    inspect_ = sub.add_parser("inspect", help="print a rollout's span tree")
+    inspect_.add_argument("rollout_id")
+    inspect_.add_argument("--attempt", default="latest", help="attempt id, 'latest' (default) or 'all'")
+    inspect_.add_argument("--store", default=None, help=store_help)
+    inspect_.set_defaults(func=cmd_inspect)
+
+    store = sub.add_parser("store", help="look into a store")
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    listing = store_sub.add_parser("rollouts", help="list rollouts")
+    listing.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    listing.add_argument("--limit", type=int, default=50)
+    stats = store_sub.add_parser("stats", help="counts of rollouts, attempts, spans")
+    for p in (listing, stats):
+        p.add_argument("--store", default=None, help=store_help)
+        p.set_defaults(func=cmd_store)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from agl.errors import AglError
+
+    try:
+        return int(args.func(args) or 0)
+    except AglError as exc:
+        print(f"agl: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Emitters: what an agent reports besides its LLM and tool calls (rewards, messages, objects, errors).
+
+Reward rule (docs/rewards.md), so that no reward is ever counted twice:
+- The rollout's *episode* reward is the number ``rollout()`` returns; if it returns None, it is the last
+  ``emit_reward`` made outside any ``agl.operation``. Returning 1.0 *and* emitting 1.0 yields 1.0.
+  If both exist and differ, the returned value wins and a warning says so.
+- ``emit_reward`` inside an ``agl.operation(...)`` is a *step* reward: it belongs to the LLM calls of that
+  operation (LightningRL credit assignment), never to the episode.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import traceback
+from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
+
+from agl import semconv
+from agl.context import _in_operation, current_scope, in_operation
+from agl.tracer import get_tracer, record_exception
+
+logger = logging.getLogger("agl.emitters")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_warned_outside = False
+
+
+def _warn_outside_rollout(what: str) -> None:
+    global _warned_outside
+    if current_scope() is None and not _warned_outside:
+        _warned_outside = True
+        logger.warning(
+            "agl.%s was called outside a rollout: nothing is stored. Run the agent through "
+            "Trainer.dev/fit or a Runner, or wrap the call in agl.rollout_scope(...).",
+            what,
+        )
+
+
+def normalize_reward(value: Union[float, int, bool, Mapping[str, Any]], primary: Optional[str] = None) -> tuple[float, str, Optional[Dict[str, float]]]:
+    """(primary value, primary name, named dimensions or None) for a scalar or ``{name: value}`` reward."""
+    if isinstance(value, Mapping):
+        if not value:
+            raise ValueError("emit_reward got an empty dict: give at least one {name: value}")
+        dims = {str(k): float(v) for k, v in value.items()}
+        if primary is None:
+            if len(dims) > 1:
+                raise ValueError(
+                    f"emit_reward got several reward dimensions {sorted(dims)}: say which one is the primary "
+                    "reward with primary='<name>'"
+                )
+            primary = next(iter(dims))
+        if primary not in dims:
+            raise ValueError(f"primary={primary!r} is not one of the reward dimensions {sorted(dims)}")
+        return dims[primary], primary, dims
+    if isinstance(value, (int, float)):  # bool is an int
+        return float(value), primary or "primary", None
+    raise TypeError(f"a reward must be a number or a dict of numbers, got {type(value).__name__}")
+
+
+def emit_reward(
+    value: Union[float, int, bool, Mapping[str, Any]],
+    *,
+    primary: Optional[str] = None,
+    attributes: Optional[Mapping[str, Any]] = None,
+) -> float:
+    """Record a reward (scalar, or named dimensions with one ``primary``); returns the primary value."""
+    reward, name, dims = normalize_reward(value, primary)
+    _warn_outside_rollout("emit_reward")
+    scope_kind = "step" if in_operation() else "episode"
+    attrs: Dict[str, Any] = {
+        semconv.REWARD_VALUE: reward,
+        semconv.REWARD_PRIMARY: name,
+        semconv.REWARD_SOURCE: "emitted",
+        semconv.REWARD_SCOPE: scope_kind,
+    }
+    if dims is not None:
+        attrs[semconv.REWARD_DIMENSIONS] = json.dumps(dims)
+    if attributes:
+        attrs.update(attributes)
+    with get_tracer().span(semconv.SPAN_REWARD, "reward", attrs):
+        pass
+    scope = current_scope()
+    if scope is not None and scope_kind == "episode":
+        scope.episode_rewards.append(reward)
+    return reward
+
+
+def emit_message(message: str, *, attributes: Optional[Mapping[str, Any]] = None) -> None:
+    """Record a free-text note (shown by ``agl inspect``)."""
+    _warn_outside_rollout("emit_message")
+    attrs: Dict[str, Any] = {semconv.MESSAGE_BODY: str(message)}
+    if attributes:
+        attrs.update(attributes)
+    with get_tracer().span(semconv.SPAN_MESSAGE, "annotation", attrs):
+        pass
+
+
+def emit_object(obj: Any, *, attributes: Optional[Mapping[str, Any]] = None) -> None:
+    """Record any JSON-serialisable object (pydantic models and dataclasses are converted)."""
+    _warn_outside_rollout("emit_object")
+    tracer = get_tracer()
+    attrs: Dict[str, Any] = {semconv.OBJECT_TYPE: type(obj).__name__}
+    if attributes:
+        attrs.update(attributes)
+    with tracer.span(semconv.SPAN_OBJECT, "annotation", attrs) as span:
+        tracer.set_deferred(span, {semconv.OBJECT_JSON: obj})
+
+
+def emit_exception(exc: BaseException, *, attributes: Optional[Mapping[str, Any]] = None) -> None:
+    """Record an exception the agent handled itself (it is not re-raised)."""
+    _warn_outside_rollout("emit_exception")
+    attrs: Dict[str, Any] = {semconv.ERROR_TYPE: type(exc).__name__}
+    if attributes:
+        attrs.update(attributes)
+    span = get_tracer().start_span(semconv.SPAN_EXCEPTION, "annotation", attrs)
+    record_exception(span, exc)
+    span.set_attribute("exception.stacktrace", "".join(traceback.format_exception(exc)))
+    span.end()
+
+
+class operation:
+    """A named step of the agent, as a context manager or a decorator (sync and async functions).
+
+    Rewards emitted inside are step rewards for the LLM calls made inside. As a decorator, the
+    function's arguments and return value are recorded as the operation's input and output.
+    """
+
+    def __init__(self, name: Union[str, Callable[..., Any], None] = None, **attributes: Any) -> None:
+        self._fn: Optional[Callable[..., Any]] = None
+        if callable(name):  # used bare: @agl.operation
+            self._fn, name = name, getattr(name, "__name__", "operation")
+            functools.update_wrapper(self, self._fn)
+        self.name = name or "operation"
+        self.attributes = attributes
+        self._cm: Any = None
+        self._span: Any = None
+        self._token: Any = None
+
+    # -- context manager -----------------------------------------------------------------------------------
+    def __enter__(self) -> "operation":
+        attrs = {semconv.OPERATION: self.name, **self.attributes}
+        self._cm = get_tracer().span(semconv.SPAN_OPERATION, "chain", attrs)
+        self._span = self._cm.__enter__()
+        self._token = _in_operation.set(True)
+        return self
+
+    def __exit__(self, *exc: Any) -> Optional[bool]:
+        _in_operation.reset(self._token)
+        return self._cm.__exit__(*exc)
+
+    def set_input(self, *args: Any, **kwargs: Any) -> None:
+        value = kwargs if not args else (args[0] if len(args) == 1 and not kwargs else {"args": args, **kwargs})
+        get_tracer().set_deferred(self._span, {semconv.OPERATION_INPUT: value})
+
+    def set_output(self, value: Any) -> None:
+        get_tracer().set_deferred(self._span, {semconv.OPERATION_OUTPUT: value})
+
+    # -- decorator -----------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fn is None:  # @agl.operation("name") -> decorate the function given now
+            fn = args[0]
+            return operation(fn, **self.attributes)._renamed(self.name)
+        fn = self._fn
+        if inspect.iscoroutinefunction(fn):
+            return self._call_async(fn, args, kwargs)
+        with operation(self.name, **self.attributes) as op:
+            op.set_input(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            op.set_output(result)
+            return result
+
+    async def _call_async(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        with operation(self.name, **self.attributes) as op:
+            op.set_input(*args, **kwargs)
+            result = await fn(*args, **kwargs)
+            op.set_output(result)
+            return result
+
+    def _renamed(self, name: str) -> "operation":
+        self.name = name
+        return self

@@ -1,0 +1,61 @@
+"""``agl inspect``: a rollout's spans as a tree, one line per span with what matters for training."""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional, Sequence
+
+from agl import semconv
+from agl.types import Span
+
+
+def span_tree(spans: Sequence[Span]) -> List[tuple[int, Span]]:
+    """(depth, span) in depth-first order; spans whose parent is missing are shown as roots."""
+    by_id = {s.span_id: s for s in spans}
+    children: Dict[Optional[str], List[Span]] = {}
+    for s in spans:
+        parent = s.parent_id if s.parent_id in by_id else None
+        children.setdefault(parent, []).append(s)
+    for group in children.values():
+        group.sort(key=lambda s: (s.sequence_id, s.start_time))
+    out: List[tuple[int, Span]] = []
+
+    def walk(parent: Optional[str], depth: int) -> None:
+        for child in children.get(parent, []):
+            out.append((depth, child))
+            walk(child.span_id, depth + 1)
+
+    walk(None, 0)
+    return out
+
+
+def describe(span: Span) -> str:
+    """The one-line summary of a span: kind, name, agent, tokens, tool, reward, error."""
+    a = span.attributes
+    parts = [f"[{span.kind}] {span.name}"]
+    if semconv.AGENT_NAME in a:
+        parts.append(f"agent={a[semconv.AGENT_NAME]}")
+    if span.kind == "llm":
+        prompt = a.get(semconv.PROMPT_TOKEN_IDS)
+        response = a.get(semconv.RESPONSE_TOKEN_IDS)
+        if prompt is not None or response is not None:
+            parts.append(f"tokens={len(prompt or [])}+{len(response or [])}")
+        else:
+            parts.append("tokens=absent")
+        if a.get(semconv.LLM_STREAM):
+            parts.append("stream")
+    if semconv.TOOL_NAME in a:
+        parts.append(f"tool={a[semconv.TOOL_NAME]}")
+    if semconv.REWARD_VALUE in a:
+        parts.append(f"reward={a[semconv.REWARD_VALUE]:g} ({a.get(semconv.REWARD_SCOPE, '?')})")
+    if semconv.MESSAGE_BODY in a:
+        parts.append(json.dumps(a[semconv.MESSAGE_BODY])[:80])
+    duration_ms = (span.end_time - span.start_time) / 1e6
+    parts.append(f"{duration_ms:.1f}ms")
+    if span.status == "error":
+        parts.append(f"ERROR {span.error or ''}".rstrip())
+    return "  ".join(parts)
+
+
+def render(spans: Sequence[Span]) -> str:
+    return "\n".join("  " * depth + describe(span) for depth, span in span_tree(spans))

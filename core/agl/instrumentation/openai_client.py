@@ -1,0 +1,321 @@
+"""The OpenAI client instrumentation: one ``llm`` span per ``create`` call, with the token ids to train on.
+
+Every framework agl supports reaches the model through the ``openai`` client, so this is where prompts,
+answers and (inside rollouts) the server's token ids are captured. ``chat.completions.create`` and
+``responses.create``, sync and async, are wrapped on their classes with ``wrapt``; everything built on them
+goes through the wrapper too: ``with_raw_response``, ``with_streaming_response`` and the SDK's
+``chat.completions.stream()`` / ``responses.stream()`` helpers.
+
+Guarantees to the user's program:
+- arguments, return values and exceptions pass through unchanged (same objects), except that inside a
+  rollout ``extra_body`` gains ``return_token_ids`` (in a new dict, the user's own value winning);
+- an error in agl's code is reported through :mod:`agl.instrumentation.safety` and the call goes on;
+- the caller's thread only reads a few fields; JSON and per-token work happen on the tracer's writer.
+
+If a framework adapter already opened an ``llm`` span for the request (see
+:mod:`agl.instrumentation.context_keys`), the attributes go onto that span instead of a new one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import wrapt
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import StatusCode
+
+from agl import semconv
+from agl.context import current_scope
+from agl.instrumentation.base import Instrumentor
+from agl.instrumentation.context_keys import SUPPRESS_LLM_SPAN
+from agl.instrumentation.openai_payloads import (
+    CHAT,
+    RESPONSES,
+    add_request_payloads,
+    ask_for_token_ids,
+    chat_completion_attributes,
+    logprobs_requested,
+    request_attributes,
+    response_attributes,
+)
+from agl.instrumentation.openai_streams import (
+    Accumulator,
+    AsyncStreamProxy,
+    ChatStreamAccumulator,
+    ResponsesStreamAccumulator,
+    StreamProxy,
+)
+from agl.instrumentation.safety import report_internal_error
+from agl.tracer import get_tracer, record_exception
+
+logger = logging.getLogger("agl.instrumentation")
+
+# (module, class, api, is_async): where ``create`` lives in openai 1.60 up to 3.x. The Responses API
+# appeared in openai 1.66; a class that is not there is skipped.
+_TARGETS: Tuple[Tuple[str, str, str, bool], ...] = (
+    ("openai.resources.chat.completions", "Completions", CHAT, False),
+    ("openai.resources.chat.completions", "AsyncCompletions", CHAT, True),
+    ("openai.resources.responses", "Responses", RESPONSES, False),
+    ("openai.resources.responses", "AsyncResponses", RESPONSES, True),
+)
+_SPAN_PREFIX = {CHAT: "chat", RESPONSES: "responses"}
+_RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"  # set by with_raw_response ("true") / with_streaming_response
+_MARK = "_agl_openai_wrapper"  # on our wrapper functions, to recognise a class another instance hooked
+
+
+class LlmCall:
+    """One instrumented request: its span (own, or the adapter's when suppressed) and what to record."""
+
+    __slots__ = ("api", "span", "owned", "context", "deferred", "stream", "raw", "with_logprobs", "ended")
+
+    def __init__(self, api: str, span: Any, owned: bool, deferred: Dict[str, Any], kwargs: Dict[str, Any]) -> None:
+        self.api = api
+        self.span = span
+        self.owned = owned
+        # Our span is current while the request runs, so spans made underneath (HTTP, retries) nest in it.
+        self.context = otel_trace.set_span_in_context(span) if owned else None
+        self.deferred = deferred
+        self.stream = bool(kwargs.get("stream"))
+        headers = kwargs.get("extra_headers")
+        self.raw = headers.get(_RAW_RESPONSE_HEADER) if headers else None
+        self.with_logprobs = logprobs_requested(api, kwargs)
+        self.ended = False
+
+    def succeed(self, result: Any, is_async: bool) -> Any:
+        """The call returned: record the response and end the span, or hand back a proxied stream."""
+        reasons: List[str] = []
+        try:
+            if self.raw is not None:
+                reasons = self._record_raw(result)
+            elif self.stream:
+                proxy = self._proxy_stream(result, is_async)
+                if proxy is not None:
+                    return proxy
+            elif self.api == CHAT:
+                reasons = chat_completion_attributes(result, self.deferred, self.with_logprobs)
+            else:
+                reasons = response_attributes(result, self.deferred, self.with_logprobs)
+        except Exception as exc:  # noqa: BLE001 - the user gets the result whatever we failed to read
+            report_internal_error("openai.response", exc)
+        self._end(reasons, None, None)
+        return result
+
+    def fail(self, error: BaseException) -> None:
+        self._end(None, error, None)
+
+    def end_stream(self, accumulator: Optional[Accumulator], error: Optional[BaseException]) -> None:
+        reasons: List[str] = []
+        failure = None
+        if accumulator is not None:
+            try:
+                reasons = accumulator.record(self.deferred)
+                failure = accumulator.failure
+            except Exception as exc:  # noqa: BLE001
+                report_internal_error("openai.stream_end", exc)
+        self._end(reasons, error, failure)
+
+    def _proxy_stream(self, result: Any, is_async: bool) -> Any:
+        accumulator: Accumulator = (
+            ChatStreamAccumulator() if self.api == CHAT else ResponsesStreamAccumulator(self.with_logprobs)
+        )
+        if is_async and hasattr(result, "__anext__"):
+            return AsyncStreamProxy(result, self, accumulator)
+        if not is_async and hasattr(result, "__next__"):
+            return StreamProxy(result, self, accumulator)
+        return None
+
+    def _record_raw(self, result: Any) -> List[str]:
+        """``with_raw_response``: its ``parse()`` caches, so parsing here costs the user nothing later.
+
+        Raw streams and ``with_streaming_response`` bodies are left unread: reading them is the user's.
+        """
+        if self.raw != "true" or self.stream:
+            return []
+        parsed = result.parse()
+        if self.api == CHAT:
+            return chat_completion_attributes(parsed, self.deferred, self.with_logprobs)
+        return response_attributes(parsed, self.deferred, self.with_logprobs)
+
+    def _end(
+        self, reasons: Optional[List[str]], error: Optional[BaseException], failure: Optional[Tuple[str, str]]
+    ) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        span = self.span
+        try:
+            if reasons:
+                span.set_attribute(semconv.RESPONSE_FINISH_REASONS, reasons)
+            if error is not None:
+                if self.owned:
+                    record_exception(span, error)
+                else:  # the adapter records the exception on its span; say only that the request failed
+                    span.set_attribute(semconv.ERROR_TYPE, type(error).__name__)
+                    span.set_status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
+            elif failure is not None:
+                span.set_attribute(semconv.ERROR_TYPE, failure[0])
+                span.set_status(StatusCode.ERROR, failure[1])
+            if self.deferred and span.is_recording():
+                get_tracer().set_deferred(span, self.deferred)
+        except Exception as exc:  # noqa: BLE001
+            report_internal_error("openai.end", exc)
+        if self.owned:
+            try:
+                span.end()
+            except Exception as exc:  # noqa: BLE001 - may run while the user's own exception propagates
+                report_internal_error("openai.end", exc)
+
+
+def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) -> Tuple[LlmCall, Dict[str, Any]]:
+    """Everything before the request: attributes, payload snapshots, the token id flag, then the span.
+
+    The span starts last: if anything here fails, nothing is left open and the wrapper sends the user's
+    own arguments.
+    """
+    call_kwargs = dict(kwargs)
+    deferred = request_attributes(api, kwargs, bool(kwargs.get("stream")))
+    add_request_payloads(api, call_kwargs, deferred)
+    if _wants_token_ids(request_token_ids):
+        ask_for_token_ids(call_kwargs)
+    if otel_context.get_value(SUPPRESS_LLM_SPAN):
+        span = otel_trace.get_current_span()
+        if span.is_recording():
+            return LlmCall(api, span, False, deferred, kwargs), call_kwargs
+    model = deferred.get(semconv.REQUEST_MODEL)
+    prefix = _SPAN_PREFIX[api]
+    span = get_tracer().start_span(f"{prefix} {model}" if model else prefix, "llm")
+    return LlmCall(api, span, True, deferred, kwargs), call_kwargs
+
+
+def _wants_token_ids(request_token_ids: Optional[bool]) -> bool:
+    """An explicit True/False wins; by default token ids are asked for inside rollouts that want them."""
+    if request_token_ids is not None:
+        return request_token_ids
+    scope = current_scope()
+    return scope is not None and scope.request_token_ids
+
+
+def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        try:
+            call, call_kwargs = _begin(api, kwargs, instrumentor.request_token_ids)
+        except Exception as exc:  # noqa: BLE001
+            report_internal_error("openai.request", exc)
+            return wrapped(*args, **kwargs)
+        token = otel_context.attach(call.context) if call.context is not None else None
+        try:
+            result = wrapped(*args, **call_kwargs)
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+        return call.succeed(result, False)
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[..., Any]:
+    """Returns the coroutine at once, like the SDK: argument errors still raise at call time, not at await."""
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        try:
+            call, call_kwargs = _begin(api, kwargs, instrumentor.request_token_ids)
+        except Exception as exc:  # noqa: BLE001
+            report_internal_error("openai.request", exc)
+            return wrapped(*args, **kwargs)
+        try:
+            coroutine = wrapped(*args, **call_kwargs)
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        return _finish_async(coroutine, call)
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+async def _finish_async(coroutine: Any, call: LlmCall) -> Any:
+    token = otel_context.attach(call.context) if call.context is not None else None
+    try:
+        result = await coroutine
+    except BaseException as exc:
+        call.fail(exc)
+        raise
+    finally:
+        if token is not None:
+            otel_context.detach(token)
+    return call.succeed(result, True)
+
+
+def _resolve(module_name: str, class_name: str) -> Optional[type]:
+    try:
+        return getattr(importlib.import_module(module_name), class_name, None)
+    except ImportError:
+        return None
+
+
+def _hooked_by_agl(function: Any) -> bool:
+    """Whether agl's wrapper is anywhere in ``function``'s chain of wrappers."""
+    for _ in range(64):
+        if function is None:
+            return False
+        if getattr(getattr(function, "_self_wrapper", None), _MARK, False):
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
+def _unwrap(cls: type, handle: Any) -> None:
+    """Put back exactly what ``create`` was; splice our wrapper out if someone wrapped on top of it."""
+    if vars(cls).get("create") is handle:
+        setattr(cls, "create", handle.__wrapped__)
+        return
+    unwrap_object = getattr(wrapt, "unwrap_object", None)  # wrapt >= 2
+    if unwrap_object is None:
+        logger.warning("agl cannot unhook %s.create: another wrapper was put over it (upgrade wrapt)", cls.__name__)
+        return
+    unwrap_object(cls, "create", handle, missing_ok=True)
+
+
+class OpenAIInstrumentor(Instrumentor):
+    """Traces ``chat.completions.create`` and ``responses.create`` of every OpenAI client, sync and async.
+
+    ``request_token_ids``: None (default) asks the server for token ids only inside rollouts whose scope
+    wants them; True always asks (an agl or vLLM server outside rollouts); False never asks (a server that
+    rejects unknown parameters, like api.openai.com, even in rollouts).
+    """
+
+    name = "openai"
+    instruments = ("openai>=1.60",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.request_token_ids: Optional[bool] = None
+        self._hooks: List[Tuple[type, Any]] = []
+
+    def _instrument(self, *, request_token_ids: Optional[bool] = None) -> None:
+        self.request_token_ids = request_token_ids
+        for module_name, class_name, api, is_async in _TARGETS:
+            cls = _resolve(module_name, class_name)
+            if cls is None or "create" not in vars(cls):
+                logger.debug("agl: openai has no %s.%s.create here; not hooked", module_name, class_name)
+                continue
+            if _hooked_by_agl(vars(cls)["create"]):
+                continue  # another OpenAIInstrumentor already traces it: one span per request
+            make = _async_wrapper if is_async else _sync_wrapper
+            handle = wrapt.wrap_function_wrapper(cls, "create", make(api, self))
+            self._hooks.append((cls, handle))
+
+    def _uninstrument(self) -> None:
+        while self._hooks:
+            cls, handle = self._hooks.pop()
+            try:
+                _unwrap(cls, handle)
+            except Exception as exc:  # noqa: BLE001 - unhooking must not raise into the user's shutdown
+                report_internal_error("openai.uninstrument", exc)

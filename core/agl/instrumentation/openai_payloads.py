@@ -1,0 +1,221 @@
+"""What the OpenAI instrumentation records: request and response objects of the ``openai`` SDK as attributes.
+
+Everything is handed to the tracer as *deferred* attributes (``Tracer.set_deferred``): scalars go in as
+they are, skipping OpenTelemetry's per-attribute validation on the caller's thread, and what costs per
+token or per message (JSON, walking pydantic models, logprob lists) is only evaluated on the writer
+thread: plain references (token id lists, message list snapshots) and callables the writer calls
+(building a chat message from Responses items, collecting logprobs). The caller pays a few microseconds
+whatever the length of the conversation. Only the finish reasons are returned for the span itself,
+because a deferred list of strings would be stored as a JSON string instead of a list.
+
+Token ids follow vLLM's ``return_token_ids``: ``prompt_token_ids`` on the response (chat: on the first
+stream chunk), ``token_ids`` on each chat choice (chat stream: per chunk, for its delta), and
+``prompt_token_ids``/``response_token_ids`` on a Responses API response.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from agl import semconv
+
+CHAT = "chat.completions"
+RESPONSES = "responses"
+
+TOKEN_IDS_REQUEST = "return_token_ids"  # vLLM's request flag, sent in extra_body
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # Responses API: ask for output text logprobs
+
+_COMMON_NUMBERS = (("temperature", semconv.REQUEST_TEMPERATURE), ("top_p", semconv.REQUEST_TOP_P))
+_MAX_TOKENS = {CHAT: ("max_completion_tokens", "max_tokens"), RESPONSES: ("max_output_tokens",)}
+
+
+# --- requests ----------------------------------------------------------------------------------------------
+
+
+def request_attributes(api: str, kwargs: Mapping[str, Any], stream: bool) -> Dict[str, Any]:
+    """Attributes known before the call: provider, API, model and the sampling parameters given."""
+    attrs: Dict[str, Any] = {
+        semconv.OPERATION_NAME: "chat",
+        semconv.PROVIDER_NAME: "openai",
+        semconv.LLM_API: api,
+        semconv.LLM_STREAM: stream,
+    }
+    model = kwargs.get("model")
+    if isinstance(model, str):
+        attrs[semconv.REQUEST_MODEL] = model
+    for key, attr in _COMMON_NUMBERS:
+        value = kwargs.get(key)
+        if _is_number(value):
+            attrs[attr] = value
+    for key in _MAX_TOKENS[api]:
+        value = kwargs.get(key)
+        if _is_number(value):
+            attrs[semconv.REQUEST_MAX_TOKENS] = value
+            break
+    return attrs
+
+
+def add_request_payloads(api: str, call_kwargs: Dict[str, Any], deferred: Dict[str, Any]) -> None:
+    """Input messages and tool definitions, snapshotted as they are at call time.
+
+    Agents append to their message list after the call returns; a shallow copy keeps what was sent. A
+    one-shot iterable (generator) is materialized and the list sent instead, so the SDK still sees it all.
+    Responses API input is recorded as ``{"instructions", "input"}`` (see docs/semconv.md).
+    """
+    if api == CHAT:
+        messages = _snapshot(call_kwargs, "messages")
+        if messages is not None:
+            deferred[semconv.INPUT_MESSAGES] = messages
+    else:
+        source = call_kwargs.get("input")
+        instructions = call_kwargs.get("instructions")
+        deferred[semconv.INPUT_MESSAGES] = {
+            "instructions": instructions if isinstance(instructions, str) else None,
+            "input": source if isinstance(source, str) else _snapshot(call_kwargs, "input"),
+        }
+    tools = _snapshot(call_kwargs, "tools")
+    if tools:
+        deferred[semconv.TOOL_DEFINITIONS] = tools
+
+
+def ask_for_token_ids(call_kwargs: Dict[str, Any]) -> None:
+    """Add ``return_token_ids`` to the call's ``extra_body``, in a new dict; the user's own value wins."""
+    extra = call_kwargs.get("extra_body")
+    if extra is None:
+        call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True}
+    elif isinstance(extra, collections.abc.Mapping):
+        call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True, **extra}
+
+
+def logprobs_requested(api: str, kwargs: Mapping[str, Any]) -> bool:
+    """Whether the response will carry logprobs worth recording (decided once, before the call)."""
+    if api == CHAT:
+        return kwargs.get("logprobs") is True
+    include = kwargs.get("include")
+    return isinstance(include, (list, tuple)) and LOGPROBS_INCLUDE in include
+
+
+def _snapshot(call_kwargs: Dict[str, Any], key: str) -> Optional[List[Any]]:
+    value = call_kwargs.get(key)
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, collections.abc.Iterable) and not isinstance(value, (str, bytes, collections.abc.Mapping)):
+        materialized = list(value)
+        call_kwargs[key] = materialized
+        return list(materialized)
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# --- responses ---------------------------------------------------------------------------------------------
+
+
+def chat_completion_attributes(completion: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
+    """Record a non-streamed ``ChatCompletion`` (token ids and logprobs of its first choice).
+
+    Returns the finish reasons.
+    """
+    record_response_ids(completion.id, completion.model, deferred)
+    choices = completion.choices
+    usage = completion.usage
+    if usage is not None:
+        record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+    deferred[semconv.OUTPUT_MESSAGES] = [choice.message for choice in choices]
+    first = choices[0] if choices else None
+    record_token_ids(_extra(completion, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
+    if with_logprobs and first is not None and first.logprobs is not None and first.logprobs.content:
+        deferred[semconv.RESPONSE_LOGPROBS] = _chat_logprobs(first.logprobs.content)
+    return [c.finish_reason for c in choices if c.finish_reason]
+
+
+def response_attributes(response: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
+    """Record a Responses API ``Response`` (also the final one of a stream). Returns the finish reasons.
+
+    The Responses API has no finish reason: the status (``completed``) or why it is incomplete
+    (``max_output_tokens``) stands in for it.
+    """
+    record_response_ids(response.id, response.model, deferred)
+    usage = response.usage
+    if usage is not None:
+        record_usage(usage.input_tokens, usage.output_tokens, deferred)
+    output = response.output
+    deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_responses_output_messages, output)
+    record_token_ids(_extra(response, "prompt_token_ids"), _extra(response, "response_token_ids"), deferred)
+    if with_logprobs:
+        deferred[semconv.RESPONSE_LOGPROBS] = _responses_logprobs(output)
+    incomplete = response.incomplete_details
+    reason = getattr(incomplete, "reason", None) if incomplete is not None else response.status
+    return [reason] if reason else []
+
+
+def _extra(obj: Any, key: str) -> Any:
+    """A field the SDK does not model (vLLM's token ids), kept by its pydantic models as an extra."""
+    extra = getattr(obj, "model_extra", None)
+    return extra.get(key) if extra else None
+
+
+def record_response_ids(response_id: Optional[str], model: Optional[str], deferred: Dict[str, Any]) -> None:
+    """Set when the server sent them (a deferred None would be stored as the string ``null``)."""
+    if response_id is not None:
+        deferred[semconv.RESPONSE_ID] = response_id
+    if model is not None:
+        deferred[semconv.RESPONSE_MODEL] = model
+
+
+def record_usage(input_tokens: Optional[int], output_tokens: Optional[int], deferred: Dict[str, Any]) -> None:
+    if input_tokens is not None:
+        deferred[semconv.USAGE_INPUT_TOKENS] = input_tokens
+    if output_tokens is not None:
+        deferred[semconv.USAGE_OUTPUT_TOKENS] = output_tokens
+
+
+def record_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any]) -> None:
+    """Token id lists go to the writer by reference (it copies them); the source says whether they came."""
+    if prompt_ids is not None:
+        deferred[semconv.PROMPT_TOKEN_IDS] = prompt_ids
+    if response_ids is not None:
+        deferred[semconv.RESPONSE_TOKEN_IDS] = response_ids
+    present = prompt_ids is not None or response_ids is not None
+    deferred[semconv.TOKEN_IDS_SOURCE] = "server" if present else "absent"
+
+
+def _chat_logprobs(content: Sequence[Any]) -> Callable[[], List[float]]:
+    return lambda: [token.logprob for token in content]
+
+
+def _responses_output_messages(output: Sequence[Any]) -> List[Dict[str, Any]]:
+    """Responses output items as one assistant message in the chat format, like the chat API records.
+
+    Only text and function calls are kept (reasoning and hosted-tool items have no chat equivalent).
+    """
+    texts: List[str] = []
+    calls: List[Dict[str, Any]] = []
+    for item in output or ():
+        kind = getattr(item, "type", None)
+        if kind == "message":
+            texts.extend(part.text for part in item.content if getattr(part, "type", None) == "output_text")
+        elif kind == "function_call":
+            function = {"name": item.name, "arguments": item.arguments}
+            calls.append({"id": item.call_id, "type": "function", "function": function})
+    message: Dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def _responses_logprobs(output: Sequence[Any]) -> Callable[[], List[float]]:
+    def fill() -> List[float]:
+        values: List[float] = []
+        for item in output or ():
+            if getattr(item, "type", None) != "message":
+                continue
+            for part in item.content:
+                values.extend(lp.logprob for lp in getattr(part, "logprobs", None) or ())
+        return values
+
+    return fill

@@ -1,0 +1,320 @@
+"""Streamed OpenAI responses: proxies that hand every item to the user unchanged and reassemble the answer.
+
+A streamed call returns before the model has answered, so its span ends when the stream does: exhausted,
+closed (``close()``, ``with`` exit, garbage collection) or failed (error status). The proxies are
+``wrapt.ObjectProxy`` objects, so ``isinstance(s, openai.Stream)``, ``s.response`` and the SDK's own stream
+helpers (``chat.completions.stream()`` iterates the stream ``create`` returned) keep working.
+
+Per item the accumulators do a few attribute reads and list appends; joining text and building messages
+waits for the writer thread (a callable deferred attribute).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, Optional, Protocol, Tuple
+
+import wrapt
+
+from agl import semconv
+from agl.instrumentation.openai_payloads import (
+    record_response_ids,
+    record_token_ids,
+    record_usage,
+    response_attributes,
+)
+from agl.instrumentation.safety import report_internal_error
+
+Failure = Tuple[str, str]  # (error.type, message) of a failure the server reported inside the stream
+
+
+class Accumulator(Protocol):
+    failure: Optional[Failure]
+
+    def add(self, item: Any) -> None:
+        ...
+
+    def record(self, deferred: Dict[str, Any]) -> List[str]:
+        """Put what the stream carried into the span's deferred attributes; return the finish reasons."""
+        ...
+
+
+class StreamOwner(Protocol):
+    """The instrumented call a stream belongs to (``LlmCall``); ending it twice does nothing."""
+
+    def end_stream(self, accumulator: Optional[Accumulator], error: Optional[BaseException]) -> None:
+        ...
+
+
+# --- chat completions --------------------------------------------------------------------------------------
+
+
+class _ToolCall:
+    __slots__ = ("id", "name", "arguments")
+
+    def __init__(self) -> None:
+        self.id: Optional[str] = None
+        self.name: Optional[str] = None
+        self.arguments: List[str] = []
+
+
+class _Choice:
+    __slots__ = ("content", "tool_calls", "finish_reason")
+
+    def __init__(self) -> None:
+        self.content: List[str] = []
+        self.tool_calls: Dict[int, _ToolCall] = {}
+        self.finish_reason: Optional[str] = None
+
+    def add_tool_calls(self, deltas: Any) -> None:
+        """Tool calls arrive by index: the first delta has id and name, later ones argument fragments."""
+        for delta in deltas:
+            call = self.tool_calls.get(delta.index)
+            if call is None:
+                call = self.tool_calls[delta.index] = _ToolCall()
+            if delta.id:
+                call.id = delta.id
+            function = delta.function
+            if function is not None:
+                if function.name:
+                    call.name = function.name
+                if function.arguments:
+                    call.arguments.append(function.arguments)
+
+    def message(self) -> Dict[str, Any]:
+        """The assistant message as the non-streamed API would have returned it."""
+        message: Dict[str, Any] = {"role": "assistant"}
+        if self.content:
+            message["content"] = "".join(self.content)
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": "".join(call.arguments)},
+                }
+                for _, call in sorted(self.tool_calls.items())
+            ]
+        return message
+
+
+class ChatStreamAccumulator:
+    """Rebuilds a chat completion from ``ChatCompletionChunk`` objects (token ids of choice 0)."""
+
+    __slots__ = ("response_id", "model", "usage", "prompt_ids", "response_ids", "logprobs", "choices", "failure")
+
+    def __init__(self) -> None:
+        self.response_id: Optional[str] = None
+        self.model: Optional[str] = None
+        self.usage: Any = None
+        self.prompt_ids: Optional[List[int]] = None
+        self.response_ids: Optional[List[int]] = None
+        self.logprobs: List[float] = []
+        self.choices: Dict[int, _Choice] = {}
+        self.failure: Optional[Failure] = None
+
+    def add(self, chunk: Any) -> None:
+        if self.response_id is None:
+            self.response_id = chunk.id
+            self.model = chunk.model
+        if self.prompt_ids is None:
+            extra = chunk.model_extra
+            if extra:
+                self.prompt_ids = extra.get("prompt_token_ids")
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        for choice in chunk.choices:
+            index = choice.index
+            state = self.choices.get(index)
+            if state is None:
+                state = self.choices[index] = _Choice()
+            delta = choice.delta
+            if delta is not None:
+                if delta.content:
+                    state.content.append(delta.content)
+                if delta.tool_calls:
+                    state.add_tool_calls(delta.tool_calls)
+            if choice.finish_reason:
+                state.finish_reason = choice.finish_reason
+            if index == 0:
+                self._add_tokens(choice)
+
+    def _add_tokens(self, choice: Any) -> None:
+        extra = choice.model_extra
+        ids = extra.get("token_ids") if extra else None
+        if ids is not None:
+            if self.response_ids is None:
+                self.response_ids = []
+            self.response_ids.extend(ids)
+        logprobs = choice.logprobs
+        if logprobs is not None and logprobs.content:
+            self.logprobs.extend([token.logprob for token in logprobs.content])
+
+    def record(self, deferred: Dict[str, Any]) -> List[str]:
+        record_response_ids(self.response_id, self.model, deferred)
+        usage = self.usage
+        if usage is not None:
+            record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+        choices = [state for _, state in sorted(self.choices.items())]
+        if choices:
+            deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_messages, choices)
+        record_token_ids(self.prompt_ids, self.response_ids, deferred)
+        if self.logprobs:
+            deferred[semconv.RESPONSE_LOGPROBS] = self.logprobs
+        return [state.finish_reason for state in choices if state.finish_reason]
+
+
+def _messages(choices: List[_Choice]) -> List[Dict[str, Any]]:
+    return [state.message() for state in choices]
+
+
+# --- responses ---------------------------------------------------------------------------------------------
+
+_SNAPSHOT_EVENTS = frozenset(
+    {
+        "response.created",
+        "response.queued",
+        "response.in_progress",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    }
+)
+
+
+class ResponsesStreamAccumulator:
+    """Keeps the latest ``response`` snapshot of a Responses stream; ``response.completed`` has it all."""
+
+    __slots__ = ("response", "failure", "with_logprobs")
+
+    def __init__(self, with_logprobs: bool) -> None:
+        self.response: Any = None
+        self.failure: Optional[Failure] = None
+        self.with_logprobs = with_logprobs
+
+    def add(self, event: Any) -> None:
+        kind = getattr(event, "type", None)
+        if kind in _SNAPSHOT_EVENTS:
+            self.response = event.response
+            if kind == "response.failed":
+                error = event.response.error
+                self.failure = (getattr(error, "code", None) or kind, getattr(error, "message", None) or kind)
+        elif kind == "error":
+            self.failure = (getattr(event, "code", None) or kind, getattr(event, "message", None) or kind)
+
+    def record(self, deferred: Dict[str, Any]) -> List[str]:
+        if self.response is not None:
+            return response_attributes(self.response, deferred, self.with_logprobs)
+        record_token_ids(None, None, deferred)
+        return []
+
+
+# --- proxies -----------------------------------------------------------------------------------------------
+
+
+class _StreamProxyBase(wrapt.ObjectProxy):  # type: ignore[misc]
+    """Shared state: the owning call, the accumulator (None once it failed) and the end-once logic."""
+
+    def __init__(self, stream: Any, owner: StreamOwner, accumulator: Accumulator) -> None:
+        super().__init__(stream)
+        self._self_owner: Optional[StreamOwner] = owner
+        self._self_accumulator: Optional[Accumulator] = accumulator
+
+    def _self_add(self, item: Any) -> None:
+        accumulator = self._self_accumulator
+        if accumulator is None:
+            return
+        try:
+            accumulator.add(item)
+        except Exception as exc:  # noqa: BLE001 - a stream we cannot read is still the user's stream
+            report_internal_error("openai.stream_item", exc)
+            self._self_accumulator = None
+
+    def _self_end(self, error: Optional[BaseException]) -> None:
+        owner = self._self_owner
+        if owner is not None:
+            self._self_owner = None
+            owner.end_stream(self._self_accumulator, error)
+
+    def __del__(self) -> None:
+        # An abandoned stream (the agent broke out of its loop) still ends its span with what it saw.
+        try:
+            self._self_end(None)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+class StreamProxy(_StreamProxyBase):
+    """Wraps ``openai.Stream``."""
+
+    def __iter__(self) -> "StreamProxy":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            item = self.__wrapped__.__next__()
+        except StopIteration:
+            self._self_end(None)
+            raise
+        except BaseException as exc:
+            self._self_end(exc)
+            raise
+        self._self_add(item)
+        return item
+
+    def __enter__(self) -> "StreamProxy":
+        self.__wrapped__.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        try:
+            return self.__wrapped__.__exit__(*exc_info)
+        finally:
+            self._self_end(None)
+
+    def close(self) -> Any:
+        try:
+            return self.__wrapped__.close()
+        finally:
+            self._self_end(None)
+
+
+class AsyncStreamProxy(_StreamProxyBase):
+    """Wraps ``openai.AsyncStream``."""
+
+    def __aiter__(self) -> "AsyncStreamProxy":
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            item = await self.__wrapped__.__anext__()
+        except StopAsyncIteration:
+            self._self_end(None)
+            raise
+        except BaseException as exc:
+            self._self_end(exc)
+            raise
+        self._self_add(item)
+        return item
+
+    async def __aenter__(self) -> "AsyncStreamProxy":
+        await self.__wrapped__.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> Any:
+        try:
+            return await self.__wrapped__.__aexit__(*exc_info)
+        finally:
+            self._self_end(None)
+
+    async def close(self) -> Any:
+        try:
+            return await self.__wrapped__.close()
+        finally:
+            self._self_end(None)
+
+    async def aclose(self) -> Any:
+        try:
+            return await self.__wrapped__.aclose()
+        finally:
+            self._self_end(None)

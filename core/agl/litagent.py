@@ -1,0 +1,105 @@
+"""LitAgent: the user's agent as the runner sees it, in class form or as a decorated function.
+
+Same shape as Agent Lightning's ``LitAgent[T].rollout(task, resources, rollout)`` so existing code runs
+with ``import agl``. A rollout may be sync or async; it returns the episode reward (a number), None
+(reward emitted with ``agl.emit_reward`` or none at all), or a dict with a ``"reward"`` key.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable, Dict, Generic, Optional, TypeVar, Union
+
+from agl.types import LLM, NamedResources, PromptTemplate, Rollout
+
+logger = logging.getLogger("agl.litagent")
+T = TypeVar("T")
+RolloutResult = Union[None, float, int, bool, Dict[str, Any]]
+
+
+class LitAgent(Generic[T]):
+    """Subclass and implement ``rollout`` (sync or ``async def``); override ``validation_rollout`` to
+    behave differently on validation tasks (``rollout.mode == "val"``)."""
+
+    def __init__(self, *, trained_agents: Optional[str] = None) -> None:
+        # ``trained_agents`` is Agent Lightning's old name for the adapter's agent_match; accepted for
+        # compatibility and used by the Trainer when no agent_match is given.
+        self.trained_agents = trained_agents
+
+    def rollout(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement rollout(self, task, resources, rollout) "
+            "(or use the @agl.rollout decorator on a function)"
+        )
+
+    def validation_rollout(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
+        return self.rollout(task, resources, rollout)
+
+    def training_rollout(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
+        return self.rollout(task, resources, rollout)
+
+    def run(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
+        """What the runner calls: dispatches on the rollout's mode. May return an awaitable."""
+        if rollout.mode == "val":
+            return self.validation_rollout(task, resources, rollout)
+        return self.training_rollout(task, resources, rollout)
+
+    @property
+    def tracer(self) -> Any:
+        from agl.tracer import get_tracer
+
+        return get_tracer()
+
+
+def _first_resource(resources: NamedResources, kind: type, what: str) -> Any:
+    found = [r for r in resources.values() if isinstance(r, kind)]
+    if not found:
+        raise ValueError(
+            f"this rollout function takes {what!r} but the resources hold no {kind.__name__} "
+            f"(have: {sorted(resources)}); pass initial_resources={{'main_llm': agl.LLM(...)}} to the Trainer"
+        )
+    if len(found) > 1:
+        logger.warning("several %s resources; passing the first to the rollout function", kind.__name__)
+    return found[0]
+
+
+class FunctionalLitAgent(LitAgent[Any]):
+    """A LitAgent built from a plain function by ``@agl.rollout``; its arguments are matched by name:
+    ``task`` (first), ``resources``, ``rollout``, ``llm`` (the first LLM) and ``prompt_template``."""
+
+    _SUPPLIERS: Dict[str, Callable[[NamedResources, Rollout], Any]] = {
+        "resources": lambda res, ro: res,
+        "rollout": lambda res, ro: ro,
+        "llm": lambda res, ro: _first_resource(res, LLM, "llm"),
+        "prompt_template": lambda res, ro: _first_resource(res, PromptTemplate, "prompt_template"),
+    }
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+        params = list(inspect.signature(fn).parameters)
+        if not params:
+            raise TypeError(f"@agl.rollout function {fn.__name__} must take the task as its first argument")
+        unknown = [p for p in params[1:] if p not in self._SUPPLIERS]
+        if unknown:
+            raise TypeError(
+                f"@agl.rollout function {fn.__name__} has arguments {unknown} that agl cannot supply; "
+                f"use any of {sorted(self._SUPPLIERS)} after the task"
+            )
+        self._extra = params[1:]
+        self.__name__ = getattr(fn, "__name__", "rollout")
+        self.__doc__ = fn.__doc__
+
+    def rollout(self, task: Any, resources: NamedResources, rollout: Rollout) -> Any:
+        kwargs = {name: self._SUPPLIERS[name](resources, rollout) for name in self._extra}
+        return self.fn(task, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Calling the decorated function directly still runs the plain function."""
+        return self.fn(*args, **kwargs)
+
+
+def rollout(fn: Callable[..., Any]) -> FunctionalLitAgent:
+    """Turn ``def agent(task, llm)`` (or any of task/resources/rollout/llm/prompt_template) into a LitAgent."""
+    return FunctionalLitAgent(fn)

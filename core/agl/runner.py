@@ -1,0 +1,235 @@
+"""Runner: takes rollouts from the store, runs the agent under the tracer, reports the outcome.
+
+One runner runs one rollout at a time. The agent runs on a worker thread so the runner can enforce a
+per-rollout timeout even on a sync agent that hangs: the attempt is then reported as ``timeout`` and the
+runner marks itself *stuck* (a process runner exits so its pool starts a fresh one). Heartbeats go to the
+store from a small thread while the agent runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import os
+import threading
+import traceback
+from typing import Any, Callable, Optional, Union
+
+from agl import semconv
+from agl.context import RolloutScope, enter_scope, exit_scope
+from agl.errors import AglError, StaleAttemptError
+from agl.litagent import LitAgent
+from agl.store.base import LightningStore
+from agl.tracer import Tracer, get_tracer
+from agl.types import NamedResources, Rollout, new_id
+
+logger = logging.getLogger("agl.runner")
+
+StopSignal = Union[threading.Event, Any, Callable[[], bool]]  # Any: a multiprocessing Event
+
+
+def agent_name_of(agent: Any) -> str:
+    """The name under which a plain-Python agent's own LLM calls are matched by ``agent_match``."""
+    fn = getattr(agent, "fn", None)
+    return getattr(fn, "__name__", None) or type(agent).__name__
+
+
+def reward_from_result(result: Any) -> Optional[float]:
+    """The episode reward a rollout returned: a number, ``{"reward": number}``, or None."""
+    if isinstance(result, dict):
+        result = result.get("reward")
+    if result is None:
+        return None
+    if isinstance(result, (int, float)):
+        return float(result)
+    raise TypeError(
+        f"rollout() returned {type(result).__name__}; return a number (the reward), None, "
+        "or a dict with a 'reward' key"
+    )
+
+
+class RolloutTimeout(AglError, TimeoutError):
+    pass
+
+
+class _Heartbeat:
+    """Heartbeats one attempt every ``interval`` seconds until stopped."""
+
+    def __init__(self, store: LightningStore, rollout_id: str, attempt_id: str, interval: float) -> None:
+        self._stop = threading.Event()
+        self.lost = False
+        self._thread = threading.Thread(
+            target=self._run, args=(store, rollout_id, attempt_id, interval), name="agl-heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, store: LightningStore, rollout_id: str, attempt_id: str, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                store.heartbeat(rollout_id, attempt_id)
+            except StaleAttemptError:
+                self.lost = True
+                logger.warning("attempt %s of %s was ended by the store (timed out?)", attempt_id, rollout_id)
+                return
+            except Exception as exc:  # noqa: BLE001 - a flaky store must not kill the rollout
+                logger.warning("heartbeat for %s failed: %s", rollout_id, exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Runner:
+    """Runs rollouts of one agent against one store."""
+
+    def __init__(
+        self,
+        agent: LitAgent[Any],
+        store: LightningStore,
+        *,
+        runner_id: Optional[str] = None,
+        tracer: Optional[Tracer] = None,
+        heartbeat_interval: float = 5.0,
+        rollout_timeout: Optional[float] = None,
+        request_token_ids: bool = True,
+        flush_timeout: float = 30.0,
+    ) -> None:
+        self.agent = agent
+        self.store = store
+        self.runner_id = runner_id or new_id(f"runner-{os.getpid()}")
+        self.tracer = tracer or get_tracer()
+        self.heartbeat_interval = heartbeat_interval
+        self.rollout_timeout = rollout_timeout
+        self.request_token_ids = request_token_ids
+        self.flush_timeout = flush_timeout
+        self.stuck = False
+        self.agent_name = agent_name_of(agent)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-agent")
+        self.tracer.set_store(store)
+
+    # -- one rollout ---------------------------------------------------------------------------------------
+    def run_rollout(self, rollout: Rollout) -> Rollout:
+        """Run a dequeued rollout (``rollout.attempt`` set) to its end and report it to the store."""
+        if rollout.attempt is None:
+            raise ValueError("run_rollout needs a dequeued rollout (rollout.attempt is None): use store.dequeue_rollout")
+        attempt_id = rollout.attempt.attempt_id
+        scope = RolloutScope(rollout.rollout_id, attempt_id, rollout.mode, self.request_token_ids)
+        dropped_before = self.tracer.stats().dropped
+        heartbeat = _Heartbeat(self.store, rollout.rollout_id, attempt_id, self.heartbeat_interval)
+        status, reward, error = "succeeded", None, None
+        try:
+            resources = self._resources(rollout)
+            future = self._executor.submit(self._execute, rollout, resources, scope)
+            timeout = rollout.config.timeout_seconds or self.rollout_timeout
+            try:
+                reward = future.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                raise RolloutTimeout(f"rollout {rollout.rollout_id} ran past its timeout of {timeout} s") from None
+        except RolloutTimeout as exc:
+            status, error = "timeout", str(exc)
+            self._abandon_stuck_agent()
+        except Exception as exc:  # noqa: BLE001 - the agent's failure is data, not a runner crash
+            status, error = "failed", "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            logger.info("rollout %s failed: %s", rollout.rollout_id, error)
+        finally:
+            heartbeat.stop()
+        if not self.tracer.flush(self.flush_timeout):
+            logger.warning("spans of rollout %s were not all stored within %s s", rollout.rollout_id, self.flush_timeout)
+        dropped = self.tracer.stats().dropped - dropped_before
+        if dropped:
+            logger.warning("rollout %s: %d spans were dropped (tracer queue full)", rollout.rollout_id, dropped)
+        try:
+            return self.store.complete_attempt(rollout.rollout_id, attempt_id, status, reward=reward, error=error)  # type: ignore[arg-type]
+        except StaleAttemptError as exc:
+            logger.warning("rollout %s: result not recorded: %s", rollout.rollout_id, exc)
+            return self.store.get_rollout(rollout.rollout_id)
+
+    def _resources(self, rollout: Rollout) -> NamedResources:
+        update = self.store.get_resources(rollout.resources_id)
+        return dict(update.resources) if update is not None else {}
+
+    def _execute(self, rollout: Rollout, resources: NamedResources, scope: RolloutScope) -> Optional[float]:
+        """Runs on the agent thread: the whole rollout under one root span of kind ``agent``."""
+        token = enter_scope(scope)
+        try:
+            attrs = {
+                semconv.AGENT_NAME: self.agent_name,
+                "agl.task_id": rollout.task_id,
+                "agl.mode": rollout.mode,
+            }
+            with self.tracer.span("agl.rollout", "agent", attrs):
+                result = self.agent.run(rollout.input, resources, rollout)
+                if inspect.isawaitable(result):
+                    result = asyncio.run(_await(result))
+                returned = reward_from_result(result)
+                return self._episode_reward(returned, scope)
+        finally:
+            exit_scope(token)
+
+    def _episode_reward(self, returned: Optional[float], scope: RolloutScope) -> Optional[float]:
+        """Apply the reward rule of agl.emitters: the returned value wins; emitted ones are not added."""
+        emitted = scope.episode_rewards[-1] if scope.episode_rewards else None
+        if returned is None:
+            return emitted
+        if emitted is not None and emitted != returned:
+            logger.warning(
+                "rollout %s returned reward %s but emitted %s: using the returned value", scope.rollout_id, returned, emitted
+            )
+        if emitted is None:
+            attrs = {
+                semconv.REWARD_VALUE: returned,
+                semconv.REWARD_PRIMARY: "primary",
+                semconv.REWARD_SOURCE: "returned",
+                semconv.REWARD_SCOPE: "episode",
+            }
+            with self.tracer.span(semconv.SPAN_REWARD, "reward", attrs):
+                pass
+        return returned
+
+    def _abandon_stuck_agent(self) -> None:
+        # The agent thread cannot be killed; leave it and take a fresh one. A process runner exits after
+        # reporting so no thread leaks for long.
+        self.stuck = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-agent")
+
+    # -- loop ----------------------------------------------------------------------------------------------
+    def run_forever(
+        self,
+        stop: StopSignal,
+        *,
+        max_rollouts: Optional[int] = None,
+        wait_timeout: float = 1.0,
+        exit_when_stuck: bool = False,
+        on_busy: Optional[Callable[[bool], None]] = None,
+    ) -> int:
+        """Dequeue and run rollouts until ``stop`` is set; returns the number run.
+
+        ``dequeue`` sleeps until work arrives (the store wakes it), up to ``wait_timeout`` between checks
+        of ``stop``.
+        """
+        should_stop = stop.is_set if hasattr(stop, "is_set") else stop  # threading or multiprocessing Event
+        done = 0
+        while not should_stop() and (max_rollouts is None or done < max_rollouts):
+            rollout = self.store.dequeue_rollout(self.runner_id, timeout=wait_timeout)
+            if rollout is None:
+                continue
+            if on_busy:
+                on_busy(True)
+            try:
+                self.run_rollout(rollout)
+            finally:
+                if on_busy:
+                    on_busy(False)
+            done += 1
+            if self.stuck and exit_when_stuck:
+                break
+        return done
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable

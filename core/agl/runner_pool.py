@@ -1,0 +1,170 @@
+"""A pool of runners: ``n_runners`` worker processes (default) or threads, respawned if they die.
+
+Processes are forked so the agent object needs no pickling and start in milliseconds; where fork is not
+available (macOS/Windows defaults) ``spawn`` is used and the agent must be importable/picklable.
+Idle workers sleep inside the store's dequeue and are woken when work arrives. On stop, an idle worker
+process exits at once (SIGTERM); a busy one finishes its rollout first.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from agl.litagent import LitAgent
+from agl.runner import Runner
+from agl.store.base import LightningStore
+from agl.tracer import get_tracer
+
+logger = logging.getLogger("agl.runner_pool")
+
+RunnerMode = Literal["process", "thread"]
+_STUCK_EXIT_CODE = 75  # a worker whose agent hung past its timeout exits with this to be replaced
+_CRASH_LOOP = 3  # workers that die this many times in a row within a second of starting: give up
+
+
+def _mp_context() -> Any:
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def _process_main(agent: LitAgent[Any], store: LightningStore, runner_id: str, stop: Any, kwargs: Dict[str, Any]) -> None:
+    busy = {"now": False}
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if not busy["now"]:
+            os._exit(0)
+        stop.set()  # finish the current rollout, then leave
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us cleanly
+    runner = Runner(agent, store, runner_id=runner_id, **kwargs)
+
+    def set_busy(value: bool) -> None:
+        busy["now"] = value
+
+    runner.run_forever(stop, exit_when_stuck=True, on_busy=set_busy)
+    runner.tracer.flush(5.0)
+    os._exit(_STUCK_EXIT_CODE if runner.stuck else 0)
+
+
+class RunnerPool:
+    """Starts, watches and stops the runners of one training or dev run."""
+
+    def __init__(
+        self,
+        agent: LitAgent[Any],
+        store: LightningStore,
+        n_runners: int = 1,
+        *,
+        mode: RunnerMode = "process",
+        runner_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        if n_runners < 1:
+            raise ValueError(f"n_runners must be at least 1, got {n_runners}")
+        if mode == "process" and not getattr(store, "multiprocess_safe", False):
+            raise ValueError(
+                f"{type(store).__name__} lives inside one process, so process runners cannot share it: "
+                "use runner_mode='thread', or a SqliteLightningStore (the default)"
+            )
+        self.agent = agent
+        self.store = store
+        self.n_runners = n_runners
+        self.mode = mode
+        self.runner_kwargs = runner_kwargs or {}
+        self.respawned = 0
+        self._ctx = _mp_context()
+        self._stop: Union[threading.Event, Any] = self._ctx.Event() if mode == "process" else threading.Event()
+        self._workers: List[Any] = []
+        self._started_at: List[float] = []
+        self._quick_deaths = 0
+        self._runners: List[Runner] = []
+
+    def start(self) -> "RunnerPool":
+        for i in range(self.n_runners):
+            self._workers.append(self._spawn(i))
+            self._started_at.append(time.monotonic())
+        return self
+
+    def _spawn(self, index: int) -> Any:
+        runner_id = f"runner-{index}-{os.getpid()}-{self.respawned}"
+        if self.mode == "process":
+            # Let the span writer go idle first: a fork while another thread is inside SQLite could leave
+            # the child with a lock that is never released.
+            get_tracer().flush(1.0)
+            proc = self._ctx.Process(
+                target=_process_main,
+                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs),
+                name=f"agl-{runner_id}",
+                daemon=True,
+            )
+            proc.start()
+            return proc
+        runner = Runner(self.agent, self.store, runner_id=runner_id, **self.runner_kwargs)
+        self._runners.append(runner)
+        thread = threading.Thread(
+            target=runner.run_forever,
+            args=(self._stop,),
+            kwargs={"wait_timeout": 0.25},  # threads cannot be signalled: check the stop flag often
+            name=f"agl-{runner_id}",
+            daemon=True,
+        )
+        thread.start()
+        return thread
+
+    def check(self) -> int:
+        """Replace workers that died (crashed, killed, or left after a stuck agent). Returns how many."""
+        if self._stop.is_set():
+            return 0
+        replaced = 0
+        for i, worker in enumerate(self._workers):
+            if worker.is_alive():
+                continue
+            code = getattr(worker, "exitcode", None)
+            if code == _STUCK_EXIT_CODE:
+                logger.info("runner %s left after a stuck rollout; starting a fresh one", worker.name)
+            else:
+                logger.warning("runner %s died (exit code %s); starting a fresh one", worker.name, code)
+                quick = time.monotonic() - self._started_at[i] < 1.0
+                self._quick_deaths = self._quick_deaths + 1 if quick else 0
+                if self._quick_deaths >= _CRASH_LOOP:
+                    raise RuntimeError(
+                        f"runners keep dying right after they start ({self._quick_deaths} in a row, last exit code "
+                        f"{code}); the agent or store fails in the runner process: see the traceback above"
+                    )
+            self.respawned += 1
+            self._workers[i] = self._spawn(i)
+            self._started_at[i] = time.monotonic()
+            replaced += 1
+        return replaced
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every worker: idle ones at once, busy ones after their rollout (killed after ``timeout``)."""
+        self._stop.set()
+        if self.mode == "process":
+            for proc in self._workers:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in self._workers:
+                proc.join(timeout)
+                if proc.is_alive():
+                    logger.warning("runner %s did not stop within %s s; killing it", proc.name, timeout)
+                    proc.kill()
+                    proc.join(1.0)
+        else:
+            for thread in self._workers:
+                thread.join(timeout)
+            for runner in self._runners:
+                runner.close()
+        self._workers.clear()
+
+    def __enter__(self) -> "RunnerPool":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,100 @@
+"""State-machine rules and error messages shared by every store backend, so the backends cannot drift.
+
+Each backend keeps its own data layout; what a status change *means* (retry or fail, which error the
+caller gets, when an attempt expires) is decided here once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from pydantic_core import PydanticSerializationError, to_json
+
+from agl.errors import IllegalTransitionError, StaleAttemptError
+
+ROLLOUT_STATUSES: Tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
+
+#: The statuses a runner may end its attempt with (``cancelled`` goes through ``cancel_rollout``).
+COMPLETE_STATUSES = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
+
+
+def check_complete_status(status: str) -> None:
+    """Reject a ``complete_attempt`` status that does not end an attempt, before anything is touched."""
+    if status == "cancelled":
+        raise IllegalTransitionError(
+            "complete_attempt cannot end an attempt as 'cancelled': call cancel_rollout(rollout_id) instead"
+        )
+    if status not in COMPLETE_STATUSES:
+        raise IllegalTransitionError(
+            f"complete_attempt needs a final status ({', '.join(sorted(COMPLETE_STATUSES))}), got {status!r}; "
+            "report progress of a running attempt with heartbeat()"
+        )
+
+
+def encode_json(value: Any, what: str) -> str:
+    """JSON text of a rollout's input or metadata; every backend stores these as JSON, so all refuse alike."""
+    try:
+        return to_json(value).decode()
+    except PydanticSerializationError as exc:
+        raise TypeError(
+            f"{what} must be JSON-serialisable (dicts, lists, str, numbers, pydantic models): {exc}"
+        ) from exc
+
+
+def check_limit(limit: int) -> None:
+    if limit < 1:
+        raise ValueError(f"dequeue limit must be at least 1, got {limit}")
+
+
+def next_rollout_status(attempt_status: str, n_attempts: int, max_attempts: int) -> str:
+    """Where a running rollout goes when its live attempt ends with ``attempt_status``.
+
+    Success ends the rollout; any other ending requeues it while attempts are left (``max_attempts``
+    counts the first attempt too), else the rollout fails.
+    """
+    if attempt_status == "succeeded":
+        return "succeeded"
+    return "queued" if n_attempts < max_attempts else "failed"
+
+
+def attempt_deadline(
+    start_time: float,
+    last_heartbeat: float,
+    timeout_seconds: Optional[float],
+    heartbeat_timeout_seconds: Optional[float],
+) -> Optional[float]:
+    """The wall-clock time at which a running attempt expires (None: it never does)."""
+    bounds = []
+    if timeout_seconds is not None:
+        bounds.append(start_time + timeout_seconds)
+    if heartbeat_timeout_seconds is not None:
+        bounds.append(last_heartbeat + heartbeat_timeout_seconds)
+    return min(bounds) if bounds else None
+
+
+def expiry(
+    start_time: float,
+    now: float,
+    timeout_seconds: Optional[float],
+    heartbeat_timeout_seconds: Optional[float],
+) -> Tuple[str, str]:
+    """Status and error of an attempt found past its deadline: a wall-time timeout wins over silence."""
+    if timeout_seconds is not None and now >= start_time + timeout_seconds:
+        return "timeout", f"attempt ran past timeout_seconds={timeout_seconds} and was ended by the store"
+    return "unresponsive", (
+        f"no heartbeat or span for heartbeat_timeout_seconds={heartbeat_timeout_seconds}: the runner is presumed "
+        "dead and the attempt was ended by the store"
+    )
+
+
+def stale_error(rollout_id: str, attempt_id: str, attempt_status: str, rollout_status: str) -> StaleAttemptError:
+    return StaleAttemptError(
+        f"attempt {attempt_id!r} of rollout {rollout_id!r} already ended as {attempt_status!r} (the rollout is now "
+        f"{rollout_status!r}), so this update was ignored: stop working on it and dequeue new work"
+    )
+
+
+def cancel_error(rollout_id: str, status: str) -> IllegalTransitionError:
+    return IllegalTransitionError(
+        f"rollout {rollout_id!r} is already {status!r}; only queued or running rollouts can be cancelled"
+    )

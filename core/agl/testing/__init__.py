@@ -1,0 +1,11 @@
+"""Test helpers: a real OpenAI-compatible HTTP server whose model is scripted.
+
+``FakeOpenAIServer`` lets tests, examples and ``agl dev`` run real agent frameworks and the real ``openai``
+client end to end without a GPU or network; ``FakeReply`` scripts its answers and ``FakeTokenizer`` is the
+byte-level tokenizer it reports token ids with.
+"""
+
+from agl.testing.fake_openai import FakeOpenAIServer
+from agl.testing.fake_policy import FakeReply, FakeTokenizer
+
+__all__ = ["FakeOpenAIServer", "FakeReply", "FakeTokenizer"]

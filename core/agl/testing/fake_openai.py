@@ -1,0 +1,252 @@
+"""A real OpenAI-compatible HTTP server on 127.0.0.1 whose model is scripted.
+
+Tests, examples and ``agl dev`` run real agent frameworks with the real ``openai`` client against it, so
+everything between the agent and the model (clients, retries, streaming, tool-call parsing, agl's
+instrumentation) is exercised for real while the answers stay deterministic. The model side lives in
+:mod:`agl.testing.fake_policy`; :mod:`~agl.testing.fake_chat` and :mod:`~agl.testing.fake_responses`
+serialize it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from agl.testing import fake_chat, fake_responses
+from agl.testing.fake_policy import ChatTool, FakeReply, FakeTokenizer, Generation, ToolChoice, generate
+
+logger = logging.getLogger(__name__)
+
+Body = Mapping[str, Any]
+_STARTUP_TIMEOUT_S = 10.0
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class FakeOpenAIServer:
+    """Serves ``/v1/models``, ``/v1/chat/completions`` and ``/v1/responses`` from a daemon thread.
+
+    Generation requests take replies from :meth:`script` in order, from either endpoint; when the script
+    is empty the default policy answers (see :func:`agl.testing.fake_policy.default_policy`). Token ids are
+    returned when a request asks with ``"return_token_ids": true`` (vLLM's convention) or always when
+    ``always_token_ids`` is set, to stand in for an agl-managed vLLM server.
+    """
+
+    def __init__(self, always_token_ids: bool = False) -> None:
+        self.always_token_ids = always_token_ids
+        self.tokenizer = FakeTokenizer()
+        self._lock = threading.Lock()
+        self._script: collections.deque[FakeReply] = collections.deque()
+        self._requests: list[dict[str, Any]] = []
+        self._uvicorn: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._port: int | None = None
+        self.app = _create_app(self)
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> FakeOpenAIServer:
+        """Start serving on a free port and return once the server accepts connections."""
+        if self._thread is not None:
+            raise RuntimeError("FakeOpenAIServer is already running; stop() it before starting it again")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)  # listening now means clients connecting before uvicorn's loop runs just queue
+        self._port = sock.getsockname()[1]
+        # log_config=None: uvicorn must not reconfigure the host process's logging, only log through it.
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+        )
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [sock]}, name="agl-fake-openai", daemon=True
+        )
+        self._thread.start()
+        self._wait_started()
+        logger.debug("fake OpenAI server listening on %s", self.base_url)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and wait for the thread (streams still open get a second to finish)."""
+        if self._uvicorn is None or self._thread is None:
+            return
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout=_STARTUP_TIMEOUT_S)
+        self._uvicorn, self._thread, self._port = None, None, None
+
+    def __enter__(self) -> FakeOpenAIServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _wait_started(self) -> None:
+        assert self._uvicorn is not None and self._thread is not None
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the fake OpenAI server did not start (see the 'uvicorn.error' log)")
+            time.sleep(0.01)
+
+    # --- what tests use ----------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT/v1``, the ``base_url`` to give OpenAI clients."""
+        if self._port is None:
+            raise RuntimeError("FakeOpenAIServer is not running: use it as a context manager or call start()")
+        return f"http://127.0.0.1:{self._port}/v1"
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        """A copy of the request log: ``{"path", "body", "headers"}`` per request, in arrival order."""
+        with self._lock:
+            return list(self._requests)
+
+    def script(self, *replies: FakeReply) -> None:
+        """Queue replies for the next generation requests, after any still queued."""
+        with self._lock:
+            self._script.extend(replies)
+
+    def reset(self) -> None:
+        """Forget queued replies and logged requests, so each test starts clean on a shared server."""
+        with self._lock:
+            self._script.clear()
+            self._requests.clear()
+
+    def _record(self, request: Request, body: Any) -> None:
+        entry = {"path": request.url.path, "body": body, "headers": dict(request.headers)}
+        with self._lock:
+            self._requests.append(entry)
+
+    def _next_reply(self) -> FakeReply | None:
+        with self._lock:
+            return self._script.popleft() if self._script else None
+
+
+class _DeliberateStreamBreak(Exception):
+    """Raised inside a streaming body to make uvicorn drop the connection, as ``break_stream_after`` asks."""
+
+
+class _QuietStreamBreaks(logging.Filter):
+    """Keeps uvicorn from logging our deliberate stream breaks as application errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], _DeliberateStreamBreak))
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietStreamBreaks())
+
+
+def _create_app(server: FakeOpenAIServer) -> FastAPI:
+    app = FastAPI(title="agl fake OpenAI", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.get("/v1/models")
+    async def _models(request: Request) -> dict[str, Any]:
+        server._record(request, None)
+        model = {"id": "fake-model", "object": "model", "created": 0, "owned_by": "agl"}
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request) -> Response:
+        return await _generate(server, request, _CHAT)
+
+    @app.post("/v1/responses")
+    async def _responses(request: Request) -> Response:
+        return await _generate(server, request, _RESPONSES)
+
+    return app
+
+
+@dataclass(frozen=True)
+class _WireApi:
+    """How one OpenAI API reads a request and writes a generation; the rest of serving is shared."""
+
+    missing_field: Callable[[Body], str | None]
+    conversation: Callable[[Body], tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]]
+    as_json: Callable[[Generation, Body, bool], dict[str, Any]]
+    as_sse: Callable[[Generation, Body, bool], Iterator[str]]
+
+
+_CHAT = _WireApi(fake_chat.missing_field, fake_chat.conversation, fake_chat.completion, fake_chat.sse_events)
+_RESPONSES = _WireApi(
+    fake_responses.missing_field,
+    fake_responses.conversation,
+    fake_responses.response,
+    fake_responses.sse_events,
+)
+
+
+async def _generate(server: FakeOpenAIServer, request: Request, api: _WireApi) -> Response:
+    """Log the request, take the next scripted reply, then answer with an error, JSON or SSE."""
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    server._record(request, body)
+    if not isinstance(body, dict):
+        return error_response(400, "the request body must be a JSON object")
+    missing = api.missing_field(body)
+    if missing:
+        return error_response(400, f"missing required parameter: '{missing}'")
+    reply = server._next_reply()
+    if reply is not None and reply.delay:
+        await asyncio.sleep(reply.delay)
+    if reply is not None and reply.is_error:
+        return error_response(reply.status_code, reply.error_message or f"fake error {reply.status_code}")
+    messages, tools, tool_choice = api.conversation(body)
+    gen = generate(reply, messages, tools, tool_choice, server.tokenizer)
+    token_ids = server.always_token_ids or bool(body.get("return_token_ids"))
+    if body.get("stream"):
+        break_after = reply.break_stream_after if reply is not None else None
+        events = _stream(api.as_sse(gen, body, token_ids), break_after)
+        return StreamingResponse(events, media_type="text/event-stream")
+    return JSONResponse(api.as_json(gen, body, token_ids))
+
+
+async def _stream(events: Iterator[str], break_after: int | None) -> AsyncIterator[str]:
+    for count, event in enumerate(events):
+        if break_after is not None and count >= break_after:
+            raise _DeliberateStreamBreak(f"stream broken after {break_after} events, as scripted")
+        yield event
+
+
+def error_response(status_code: int, message: str) -> JSONResponse:
+    """An OpenAI-style error, which the ``openai`` client turns into the matching ``APIStatusError``."""
+    error_type = _ERROR_TYPES.get(
+        status_code, "server_error" if status_code >= 500 else "invalid_request_error"
+    )
+    error = {"message": message, "type": error_type, "param": None, "code": error_type}
+    return JSONResponse({"error": error}, status_code=status_code)

@@ -1,0 +1,69 @@
+"""``@agl.tool``: tool spans for plain-Python agents (framework adapters make their own tool spans).
+
+A tool span records the tool's name, arguments and result, or the exception it raised (error status);
+the exception is re-raised unchanged. Automatic Intermediate Rewarding reads these spans.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Dict, Optional, TypeVar, Union, overload
+
+from agl import semconv
+from agl.tracer import get_tracer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _arguments(fn: Callable[..., Any], args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    try:
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+        return dict(bound.arguments)
+    except TypeError:
+        return {"args": list(args), **kwargs}
+
+
+@overload
+def tool(fn: F) -> F: ...
+@overload
+def tool(fn: None = None, *, name: Optional[str] = None) -> Callable[[F], F]: ...
+
+
+def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Callable[[F], F]]:
+    """Decorate a tool function (sync or async): each call becomes a span of kind ``tool``."""
+
+    def decorate(func: F) -> F:
+        tool_name = name or func.__name__
+        span_name = f"execute_tool {tool_name}"
+
+        def start() -> tuple[Any, Any]:
+            tracer = get_tracer()
+            attrs = {semconv.TOOL_NAME: tool_name, semconv.OPERATION_NAME: "execute_tool"}
+            return tracer, tracer.span(span_name, "tool", attrs)
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                tracer, cm = start()
+                with cm as span:
+                    tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: _arguments(func, args, kwargs)})
+                    result = await func(*args, **kwargs)
+                    tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: result})
+                    return result
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            tracer, cm = start()
+            with cm as span:
+                tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: _arguments(func, args, kwargs)})
+                result = func(*args, **kwargs)
+                tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: result})
+                return result
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate(fn) if fn is not None else decorate

@@ -1,0 +1,186 @@
+"""Trainer: wires the store, the runner pool, the adapter and the algorithm together.
+
+``Trainer(algorithm=..., n_runners=..., adapter={"agent_match": ...}, initial_resources=...)`` with
+``fit(agent, train_dataset, val_dataset=)`` and ``dev(agent, dev_dataset)`` — the Agent Lightning API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+from agl.algorithm.base import Algorithm, Baseline
+from agl.dataset import as_tasks
+from agl.litagent import LitAgent
+from agl.runner_pool import RunnerMode, RunnerPool
+from agl.store import LightningStore, open_store
+from agl.store.base import EnqueueRequest
+from agl.types import Resource, Rollout, RolloutConfig, RolloutMode, parse_resources
+
+logger = logging.getLogger("agl.trainer")
+
+
+@dataclass
+class RolloutSummary:
+    """One row of ``dev``'s table."""
+
+    task_id: str
+    rollout_id: str
+    status: str
+    reward: Optional[float]
+    llm_calls: int
+    spans: int
+    error: Optional[str]
+
+
+class Trainer:
+    """Runs an agent on datasets through a store and a pool of runners, and trains it with an algorithm."""
+
+    def __init__(
+        self,
+        *,
+        algorithm: Optional[Algorithm] = None,
+        n_runners: int = 1,
+        store: Union[LightningStore, str, None] = None,
+        adapter: Any = None,
+        initial_resources: Optional[Dict[str, Union[Resource, Dict[str, Any]]]] = None,
+        runner_mode: RunnerMode = "process",
+        max_attempts: int = 1,
+        rollout_timeout: Optional[float] = None,
+        heartbeat_timeout: Optional[float] = 120.0,
+        heartbeat_interval: float = 5.0,
+        progress: bool = True,
+        n_workers: Optional[int] = None,
+    ) -> None:
+        if n_workers is not None:
+            warnings.warn("Trainer(n_workers=) is now n_runners=", DeprecationWarning, stacklevel=2)
+            n_runners = n_workers
+        self.algorithm = algorithm
+        self.n_runners = n_runners
+        self.store = store if isinstance(store, LightningStore) else open_store(store)
+        self.adapter = adapter
+        self.runner_mode: RunnerMode = runner_mode
+        self.rollout_config = RolloutConfig(
+            max_attempts=max_attempts, timeout_seconds=rollout_timeout, heartbeat_timeout_seconds=heartbeat_timeout
+        )
+        self.runner_kwargs = {"heartbeat_interval": heartbeat_interval, "rollout_timeout": rollout_timeout}
+        self.progress = progress
+        self.resources_id: Optional[str] = None
+        if initial_resources:
+            self.resources_id = self.store.add_resources(parse_resources(dict(initial_resources))).resources_id
+        self._pool: Optional[RunnerPool] = None
+
+    # -- running tasks (used by dev and by algorithms) -----------------------------------------------------
+    def run_tasks(
+        self,
+        dataset: Sequence[Any],
+        *,
+        mode: RolloutMode = "train",
+        n_per_task: int = 1,
+        resources_id: Optional[str] = None,
+        description: str = "rollouts",
+        timeout: Optional[float] = None,
+    ) -> List[Rollout]:
+        """Enqueue ``n_per_task`` rollouts per task and wait for all of them; returns them in task order.
+
+        Needs the runner pool (inside ``fit``/``dev``, or ``with trainer.runners(agent):``).
+        """
+        if self._pool is None:
+            raise RuntimeError("run_tasks needs running runners: call it from an algorithm inside fit(), or "
+                               "inside `with trainer.runners(agent):`")
+        tasks = as_tasks(dataset)
+        requests = [
+            EnqueueRequest(
+                input=task.input,
+                task_id=task.task_id,
+                mode=mode,
+                resources_id=resources_id or self.resources_id,
+                config=self.rollout_config,
+                metadata=task.metadata,
+            )
+            for task in tasks
+            for _ in range(n_per_task)
+        ]
+        rollouts = self.store.enqueue_many(requests)
+        return self._wait(rollouts, description, timeout)
+
+    def _wait(self, rollouts: List[Rollout], description: str, timeout: Optional[float]) -> List[Rollout]:
+        from agl.progress import progress_bar
+
+        ids = [r.rollout_id for r in rollouts]
+        pending = set(ids)
+        finished: Dict[str, Rollout] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with progress_bar(description, total=len(ids), enabled=self.progress) as advance:
+            while pending:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(pending)} of {len(ids)} rollouts did not finish within {timeout} s")
+                for rollout in self.store.wait_for_rollouts(sorted(pending), timeout=0.5):
+                    if rollout.rollout_id in pending:
+                        pending.discard(rollout.rollout_id)
+                        finished[rollout.rollout_id] = rollout
+                        advance(1)
+                if self._pool is not None:
+                    self._pool.check()
+        return [finished[i] for i in ids]
+
+    @contextlib.contextmanager
+    def runners(self, agent: LitAgent[Any]) -> Iterator[RunnerPool]:
+        """The runner pool for ``agent``: started on enter, stopped on exit (also on errors and Ctrl-C)."""
+        pool = RunnerPool(agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs)
+        self._pool = pool.start()
+        try:
+            yield pool
+        finally:
+            self._pool = None
+            pool.stop()
+
+    # -- public entry points -------------------------------------------------------------------------------
+    def dev(
+        self,
+        agent: LitAgent[Any],
+        dev_dataset: Optional[Sequence[Any]] = None,
+        *,
+        mode: RolloutMode = "train",
+        print_table: bool = True,
+    ) -> List[RolloutSummary]:
+        """Run every task once with the current resources and no training; print a table of the results."""
+        if dev_dataset is None:
+            raise ValueError("dev() needs a dataset: trainer.dev(agent, dev_dataset=[...])")
+        with self.runners(agent):
+            rollouts = self.run_tasks(dev_dataset, mode=mode, description="dev")
+        summaries = [self.summarize(r) for r in rollouts]
+        if print_table:
+            from agl.progress import print_rollout_table
+
+            print_rollout_table(summaries)
+        return summaries
+
+    def fit(
+        self,
+        agent: LitAgent[Any],
+        train_dataset: Optional[Sequence[Any]] = None,
+        *,
+        val_dataset: Optional[Sequence[Any]] = None,
+    ) -> Any:
+        """Train ``agent`` with the algorithm (``Baseline`` if none was given: runs the data, learns nothing)."""
+        algorithm = self.algorithm or Baseline()
+        algorithm.bind(self)
+        with self.runners(agent):
+            return algorithm.run(train_dataset, val_dataset)
+
+    def summarize(self, rollout: Rollout) -> RolloutSummary:
+        spans = self.store.query_spans(rollout.rollout_id, "latest") if rollout.n_attempts else []
+        return RolloutSummary(
+            task_id=rollout.task_id,
+            rollout_id=rollout.rollout_id,
+            status=rollout.status,
+            reward=rollout.final_reward,
+            llm_calls=sum(1 for s in spans if s.kind == "llm"),
+            spans=len(spans),
+            error=rollout.error,
+        )

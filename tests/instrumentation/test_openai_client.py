@@ -1,0 +1,614 @@
+"""The OpenAI client instrumentation, with the real ``openai`` client against the fake OpenAI server."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any, Dict, List
+
+import openai
+import pytest
+from openai.resources.chat.completions import AsyncCompletions, Completions
+from openai.resources.responses import AsyncResponses, Responses
+
+import agl.instrumentation
+from agl import semconv
+from agl.context import propagate
+from agl.instrumentation import openai_client, openai_payloads, openai_streams
+from agl.instrumentation.context_keys import llm_span_already_open
+from agl.instrumentation.openai_client import OpenAIInstrumentor
+from agl.instrumentation.safety import internal_error_count
+from agl.testing import FakeReply
+from agl.testing.fake_policy import fake_logprob, render_assistant, tool_call_from_spec
+from agl.tracer import get_tracer
+
+MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
+CALL = {"id": "call_1", "name": "add", "arguments": {"a": 2, "b": 3}}
+WITH_CALL = FakeReply(content="Let me add.", tool_calls=[CALL])
+
+
+def prompt_ids(server: Any, messages: List[Dict[str, Any]], tools: Any = None) -> List[int]:
+    return server.tokenizer.encode(server.tokenizer.apply_chat_template(messages, tools))
+
+
+def response_ids(server: Any, content: Any, calls: Any = ()) -> List[int]:
+    return server.tokenizer.encode(render_assistant(content, [tool_call_from_spec(c) for c in calls]))
+
+
+def output_message(span: Any) -> Dict[str, Any]:
+    (message,) = json.loads(span.attributes[semconv.OUTPUT_MESSAGES])
+    return message
+
+
+def sent_token_id_flags(server: Any) -> List[Any]:
+    return [r["body"].get("return_token_ids") for r in server.requests]
+
+
+# --- chat completions ---------------------------------------------------------------------------------------
+
+
+def test_sync_chat_span_has_request_response_and_server_token_ids(client, fake_openai, sink, rollout):
+    fake_openai.script(WITH_CALL)
+    with rollout() as scope:
+        completion = client.chat.completions.create(
+            model="fake-model", messages=MESSAGES, tools=TOOLS, temperature=0.7, top_p=0.9, max_tokens=64
+        )
+    (span,) = sink.of(scope.rollout_id)
+    a = span.attributes
+    assert span.name == "chat fake-model" and span.kind == "llm" and span.status == "unset"
+    assert a[semconv.OPERATION_NAME] == "chat" and a[semconv.PROVIDER_NAME] == "openai"
+    assert a[semconv.REQUEST_MODEL] == "fake-model" and a[semconv.REQUEST_MAX_TOKENS] == 64
+    assert (a[semconv.REQUEST_TEMPERATURE], a[semconv.REQUEST_TOP_P]) == (0.7, 0.9)
+    assert a[semconv.LLM_API] == "chat.completions" and a[semconv.LLM_STREAM] is False
+    assert json.loads(a[semconv.INPUT_MESSAGES]) == MESSAGES
+    assert json.loads(a[semconv.TOOL_DEFINITIONS]) == TOOLS
+    assert a[semconv.RESPONSE_ID] == completion.id and a[semconv.RESPONSE_MODEL] == completion.model
+    assert a[semconv.RESPONSE_FINISH_REASONS] == ["tool_calls"]
+    assert a[semconv.USAGE_INPUT_TOKENS] == completion.usage.prompt_tokens
+    assert a[semconv.USAGE_OUTPUT_TOKENS] == completion.usage.completion_tokens
+    message = output_message(span)
+    assert message["content"] == "Let me add."
+    assert message["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    ]
+    assert a[semconv.TOKEN_IDS_SOURCE] == "server"
+    assert a[semconv.PROMPT_TOKEN_IDS] == prompt_ids(fake_openai, MESSAGES, TOOLS)
+    assert a[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, "Let me add.", [CALL])
+    assert a[semconv.RESPONSE_TOKEN_IDS] == completion.choices[0].model_extra["token_ids"]
+    assert semconv.RESPONSE_LOGPROBS not in a  # not asked for
+
+
+def test_input_messages_are_a_snapshot_taken_at_call_time(client, fake_openai, sink, rollout):
+    messages = list(MESSAGES)
+    with rollout() as scope:
+        completion = client.chat.completions.create(model="fake-model", messages=messages)
+        messages.append(completion.choices[0].message)  # agents keep appending to their list
+        messages.append({"role": "user", "content": "and now?"})
+    (span,) = sink.of(scope.rollout_id)
+    assert json.loads(span.attributes[semconv.INPUT_MESSAGES]) == MESSAGES
+
+
+def test_generator_of_messages_is_sent_whole_and_recorded(client, fake_openai, sink, rollout):
+    with rollout() as scope:
+        client.chat.completions.create(model="fake-model", messages=(m for m in MESSAGES))
+    assert fake_openai.requests[0]["body"]["messages"] == MESSAGES
+    (span,) = sink.of(scope.rollout_id)
+    assert json.loads(span.attributes[semconv.INPUT_MESSAGES]) == MESSAGES
+
+
+async def test_async_chat(aclient, fake_openai, sink, rollout):
+    fake_openai.script(FakeReply(content="five"))
+    with rollout() as scope:
+        completion = await aclient.chat.completions.create(model="fake-model", messages=MESSAGES)
+    assert completion.choices[0].message.content == "five"
+    (span,) = sink.of(scope.rollout_id)
+    assert output_message(span)["content"] == "five"
+    assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, "five")
+    assert span.attributes[semconv.PROMPT_TOKEN_IDS] == prompt_ids(fake_openai, MESSAGES)
+
+
+def test_logprobs_are_recorded_one_per_response_token(client, fake_openai, sink, rollout):
+    with rollout() as scope:
+        client.chat.completions.create(model="fake-model", messages=MESSAGES, logprobs=True)
+    (span,) = sink.of(scope.rollout_id)
+    ids = span.attributes[semconv.RESPONSE_TOKEN_IDS]
+    assert span.attributes[semconv.RESPONSE_LOGPROBS] == [fake_logprob(i) for i in range(len(ids))]
+
+
+# --- chat streams -------------------------------------------------------------------------------------------
+
+
+def test_stream_reassembles_exactly_what_the_non_streamed_call_returns(client, fake_openai, sink, rollout):
+    fake_openai.script(WITH_CALL, WITH_CALL)
+    with rollout() as scope:
+        client.chat.completions.create(model="fake-model", messages=MESSAGES, tools=TOOLS, logprobs=True)
+        stream = client.chat.completions.create(
+            model="fake-model",
+            messages=MESSAGES,
+            tools=TOOLS,
+            logprobs=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        assert isinstance(stream, openai.Stream)
+        chunks = list(stream)
+    assert len(chunks) > 5 and all(type(c).__name__ == "ChatCompletionChunk" for c in chunks)
+    plain, streamed = sink.of(scope.rollout_id)
+    assert streamed.attributes[semconv.LLM_STREAM] is True and streamed.status == "unset"
+    expected = output_message(plain)
+    got = output_message(streamed)
+    assert got["content"] == expected["content"] == "Let me add."
+    assert got["tool_calls"] == expected["tool_calls"]
+    for key in (
+        semconv.PROMPT_TOKEN_IDS,
+        semconv.RESPONSE_TOKEN_IDS,
+        semconv.RESPONSE_LOGPROBS,
+        semconv.RESPONSE_FINISH_REASONS,
+        semconv.USAGE_INPUT_TOKENS,
+        semconv.USAGE_OUTPUT_TOKENS,
+        semconv.TOKEN_IDS_SOURCE,
+    ):
+        assert streamed.attributes[key] == plain.attributes[key], key
+    assert streamed.attributes[semconv.RESPONSE_ID] == chunks[0].id
+
+
+def test_stream_as_context_manager_and_early_close_end_the_span(client, fake_openai, sink, rollout):
+    fake_openai.script(FakeReply(content="one two three four"), FakeReply(content="one two three four"))
+    with rollout() as scope:
+        with client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True) as stream:
+            texts = [c.choices[0].delta.content for c in stream if c.choices]
+        stream = client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True)
+        next(stream)
+        next(stream)
+        stream.close()
+    assert "".join(t or "" for t in texts) == "one two three four"
+    whole, closed = sink.of(scope.rollout_id)
+    assert output_message(whole)["content"] == "one two three four"
+    assert closed.status == "unset" and output_message(closed)["content"] == "one "
+
+
+def test_abandoned_stream_still_ends_its_span(client, fake_openai, sink, rollout):
+    with rollout() as scope:
+        stream = client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True)
+        for _ in stream:
+            break
+        del stream
+        gc.collect()
+    (span,) = sink.of(scope.rollout_id)
+    assert span.attributes[semconv.LLM_STREAM] is True
+
+
+async def test_async_stream(aclient, fake_openai, sink, rollout):
+    fake_openai.script(WITH_CALL)
+    with rollout() as scope:
+        stream = await aclient.chat.completions.create(model="fake-model", messages=MESSAGES, tools=TOOLS, stream=True)
+        assert isinstance(stream, openai.AsyncStream)
+        async with stream as s:
+            chunks = [c async for c in s]
+    assert chunks
+    (span,) = sink.of(scope.rollout_id)
+    assert output_message(span)["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, "Let me add.", [CALL])
+
+
+def test_stream_helpers_of_the_sdk_are_traced(client, fake_openai, sink, rollout):
+    fake_openai.script(FakeReply(content="helped"), FakeReply(content="helped"))
+    with rollout() as scope:
+        with client.chat.completions.stream(model="fake-model", messages=MESSAGES) as stream:
+            for _ in stream:
+                pass
+            final = stream.get_final_completion()
+        with client.responses.stream(model="fake-model", input="hi") as events:
+            for _ in events:
+                pass
+            final_response = events.get_final_response()
+    assert final.choices[0].message.content == final_response.output_text == "helped"
+    chat, responses = sink.of(scope.rollout_id)
+    for span in (chat, responses):
+        assert span.attributes[semconv.LLM_STREAM] is True
+        assert output_message(span)["content"] == "helped"
+        assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, "helped")
+
+
+# --- responses API ------------------------------------------------------------------------------------------
+
+
+def test_responses_plain(client, fake_openai, sink, rollout):
+    fake_openai.script(FakeReply(content="five"))
+    with rollout() as scope:
+        response = client.responses.create(
+            model="fake-model", instructions="You add numbers.", input="What is 2 + 3?", max_output_tokens=32
+        )
+    assert response.output_text == "five"
+    (span,) = sink.of(scope.rollout_id)
+    a = span.attributes
+    assert span.name == "responses fake-model" and a[semconv.LLM_API] == "responses"
+    assert a[semconv.REQUEST_MAX_TOKENS] == 32
+    assert json.loads(a[semconv.INPUT_MESSAGES]) == {"instructions": "You add numbers.", "input": "What is 2 + 3?"}
+    assert output_message(span) == {"role": "assistant", "content": "five"}
+    assert a[semconv.RESPONSE_ID] == response.id and a[semconv.RESPONSE_FINISH_REASONS] == ["completed"]
+    assert a[semconv.USAGE_OUTPUT_TOKENS] == response.usage.output_tokens
+    # the fake maps Responses input to the chat template: same conversation, same prompt ids
+    assert a[semconv.PROMPT_TOKEN_IDS] == prompt_ids(fake_openai, MESSAGES)
+    assert a[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, "five")
+    assert a[semconv.TOKEN_IDS_SOURCE] == "server"
+
+
+def test_responses_function_call_and_logprobs(client, fake_openai, sink, rollout):
+    tools = [{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}]
+    fake_openai.script(FakeReply(tool_calls=[CALL]), FakeReply(content="five"))
+    with rollout() as scope:
+        client.responses.create(model="fake-model", input=MESSAGES[1:], tools=tools)
+        client.responses.create(model="fake-model", input="hi", include=["message.output_text.logprobs"])
+    call, answer = sink.of(scope.rollout_id)
+    assert json.loads(call.attributes[semconv.INPUT_MESSAGES]) == {"instructions": None, "input": MESSAGES[1:]}
+    assert json.loads(call.attributes[semconv.TOOL_DEFINITIONS]) == tools
+    assert output_message(call)["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    ]
+    assert call.attributes[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, None, [CALL])
+    assert answer.attributes[semconv.RESPONSE_LOGPROBS] == [fake_logprob(i) for i in range(len("five"))]
+
+
+def test_responses_stream_equals_plain(client, fake_openai, sink, rollout):
+    fake_openai.script(WITH_CALL, WITH_CALL)
+    with rollout() as scope:
+        client.responses.create(model="fake-model", input="What is 2 + 3?")
+        events = list(client.responses.create(model="fake-model", input="What is 2 + 3?", stream=True))
+    assert events[-1].type == "response.completed"
+    plain, streamed = sink.of(scope.rollout_id)
+    assert streamed.attributes[semconv.LLM_STREAM] is True and streamed.status == "unset"
+    assert output_message(streamed) == output_message(plain)
+    assert output_message(streamed)["content"] == "Let me add."
+    for key in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.USAGE_OUTPUT_TOKENS):
+        assert streamed.attributes[key] == plain.attributes[key], key
+    assert streamed.attributes[semconv.RESPONSE_ID] == events[-1].response.id
+
+
+async def test_async_responses_stream(aclient, fake_openai, sink, rollout):
+    fake_openai.script(FakeReply(content="five"))
+    with rollout() as scope:
+        stream = await aclient.responses.create(model="fake-model", input="hi", stream=True)
+        events = [e async for e in stream]
+    assert events[-1].type == "response.completed"
+    (span,) = sink.of(scope.rollout_id)
+    assert output_message(span)["content"] == "five"
+    assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, "five")
+
+
+# --- asking for token ids -----------------------------------------------------------------------------------
+
+
+def test_return_token_ids_is_sent_inside_a_rollout_only(client, fake_openai, sink, rollout):
+    client.chat.completions.create(model="fake-model", messages=MESSAGES)
+    client.responses.create(model="fake-model", input="hi")
+    with rollout():
+        client.chat.completions.create(model="fake-model", messages=MESSAGES)
+        client.responses.create(model="fake-model", input="hi")
+    with rollout(request_token_ids=False):
+        client.chat.completions.create(model="fake-model", messages=MESSAGES)
+    assert sent_token_id_flags(fake_openai) == [None, None, True, True, None]
+
+
+def test_absent_token_ids_are_said_to_be_absent(client, fake_openai, sink, rollout):
+    with rollout(request_token_ids=False) as scope:
+        client.chat.completions.create(model="fake-model", messages=MESSAGES)
+    (span,) = sink.of(scope.rollout_id)
+    assert span.attributes[semconv.TOKEN_IDS_SOURCE] == "absent"
+    assert semconv.PROMPT_TOKEN_IDS not in span.attributes and semconv.RESPONSE_TOKEN_IDS not in span.attributes
+
+
+def test_request_token_ids_option_overrides_the_scope(fake_openai, sink, rollout):
+    agl_client = openai.OpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=0)
+    for option, expected in ((True, [True, True]), (False, [None, None])):
+        inst = OpenAIInstrumentor()
+        inst.instrument(request_token_ids=option)
+        try:
+            fake_openai.reset()
+            agl_client.chat.completions.create(model="fake-model", messages=MESSAGES)
+            with rollout():
+                agl_client.chat.completions.create(model="fake-model", messages=MESSAGES)
+            assert sent_token_id_flags(fake_openai) == expected
+        finally:
+            inst.uninstrument()
+
+
+def test_user_extra_body_is_kept_and_not_mutated(client, fake_openai, sink, rollout):
+    extra = {"top_k": 5}
+    mine = {"return_token_ids": False}
+    with rollout():
+        client.chat.completions.create(model="fake-model", messages=MESSAGES, extra_body=extra)
+        client.chat.completions.create(model="fake-model", messages=MESSAGES, extra_body=mine)
+    assert extra == {"top_k": 5} and mine == {"return_token_ids": False}
+    first, second = (r["body"] for r in fake_openai.requests)
+    assert first["top_k"] == 5 and first["return_token_ids"] is True
+    assert second["return_token_ids"] is False  # the user's explicit choice wins
+
+
+# --- the user's call is never changed -----------------------------------------------------------------------
+
+
+def test_result_and_exception_objects_pass_through_unchanged(client, monkeypatch, rollout):
+    completions = client.chat.completions
+    sentinel_result = object()
+    monkeypatch.setattr(completions, "_post", lambda *a, **k: sentinel_result)
+    with rollout():
+        assert completions.create(model="fake-model", messages=MESSAGES) is sentinel_result
+
+    boom = ValueError("from the transport")
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise boom
+
+    monkeypatch.setattr(completions, "_post", fail)
+    with rollout(), pytest.raises(ValueError) as info:
+        completions.create(model="fake-model", messages=MESSAGES)
+    assert info.value is boom
+
+
+def _error_type(call: Any) -> type:
+    with pytest.raises(Exception) as info:
+        call()
+    return type(info.value)
+
+
+def test_server_error_raises_what_the_plain_client_raises_and_marks_the_span(
+    client, fake_openai, instrumentor, sink, rollout
+):
+    def call() -> Any:
+        return client.chat.completions.create(model="fake-model", messages=MESSAGES)
+
+    instrumentor.uninstrument()
+    fake_openai.script(FakeReply(status_code=500, error_message="the GPU caught fire"))
+    plain = _error_type(call)
+    instrumentor.instrument()
+    fake_openai.script(FakeReply(status_code=500, error_message="the GPU caught fire"))
+    with rollout() as scope:
+        assert _error_type(call) is plain is openai.InternalServerError
+    (span,) = sink.of(scope.rollout_id)
+    assert span.status == "error" and "the GPU caught fire" in span.error
+    assert span.attributes[semconv.ERROR_TYPE] == "InternalServerError"
+    assert json.loads(span.attributes[semconv.INPUT_MESSAGES]) == MESSAGES
+
+
+def test_broken_stream_raises_what_the_plain_client_raises_and_marks_the_span(
+    client, fake_openai, instrumentor, sink, rollout
+):
+    def consume() -> Any:
+        fake_openai.script(FakeReply(content="a b c d e f g h", break_stream_after=3))
+        return list(client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True))
+
+    instrumentor.uninstrument()
+    plain = _error_type(consume)
+    instrumentor.instrument()
+    with rollout() as scope:
+        assert _error_type(consume) is plain
+    (span,) = sink.of(scope.rollout_id)
+    assert span.status == "error" and span.attributes[semconv.ERROR_TYPE] == plain.__name__
+    assert output_message(span)["content"] == "a b "  # what arrived before the break
+
+
+def test_a_failing_store_never_affects_the_call(client, fake_openai, sink, rollout):
+    class BrokenStore:
+        def add_spans(self, spans: Any) -> None:
+            raise OSError("disk full")
+
+    tracer = get_tracer()
+    tracer.set_store(BrokenStore())
+    with rollout() as scope:
+        completion = client.chat.completions.create(model="fake-model", messages=MESSAGES)
+    assert completion.choices[0].message.content.startswith("FAKE")
+    tracer.flush(0.3)  # the writer fails and retries
+    tracer.set_store(sink)
+    (span,) = sink.of(scope.rollout_id)  # delivered once the store works again
+    assert span.attributes[semconv.RESPONSE_ID] == completion.id
+
+
+def test_internal_error_before_the_call_sends_the_original_request(client, fake_openai, sink, rollout, monkeypatch):
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bug in agl")
+
+    monkeypatch.setattr(openai_client, "request_attributes", broken)
+    before = internal_error_count("openai.request")
+    with rollout() as scope:
+        completion = client.chat.completions.create(model="fake-model", messages=MESSAGES)
+    assert completion.choices[0].message.content
+    assert internal_error_count("openai.request") == before + 1
+    assert sent_token_id_flags(fake_openai) == [None]  # the user's own arguments
+    assert sink.of(scope.rollout_id) == []
+
+
+def test_internal_error_after_the_call_still_returns_and_ends_the_span(client, fake_openai, sink, rollout, monkeypatch):
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bug in agl")
+
+    monkeypatch.setattr(openai_client, "chat_completion_attributes", broken)
+    before = internal_error_count()
+    with rollout() as scope:
+        completion = client.chat.completions.create(model="fake-model", messages=MESSAGES)
+    assert completion.choices[0].message.content
+    assert internal_error_count() == before + 1
+    (span,) = sink.of(scope.rollout_id)
+    assert span.attributes[semconv.REQUEST_MODEL] == "fake-model"
+
+
+def test_internal_errors_in_streams_and_on_the_writer_thread_are_contained(
+    client, fake_openai, sink, rollout, monkeypatch
+):
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bug in agl")
+
+    monkeypatch.setattr(openai_streams.ChatStreamAccumulator, "add", broken)  # on the caller's thread
+    monkeypatch.setattr(openai_payloads, "_responses_output_messages", broken)  # on the writer thread
+    fake_openai.script(FakeReply(content="one two"), FakeReply(content="three"))
+    before = internal_error_count()
+    with rollout() as scope:
+        chunks = list(client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True))
+        response = client.responses.create(model="fake-model", input="hi")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "one two"
+    assert response.output_text == "three"
+    streamed, responses_span = sink.of(scope.rollout_id)
+    assert streamed.status == "unset"
+    assert internal_error_count() == before + 1
+    # the writer marks the one value it could not build and keeps the rest of the span
+    assert responses_span.attributes[semconv.OUTPUT_MESSAGES] == "agl-encode-error: RuntimeError: bug in agl"
+    assert responses_span.attributes[semconv.RESPONSE_TOKEN_IDS]
+
+
+def test_with_raw_response_and_with_streaming_response_still_work(client, fake_openai, sink, rollout):
+    with rollout() as scope:
+        raw = client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES)
+        assert raw.http_response.status_code == 200
+        completion = raw.parse()
+        with client.chat.completions.with_streaming_response.create(model="fake-model", messages=MESSAGES) as r:
+            body = r.json()
+    assert body["choices"][0]["message"]["content"]
+    raw_span, streaming_span = sink.of(scope.rollout_id)
+    assert raw_span.attributes[semconv.RESPONSE_TOKEN_IDS] == completion.choices[0].model_extra["token_ids"]
+    assert streaming_span.attributes[semconv.REQUEST_MODEL] == "fake-model"
+
+
+# --- hooking and unhooking ----------------------------------------------------------------------------------
+
+
+def test_instrumenting_twice_equals_once(client, fake_openai, instrumentor, sink, rollout):
+    assert instrumentor.instrument()
+    other = OpenAIInstrumentor()
+    other.instrument()
+    try:
+        with rollout() as scope:
+            client.chat.completions.create(model="fake-model", messages=MESSAGES)
+            list(client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True))
+            client.responses.create(model="fake-model", input="hi")
+        assert len(sink.of(scope.rollout_id)) == len(fake_openai.requests) == 3
+    finally:
+        other.uninstrument()
+
+
+def test_uninstrument_restores_the_exact_original_functions(fake_openai, sink, rollout):
+    agl.instrumentation.uninstrument()
+    originals = {cls: vars(cls)["create"] for cls in (Completions, AsyncCompletions, Responses, AsyncResponses)}
+    inst = OpenAIInstrumentor()
+    inst.instrument()
+    for cls, original in originals.items():
+        assert vars(cls)["create"] is not original and cls.create.__wrapped__ is original
+    inst.uninstrument()
+    for cls, original in originals.items():
+        assert vars(cls)["create"] is original
+    assert Completions.create is originals[Completions]
+    with rollout() as scope:
+        openai.OpenAI(base_url=fake_openai.base_url, api_key="x").chat.completions.create(
+            model="fake-model", messages=MESSAGES
+        )
+    assert sink.of(scope.rollout_id) == [] and sent_token_id_flags(fake_openai) == [None]
+
+
+async def test_exactly_one_llm_span_per_http_request(client, aclient, fake_openai, sink, rollout):
+    with rollout() as scope:
+        for _ in range(3):
+            client.chat.completions.create(model="fake-model", messages=MESSAGES)
+        list(client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True))
+        await aclient.chat.completions.create(model="fake-model", messages=MESSAGES)
+        await asyncio.gather(*(aclient.responses.create(model="fake-model", input="hi") for _ in range(3)))
+    spans = sink.of(scope.rollout_id)
+    assert len(spans) == len(fake_openai.requests) == 8
+    assert len({s.attributes[semconv.RESPONSE_ID] for s in spans}) == 8  # one span per distinct answer
+
+
+def test_spans_outside_rollouts_are_not_stored(client, fake_openai, sink):
+    before = get_tracer().stats().unscoped
+    completion = client.chat.completions.create(model="fake-model", messages=MESSAGES)
+    assert get_tracer().flush(10)
+    assert get_tracer().stats().unscoped == before + 1
+    assert not [s for s in sink.spans if s.attributes.get(semconv.RESPONSE_ID) == completion.id]
+
+
+def test_suppressed_llm_span_gets_the_attributes_instead_of_a_second_span(client, fake_openai, sink, rollout):
+    with rollout() as scope:
+        with get_tracer().span("adapter model call", "llm"), llm_span_already_open():
+            completion = client.chat.completions.create(model="fake-model", messages=MESSAGES)
+    (span,) = sink.of(scope.rollout_id)
+    assert span.name == "adapter model call"
+    assert span.attributes[semconv.REQUEST_MODEL] == "fake-model"
+    assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == completion.choices[0].model_extra["token_ids"]
+    assert json.loads(span.attributes[semconv.INPUT_MESSAGES]) == MESSAGES
+
+
+# --- concurrency --------------------------------------------------------------------------------------------
+
+
+def test_concurrent_rollouts_in_threads_land_in_their_own_rollouts(client, fake_openai, sink, rollout):
+    ids = ["ro-thread-a", "ro-thread-b"]
+    barrier = threading.Barrier(2)
+
+    def run(rollout_id: str) -> None:
+        messages = [{"role": "user", "content": rollout_id}]
+        with rollout(rollout_id):
+            barrier.wait()
+            ask = propagate(lambda: client.chat.completions.create(model="fake-model", messages=messages))
+            with ThreadPoolExecutor(2) as pool:
+                for future in [pool.submit(ask) for _ in range(3)]:
+                    future.result()
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rid in ids:
+        spans = sink.of(rid)
+        assert len(spans) == 3
+        assert all(json.loads(s.attributes[semconv.INPUT_MESSAGES])[0]["content"] == rid for s in spans)
+        assert sorted(s.sequence_id for s in spans) == [0, 1, 2]
+
+
+async def test_concurrent_rollouts_in_asyncio_tasks_land_in_their_own_rollouts(aclient, fake_openai, sink, rollout):
+    async def run(rollout_id: str) -> None:
+        with rollout(rollout_id):
+            for _ in range(2):
+                await aclient.chat.completions.create(
+                    model="fake-model", messages=[{"role": "user", "content": rollout_id}]
+                )
+                await asyncio.sleep(0)
+
+    ids = ["ro-task-a", "ro-task-b"]
+    await asyncio.gather(*(asyncio.create_task(run(rid)) for rid in ids))
+    for rid in ids:
+        spans = sink.of(rid)
+        assert len(spans) == 2
+        assert all(json.loads(s.attributes[semconv.INPUT_MESSAGES])[0]["content"] == rid for s in spans)
+
+
+def test_a_failure_reported_inside_a_responses_stream_marks_the_span(sink, rollout):
+    """``response.failed`` arrives as an event, not an exception (the fake server cannot send one)."""
+    failed = SimpleNamespace(
+        id="resp_1",
+        model="fake-model",
+        status="failed",
+        usage=None,
+        output=[],
+        incomplete_details=None,
+        error=SimpleNamespace(code="server_error", message="the model crashed"),
+    )
+    with rollout() as scope:
+        call, _ = openai_client._begin("responses", {"model": "fake-model", "input": "hi", "stream": True}, None)
+        accumulator = openai_streams.ResponsesStreamAccumulator(with_logprobs=False)
+        accumulator.add(SimpleNamespace(type="response.failed", response=failed))
+        call.end_stream(accumulator, None)
+    (span,) = sink.of(scope.rollout_id)
+    assert span.status == "error" and span.error == "the model crashed"
+    assert span.attributes[semconv.ERROR_TYPE] == "server_error"
+    assert span.attributes[semconv.RESPONSE_ID] == "resp_1"

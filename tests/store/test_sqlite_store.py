@@ -1,0 +1,211 @@
+"""What only the SQLite store promises: several processes, persistence, pickling, the doorbell; and open_store."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+from agl.errors import AglError, UnsupportedStoreError
+from agl.store import EnqueueRequest, InMemoryLightningStore, SqliteLightningStore, open_store
+from agl.store.doorbell import Doorbell
+from agl.types import LLM, RolloutConfig
+
+fork = multiprocessing.get_context("fork")
+
+
+def _claim_all(store: SqliteLightningStore, runner: int, out: Path, start: Any) -> None:
+    """Child process: claim (in batches of 1 to 3) and complete until the queue is empty."""
+    claimed: List[str] = []
+    start.wait(30)  # all children race from the same moment
+    while True:
+        batch = store.dequeue_many(f"runner-{runner}", 1 + len(claimed) % 3)
+        if not batch:
+            break
+        for rollout in batch:
+            assert rollout.attempt is not None
+            store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
+            claimed.append(rollout.rollout_id)
+    out.write_text("\n".join(claimed))
+
+
+def test_processes_never_claim_the_same_rollout(sqlite_store: SqliteLightningStore, tmp_path: Path) -> None:
+    ids = {r.rollout_id for r in sqlite_store.enqueue_many([EnqueueRequest(input=i) for i in range(200)])}
+    sqlite_store.get_rollout(next(iter(ids)))  # the parent holds an open connection across the fork
+    outs = [tmp_path / f"claimed-{i}.txt" for i in range(3)]
+    start = fork.Event()
+    procs = [fork.Process(target=_claim_all, args=(sqlite_store, i, out, start)) for i, out in enumerate(outs)]
+    for proc in procs:
+        proc.start()
+    start.set()
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0
+    claimed = [line for out in outs for line in out.read_text().split("\n") if line]
+    assert len(claimed) == len(set(claimed)) == 200 and set(claimed) == ids
+    stats = sqlite_store.stats()
+    assert stats.rollouts["succeeded"] == 200 and stats.attempts == 200
+
+
+def _dequeue_and_report(store: SqliteLightningStore, out: Path) -> None:
+    rollout = store.dequeue_rollout("child", timeout=60)
+    out.write_text(rollout.rollout_id if rollout else "none")
+
+
+def _wait_for_bell(bell: Doorbell, count: int = 1) -> None:
+    deadline = time.monotonic() + 30
+    while not (os.path.isdir(bell.directory) and len(os.listdir(bell.directory)) >= count):
+        assert time.monotonic() < deadline, "the child never started waiting"
+        time.sleep(0.01)
+
+
+def test_enqueue_wakes_a_waiter_in_another_process(sqlite_store: SqliteLightningStore, tmp_path: Path) -> None:
+    out = tmp_path / "woken.txt"
+    child = fork.Process(target=_dequeue_and_report, args=(sqlite_store, out))
+    child.start()
+    _wait_for_bell(Doorbell(sqlite_store.path, "queue"))
+    rollout = sqlite_store.enqueue_rollout("wake up")
+    child.join(60)
+    assert child.exitcode == 0 and out.read_text() == rollout.rollout_id
+    assert os.listdir(Doorbell(sqlite_store.path, "queue").directory) == [], "the waiter removed its socket"
+
+
+def _complete_later(store: SqliteLightningStore) -> None:
+    rollout = store.dequeue_rollout("child")
+    assert rollout is not None and rollout.attempt is not None
+    time.sleep(0.2)
+    store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=0.5)
+
+
+def test_completion_in_another_process_wakes_wait_for_rollouts(sqlite_store: SqliteLightningStore) -> None:
+    rollout = sqlite_store.enqueue_rollout("x")
+    child = fork.Process(target=_complete_later, args=(sqlite_store,))
+    child.start()
+    (done,) = sqlite_store.wait_for_rollouts([rollout.rollout_id], timeout=60)
+    child.join(60)
+    assert child.exitcode == 0 and (done.status, done.final_reward) == ("succeeded", 0.5)
+
+
+def test_waiter_killed_with_sigkill_leaves_nothing_behind(sqlite_store: SqliteLightningStore, tmp_path: Path) -> None:
+    bell = Doorbell(sqlite_store.path, "queue")
+    child = fork.Process(target=_dequeue_and_report, args=(sqlite_store, tmp_path / "never.txt"))
+    child.start()
+    _wait_for_bell(bell)
+    assert child.pid is not None
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(30)
+    assert len(os.listdir(bell.directory)) == 1, "a killed waiter cannot clean up its socket"
+    sqlite_store.enqueue_rollout("x")  # the writer's ring finds the dead socket and removes it
+    assert os.listdir(bell.directory) == []
+    assert sqlite_store.dequeue_rollout("runner-1") is not None
+
+
+def test_doorbell_rings_listeners_and_skips_stale_sockets(tmp_path: Path) -> None:
+    bell = Doorbell(str(tmp_path / "x.db"), "test")
+    bell.ring()  # nobody ever listened: a no-op
+    with bell.listen() as listener:
+        stale = os.path.join(bell.directory, "999999999-0")
+        dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        dead.bind(stale)
+        dead.close()  # the file stays, as after kill -9
+        ringer = threading.Timer(0.1, bell.ring)
+        ringer.start()
+        assert listener.wait(30)
+        ringer.join()
+        assert not os.path.exists(stale)
+        bell.ring()
+        bell.ring()
+        assert listener.wait(30)
+        assert not listener.wait(0.01), "both rings were drained by the first wait"
+    assert os.listdir(bell.directory) == []
+
+
+def test_data_survives_close_and_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "nested" / "store.db"
+    with SqliteLightningStore(path) as store:
+        update = store.add_resources({"llm": LLM(endpoint="http://x/v1", model="m")})
+        store.enqueue_many([EnqueueRequest(input={"i": i}, config=RolloutConfig(max_attempts=2)) for i in range(3)])
+        rollout = store.dequeue_rollout("runner-1")
+        assert rollout is not None and rollout.attempt is not None
+        store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "failed", error="boom")
+        before = (store.query_rollouts(), store.query_attempts(rollout.rollout_id), store.stats())
+    with SqliteLightningStore(path) as store:
+        assert (store.query_rollouts(), store.query_attempts(rollout.rollout_id), store.stats()) == before
+        assert store.get_resources() == update
+        assert [r.input for r in store.dequeue_many("runner-2", 3)] == [{"i": 1}, {"i": 2}, {"i": 0}]
+
+
+def test_store_pickles_as_its_path(sqlite_store: SqliteLightningStore) -> None:
+    rollout = sqlite_store.enqueue_rollout("x")
+    data = pickle.dumps(sqlite_store)
+    assert len(data) < 500
+    clone = pickle.loads(data)
+    assert clone.path == sqlite_store.path and clone.get_rollout(rollout.rollout_id) == rollout
+    clone.close()
+
+
+def test_threads_that_end_do_not_leak_connections(sqlite_store: SqliteLightningStore) -> None:
+    rollout = sqlite_store.enqueue_rollout("x")
+    for _ in range(20):
+        thread = threading.Thread(target=sqlite_store.get_rollout, args=(rollout.rollout_id,))
+        thread.start()
+        thread.join()
+    sqlite_store.get_rollout(rollout.rollout_id)
+    assert len(sqlite_store._conns) <= 2  # this thread's, and at most the last thread's
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "store.db"
+    SqliteLightningStore(path).close()
+    import sqlite3
+
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    with pytest.raises(AglError, match="newer agl"):
+        SqliteLightningStore(path)
+
+
+# -- open_store --------------------------------------------------------------------------------------------
+
+
+def test_open_store_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("AGL_STORE", raising=False)
+    assert isinstance(open_store("memory"), InMemoryLightningStore)
+    assert isinstance(open_store("memory://"), InMemoryLightningStore)
+    default = open_store(None)
+    assert isinstance(default, SqliteLightningStore) and default.path == str(tmp_path / ".agl" / "store.db")
+    assert open_store("runs/a.db").path == str(tmp_path / "runs" / "a.db")  # type: ignore[attr-defined]
+    assert open_store("sqlite:///b.sqlite").path == str(tmp_path / "b.sqlite")  # type: ignore[attr-defined]
+    assert open_store(f"sqlite:///{tmp_path}/c.db").path == str(tmp_path / "c.db")  # type: ignore[attr-defined]
+    monkeypatch.setenv("AGL_STORE", str(tmp_path / "env.db"))
+    assert open_store().path == str(tmp_path / "env.db")  # type: ignore[attr-defined]
+    monkeypatch.setenv("AGL_STORE", "memory")
+    assert isinstance(open_store(), InMemoryLightningStore)
+
+
+@pytest.mark.parametrize(
+    "url, match",
+    [
+        ("http://localhost:4747", "agl store serve"),
+        ("https://store.example", "agl store serve"),
+        ("postgresql://u@h/db", "PostgreSQL"),
+    ],
+)
+def test_open_store_names_backends_not_there_yet(url: str, match: str) -> None:
+    with pytest.raises(UnsupportedStoreError, match=match) as info:
+        open_store(url)
+    assert isinstance(info.value, NotImplementedError) and isinstance(info.value, AglError)
+
+
+@pytest.mark.parametrize("url", ["memroy", "store.json", "sqlite://", "sqlite:///:memory:", "redis://x"])
+def test_open_store_refuses_what_it_cannot_tell(url: str) -> None:
+    with pytest.raises(ValueError, match="memory"):
+        open_store(url)

@@ -1,0 +1,90 @@
+"""Code written for Agent Lightning (the seeds' snippets) runs with `import agl` in its place."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+import agl
+
+
+class LitQAAgent(agl.LitAgent[dict]):
+    """Shaped like the seeds' LitSQLAgent: resources["main_llm"], get_base_url(rollout, attempt)."""
+
+    def __init__(self, max_turns: int):
+        super().__init__()
+        self.max_turns = max_turns
+
+    def rollout(self, task: dict, resources: agl.NamedResources, rollout: agl.Rollout) -> float:
+        llm: agl.LLM = resources["main_llm"]
+        client = OpenAI(base_url=llm.get_base_url(rollout.rollout_id, rollout.attempt.attempt_id), api_key="x")
+        reply = client.chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": task["question"]}], **llm.sampling_parameters
+        )
+        return 1.0 if task["question"] in reply.choices[0].message.content else 0.0
+
+
+@pytest.fixture()
+def instrumented():
+    agl.instrument()
+    yield
+    agl.uninstrument()
+
+
+def test_seed_style_dev_run(tmp_path, fake_openai, instrumented):
+    trainer = agl.Trainer(
+        n_runners=1,
+        store=str(tmp_path / "s.db"),
+        initial_resources={
+            "main_llm": agl.LLM(endpoint=fake_openai.base_url, model="gpt-4.1-nano", sampling_parameters={"temperature": 0.7})
+        },
+        progress=False,
+    )
+    rows = trainer.dev(LitQAAgent(max_turns=3), dev_dataset=[{"question": "q1"}, {"question": "q2"}], print_table=False)
+    assert [r.reward for r in rows] == [1.0, 1.0]
+    assert all(r["body"]["temperature"] == 0.7 for r in fake_openai.requests)
+
+
+def test_seed_style_fit_with_the_deprecated_n_workers(tmp_path, fake_openai, instrumented):
+    with pytest.warns(DeprecationWarning, match="n_runners"):
+        trainer = agl.Trainer(
+            n_workers=2,
+            store=str(tmp_path / "s.db"),
+            adapter={"agent_match": "write|rewrite"},
+            initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+            progress=False,
+        )
+    assert trainer.n_runners == 2 and trainer.adapter == {"agent_match": "write|rewrite"}
+    result = trainer.fit(LitQAAgent(max_turns=1), train_dataset=[{"question": "a"}], val_dataset=[{"question": "b"}])
+    assert [r.mode for r in result["train"]] == ["train"] and [r.mode for r in result["val"]] == ["val"]
+    assert all(r.status == "succeeded" for r in result["train"] + result["val"])
+
+
+def test_proxy_llm_routes_by_rollout_and_plain_llm_does_not():
+    proxy = agl.ProxyLLM(endpoint="http://host:9999/v1", model="m")
+    assert proxy.get_base_url("ro-1", "at-1") == "http://host:9999/rollout/ro-1/attempt/at-1/v1"
+    assert proxy.get_base_url() == "http://host:9999/v1"
+    assert agl.LLM(endpoint="http://host/v1/", model="m").get_base_url("ro-1", "at-1") == "http://host/v1"
+
+
+def test_decorated_function_with_llm_argument(tmp_path, fake_openai, instrumented):
+    @agl.rollout
+    def agent(task, llm: agl.LLM):
+        client = OpenAI(base_url=llm.get_base_url(), api_key="x")
+        client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task}])
+        agl.emit_reward(0.5)
+
+    trainer = agl.Trainer(
+        store="memory",
+        runner_mode="thread",
+        initial_resources={"main_llm": {"endpoint": fake_openai.base_url, "model": "m"}},
+        progress=False,
+    )
+    (row,) = trainer.dev(agent, ["hello"], print_table=False)
+    assert row.reward == 0.5 and row.llm_calls == 1
+
+
+def test_in_memory_store_refuses_process_runners():
+    trainer = agl.Trainer(store="memory", progress=False)
+    with pytest.raises(ValueError, match="runner_mode='thread'"):
+        trainer.dev(agl.rollout(lambda task: 1), [1])

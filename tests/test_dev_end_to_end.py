@@ -1,0 +1,133 @@
+"""The issue's acceptance run: a plain-Python agent (openai client, one tool) with agl.instrument(),
+run by Trainer.dev on 5 tasks with 2 runner processes against the local server, leaves in SQLite one llm
+span per request with messages, tool calls and token ids (also for a streamed call), tool spans and
+reward spans; `agl inspect` prints the tree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import OpenAI
+
+import agl
+from agl import semconv
+from agl.cli import main as agl_main
+from agl.store import SqliteLightningStore
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+
+
+@agl.tool
+def add(a: float, b: float) -> float:
+    return a + b
+
+
+@agl.rollout
+def adder(task, llm):
+    client = OpenAI(base_url=llm.get_base_url(), api_key="x")
+    messages = [{"role": "user", "content": task["question"]}]
+    first = client.chat.completions.create(model=llm.model, messages=messages, tools=TOOLS)
+    call = first.choices[0].message.tool_calls[0]
+    result = add(**json.loads(call.function.arguments))
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": f"{result:g}"},
+    ]
+    stream = client.chat.completions.create(model=llm.model, messages=messages, stream=True)
+    answer = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    agl.emit_reward(1.0 if str(task["answer"]) in answer else 0.0)
+
+
+@pytest.fixture()
+def instrumented():
+    agl.instrument()
+    yield
+    agl.uninstrument()
+
+
+def test_dev_with_two_runner_processes_leaves_complete_spans_in_sqlite(tmp_path, fake_openai, instrumented, capsys):
+    db = tmp_path / "dev.db"
+    tasks = [{"id": f"t{i}", "question": f"What is {i} plus {i + 10}?", "answer": 2 * i + 10} for i in range(5)]
+    trainer = agl.Trainer(
+        n_runners=2,
+        store=str(db),
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
+        progress=False,
+    )
+    rows = trainer.dev(adder, tasks)
+    out = capsys.readouterr().out
+    assert "agl dev: rollouts" in out
+
+    assert [r.task_id for r in rows] == [f"t{i}" for i in range(5)]
+    assert all(r.status == "succeeded" and r.reward == 1.0 for r in rows)
+    chat_requests = [r for r in fake_openai.requests if r["path"].endswith("/chat/completions")]
+    assert len(chat_requests) == 10
+    # the trainer asked for token ids inside training rollouts
+    assert all(r["body"].get("return_token_ids") is True for r in chat_requests)
+
+    store = SqliteLightningStore(db)  # a fresh connection: what is on disk
+    runners = set()
+    llm_total = 0
+    for row in rows:
+        spans = store.query_spans(row.rollout_id)
+        rollout = store.get_rollout(row.rollout_id)
+        runners.add(rollout.attempt.runner_id)
+        llm = [s for s in spans if s.kind == "llm"]
+        llm_total += len(llm)
+        assert len(llm) == 2 and row.llm_calls == 2
+        plain, streamed = sorted(llm, key=lambda s: s.sequence_id)
+        assert streamed.attributes[semconv.LLM_STREAM] is True
+        for span in llm:
+            messages = json.loads(span.attributes[semconv.INPUT_MESSAGES])
+            assert messages[0]["content"] == tasks[int(row.task_id[1:])]["question"]
+            prompt_ids = span.attributes[semconv.PROMPT_TOKEN_IDS]
+            response_ids = span.attributes[semconv.RESPONSE_TOKEN_IDS]
+            assert prompt_ids and response_ids
+        assert json.loads(plain.attributes[semconv.OUTPUT_MESSAGES])[0]["tool_calls"][0]["function"]["name"] == "add"
+        assert "add" in fake_openai.tokenizer.decode(plain.attributes[semconv.RESPONSE_TOKEN_IDS])
+        assert "The answer is" in fake_openai.tokenizer.decode(streamed.attributes[semconv.RESPONSE_TOKEN_IDS])
+        (tool,) = [s for s in spans if s.kind == "tool"]
+        assert tool.attributes[semconv.TOOL_NAME] == "add"
+        (reward,) = [s for s in spans if s.kind == "reward"]
+        assert reward.attributes[semconv.REWARD_VALUE] == 1.0
+        root = [s for s in spans if s.parent_id is None]
+        assert [s.name for s in root] == ["agl.rollout"]
+    assert llm_total == len(chat_requests)  # exactly one llm span per HTTP request
+    assert len(runners) >= 1
+
+    assert agl_main(["inspect", rows[0].rollout_id, "--store", str(db)]) == 0
+    tree = capsys.readouterr().out
+    assert "[agent] agl.rollout" in tree and "[llm] chat fake-model" in tree
+    assert "[tool] execute_tool add" in tree and "reward=1" in tree and "tokens=" in tree
+    store.close()
+
+
+def test_cli_store_listing(tmp_path, fake_openai, instrumented, capsys):
+    db = tmp_path / "dev.db"
+    trainer = agl.Trainer(
+        n_runners=1,
+        store=str(db),
+        runner_mode="thread",
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
+        progress=False,
+    )
+    rows = trainer.dev(adder, [{"question": "What is 1 plus 2?", "answer": 3}], print_table=False)
+    assert agl_main(["store", "rollouts", "--store", str(db)]) == 0
+    listing = capsys.readouterr().out
+    assert rows[0].rollout_id in listing and "succeeded" in listing
+    assert agl_main(["inspect", "ro-doesnotexist", "--store", str(db)]) == 2
+    assert "unknown rollout id" in capsys.readouterr().err

@@ -1,0 +1,257 @@
+"""Emitters, the reward rule, @agl.rollout argument matching and the Runner, on a real SQLite store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+import agl
+from agl import semconv
+from agl.runner import Runner
+from agl.store import SqliteLightningStore
+
+
+@pytest.fixture()
+def store(tmp_path):
+    s = SqliteLightningStore(tmp_path / "store.db")
+    yield s
+    s.close()
+
+
+def run_one(store, agent, task_input=None, **runner_kwargs):
+    store.add_resources({"main_llm": agl.LLM(endpoint="http://127.0.0.1:9/v1", model="m")})
+    rollout = store.enqueue_rollout(task_input if task_input is not None else {"q": 1})
+    runner = Runner(agent, store, **runner_kwargs)
+    try:
+        claimed = store.dequeue_rollout(runner.runner_id)
+        return runner.run_rollout(claimed)
+    finally:
+        runner.close()
+
+
+def rewards_of(store, rollout_id):
+    return [s for s in store.query_spans(rollout_id) if s.kind == "reward"]
+
+
+def test_returned_reward_is_the_episode_reward_and_gets_one_span(store):
+    done = run_one(store, agl.rollout(lambda task: 0.75))
+    assert done.status == "succeeded" and done.final_reward == 0.75
+    spans = rewards_of(store, done.rollout_id)
+    assert [s.attributes[semconv.REWARD_SOURCE] for s in spans] == ["returned"]
+
+
+def test_reward_returned_and_emitted_is_counted_once(store):
+    def agent(task):
+        agl.emit_reward(1.0)
+        return 1.0
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.final_reward == 1.0
+    spans = rewards_of(store, done.rollout_id)
+    # only the emitted span: the returned value is the same reward, not a second one
+    assert len(spans) == 1
+    assert spans[0].attributes[semconv.REWARD_SCOPE] == "episode"
+
+
+def test_returned_reward_wins_over_a_different_emitted_one(store, caplog):
+    def agent(task):
+        agl.emit_reward(0.2)
+        return 0.9
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.final_reward == 0.9
+    assert "using the returned value" in caplog.text
+
+
+def test_emitted_reward_alone_is_the_episode_reward(store):
+    def agent(task):
+        agl.emit_reward(0.1)
+        agl.emit_reward({"accuracy": 0.5, "format": 1.0}, primary="accuracy")
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.final_reward == 0.5
+    named = rewards_of(store, done.rollout_id)[-1]
+    assert json.loads(named.attributes[semconv.REWARD_DIMENSIONS]) == {"accuracy": 0.5, "format": 1.0}
+    assert named.attributes[semconv.REWARD_PRIMARY] == "accuracy"
+
+
+def test_step_rewards_inside_an_operation_are_not_episode_rewards(store):
+    def agent(task):
+        with agl.operation("write_query") as op:
+            op.set_input(task)
+            agl.emit_reward(0.3)
+            op.set_output("SELECT 1")
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.final_reward is None
+    spans = store.query_spans(done.rollout_id)
+    (reward,) = [s for s in spans if s.kind == "reward"]
+    (op,) = [s for s in spans if s.name == semconv.SPAN_OPERATION]
+    assert reward.attributes[semconv.REWARD_SCOPE] == "step"
+    assert reward.parent_id == op.span_id
+    assert op.attributes[semconv.OPERATION_OUTPUT] == "SELECT 1"  # strings stay strings
+
+
+@pytest.mark.parametrize(
+    "value, primary, message",
+    [
+        ({"a": 1.0, "b": 2.0}, None, "say which one is the primary"),
+        ({"a": 1.0}, "b", "not one of the reward dimensions"),
+        ("high", None, "must be a number"),
+        ({}, None, "empty dict"),
+    ],
+)
+def test_bad_rewards_say_what_is_wrong(value, primary, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        agl.emit_reward(value, primary=primary)
+
+
+def test_emitters_record_messages_objects_and_handled_exceptions(store):
+    def agent(task):
+        agl.emit_message("thinking")
+        agl.emit_object({"plan": [1, 2]})
+        try:
+            raise KeyError("missing")
+        except KeyError as exc:
+            agl.emit_exception(exc)
+        return 1
+
+    done = run_one(store, agl.rollout(agent))
+    spans = {s.name: s for s in store.query_spans(done.rollout_id)}
+    assert spans[semconv.SPAN_MESSAGE].attributes[semconv.MESSAGE_BODY] == "thinking"
+    assert json.loads(spans[semconv.SPAN_OBJECT].attributes[semconv.OBJECT_JSON]) == {"plan": [1, 2]}
+    exc_span = spans[semconv.SPAN_EXCEPTION]
+    assert exc_span.status == "error" and exc_span.attributes[semconv.ERROR_TYPE] == "KeyError"
+
+
+def test_tool_decorator_records_arguments_results_and_errors(store):
+    @agl.tool
+    def divide(a, b):
+        return a / b
+
+    def agent(task):
+        divide(6, 3)
+        with pytest.raises(ZeroDivisionError):
+            divide(1, 0)
+        return 1
+
+    done = run_one(store, agl.rollout(agent))
+    tools = [s for s in store.query_spans(done.rollout_id) if s.kind == "tool"]
+    assert [json.loads(t.attributes[semconv.TOOL_CALL_ARGUMENTS]) for t in tools] == [{"a": 6, "b": 3}, {"a": 1, "b": 0}]
+    assert tools[0].attributes[semconv.TOOL_CALL_RESULT] == 2.0 and tools[0].status != "error"
+    assert tools[1].status == "error" and tools[1].attributes[semconv.ERROR_TYPE] == "ZeroDivisionError"
+
+
+def test_rollout_decorator_supplies_arguments_by_name(store):
+    seen = {}
+
+    def agent(task, llm, rollout, resources):
+        seen.update(task=task, model=llm.model, rollout_id=rollout.rollout_id, names=sorted(resources))
+        return 1
+
+    done = run_one(store, agl.rollout(agent), {"x": 2})
+    assert seen == {"task": {"x": 2}, "model": "m", "rollout_id": done.rollout_id, "names": ["main_llm"]}
+
+
+def test_rollout_decorator_rejects_arguments_it_cannot_supply():
+    with pytest.raises(TypeError, match="cannot supply"):
+        agl.rollout(lambda task, database: 1)
+
+
+def test_class_agent_validation_rollout_and_async(store):
+    class Agent(agl.LitAgent[dict]):
+        async def rollout(self, task, resources, rollout):
+            await asyncio.sleep(0)
+            return 0.25
+
+        def validation_rollout(self, task, resources, rollout):
+            return 0.5
+
+    assert run_one(store, Agent()).final_reward == 0.25
+    rollout = store.enqueue_rollout({"q": 2}, mode="val")
+    runner = Runner(Agent(), store)
+    done = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+    runner.close()
+    assert done.rollout_id == rollout.rollout_id and done.final_reward == 0.5
+
+
+def test_agent_exception_fails_the_rollout_with_the_error(store):
+    def agent(task):
+        raise RuntimeError("tool server is down")
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.status == "failed"
+    assert "RuntimeError: tool server is down" in done.error
+    root = [s for s in store.query_spans(done.rollout_id) if s.name == "agl.rollout"][0]
+    assert root.status == "error"
+
+
+def test_a_hung_agent_times_out_and_the_runner_moves_on(store):
+    release = threading.Event()
+
+    def agent(task):
+        if task["q"] == "hang":
+            release.wait(10)
+        return 1
+
+    store.add_resources({})
+    store.enqueue_rollout({"q": "hang"})
+    store.enqueue_rollout({"q": "fine"})
+    runner = Runner(agl.rollout(agent), store, rollout_timeout=0.2)
+    first = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+    second = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+    release.set()
+    runner.close()
+    assert first.status == "failed" and "timeout" in first.error
+    assert runner.stuck
+    assert second.status == "succeeded"
+
+
+def test_agent_sees_the_same_result_when_the_store_refuses_spans(store):
+    """A broken store must never change what the agent's own code sees or returns."""
+
+    class ClosedSink:
+        def add_spans(self, spans):
+            raise ConnectionError("store is down")
+
+    results = []
+
+    def agent(task):
+        with agl.operation("step"):
+            results.append(sum(range(10)))
+        return 1.0
+
+    runner = Runner(agl.rollout(agent), store, flush_timeout=0.3)
+    runner.tracer.set_store(ClosedSink())
+    try:
+        store.add_resources({})
+        store.enqueue_rollout({"q": 1})
+        done = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+    finally:
+        runner.tracer.set_store(store)
+        runner.close()
+    assert results == [45]
+    assert done.status == "succeeded" and done.final_reward == 1.0
+    assert runner.tracer.flush(5)  # the spans were kept and reach the store once it is back
+
+
+def test_spans_from_thread_pools_stay_in_their_rollout(store):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def agent(task):
+        with ThreadPoolExecutor(2) as pool:
+            futures = [agl.submit(pool, agl.emit_message, f"m{i}") for i in range(4)]
+            [f.result() for f in futures]
+        return 1
+
+    done = run_one(store, agl.rollout(agent))
+    spans = store.query_spans(done.rollout_id)
+    root = [s for s in spans if s.name == "agl.rollout"][0]
+    messages = [s for s in spans if s.name == semconv.SPAN_MESSAGE]
+    assert len(messages) == 4
+    assert all(m.parent_id == root.span_id for m in messages)
+    assert sorted(s.sequence_id for s in spans) == list(range(len(spans)))

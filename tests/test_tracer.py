@@ -1,0 +1,180 @@
+"""The tracer: own provider, rollout stamping, background batching, bounded queue, flush, fork."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+from opentelemetry import trace as otel_trace
+
+import agl
+from agl import semconv
+from agl.context import rollout_scope
+from agl.tracer import Tracer
+
+
+class ListSink:
+    def __init__(self):
+        self.spans = []
+        self.calls = 0
+        self.threads = set()
+
+    def add_spans(self, spans):
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        self.spans.extend(spans)
+        return len(spans)
+
+
+@pytest.fixture()
+def tracer():
+    t = Tracer(max_queue=1000, batch_size=64)
+    sink = ListSink()
+    t.set_store(sink)
+    yield t, sink
+    t.processor.shutdown()
+
+
+def test_agl_never_replaces_the_global_tracer_provider():
+    before = otel_trace.get_tracer_provider()
+    agl.instrument()
+    try:
+        assert otel_trace.get_tracer_provider() is before
+        assert agl.get_tracer().provider is not before
+    finally:
+        agl.uninstrument()
+
+
+def test_spans_are_stamped_with_rollout_and_written_off_thread(tracer):
+    t, sink = tracer
+    with rollout_scope("ro-1", "at-1"):
+        with t.span("outer", "agent", {semconv.AGENT_NAME: "writer"}) as outer:
+            with t.span("inner", "tool"):
+                pass
+            t.set_deferred(outer, {semconv.INPUT_MESSAGES: [{"role": "user", "content": "hi"}], semconv.PROMPT_TOKEN_IDS: [1, 2, 3]})
+    assert t.flush(5)
+    assert sink.threads == {"agl-span-writer"}
+    inner, outer = sorted(sink.spans, key=lambda s: s.name)
+    assert (outer.rollout_id, outer.attempt_id, outer.sequence_id) == ("ro-1", "at-1", 0)
+    assert inner.sequence_id == 1 and inner.parent_id == outer.span_id and inner.trace_id == outer.trace_id
+    assert outer.kind == "agent" and inner.kind == "tool"
+    assert outer.attributes[semconv.PROMPT_TOKEN_IDS] == [1, 2, 3]
+    assert json.loads(outer.attributes[semconv.INPUT_MESSAGES]) == [{"role": "user", "content": "hi"}]
+    assert outer.end_time >= outer.start_time > 0
+
+
+def test_spans_outside_rollouts_are_counted_not_stored(tracer):
+    t, sink = tracer
+    with t.span("loose", "chain"):
+        pass
+    assert t.flush(5)
+    assert sink.spans == [] and t.stats().unscoped == 1
+
+
+def test_queue_overflow_is_counted_and_warned(caplog):
+    t = Tracer(max_queue=10, batch_size=1000)  # no store yet: spans wait in the queue
+    with rollout_scope("ro-1", "at-1"):
+        for i in range(25):
+            with t.span(f"s{i}", "chain"):
+                pass
+    stats = t.stats()
+    assert stats.enqueued == 10 and stats.dropped == 15
+    assert "queue is full" in caplog.text
+    sink = ListSink()
+    t.set_store(sink)
+    assert t.flush(5)
+    assert len(sink.spans) == 10
+    t.processor.shutdown()
+
+
+def test_exceptions_mark_spans_as_errors_and_propagate(tracer):
+    t, sink = tracer
+    with rollout_scope("ro-1", "at-1"):
+        with pytest.raises(ValueError, match="bad"):
+            with t.span("failing", "tool"):
+                raise ValueError("bad")
+    assert t.flush(5)
+    (span,) = sink.spans
+    assert span.status == "error" and span.error == "ValueError: bad"
+    assert span.attributes[semconv.ERROR_TYPE] == "ValueError"
+    assert any(e.name == "exception" for e in span.events)
+
+
+def test_store_errors_are_retried_and_nothing_is_lost(tracer):
+    t, sink = tracer
+    failures = {"left": 2}
+    real = sink.add_spans
+
+    def flaky(spans):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("store restarting")
+        return real(spans)
+
+    sink.add_spans = flaky
+    with rollout_scope("ro-1", "at-1"):
+        for i in range(5):
+            with t.span(f"s{i}", "chain"):
+                pass
+    assert t.flush(10)
+    assert sorted(s.name for s in sink.spans) == [f"s{i}" for i in range(5)]
+    assert t.stats().export_errors == 2
+
+
+def test_store_rejections_are_dropped_with_a_count(tracer):
+    from agl.errors import UnknownRolloutError
+
+    t, sink = tracer
+
+    def refuse(spans):
+        raise UnknownRolloutError("ro-gone")
+
+    sink.add_spans = refuse
+    with rollout_scope("ro-gone", "at-1"):
+        with t.span("s", "chain"):
+            pass
+    assert t.flush(5)
+    assert t.stats().rejected == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+def test_a_forked_child_gets_a_fresh_writer(tracer, tmp_path):
+    t, _ = tracer
+    with rollout_scope("ro-1", "at-1"):
+        with t.span("parent-span", "chain"):
+            pass
+    out = tmp_path / "child.txt"
+    pid = os.fork()
+    if pid == 0:  # child: its own queue and thread; the parent's spans are not re-sent
+        try:
+            sink = ListSink()
+            t.set_store(sink)
+            with rollout_scope("ro-2", "at-1"):
+                with t.span("child-span", "chain"):
+                    pass
+            ok = t.flush(5)
+            out.write_text(f"{ok} {[s.name for s in sink.spans]}")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert out.read_text() == "True ['child-span']"
+
+
+def test_a_value_that_cannot_be_encoded_is_marked_and_the_writer_goes_on(tracer):
+    t, sink = tracer
+
+    def broken():
+        raise RuntimeError("payload builder failed")
+
+    with rollout_scope("ro-1", "at-1"):
+        with t.span("bad", "llm") as span:
+            t.set_deferred(span, {semconv.OUTPUT_MESSAGES: broken})
+        with t.span("good", "llm") as span:
+            t.set_deferred(span, {semconv.OUTPUT_MESSAGES: lambda: [{"role": "assistant"}], "x": {1, 2}})
+    assert t.flush(5)
+    bad, good = sink.spans
+    assert bad.attributes[semconv.OUTPUT_MESSAGES] == "agl-encode-error: RuntimeError: payload builder failed"
+    assert json.loads(good.attributes[semconv.OUTPUT_MESSAGES]) == [{"role": "assistant"}]
+    assert json.loads(good.attributes["x"]) == [1, 2]
