@@ -178,3 +178,23 @@ def test_a_value_that_cannot_be_encoded_is_marked_and_the_writer_goes_on(tracer)
     assert bad.attributes[semconv.OUTPUT_MESSAGES] == "agl-encode-error: RuntimeError: payload builder failed"
     assert json.loads(good.attributes[semconv.OUTPUT_MESSAGES]) == [{"role": "assistant"}]
     assert json.loads(good.attributes["x"]) == [1, 2]
+
+
+def test_a_span_the_store_refuses_is_dropped_alone_and_its_batch_is_kept(tmp_path):
+    from agl.store import SqliteLightningStore
+
+    store = SqliteLightningStore(tmp_path / "s.db")
+    rollout = store.enqueue_rollout({"q": 1})
+    attempt = store.dequeue_rollout("r1").attempt
+    t = Tracer(batch_size=100)
+    with rollout_scope(rollout.rollout_id, attempt.attempt_id):
+        for name in ("a", "bad", "c"):
+            with t.span(name, "chain") as span:
+                if name == "bad":  # passes the tracer's quick number-list check, fails JSON in the store
+                    t.set_deferred(span, {"weird": [1, object(), 2]})
+    t.set_store(store)
+    assert t.flush(5)
+    assert sorted(s.name for s in store.query_spans(rollout.rollout_id)) == ["a", "c"]
+    assert t.stats().rejected == 1 and t.stats().exported == 2
+    t.processor.shutdown()
+    store.close()

@@ -175,11 +175,15 @@ def record_usage(input_tokens: Optional[int], output_tokens: Optional[int], defe
 
 
 def record_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any]) -> None:
-    """Token id lists go to the writer by reference (it copies them); the source says whether they came."""
+    """Token ids go to the writer as tuples; the source says whether the server sent them.
+
+    A tuple of ints is dropped from the garbage collector's tracking, a list is not: thousands of queued
+    lists of token ids would make every full collection on the agent's thread walk each id.
+    """
     if prompt_ids is not None:
-        deferred[semconv.PROMPT_TOKEN_IDS] = prompt_ids
+        deferred[semconv.PROMPT_TOKEN_IDS] = tuple(prompt_ids)
     if response_ids is not None:
-        deferred[semconv.RESPONSE_TOKEN_IDS] = response_ids
+        deferred[semconv.RESPONSE_TOKEN_IDS] = tuple(response_ids)
     present = prompt_ids is not None or response_ids is not None
     deferred[semconv.TOKEN_IDS_SOURCE] = "server" if present else "absent"
 
