@@ -1,23 +1,51 @@
-"""Test sessions, each in its own virtualenv: `nox -l` lists them, `nox -s NAME` runs one.
+"""Test sessions, each in its own virtualenv. `nox -l` lists them; `nox -s NAME` runs one.
 
-- ``tests``: the core suite (what `.ci/run` runs, in the README's venv).
+- ``tests``: the core suite (no agent framework installed).
+- ``<framework>-<variant>``: one per file ``integrations/<framework>/requirements-<variant>.txt``
+  (``oldest`` = the oldest version agl supports, ``latest`` = the newest, plus any other line a framework
+  has). Each runs ``tests/integrations/test_<framework>.py`` with the real framework against agl's local
+  fake OpenAI-compatible server. Frameworks get separate venvs because their pins conflict (CrewAI needs
+  ``openai<3``, the OpenAI Agents SDK ``openai>=3``).
 - ``benchmarks``: prints the speed figures of benchmarks/ (figures, not pass/fail).
-Framework sessions (one per framework and version: oldest supported and latest) are added with the
-framework adapters; CrewAI and the OpenAI Agents SDK need separate venvs (openai<3 vs openai>=3).
+
+`nox -t ci` runs what CI runs: the core suite and every framework's latest line(s).
+`nox -t matrix` runs every framework session (oldest and latest); see docs/integrations.md.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
-nox.options.sessions = ["tests"]
 PYTHON = "3.11"
+ROOT = Path(__file__).parent
+nox.options.sessions = ["tests"]
+# torch is pinned to the CPU build that pip finds locally; a framework that pulls torch must not get CUDA.
+CONSTRAINTS = ["torch==2.13.0"]
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, tags=["ci"])
 def tests(session: nox.Session) -> None:
     session.install("-e", ".[dev]")
-    session.run("python", "-m", "pytest", "-q", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", "--ignore=tests/integrations", *session.posargs)
+
+
+def _framework_session(framework: str, requirements: Path) -> None:
+    def run(session: nox.Session) -> None:
+        session.env.update({"CREWAI_DISABLE_TELEMETRY": "true", "OPENAI_AGENTS_DISABLE_TRACING": "1"})
+        session.install("-e", ".[dev]", "-r", str(requirements.relative_to(ROOT)))
+        session.run("python", "-m", "pip", "check")
+        session.run("python", "-m", "pytest", "-q", f"tests/integrations/test_{framework}.py", *session.posargs)
+
+    variant = requirements.stem.removeprefix("requirements-")
+    tags = ["matrix", framework] + (["ci"] if variant.startswith("latest") else [])
+    run.__doc__ = f"{framework} adapter tests with {requirements.relative_to(ROOT)}"
+    nox.session(python=PYTHON, name=f"{framework}-{variant}", tags=tags)(run)
+
+
+for _req in sorted(ROOT.glob("integrations/*/requirements-*.txt")):
+    _framework_session(_req.parent.name, _req)
 
 
 @nox.session(python=PYTHON)

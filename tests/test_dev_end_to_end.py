@@ -131,3 +131,41 @@ def test_cli_store_listing(tmp_path, fake_openai, instrumented, capsys):
     assert rows[0].rollout_id in listing and "succeeded" in listing
     assert agl_main(["inspect", "ro-doesnotexist", "--store", str(db)]) == 2
     assert "unknown rollout id" in capsys.readouterr().err
+
+
+def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai, instrumented):
+    """Plain Python: the runner's root agent span is named after the function; nested agent spans
+    (here made with the adapter kit, as framework adapters do) take over inside."""
+    from agl.agent_match import select_llm_calls
+    from agl.instrumentation.framework import agent_span
+
+    @agl.rollout
+    def pipeline(task, llm):
+        client = OpenAI(base_url=llm.get_base_url(), api_key="x")
+        ask = lambda text: client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": text}])
+        ask("plan")
+        with agent_span("write_query", "test"):
+            ask("write")
+        with agent_span("check_query", "test"):
+            ask("check")
+        with agent_span("rewrite_query", "test"):
+            ask("rewrite")
+        return 1.0
+
+    store = SqliteLightningStore(tmp_path / "m.db")
+    trainer = agl.Trainer(
+        store=store,
+        runner_mode="thread",
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+        progress=False,
+    )
+    (row,) = trainer.dev(pipeline, [{"q": 1}], print_table=False)
+    spans = store.query_spans(row.rollout_id)
+
+    def asked(selected):
+        return [json.loads(s.attributes[semconv.INPUT_MESSAGES])[0]["content"] for s in selected]
+
+    assert asked(select_llm_calls(spans, None)) == ["plan", "write", "check", "rewrite"]
+    assert asked(select_llm_calls(spans, "write|rewrite")) == ["write", "rewrite"]
+    assert asked(select_llm_calls(spans, "^check")) == ["check"]
+    assert asked(select_llm_calls(spans, "^pipeline$")) == ["plan"]

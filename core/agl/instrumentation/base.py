@@ -89,9 +89,11 @@ class Instrumentor(abc.ABC):
                 return True
             problem = self.dependency_problem()
             if problem:
-                if not self._warned:
-                    self._warned = True
-                    logger.warning("agl: not instrumenting %s: %s", self.name, problem)
+                # A framework that is simply not installed is not worth a warning; one outside the supported
+                # range is, once.
+                log = logger.debug if problem.endswith("is not installed") or self._warned else logger.warning
+                self._warned = True
+                log("agl: not instrumenting %s: %s", self.name, problem)
                 return False
             self._instrument(**kwargs)
             self._active = True

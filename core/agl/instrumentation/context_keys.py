@@ -1,4 +1,4 @@
-"""OpenTelemetry context keys through which agl integrations coordinate.
+"""How agl integrations coordinate around the one ``llm`` span per model request.
 
 ``SUPPRESS_LLM_SPAN``: a framework adapter (LangChain, the Agents SDK, ...) that already opened an ``llm``
 span for a model request sets this key while it calls the OpenAI client underneath. The OpenAI
@@ -10,9 +10,10 @@ turns into one training sample.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator, List, Optional
 
 from opentelemetry import context as otel_context
+from opentelemetry.trace import Span
 
 SUPPRESS_LLM_SPAN = otel_context.create_key("agl.suppress_llm_span")
 
@@ -28,3 +29,38 @@ def llm_span_already_open() -> Iterator[None]:
         yield
     finally:
         otel_context.detach(token)
+
+
+# -- parent resolvers ----------------------------------------------------------------------------------------
+# Callback-style frameworks (LangChain) never make their run spans *current* (a missed detach in a callback
+# would leave a context attached forever), so the OpenAI client layer would parent its llm span to whatever
+# is current. Such an adapter registers a resolver instead: called when an llm span starts, it returns the
+# span that should be its parent (e.g. the span of the LangChain run that is calling the model), or None.
+
+ParentResolver = Callable[[], Optional[Span]]
+_resolvers: List[ParentResolver] = []
+
+
+def register_parent_resolver(resolver: ParentResolver) -> None:
+    if resolver not in _resolvers:
+        _resolvers.append(resolver)
+
+
+def unregister_parent_resolver(resolver: ParentResolver) -> None:
+    if resolver in _resolvers:
+        _resolvers.remove(resolver)
+
+
+def resolve_llm_parent() -> Optional[Span]:
+    """The parent an adapter asks for, or None (use the current context). Never raises."""
+    for resolver in _resolvers:
+        try:
+            parent = resolver()
+        except Exception as exc:  # noqa: BLE001 - an adapter bug must not break the user's call
+            from agl.instrumentation.safety import report_internal_error
+
+            report_internal_error("parent_resolver", exc)
+            continue
+        if parent is not None:
+            return parent
+    return None

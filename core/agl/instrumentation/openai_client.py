@@ -30,7 +30,7 @@ from opentelemetry.trace import StatusCode
 from agl import semconv
 from agl.context import current_scope
 from agl.instrumentation.base import Instrumentor
-from agl.instrumentation.context_keys import SUPPRESS_LLM_SPAN
+from agl.instrumentation.context_keys import SUPPRESS_LLM_SPAN, resolve_llm_parent
 from agl.instrumentation.openai_payloads import (
     CHAT,
     RESPONSES,
@@ -186,7 +186,8 @@ def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) 
             return LlmCall(api, span, False, deferred, kwargs), call_kwargs
     model = deferred.get(semconv.REQUEST_MODEL)
     prefix = _SPAN_PREFIX[api]
-    span = get_tracer().start_span(f"{prefix} {model}" if model else prefix, "llm")
+    parent = resolve_llm_parent()
+    span = get_tracer().start_span(f"{prefix} {model}" if model else prefix, "llm", parent=parent)
     return LlmCall(api, span, True, deferred, kwargs), call_kwargs
 
 
