@@ -30,7 +30,7 @@ logger = logging.getLogger("agl.runner")
 StopSignal = Union[threading.Event, Any, Callable[[], bool]]  # Any: a multiprocessing Event
 
 
-def agent_name_of(agent: Any) -> str:
+def rollout_agent_name(agent: Any) -> str:
     """The name under which a plain-Python agent's own LLM calls are matched by ``agent_match``."""
     fn = getattr(agent, "fn", None)
     return getattr(fn, "__name__", None) or type(agent).__name__
@@ -104,7 +104,7 @@ class Runner:
         self.request_token_ids = request_token_ids
         self.flush_timeout = flush_timeout
         self.stuck = False
-        self.agent_name = agent_name_of(agent)
+        self.agent_name = rollout_agent_name(agent)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-agent")
         self.tracer.set_store(store)
 
