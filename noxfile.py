@@ -22,7 +22,13 @@ PYTHON = "3.11"
 ROOT = Path(__file__).parent
 nox.options.sessions = ["tests"]
 # torch is pinned to the CPU build that pip finds locally; a framework that pulls torch must not get CUDA.
-CONSTRAINTS = ["torch==2.13.0"]
+CONSTRAINTS = "torch==2.13.0\n"
+
+
+def _constraints(session: nox.Session) -> str:
+    path = Path(session.create_tmp()) / "constraints.txt"
+    path.write_text(CONSTRAINTS)
+    return str(path)
 
 
 @nox.session(python=PYTHON, tags=["ci"])
@@ -34,7 +40,7 @@ def tests(session: nox.Session) -> None:
 def _framework_session(framework: str, requirements: Path) -> None:
     def run(session: nox.Session) -> None:
         session.env.update({"CREWAI_DISABLE_TELEMETRY": "true", "OPENAI_AGENTS_DISABLE_TRACING": "1"})
-        session.install("-e", ".[dev]", "-r", str(requirements.relative_to(ROOT)))
+        session.install("-c", _constraints(session), "-e", ".[dev]", "-r", str(requirements.relative_to(ROOT)))
         session.run("python", "-m", "pip", "check")
         session.run("python", "-m", "pytest", "-q", f"tests/integrations/test_{framework}.py", *session.posargs)
 

@@ -106,6 +106,7 @@ class Runner:
         self.stuck = False
         self.agent_name = rollout_agent_name(agent)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-agent")
+        self._thread_state = threading.local()
         self.tracer.set_store(store)
 
     # -- one rollout ---------------------------------------------------------------------------------------
@@ -161,11 +162,20 @@ class Runner:
             with self.tracer.span("agl.rollout", "agent", attrs):
                 result = self.agent.run(rollout.input, resources, rollout)
                 if inspect.isawaitable(result):
-                    result = asyncio.run(_await(result))
+                    result = self._event_loop().run_until_complete(_await(result))
                 returned = reward_from_result(result)
                 return self._episode_reward(returned, scope)
         finally:
             exit_scope(token)
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """One event loop per agent thread, kept across rollouts: SDK clients (httpx pools) created in one
+        rollout and collected in a later one would otherwise find their loop closed."""
+        loop = getattr(self._thread_state, "loop", None)
+        if loop is None or loop.is_closed():
+            loop = self._thread_state.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)  # for libraries that call get_event_loop() in the agent thread
+        return loop
 
     def _episode_reward(self, returned: Optional[float], scope: RolloutScope) -> Optional[float]:
         """Apply the reward rule of agl.emitters: the returned value wins; emitted ones are not added."""

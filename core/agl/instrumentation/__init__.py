@@ -30,10 +30,13 @@ def _instance(name: str, loader: Any) -> Optional[Instrumentor]:
     if name not in _instances:
         try:
             cls = loader() if callable(loader) else loader.load()
+            _instances[name] = cls()
         except ImportError as exc:
             logger.debug("agl integration %s is not importable: %s", name, exc)
             return None
-        _instances[name] = cls()
+        except Exception as exc:  # noqa: BLE001 - one broken adapter must not stop the others
+            logger.warning("agl integration %s could not be loaded and is skipped: %s", name, exc)
+            return None
     return _instances[name]
 
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib.metadata
 import logging
 import re
@@ -95,7 +96,13 @@ class Instrumentor(abc.ABC):
                 self._warned = True
                 log("agl: not instrumenting %s: %s", self.name, problem)
                 return False
-            self._instrument(**kwargs)
+            try:
+                self._instrument(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - a broken hook must not break the user's program
+                logger.warning("agl: instrumenting %s failed and was undone: %s", self.name, exc)
+                with contextlib.suppress(Exception):
+                    self._uninstrument()
+                return False
             self._active = True
             return True
 

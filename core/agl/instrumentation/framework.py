@@ -139,6 +139,37 @@ def start_tool_span(
     return span
 
 
+@contextlib.contextmanager
+def chain_span(name: str, framework: str, attributes: Optional[Mapping[str, Any]] = None) -> Iterator[otel_trace.Span]:
+    """The current span while a step that groups others runs (a team run, a task, a crew kickoff)."""
+    attrs: Dict[str, Any] = {semconv.FRAMEWORK: framework}
+    if attributes:
+        attrs.update(attributes)
+    with get_tracer().span(name, "chain", attrs) as span:
+        yield span
+
+
+def start_chain_span(
+    name: str,
+    framework: str,
+    *,
+    parent: Optional[otel_trace.Span] = None,
+    attributes: Optional[Mapping[str, Any]] = None,
+    start_time: Optional[int] = None,
+) -> otel_trace.Span:
+    """A ``chain`` span (a step that groups others) that is not made current."""
+    attrs: Dict[str, Any] = {semconv.FRAMEWORK: framework}
+    if attributes:
+        attrs.update(attributes)
+    return get_tracer().start_span(name, "chain", attrs, parent=parent, start_time=start_time)
+
+
+def mark_as_agent(span: otel_trace.Span, name: str, framework: str) -> None:
+    """Turn a started span into an agent span, for agents a framework reveals only after they started."""
+    span.update_name(f"invoke_agent {name}")
+    span.set_attributes({semconv.SPAN_KIND: "agent", **_agent_attributes(name, framework, None)})
+
+
 def set_tool_result(span: otel_trace.Span, result: Any) -> None:
     get_tracer().set_deferred(span, {semconv.TOOL_CALL_RESULT: result})
 
