@@ -315,6 +315,8 @@ class Tracer:
         ) as span:
             try:
                 yield span
+            except GeneratorExit:  # a generator closed early: not a failure
+                raise
             except BaseException as exc:
                 record_exception(span, exc)
                 raise

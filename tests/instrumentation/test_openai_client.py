@@ -612,3 +612,19 @@ def test_a_failure_reported_inside_a_responses_stream_marks_the_span(sink, rollo
     assert span.status == "error" and span.error == "the model crashed"
     assert span.attributes[semconv.ERROR_TYPE] == "server_error"
     assert span.attributes[semconv.RESPONSE_ID] == "resp_1"
+
+
+def test_structured_output_parse_is_one_llm_span(client, fake_openai, sink, rollout):
+    """`chat.completions.parse` does not go through `create`; it must still be traced, once."""
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        value: int
+
+    fake_openai.script(FakeReply(content='{"value": 42}'))
+    with rollout() as scope:
+        parsed = client.chat.completions.parse(model="fake-model", messages=MESSAGES, response_format=Answer)
+    assert parsed.choices[0].message.parsed == Answer(value=42)
+    (span,) = sink.of(scope.rollout_id)
+    assert span.kind == "llm" and span.attributes[semconv.RESPONSE_TOKEN_IDS]
+    assert len([r for r in fake_openai.requests if r["path"].endswith("/chat/completions")]) == 1

@@ -53,14 +53,16 @@ from agl.tracer import get_tracer, record_exception
 
 logger = logging.getLogger("agl.instrumentation")
 
-# (module, class, api, is_async): where ``create`` lives in openai 1.60 up to 3.x. The Responses API
-# appeared in openai 1.66; a class that is not there is skipped.
+# (module, class, api, is_async): where ``create`` (and the structured-output ``parse``, which does not go
+# through ``create``) live in openai 1.60 up to 3.x. The Responses API appeared in openai 1.66; a class or
+# method that is not there is skipped.
 _TARGETS: Tuple[Tuple[str, str, str, bool], ...] = (
     ("openai.resources.chat.completions", "Completions", CHAT, False),
     ("openai.resources.chat.completions", "AsyncCompletions", CHAT, True),
     ("openai.resources.responses", "Responses", RESPONSES, False),
     ("openai.resources.responses", "AsyncResponses", RESPONSES, True),
 )
+_METHODS = ("create", "parse")
 _SPAN_PREFIX = {CHAT: "chat", RESPONSES: "responses"}
 _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"  # set by with_raw_response ("true") / with_streaming_response
 _MARK = "_agl_openai_wrapper"  # on our wrapper functions, to recognise a class another instance hooked
@@ -272,16 +274,16 @@ def _hooked_by_agl(function: Any) -> bool:
     return False
 
 
-def _unwrap(cls: type, handle: Any) -> None:
-    """Put back exactly what ``create`` was; splice our wrapper out if someone wrapped on top of it."""
-    if vars(cls).get("create") is handle:
-        setattr(cls, "create", handle.__wrapped__)
+def _unwrap(cls: type, method: str, handle: Any) -> None:
+    """Put back exactly what the method was; splice our wrapper out if someone wrapped on top of it."""
+    if vars(cls).get(method) is handle:
+        setattr(cls, method, handle.__wrapped__)
         return
     unwrap_object = getattr(wrapt, "unwrap_object", None)  # wrapt >= 2
     if unwrap_object is None:
-        logger.warning("agl cannot unhook %s.create: another wrapper was put over it (upgrade wrapt)", cls.__name__)
+        logger.warning("agl cannot unhook %s.%s: another wrapper was put over it (upgrade wrapt)", cls.__name__, method)
         return
-    unwrap_object(cls, "create", handle, missing_ok=True)
+    unwrap_object(cls, method, handle, missing_ok=True)
 
 
 class OpenAIInstrumentor(Instrumentor):
@@ -298,25 +300,26 @@ class OpenAIInstrumentor(Instrumentor):
     def __init__(self) -> None:
         super().__init__()
         self.request_token_ids: Optional[bool] = None
-        self._hooks: List[Tuple[type, Any]] = []
+        self._hooks: List[Tuple[type, str, Any]] = []
 
     def _instrument(self, *, request_token_ids: Optional[bool] = None) -> None:
         self.request_token_ids = request_token_ids
         for module_name, class_name, api, is_async in _TARGETS:
             cls = _resolve(module_name, class_name)
-            if cls is None or "create" not in vars(cls):
-                logger.debug("agl: openai has no %s.%s.create here; not hooked", module_name, class_name)
-                continue
-            if _hooked_by_agl(vars(cls)["create"]):
-                continue  # another OpenAIInstrumentor already traces it: one span per request
-            make = _async_wrapper if is_async else _sync_wrapper
-            handle = wrapt.wrap_function_wrapper(cls, "create", make(api, self))
-            self._hooks.append((cls, handle))
+            for method in _METHODS:
+                if cls is None or method not in vars(cls):
+                    logger.debug("agl: openai has no %s.%s.%s here; not hooked", module_name, class_name, method)
+                    continue
+                if _hooked_by_agl(vars(cls)[method]):
+                    continue  # another OpenAIInstrumentor already traces it: one span per request
+                make = _async_wrapper if is_async else _sync_wrapper
+                handle = wrapt.wrap_function_wrapper(cls, method, make(api, self))
+                self._hooks.append((cls, method, handle))
 
     def _uninstrument(self) -> None:
         while self._hooks:
-            cls, handle = self._hooks.pop()
+            cls, method, handle = self._hooks.pop()
             try:
-                _unwrap(cls, handle)
+                _unwrap(cls, method, handle)
             except Exception as exc:  # noqa: BLE001 - unhooking must not raise into the user's shutdown
                 report_internal_error("openai.uninstrument", exc)
