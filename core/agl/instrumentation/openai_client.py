@@ -19,6 +19,7 @@ If a framework adapter already opened an ``llm`` span for the request (see
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -90,6 +91,8 @@ class LlmCall:
         """The call returned: record the response and end the span, or hand back a proxied stream."""
         reasons: List[str] = []
         try:
+            if self.raw is not None and self.stream:
+                return RawStreamResponse(result, self, is_async)  # the span ends with the parsed stream
             if self.raw is not None:
                 reasons = self._record_raw(result)
             elif self.stream:
@@ -132,9 +135,9 @@ class LlmCall:
     def _record_raw(self, result: Any) -> List[str]:
         """``with_raw_response``: its ``parse()`` caches, so parsing here costs the user nothing later.
 
-        Raw streams and ``with_streaming_response`` bodies are left unread: reading them is the user's.
+        A ``with_streaming_response`` body is the user's to read: nothing is recorded from it.
         """
-        if self.raw != "true" or self.stream:
+        if self.raw != "true":
             return []
         parsed = result.parse()
         if self.api == CHAT:
@@ -169,6 +172,43 @@ class LlmCall:
                 span.end()
             except Exception as exc:  # noqa: BLE001 - may run while the user's own exception propagates
                 report_internal_error("openai.end", exc)
+
+
+class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
+    """A raw response to a streamed request (``with_raw_response`` / ``with_streaming_response``, as the
+    Agents SDK streams the Responses API): ``parse()`` returns the stream, which is proxied like a plain
+    streamed call so the span gets the reassembled output and token ids. If the body is never parsed, the
+    span ends when the response is closed, with what the request said."""
+
+    def __init__(self, wrapped: Any, call: "LlmCall", is_async: bool) -> None:
+        super().__init__(wrapped)
+        self._self_call = call
+        self._self_is_async = is_async
+
+    def _self_proxied(self, stream: Any) -> Any:
+        try:
+            proxy = self._self_call._proxy_stream(stream, self._self_is_async)
+        except Exception as exc:  # noqa: BLE001
+            report_internal_error("openai.raw_stream", exc)
+            proxy = None
+        if proxy is None:
+            self._self_call.end_stream(None, None)
+            return stream
+        return proxy
+
+    def parse(self, *args: Any, **kwargs: Any) -> Any:
+        parsed = self.__wrapped__.parse(*args, **kwargs)
+        if self._self_is_async and inspect.isawaitable(parsed):
+            return self._self_parse_async(parsed)
+        return self._self_proxied(parsed)
+
+    async def _self_parse_async(self, parsed: Any) -> Any:
+        return self._self_proxied(await parsed)
+
+    def close(self) -> Any:
+        result = self.__wrapped__.close()
+        self._self_call.end_stream(None, None)  # no-op if the stream already ended the span
+        return result
 
 
 def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) -> Tuple[LlmCall, Dict[str, Any]]:
