@@ -628,3 +628,20 @@ def test_structured_output_parse_is_one_llm_span(client, fake_openai, sink, roll
     (span,) = sink.of(scope.rollout_id)
     assert span.kind == "llm" and span.attributes[semconv.RESPONSE_TOKEN_IDS]
     assert len([r for r in fake_openai.requests if r["path"].endswith("/chat/completions")]) == 1
+
+
+def test_streamed_raw_responses_are_reassembled_when_parsed(client, fake_openai, sink, rollout):
+    """The Agents SDK streams the Responses API with with_streaming_response.create(stream=True) + parse()."""
+    with rollout() as scope:
+        with client.responses.with_streaming_response.create(model="fake-model", input="hi", stream=True) as raw:
+            events = [event.type for event in raw.parse()]
+        with client.chat.completions.with_streaming_response.create(
+            model="fake-model", messages=MESSAGES, stream=True
+        ) as raw:
+            text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    assert "response.completed" in events and text
+    responses_span, chat_span = sink.of(scope.rollout_id)
+    for span in (responses_span, chat_span):
+        assert span.attributes[semconv.LLM_STREAM] is True
+        assert span.attributes[semconv.PROMPT_TOKEN_IDS] and span.attributes[semconv.RESPONSE_TOKEN_IDS]
+    assert fake_openai.tokenizer.decode(chat_span.attributes[semconv.RESPONSE_TOKEN_IDS]) == text
