@@ -1,0 +1,317 @@
+"""agl's LangChain callback handler: LangChain runs -> agent / chain / tool spans, parented by run id.
+
+Why it looks like this:
+- Parents come from LangChain's ``run_id`` / ``parent_run_id``, kept in a thread-safe run table, never
+  from the ambient OpenTelemetry context: callbacks of parallel nodes and async tasks interleave, and a
+  handler that attached contexts would leak one on the first missed end event. So spans are started
+  explicitly (``start_*_span(parent=...)``) and never made current.
+- The OpenAI-client layer makes the one ``llm`` span per request. To nest it under the right node it asks
+  :meth:`AglCallbackHandler.llm_parent` (a parent resolver): LangChain keeps the config of the Runnable that
+  is calling the model in ``var_child_runnable_config``, whose callback manager names that run.
+- Every run is recorded, spanned or not, with its *anchor* (its own span or its nearest ancestor's), so a
+  run under a transparent one (a prompt, a sequence, a routing function) still finds its parent in O(1).
+- ``run_inline``: LangChain then calls it in the caller's thread and context, in event order, even from
+  async code (otherwise async managers run sync handlers in an executor thread).
+- Disabled by :meth:`disable` on uninstrument: callback managers built before keep a reference to it, so
+  it must become inert rather than be removed from every manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.runnables.config import var_child_runnable_config
+from opentelemetry import trace as otel_trace
+
+from agl import semconv
+from agl.instrumentation.framework import (
+    finish_span,
+    finish_tool,
+    mark_as_agent,
+    start_agent_span,
+    start_chain_span,
+    start_tool_span,
+)
+from agl.instrumentation.safety import report_internal_error
+from agl.integrations.langchain._runs import (
+    ParentInfo,
+    SpanPlan,
+    agent_name_in_effect,
+    plan_chain_run,
+    run_name,
+)
+from agl.tracer import get_tracer
+
+FRAMEWORK = "langchain"
+F = TypeVar("F", bound=Callable[..., Any])
+
+# LangGraph raises these to pause or redirect a graph (interrupt(), Command(graph=PARENT)): control
+# flow, not failures, so the runs they unwind are not marked as errors.
+_CONTROL_FLOW_ERRORS = frozenset({"GraphBubbleUp", "GraphInterrupt", "ParentCommand", "NodeInterrupt"})
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One live LangChain run as agl tracks it."""
+
+    span: Optional[otel_trace.Span]  # the run's own span, if it got one
+    anchor: Optional[otel_trace.Span]  # own span, else the nearest ancestor's: the parent of what runs inside
+    info: ParentInfo  # what its child runs' naming decisions need
+    name: str = ""  # the run's name, for a chain span that turns out to be an agent
+    is_agent: bool = False
+
+
+def _callback(fn: F) -> F:
+    """Every callback: a no-op once disabled, and an error in agl's code is reported, never raised."""
+    site = f"langchain.{fn.__name__}"
+
+    @functools.wraps(fn)
+    def wrapper(self: "AglCallbackHandler", *args: Any, **kwargs: Any) -> Any:
+        if not self.enabled:
+            return None
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - LangChain would only log it; we count it too
+            report_internal_error(site, exc)
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class AglCallbackHandler(BaseCallbackHandler):
+    """Added (inheritable) to every LangChain callback manager by :class:`LangChainInstrumentor`."""
+
+    run_inline = True
+    raise_error = False
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._runs: Dict[UUID, _Run] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def disable(self) -> None:
+        """Become inert; end the spans of runs still open so none is left unfinished in the tracer."""
+        self.enabled = False
+        with self._lock:
+            runs, self._runs = list(self._runs.values()), {}
+        for run in runs:
+            if run.span is not None:
+                with contextlib.suppress(Exception):
+                    run.span.end()
+
+    def llm_parent(self) -> Optional[otel_trace.Span]:
+        """Parent resolver for the OpenAI-client layer: the span of the LangChain run calling the model."""
+        if not self.enabled:
+            return None
+        config = var_child_runnable_config.get()
+        manager = config.get("callbacks") if config else None
+        run_id = getattr(manager, "parent_run_id", None)
+        run = self._get(run_id)
+        return _innermost(run.anchor) if run is not None else None
+
+    # -- chains (graphs, nodes, agents, sequences...) --------------------------------------------------------
+    @_callback
+    def on_chain_start(
+        self,
+        serialized: Optional[Dict[str, Any]],
+        inputs: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: Optional[UUID] = None,
+        tags: Optional[List[str]] = None,
+        metadata: Optional[Dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
+        parent = self._get(parent_run_id)
+        name = run_name(kwargs.get("name"), serialized, "chain")
+        plan = plan_chain_run(name, serialized, tags, metadata, parent.info if parent else None)
+        span = self._start_planned(plan, parent) if plan is not None else None
+        info = ParentInfo(agent_name_in_effect(metadata), plan is not None and plan.named_agent)
+        self._put(run_id, span, parent, info, name, plan is not None and plan.kind == "agent")
+
+    @_callback
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._pop(run_id)
+        if run is not None and run.span is not None:
+            finish_span(run.span)
+
+    @_callback
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._pop(run_id)
+        if run is not None and run.span is not None:
+            finish_span(run.span, None if _is_control_flow(error) else error)
+
+    @_callback
+    def on_agent_action(self, action: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._promote_to_agent(run_id)
+
+    @_callback
+    def on_agent_finish(self, finish: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._promote_to_agent(run_id)
+
+    def _promote_to_agent(self, run_id: UUID) -> None:
+        """A classic ``AgentExecutor`` reports its actions on its own run, which the start event could not
+        tell apart from any chain (no class, any run name): its chain span becomes an agent span named after
+        the run. Calls it made before its first action already hang under that span, so they move with it."""
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None or run.span is None or run.is_agent:
+                return
+            self._runs[run_id] = replace(run, is_agent=True)
+        mark_as_agent(run.span, run.name, FRAMEWORK)
+
+    # -- tools ------------------------------------------------------------------------------------------------
+    @_callback
+    def on_tool_start(
+        self,
+        serialized: Optional[Dict[str, Any]],
+        input_str: str,
+        *,
+        run_id: UUID,
+        parent_run_id: Optional[UUID] = None,
+        metadata: Optional[Dict[str, Any]] = None,
+        inputs: Optional[Dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
+        parent = self._get(parent_run_id)
+        name = str((serialized or {}).get("name") or kwargs.get("name") or "tool")
+        arguments = dict(inputs) if inputs is not None else input_str  # a snapshot: encoded later
+        span = start_tool_span(
+            name, FRAMEWORK, arguments, call_id=kwargs.get("tool_call_id"), parent=_parent_of(parent)
+        )
+        self._put(run_id, span, parent, ParentInfo(agent_name_in_effect(metadata), False))
+
+    @_callback
+    def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._pop(run_id)
+        if run is None or run.span is None:
+            return
+        result, call_id = _tool_output(output)
+        if call_id:  # langchain-core before langchain-ai/langchain#34235 gives none at start; the ToolMessage has it
+            run.span.set_attribute(semconv.TOOL_CALL_ID, call_id)
+        finish_tool(run.span, result)
+
+    @_callback
+    def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._pop(run_id)
+        if run is not None and run.span is not None:
+            finish_tool(run.span, error=error)
+
+    # -- model and retriever runs: no span (the OpenAI layer makes the llm span), but kept in the run table
+    # so anything a custom model or retriever runs inside still finds its parent ------------------------------
+    @_callback
+    def on_chat_model_start(
+        self, serialized: Any, messages: Any, *, run_id: UUID, parent_run_id: Optional[UUID] = None, **kwargs: Any
+    ) -> None:
+        self._pass_through(run_id, parent_run_id)
+
+    @_callback
+    def on_llm_start(
+        self, serialized: Any, prompts: Any, *, run_id: UUID, parent_run_id: Optional[UUID] = None, **kwargs: Any
+    ) -> None:
+        self._pass_through(run_id, parent_run_id)
+
+    @_callback
+    def on_retriever_start(
+        self, serialized: Any, query: Any, *, run_id: UUID, parent_run_id: Optional[UUID] = None, **kwargs: Any
+    ) -> None:
+        self._pass_through(run_id, parent_run_id)
+
+    @_callback
+    def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._pop(run_id)
+
+    @_callback
+    def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._pop(run_id)
+
+    @_callback
+    def on_retriever_end(self, documents: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._pop(run_id)
+
+    @_callback
+    def on_retriever_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._pop(run_id)
+
+    # -- LangGraph graph lifecycle: dispatched to every handler of its graph callback managers ----------------
+    def on_interrupt(self, event: Any) -> None:
+        """LangGraph's interrupt event; the interrupted node's run already ends (without error status)."""
+
+    def on_resume(self, event: Any) -> None:
+        """LangGraph's resume event; the resumed nodes start new runs."""
+
+    # -- the run table ----------------------------------------------------------------------------------------
+    def _start_planned(self, plan: SpanPlan, parent: Optional[_Run]) -> otel_trace.Span:
+        start = start_agent_span if plan.kind == "agent" else start_chain_span
+        return start(plan.name, FRAMEWORK, parent=_parent_of(parent))
+
+    def _pass_through(self, run_id: UUID, parent_run_id: Optional[UUID]) -> None:
+        parent = self._get(parent_run_id)
+        self._put(run_id, None, parent, ParentInfo(parent.info.agent_name if parent else None, False))
+
+    def _put(
+        self,
+        run_id: UUID,
+        span: Optional[otel_trace.Span],
+        parent: Optional[_Run],
+        info: ParentInfo,
+        name: str = "",
+        is_agent: bool = False,
+    ) -> None:
+        anchor = span if span is not None else (parent.anchor if parent else None)
+        with self._lock:
+            self._runs[run_id] = _Run(span, anchor, info, name, is_agent)
+
+    def _get(self, run_id: Optional[UUID]) -> Optional[_Run]:
+        if run_id is None:
+            return None
+        with self._lock:
+            return self._runs.get(run_id)
+
+    def _pop(self, run_id: UUID) -> Optional[_Run]:
+        with self._lock:
+            return self._runs.pop(run_id, None)
+
+
+def _parent_of(parent: Optional[_Run]) -> Optional[otel_trace.Span]:
+    """The explicit parent for a new span; None means the ambient context (a root run, or see
+    :func:`_innermost`)."""
+    return _innermost(parent.anchor) if parent is not None else None
+
+
+def _innermost(anchor: Optional[otel_trace.Span]) -> Optional[otel_trace.Span]:
+    """``anchor``, unless an agent span opened inside that run is current (then None: the current context).
+
+    agl's LangChain spans are never current, so a current span that started after ``anchor`` was opened by
+    code running inside the run: if it is an agent (another adapter's, or ``agent_span``), the calls made
+    in it are that agent's and it must stay their parent. Any other span opened there (``agl.operation``,
+    ``@agl.tool``) hangs under the ambient context, not under ``anchor``: parenting an LLM call to it would
+    cut the call off from its node, so the node stays the parent.
+    """
+    if anchor is None:
+        return None
+    current = otel_trace.get_current_span()
+    if not current.is_recording() or (getattr(current, "attributes", None) or {}).get(semconv.SPAN_KIND) != "agent":
+        return anchor
+    current_start, anchor_start = getattr(current, "start_time", None), getattr(anchor, "start_time", None)
+    return None if current_start and anchor_start and current_start > anchor_start else anchor
+
+
+def _is_control_flow(error: BaseException) -> bool:
+    return any(cls.__name__ in _CONTROL_FLOW_ERRORS for cls in type(error).__mro__)
+
+
+def _tool_output(output: Any) -> Tuple[Any, Optional[str]]:
+    """What the model sees of a tool's output (a ToolMessage's content) and the call id it answers."""
+    content = getattr(output, "content", None)
+    if content is None:
+        return output, None
+    call_id = getattr(output, "tool_call_id", None)
+    return (list(content) if isinstance(content, list) else content), (call_id if isinstance(call_id, str) else None)

@@ -1,0 +1,219 @@
+"""The Agents SDK ``TracingProcessor`` that mirrors the SDK's spans as agl spans.
+
+The SDK reports every trace and span it makes to its registered processors, synchronously and in the
+task that runs the agent, which is the one extension point that sees handoffs, agents-as-tools and
+guardrails without patching. The mapping:
+
+- trace → ``chain`` span ``workflow <name>`` (groups one ``Runner.run`` or a user's ``trace()`` block);
+- ``AgentSpanData`` → ``agent`` span named by ``Agent.name``; it is made *current* (OpenTelemetry
+  context) while it is open, so the ``llm`` spans that agl's OpenAI-client layer makes for this agent's
+  model requests, and any span the user makes inside, nest under it;
+- ``FunctionSpanData`` → ``tool`` span (arguments, result, call id, error status), current as well;
+- ``HandoffSpanData`` / ``GuardrailSpanData`` → ``chain`` spans (from/to agents, triggered);
+- everything else (model ``Response``/``Generation`` spans, the SDK's task/turn/custom spans, MCP
+  listings) passes through: its children hang under the nearest mirrored ancestor. Model spans never
+  become ``llm`` spans; the client layer makes exactly one per HTTP request.
+
+Parents come from the SDK's ``parent_id`` (else the trace), not from the ambient context, so concurrent
+runs cannot cross. Making a span current follows the SDK exactly: the SDK marks these spans current right
+after ``on_span_start`` and resets them right after ``on_span_end`` in the same context, so our
+attach/detach pair nests the same way. A span the SDK ends from another context (an abandoned async
+generator finalized elsewhere) cannot be detached there; :class:`_Attachment` notices and leaves that
+foreign context alone instead of corrupting it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+from agents.tracing import (
+    AgentSpanData,
+    FunctionSpanData,
+    GuardrailSpanData,
+    HandoffSpanData,
+    Span,
+    SpanError,
+    Trace,
+    TracingProcessor,
+)
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import StatusCode
+
+from agl import semconv
+from agl.instrumentation.framework import finish_span, finish_tool, start_agent_span, start_tool_span
+from agl.instrumentation.safety import guarded
+from agl.integrations.openai_agents._tool_calls import ToolCall, requested_calls, take_call_id
+from agl.tracer import get_tracer
+
+FRAMEWORK = "openai_agents"
+HANDOFF_FROM = "openai_agents.handoff.from_agent"
+HANDOFF_TO = "openai_agents.handoff.to_agent"
+GUARDRAIL_TRIGGERED = "openai_agents.guardrail.triggered"
+TRACE_ID = "openai_agents.trace_id"
+
+# Set beside each OpenTelemetry attach: resetting it tells whether we are still in the context that made
+# the attach (a contextvar token is only valid there), before OpenTelemetry's own detach would log an error.
+_attach_owner: contextvars.ContextVar[bool] = contextvars.ContextVar("agl_openai_agents_attach", default=False)
+
+
+class _Attachment:
+    """Our span made current in the OpenTelemetry context of the task that started the SDK span."""
+
+    __slots__ = ("_otel_token", "_owner_token")
+
+    def __init__(self, span: otel_trace.Span) -> None:
+        self._owner_token = _attach_owner.set(True)
+        self._otel_token = otel_context.attach(otel_trace.set_span_in_context(span))
+
+    def release(self) -> None:
+        try:
+            _attach_owner.reset(self._owner_token)
+        except (ValueError, RuntimeError):
+            return  # another context (or released already): that context is not ours to change
+        otel_context.detach(self._otel_token)
+
+
+@dataclass
+class _Mirror:
+    """What one SDK span or trace is on agl's side.
+
+    ``owned`` mirrors were started here and end with the SDK span; pass-through ones reuse the nearest
+    mirrored ancestor's span and its list of pending tool calls (shared, so an agent's model answers and
+    its function spans meet there whatever SDK spans lie between them).
+    """
+
+    span: otel_trace.Span
+    owned: bool
+    trace_id: str
+    pending_calls: List[ToolCall] = field(default_factory=list)
+    attachment: Optional[_Attachment] = None
+
+
+class AglTracingProcessor(TracingProcessor):
+    """Registered beside the user's processors; ``enabled = False`` makes it ignore new traces and spans."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._mirrors: Dict[str, _Mirror] = {}  # SDK trace/span id -> mirror; single dict ops are atomic
+
+    # -- traces -------------------------------------------------------------------------------------------
+    @guarded("openai_agents.trace_start")
+    def on_trace_start(self, trace: Trace) -> None:
+        if not self.enabled:
+            return
+        span = get_tracer().start_span(
+            f"workflow {trace.name}", "chain", {semconv.FRAMEWORK: FRAMEWORK, TRACE_ID: trace.trace_id}
+        )
+        self._mirrors[trace.trace_id] = _Mirror(span, owned=True, trace_id=trace.trace_id)
+
+    @guarded("openai_agents.trace_end")
+    def on_trace_end(self, trace: Trace) -> None:
+        """Also ends the trace's spans the SDK left open (older SDKs never end the agent span of a
+        cancelled streamed run), so that none is lost from the store or kept here forever."""
+        for key, mirror in dict(self._mirrors).items():
+            if mirror.trace_id != trace.trace_id or self._mirrors.pop(key, None) is None or not mirror.owned:
+                continue
+            if mirror.attachment is not None:
+                mirror.attachment.release()
+            finish_span(mirror.span)
+
+    # -- spans --------------------------------------------------------------------------------------------
+    @guarded("openai_agents.span_start")
+    def on_span_start(self, span: Span[Any]) -> None:
+        if not self.enabled:
+            return
+        parent = self._mirrors.get(span.parent_id or span.trace_id)
+        start = _STARTERS.get(type(span.span_data))
+        if start is not None:
+            ours = start(span.span_data, parent.span if parent is not None else None)
+            self._mirrors[span.span_id] = _Mirror(ours, True, span.trace_id, attachment=_Attachment(ours))
+        elif parent is not None:
+            self._mirrors[span.span_id] = _Mirror(parent.span, False, span.trace_id, parent.pending_calls)
+
+    @guarded("openai_agents.span_end")
+    def on_span_end(self, span: Span[Any]) -> None:
+        mirror = self._mirrors.pop(span.span_id, None)
+        if mirror is None:
+            return
+        if mirror.attachment is not None:
+            mirror.attachment.release()
+        data = span.span_data
+        if not mirror.owned:
+            mirror.pending_calls.extend(requested_calls(data))
+            return
+        parent = self._mirrors.get(span.parent_id or span.trace_id)
+        if isinstance(data, FunctionSpanData):
+            _end_tool(mirror.span, data, span.error, parent)
+            return
+        if isinstance(data, HandoffSpanData):
+            _end_handoff(mirror.span, data)
+        elif isinstance(data, GuardrailSpanData):
+            mirror.span.set_attribute(GUARDRAIL_TRIGGERED, bool(data.triggered))
+        _mark_failed(mirror.span, span.error)
+        finish_span(mirror.span)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Nothing to release: agl's tracer is flushed by the runner, not by the SDK's exit hook."""
+
+    def force_flush(self) -> None:
+        """Nothing is buffered here: agl's tracer writes spans and ``agl`` flushes it at rollout end."""
+
+
+def _start_agent(data: AgentSpanData, parent: Optional[otel_trace.Span]) -> otel_trace.Span:
+    return start_agent_span(data.name, FRAMEWORK, parent=parent)
+
+
+def _start_tool(data: FunctionSpanData, parent: Optional[otel_trace.Span]) -> otel_trace.Span:
+    return start_tool_span(data.name, FRAMEWORK, parent=parent)
+
+
+def _start_handoff(data: HandoffSpanData, parent: Optional[otel_trace.Span]) -> otel_trace.Span:
+    attributes = {semconv.FRAMEWORK: FRAMEWORK, HANDOFF_FROM: data.from_agent or ""}
+    return get_tracer().start_span(f"handoff {data.from_agent}", "chain", attributes, parent=parent)
+
+
+def _start_guardrail(data: GuardrailSpanData, parent: Optional[otel_trace.Span]) -> otel_trace.Span:
+    return get_tracer().start_span(f"guardrail {data.name}", "chain", {semconv.FRAMEWORK: FRAMEWORK}, parent=parent)
+
+
+_STARTERS: Dict[type, Callable[[Any, Optional[otel_trace.Span]], otel_trace.Span]] = {
+    AgentSpanData: _start_agent,
+    FunctionSpanData: _start_tool,
+    HandoffSpanData: _start_handoff,
+    GuardrailSpanData: _start_guardrail,
+}
+
+
+def _end_tool(
+    span: otel_trace.Span, data: FunctionSpanData, error: Optional[SpanError], parent: Optional[_Mirror]
+) -> None:
+    """The SDK fills in arguments and output after the span starts, so they are read at its end."""
+    if data.input is not None:
+        get_tracer().set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: data.input})
+    if parent is not None:
+        call_id = take_call_id(parent.pending_calls, data.name, data.input)
+        if call_id:
+            span.set_attribute(semconv.TOOL_CALL_ID, call_id)
+    _mark_failed(span, error)
+    finish_tool(span, data.output)
+
+
+def _end_handoff(span: otel_trace.Span, data: HandoffSpanData) -> None:
+    """The target agent is known only once the handoff ran."""
+    if data.to_agent:
+        span.set_attribute(HANDOFF_TO, data.to_agent)
+        span.update_name(f"handoff {data.from_agent} -> {data.to_agent}")
+
+
+def _mark_failed(span: otel_trace.Span, error: Optional[SpanError]) -> None:
+    """The SDK reports failures as ``SpanError`` dicts, not exceptions: its message is the error class."""
+    if not error:
+        return
+    message = error.get("message") or "error"
+    detail = (error.get("data") or {}).get("error")
+    span.set_attribute(semconv.ERROR_TYPE, message)
+    span.set_status(StatusCode.ERROR, f"{message}: {detail}" if detail else message)

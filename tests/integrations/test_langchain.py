@@ -1,0 +1,587 @@
+"""The LangChain + LangGraph adapter, end to end: real LangChain/LangGraph, the real ``openai`` client under
+``ChatOpenAI``, agl's fake OpenAI server, spans read back from a real rollout (SQLite store or the tracer's
+sink). The span tree is what is asserted: which agent each llm span belongs to decides what LightningRL
+trains on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import openai
+import pytest
+
+pytest.importorskip("langchain_core")
+pytest.importorskip("langgraph")
+pytest.importorskip("langchain_openai")
+
+from langchain_core.callbacks import BaseCallbackHandler, CallbackManager  # noqa: E402
+from langchain_core.callbacks.base import BaseCallbackManager  # noqa: E402
+from langchain_core.messages import HumanMessage  # noqa: E402
+from langchain_core.runnables import RunnableLambda  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+from langchain_openai import ChatOpenAI  # noqa: E402
+from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
+from langgraph.prebuilt import ToolNode  # noqa: E402
+
+import agl  # noqa: E402
+import agl.instrumentation  # noqa: E402
+from agl import semconv  # noqa: E402
+from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
+from agl.instrumentation import context_keys  # noqa: E402
+from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
+from agl.instrumentation.safety import internal_error_count  # noqa: E402
+from agl.integrations.langchain import LangChainInstrumentor  # noqa: E402
+from agl.integrations.langchain._handler import AglCallbackHandler  # noqa: E402
+from agl.store import SqliteLightningStore  # noqa: E402
+from agl.testing import FakeOpenAIServer, FakeReply  # noqa: E402
+from agl.tracer import get_tracer  # noqa: E402
+from agl.types import Span  # noqa: E402
+
+with warnings.catch_warnings():  # LangGraph 1.x deprecates it in favour of langchain.agents.create_agent
+    warnings.simplefilter("ignore")
+    from langgraph.prebuilt import create_react_agent  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
+
+GENERATION_PATHS = ("/chat/completions", "/responses")
+
+
+@tool
+def add(a: float, b: float) -> float:
+    """Add two numbers."""
+    return a + b
+
+
+@tool
+def divide(a: float, b: float) -> float:
+    """Divide a by b."""
+    return a / b
+
+
+# -- fixtures and helpers --------------------------------------------------------------------------------------
+@pytest.fixture
+def instrumented() -> Iterator[LangChainInstrumentor]:
+    agl.instrumentation.uninstrument()  # a test elsewhere may have left agl.instrument() on
+    openai_inst, langchain_inst = OpenAIInstrumentor(), LangChainInstrumentor()
+    assert openai_inst.instrument() and langchain_inst.instrument()
+    yield langchain_inst
+    langchain_inst.uninstrument()
+    openai_inst.uninstrument()
+
+
+class ListSink:
+    """The smallest store: keeps every span it is given (for rollouts run without a Trainer)."""
+
+    def __init__(self) -> None:
+        self.spans: List[Span] = []
+
+    def add_spans(self, spans: List[Span]) -> None:
+        self.spans.extend(spans)
+
+    def of(self, rollout_id: str) -> List[Span]:
+        assert get_tracer().flush(10)
+        return sorted((s for s in self.spans if s.rollout_id == rollout_id), key=lambda s: s.sequence_id)
+
+
+@pytest.fixture
+def sink() -> Iterator[ListSink]:
+    tracer = get_tracer()
+    previous, sink = tracer.store, ListSink()
+    tracer.set_store(sink)
+    yield sink
+    tracer.flush(10)
+    tracer.set_store(previous)
+
+
+def model(base_url: str, **options: Any) -> ChatOpenAI:
+    # A fresh async HTTP client per model: langchain-openai caches a default one per base URL, which breaks
+    # once the event loop it was first used on (one asyncio.run per async rollout) is closed.
+    return ChatOpenAI(
+        base_url=base_url,
+        api_key="x",
+        model="fake-model",
+        max_retries=0,
+        http_async_client=openai.DefaultAsyncHttpxClient(),
+        **options,
+    )
+
+
+def run_dev(tmp_path: Any, fake_openai: FakeOpenAIServer, agent: Any, tasks: Sequence[Dict[str, Any]]) -> List[Any]:
+    """Run ``agent`` on ``tasks`` through Trainer.dev; (summary row, spans from SQLite) per task."""
+    db = tmp_path / f"{uuid.uuid4().hex[:6]}.db"
+    trainer = agl.Trainer(
+        store=str(db),
+        runner_mode="thread",
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
+        progress=False,
+    )
+    rows = trainer.dev(agent, list(tasks), print_table=False)
+    store = SqliteLightningStore(db)
+    try:
+        return [(row, store.query_spans(row.rollout_id)) for row in rows]
+    finally:
+        store.close()
+
+
+def generation_requests(fake_openai: FakeOpenAIServer) -> List[Dict[str, Any]]:
+    return [r for r in fake_openai.requests if r["path"].endswith(GENERATION_PATHS)]
+
+
+def of_kind(spans: Sequence[Span], kind: str) -> List[Span]:
+    return sorted((s for s in spans if s.kind == kind), key=lambda s: s.sequence_id)
+
+
+def agent_of(span: Span, spans: Sequence[Span]) -> Optional[str]:
+    return agent_name_of(span, {s.span_id: s for s in spans})
+
+
+def last_input_text(span: Span) -> str:
+    """The last message the model was sent, in either API's format."""
+    sent = json.loads(span.attributes[semconv.INPUT_MESSAGES])
+    messages = sent["input"] if isinstance(sent, dict) else sent
+    content = messages[-1].get("content") or messages[-1].get("output") or ""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def assert_one_tree(spans: Sequence[Span]) -> None:
+    """All spans of a rollout hang under one root: no span was parented into another rollout."""
+    ids = {s.span_id for s in spans}
+    roots = [s for s in spans if s.parent_id not in ids]
+    assert [r.name for r in roots] == [roots[0].name] and len(roots) == 1, [r.name for r in roots]
+
+
+def two_node_graph(base_url: str, streaming: bool = False) -> Any:
+    """``write_query`` calls the model with a tool until the tool answered; ``rewrite_query`` then calls it
+    once more. Two differently named LLM nodes and one tool node."""
+    llm = model(base_url, streaming=streaming)
+
+    def write_query(state: MessagesState) -> Dict[str, Any]:
+        return {"messages": [llm.bind_tools([add]).invoke(state["messages"])]}
+
+    def rewrite_query(state: MessagesState) -> Dict[str, Any]:
+        return {"messages": [llm.invoke(state["messages"] + [HumanMessage("rewrite the query")])]}
+
+    def after_write(state: MessagesState) -> str:
+        return "tools" if state["messages"][-1].tool_calls else "rewrite_query"
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("write_query", write_query)
+    graph.add_node("tools", ToolNode([add]))
+    graph.add_node("rewrite_query", rewrite_query)
+    graph.add_edge(START, "write_query")
+    graph.add_conditional_edges("write_query", after_write, ["tools", "rewrite_query"])
+    graph.add_edge("tools", "write_query")
+    graph.add_edge("rewrite_query", END)
+    return graph.compile()
+
+
+# -- the key one: agent_match selects exactly one node's LLM calls ---------------------------------------------
+def test_agent_match_selects_exactly_the_calls_of_the_chosen_node(tmp_path, fake_openai, instrumented):
+    @agl.rollout
+    def sql_app(task, llm):
+        out = two_node_graph(llm.get_base_url()).invoke({"messages": [HumanMessage(task["question"])]})
+        return 1.0 if "5" in out["messages"][-3].content else 0.0
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, sql_app, [{"question": "What is 2 plus 3?"}])
+    assert row.status == "succeeded" and row.reward == 1.0
+    llm_spans = of_kind(spans, "llm")
+    assert len(llm_spans) == len(generation_requests(fake_openai)) == 3
+
+    write = select_llm_calls(spans, "^write")
+    rewrite = select_llm_calls(spans, "^rewrite")
+    assert [last_input_text(s) for s in write] == ["What is 2 plus 3?", "5.0"]  # question, then tool result
+    assert [last_input_text(s) for s in rewrite] == ["rewrite the query"]
+    assert {s.span_id for s in write} | {s.span_id for s in rewrite} == {s.span_id for s in llm_spans}
+    assert len(select_llm_calls(spans, "write")) == 3  # re.search: "write" is also in "rewrite_query"
+    assert select_llm_calls(spans, "^tools$") == []
+
+    agents = [s.attributes[semconv.AGENT_NAME] for s in of_kind(spans, "agent")]
+    assert agents == ["sql_app", "write_query", "tools", "write_query", "rewrite_query"]
+    assert all(s.attributes[semconv.FRAMEWORK] == "langchain" for s in of_kind(spans, "agent")[1:])
+    (tool_span,) = of_kind(spans, "tool")
+    assert agent_of(tool_span, spans) == "tools"
+    assert json.loads(tool_span.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 2, "b": 3}
+    assert tool_span.attributes[semconv.TOOL_CALL_RESULT] == "5.0"
+    requested = json.loads(llm_spans[0].attributes[semconv.OUTPUT_MESSAGES])[0]["tool_calls"][0]["id"]
+    assert tool_span.attributes[semconv.TOOL_CALL_ID] == requested
+    (graph_span,) = of_kind(spans, "chain")  # LangGraph's plumbing (__start__, routing, writes) is not spanned
+    assert graph_span.name == "LangGraph"
+    assert_one_tree(spans)
+
+
+# -- a prebuilt agent: chat completions and Responses, plain and streamed, sync and async -----------------------
+MODES = {
+    "invoke": False,  # whether the model request is streamed
+    "ainvoke": False,
+    "stream": True,  # graph.stream(stream_mode="messages") makes the chat model stream
+    "astream": True,  # ChatOpenAI(streaming=True)
+}
+
+
+def _responses_supported() -> bool:
+    return "use_responses_api" in ChatOpenAI.model_fields
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_react_agent_spans(tmp_path, fake_openai, instrumented, api, mode):
+    if api == "responses" and not _responses_supported():
+        pytest.skip("this langchain-openai has no Responses API support")
+    options: Dict[str, Any] = {"use_responses_api": True} if api == "responses" else {}
+    if mode == "astream":
+        options["streaming"] = True
+
+    async def run_async(graph: Any, state: Dict[str, Any]) -> Any:
+        if mode == "ainvoke":
+            return await graph.ainvoke(state)
+        last = None
+        async for chunk in graph.astream(state, stream_mode="values"):
+            last = chunk
+        return last
+
+    def run(graph: Any, state: Dict[str, Any]) -> Any:
+        if mode == "invoke":
+            return graph.invoke(state)
+        if mode == "stream":
+            return list(graph.stream(state, stream_mode="messages"))
+        return asyncio.run(run_async(graph, state))
+
+    @agl.rollout
+    def calculator(task, llm):
+        graph = create_react_agent(model(llm.get_base_url(), **options), [add])
+        run(graph, {"messages": [HumanMessage(task["question"])]})
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, calculator, [{"question": "What is 4 plus 9?"}])
+    assert row.status == "succeeded", row.error
+    requests = generation_requests(fake_openai)
+    expected_path = "/responses" if api == "responses" else "/chat/completions"
+    assert [r["path"].endswith(expected_path) for r in requests] == [True, True]
+    assert [bool(r["body"].get("stream")) for r in requests] == [MODES[mode]] * 2
+
+    llm_spans = of_kind(spans, "llm")
+    assert len(llm_spans) == len(requests)  # exactly one llm span per HTTP request
+    for span in llm_spans:
+        assert agent_of(span, spans) == "agent"  # create_react_agent's model node
+        assert span.attributes[semconv.PROMPT_TOKEN_IDS] and span.attributes[semconv.RESPONSE_TOKEN_IDS]
+        assert span.attributes[semconv.LLM_STREAM] is MODES[mode]
+    answer = fake_openai.tokenizer.decode(llm_spans[-1].attributes[semconv.RESPONSE_TOKEN_IDS])
+    assert answer == "The answer is 13.0."
+    (tool_span,) = of_kind(spans, "tool")
+    assert tool_span.attributes[semconv.TOOL_NAME] == "add" and agent_of(tool_span, spans) == "tools"
+    assert json.loads(tool_span.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 4, "b": 9}
+    assert tool_span.attributes[semconv.TOOL_CALL_RESULT] == "13.0"
+    assert tool_span.attributes[semconv.TOOL_CALL_ID]
+    assert tool_span.status != "error"
+    assert_one_tree(spans)
+
+
+def test_tool_error_marks_the_tool_span(tmp_path, fake_openai, instrumented):
+    fake_openai.script(FakeReply(tool_calls=[{"name": "divide", "arguments": {"a": 1, "b": 0}}]))
+
+    @agl.rollout
+    def divider(task, llm):
+        tools = ToolNode([divide], handle_tool_errors=True)  # the error goes back to the model as a message
+        create_react_agent(model(llm.get_base_url()), tools).invoke({"messages": [HumanMessage(task["question"])]})
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, divider, [{"question": "What is 1 divided by 0?"}])
+    assert row.status == "succeeded", row.error
+    (tool_span,) = of_kind(spans, "tool")
+    assert tool_span.status == "error"
+    assert tool_span.attributes[semconv.ERROR_TYPE] == "ZeroDivisionError"
+    assert json.loads(tool_span.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 1, "b": 0}
+    assert semconv.TOOL_CALL_RESULT not in tool_span.attributes
+    assert len(of_kind(spans, "llm")) == 2  # the agent went on after the failed tool
+
+
+def test_node_error_marks_the_node_span(tmp_path, fake_openai, instrumented):
+    def broken(state: MessagesState) -> Dict[str, Any]:
+        raise RuntimeError("node failed")
+
+    @agl.rollout
+    def failing(task, llm):
+        graph = StateGraph(MessagesState)
+        graph.add_node("broken", broken)
+        graph.add_edge(START, "broken")
+        graph.compile().invoke({"messages": [HumanMessage("hi")]})
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, failing, [{"question": "x"}])
+    assert row.status == "failed"
+    node = next(s for s in of_kind(spans, "agent") if s.attributes[semconv.AGENT_NAME] == "broken")
+    assert node.status == "error" and node.attributes[semconv.ERROR_TYPE] == "RuntimeError"
+    assert of_kind(spans, "chain")[0].status == "error"
+
+
+def test_interrupt_and_resume_are_not_errors(fake_openai, instrumented, sink, caplog):
+    from langgraph.checkpoint.memory import MemorySaver
+    from langgraph.types import Command, interrupt
+
+    def ask(state: MessagesState) -> Dict[str, Any]:
+        return {"messages": [HumanMessage(f"approved: {interrupt('approve?')}")]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("ask", ask)
+    graph.add_edge(START, "ask")
+    app = graph.compile(checkpointer=MemorySaver())
+    config = {"configurable": {"thread_id": "t1"}}
+    errors_before = internal_error_count()
+    with agl.rollout_scope("ro-interrupt", "at-1"):
+        app.invoke({"messages": [HumanMessage("go")]}, config)
+        out = app.invoke(Command(resume="yes"), config)
+    assert out["messages"][-1].content == "approved: yes"
+    asks = [s for s in of_kind(sink.of("ro-interrupt"), "agent") if s.attributes[semconv.AGENT_NAME] == "ask"]
+    assert len(asks) == 2 and all(s.status != "error" for s in asks)  # paused, then resumed
+    assert internal_error_count() == errors_before
+    assert "AglCallbackHandler" not in caplog.text  # LangChain logs handler failures, e.g. a missing on_interrupt
+
+
+# -- named agents: create_agent(name=...) (LangChain 1.x) and AgentExecutor (LangChain 0.3) ----------------------
+def test_named_create_agents_own_their_llm_calls(tmp_path, fake_openai, instrumented):
+    agents_module = pytest.importorskip("langchain.agents")
+    if not hasattr(agents_module, "create_agent"):
+        pytest.skip("langchain.agents.create_agent needs langchain>=1.0")
+
+    @agl.rollout
+    def team(task, llm):
+        researcher = agents_module.create_agent(model(llm.get_base_url()), [add], name="researcher")
+        writer = agents_module.create_agent(model(llm.get_base_url()), [], name="writer")
+
+        def research(state: MessagesState) -> Dict[str, Any]:
+            return {"messages": researcher.invoke({"messages": state["messages"]})["messages"][-1:]}
+
+        def write(state: MessagesState) -> Dict[str, Any]:
+            return {"messages": writer.invoke({"messages": [HumanMessage("write it up")]})["messages"][-1:]}
+
+        graph = StateGraph(MessagesState)
+        graph.add_node("research", research)
+        graph.add_node("write", write)
+        graph.add_edge(START, "research")
+        graph.add_edge("research", "write")
+        graph.compile().invoke({"messages": [HumanMessage(task["question"])]})
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, team, [{"question": "What is 2 plus 2?"}])
+    assert row.status == "succeeded", row.error
+    assert [last_input_text(s) for s in select_llm_calls(spans, "^researcher$")] == ["What is 2 plus 2?", "4.0"]
+    assert [last_input_text(s) for s in select_llm_calls(spans, "^writer$")] == ["write it up"]
+    assert select_llm_calls(spans, "^model$") == []  # create_agent's own nodes are chain spans
+    (tool_span,) = of_kind(spans, "tool")
+    assert agent_of(tool_span, spans) == "researcher"
+    assert {s.name for s in of_kind(spans, "chain")} >= {"LangGraph", "model", "tools"}
+
+
+def test_agent_executor_is_an_agent_named_by_its_run_name(tmp_path, fake_openai, instrumented):
+    agents_module = pytest.importorskip("langchain.agents")
+    if not hasattr(agents_module, "AgentExecutor"):
+        pytest.skip("AgentExecutor moved to langchain-classic in langchain 1.0")
+    from langchain_core.prompts import ChatPromptTemplate
+
+    @agl.rollout
+    def classic(task, llm):
+        prompt = ChatPromptTemplate.from_messages([("human", "{input}"), ("placeholder", "{agent_scratchpad}")])
+        chat = model(llm.get_base_url())
+        agent = agents_module.create_tool_calling_agent(chat, [add], prompt)
+        executor = agents_module.AgentExecutor(agent=agent, tools=[add]).with_config(run_name="solver")
+        executor.invoke({"input": task["question"]})
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, classic, [{"question": "What is 3 plus 3?"}])
+    assert row.status == "succeeded", row.error
+    assert len(select_llm_calls(spans, "^solver$")) == len(generation_requests(fake_openai)) == 2
+    (tool_span,) = of_kind(spans, "tool")
+    assert agent_of(tool_span, spans) == "solver" and tool_span.attributes[semconv.TOOL_CALL_RESULT] == 6.0
+
+
+# -- concurrency: rollouts in threads and asyncio tasks, LangGraph's own thread pool ----------------------------
+def fan_out_graph(base_url: str) -> Any:
+    """Two LLM nodes in the same step: sync LangGraph runs them on its own thread pool."""
+    llm = model(base_url)
+
+    def node(prefix: str) -> Any:
+        def call(state: MessagesState) -> Dict[str, Any]:
+            return {"messages": [llm.invoke(f"{prefix}: {state['messages'][0].content}")]}
+
+        async def acall(state: MessagesState) -> Dict[str, Any]:
+            return {"messages": [await llm.ainvoke(f"{prefix}: {state['messages'][0].content}")]}
+
+        return RunnableLambda(call, afunc=acall)
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("left", node("left"))
+    graph.add_node("right", node("right"))
+    graph.add_edge(START, "left")
+    graph.add_edge(START, "right")
+    return graph.compile()
+
+
+def assert_rollout_isolated(spans: Sequence[Span], question: str) -> None:
+    llm_spans = of_kind(spans, "llm")
+    assert sorted(last_input_text(s) for s in llm_spans) == [f"left: {question}", f"right: {question}"]
+    for span in llm_spans:
+        assert agent_of(span, spans) == last_input_text(span).split(":")[0]  # its own node, in its rollout
+    assert_one_tree(spans)
+
+
+def test_concurrent_rollouts_in_threads_keep_their_spans(fake_openai, instrumented, sink):
+    fake_openai.script(*[FakeReply(delay=0.2) for _ in range(4)])  # the two rollouts overlap
+    graph = fan_out_graph(fake_openai.base_url)
+    ids = [f"ro-thread-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        futures = []
+        for rollout_id in ids:
+            with agl.rollout_scope(rollout_id, "at-1"), agl.operation("run"):
+                # agl.submit copies the rollout into the worker thread, as users hand work to their pools
+                futures.append(agl.submit(pool, graph.invoke, {"messages": [HumanMessage(rollout_id)]}))
+        for future in futures:
+            future.result()
+    for rollout_id in ids:
+        assert_rollout_isolated(sink.of(rollout_id), rollout_id)
+
+
+def test_concurrent_rollouts_in_asyncio_tasks_keep_their_spans(fake_openai, instrumented, sink):
+    fake_openai.script(*[FakeReply(delay=0.2) for _ in range(4)])
+    graph = fan_out_graph(fake_openai.base_url)
+
+    async def rollout(rollout_id: str) -> None:
+        with agl.rollout_scope(rollout_id, "at-1"), agl.operation("run"):
+            await graph.ainvoke({"messages": [HumanMessage(rollout_id)]})
+
+    async def main(ids: List[str]) -> None:
+        await asyncio.gather(*(rollout(i) for i in ids))
+
+    ids = [f"ro-async-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    asyncio.run(main(ids))
+    for rollout_id in ids:
+        assert_rollout_isolated(sink.of(rollout_id), rollout_id)
+
+
+def test_agent_spans_opened_inside_a_node_own_their_calls(fake_openai, instrumented, sink):
+    """Inside a node, an agent span of another adapter (or ``agent_span``) owns the LLM calls made in it;
+    a plain span (``agl.operation``) does not take a call away from its node."""
+    from agl.instrumentation.framework import agent_span
+
+    llm = model(fake_openai.base_url)
+
+    def plan(state: MessagesState) -> Dict[str, Any]:
+        with agl.operation("inner_step"):
+            first = llm.invoke("plan it")
+        with agent_span("critic", "custom"):
+            second = llm.invoke("critique it")
+        return {"messages": [first, second]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("plan", plan)
+    graph.add_edge(START, "plan")
+    with agl.rollout_scope("ro-inner", "at-1"):
+        graph.compile().invoke({"messages": [HumanMessage("go")]})
+    spans = sink.of("ro-inner")
+    assert [last_input_text(s) for s in select_llm_calls(spans, "^plan$")] == ["plan it"]
+    assert [last_input_text(s) for s in select_llm_calls(spans, "^critic$")] == ["critique it"]
+
+
+# -- instrumentor contract: idempotent, exact uninstrument, never raises ----------------------------------------
+class Recorder(BaseCallbackHandler):
+    """A user's own handler: must see every run whether agl is on or off."""
+
+    def __init__(self) -> None:
+        self.chains = 0
+
+    def on_chain_start(self, *args: Any, **kwargs: Any) -> None:
+        self.chains += 1
+
+
+def _run_graph(base_url: str, rollout_id: str, callbacks: Optional[List[Any]] = None) -> None:
+    config = {"callbacks": callbacks} if callbacks is not None else {}
+    with agl.rollout_scope(rollout_id, "at-1"):
+        two_node_graph(base_url).invoke({"messages": [HumanMessage("What is 1 plus 2?")]}, config)
+
+
+def test_instrumenting_twice_equals_once(fake_openai, sink):
+    agl.instrumentation.uninstrument()
+    openai_inst, langchain_inst = OpenAIInstrumentor(), LangChainInstrumentor()
+    try:
+        assert openai_inst.instrument() and langchain_inst.instrument()
+        _run_graph(fake_openai.base_url, "ro-once")
+        assert langchain_inst.instrument() and openai_inst.instrument()
+        _run_graph(fake_openai.base_url, "ro-twice")
+        manager = CallbackManager(handlers=[])
+        derived = [manager, manager.copy(), CallbackManager.configure(manager), manager.merge(manager)]
+        for each in derived:  # child managers copy their parent's handlers: still exactly one agl handler
+            assert [isinstance(h, AglCallbackHandler) for h in each.handlers] == [True]
+            assert [isinstance(h, AglCallbackHandler) for h in each.inheritable_handlers] == [True]
+    finally:
+        langchain_inst.uninstrument()
+        openai_inst.uninstrument()
+    once, twice = sink.of("ro-once"), sink.of("ro-twice")
+    assert len(once) == len(twice) == 9  # graph chain, 4 node agents, 1 tool, 3 llm
+    assert [(s.kind, s.name) for s in once] == [(s.kind, s.name) for s in twice]
+
+
+def test_uninstrument_restores_langchain_exactly(fake_openai, sink):
+    agl.instrumentation.uninstrument()
+    original_init = BaseCallbackManager.__dict__["__init__"]
+    resolvers_before = list(context_keys._resolvers)
+    openai_inst, langchain_inst = OpenAIInstrumentor(), LangChainInstrumentor()
+    user_handler = Recorder()
+    user_list = [user_handler]
+    assert openai_inst.instrument() and langchain_inst.instrument()
+    try:
+        assert BaseCallbackManager.__dict__["__init__"] is not original_init
+        kept = BaseCallbackManager(handlers=user_list, inheritable_handlers=user_list)  # built while hooked
+        assert user_list == [user_handler]  # the caller's list is not mutated
+        _run_graph(fake_openai.base_url, "ro-on", [user_handler])
+        seen_on = user_handler.chains
+        assert seen_on > 0 and len(sink.of("ro-on")) == 9
+    finally:
+        langchain_inst.uninstrument()
+    try:
+        assert BaseCallbackManager.__dict__["__init__"] is original_init
+        assert context_keys._resolvers == resolvers_before
+        assert BaseCallbackManager(handlers=[]).handlers == []
+        _run_graph(fake_openai.base_url, "ro-off", [user_handler])
+        assert user_handler.chains == 2 * seen_on  # the user's handler saw the same runs again
+        # only the OpenAI layer's spans remain, parented by ambient context, with no LangChain spans
+        assert [s.kind for s in sink.of("ro-off")] == ["llm", "llm", "llm"]
+        # a manager built while hooked still holds agl's handler, but it is inert now
+        (stale,) = [h for h in kept.handlers if isinstance(h, AglCallbackHandler)]
+        stale.on_chain_start(None, {}, run_id=uuid.uuid4(), name="x")
+        assert not stale._runs
+    finally:
+        openai_inst.uninstrument()
+
+
+def test_out_of_range_version_warns_and_does_nothing(caplog):
+    class Future(LangChainInstrumentor):
+        instruments = ("langchain-core>=99",)
+
+    original_init = BaseCallbackManager.__dict__["__init__"]
+    assert Future().instrument() is False
+    assert BaseCallbackManager.__dict__["__init__"] is original_init
+    assert "outside the supported range" in caplog.text
+
+
+def test_agl_instrument_finds_the_adapter_by_entry_point(fake_openai, sink):
+    agl.instrumentation.uninstrument()
+    try:
+        assert "langchain" in agl.instrument(["langchain"])
+        _run_graph(fake_openai.base_url, "ro-entry")
+    finally:
+        agl.uninstrument()
+    assert {s.kind for s in sink.of("ro-entry")} == {"chain", "agent", "tool", "llm"}
+
+
+def test_an_error_inside_the_adapter_never_reaches_the_agent(fake_openai, instrumented, sink, monkeypatch):
+    from agl.integrations.langchain import _handler
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("adapter bug")
+
+    monkeypatch.setattr(_handler, "start_agent_span", broken)
+    before = internal_error_count("langchain.on_chain_start")
+    with agl.rollout_scope("ro-broken", "at-1"):
+        out = two_node_graph(fake_openai.base_url).invoke({"messages": [HumanMessage("What is 1 plus 2?")]})
+    assert out["messages"][-1].content == "FAKE: rewrite the query"
+    assert internal_error_count("langchain.on_chain_start") - before == 4  # one per node run
+    assert len(of_kind(sink.of("ro-broken"), "llm")) == 3  # the calls are still traced

@@ -1,0 +1,544 @@
+"""The OpenAI Agents SDK adapter, end to end: the real SDK and ``openai`` client against agl's fake OpenAI
+server, spans read back from real rollouts (``Trainer.dev`` into SQLite, or a rollout scope and a list sink).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+
+agents = pytest.importorskip("agents")
+
+from agents import (  # noqa: E402
+    Agent,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_default_openai_api,
+    set_default_openai_client,
+    set_trace_processors,
+    set_tracing_disabled,
+)
+from agents.tracing import AgentSpanData, TracingProcessor, get_trace_provider  # noqa: E402
+from openai import AsyncOpenAI  # noqa: E402
+from opentelemetry import trace as otel_trace  # noqa: E402
+
+import agl  # noqa: E402
+from agl import semconv  # noqa: E402
+from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
+from agl.context import rollout_scope  # noqa: E402
+from agl.instrumentation.safety import internal_error_count  # noqa: E402
+from agl.integrations.openai_agents import OpenAIAgentsInstrumentor  # noqa: E402
+from agl.integrations.openai_agents._processor import AglTracingProcessor  # noqa: E402
+from agl.store import SqliteLightningStore  # noqa: E402
+from agl.testing import FakeOpenAIServer, FakeReply  # noqa: E402
+from agl.tracer import get_tracer  # noqa: E402
+from agl.types import Span  # noqa: E402
+
+pytestmark = pytest.mark.framework("openai_agents")
+
+QUESTION = "What is 2 plus 3?"
+
+
+@function_tool
+def add(a: float, b: float) -> float:
+    """Add two numbers."""
+    return a + b
+
+
+@function_tool
+def divide(a: float, b: float) -> float:
+    """Divide a by b."""
+    return a / b
+
+
+@function_tool(failure_error_function=None)
+def divide_strict(a: float, b: float) -> float:
+    """Divide a by b; errors reach the caller."""
+    return a / b
+
+
+class UserProcessor(TracingProcessor):
+    """The user's own processor (an exporter, say): agl must leave it registered and working."""
+
+    def __init__(self) -> None:
+        self.agents_seen: List[str] = []
+
+    def on_trace_start(self, trace: Any) -> None:
+        pass
+
+    def on_trace_end(self, trace: Any) -> None:
+        pass
+
+    def on_span_start(self, span: Any) -> None:
+        pass
+
+    def on_span_end(self, span: Any) -> None:
+        if isinstance(span.span_data, AgentSpanData):
+            self.agents_seen.append(span.span_data.name)
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self) -> None:
+        pass
+
+
+class ListSink:
+    """The smallest store: keeps every span the tracer writes."""
+
+    def __init__(self) -> None:
+        self.spans: List[Span] = []
+
+    def add_spans(self, spans: List[Span]) -> None:
+        self.spans.extend(spans)
+
+    def of(self, rollout_id: str) -> List[Span]:
+        assert get_tracer().flush(10)
+        return sorted((s for s in self.spans if s.rollout_id == rollout_id), key=lambda s: s.sequence_id)
+
+
+def _processors() -> Tuple[Any, ...]:
+    """The SDK's registered processors (the default provider keeps them in a tuple)."""
+    return get_trace_provider()._multi_processor._processors
+
+
+def _open_mirrors() -> int:
+    """SDK spans agl still tracks: every one must be gone once runs end (no leak per run)."""
+    return sum(len(p._mirrors) for p in _processors() if isinstance(p, AglTracingProcessor))
+
+
+@pytest.fixture(autouse=True)
+def sdk(fake_openai: FakeOpenAIServer) -> Iterator[UserProcessor]:
+    """The SDK configured as a user would: tracing on (nox sets OPENAI_AGENTS_DISABLE_TRACING), the SDK's
+    exporter to api.openai.com replaced by the user's own processor (no traffic leaves the machine), the
+    default client on the fake server."""
+    before = _processors()
+    user = UserProcessor()
+    set_trace_processors([user])
+    set_tracing_disabled(False)
+    set_default_openai_api("responses")
+    client = AsyncOpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=0)
+    set_default_openai_client(client, use_for_tracing=False)
+    yield user
+    set_trace_processors(list(before))
+
+
+@pytest.fixture
+def instrumented() -> Iterator[None]:
+    agl.uninstrument()
+    assert agl.instrument(frameworks=["openai_agents"]) == ["openai", "openai_agents"]
+    yield
+    agl.uninstrument()
+
+
+@pytest.fixture
+def sink() -> Iterator[ListSink]:
+    tracer = get_tracer()
+    previous, sink = tracer.store, ListSink()
+    tracer.set_store(sink)
+    yield sink
+    tracer.flush(10)
+    tracer.set_store(previous)
+
+
+def _rollout_id() -> str:
+    return f"ro-{uuid.uuid4().hex[:8]}"
+
+
+def _calculator(**kwargs: Any) -> Agent:
+    return Agent(name="calculator", instructions="Use the tools.", tools=[add], **kwargs)
+
+
+def _own_model(base_url: str, api: str = "responses") -> Any:
+    """A model with its own client: runs on different event loops (threads) must not share a connection pool."""
+    client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+    if api == "responses":
+        return OpenAIResponsesModel(model="fake-model", openai_client=client)
+    return OpenAIChatCompletionsModel(model="fake-model", openai_client=client)
+
+
+async def _drain(agent: Agent, question: str) -> Any:
+    result = Runner.run_streamed(agent, question)
+    async for _ in result.stream_events():
+        pass
+    return result
+
+
+def _run(agent: Agent, question: str, mode: str) -> Any:
+    if mode == "run_sync":
+        return Runner.run_sync(agent, question).final_output
+    if mode == "run_streamed":
+        return asyncio.run(_drain(agent, question)).final_output
+    return asyncio.run(Runner.run(agent, question)).final_output
+
+
+def _of_kind(spans: List[Span], kind: str) -> List[Span]:
+    return [s for s in spans if s.kind == kind]
+
+
+def _instructions(span: Span) -> str:
+    """Which agent asked, read from the request itself (Responses API: instructions; chat: system message)."""
+    sent = json.loads(span.attributes[semconv.INPUT_MESSAGES])
+    return sent["instructions"] if isinstance(sent, dict) else sent[0]["content"]
+
+
+# -- every entry point, both APIs, plain and streamed --------------------------------------------------------
+@pytest.mark.parametrize("mode", ["run", "run_sync", "run_streamed"])
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_a_run_becomes_agent_llm_and_tool_spans(api: str, mode: str, fake_openai, instrumented, sink) -> None:
+    set_default_openai_api(api)
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        output = _run(_calculator(), QUESTION, mode)
+
+    assert output == "The answer is 5.0."
+    path = "/v1/responses" if api == "responses" else "/v1/chat/completions"
+    assert [r["path"] for r in fake_openai.requests] == [path, path]
+    spans = sink.of(rollout_id)
+    by_id = {s.span_id: s for s in spans}
+    (workflow,) = [s for s in spans if s.parent_id is None]
+    assert workflow.kind == "chain" and workflow.name == "workflow Agent workflow"
+    (agent,) = _of_kind(spans, "agent")
+    assert agent.name == "invoke_agent calculator" and agent.attributes[semconv.AGENT_NAME] == "calculator"
+    assert agent.parent_id == workflow.span_id
+    llm = _of_kind(spans, "llm")
+    assert len(llm) == len(fake_openai.requests)  # exactly one llm span per HTTP request
+    for span in llm:
+        assert span.parent_id == agent.span_id
+        assert span.attributes[semconv.LLM_STREAM] is (mode == "run_streamed")
+        assert span.attributes[semconv.PROMPT_TOKEN_IDS] and span.attributes[semconv.RESPONSE_TOKEN_IDS]
+    (tool,) = _of_kind(spans, "tool")
+    assert agent_name_of(tool, by_id) == "calculator" and tool.status != "error"
+    assert tool.attributes[semconv.TOOL_NAME] == "add"
+    assert json.loads(tool.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 2, "b": 3}
+    assert tool.attributes[semconv.TOOL_CALL_RESULT] == 5.0
+    call_id = tool.attributes[semconv.TOOL_CALL_ID]
+    assert call_id in json.dumps(fake_openai.requests[1]["body"])  # the id the model's call carried
+    assert llm[0].sequence_id < tool.sequence_id < llm[1].sequence_id
+    assert _open_mirrors() == 0
+
+
+def test_streamed_responses_calls_carry_token_ids(fake_openai, instrumented, sink) -> None:
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        _run(_calculator(), QUESTION, "run_streamed")
+    llm = _of_kind(sink.of(rollout_id), "llm")
+    assert len(llm) == 2
+    assert all(s.attributes.get(semconv.RESPONSE_TOKEN_IDS) for s in llm)
+
+
+# -- THE KEY ONE: two agents, one tool; agent_match picks one agent's calls ----------------------------------
+def test_agent_match_selects_exactly_the_chosen_agents_calls(tmp_path, fake_openai, instrumented) -> None:
+    @agl.rollout
+    async def helpdesk(task: Dict[str, Any], llm: agl.LLM) -> float:
+        model = _own_model(llm.get_base_url())
+        math_agent = Agent(name="math_agent", instructions="Add with the tool.", tools=[add], model=model)
+        triage = Agent(name="triage_agent", instructions="Route to math_agent.", handoffs=[math_agent], model=model)
+        result = await Runner.run(triage, task["question"])
+        return 1.0 if str(task["answer"]) in result.final_output else 0.0
+
+    tasks = [{"question": "What is 2 plus 3?", "answer": 5}, {"question": "What is 4 plus 5?", "answer": 9}]
+    for task in tasks:
+        a, b = (int(n) for n in task["question"][8:-1].split(" plus "))
+        fake_openai.script(
+            FakeReply(tool_calls=[{"name": "transfer_to_math_agent", "arguments": {}}]),
+            FakeReply(tool_calls=[{"name": "add", "arguments": {"a": a, "b": b}}]),
+            FakeReply(content=f"It is {task['answer']}."),
+        )
+    db = tmp_path / "x.db"
+    trainer = agl.Trainer(
+        store=str(db),
+        runner_mode="thread",
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
+        progress=False,
+    )
+    rows = trainer.dev(helpdesk, tasks, print_table=False)
+
+    assert [r.status for r in rows] == ["succeeded", "succeeded"] and [r.reward for r in rows] == [1.0, 1.0]
+    store = SqliteLightningStore(db)
+    llm_total = 0
+    for row, task in zip(rows, tasks):
+        spans = store.query_spans(row.rollout_id)
+        llm = _of_kind(spans, "llm")
+        llm_total += len(llm)
+        math_calls = select_llm_calls(spans, "^math_agent$")
+        triage_calls = select_llm_calls(spans, "^triage")
+        assert [_instructions(s) for s in math_calls] == ["Add with the tool.", "Add with the tool."]
+        assert [_instructions(s) for s in triage_calls] == ["Route to math_agent."]
+        assert select_llm_calls(spans, "^helpdesk$") == []  # none falls through to the rollout's root
+        assert all(s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in llm)
+        by_id = {s.span_id: s for s in spans}
+        assert [s.attributes[semconv.AGENT_NAME] for s in _of_kind(spans, "agent")] == [
+            "helpdesk",
+            "triage_agent",
+            "math_agent",
+        ]
+        (handoff,) = [s for s in spans if s.name.startswith("handoff")]
+        assert handoff.name == "handoff triage_agent -> math_agent"
+        assert agent_name_of(handoff, by_id) == "triage_agent"
+        (tool,) = _of_kind(spans, "tool")
+        assert agent_name_of(tool, by_id) == "math_agent"
+        assert tool.attributes[semconv.TOOL_CALL_RESULT] == task["answer"]
+    assert llm_total == len(fake_openai.requests) == 6
+    store.close()
+
+
+def test_an_agent_used_as_a_tool_nests_under_the_tool_span(fake_openai, instrumented, sink) -> None:
+    math_agent = Agent(name="math_agent", instructions="Add with the tool.", tools=[add])
+    orchestrator = Agent(
+        name="orchestrator",
+        instructions="Ask the math agent.",
+        tools=[math_agent.as_tool(tool_name="ask_math", tool_description="Ask the math agent.")],
+    )
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        Runner.run_sync(orchestrator, QUESTION)
+
+    spans = sink.of(rollout_id)
+    by_id = {s.span_id: s for s in spans}
+    assert len(_of_kind(spans, "llm")) == len(fake_openai.requests) == 4
+    assert [_instructions(s) for s in select_llm_calls(spans, "^math_agent$")] == ["Add with the tool."] * 2
+    assert [_instructions(s) for s in select_llm_calls(spans, "^orchestrator$")] == ["Ask the math agent."] * 2
+    (nested,) = [s for s in _of_kind(spans, "agent") if s.attributes[semconv.AGENT_NAME] == "math_agent"]
+    assert by_id[nested.parent_id].attributes[semconv.TOOL_NAME] == "ask_math"
+
+
+def test_a_guardrail_agent_is_its_own_agent_inside_the_guardrail_span(fake_openai, instrumented, sink) -> None:
+    checker = Agent(name="checker", instructions="Is this arithmetic?")
+
+    @agents.input_guardrail
+    async def arithmetic_only(ctx: Any, agent: Agent, text: Any) -> agents.GuardrailFunctionOutput:
+        verdict = await Runner.run(checker, text, context=ctx.context)
+        return agents.GuardrailFunctionOutput(output_info=verdict.final_output, tripwire_triggered=False)
+
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        Runner.run_sync(_calculator(input_guardrails=[arithmetic_only]), QUESTION)
+
+    spans = sink.of(rollout_id)
+    by_id = {s.span_id: s for s in spans}
+    (guardrail,) = [s for s in spans if s.name == "guardrail arithmetic_only"]
+    assert guardrail.attributes["openai_agents.guardrail.triggered"] is False
+    (checker_call,) = select_llm_calls(spans, "^checker$")
+    assert _instructions(checker_call) == "Is this arithmetic?"
+    assert by_id[by_id[checker_call.parent_id].parent_id].span_id == guardrail.span_id
+    assert len(select_llm_calls(spans, "^calculator$")) == 2
+    assert len(_of_kind(spans, "llm")) == len(fake_openai.requests) == 3
+
+
+# -- tools that fail -------------------------------------------------------------------------------------------
+def test_a_tool_that_raises_is_an_error_span_and_the_run_goes_on(fake_openai, instrumented, sink) -> None:
+    rollout_id = _rollout_id()
+    agent = Agent(name="divider", instructions="Divide.", tools=[divide])
+    with rollout_scope(rollout_id, "at-1"):
+        output = Runner.run_sync(agent, "What is 4 divided by 0?").final_output
+
+    spans = sink.of(rollout_id)
+    (tool,) = _of_kind(spans, "tool")
+    assert tool.status == "error" and "Error running tool" in tool.error
+    assert tool.attributes[semconv.ERROR_TYPE]
+    assert tool.attributes[semconv.TOOL_CALL_RESULT] in output  # what the model was told
+    (agent,) = _of_kind(spans, "agent")
+    assert agent.status != "error"  # the SDK handled the failure: the agent went on
+
+
+def test_a_tool_error_that_ends_the_run_still_ends_every_span(fake_openai, instrumented, sink) -> None:
+    rollout_id = _rollout_id()
+    agent = Agent(name="divider", instructions="Divide.", tools=[divide_strict])
+    with rollout_scope(rollout_id, "at-1"), pytest.raises(Exception, match="division by zero"):
+        Runner.run_sync(agent, "What is 4 divided by 0?")
+
+    spans = sink.of(rollout_id)  # only ended spans reach the store
+    assert sorted(s.kind for s in spans) == ["agent", "chain", "llm", "tool"]
+    (tool,) = _of_kind(spans, "tool")
+    assert tool.status == "error" and "division by zero" in tool.error
+    assert otel_trace.get_current_span() is otel_trace.INVALID_SPAN  # nothing left attached
+
+
+# -- concurrency: threads and asyncio tasks keep their spans in their own rollout ----------------------------
+def _assert_rollout_holds_only_its_run(spans: List[Span], question: str) -> None:
+    by_id = {s.span_id: s for s in spans}
+    assert len(_of_kind(spans, "agent")) == 1
+    llm = _of_kind(spans, "llm")
+    assert len(llm) == 2
+    for span in llm + _of_kind(spans, "tool"):
+        assert agent_name_of(span, by_id) == "calculator"
+    for span in llm:
+        assert question in span.attributes[semconv.INPUT_MESSAGES]
+    assert len({s.trace_id for s in spans}) == 1
+
+
+def test_concurrent_rollouts_in_threads_keep_their_spans(fake_openai, instrumented, sink) -> None:
+    fake_openai.script(*[FakeReply(delay=0.2) for _ in range(4)])  # slow model: the two runs overlap
+    questions = {_rollout_id(): "What is 2 plus 3?", _rollout_id(): "What is 40 plus 2?"}
+    with ThreadPoolExecutor(2) as pool:
+        futures = []
+        for rollout_id, question in questions.items():
+            with rollout_scope(rollout_id, "at-1"):
+                agent = _calculator(model=_own_model(fake_openai.base_url))
+                futures.append(agl.submit(pool, Runner.run_sync, agent, question))
+        outputs = [f.result().final_output for f in futures]
+
+    assert outputs == ["The answer is 5.0.", "The answer is 42.0."]
+    for rollout_id, question in questions.items():
+        _assert_rollout_holds_only_its_run(sink.of(rollout_id), question)
+
+
+async def test_concurrent_rollouts_in_asyncio_tasks_keep_their_spans(fake_openai, instrumented, sink) -> None:
+    fake_openai.script(*[FakeReply(delay=0.2) for _ in range(4)])
+
+    async def one(rollout_id: str, question: str, streamed: bool) -> Any:
+        with rollout_scope(rollout_id, "at-1"):
+            if streamed:
+                return (await _drain(_calculator(), question)).final_output
+            return (await Runner.run(_calculator(), question)).final_output
+
+    runs = [(_rollout_id(), "What is 2 plus 3?", False), (_rollout_id(), "What is 40 plus 2?", True)]
+    outputs = await asyncio.gather(*(one(*run) for run in runs))
+    assert _open_mirrors() == 0
+
+    assert outputs == ["The answer is 5.0.", "The answer is 42.0."]
+    for rollout_id, question, _ in runs:
+        _assert_rollout_holds_only_its_run(sink.of(rollout_id), question)
+
+
+async def test_an_abandoned_stream_leaves_the_context_clean(fake_openai, instrumented, sink, caplog) -> None:
+    errors_before = internal_error_count()
+    first, second = _rollout_id(), _rollout_id()
+    with rollout_scope(first, "at-1"):
+        result = Runner.run_streamed(_calculator(), QUESTION)
+        async for _ in result.stream_events():
+            result.cancel()  # the user stops reading after the first event
+        with rollout_scope(second, "at-1"):
+            await Runner.run(_calculator(), QUESTION)
+
+    assert otel_trace.get_current_span() is otel_trace.INVALID_SPAN
+    assert "workflow Agent workflow" in [s.name for s in sink.of(first)]  # the cancelled run's spans ended
+    assert _open_mirrors() == 0
+    spans = sink.of(second)
+    by_id = {s.span_id: s for s in spans}
+    assert [agent_name_of(s, by_id) for s in _of_kind(spans, "llm")] == ["calculator", "calculator"]
+    assert not [r for r in caplog.records if "detach" in r.getMessage()]
+    assert internal_error_count() == errors_before
+
+
+def test_a_span_ended_from_another_context_leaves_that_context_alone(instrumented, sink, caplog) -> None:
+    """What an async generator finalized by another task does: the SDK ends the span without resetting it."""
+    rollout_id = _rollout_id()
+
+    def scenario() -> None:  # in a context of its own, so that what stays attached here is dropped after
+        with rollout_scope(rollout_id, "at-1"), agents.trace("manual"):
+            span = agents.tracing.agent_span(name="manual_agent")
+            span.start(mark_as_current=True)
+            ours = otel_trace.get_current_span()
+            contextvars.copy_context().run(span.finish)  # another context ends it
+            assert otel_trace.get_current_span() is ours  # this context is not changed behind its back
+
+    with caplog.at_level(logging.WARNING):
+        contextvars.copy_context().run(scenario)
+
+    assert [s.name for s in sink.of(rollout_id)] == ["workflow manual", "invoke_agent manual_agent"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # no "Failed to detach context"
+
+
+def test_a_span_the_sdk_never_ends_is_ended_with_its_trace(instrumented, sink) -> None:
+    rollout_id = _rollout_id()
+
+    def scenario() -> None:
+        with rollout_scope(rollout_id, "at-1"), agents.trace("manual"):
+            agents.tracing.agent_span(name="forgotten").start(mark_as_current=True)
+
+    contextvars.copy_context().run(scenario)
+
+    assert [s.name for s in sink.of(rollout_id)] == ["workflow manual", "invoke_agent forgotten"]
+    assert _open_mirrors() == 0
+
+
+# -- instrument / uninstrument -------------------------------------------------------------------------------
+def _sdk_class_attributes() -> Dict[str, Any]:
+    from agents.run import AgentRunner
+
+    owners = (AgentRunner, Runner, agents.FunctionTool, agents.tracing.provider.DefaultTraceProvider)
+    return {f"{cls.__name__}.{name}": value for cls in owners for name, value in vars(cls).items()}
+
+
+def test_uninstrument_restores_the_sdk_exactly(sdk: UserProcessor, fake_openai, sink) -> None:
+    classes_before = _sdk_class_attributes()
+    instrumentor = OpenAIAgentsInstrumentor()
+    assert instrumentor.instrument()
+    late = UserProcessor()
+    agents.add_trace_processor(late)  # the user adds another processor after agl's
+    assert len(_processors()) == 3 and isinstance(_processors()[1], AglTracingProcessor)
+
+    instrumentor.uninstrument()
+
+    assert _processors() == (sdk, late)  # the same objects, in order: only agl's is gone
+    assert _sdk_class_attributes() == classes_before  # nothing was patched, nothing left behind
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        Runner.run_sync(_calculator(), QUESTION)
+    assert sink.of(rollout_id) == []  # no agl spans any more ...
+    assert sdk.agents_seen == late.agents_seen == ["calculator"]  # ... while the user's processors still work
+
+
+def test_instrumenting_twice_equals_once(fake_openai, instrumented, sink) -> None:
+    assert agl.instrument(frameworks=["openai_agents"]) == ["openai", "openai_agents"]
+    second = OpenAIAgentsInstrumentor()  # e.g. the user's own, beside agl.instrument()'s
+    assert second.instrument()
+    assert sum(isinstance(p, AglTracingProcessor) for p in _processors()) == 1
+
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        Runner.run_sync(_calculator(), QUESTION)
+    second.uninstrument()  # it added nothing, so it removes nothing
+
+    assert sorted(s.kind for s in sink.of(rollout_id)) == ["agent", "chain", "llm", "llm", "tool"]
+    assert sum(isinstance(p, AglTracingProcessor) for p in _processors()) == 1
+
+
+def test_an_internal_error_never_reaches_the_user(monkeypatch, fake_openai, instrumented, sink) -> None:
+    from agl.integrations.openai_agents import _processor
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("agl bug")
+
+    monkeypatch.setattr(_processor, "start_agent_span", broken)
+    errors_before = internal_error_count("openai_agents.span_start")
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        output = Runner.run_sync(_calculator(), QUESTION).final_output
+
+    assert output == "The answer is 5.0."
+    assert internal_error_count("openai_agents.span_start") > errors_before
+    assert len(_of_kind(sink.of(rollout_id), "llm")) == 2  # the model calls are still recorded
+
+
+def test_outside_the_supported_range_it_warns_once_and_does_nothing(monkeypatch, caplog) -> None:
+    instrumentor = OpenAIAgentsInstrumentor()
+    monkeypatch.setattr(instrumentor, "instruments", ("openai-agents>=99",))
+    with caplog.at_level(logging.WARNING, "agl.instrumentation"):
+        assert instrumentor.instrument() is False
+        assert instrumentor.instrument() is False
+    assert len([r for r in caplog.records if "outside the supported range" in r.getMessage()]) == 1
+    assert not any(isinstance(p, AglTracingProcessor) for p in _processors())
+
+
+def test_disabled_sdk_tracing_is_reported(caplog) -> None:
+    set_tracing_disabled(True)
+    instrumentor = OpenAIAgentsInstrumentor()
+    try:
+        with caplog.at_level(logging.WARNING, "agl.instrumentation"):
+            assert instrumentor.instrument()
+    finally:
+        instrumentor.uninstrument()
+        set_tracing_disabled(False)
+    assert any("tracing is disabled" in r.getMessage() for r in caplog.records)
