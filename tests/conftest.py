@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-
 import pytest
 
-from agl.testing import FakeOpenAIServer
+from agl.testing import FakeOpenAIServer, ListSink
+from agl.tracer import get_tracer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,3 +30,14 @@ def fake_openai(_fake_openai_server: FakeOpenAIServer) -> Iterator[FakeOpenAISer
     _fake_openai_server.reset()
     yield _fake_openai_server
     _fake_openai_server.always_token_ids = False
+
+
+@pytest.fixture
+def sink() -> Iterator[ListSink]:
+    """The global tracer writes to a fresh ListSink during the test."""
+    tracer = get_tracer()
+    previous, list_sink = tracer.store, ListSink()
+    tracer.set_store(list_sink)
+    yield list_sink
+    tracer.flush(10)
+    tracer.set_store(previous)

@@ -56,7 +56,21 @@ def encode_attribute(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple)) and _is_number_list(value):
         return value if isinstance(value, list) else list(value)
-    return to_json(value, exclude_none=True, fallback=str).decode()
+    try:
+        return to_json(value, exclude_none=True, fallback=str).decode()
+    except Exception:  # noqa: BLE001 - e.g. SDK models whose pydantic serializer is not built yet
+        return to_json(_dumped(value), fallback=str).decode()
+
+
+def _dumped(value: Any) -> Any:
+    """Plain data from pydantic models through their own ``model_dump`` (the slow, always-working way)."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json", exclude_none=True)
+    if isinstance(value, (list, tuple)):
+        return [_dumped(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _dumped(v) for k, v in value.items()}
+    return value
 
 
 def _is_number_list(values: Any) -> bool:

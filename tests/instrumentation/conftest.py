@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional
 
 import openai
 import pytest
@@ -12,34 +12,24 @@ import pytest
 import agl.instrumentation
 from agl.context import RolloutScope, enter_scope, exit_scope
 from agl.instrumentation.openai_client import OpenAIInstrumentor
-from agl.testing import FakeOpenAIServer
+from agl.testing import FakeOpenAIServer, ListSink
 from agl.tracer import get_tracer
 from agl.types import Span
 
 
-class ListSink:
-    """The smallest store: keeps every span it is given."""
+class LlmSink(ListSink):
+    """These tests look at llm spans: ``of`` returns those unless told otherwise."""
 
-    def __init__(self) -> None:
-        self.spans: List[Span] = []
-
-    def add_spans(self, spans: List[Span]) -> None:
-        self.spans.extend(spans)
-
-    def of(self, rollout_id: str, kind: str = "llm") -> List[Span]:
-        """The rollout's spans of ``kind``, in the order they were made (flushes first)."""
-        assert get_tracer().flush(10)
-        spans = [s for s in self.spans if s.rollout_id == rollout_id and s.kind == kind]
-        return sorted(spans, key=lambda s: s.sequence_id)
+    def of(self, rollout_id: str, kind: Optional[str] = "llm") -> List[Span]:
+        return super().of(rollout_id, kind)
 
 
 @pytest.fixture
-def sink() -> Iterator[ListSink]:
+def sink() -> Iterator[LlmSink]:
     tracer = get_tracer()
-    previous = tracer.store
-    sink = ListSink()
-    tracer.set_store(sink)
-    yield sink
+    previous, llm_sink = tracer.store, LlmSink()
+    tracer.set_store(llm_sink)
+    yield llm_sink
     tracer.flush(10)
     tracer.set_store(previous)
 

@@ -55,28 +55,6 @@ def ag2_instrumentor() -> Iterator[AG2Instrumentor]:
     openai_layer.uninstrument()
 
 
-class ListSink:
-    def __init__(self) -> None:
-        self.spans: List[Span] = []
-
-    def add_spans(self, spans: List[Span]) -> None:
-        self.spans.extend(spans)
-
-    def of(self, rollout_id: str) -> List[Span]:
-        assert get_tracer().flush(10)
-        return sorted((s for s in self.spans if s.rollout_id == rollout_id), key=lambda s: s.sequence_id)
-
-
-@pytest.fixture
-def sink() -> Iterator[ListSink]:
-    tracer = get_tracer()
-    previous = tracer.store
-    tracer.set_store(ListSink())
-    yield tracer.store
-    tracer.flush(10)
-    tracer.set_store(previous)
-
-
 def dev(agent: Any, tasks: List[Dict[str, Any]], fake_openai: Any, tmp_path: Any) -> Dict[str, List[Span]]:
     """Run ``tasks`` through ``Trainer.dev`` (thread runners, SQLite store): task id -> its spans."""
     trainer = agl.Trainer(

@@ -74,30 +74,6 @@ def instrumented() -> Iterator[LangChainInstrumentor]:
     openai_inst.uninstrument()
 
 
-class ListSink:
-    """The smallest store: keeps every span it is given (for rollouts run without a Trainer)."""
-
-    def __init__(self) -> None:
-        self.spans: List[Span] = []
-
-    def add_spans(self, spans: List[Span]) -> None:
-        self.spans.extend(spans)
-
-    def of(self, rollout_id: str) -> List[Span]:
-        assert get_tracer().flush(10)
-        return sorted((s for s in self.spans if s.rollout_id == rollout_id), key=lambda s: s.sequence_id)
-
-
-@pytest.fixture
-def sink() -> Iterator[ListSink]:
-    tracer = get_tracer()
-    previous, sink = tracer.store, ListSink()
-    tracer.set_store(sink)
-    yield sink
-    tracer.flush(10)
-    tracer.set_store(previous)
-
-
 def model(base_url: str, **options: Any) -> ChatOpenAI:
     # A fresh async HTTP client per model: langchain-openai caches a default one per base URL, which breaks
     # once the event loop it was first used on (one asyncio.run per async rollout) is closed.

@@ -92,20 +92,6 @@ class UserProcessor(TracingProcessor):
         pass
 
 
-class ListSink:
-    """The smallest store: keeps every span the tracer writes."""
-
-    def __init__(self) -> None:
-        self.spans: List[Span] = []
-
-    def add_spans(self, spans: List[Span]) -> None:
-        self.spans.extend(spans)
-
-    def of(self, rollout_id: str) -> List[Span]:
-        assert get_tracer().flush(10)
-        return sorted((s for s in self.spans if s.rollout_id == rollout_id), key=lambda s: s.sequence_id)
-
-
 def _processors() -> Tuple[Any, ...]:
     """The SDK's registered processors (the default provider keeps them in a tuple)."""
     return get_trace_provider()._multi_processor._processors
@@ -138,16 +124,6 @@ def instrumented() -> Iterator[None]:
     assert agl.instrument(frameworks=["openai_agents"]) == ["openai", "openai_agents"]
     yield
     agl.uninstrument()
-
-
-@pytest.fixture
-def sink() -> Iterator[ListSink]:
-    tracer = get_tracer()
-    previous, sink = tracer.store, ListSink()
-    tracer.set_store(sink)
-    yield sink
-    tracer.flush(10)
-    tracer.set_store(previous)
 
 
 def _rollout_id() -> str:

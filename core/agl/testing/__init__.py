@@ -2,10 +2,11 @@
 
 ``FakeOpenAIServer`` lets tests, examples and ``agl dev`` run real agent frameworks and the real ``openai``
 client end to end without a GPU or network; ``FakeReply`` scripts its answers and ``FakeTokenizer`` is the
-byte-level tokenizer it reports token ids with.
+byte-level tokenizer it reports token ids with. ``ListSink`` is an in-memory span sink.
 """
 
 from agl.testing.fake_openai import FakeOpenAIServer
 from agl.testing.fake_policy import FakeReply, FakeTokenizer
+from agl.testing.sink import ListSink
 
-__all__ = ["FakeOpenAIServer", "FakeReply", "FakeTokenizer"]
+__all__ = ["FakeOpenAIServer", "FakeReply", "FakeTokenizer", "ListSink"]

@@ -1,0 +1,266 @@
+"""The wrapt wrappers that turn CrewAI's crews, tasks, agents, flows and tools into agl spans.
+
+Every span is made *current* while the wrapped call runs, so the ``llm`` span that the OpenAI-client layer
+makes for a request nests under the agent span of the CrewAI agent that made it (CrewAI's native OpenAI
+provider calls ``chat.completions.create`` / ``responses.create`` on the ``openai`` client).
+
+Rules every wrapper follows:
+- an error in agl's own code is reported (:func:`~agl.instrumentation.safety.report_internal_error`) and
+  the user's call runs without that span; an error of the user's call is re-raised unchanged;
+- one span per logical step: CrewAI re-enters the same step (``akickoff`` -> ``kickoff_async``, an
+  agent's retry calling ``execute_task`` again, a structured tool calling its original), so a wrapper
+  whose object already has a span open in this context passes straight through;
+- wrappers left bound after ``uninstrument()`` (a tool's ``run`` kept in CrewAI's function table) pass
+  straight through as well.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+
+from agl import semconv
+from agl.instrumentation.framework import finish_span, finish_tool, start_agent_span, start_tool_span
+from agl.instrumentation.safety import report_internal_error
+from agl.integrations.crewai._threads import in_running_loop
+from agl.tracer import get_tracer
+
+FRAMEWORK = "crewai"
+_TASK_NAME_CHARS = 80  # a task without a name is called by the start of its description
+
+Key = Tuple[str, int]
+Wrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], Any]
+SpanStarter = Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Optional[otel_trace.Span]]
+
+# Objects (by kind and id) whose span is open in this context: re-entries pass through.
+_OPEN = otel_context.create_key("agl.crewai.open")
+# The id of the native tool call being executed, for the tool span made inside (CrewAI's tools do not get it).
+_PENDING_CALL_ID: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("agl_crewai_call_id", default=None)
+
+
+class Hooks:
+    """The instrumentor instance whose patches are on CrewAI, if any.
+
+    One at a time: a second instance stacking its patches would double every span. Wrappers read it too,
+    so a wrapper that stays bound after ``uninstrument()`` (a tool's ``run`` kept in an executor's function
+    table) goes quiet.
+    """
+
+    owner: Optional[object] = None
+
+
+@dataclasses.dataclass
+class _Opened:
+    """A span made current by a wrapper, with what is needed to restore the context and end it."""
+
+    span: otel_trace.Span
+    token: object
+    is_tool: bool
+
+
+# -- opening and closing ------------------------------------------------------------------------------------
+def _open(
+    key: Optional[Key], start: SpanStarter, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], is_tool: bool
+) -> Optional[_Opened]:
+    """Start the span and make it current, or None (pass through) when off, re-entered or failing."""
+    if Hooks.owner is None:
+        return None
+    try:
+        open_keys: FrozenSet[Key] = otel_context.get_value(_OPEN) or frozenset()  # type: ignore[assignment]
+        if key in open_keys:
+            return None
+        span = start(instance, args, kwargs)
+        if span is None:
+            return None
+        ctx = otel_trace.set_span_in_context(span)
+        if key is not None:
+            ctx = otel_context.set_value(_OPEN, open_keys | {key}, ctx)
+        return _Opened(span, otel_context.attach(ctx), is_tool)
+    except Exception as exc:  # noqa: BLE001 - the user's call goes on without a span
+        report_internal_error("crewai.open_span", exc)
+        return None
+
+
+def _close(opened: Optional[_Opened], result: Any = None, error: Optional[BaseException] = None) -> None:
+    """Restore the caller's context and end the span (a tool span also records the result)."""
+    if opened is None:
+        return
+    try:
+        otel_context.detach(opened.token)  # type: ignore[arg-type]
+        if opened.is_tool:
+            finish_tool(opened.span, result, error)
+        else:
+            finish_span(opened.span, error)
+    except Exception as exc:  # noqa: BLE001
+        report_internal_error("crewai.close_span", exc)
+
+
+Identity = Optional[Callable[[Any], Any]]
+
+
+def _key(kind: str, identity: Identity, instance: Any) -> Optional[Key]:
+    return (kind, id(identity(instance))) if identity is not None else None
+
+
+def sync_wrapper(kind: str, start: SpanStarter, identity: Identity = lambda obj: obj) -> Wrapper:
+    """A wrapt wrapper running a sync method inside the span ``start`` makes.
+
+    At most one span per ``identity(instance)`` object is open in a context (None: no such limit)."""
+    is_tool = kind == "tool"
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        opened = _open(_key(kind, identity, instance), start, instance, args, kwargs, is_tool)
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException as exc:
+            _close(opened, error=exc)
+            raise
+        _close(opened, result)
+        return result
+
+    return wrapper
+
+
+def async_wrapper(kind: str, start: SpanStarter, identity: Identity = lambda obj: obj) -> Wrapper:
+    """Like :func:`sync_wrapper` for ``async def`` methods: the coroutine is made at call time (argument
+    errors raise where they did), the span opens when it is awaited, in the awaiting task's context."""
+    is_tool = kind == "tool"
+
+    async def run(coroutine: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        opened = _open(_key(kind, identity, instance), start, instance, args, kwargs, is_tool)
+        try:
+            result = await coroutine
+        except BaseException as exc:
+            _close(opened, error=exc)
+            raise
+        _close(opened, result)
+        return result
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        return run(wrapped(*args, **kwargs), instance, args, kwargs)
+
+    return wrapper
+
+
+# -- what each span is called and carries -------------------------------------------------------------------
+def _text(value: Any) -> str:
+    return str(value).strip() if value is not None else ""
+
+
+def start_crew(crew: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> otel_trace.Span:
+    name = _text(getattr(crew, "name", None)) or "crew"
+    attrs = {
+        semconv.FRAMEWORK: FRAMEWORK,
+        "crewai.crew.name": name,
+        "crewai.crew.process": _text(getattr(crew, "process", None)),
+    }
+    return get_tracer().start_span(f"crew {name}", "chain", attrs)
+
+
+def start_task(task: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> otel_trace.Span:
+    description = _text(getattr(task, "description", None))
+    name = _text(getattr(task, "name", None)) or description[:_TASK_NAME_CHARS]
+    agent = args[0] if args else kwargs.get("agent")
+    attrs = {semconv.FRAMEWORK: FRAMEWORK, "crewai.task.name": name, "crewai.task.description": description}
+    role = _text(getattr(agent or getattr(task, "agent", None), "role", None))
+    if role:
+        attrs["crewai.task.agent"] = role
+    return get_tracer().start_span(f"task {name}", "chain", attrs)
+
+
+def agent_name(agent: Any) -> str:
+    """An agent is named by its role, the name CrewAI shows and users write ``agent_match`` against."""
+    return _text(getattr(agent, "role", None)) or type(agent).__name__
+
+
+def start_agent(agent: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> otel_trace.Span:
+    attrs = {semconv.AGENT_ID: _text(getattr(agent, "id", None))}
+    return start_agent_span(agent_name(agent), FRAMEWORK, attributes=attrs)
+
+
+def start_agent_kickoff(agent: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[otel_trace.Span]:
+    """``Agent.kickoff`` inside a running loop only returns ``kickoff_async()``, whose wrapper makes the span."""
+    if in_running_loop():
+        return None
+    return start_agent(agent, args, kwargs)
+
+
+def _is_users_flow(flow: Any) -> bool:
+    """CrewAI runs its own agent loop as a Flow (``AgentExecutor``): only the user's flows get spans."""
+    return not type(flow).__module__.startswith("crewai.")
+
+
+def start_flow(flow: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[otel_trace.Span]:
+    if not _is_users_flow(flow):
+        return None
+    name = type(flow).__name__
+    return get_tracer().start_span(f"flow {name}", "chain", {semconv.FRAMEWORK: FRAMEWORK, "crewai.flow.name": name})
+
+
+def start_flow_method(flow: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[otel_trace.Span]:
+    """A flow method is a node of the user's graph: an agent span named after the method, so LLM calls made
+    directly in it (``LLM.call``) can be selected by ``agent_match``; crews inside nest their own agents."""
+    if not _is_users_flow(flow):
+        return None
+    method = _text(args[0] if args else kwargs.get("method_name"))
+    attrs = {"crewai.flow.name": type(flow).__name__, "crewai.flow.method": method}
+    return start_agent_span(method, FRAMEWORK, attributes=attrs)
+
+
+def original_tool(tool: Any) -> Any:
+    """The tool a span is about: a ``CrewStructuredTool`` stands for the ``BaseTool`` it was made from."""
+    return getattr(tool, "_original_tool", None) or tool
+
+
+def _run_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    return {"args": list(args), **kwargs} if args else dict(kwargs)
+
+
+def _start_tool(tool: Any, arguments: Any) -> otel_trace.Span:
+    call_id = _PENDING_CALL_ID.get()
+    _PENDING_CALL_ID.set(None)  # consumed: a tool run inside this one is not that call
+    return start_tool_span(
+        _text(getattr(tool, "name", None)) or type(tool).__name__, FRAMEWORK, arguments, call_id=call_id
+    )
+
+
+def start_tool_run(tool: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> otel_trace.Span:
+    """``BaseTool.run(**arguments)``: the native tool-calling path and direct calls."""
+    return _start_tool(tool, _run_arguments(args, kwargs))
+
+
+def start_tool_invoke(tool: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> otel_trace.Span:
+    """``CrewStructuredTool.invoke(input)``: the ReAct (text) tool path, which skips ``BaseTool.run``."""
+    return _start_tool(tool, args[0] if args else kwargs.get("input"))
+
+
+# -- native tool call ids -----------------------------------------------------------------------------------
+def _call_id(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
+    """The call id from ``_execute_single_native_tool_call(tool_call)`` (newer CrewAI: the provider's tool
+    call object or dict) or ``(call_id=..., ...)`` (older CrewAI)."""
+    if "call_id" in kwargs:
+        return _text(kwargs["call_id"]) or None
+    call = args[0] if args else kwargs.get("tool_call")
+    value = call.get("id") if isinstance(call, dict) else getattr(call, "id", None)
+    return value if isinstance(value, str) and value else None
+
+
+def with_native_call_id(
+    wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
+    """Wrapper of the executor's per-call method: the tool span made inside gets the model's call id."""
+    token = None
+    if Hooks.owner is not None:
+        try:
+            token = _PENDING_CALL_ID.set(_call_id(args, kwargs))
+        except Exception as exc:  # noqa: BLE001
+            report_internal_error("crewai.call_id", exc)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if token is not None:
+            _PENDING_CALL_ID.reset(token)
