@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 import pytest
 
-from agl.testing import FakeOpenAIServer, ListSink
-from agl.tracer import get_tracer
+from agl.testing import FakeOpenAIServer, ListSink, tracer_writes_to
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -35,9 +34,5 @@ def fake_openai(_fake_openai_server: FakeOpenAIServer) -> Iterator[FakeOpenAISer
 @pytest.fixture
 def sink() -> Iterator[ListSink]:
     """The global tracer writes to a fresh ListSink during the test."""
-    tracer = get_tracer()
-    previous, list_sink = tracer.store, ListSink()
-    tracer.set_store(list_sink)
-    yield list_sink
-    tracer.flush(10)
-    tracer.set_store(previous)
+    with tracer_writes_to(ListSink()) as list_sink:
+        yield list_sink

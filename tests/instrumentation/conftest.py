@@ -12,8 +12,7 @@ import pytest
 import agl.instrumentation
 from agl.context import RolloutScope, enter_scope, exit_scope
 from agl.instrumentation.openai_client import OpenAIInstrumentor
-from agl.testing import FakeOpenAIServer, ListSink
-from agl.tracer import get_tracer
+from agl.testing import FakeOpenAIServer, ListSink, tracer_writes_to
 from agl.types import Span
 
 
@@ -26,12 +25,8 @@ class LlmSink(ListSink):
 
 @pytest.fixture
 def sink() -> Iterator[LlmSink]:
-    tracer = get_tracer()
-    previous, llm_sink = tracer.store, LlmSink()
-    tracer.set_store(llm_sink)
-    yield llm_sink
-    tracer.flush(10)
-    tracer.set_store(previous)
+    with tracer_writes_to(LlmSink()) as llm_sink:
+        yield llm_sink
 
 
 @pytest.fixture

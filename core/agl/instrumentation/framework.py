@@ -78,6 +78,13 @@ def _tool_attributes(name: str, framework: str, call_id: Optional[str], extra: O
     return attrs
 
 
+def _chain_attributes(framework: str, extra: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    attrs: Dict[str, Any] = {semconv.FRAMEWORK: framework}
+    if extra:
+        attrs.update(extra)
+    return attrs
+
+
 @contextlib.contextmanager
 def agent_span(
     name: str, framework: str, attributes: Optional[Mapping[str, Any]] = None
@@ -142,10 +149,7 @@ def start_tool_span(
 @contextlib.contextmanager
 def chain_span(name: str, framework: str, attributes: Optional[Mapping[str, Any]] = None) -> Iterator[otel_trace.Span]:
     """The current span while a step that groups others runs (a team run, a task, a crew kickoff)."""
-    attrs: Dict[str, Any] = {semconv.FRAMEWORK: framework}
-    if attributes:
-        attrs.update(attributes)
-    with get_tracer().span(name, "chain", attrs) as span:
+    with get_tracer().span(name, "chain", _chain_attributes(framework, attributes)) as span:
         yield span
 
 
@@ -158,10 +162,9 @@ def start_chain_span(
     start_time: Optional[int] = None,
 ) -> otel_trace.Span:
     """A ``chain`` span (a step that groups others) that is not made current."""
-    attrs: Dict[str, Any] = {semconv.FRAMEWORK: framework}
-    if attributes:
-        attrs.update(attributes)
-    return get_tracer().start_span(name, "chain", attrs, parent=parent, start_time=start_time)
+    return get_tracer().start_span(
+        name, "chain", _chain_attributes(framework, attributes), parent=parent, start_time=start_time
+    )
 
 
 def mark_as_agent(span: otel_trace.Span, name: str, framework: str) -> None:

@@ -7,6 +7,6 @@ byte-level tokenizer it reports token ids with. ``ListSink`` is an in-memory spa
 
 from agl.testing.fake_openai import FakeOpenAIServer
 from agl.testing.fake_policy import FakeReply, FakeTokenizer
-from agl.testing.sink import ListSink
+from agl.testing.sink import ListSink, tracer_writes_to
 
-__all__ = ["FakeOpenAIServer", "FakeReply", "FakeTokenizer", "ListSink"]
+__all__ = ["FakeOpenAIServer", "FakeReply", "FakeTokenizer", "ListSink", "tracer_writes_to"]

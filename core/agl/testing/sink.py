@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+import contextlib
+from typing import Iterator, List, Optional, TypeVar
 
 from agl.tracer import get_tracer
 from agl.types import Span
@@ -22,3 +23,19 @@ class ListSink:
         assert get_tracer().flush(10), "the tracer did not flush within 10 s"
         spans = [s for s in self.spans if s.rollout_id == rollout_id and (kind is None or s.kind == kind)]
         return sorted(spans, key=lambda s: s.sequence_id)
+
+
+S = TypeVar("S")
+
+
+@contextlib.contextmanager
+def tracer_writes_to(sink: S) -> Iterator[S]:
+    """The global tracer writes to ``sink`` inside the block, then flushes and goes back to its store."""
+    tracer = get_tracer()
+    previous = tracer.store
+    tracer.set_store(sink)
+    try:
+        yield sink
+    finally:
+        tracer.flush(10)
+        tracer.set_store(previous)
