@@ -198,3 +198,23 @@ def test_a_span_the_store_refuses_is_dropped_alone_and_its_batch_is_kept(tmp_pat
     assert t.stats().rejected == 1 and t.stats().exported == 2
     t.processor.shutdown()
     store.close()
+
+
+def test_written_spans_are_complete_pydantic_spans(tracer):
+    """The writer builds spans without validation (speed); they must equal validated ones field by field."""
+    t, sink = tracer
+    with rollout_scope("ro-1", "at-1"):
+        with pytest.raises(ValueError):
+            with t.span("step", "chain", {"n": 1, "tags": ("a", "b")}) as span:
+                span.add_event("note", {"k": 2})
+                t.set_deferred(span, {semconv.OUTPUT_MESSAGES: [{"role": "assistant", "content": "x"}],
+                                      semconv.RESPONSE_TOKEN_IDS: (5, 6)})
+                raise ValueError("boom")
+    assert t.flush(5)
+    (written,) = sink.spans
+    validated = agl.types.Span.model_validate(written.model_dump())
+    assert validated == written
+    assert written.model_fields_set == set(agl.types.Span.model_fields)
+    assert written.attributes["tags"] == ["a", "b"] and written.attributes[semconv.RESPONSE_TOKEN_IDS] == [5, 6]
+    assert written.status == "error" and written.error == "ValueError: boom"
+    assert [e.name for e in written.events] == ["note", "exception"] and written.events[0].attributes == {"k": 2}
