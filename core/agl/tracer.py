@@ -94,7 +94,7 @@ class StoreSpanProcessor(SpanProcessor):
     validation per span on the caller's thread.
     """
 
-    def __init__(self, max_queue: int = 100_000, batch_size: int = 128, interval: float = 0.2):
+    def __init__(self, max_queue: int = 100_000, batch_size: int = 64, interval: float = 0.2):
         self.max_queue = max_queue
         self.batch_size = batch_size
         self.interval = interval
@@ -157,8 +157,8 @@ class StoreSpanProcessor(SpanProcessor):
         self.stats.enqueued += 1
         if self._worker is None:
             self._start_worker()
-        elif len(self._queue) >= self.batch_size:
-            self._wake.set()
+        elif len(self._queue) >= self.batch_size and not self._wake.is_set():
+            self._wake.set()  # Event.set takes a lock; once is enough until the writer wakes
 
     # -- background -----------------------------------------------------------------------------------------
     def _start_worker(self) -> None:
@@ -221,6 +221,9 @@ class StoreSpanProcessor(SpanProcessor):
             except Exception as exc:  # noqa: BLE001
                 self.stats.rejected += 1
                 logger.error("agl could not convert span %r and dropped it: %s", finished[0], exc, exc_info=True)
+            # Hand the GIL over if the agent's thread wants it back (its model answer arrived): without this
+            # it would wait for the interpreter's switch interval (5 ms) while the writer encodes.
+            time.sleep(0)
         return spans
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
@@ -267,6 +270,7 @@ def _finished(span: ReadableSpan, entry: List[Any]) -> _Finished:
     parent = span.parent
     status = span.status
     events = span.events
+    attributes = span.attributes
     return (
         span.name,
         span.context.trace_id,
@@ -276,7 +280,7 @@ def _finished(span: ReadableSpan, entry: List[Any]) -> _Finished:
         span.end_time or span.start_time or 0,
         status.status_code,
         status.description,
-        dict(span.attributes) if span.attributes else _NO_ATTRIBUTES,
+        dict(attributes.copy()) if attributes else _NO_ATTRIBUTES,  # C-level copies (the proxy's own iteration is slow)
         tuple((e.name, e.timestamp, e.attributes) for e in events) if events else (),
         entry[0],
         entry[1],
@@ -348,7 +352,7 @@ def _trusted_span(**fields: Any) -> Span:
 class Tracer:
     """The process-wide agl tracer. Get it with :func:`get_tracer`."""
 
-    def __init__(self, max_queue: int = 100_000, batch_size: int = 128) -> None:
+    def __init__(self, max_queue: int = 100_000, batch_size: int = 64) -> None:
         self.provider = TracerProvider(resource=OtelResource.create({"service.name": "agl"}))
         self.processor = StoreSpanProcessor(max_queue=max_queue, batch_size=batch_size)
         self.provider.add_span_processor(self.processor)
