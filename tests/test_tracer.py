@@ -218,3 +218,22 @@ def test_written_spans_are_complete_pydantic_spans(tracer):
     assert written.attributes["tags"] == ["a", "b"] and written.attributes[semconv.RESPONSE_TOKEN_IDS] == [5, 6]
     assert written.status == "error" and written.error == "ValueError: boom"
     assert [e.name for e in written.events] == ["note", "exception"] and written.events[0].attributes == {"k": 2}
+
+
+def test_spans_are_recorded_under_a_parent_the_users_tracing_did_not_sample(tracer, monkeypatch):
+    """The user's provider may sample (or OTEL_TRACES_SAMPLER may say so); training spans must not be lost."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    t = Tracer(max_queue=100, batch_size=10)
+    sink = ListSink()
+    t.set_store(sink)
+    users = TracerProvider(sampler=ALWAYS_OFF).get_tracer("user")
+    with rollout_scope("ro-1", "at-1"):
+        with users.start_as_current_span("user's unsampled request"):
+            with t.span("chat", "llm"):
+                pass
+    assert t.flush(5)
+    assert [s.name for s in sink.spans] == ["chat"]
+    t.processor.shutdown()

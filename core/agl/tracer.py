@@ -25,6 +25,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import Resource as OtelResource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import StatusCode
 from pydantic_core import to_json
 
@@ -353,7 +354,9 @@ class Tracer:
     """The process-wide agl tracer. Get it with :func:`get_tracer`."""
 
     def __init__(self, max_queue: int = 100_000, batch_size: int = 64) -> None:
-        self.provider = TracerProvider(resource=OtelResource.create({"service.name": "agl"}))
+        # ALWAYS_ON, not the SDK default (ParentBased, or whatever OTEL_TRACES_SAMPLER says): a training span
+        # must be recorded even when it nests under a span the user's own tracing chose not to sample.
+        self.provider = TracerProvider(resource=OtelResource.create({"service.name": "agl"}), sampler=ALWAYS_ON)
         self.processor = StoreSpanProcessor(max_queue=max_queue, batch_size=batch_size)
         self.provider.add_span_processor(self.processor)
         self.otel = self.provider.get_tracer("agl")
