@@ -3,9 +3,12 @@
 Why this shape:
 - agl never replaces the user's global TracerProvider; integrations get spans from ``get_tracer()``.
   OpenTelemetry's *context* is shared, so our spans still nest under (and above) the user's spans.
-- The thread that makes an LLM call does no store I/O and no JSON encoding: ``on_end`` appends the
-  finished span to a bounded deque and a daemon thread converts and writes batches. Heavy payloads
-  (messages, token ids, raw responses) are attached with :meth:`Tracer.set_deferred` and encoded there.
+- The thread that makes an LLM call does no store I/O: ``on_end`` appends the finished span, as plain
+  values, to a bounded deque and a daemon thread converts and writes batches. Payloads (messages, token
+  ids, SDK objects) are attached with :meth:`Tracer.set_deferred`. Message lists and SDK objects become
+  JSON text when the span ends (a few microseconds): queued containers would be promoted by the garbage
+  collector and walked by every full collection on the agent's thread, which costs more. Token ids stay
+  tuples, and callables (larger work, e.g. logprobs) run on the writer.
 - A full queue drops the span and counts it (``stats().dropped``) with a warning: never silent.
 - ``flush()`` at rollout end waits until every span finished so far is in the store.
 """
@@ -222,9 +225,6 @@ class StoreSpanProcessor(SpanProcessor):
             except Exception as exc:  # noqa: BLE001
                 self.stats.rejected += 1
                 logger.error("agl could not convert span %r and dropped it: %s", finished[0], exc, exc_info=True)
-            # Hand the GIL over if the agent's thread wants it back (its model answer arrived): without this
-            # it would wait for the interpreter's switch interval (5 ms) while the writer encodes.
-            time.sleep(0)
         return spans
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
@@ -250,9 +250,9 @@ class StoreSpanProcessor(SpanProcessor):
 
 
 def _is_permanent(exc: Exception) -> bool:
-    from agl.errors import AglError, StoreClosedError
+    from agl.errors import AglError, StoreClosedError, StoreUnavailableError
 
-    return isinstance(exc, AglError) and not isinstance(exc, StoreClosedError)
+    return isinstance(exc, AglError) and not isinstance(exc, (StoreClosedError, StoreUnavailableError))
 
 
 # A finished span as queued for the writer: plain values only, so the OpenTelemetry span object (a dozen
@@ -286,8 +286,27 @@ def _finished(span: ReadableSpan, entry: List[Any]) -> _Finished:
         entry[0],
         entry[1],
         entry[2],
-        entry[3],
+        _settled(entry[3]) if entry[3] else None,
     )
+
+
+def _settled(deferred: Dict[str, Any]) -> Dict[str, Any]:
+    """Deferred payloads that the garbage collector need not walk while they wait for the writer.
+
+    Containers (message lists, SDK objects) become their JSON text now, a few microseconds: a queued list of
+    dicts survives collections and is promoted, and every full collection then walks it on the agent's
+    thread, which costs more than encoding it. Token ids stay tuples (untracked once seen by the collector),
+    callables stay for the writer (they exist to move larger work off this thread).
+    """
+    for key, value in deferred.items():
+        kind = type(value)
+        if kind in _PLAIN_TYPES or kind is tuple or callable(value):
+            continue
+        try:
+            deferred[key] = encode_attribute(value)
+        except Exception:  # noqa: BLE001 - the writer tries again and records the error on the span
+            pass
+    return deferred
 
 
 _NO_ATTRIBUTES: Mapping[str, Any] = {}
@@ -414,7 +433,8 @@ class Tracer:
         return self.otel.start_span(name, context=ctx, attributes=attrs, start_time=start_time)
 
     def set_deferred(self, span: otel_trace.Span, attributes: Mapping[str, Any]) -> None:
-        """Attach attributes encoded later on the writer thread (messages, token ids, raw objects).
+        """Attach attributes encoded off the hot path (messages, token ids, raw objects): containers when the
+        span ends, callables on the writer thread (see the module docstring).
 
         Values must not be mutated by the caller afterwards: pass snapshots (e.g. ``list(messages)``).
         """
