@@ -12,26 +12,23 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from agl.http_thread import ThreadedServer
 from agl.testing import fake_chat, fake_responses
 from agl.testing.fake_policy import ChatTool, FakeReply, FakeTokenizer, Generation, ToolChoice, generate
 
 logger = logging.getLogger(__name__)
 
 Body = Mapping[str, Any]
-_STARTUP_TIMEOUT_S = 10.0
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -58,46 +55,20 @@ class FakeOpenAIServer:
         self._lock = threading.Lock()
         self._script: collections.deque[FakeReply] = collections.deque()
         self._requests: list[dict[str, Any]] = []
-        self._uvicorn: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._port: int | None = None
         self.app = _create_app(self)
+        self._http = ThreadedServer(self.app, name="agl-fake-openai", graceful_shutdown_s=1)
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
     def start(self) -> FakeOpenAIServer:
         """Start serving on a free port and return once the server accepts connections."""
-        if self._thread is not None:
-            raise RuntimeError("FakeOpenAIServer is already running; stop() it before starting it again")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)  # listening now means clients connecting before uvicorn's loop runs just queue
-        self._port = sock.getsockname()[1]
-        # log_config=None: uvicorn must not reconfigure the host process's logging, only log through it.
-        config = uvicorn.Config(
-            self.app,
-            log_level="warning",
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=1,
-        )
-        self._uvicorn = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._uvicorn.run, kwargs={"sockets": [sock]}, name="agl-fake-openai", daemon=True
-        )
-        self._thread.start()
-        self._wait_started()
+        self._http.start()
         logger.debug("fake OpenAI server listening on %s", self.base_url)
         return self
 
     def stop(self) -> None:
         """Stop serving and wait for the thread (streams still open get a second to finish)."""
-        if self._uvicorn is None or self._thread is None:
-            return
-        self._uvicorn.should_exit = True
-        self._thread.join(timeout=_STARTUP_TIMEOUT_S)
-        self._uvicorn, self._thread, self._port = None, None, None
+        self._http.stop()
 
     def __enter__(self) -> FakeOpenAIServer:
         return self.start()
@@ -107,23 +78,14 @@ class FakeOpenAIServer:
     ) -> None:
         self.stop()
 
-    def _wait_started(self) -> None:
-        assert self._uvicorn is not None and self._thread is not None
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        while not self._uvicorn.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the fake OpenAI server did not start (see the 'uvicorn.error' log)")
-            time.sleep(0.01)
-
     # --- what tests use ----------------------------------------------------------------------------------
 
     @property
     def base_url(self) -> str:
         """``http://127.0.0.1:PORT/v1``, the ``base_url`` to give OpenAI clients."""
-        if self._port is None:
+        if self._http.port is None:
             raise RuntimeError("FakeOpenAIServer is not running: use it as a context manager or call start()")
-        return f"http://127.0.0.1:{self._port}/v1"
+        return f"http://127.0.0.1:{self._http.port}/v1"
 
     @property
     def requests(self) -> list[dict[str, Any]]:
