@@ -1,21 +1,25 @@
-"""In-process throughput of the store backends: full rollout cycles/s and spans/s.
+"""Throughput of the store backends from one client thread: full rollout cycles/s and spans/s.
 
-    python benchmarks/store.py [--rollouts 5000] [--spans 100000]
+    python benchmarks/store.py [--rollouts 5000] [--spans 100000] [--no-postgres]
 
 A rollout cycle is what one training rollout costs the store: enqueued in batches (``enqueue_many``),
 claimed in batches (``dequeue_many``), a few spans added in one call, and ``complete_attempt``. Span
 throughput adds spans in batches of 1000, as the tracer's background writer does. The SQLite figures
-use a temporary file. Prints figures against the SQLite targets and always exits 0: these are
-measurements, not assertions (machines differ).
+use a temporary file. PostgreSQL runs in a throwaway server on 127.0.0.1 (``TemporaryPostgres``, with
+fsync on), once with its defaults (each commit waits for its WAL flush) and once with
+``synchronous_commit=off``, which like SQLite's ``synchronous=NORMAL`` does not wait for the disk at
+commit. Prints figures against the SQLite targets and always exits 0: these are measurements, not
+assertions (machines differ).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
-from typing import Callable, List
+from typing import Callable, Iterator, List, Tuple
 
 from agl.store import EnqueueRequest, InMemoryLightningStore, LightningStore, SqliteLightningStore
 from agl.types import Rollout, Span
@@ -75,16 +79,48 @@ def span_throughput(store: LightningStore, n: int) -> float:
     return len(batches) * SPAN_BATCH / (time.perf_counter() - start)
 
 
+Backend = Tuple[str, Callable[[], LightningStore]]
+
+
+@contextlib.contextmanager
+def postgres_backends() -> Iterator[List[Backend]]:
+    """The PostgreSQL rows: a throwaway server (each measurement in a new database), or none with a note why."""
+    try:
+        from agl.store.postgres import PostgresLightningStore
+        from agl.testing.postgres import PostgresUnavailableError, TemporaryPostgres
+    except ImportError as exc:
+        print(f"(PostgreSQL skipped: {exc})")
+        yield []
+        return
+    try:
+        server = TemporaryPostgres(durable=True).start()
+    except PostgresUnavailableError as exc:
+        print(f"(PostgreSQL skipped: {exc})")
+        yield []
+        return
+    async_commit = "?options=-csynchronous_commit%3Doff"
+    try:
+        yield [
+            ("PostgreSQL", lambda: PostgresLightningStore(server.create_database())),
+            ("PG async", lambda: PostgresLightningStore(server.create_database() + async_commit)),
+        ]
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=5_000)
     parser.add_argument("--spans", type=int, default=100_000)
+    parser.add_argument("--no-postgres", action="store_true", help="skip the PostgreSQL rows")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        backends: List[tuple[str, Callable[[], LightningStore]]] = [
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        backends: List[Backend] = [
             ("InMemory", InMemoryLightningStore),
             ("SQLite", lambda: SqliteLightningStore(os.path.join(tmp, f"bench-{time.perf_counter_ns()}.db"))),
         ]
+        if not args.no_postgres:
+            backends += stack.enter_context(postgres_backends())
         print(f"{'backend':<10} {'rollout cycles/s':>18} {'spans/s':>12}")
         for name, factory in backends:
             with factory() as store:
@@ -93,7 +129,8 @@ def main() -> None:
                 spans = span_throughput(store, args.spans)
             print(f"{name:<10} {cycles:>18,.0f} {spans:>12,.0f}")
         print(f"{'target':<10} {CYCLES_TARGET:>18,} {SPANS_TARGET:>12,}   (SQLite)")
-        print(f"({BATCH} rollouts per batch, {SPANS_PER_ROLLOUT} spans per rollout, span batches of {SPAN_BATCH})")
+        print(f"({BATCH} rollouts per batch, {SPANS_PER_ROLLOUT} spans per rollout, span batches of {SPAN_BATCH}; "
+              "PG async: PostgreSQL with synchronous_commit=off)")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class UnknownResourcesError(AglError, KeyError):
             f"unknown resources id {resources_id!r}: add it with store.add_resources(...) first, "
             "or pass None to use the latest resources"
         )
+        self.resources_id = resources_id
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -71,3 +72,44 @@ class DuplicateResourcesError(AglError, ValueError):
 
 class UnsupportedStoreError(AglError, NotImplementedError):
     """A store URL whose backend this version of agl does not provide."""
+
+
+class DuplicateRolloutError(AglError, ValueError):
+    """``enqueue_many`` was given a ``rollout_id`` that is already stored (nothing of the batch was enqueued)."""
+
+    def __init__(self, rollout_id: str):
+        super().__init__(
+            f"rollout id {rollout_id!r} is already stored, so nothing of this batch was enqueued: leave "
+            "EnqueueRequest.rollout_id unset to get a fresh id, or pick an unused one"
+        )
+        self.rollout_id = rollout_id
+
+
+class StoreUnavailableError(AglError, ConnectionError):
+    """The store server could not be reached (or kept failing) after every retry. Transient: every call
+    of the HTTP client is safe to repeat, so callers that can wait (the span writer, a runner) try again."""
+
+
+class StoreAuthError(AglError, PermissionError):
+    """The store server refused the request's token (missing or not accepted); nothing was changed."""
+
+
+class StoreRequestError(AglError, ValueError):
+    """The store server refused a malformed or oversize request (4xx); nothing was changed."""
+
+
+class MissingTokenIdsError(AglError, ValueError):
+    """An LLM call selected for training has no token ids (the server did not return them)."""
+
+    def __init__(self, rollout_id: str, attempt_id: str, span_id: str, agent_name: object, reason: str):
+        super().__init__(
+            f"LLM call span {span_id} (agent {agent_name!r}) of rollout {rollout_id} attempt {attempt_id} has no "
+            f"token ids: {reason}. Serve the model with `agl serve` or vLLM (agl asks for return_token_ids), or "
+            "pass tokenizer=... to LightningRL to re-tokenize the recorded messages (approximate: the ids may "
+            "differ from what the model sampled), or leave this agent's calls out with agent_match"
+        )
+        self.rollout_id = rollout_id
+        self.attempt_id = attempt_id
+        self.span_id = span_id
+        self.agent_name = agent_name
+        self.reason = reason

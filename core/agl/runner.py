@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Union
 
 from agl import semconv
 from agl.context import RolloutScope, enter_scope, exit_scope
-from agl.errors import AglError, StaleAttemptError
+from agl.errors import AglError, StaleAttemptError, StoreUnavailableError
 from agl.litagent import LitAgent
 from agl.store.base import LightningStore
 from agl.tracer import Tracer, get_tracer
@@ -222,7 +222,11 @@ class Runner:
         should_stop = stop.is_set if hasattr(stop, "is_set") else stop  # threading or multiprocessing Event
         done = 0
         while not should_stop() and (max_rollouts is None or done < max_rollouts):
-            rollout = self.store.dequeue_rollout(self.runner_id, timeout=wait_timeout)
+            try:
+                rollout = self.store.dequeue_rollout(self.runner_id, timeout=wait_timeout)
+            except StoreUnavailableError as exc:  # a store server restarting: the client backed off already
+                logger.warning("runner %s: store unavailable, asking again: %s", self.runner_id, exc)
+                continue
             if rollout is None:
                 continue
             if on_busy:

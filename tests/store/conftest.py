@@ -3,31 +3,83 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 from agl.store import InMemoryLightningStore, LightningStore, SqliteLightningStore
+from agl.store.remote import RemoteLightningStore
+from agl.store.server import ServerThread, TokenSet, create_app
+from agl.testing.postgres import PostgresServer, PostgresUnavailableError, postgres_for_tests
 from agl.types import Rollout, Span
 
-BACKENDS = ["memory", "sqlite"]
+BACKENDS = ["memory", "sqlite", "http", "postgres"]
 
 _span_ids = itertools.count(1)
 
 
-def make_store(backend: str, directory: Path) -> LightningStore:
+class ServedStore(RemoteLightningStore):
+    """The HTTP backend under test: a real uvicorn server on 127.0.0.1 over a SQLite file, and its client.
+    Closing the client also stops the server and closes the SQLite store behind it."""
+
+    def __init__(self, path: Path) -> None:
+        self.backing = SqliteLightningStore(path)
+        self.server = ServerThread(create_app(self.backing, tokens=TokenSet({"test": "test-token"}))).start()
+        super().__init__(self.server.url, token="test-token", retries=2)
+
+    def close(self) -> None:
+        super().close()
+        if os.getpid() == self._pid:
+            self.server.stop(wait=False)  # its thread ends by itself; the suite does not wait for it
+            self.backing.close()
+
+
+def make_store(backend: str, directory: Path, postgres: Optional[PostgresServer] = None) -> LightningStore:
+    if backend == "postgres":
+        assert postgres is not None, "make_store('postgres', ...) needs the postgres_server fixture"
+        return postgres.open_store()  # an empty database of its own, given back when the store is closed
     if backend == "memory":
         return InMemoryLightningStore()
+    if backend == "http":
+        return ServedStore(directory / "served.db")
     return SqliteLightningStore(directory / "store.db")
 
 
 @pytest.fixture(params=BACKENDS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LightningStore]:
-    """A fresh store of each backend (SQLite on a real file)."""
-    s = make_store(request.param, tmp_path)
+    """A fresh store of each backend (SQLite on a real file, PostgreSQL in an empty database of a real server)."""
+    postgres = request.getfixturevalue("postgres_server") if request.param == "postgres" else None
+    s = make_store(request.param, tmp_path, postgres)
     yield s
     s.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """The session's PostgreSQL: $AGL_TEST_POSTGRES_DSN's server if set, else a throwaway one started here.
+
+    Without PostgreSQL the tests that need it fail (never skip), saying how to install it.
+    """
+    try:
+        with postgres_for_tests() as server:
+            yield server
+    except PostgresUnavailableError as exc:
+        pytest.fail(f"these store tests need a PostgreSQL server: {exc}", pytrace=False)
+
+
+@pytest.fixture
+def postgres_dsn(postgres_server: PostgresServer) -> Iterator[str]:
+    """An empty database holding the store's schema, for this test only."""
+    with postgres_server.store_database() as dsn:
+        yield dsn
+
+
+@pytest.fixture
+def stores_of_every_backend(postgres_server: PostgresServer) -> Callable[[Path], List[LightningStore]]:
+    """``f(directory)`` -> one fresh store per backend, in BACKENDS order (for the state-machine test)."""
+    return lambda directory: [make_store(backend, directory / backend, postgres_server) for backend in BACKENDS]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, List
 
 import pytest
-from agl.errors import AglError, UnsupportedStoreError
+from agl.errors import AglError
 from agl.store import EnqueueRequest, InMemoryLightningStore, SqliteLightningStore, open_store
 from agl.store.doorbell import Doorbell
 from agl.types import LLM, RolloutConfig
@@ -189,20 +189,6 @@ def test_open_store_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert open_store().path == str(tmp_path / "env.db")  # type: ignore[attr-defined]
     monkeypatch.setenv("AGL_STORE", "memory")
     assert isinstance(open_store(), InMemoryLightningStore)
-
-
-@pytest.mark.parametrize(
-    "url, match",
-    [
-        ("http://localhost:4747", "agl store serve"),
-        ("https://store.example", "agl store serve"),
-        ("postgresql://u@h/db", "PostgreSQL"),
-    ],
-)
-def test_open_store_names_backends_not_there_yet(url: str, match: str) -> None:
-    with pytest.raises(UnsupportedStoreError, match=match) as info:
-        open_store(url)
-    assert isinstance(info.value, NotImplementedError) and isinstance(info.value, AglError)
 
 
 @pytest.mark.parametrize("url", ["memroy", "store.json", "sqlite://", "sqlite:///:memory:", "redis://x"])

@@ -13,6 +13,7 @@ import pytest
 from agl.errors import (
     AglError,
     DuplicateResourcesError,
+    DuplicateRolloutError,
     IllegalTransitionError,
     InvalidSpanError,
     StaleAttemptError,
@@ -110,6 +111,20 @@ def test_enqueue_checks_resources_and_keeps_resources_id(store: LightningStore) 
     with_id, without_id = store.dequeue_many("runner-1", 2)
     assert with_id.resources_id == update.resources_id
     assert without_id.resources_id is None, "None means 'latest at run time' and stays None"
+
+
+def test_caller_chosen_rollout_ids_are_kept_and_never_reused(store: LightningStore) -> None:
+    """What makes a retried enqueue safe (the HTTP client chooses ids and recognises its own)."""
+    mine, theirs = store.enqueue_many([EnqueueRequest(rollout_id="ro-mine-1", input=1), EnqueueRequest(input=2)])
+    assert mine.rollout_id == "ro-mine-1" and theirs.rollout_id != "ro-mine-1"
+    assert store.get_rollout("ro-mine-1") == mine
+    with pytest.raises(DuplicateRolloutError, match="'ro-mine-1'.*nothing of this batch"):
+        store.enqueue_many([EnqueueRequest(rollout_id="ro-new"), EnqueueRequest(rollout_id="ro-mine-1")])
+    with pytest.raises(DuplicateRolloutError, match="'ro-twice'"):
+        store.enqueue_many([EnqueueRequest(rollout_id="ro-twice"), EnqueueRequest(rollout_id="ro-twice")])
+    assert [r.rollout_id for r in store.query_rollouts()] == [mine.rollout_id, theirs.rollout_id]
+    with pytest.raises(ValueError, match="rollout_id"):
+        EnqueueRequest(rollout_id="no/slashes")
 
 
 # -- completing, retries -----------------------------------------------------------------------------------

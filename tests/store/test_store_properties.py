@@ -9,10 +9,10 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from agl.errors import AglError
-from agl.store import EnqueueRequest, InMemoryLightningStore, LightningStore, SqliteLightningStore
+from agl.store import EnqueueRequest, LightningStore
 from agl.types import Attempt, RolloutConfig, Span
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -149,17 +149,24 @@ class Run:
         return snapshot
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# stores_of_every_backend is a stateless factory, so sharing it between examples is fine
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(ops=operations)
-def test_random_operations_keep_invariants_on_every_backend(ops: List[Tuple[Any, ...]]) -> None:
+def test_random_operations_keep_invariants_on_every_backend(
+    stores_of_every_backend: Callable[[Path], List[LightningStore]], ops: List[Tuple[Any, ...]]
+) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [Run(InMemoryLightningStore()), Run(SqliteLightningStore(Path(tmp) / "store.db"))]
+        runs = [Run(store) for store in stores_of_every_backend(Path(tmp))]
         for op in ops:
             snapshots = []
             for run in runs:
                 run.apply(op)
                 snapshots.append(run.check())
-            assert snapshots[0] == snapshots[1], f"backends disagree after {op}"
-        assert runs[0].history == runs[1].history
+            assert all(s == snapshots[0] for s in snapshots), f"backends disagree after {op}"
+        assert all(run.history == runs[0].history for run in runs)
         for run in runs:
             run.store.close()

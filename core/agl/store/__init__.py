@@ -33,9 +33,11 @@ def open_store(url_or_path: Optional[str] = None) -> LightningStore:
     - ``"memory"`` or ``"memory://"``: a new in-memory store (this process only).
     - ``"sqlite:///relative.db"``, ``"sqlite:////absolute.db"`` or a path ending in ``.db``, ``.sqlite`` or
       ``.sqlite3``: a SQLite file, created with its folder if missing.
+    - ``"http://host:port"`` (or https): a store server (``agl store serve``), through
+      :class:`~agl.store.remote.RemoteLightningStore`; the token comes from ``$AGL_STORE_TOKEN``.
 
-    The HTTP client (``http(s)://``) and PostgreSQL (``postgresql://``) are named here so that a wrong
-    guess gets a clear error instead of a file called ``http:``.
+    - ``"postgresql://user:password@host:5432/database"`` (or ``postgres://``): a PostgreSQL database,
+      through :class:`~agl.store.postgres.PostgresLightningStore` (the ``postgres`` extra).
     """
     if url_or_path is None:
         url_or_path = os.environ.get("AGL_STORE") or DEFAULT_STORE_PATH
@@ -52,15 +54,15 @@ def open_store(url_or_path: Optional[str] = None) -> LightningStore:
             )
         return SqliteLightningStore(path)
     if scheme in ("http", "https"):
-        raise UnsupportedStoreError(
-            f"store URL {target!r}: the HTTP store client arrives with `agl store serve` (issue 7); until then run "
-            "trainer and runners on one machine against a SQLite file (e.g. open_store('runs/store.db'))"
-        )
+        from agl.store.remote import RemoteLightningStore  # token from $AGL_STORE_TOKEN
+
+        return RemoteLightningStore(target)
     if scheme in ("postgresql", "postgres"):
-        raise UnsupportedStoreError(
-            f"store URL {target!r}: the PostgreSQL store is not available yet; use a SQLite file "
-            "(e.g. open_store('runs/store.db')), which several processes on one machine can share"
-        )
+        try:
+            from agl.store.postgres import PostgresLightningStore  # psycopg is the `postgres` extra
+        except ImportError as exc:
+            raise UnsupportedStoreError(f"store URL {target!r}: {exc}") from exc
+        return PostgresLightningStore(target)
     if not scheme and target.lower().endswith(_SQLITE_SUFFIXES):
         return SqliteLightningStore(os.path.expanduser(target))
     raise ValueError(

@@ -6,11 +6,11 @@ caller gets, when an attempt expires) is decided here once.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Set, Tuple
 
 from pydantic_core import PydanticSerializationError, to_json
 
-from agl.errors import IllegalTransitionError, StaleAttemptError
+from agl.errors import DuplicateRolloutError, IllegalTransitionError, InvalidSpanError, StaleAttemptError
 
 ROLLOUT_STATUSES: Tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 
@@ -38,6 +38,33 @@ def encode_json(value: Any, what: str) -> str:
     except PydanticSerializationError as exc:
         raise TypeError(
             f"{what} must be JSON-serialisable (dicts, lists, str, numbers, pydantic models): {exc}"
+        ) from exc
+
+
+def check_new_rollout_ids(requests: Sequence[Any], is_stored: Callable[[str], bool]) -> None:
+    """Refuse a batch naming a caller-chosen rollout id twice, or one already stored (DuplicateRolloutError)."""
+    seen: Set[str] = set()
+    for request in requests:
+        rollout_id = request.rollout_id
+        if rollout_id is None:
+            continue
+        if rollout_id in seen or is_stored(rollout_id):
+            raise DuplicateRolloutError(rollout_id)
+        seen.add(rollout_id)
+
+
+def encode_span(span: Any) -> bytes:
+    """A span's JSON, or the InvalidSpanError every backend raises for a non-Span or an unserialisable value."""
+    from agl.types import Span
+
+    if not isinstance(span, Span):
+        raise InvalidSpanError(f"add_spans takes agl.types.Span objects, got {type(span).__name__}")
+    try:
+        return span.model_dump_json().encode()
+    except PydanticSerializationError as exc:
+        raise InvalidSpanError(
+            f"span {span.span_id!r} ({span.name!r}) has a value that is not JSON-serialisable: {exc}; "
+            "nothing of this batch was stored"
         ) from exc
 
 

@@ -36,8 +36,14 @@ from agl.types import (
 
 
 class EnqueueRequest(BaseModel):
-    """One rollout to enqueue. ``task_id`` groups rollouts of the same task (GRPO groups)."""
+    """One rollout to enqueue. ``task_id`` groups rollouts of the same task (GRPO groups).
 
+    ``rollout_id`` lets the caller choose the id, so that a retried enqueue (the HTTP client after a lost
+    response) is recognised: an id that is already stored raises DuplicateRolloutError and enqueues
+    nothing of the batch. None (the usual case): the store picks a fresh id.
+    """
+
+    rollout_id: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
     input: Any = None
     task_id: Optional[str] = None
     mode: RolloutMode = "train"

@@ -12,11 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from pydantic_core import PydanticSerializationError, from_json
+from pydantic_core import from_json
 
 from agl.errors import (
     DuplicateResourcesError,
-    InvalidSpanError,
     StoreClosedError,
     UnknownAttemptError,
     UnknownResourcesError,
@@ -141,9 +140,11 @@ class InMemoryLightningStore(LightningStore):
             for request in requests:
                 if request.resources_id is not None and request.resources_id not in self._resources:
                     raise UnknownResourcesError(request.resources_id)
+            _rules.check_new_rollout_ids(requests, self._records.__contains__)
             records = [
                 _Record(
                     Rollout(
+                        rollout_id=request.rollout_id or new_id("ro"),
                         task_id=request.task_id or new_id("task"),
                         input=_json_copy(request.input, "rollout input"),
                         mode=request.mode,
@@ -310,17 +311,7 @@ class InMemoryLightningStore(LightningStore):
 
     # -- spans ---------------------------------------------------------------------------------------------
     def add_spans(self, spans: Sequence[Span]) -> int:
-        encoded: List[Tuple[Span, bytes]] = []
-        for span in spans:
-            if not isinstance(span, Span):
-                raise InvalidSpanError(f"add_spans takes agl.types.Span objects, got {type(span).__name__}")
-            try:
-                encoded.append((span, span.model_dump_json().encode()))
-            except PydanticSerializationError as exc:
-                raise InvalidSpanError(
-                    f"span {span.span_id!r} ({span.name!r}) has a value that is not JSON-serialisable: {exc}; "
-                    "nothing of this batch was stored"
-                ) from exc
+        encoded: List[Tuple[Span, bytes]] = [(span, _rules.encode_span(span)) for span in spans]
         with self._cond:
             attempts: Dict[Tuple[str, str], Tuple[_Record, Attempt]] = {}
             for span, _ in encoded:

@@ -21,7 +21,7 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, ClassVar, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from pydantic_core import from_json
 
@@ -49,6 +49,7 @@ from agl.store._sqlite_schema import (
     span_from_row,
     span_to_row,
 )
+from agl.store._waiting import wait_until
 from agl.store.base import EnqueueRequest, LightningStore, StoreStats
 from agl.store.doorbell import Doorbell
 from agl.types import (
@@ -66,8 +67,6 @@ from agl.types import (
 )
 
 logger = logging.getLogger("agl.store.sqlite")
-
-T = TypeVar("T")
 
 # Connections of a parent process found in a forked child: never used, never closed (closing them could
 # disturb the parent's locks), only kept referenced so that they are never finalised.
@@ -259,32 +258,6 @@ class SqliteLightningStore(LightningStore):
         self._ring_for(r.status for r in changed)
         return changed, next_deadline
 
-    def _until(
-        self, bell: Doorbell, timeout: Optional[float], attempt: Callable[[], Tuple[Optional[T], Optional[float]]]
-    ) -> Optional[T]:
-        """Call ``attempt`` until it returns a result or ``timeout`` passes, sleeping on ``bell`` in between.
-
-        ``attempt`` returns ``(result or None, next attempt expiry)``; a sleep also ends at that expiry so
-        that the expired attempt gets reaped. The socket is bound only once a first try found nothing, and
-        ``attempt`` runs once more before the first sleep: a commit it misses rings a socket that exists.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with contextlib.ExitStack() as stack:
-            listener = None
-            while True:
-                result, next_expiry = attempt()
-                if result is not None:
-                    return result
-                waits = [] if deadline is None else [deadline - time.monotonic()]
-                if waits and waits[0] <= 0:
-                    return None
-                if listener is None:
-                    listener = stack.enter_context(bell.listen())
-                    continue
-                if next_expiry is not None:
-                    waits.append(max(0.0, next_expiry - time.time()))
-                listener.wait(min(waits) if waits else None)
-
     # -- rollouts ------------------------------------------------------------------------------------------
     def enqueue_many(self, requests: Sequence[EnqueueRequest]) -> List[Rollout]:
         if not requests:
@@ -292,7 +265,7 @@ class SqliteLightningStore(LightningStore):
         now = time.time()
         rows = [
             (
-                new_id("ro"),
+                request.rollout_id or new_id("ro"),
                 request.task_id or new_id("task"),
                 _rules.encode_json(request.input, "rollout input"),
                 request.mode,
@@ -310,6 +283,10 @@ class SqliteLightningStore(LightningStore):
             for resources_id in resources_ids:
                 if c.execute("SELECT 1 FROM resources WHERE resources_id = ?", (resources_id,)).fetchone() is None:
                     raise UnknownResourcesError(resources_id)
+            chosen = [r.rollout_id for r in requests if r.rollout_id is not None]
+            if chosen:
+                sql = "SELECT 1 FROM rollouts WHERE rollout_id = ?"
+                _rules.check_new_rollout_ids(requests, lambda i: c.execute(sql, (i,)).fetchone() is not None)
             base = c.execute(f"SELECT {NEXT_QUEUE_POS}").fetchone()[0]
             c.executemany(
                 "INSERT INTO rollouts (rollout_id, task_id, input, mode, resources_id, max_attempts, timeout_seconds, "
@@ -330,7 +307,7 @@ class SqliteLightningStore(LightningStore):
             claimed, next_expiry = self._claim(runner_id, limit)
             return claimed or None, next_expiry
 
-        return self._until(self._queue_bell, timeout, attempt) or []
+        return wait_until(self._queue_bell.listen, timeout, attempt) or []
 
     def _claim(self, runner_id: str, limit: int) -> Tuple[List[Rollout], Optional[float]]:
         """Reap, then claim up to ``limit`` queued rollouts in one transaction; also returns the next expiry."""
@@ -477,7 +454,7 @@ class SqliteLightningStore(LightningStore):
             return (None if pending else True), next_expiry
 
         if pending:
-            self._until(self._done_bell, timeout, attempt)
+            wait_until(self._done_bell.listen, timeout, attempt)
         done = {r.rollout_id: r for r in self.query_rollouts(rollout_ids=ids) if r.is_terminal}
         return [done[i] for i in ids if i in done]
 

@@ -1,0 +1,126 @@
+"""The command line for running across machines: ``agl store serve`` and ``agl runner``.
+
+The parsers are built here (agl.cli only hooks them in) and the heavy imports (FastAPI, the agent) happen
+only when a command runs, so ``agl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any, Optional
+
+logger = logging.getLogger("agl.remote_cli")
+
+_TOKEN_HELP = "bearer token (default: $AGL_STORE_TOKEN)"
+
+
+def add_serve_parser(store_sub: Any) -> None:
+    """``agl store serve --store PATH_OR_DSN --host --port --token ...``."""
+    serve = store_sub.add_parser(
+        "serve",
+        help="serve a store over HTTP so runners on other machines can use it (API docs at /docs)",
+        description="Serve a store over HTTP. Runners and trainers elsewhere use it with --store http://HOST:PORT "
+        "and the same token. OpenTelemetry exporters can send spans to http://HOST:PORT/v1/traces.",
+    )
+    serve.add_argument("--store", default=None, help="the store to serve: a .db file or postgresql://... "
+                       "(default: $AGL_STORE or .agl/store.db)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=4747)
+    serve.add_argument("--token", default=None, help="shared secret every client must send (default: $AGL_STORE_TOKEN)")
+    serve.add_argument("--tokens-file", default=None, help="per-runner tokens: one 'NAME TOKEN' per line")
+    serve.add_argument("--insecure-no-auth", action="store_true", help="accept requests without a token (trusted networks only)")
+    serve.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 above)")
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from agl.store import open_store
+    from agl.store.server import ServerLimits, TokenSet, serve
+    from agl.store.wire import TOKEN_ENV
+
+    if args.store and args.store.split("://", 1)[0].lower() in ("http", "https"):
+        raise SystemExit("agl: --store names the store to serve (a .db file or postgresql://...), not another server")
+    try:
+        tokens = TokenSet.load(args.token, args.tokens_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"agl: cannot read the tokens: {exc}") from None
+    if not tokens and not args.insecure_no_auth:
+        raise SystemExit(
+            f"agl: the store server needs a token: pass --token, set ${TOKEN_ENV} or give --tokens-file "
+            "(or --insecure-no-auth on a trusted network)"
+        )
+    if args.max_body_mb <= 0:
+        raise SystemExit("agl: --max-body-mb must be positive")
+    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+    store = open_store(args.store)
+    print(f"agl: serving {store!r} on http://{args.host}:{args.port} ({len(tokens)} token(s)); API docs at /docs", flush=True)
+    serve(store, args.host, args.port, tokens=tokens, allow_anonymous=args.insecure_no_auth, limits=limits)
+    return 0
+
+
+def add_runner_parser(sub: Any) -> None:
+    """``agl runner --store URL --agent MODULE:AGENT [--n-runners N] [--token T]``."""
+    runner = sub.add_parser(
+        "runner",
+        help="run an agent's rollouts from a store (on this machine, for a trainer elsewhere)",
+        description="Start runners that take rollouts from the store, run the agent and report spans and "
+        "results. SIGTERM or Ctrl-C stops them gracefully: idle runners leave at once, busy ones finish "
+        "their rollout. Dead runner processes are replaced.",
+    )
+    runner.add_argument("--store", required=True, help="store URL (http://HOST:PORT of `agl store serve`) or a .db file")
+    runner.add_argument("--agent", required=True, help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
+    runner.add_argument("--n-runners", type=int, default=1)
+    runner.add_argument("--runner-mode", choices=["process", "thread"], default="process")
+    runner.add_argument("--token", default=None, help=_TOKEN_HELP)
+    runner.add_argument("--heartbeat-interval", type=float, default=5.0, help="seconds between heartbeats")
+    runner.add_argument("--rollout-timeout", type=float, default=None, help="seconds a rollout may run (default: none)")
+    runner.add_argument("--stop-timeout", type=float, default=30.0, help="seconds busy runners get to finish on stop")
+    runner.set_defaults(func=cmd_runner)
+
+
+def open_runner_store(url: str, token: Optional[str]) -> Any:
+    """The store a runner uses: the HTTP client (with ``token``) for a URL, else whatever open_store opens."""
+    from agl.store import open_store
+    from agl.store.remote import RemoteLightningStore
+
+    if url.split("://", 1)[0].lower() in ("http", "https"):
+        return RemoteLightningStore(url, token=token)
+    return open_store(url)
+
+
+def cmd_runner(args: argparse.Namespace) -> int:
+    import agl
+    from agl.cli import load_agent
+    from agl.runner_pool import RunnerPool
+
+    if args.n_runners < 1:
+        raise SystemExit("agl: --n-runners must be at least 1")
+    agent = load_agent(args.agent)
+    store = open_runner_store(args.store, args.token)
+    stats = store.stats()  # fails fast, with the server's message, on a wrong URL or token
+    queued = stats.rollouts.get("queued", 0)
+    agl.instrument()
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        logger.warning("signal %s: stopping the runners (busy ones finish their rollout)", signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    runner_kwargs = {"heartbeat_interval": args.heartbeat_interval, "rollout_timeout": args.rollout_timeout}
+    pool = RunnerPool(agent, store, args.n_runners, mode=args.runner_mode, runner_kwargs=runner_kwargs)
+    print(f"agl: {args.n_runners} runner(s) on {store!r} ({queued} rollouts queued); SIGTERM or Ctrl-C stops them", flush=True)
+    pool.start()
+    try:
+        while not stop.wait(1.0):
+            pool.check()  # replaces runners that died
+    finally:
+        pool.stop(args.stop_timeout)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        store.close()
+    print(f"agl: runners stopped ({pool.respawned} replaced during the run)", flush=True)
+    return 0

@@ -1,0 +1,49 @@
+"""The wait loop shared by the backends that wake waiters from outside the process (SQLite, PostgreSQL).
+
+Each backend brings its own way of being woken (SQLite: a doorbell socket; PostgreSQL: LISTEN/NOTIFY);
+what a waiter does with it (check, subscribe, check again, sleep until woken, the caller's deadline or
+the next attempt expiry) is decided here once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, ContextManager, Optional, Protocol, Tuple, TypeVar
+
+T = TypeVar("T")
+
+
+class Waiter(Protocol):
+    def wait(self, timeout: Optional[float]) -> bool:
+        """Block until woken or ``timeout`` seconds passed (None: until woken); True if woken."""
+
+
+def wait_until(
+    listen: Callable[[], ContextManager[Waiter]],
+    timeout: Optional[float],
+    attempt: Callable[[], Tuple[Optional[T], Optional[float]]],
+) -> Optional[T]:
+    """Call ``attempt`` until it returns a result or ``timeout`` passes, sleeping on ``listen()`` in between.
+
+    ``attempt`` returns ``(result or None, next attempt expiry)``; a sleep also ends at that expiry so
+    that the expired attempt gets reaped. The subscription is made only once a first try found nothing,
+    and ``attempt`` runs once more before the first sleep: a commit it misses wakes a subscription that
+    exists, so no wake-up is lost.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with contextlib.ExitStack() as stack:
+        waiter: Optional[Waiter] = None
+        while True:
+            result, next_expiry = attempt()
+            if result is not None:
+                return result
+            waits = [] if deadline is None else [deadline - time.monotonic()]
+            if waits and waits[0] <= 0:
+                return None
+            if waiter is None:
+                waiter = stack.enter_context(listen())
+                continue
+            if next_expiry is not None:
+                waits.append(max(0.0, next_expiry - time.time()))
+            waiter.wait(min(waits) if waits else None)

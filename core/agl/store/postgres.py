@@ -1,0 +1,928 @@
+"""The store for many machines: one PostgreSQL database shared by the trainer and runners anywhere.
+
+    store = PostgresLightningStore("postgresql://agl:secret@db-host:5432/agl")   # or open_store(url)
+
+Why it is built this way:
+- Runners on many machines claim work with ``FOR UPDATE SKIP LOCKED``: each claim locks the queued rows it
+  takes and skips rows another claim holds, so claims never wait for each other nor hand out a rollout
+  twice. Every other state change locks its rollout row (then the attempt's) first, so a completion, a
+  cancel and a reap of the same attempt are applied one after the other, each seeing what the one before
+  committed, and the shared rules (:mod:`agl.store._rules`) decide the outcome as in the other backends.
+- Waiters are woken by ``LISTEN``/``NOTIFY``, not by polling: a writer's ``NOTIFY`` is sent when its
+  transaction commits. Each store object keeps one listening connection per process (started on the
+  first wait), whose thread wakes the waiting threads of that process.
+- Connections come from a small pool (``max_connections`` per store object and process), opened on
+  demand. A connection the server dropped (restart, ``pg_terminate_backend``, network cut) is replaced and
+  the operation retried when nothing of it can have been committed; if the connection died while
+  committing, the caller gets a :class:`~agl.errors.StoreUnavailableError` saying the outcome is unknown.
+- Fork-safe (``multiprocess_safe``): a child process never touches its parent's connections (they stay
+  referenced, never closed, as closing would end the parent's sessions) and opens its own. The object
+  pickles as its DSN and options.
+- Times come from this machine's clock corrected by its offset from the database server's clock
+  (measured when the store opens), so machines whose clocks disagree still agree on deadlines.
+- Spans go in with ``COPY`` (about ten times faster than ``INSERT`` here); a batch holding a span that is
+  already stored (sent again) is inserted with ``ON CONFLICT DO NOTHING`` instead, so it is ignored.
+
+The schema (tables prefixed ``agl_``) is created on first use and versioned; see
+:mod:`agl.store._postgres_schema`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from typing import Any, Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar
+
+from pydantic_core import from_json
+
+from agl.errors import (
+    AglError,
+    DuplicateResourcesError,
+    InvalidSpanError,
+    StoreClosedError,
+    StoreUnavailableError,
+    UnknownAttemptError,
+    UnknownResourcesError,
+    UnknownRolloutError,
+)
+from agl.store import _rules
+from agl.store._postgres_schema import (
+    ATTEMPT_COLS,
+    CLAIM,
+    COPY_SPANS,
+    DONE_CHANNEL,
+    END_ATTEMPT,
+    EXPIRED,
+    HEARTBEAT,
+    HEARTBEATS,
+    INSERT_ATTEMPT,
+    INSERT_ROLLOUT,
+    INSERT_SPANS,
+    LIVE_ATTEMPT,
+    NEXT_DEADLINE,
+    QUEUE_CHANNEL,
+    ROLLOUT_FAILED,
+    ROLLOUT_REQUEUED,
+    ROLLOUT_SUCCEEDED,
+    SCHEMA,
+    SCHEMA_LOCK_KEY,
+    SCHEMA_VERSION,
+    SELECT_ROLLOUTS,
+    SPAN_ATTEMPTS,
+    SPAN_COLS,
+)
+from agl.store._sqlite_schema import attempt_from_row, rollout_from_row, span_from_row, span_to_row
+from agl.store._waiting import wait_until
+from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.types import (
+    TERMINAL_ROLLOUT_STATUSES,
+    Attempt,
+    AttemptStatus,
+    Resource,
+    ResourcesUpdate,
+    Rollout,
+    RolloutMode,
+    RolloutStatus,
+    Span,
+    new_id,
+    parse_resources,
+)
+
+try:
+    import psycopg
+    from psycopg import errors as pg_errors
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "the PostgreSQL store needs psycopg 3: pip install 'agl[postgres]' (or pip install 'psycopg[binary]')"
+    ) from exc
+
+logger = logging.getLogger("agl.store.postgres")
+
+T = TypeVar("T")
+
+# Connections of a parent process found in a forked child: never used, never closed (closing would end the
+# parent's sessions), only kept referenced so that they are never finalised.
+_ABANDONED: List[Any] = []
+
+_CONNECT_TIMEOUT_S = 10
+
+# The server rolled the transaction back and it may simply be run again.
+_ROLLED_BACK = (pg_errors.TransactionRollback, pg_errors.DeadlockDetected, pg_errors.SerializationFailure)
+
+
+def _oneline(exc: Optional[BaseException]) -> str:
+    """An error's message on one line (libpq's span several)."""
+    return " ".join(str(exc).split())
+
+
+def redacted(dsn: str) -> str:
+    """``dsn`` without its password, for messages and ``repr``."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<unparsable DSN>"
+    params.pop("password", None)
+    return make_conninfo(**params)
+
+
+class _Pool:
+    """Up to ``max_size`` connections shared by the threads of one process, opened on demand.
+
+    A thread takes a connection for one operation and gives it back; when all are busy it waits. Threads
+    that only wait for work (dequeue with a timeout) hold none while they sleep.
+    """
+
+    def __init__(self, connect: Callable[[], Any], max_size: int) -> None:
+        self._connect = connect
+        self._max_size = max_size
+        self._idle: List[Any] = []
+        self._size = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def get(self) -> Any:
+        with self._cond:
+            while not self._idle and self._size >= self._max_size and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise StoreClosedError("the store was closed while this call waited for a connection")
+            if self._idle:
+                return self._idle.pop()
+            self._size += 1
+        try:
+            return self._connect()
+        except BaseException:
+            with self._cond:
+                self._size -= 1
+                self._cond.notify()
+            raise
+
+    def put(self, conn: Any) -> None:
+        """Give a connection back; a broken one (or any, once the pool is closed) is closed instead."""
+        reuse = not (self._closed or conn.closed or conn.broken)
+        if reuse and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            reuse = False  # an operation was interrupted mid-transaction (KeyboardInterrupt): start afresh
+        if not reuse:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+        with self._cond:
+            if reuse:
+                self._idle.append(conn)
+            else:
+                self._size -= 1
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._size -= len(idle)
+            self._cond.notify_all()
+        for conn in idle:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+    def abandon(self) -> None:
+        """In a forked child: forget the parent's connections without closing them."""
+        _ABANDONED.extend(self._idle)
+        self._idle = []
+
+
+class _Notifications:
+    """One LISTEN connection per store object and process; its thread wakes this process's waiters.
+
+    Each channel has a generation counter, bumped by every notification (and by a reconnect, as
+    notifications may have been missed meanwhile). A waiter notes the generation before it checks the
+    database and sleeps until the generation moves: a notification sent after the check wakes it.
+    """
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._cond = threading.Condition()
+        self._generation = {QUEUE_CHANNEL: 0, DONE_CHANNEL: 0}
+        self._listening = False
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+        self._wake_r, self._wake_w = socket.socketpair()  # close() writes here to end the thread's select()
+
+    @contextlib.contextmanager
+    def listen(self, channel: str) -> Iterator["_Waiter"]:
+        with self._cond:
+            if self._stop:
+                raise StoreClosedError("the store was closed while waiting")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="agl-postgres-listen", daemon=True)
+                self._thread.start()
+            self._cond.wait_for(lambda: self._listening or self._error is not None or self._stop)
+            if not self._listening and self._error is not None:
+                raise StoreUnavailableError(f"could not LISTEN for store notifications: {self._error}")
+            seen = self._generation[channel]
+        yield _Waiter(self, channel, seen)
+
+    def _wait(self, waiter: "_Waiter", timeout: Optional[float]) -> bool:
+        with self._cond:
+            moved = self._cond.wait_for(
+                lambda: self._generation[waiter.channel] != waiter.seen or self._stop, timeout
+            )
+            waiter.seen = self._generation[waiter.channel]
+            return bool(moved)
+
+    def _bump(self, channels: Iterable[str]) -> None:
+        with self._cond:
+            for channel in channels:
+                if channel in self._generation:
+                    self._generation[channel] += 1
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        delay = 0.05
+        while not self._stop:
+            conn = None
+            try:
+                conn = self._connect()
+                conn.execute(f"LISTEN {QUEUE_CHANNEL}")
+                conn.execute(f"LISTEN {DONE_CHANNEL}")
+                with self._cond:
+                    self._listening, self._error = True, None
+                    for channel in self._generation:  # anything may have happened while we were not listening
+                        self._generation[channel] += 1
+                    self._cond.notify_all()
+                delay = 0.05
+                self._pump(conn)
+            except (psycopg.Error, OSError) as exc:
+                with self._cond:
+                    self._listening, self._error = False, exc
+                    self._cond.notify_all()
+                if not self._stop:
+                    logger.warning("store notifications lost (%s); reconnecting in %.2f s", exc, delay)
+                    select.select([self._wake_r], [], [], delay)  # close() cuts the back-off short
+                    delay = min(delay * 2, 2.0)
+            finally:
+                if conn is not None:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.close()
+        with self._cond:
+            self._listening = False
+            self._cond.notify_all()
+
+    def _pump(self, conn: Any) -> None:
+        """Deliver notifications until ``close()``; raises when the connection is lost."""
+        pgconn, fd = conn.pgconn, conn.fileno()
+        while True:
+            readable, _, _ = select.select([fd, self._wake_r], [], [])
+            if self._wake_r in readable:
+                return
+            pgconn.consume_input()
+            if pgconn.status != psycopg.pq.ConnStatus.OK:
+                raise psycopg.OperationalError("the listening connection was closed by the server")
+            channels: Set[str] = set()
+            while (notify := pgconn.notifies()) is not None:
+                channels.add(notify.relname.decode())
+            if channels:
+                self._bump(channels)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            thread = self._thread
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5)
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+class _Waiter:
+    def __init__(self, notifications: _Notifications, channel: str, seen: int) -> None:
+        self._notifications = notifications
+        self.channel = channel
+        self.seen = seen
+
+    def wait(self, timeout: Optional[float]) -> bool:
+        return self._notifications._wait(self, timeout)
+
+
+class _CommitUnknown(Exception):
+    """Internal: the connection died while a transaction was committing."""
+
+
+class PostgresLightningStore(LightningStore):
+    """A LightningStore in a PostgreSQL database, shared by every process on every machine that opens it."""
+
+    multiprocess_safe: ClassVar[bool] = True
+
+    def __init__(self, dsn: str, *, max_connections: int = 8, reconnect_timeout: float = 10.0) -> None:
+        """Open (creating the schema if needed) the store in the database ``dsn`` names.
+
+        ``dsn``: a libpq URL (``postgresql://user:password@host:5432/database``) or ``key=value`` string.
+        ``max_connections``: connections per store object and process (one more listens once a thread
+        waits). ``reconnect_timeout``: how long an operation keeps retrying a server it cannot reach.
+        """
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self.dsn = dsn
+        self.max_connections = max_connections
+        self.reconnect_timeout = reconnect_timeout
+        self._closed = False
+        self._clock_offset = 0.0
+        self._reset_process_state()
+        try:
+            conn = self._pool.get()
+        except psycopg.OperationalError as exc:
+            raise StoreUnavailableError(
+                f"cannot connect to PostgreSQL ({redacted(dsn)}): {_oneline(exc)}; check that the server is "
+                "running and the URL (postgresql://user:password@host:port/database)"
+            ) from exc
+        try:
+            try:
+                self._clock_offset = self._measure_clock_offset(conn)
+                self._create_schema(conn)
+            finally:
+                self._pool.put(conn)
+        except BaseException:
+            self.close()
+            raise
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._pool = _Pool(self._connect, self.max_connections)
+        self._notifications = _Notifications(self._connect)
+
+    def _state(self) -> Tuple[_Pool, _Notifications]:
+        """This process's pool and listener (a forked child gets its own)."""
+        if self._closed:
+            raise StoreClosedError(f"{self!r} was closed; open the database again with PostgresLightningStore(dsn)")
+        if os.getpid() != self._pid:  # a forked child: the parent's listening thread does not exist here
+            self._pool.abandon()
+            self._reset_process_state()
+        return self._pool, self._notifications
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"dsn": self.dsn, "max_connections": self.max_connections, "reconnect_timeout": self.reconnect_timeout}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        PostgresLightningStore.__init__(self, **state)  # not a subclass's __init__: it may take other arguments
+
+    def __repr__(self) -> str:
+        return f"PostgresLightningStore({redacted(self.dsn)!r})"
+
+    # -- connections and transactions ----------------------------------------------------------------------
+    def _connect(self) -> Any:
+        return psycopg.connect(
+            self.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_S, application_name="agl-store"
+        )
+
+    @staticmethod
+    def _measure_clock_offset(conn: Any) -> float:
+        """Seconds to add to this machine's clock to read the database server's (half a round trip precise)."""
+        before = time.time()
+        (server,) = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        after = time.time()
+        return float(server) - (before + after) / 2
+
+    def _now(self) -> float:
+        return time.time() + self._clock_offset
+
+    def _create_schema(self, conn: Any) -> None:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
+            has_version = conn.execute("SELECT to_regclass('agl_schema') IS NOT NULL").fetchone()[0]
+            if has_version:
+                row = conn.execute("SELECT max(version) FROM agl_schema").fetchone()
+                version = row[0] if row and row[0] is not None else 0
+                if version > SCHEMA_VERSION:
+                    raise AglError(
+                        f"the database {redacted(self.dsn)} was written by a newer agl (store schema {version}, this "
+                        f"agl knows {SCHEMA_VERSION}): upgrade agl, or use another database"
+                    )
+                if version == SCHEMA_VERSION:
+                    return
+                raise AglError(  # no older schema exists yet: this can only be a damaged or foreign table
+                    f"the database {redacted(self.dsn)} has an agl_schema table with version {version}, which no agl "
+                    "wrote; use an empty database (or drop the agl_* tables)"
+                )
+            if conn.execute("SELECT to_regclass('agl_rollouts') IS NOT NULL").fetchone()[0]:
+                raise AglError(
+                    f"the database {redacted(self.dsn)} has an agl_rollouts table but no agl_schema version: it was "
+                    "not made by agl; use an empty database (or drop the agl_* tables)"
+                )
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)  # type: ignore[arg-type]  # constant SQL
+            conn.execute("INSERT INTO agl_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+
+    def _run(self, work: Callable[[Any], T], *, write: bool = True) -> T:
+        """Run ``work(conn)`` (in one transaction if ``write``), retrying on a new connection while it is safe.
+
+        A retry happens when the connection was lost or the server rolled the transaction back (deadlock,
+        serialisation failure) before the commit was sent: then nothing of it was stored. Connecting is
+        retried with back-off for ``reconnect_timeout`` seconds.
+        """
+        pool, _ = self._state()
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            try:
+                return self._run_once(pool, work, write)
+            except _CommitUnknown as unknown:
+                raise StoreUnavailableError(
+                    f"the connection to PostgreSQL ({redacted(self.dsn)}) was lost while committing, so this change "
+                    "may or may not have been stored: read the state back (get_rollout, query_spans) before "
+                    f"repeating it ({_oneline(unknown.__cause__)})"
+                ) from unknown.__cause__
+            except (psycopg.OperationalError, *_ROLLED_BACK) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise StoreUnavailableError(
+                        f"cannot reach PostgreSQL ({redacted(self.dsn)}) for {self.reconnect_timeout:g} s: "
+                        f"{_oneline(exc)}; check that the server is running"
+                    ) from exc
+                logger.warning("PostgreSQL operation interrupted (%s); retrying", _oneline(exc))
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                pool, _ = self._state()  # raises if close() was called meanwhile
+
+    def _run_once(self, pool: _Pool, work: Callable[[Any], T], write: bool) -> T:
+        conn = pool.get()
+        committing = False
+        try:
+            if not write:
+                return work(conn)
+            with conn.transaction():
+                result = work(conn)
+                committing = True
+            return result
+        except (psycopg.OperationalError, *_ROLLED_BACK) as exc:
+            if committing and (conn.closed or conn.broken):
+                raise _CommitUnknown() from exc
+            if isinstance(exc, _ROLLED_BACK) or conn.closed or conn.broken:
+                raise  # nothing was committed: _run retries
+            raise AglError(f"PostgreSQL refused the operation: {_oneline(exc)}") from exc
+        except psycopg.DataError as exc:
+            raise ValueError(
+                f"PostgreSQL cannot store this value ({_oneline(exc)}); text must not contain NUL (\\x00) characters"
+            ) from exc
+        finally:
+            pool.put(conn)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if os.getpid() != self._pid:
+            return  # the parent's connections are not ours to close
+        self._notifications.close()
+        self._pool.close()
+
+    # -- shared steps (inside a transaction) ---------------------------------------------------------------
+    @staticmethod
+    def _select_one(c: Any, rollout_id: str) -> Rollout:
+        row = c.execute(f"{SELECT_ROLLOUTS} WHERE r.rollout_id = %s", (rollout_id,)).fetchone()
+        if row is None:
+            raise UnknownRolloutError(rollout_id)
+        return rollout_from_row(row)
+
+    @staticmethod
+    def _live_attempt(c: Any, rollout_id: str, attempt_id: str) -> Tuple[Any, ...]:
+        """``LIVE_ATTEMPT``'s row (rollout and attempt locked); raises unless the attempt exists and is running."""
+        row = c.execute(LIVE_ATTEMPT, (rollout_id, attempt_id)).fetchone()
+        if row is None:
+            if c.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone() is None:
+                raise UnknownRolloutError(rollout_id)
+            raise UnknownAttemptError(rollout_id, attempt_id)
+        if row[1] != "running":
+            raise _rules.stale_error(rollout_id, attempt_id, row[1], row[2])
+        return row
+
+    @staticmethod
+    def _end_attempt(
+        c: Any,
+        rollout_id: str,
+        aid: int,
+        status: str,
+        error: Optional[str],
+        reward: Optional[float],
+        n_attempts: int,
+        max_attempts: int,
+        now: float,
+    ) -> Rollout:
+        """End the live attempt ``aid``, move the rollout on per the shared retry rule and notify who waits for
+        that (at commit); return the rollout as it now is. One statement: one round trip."""
+        nxt = _rules.next_rollout_status(status, n_attempts, max_attempts)
+        params: List[Any]
+        if nxt == "succeeded":
+            rollout_update, params = ROLLOUT_SUCCEEDED, [reward, now]
+        elif nxt == "queued":
+            rollout_update, params = ROLLOUT_REQUEUED, [error]
+        else:
+            rollout_update, params = ROLLOUT_FAILED, [error, now]
+        channel = QUEUE_CHANNEL if nxt == "queued" else DONE_CHANNEL
+        sql = END_ATTEMPT.format(rollout_update=rollout_update)
+        return rollout_from_row(c.execute(sql, [status, now, error, aid, *params, rollout_id, channel]).fetchone())
+
+    def _local_time(self, server_time: Optional[float]) -> Optional[float]:
+        """A server-clock time on this machine's clock (what the wait loop sleeps against)."""
+        return None if server_time is None else server_time - self._clock_offset
+
+    def _reap(self) -> Tuple[List[Rollout], Optional[float]]:
+        """End expired attempts; return the changed rollouts and the next pending deadline (server clock)."""
+        next_deadline = self._run(lambda c: c.execute(NEXT_DEADLINE).fetchone()[0], write=False)
+        now = self._now()
+        if next_deadline is None or next_deadline > now:
+            return [], next_deadline  # the common case: one indexed read, no transaction
+
+        def work(c: Any) -> Tuple[List[Rollout], Optional[float]]:
+            changed: List[Rollout] = []
+            for aid, rollout_id, start, timeout, hb_timeout, n_attempts, max_attempts in c.execute(
+                EXPIRED, (now,)
+            ).fetchall():
+                status, error = _rules.expiry(start, now, timeout, hb_timeout)
+                ended = self._end_attempt(c, rollout_id, aid, status, error, None, n_attempts, max_attempts, now)
+                changed.append(ended)
+            return changed, c.execute(NEXT_DEADLINE).fetchone()[0]
+
+        return self._run(work)
+
+    def _wait(
+        self, channel: str, timeout: Optional[float], attempt: Callable[[], Tuple[Optional[T], Optional[float]]]
+    ) -> Optional[T]:
+        """:func:`~agl.store._waiting.wait_until`, woken by ``channel``'s notifications."""
+
+        def listen() -> Any:
+            return self._state()[1].listen(channel)
+
+        def local_attempt() -> Tuple[Optional[T], Optional[float]]:
+            result, next_expiry = attempt()
+            return result, self._local_time(next_expiry)
+
+        return wait_until(listen, timeout, local_attempt)
+
+    # -- rollouts ------------------------------------------------------------------------------------------
+    def enqueue_many(self, requests: Sequence[EnqueueRequest]) -> List[Rollout]:
+        if not requests:
+            self._state()
+            return []
+        now = self._now()
+        rollouts = [
+            Rollout(
+                rollout_id=request.rollout_id or new_id("ro"),
+                task_id=request.task_id or new_id("task"),
+                input=request.input,
+                mode=request.mode,
+                resources_id=request.resources_id,
+                config=request.config.model_copy(),
+                metadata=request.metadata,
+                create_time=now,
+            )
+            for request in requests
+        ]
+        encoded = [
+            (_rules.encode_json(r.input, "rollout input"), _rules.encode_json(r.metadata, "rollout metadata"))
+            for r in rollouts
+        ]
+        resources_ids = list(dict.fromkeys(r.resources_id for r in requests if r.resources_id is not None))
+        chosen = [r.rollout_id for r in requests if r.rollout_id is not None]
+
+        def work(c: Any) -> None:
+            if resources_ids:
+                sql = "SELECT resources_id FROM agl_resources WHERE resources_id = ANY(%s)"
+                known = {row[0] for row in c.execute(sql, (resources_ids,))}
+                for resources_id in resources_ids:
+                    if resources_id not in known:
+                        raise UnknownResourcesError(resources_id)
+            if chosen:
+                sql = "SELECT rollout_id FROM agl_rollouts WHERE rollout_id = ANY(%s)"
+                stored = {row[0] for row in c.execute(sql, (chosen,))}
+                _rules.check_new_rollout_ids(requests, stored.__contains__)
+            with c.cursor() as cur:
+                cur.executemany(
+                    INSERT_ROLLOUT,
+                    [
+                        (r.rollout_id, r.task_id, inp, r.mode, r.resources_id, r.config.max_attempts,
+                         r.config.timeout_seconds, r.config.heartbeat_timeout_seconds, meta, now)
+                        for r, (inp, meta) in zip(rollouts, encoded)
+                    ],
+                )
+            c.execute(f"NOTIFY {QUEUE_CHANNEL}")
+
+        try:
+            self._run(work)
+        except pg_errors.UniqueViolation:  # another machine stored a chosen id since our check: say which
+            self._run(work)
+        # what the caller gets back went through JSON as the stored copy did, and aliases nothing of theirs
+        return [
+            r.model_copy(update={"input": from_json(inp), "metadata": from_json(meta)})
+            for r, (inp, meta) in zip(rollouts, encoded)
+        ]
+
+    def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
+        _rules.check_limit(limit)
+
+        def attempt() -> Tuple[Optional[List[Rollout]], Optional[float]]:
+            claimed, next_expiry = self._claim(runner_id, limit)
+            return claimed or None, next_expiry
+
+        return self._wait(QUEUE_CHANNEL, timeout, attempt) or []
+
+    def _claim(self, runner_id: str, limit: int) -> Tuple[List[Rollout], Optional[float]]:
+        """Reap, then claim up to ``limit`` queued rollouts in one transaction; also returns the next expiry."""
+        _, next_expiry = self._reap()
+        queued = "SELECT EXISTS (SELECT 1 FROM agl_rollouts WHERE queue_pos IS NOT NULL)"
+        if not self._run(lambda c: c.execute(queued).fetchone()[0], write=False):
+            return [], next_expiry  # nothing queued: no transaction
+
+        def work(c: Any) -> Tuple[List[Rollout], List[float]]:
+            now = self._now()
+            rows = sorted(c.execute(CLAIM, {"now": now, "limit": limit}).fetchall(), key=lambda row: row[-1])
+            attempts = []  # INSERT_ATTEMPT parameters, one per claimed rollout
+            for row in rows:
+                deadline = _rules.attempt_deadline(now, now, row[7], row[8])
+                attempts.append((row[16], row[0], new_id("at"), row[10], runner_id, now, now, deadline))
+            if attempts:
+                with c.cursor() as cur:
+                    cur.executemany(INSERT_ATTEMPT, attempts)
+            deadlines = [a[7] for a in attempts if a[7] is not None]
+            if deadlines:
+                c.execute(f"NOTIFY {DONE_CHANNEL}")  # a waiter sleeping until the next expiry must learn of these
+            claimed = [
+                rollout_from_row(row[:16] + (a[1], a[2], a[3], runner_id, "running", now, None, now, None))
+                for row, a in zip(rows, attempts)
+            ]
+            return claimed, deadlines
+
+        claimed, deadlines = self._run(work)
+        if next_expiry is not None:
+            deadlines.append(next_expiry)
+        return claimed, min(deadlines) if deadlines else None
+
+    def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
+        def work(c: Any) -> Attempt:
+            now = self._now()
+            aid, _, _, start, timeout, hb_timeout, _, _ = self._live_attempt(c, rollout_id, attempt_id)
+            deadline = _rules.attempt_deadline(start, now, timeout, hb_timeout)
+            return attempt_from_row(c.execute(HEARTBEAT, (now, deadline, aid)).fetchone())
+
+        return self._run(work)
+
+    def complete_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus,
+        *,
+        reward: Optional[float] = None,
+        error: Optional[str] = None,
+    ) -> Rollout:
+        _rules.check_complete_status(status)
+
+        def work(c: Any) -> Rollout:
+            now = self._now()
+            aid, _, _, _, _, _, n_attempts, max_attempts = self._live_attempt(c, rollout_id, attempt_id)
+            return self._end_attempt(c, rollout_id, aid, status, error, reward, n_attempts, max_attempts, now)
+
+        return self._run(work)
+
+    def cancel_rollout(self, rollout_id: str) -> Rollout:
+        def work(c: Any) -> Rollout:
+            now = self._now()
+            row = c.execute(
+                "SELECT status, latest_aid FROM agl_rollouts WHERE rollout_id = %s FOR UPDATE", (rollout_id,)
+            ).fetchone()
+            if row is None:
+                raise UnknownRolloutError(rollout_id)
+            status, aid = row
+            if status not in ("queued", "running", "cancelled"):
+                raise _rules.cancel_error(rollout_id, status)
+            if status == "running":
+                c.execute(
+                    "UPDATE agl_attempts SET status = 'cancelled', end_time = %s, deadline = NULL WHERE aid = %s",
+                    (now, aid),
+                )
+            if status != "cancelled":
+                c.execute(
+                    "UPDATE agl_rollouts SET status = 'cancelled', end_time = %s, queue_pos = NULL "
+                    "WHERE rollout_id = %s",
+                    (now, rollout_id),
+                )
+                c.execute(f"NOTIFY {DONE_CHANNEL}")  # sent at commit
+            return self._select_one(c, rollout_id)
+
+        return self._run(work)
+
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        return self._run(lambda c: self._select_one(c, rollout_id), write=False)
+
+    def query_rollouts(
+        self,
+        *,
+        status: Optional[Iterable[RolloutStatus]] = None,
+        rollout_ids: Optional[Iterable[str]] = None,
+        task_id: Optional[str] = None,
+        mode: Optional[RolloutMode] = None,
+        limit: Optional[int] = None,
+        offset: int = 0,
+    ) -> List[Rollout]:
+        where: List[str] = ["TRUE"]
+        params: List[Any] = []
+        if status is not None:
+            where.append("r.status = ANY(%s)")
+            params.append(list(status))
+        if rollout_ids is not None:
+            where.append("r.rollout_id = ANY(%s)")
+            params.append(list(rollout_ids))
+        if task_id is not None:
+            where.append("r.task_id = %s")
+            params.append(task_id)
+        if mode is not None:
+            where.append("r.mode = %s")
+            params.append(mode)
+        sql = f"{SELECT_ROLLOUTS} WHERE {' AND '.join(where)} ORDER BY r.seq LIMIT %s OFFSET %s"
+        rows = self._run(lambda c: c.execute(sql, params + [limit, offset]).fetchall(), write=False)
+        return [rollout_from_row(row) for row in rows]
+
+    def query_attempts(self, rollout_id: str) -> List[Attempt]:
+        def work(c: Any) -> List[Attempt]:
+            sql = f"SELECT {ATTEMPT_COLS} FROM agl_attempts a WHERE a.rollout_id = %s ORDER BY a.sequence"
+            rows = c.execute(sql, (rollout_id,)).fetchall()
+            if not rows:
+                self._select_one(c, rollout_id)  # raises if the rollout is unknown
+            return [attempt_from_row(row) for row in rows]
+
+        return self._run(work, write=False)
+
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> List[Rollout]:
+        ids = list(dict.fromkeys(rollout_ids))
+        pending = self._pending(ids, check_known=True)
+
+        def attempt() -> Tuple[Optional[bool], Optional[float]]:
+            nonlocal pending
+            _, next_expiry = self._reap()
+            pending = self._pending(pending, check_known=False)
+            return (None if pending else True), next_expiry
+
+        if pending:
+            self._wait(DONE_CHANNEL, timeout, attempt)
+        done = {r.rollout_id: r for r in self.query_rollouts(rollout_ids=ids) if r.is_terminal}
+        return [done[i] for i in ids if i in done]
+
+    def _pending(self, ids: Sequence[str], *, check_known: bool) -> List[str]:
+        """Those of ``ids`` that are not terminal yet (raising for unknown ids when ``check_known``)."""
+        if not ids:
+            return []
+        sql = "SELECT rollout_id, status FROM agl_rollouts WHERE rollout_id = ANY(%s)"
+        status = dict(self._run(lambda c: c.execute(sql, (list(ids),)).fetchall(), write=False))
+        if check_known and len(status) < len(ids):
+            raise UnknownRolloutError(next(i for i in ids if i not in status))
+        return [i for i in ids if status.get(i) not in TERMINAL_ROLLOUT_STATUSES]
+
+    def reap_expired(self) -> List[Rollout]:
+        return self._reap()[0]
+
+    # -- spans ---------------------------------------------------------------------------------------------
+    def add_spans(self, spans: Sequence[Span]) -> int:
+        if not spans:
+            self._state()
+            return 0
+        rows = [_storable(span_to_row(span)) for span in spans]  # encoded before any round trip
+        keys = list(dict.fromkeys((row[0], row[1]) for row in rows))
+
+        def work(c: Any, copy: bool) -> int:
+            now = self._now()
+            found = {
+                (r[0], r[1]): r[2:]
+                for r in c.execute(SPAN_ATTEMPTS, ([k[0] for k in keys], [k[1] for k in keys])).fetchall()
+            }
+            for rollout_id, attempt_id in keys:  # the first unknown id of the batch, as the other backends
+                if (rollout_id, attempt_id) not in found:
+                    if c.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone():
+                        raise UnknownAttemptError(rollout_id, attempt_id)
+                    raise UnknownRolloutError(rollout_id)
+            first: Dict[Tuple[int, str], Tuple[Any, ...]] = {}  # (aid, span_id) -> row: the first copy wins
+            for row in rows:
+                aid = found[(row[0], row[1])][0]
+                first.setdefault((aid, row[2]), (aid,) + row)
+            with c.cursor() as cur:
+                if copy:
+                    with cur.copy(COPY_SPANS) as stream:
+                        for row in first.values():
+                            stream.write_row(row)
+                    stored = len(first)
+                else:
+                    cur.execute(INSERT_SPANS, [list(column) for column in zip(*first.values())])
+                    stored = cur.rowcount
+                beats = [  # a span of a running attempt counts as its heartbeat
+                    (aid, _rules.attempt_deadline(start, now, timeout, hb_timeout))
+                    for aid, status, start, timeout, hb_timeout in found.values()
+                    if status == "running"
+                ]
+                if beats:
+                    cur.execute(HEARTBEATS, (now, [b[0] for b in beats], [b[1] for b in beats]))
+            return stored
+
+        try:  # COPY is ~10 times faster than INSERT here, but cannot skip spans that are already stored
+            return self._run(lambda c: work(c, copy=True))
+        except pg_errors.UniqueViolation:  # some were (a batch sent again): insert skipping those
+            return self._run(lambda c: work(c, copy=False))
+
+    def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
+        def work(c: Any) -> List[Span]:
+            if attempt_id == "latest":
+                sql = (
+                    f"SELECT {SPAN_COLS} FROM agl_spans s "
+                    "WHERE s.aid = (SELECT latest_aid FROM agl_rollouts WHERE rollout_id = %s) "
+                    "ORDER BY s.sequence_id, s.sid"
+                )
+                rows = c.execute(sql, (rollout_id,)).fetchall()
+            elif attempt_id is None:
+                sql = (
+                    f"SELECT {SPAN_COLS} FROM agl_attempts a JOIN agl_spans s ON s.aid = a.aid "
+                    "WHERE a.rollout_id = %s ORDER BY a.sequence, s.sequence_id, s.sid"
+                )
+                rows = c.execute(sql, (rollout_id,)).fetchall()
+            else:
+                sql = (
+                    f"SELECT {SPAN_COLS} FROM agl_attempts a JOIN agl_spans s ON s.aid = a.aid "
+                    "WHERE a.rollout_id = %s AND a.attempt_id = %s ORDER BY s.sequence_id, s.sid"
+                )
+                rows = c.execute(sql, (rollout_id, attempt_id)).fetchall()
+            if not rows:  # only now find out whether the ids exist, to keep the common path one query
+                self._select_one(c, rollout_id)
+                if attempt_id not in ("latest", None):
+                    sql = "SELECT 1 FROM agl_attempts WHERE rollout_id = %s AND attempt_id = %s"
+                    if c.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
+                        raise UnknownAttemptError(rollout_id, attempt_id)  # type: ignore[arg-type]
+            return [span_from_row(row) for row in rows]
+
+        return self._run(work, write=False)
+
+    # -- resources -----------------------------------------------------------------------------------------
+    def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        encoded = _rules.encode_json(parse_resources(dict(resources)), "resources")
+
+        def work(c: Any) -> Tuple[str, int, float]:
+            now = self._now()
+            # versions are numbered 1, 2, 3, ... across machines: one writer at a time (readers go on)
+            c.execute("LOCK TABLE agl_resources IN SHARE ROW EXCLUSIVE MODE")
+            rid = resources_id
+            if rid is not None:
+                if c.execute("SELECT 1 FROM agl_resources WHERE resources_id = %s", (rid,)).fetchone():
+                    raise DuplicateResourcesError(rid)
+            else:
+                rid = new_id("res")
+            version = c.execute("SELECT coalesce(max(version), 0) + 1 FROM agl_resources").fetchone()[0]
+            c.execute("INSERT INTO agl_resources VALUES (%s, %s, %s, %s)", (version, rid, encoded, now))
+            return rid, version, now
+
+        rid, version, now = self._run(work)
+        return ResourcesUpdate(
+            resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=now
+        )
+
+    def get_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
+        def work(c: Any) -> Optional[Tuple[Any, ...]]:
+            if resources_id is None:
+                return c.execute("SELECT * FROM agl_resources ORDER BY version DESC LIMIT 1").fetchone()
+            row = c.execute("SELECT * FROM agl_resources WHERE resources_id = %s", (resources_id,)).fetchone()
+            if row is None:
+                raise UnknownResourcesError(resources_id)
+            return row
+
+        row = self._run(work, write=False)
+        if row is None:
+            return None
+        version, rid, encoded, create_time = row
+        return ResourcesUpdate(
+            resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=create_time
+        )
+
+    # -- misc ----------------------------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        sql = (  # one statement: every count from the same snapshot
+            "SELECT (SELECT coalesce(json_object_agg(status, n), '{}') FROM "
+            "(SELECT status, count(*) AS n FROM agl_rollouts GROUP BY status) s)::text, "
+            "(SELECT count(*) FROM agl_attempts), (SELECT count(*) FROM agl_spans), "
+            "(SELECT count(*) FROM agl_resources)"
+        )
+        by_status, n_attempts, n_spans, n_versions = self._run(lambda c: c.execute(sql).fetchone(), write=False)
+        counts = {status: 0 for status in _rules.ROLLOUT_STATUSES}
+        counts.update(from_json(by_status))
+        return StoreStats(rollouts=counts, attempts=n_attempts, spans=n_spans, resources_versions=n_versions)
+
+
+def _storable(row: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """A ``span_to_row`` row, refused with InvalidSpanError if PostgreSQL cannot store one of its texts."""
+    for value in row:
+        if isinstance(value, str) and "\x00" in value:
+            raise InvalidSpanError(
+                f"span {row[2]!r} has a NUL character (\\x00) in a text field, which PostgreSQL cannot store; "
+                "nothing of this batch was stored"
+            )
+    return row

@@ -1,0 +1,689 @@
+"""The store over HTTP: ``agl store serve`` (FastAPI + uvicorn) in front of any LightningStore.
+
+Why it is built this way:
+- Every endpoint is one LightningStore call, so the HTTP store behaves exactly like the one it serves;
+  the client (agl.store.remote) passes the same contract suite. The API is documented at ``/docs``
+  (OpenAPI schema at ``/openapi.json``).
+- No token, no access: every endpoint but ``/healthz`` needs ``Authorization: Bearer <token>``; tokens
+  are a shared secret and/or one per runner from a file. A missing token gets 401, a wrong one 403.
+- Bad input never reaches the store half-checked and never gets a 5xx: bodies over the size limit get
+  413 before they are parsed, malformed ones 422 (400 for OTLP) naming the field, unknown ids 404 naming
+  the id, stale updates 409. Nothing is changed by a refused request.
+- Dequeue and wait are long polls: the request thread blocks inside the store, which wakes it when work
+  arrives or a rollout ends (a condition variable, SQLite's doorbell, PostgreSQL's notifications). They
+  run on their own thread limiter so waiting runners never starve other requests; a poll is answered
+  after at most ``max_poll_seconds`` and the client asks again.
+- Retries are safe: a request with an ``Idempotency-Key`` header that arrives again (the client timed out
+  or lost the connection) gets the first answer, even while the first is still running.
+- A timer calls ``reap_expired`` so attempts of runners that died are ended and retried even when no
+  runner or trainer is calling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hmac
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+
+import anyio
+import anyio.to_thread
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from agl.errors import AglError
+from agl.http_thread import ThreadedServer
+from agl.store import otlp
+from agl.store.base import LightningStore, StoreStats
+from agl.store.memory import InMemoryLightningStore
+from agl.store.sqlite import SqliteLightningStore
+from agl.store.wire import (
+    AUTH_HEADER,
+    IDEMPOTENCY_HEADER,
+    TOKEN_ENV,
+    AttemptList,
+    CompleteBody,
+    DequeueBody,
+    EnqueueBody,
+    ErrorBody,
+    MaybeResources,
+    QueryBody,
+    ResourcesBody,
+    RolloutList,
+    SpanList,
+    SpansBody,
+    Stored,
+    WaitBody,
+    error_body,
+    error_status,
+)
+from agl.types import Attempt, ResourcesUpdate, Rollout
+
+logger = logging.getLogger("agl.store.server")
+
+
+@dataclass
+class ServerLimits:
+    """What one server accepts; every limit is answered with a 4xx that names it."""
+
+    max_body_bytes: int = 32 * 1024 * 1024  # span batches with token ids are a few MB
+    max_poll_seconds: float = 20.0  # a long poll answers after this at most; the client asks again
+    poll_slice_seconds: float = 1.0  # a long poll checks for a gone client this often
+    max_pollers: int = 2048  # concurrent long polls (each holds a thread while it waits)
+    max_workers: int = 64  # threads for all other requests
+    reap_interval: float = 1.0  # seconds between reap_expired() calls of the server's timer
+    idempotency_ttl: float = 600.0  # seconds a retried request still gets the first answer
+    idempotency_entries: int = 100_000
+    inline_calls: Optional[bool] = None  # run non-waiting store calls on the event loop (None: for local stores)
+
+
+class TokenSet:
+    """The bearer tokens a server accepts, by name (the name shows up in the logs, never the token)."""
+
+    def __init__(self, tokens: Dict[str, str]) -> None:
+        empty = [name for name, token in tokens.items() if not token]
+        if empty:
+            raise ValueError(f"token(s) {', '.join(empty)} are empty: every token needs at least one character")
+        self._tokens = [(name, token.encode()) for name, token in tokens.items()]
+
+    @classmethod
+    def load(cls, token: Optional[str] = None, tokens_file: Optional[str] = None) -> "TokenSet":
+        """A shared ``token`` (default: ``$AGL_STORE_TOKEN``) and/or per-runner tokens from ``tokens_file``.
+
+        The file has one token per line, ``NAME TOKEN`` or just ``TOKEN``; ``#`` starts a comment.
+        """
+        tokens: Dict[str, str] = {}
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        if token:
+            tokens["shared"] = token
+        if tokens_file:
+            with open(tokens_file, encoding="utf-8") as fh:
+                for number, line in enumerate(fh, 1):
+                    words = line.split("#", 1)[0].split()
+                    if not words:
+                        continue
+                    if len(words) > 2:
+                        raise ValueError(f"{tokens_file}:{number}: write 'NAME TOKEN' or 'TOKEN' (tokens have no spaces)")
+                    name, value = (words[0], words[1]) if len(words) == 2 else (f"line-{number}", words[0])
+                    tokens[name] = value
+        return cls(tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def check(self, presented: str) -> Optional[str]:
+        """The name of the token presented, or None; compares in constant time against every token."""
+        found = None
+        for name, token in self._tokens:
+            if hmac.compare_digest(presented.encode(), token):
+                found = name
+        return found
+
+
+# -- request body size ----------------------------------------------------------------------------------
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``max_bytes`` gets 413 before anything parses it.
+
+    It reads the body itself (FastAPI would buffer it anyway) and replays it to the app, so a body sent
+    without Content-Length (chunked) is limited too.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await _too_large(scope, send, self.max_bytes)
+            return
+        chunks: List[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _too_large(scope, send, self.max_bytes)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: waits for the client to disconnect
+
+        await self.app(scope, replay, send)
+
+
+async def _too_large(scope: Scope, send: Send, max_bytes: int) -> None:
+    body = ErrorBody(
+        error="StoreRequestError",
+        message=f"request body larger than this server's limit of {max_bytes} bytes: send smaller batches "
+        "(the agl client splits span batches by itself) or start the server with a larger --max-body-mb",
+    )
+    response = Response(body.model_dump_json(exclude_none=True), status_code=413, media_type="application/json")
+    await response(scope, _drain_receive, send)
+
+
+async def _drain_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+# -- idempotent retries -----------------------------------------------------------------------------------
+
+
+class IdempotencyCache:
+    """The first answer to each ``Idempotency-Key``, so that a retried request is not applied twice.
+
+    A retry that arrives while the first request still runs waits for its answer. Entries live
+    ``ttl`` seconds (at most ``max_entries``): a retry comes within the client's back-off, not later.
+    The cache is per server process; across a server restart the client's own checks take over (see
+    agl.store.remote).
+    """
+
+    def __init__(self, ttl: float, max_entries: int) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._entries: "collections.OrderedDict[Tuple[str, ...], Tuple[float, threading.Event, List[Any]]]"
+        self._entries = collections.OrderedDict()
+
+    def run(self, key: Tuple[str, ...], call: Callable[[], Response]) -> Response:
+        with self._lock:
+            self._expire()
+            entry = self._entries.get(key)
+            owner = entry is None
+            if owner:
+                entry = (time.monotonic(), threading.Event(), [])
+                self._entries[key] = entry
+        _, done, result = entry  # type: ignore[misc]
+        if not owner:
+            done.wait()
+            return _copy_response(result[0])
+        try:
+            response = call()
+        except BaseException as exc:  # an error the handler turns into 4xx: a retry gets the same one
+            response = _error_response(exc)
+            if response.status_code >= 500:
+                with self._lock:  # a failure of our own: let a retry try again
+                    self._entries.pop(key, None)
+        result.append(response)
+        done.set()
+        return response
+
+    def seen(self, key: Tuple[str, ...]) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def record(self, key: Tuple[str, ...], response: Response) -> Response:
+        """Keep ``response`` as the answer to ``key`` (a request answered without ``run``)."""
+        done = threading.Event()
+        done.set()
+        with self._lock:
+            self._expire()
+            self._entries.setdefault(key, (time.monotonic(), done, [response]))
+        return response
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._entries:
+            key, (created, done, _) = next(iter(self._entries.items()))
+            if len(self._entries) <= self.max_entries and now - created < self.ttl:
+                break
+            if not done.is_set():
+                break  # still running: keep it (entries are in start order)
+            del self._entries[key]
+
+
+def _copy_response(response: Response) -> Response:
+    return Response(response.body, status_code=response.status_code, media_type=response.media_type)
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+
+def _error_response(exc: BaseException) -> Response:
+    status = error_status(exc)
+    if status is None:
+        logger.exception("store server error", exc_info=exc)
+        body = ErrorBody(error="InternalError", message=f"the store server failed: {type(exc).__name__}: {exc}")
+        return Response(body.model_dump_json(exclude_none=True), status_code=500, media_type="application/json")
+    return Response(error_body(exc).model_dump_json(exclude_none=True), status_code=status, media_type="application/json")
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors()[:5]:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {error.get('msg')}")
+    more = f" (and {len(exc.errors()) - 5} more)" if len(exc.errors()) > 5 else ""
+    return "invalid request: " + "; ".join(parts) + more + " (see the API schema at /docs)"
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_store_error(request: Request, exc: Exception) -> Response:
+        return _error_response(exc)
+
+    async def on_validation(request: Request, exc: RequestValidationError) -> Response:
+        body = ErrorBody(error="StoreRequestError", message=_validation_message(exc))
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=422)
+
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no endpoint {request.method} {request.url.path} on this store server (see /docs)"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path} (see /docs)"
+        body = ErrorBody(error="StoreRequestError", message=message)
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(AglError, on_store_error)
+    app.add_exception_handler(ValueError, on_store_error)
+    app.add_exception_handler(TypeError, on_store_error)
+    app.add_exception_handler(OverflowError, on_store_error)
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
+
+
+# -- the app --------------------------------------------------------------------------------------------
+
+_ROLLOUTS = TypeAdapter(RolloutList)
+
+
+def _json(model: Any) -> Response:
+    """A pre-serialised JSON response (the response models are only used for the OpenAPI schema)."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _rollouts(rollouts: List[Rollout]) -> Response:
+    return Response(_ROLLOUTS.dump_json(RolloutList(rollouts=rollouts)), media_type="application/json")
+
+
+_ERRORS: Dict[int | str, Dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": text}
+    for code, text in {
+        401: "no token (Authorization: Bearer <token>)",
+        403: "token not accepted",
+        404: "an id that is not in the store (the message names it)",
+        409: "a stale or illegal state change (nothing was changed)",
+        413: "request body over the server's limit",
+        422: "malformed request (the message names the field)",
+    }.items()
+}
+
+
+def create_app(
+    store: LightningStore,
+    *,
+    tokens: Optional[TokenSet] = None,
+    allow_anonymous: bool = False,
+    limits: Optional[ServerLimits] = None,
+) -> FastAPI:
+    """The FastAPI app serving ``store``. It does not close the store; its owner does.
+
+    ``tokens`` are required unless ``allow_anonymous`` (then anybody who can reach the port has full access).
+    """
+    if not tokens and not allow_anonymous:
+        raise ValueError(
+            "a store server needs at least one token (--token, $AGL_STORE_TOKEN or --tokens-file); "
+            "pass allow_anonymous=True (--insecure-no-auth) only on a trusted network"
+        )
+    limits = limits or ServerLimits()
+    cache = IdempotencyCache(limits.idempotency_ttl, limits.idempotency_entries)
+    # Calls to a store in this process's memory or on local disk take tens of microseconds: they run on
+    # the event loop, because handing each to a worker thread costs more CPU than the call itself. A
+    # networked store (PostgreSQL) waits on its server, so its calls go to worker threads. Long polls
+    # always do (they wait by design).
+    inline = limits.inline_calls
+    if inline is None:
+        inline = isinstance(store, (InMemoryLightningStore, SqliteLightningStore))
+    pollers: Dict[str, anyio.CapacityLimiter] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = limits.max_workers
+        pollers["limiter"] = anyio.CapacityLimiter(limits.max_pollers)
+        stop = threading.Event()
+        reaper = threading.Thread(target=_reap_forever, args=(store, stop, limits.reap_interval), daemon=True)
+        reaper.start()
+        try:
+            yield
+        finally:
+            stop.set()
+
+    async def authenticate(request: Request) -> str:
+        """Async on purpose: FastAPI runs a sync dependency on a worker thread, a hop per request."""
+        if not tokens:
+            return "anonymous"
+        header = request.headers.get(AUTH_HEADER, "")
+        scheme, _, presented = header.partition(" ")
+        if not header:
+            raise _AuthFailure(401, "this store server needs a token: send 'Authorization: Bearer <token>' "
+                               f"(the agl client reads token=... or ${TOKEN_ENV})")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise _AuthFailure(401, "the Authorization header must be 'Bearer <token>'")
+        name = tokens.check(presented.strip())
+        if name is None:
+            raise _AuthFailure(403, "token not accepted by this store server: check the token you were given")
+        return name
+
+    def idempotency_key(request: Request, client: str) -> Optional[Tuple[str, ...]]:
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        return (client, request.url.path, key[:128]) if key else None
+
+    def once(request: Request, client: str, call: Callable[[], Response]) -> Response:
+        """Run ``call``; with an Idempotency-Key, a repeat of the same request gets the first answer."""
+        key = idempotency_key(request, client)
+        return call() if key is None else cache.run(key, call)
+
+    async def long_poll(request: Request, wait: Callable[[threading.Event], Response]) -> Response:
+        """Run a blocking wait on the poll limiter; ``gone`` is set if the client disconnects meanwhile."""
+        gone = threading.Event()
+
+        async def watch() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    gone.set()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await anyio.to_thread.run_sync(wait, gone, limiter=pollers["limiter"])
+        finally:
+            watcher.cancel()
+
+    def sliced(timeout: float, gone: threading.Event, step: Callable[[float], Any]) -> Any:
+        """Call ``step(wait)`` in slices until it returns something, the time is up or the client left."""
+        deadline = time.monotonic() + min(timeout, limits.max_poll_seconds)
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            result = step(min(left, limits.poll_slice_seconds))
+            if result or left <= limits.poll_slice_seconds or gone.is_set():
+                return result
+
+    app = FastAPI(
+        title="agl store server",
+        version="1",
+        description=(
+            "The LightningStore over HTTP: trainers and runners on different machines meet here. Every "
+            "endpoint but /healthz needs `Authorization: Bearer <token>`. Errors are JSON "
+            "`{error, message, ...ids}` where `error` names the exception the Python client raises. "
+            "POST endpoints honour an `Idempotency-Key` header (a retry gets the first answer). "
+            "OpenTelemetry exporters send spans to /v1/traces (OTLP/HTTP, JSON or protobuf)."
+        ),
+        lifespan=lifespan,
+    )
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+
+    @app.exception_handler(_AuthFailure)
+    async def on_auth(request: Request, exc: _AuthFailure) -> Response:
+        body = ErrorBody(error="StoreAuthError", message=exc.message)
+        headers = {"WWW-Authenticate": 'Bearer realm="agl-store"'} if exc.status == 401 else None
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=exc.status, headers=headers)
+
+    @app.get("/healthz", tags=["meta"], summary="liveness (no token needed)")
+    async def healthz() -> Dict[str, str]:
+        return {"status": "ok"}
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)], responses=_ERRORS)  # type: ignore[arg-type]
+    Client = Depends(authenticate)
+
+    async def run(call: Callable[[], Response]) -> Response:
+        """A store call that does not wait: inline for local stores, on a worker thread for networked ones."""
+        return call() if inline else await anyio.to_thread.run_sync(call)
+
+    # -- rollouts ---------------------------------------------------------------------------------------
+    @api.post("/rollouts", response_model=RolloutList, tags=["rollouts"], summary="enqueue rollouts (FIFO)")
+    async def enqueue(body: EnqueueBody, request: Request, client: str = Client) -> Response:
+        return await run(lambda: once(request, client, lambda: _rollouts(store.enqueue_many(body.requests))))
+
+    @api.post("/rollouts/dequeue", response_model=RolloutList, tags=["rollouts"], summary="claim work (long poll)")
+    async def dequeue(body: DequeueBody, request: Request, client: str = Client) -> Response:
+        key = idempotency_key(request, client)
+        if inline and (key is None or not cache.seen(key)):  # a first try: claim without a thread if work is there
+            claimed = store.dequeue_many(body.runner_id, body.limit, timeout=0)
+            if claimed or body.timeout <= 0:
+                response = _rollouts(claimed)
+                return response if key is None else cache.record(key, response)
+
+        def wait(gone: threading.Event) -> Response:
+            step = lambda t: store.dequeue_many(body.runner_id, body.limit, timeout=t)  # noqa: E731
+            return once(request, client, lambda: _rollouts(sliced(body.timeout, gone, step)))
+
+        return await long_poll(request, wait)
+
+    @api.post("/rollouts/wait", response_model=RolloutList, tags=["rollouts"], summary="wait for rollouts to end (long poll)")
+    async def wait_for_rollouts(body: WaitBody, request: Request) -> Response:
+        ids = list(dict.fromkeys(body.rollout_ids))
+
+        def wait(gone: threading.Event) -> Response:
+            def step(t: float) -> Optional[List[Rollout]]:
+                done = store.wait_for_rollouts(ids, timeout=t)
+                return done if len(done) == len(ids) else None
+
+            done = sliced(body.timeout, gone, step)
+            return _rollouts(done if done is not None else store.wait_for_rollouts(ids, timeout=0))
+
+        return await long_poll(request, wait)
+
+    @api.post("/rollouts/query", response_model=RolloutList, tags=["rollouts"], summary="list rollouts, filtered")
+    async def query_rollouts(body: QueryBody) -> Response:
+        return await run(lambda: _rollouts(store.query_rollouts(**body.model_dump())))
+
+    @api.post("/rollouts/reap", response_model=RolloutList, tags=["rollouts"], summary="end expired attempts now")
+    async def reap() -> Response:
+        return await run(lambda: _rollouts(store.reap_expired()))
+
+    @api.get("/rollouts/{rollout_id}", response_model=Rollout, tags=["rollouts"])
+    async def get_rollout(rollout_id: str) -> Response:
+        return await run(lambda: _json(store.get_rollout(rollout_id)))
+
+    @api.post("/rollouts/{rollout_id}/cancel", response_model=Rollout, tags=["rollouts"])
+    async def cancel(rollout_id: str) -> Response:
+        return await run(lambda: _json(store.cancel_rollout(rollout_id)))
+
+    @api.get("/rollouts/{rollout_id}/attempts", response_model=AttemptList, tags=["attempts"])
+    async def query_attempts(rollout_id: str) -> Response:
+        return await run(lambda: _json(AttemptList(attempts=store.query_attempts(rollout_id))))
+
+    @api.post("/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat", response_model=Attempt, tags=["attempts"])
+    async def heartbeat(rollout_id: str, attempt_id: str) -> Response:
+        return await run(lambda: _json(store.heartbeat(rollout_id, attempt_id)))
+
+    @api.post("/rollouts/{rollout_id}/attempts/{attempt_id}/complete", response_model=Rollout, tags=["attempts"])
+    async def complete(rollout_id: str, attempt_id: str, body: CompleteBody, request: Request, client: str = Client) -> Response:
+        call = lambda: _json(  # noqa: E731
+            store.complete_attempt(rollout_id, attempt_id, body.status, reward=body.reward, error=body.error)
+        )
+        return await run(lambda: once(request, client, call))
+
+    # -- spans ------------------------------------------------------------------------------------------
+    @api.post(
+        "/spans",
+        response_model=Stored,
+        tags=["spans"],
+        summary="store spans (insert-only, idempotent)",
+        openapi_extra=_json_body_schema({"spans": {"type": "array", "items": {"$ref": "#/components/schemas/Span"}}}),
+    )
+    async def add_spans(request: Request, client: str = Client) -> Response:
+        # parsed from the raw bytes in one step (pydantic's JSON parser): batches of 1,000 spans are the
+        # heaviest requests, and this is ~3x cheaper than FastAPI's json.loads-then-validate
+        try:
+            body = SpansBody.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False)) from None
+        return await run(lambda: once(request, client, lambda: _json(Stored(stored=store.add_spans(body.spans)))))
+
+    @api.get("/rollouts/{rollout_id}/spans", response_model=SpanList, tags=["spans"])
+    async def query_spans(
+        rollout_id: str,
+        attempt_id: str = Query("latest", description="an attempt id, 'latest' or 'all'"),
+    ) -> Response:
+        which = None if attempt_id == "all" else attempt_id
+        return await run(lambda: _json(SpanList(spans=store.query_spans(rollout_id, which))))
+
+    @api.post(
+        "/traces",
+        tags=["spans"],
+        summary="OTLP/HTTP trace export (JSON or protobuf)",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    otlp.JSON: {"schema": {"$ref": "#/components/schemas/ExportTraceServiceRequest"}},
+                    otlp.PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
+                },
+            }
+        },
+    )
+    async def otlp_traces(request: Request) -> Response:
+        body = await request.body()
+        media = request.headers.get("content-type", otlp.JSON)
+        answer_media = otlp.PROTOBUF if media.split(";")[0].strip().lower() == otlp.PROTOBUF else otlp.JSON
+        try:
+            export = otlp.decode_export(body, media, request.headers.get("content-encoding", ""), limits.max_body_bytes)
+            spans, rejected, message = otlp.to_spans(export)
+            if spans:
+                await run(lambda: store.add_spans(spans))  # type: ignore[arg-type,return-value]
+        except LookupError as exc:
+            if isinstance(exc, KeyError):  # Unknown*Error: an id that is not in the store
+                return _otlp_error(answer_media, 404, exc)
+            return _otlp_error(answer_media, 415, exc)
+        except otlp.OtlpError as exc:  # bad data: 400, which OTLP exporters do not retry
+            return _otlp_error(answer_media, 400, exc)
+        except (AglError, ValueError, TypeError, OverflowError) as exc:
+            return _otlp_error(answer_media, error_status(exc) or 400, exc)
+        return Response(otlp.export_response(answer_media, rejected, message), media_type=answer_media)
+
+    # -- resources and stats -----------------------------------------------------------------------------
+    @api.post("/resources", response_model=ResourcesUpdate, tags=["resources"], summary="add a resources version")
+    async def add_resources(body: ResourcesBody, request: Request, client: str = Client) -> Response:
+        call = lambda: _json(store.add_resources(body.resources, body.resources_id))  # type: ignore[arg-type]  # noqa: E731
+        return await run(lambda: once(request, client, call))
+
+    @api.get("/resources", response_model=MaybeResources, tags=["resources"], summary="a resources version, or the latest")
+    async def get_resources(resources_id: Optional[str] = Query(None, description="omit for the latest")) -> Response:
+        return await run(lambda: _json(MaybeResources(update=store.get_resources(resources_id))))
+
+    @api.get("/stats", response_model=StoreStats, tags=["meta"])
+    async def stats() -> Response:
+        return await run(lambda: _json(store.stats()))
+
+    app.include_router(api)
+    _document_otlp_models(app)
+    return app
+
+
+def _document_otlp_models(app: FastAPI) -> None:
+    """Add the OTLP request models to the OpenAPI components (/v1/traces parses its body itself)."""
+    generate = app.openapi
+
+    def openapi() -> Dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            request = otlp.ExportTraceServiceRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(request.pop("$defs", {}))
+            components["ExportTraceServiceRequest"] = request
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _json_body_schema(properties: Dict[str, Any]) -> Dict[str, Any]:
+    """OpenAPI for a JSON body an endpoint parses itself (FastAPI documents only bodies it parses)."""
+    schema = {"type": "object", "properties": properties, "required": list(properties)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+class _AuthFailure(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _otlp_error(media: str, status: int, exc: BaseException) -> Response:
+    """An OTLP failure: a google.rpc.Status for protobuf clients, agl's error body for JSON ones."""
+    if media == otlp.PROTOBUF:
+        grpc_code = {404: 5, 415: 3}.get(status, 3)  # NOT_FOUND, INVALID_ARGUMENT
+        return Response(otlp.status_response(grpc_code, str(exc)), status_code=status, media_type=media)
+    name = type(exc).__name__ if error_status(exc) else "StoreRequestError"
+    body = error_body(exc).model_copy(update={"error": name})
+    return Response(body.model_dump_json(exclude_none=True), status_code=status, media_type=otlp.JSON)
+
+
+def _reap_forever(store: LightningStore, stop: threading.Event, interval: float) -> None:
+    """End attempts past their deadline even when nobody calls the store (every runner is dead)."""
+    while not stop.wait(interval):
+        try:
+            changed = store.reap_expired()
+        except Exception as exc:  # noqa: BLE001 - a failing store must not kill the timer
+            logger.warning("reap_expired failed: %s", exc)
+            continue
+        for rollout in changed:
+            logger.info("rollout %s: attempt expired, rollout is now %s", rollout.rollout_id, rollout.status)
+
+
+# -- running it -----------------------------------------------------------------------------------------
+
+
+class ServerThread(ThreadedServer):
+    """The store server for ``app`` on a background thread (tests, benchmarks, notebooks).
+
+    ``port=0`` picks a free port; ``url`` tells which once started. ``stop()`` shuts it down gracefully.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(app, name="agl-store-server", host=host, port=port, lifespan="on")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def serve(
+    store: LightningStore,
+    host: str = "127.0.0.1",
+    port: int = 4747,
+    *,
+    tokens: Optional[TokenSet] = None,
+    allow_anonymous: bool = False,
+    limits: Optional[ServerLimits] = None,
+    log_level: str = "info",
+) -> None:
+    """Serve ``store`` until SIGINT/SIGTERM (uvicorn stops gracefully on both), then close it."""
+    import uvicorn
+
+    app = create_app(store, tokens=tokens, allow_anonymous=allow_anonymous, limits=limits)
+    try:
+        # no access log: a line per request costs more than some requests (errors are still logged)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+    finally:
+        store.close()

@@ -1,0 +1,207 @@
+"""Fault tolerance with real processes: runners and the store server are killed with SIGKILL mid-work.
+
+`agl runner` (a RunnerPool of forked runner processes) talks to `agl store serve` over HTTP on 127.0.0.1,
+exactly as on two machines. Nothing is mocked: the kills are real, and so are the heartbeat timeouts,
+the server's reaper, the pool's respawn and the client's retries.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional
+
+import pytest
+from agl.store import EnqueueRequest, SqliteLightningStore
+from agl.store.remote import RemoteLightningStore
+from agl.store.server import ServerThread, TokenSet, create_app
+from agl.types import RolloutConfig
+
+TOKEN = "ft-token"
+
+AGENT = '''
+import os
+import time
+from pathlib import Path
+
+import agl
+
+MARKS = Path(os.environ["AGL_FT_MARKS"])
+
+
+def agent(task, rollout):
+    """Three message spans; the first attempt of a "hang" task stops after one span (to be killed there)."""
+    attempt = rollout.attempt.sequence
+    agl.emit_message(f"attempt {attempt} started")
+    (MARKS / f"{rollout.rollout_id}-{attempt}.pid").write_text(str(os.getpid()))
+    if task.get("hang") and attempt == 1:
+        time.sleep(600)
+    for step in range(2):
+        time.sleep(task.get("pause", 0.0))
+        agl.emit_message(f"step {step}")
+    return 1.0
+'''
+#: What a finished attempt of the agent above stores: its three messages, the rollout's root span and the
+#: reward span the runner writes for the returned reward.
+FULL_ATTEMPT = Counter({"agl.message": 3, "agl.rollout": 1, "agl.reward": 1})
+
+
+def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def agent_file(tmp_path: Path) -> Path:
+    path = tmp_path / "ft_agent.py"
+    path.write_text(AGENT)
+    (tmp_path / "marks").mkdir()
+    return path
+
+
+def start_runners(agent_file: Path, url: str, n: int, log: Path) -> "subprocess.Popen[bytes]":
+    env = {**os.environ, "AGL_FT_MARKS": str(agent_file.parent / "marks")}
+    cmd = [sys.executable, "-m", "agl.cli", "runner", "--store", url, "--agent", f"{agent_file}:agent",
+           "--n-runners", str(n), "--token", TOKEN, "--heartbeat-interval", "0.2"]
+    return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def stop(proc: "subprocess.Popen[bytes]", log: Path) -> None:
+    """SIGTERM, as a process manager would; the runner command must leave cleanly and soon."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"agl runner ignored SIGTERM:\n{log.read_text()}") from None
+    assert code == 0, log.read_text()
+
+
+def span_names(store: RemoteLightningStore, rollout_id: str, attempt_id: Optional[str] = "latest") -> Counter:
+    return Counter(s.name for s in store.query_spans(rollout_id, attempt_id))
+
+
+def test_a_runner_killed_mid_rollout_is_replaced_and_its_rollout_retried(tmp_path: Path, agent_file: Path) -> None:
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    server = ServerThread(create_app(backing, tokens=TokenSet({"t": TOKEN}))).start()
+    client = RemoteLightningStore(server.url, token=TOKEN)
+    log = tmp_path / "runner.log"
+    config = RolloutConfig(max_attempts=2, heartbeat_timeout_seconds=1.5)
+    hang, *others = client.enqueue_many(
+        [EnqueueRequest(input={"hang": True}, config=config)] + [EnqueueRequest(input={}, config=config) for _ in range(3)]
+    )
+    runners = start_runners(agent_file, server.url, 2, log)
+    try:
+        first_pid = tmp_path / "marks" / f"{hang.rollout_id}-1.pid"
+        eventually(first_pid.exists, 60, f"the first attempt to start\n{log.read_text()}")
+        first_attempt = client.query_attempts(hang.rollout_id)[0]
+        eventually(lambda: span_names(client, hang.rollout_id)["agl.message"] == 1, 10, "its first span")
+        os.kill(int(first_pid.read_text()), signal.SIGKILL)
+
+        done = client.wait_for_rollouts([hang.rollout_id] + [r.rollout_id for r in others], timeout=60)
+        assert [r.status for r in done] == ["succeeded"] * 4, log.read_text()
+        attempts = client.query_attempts(hang.rollout_id)
+        assert [a.status for a in attempts] == ["unresponsive", "succeeded"]
+        assert "heartbeat" in (attempts[0].error or "")
+        assert attempts[0].attempt_id == first_attempt.attempt_id and attempts[0].runner_id != attempts[1].runner_id
+        second_pid = (tmp_path / "marks" / f"{hang.rollout_id}-2.pid").read_text()
+        assert second_pid != first_pid.read_text(), "the retry ran in another (respawned or other) runner process"
+        # the killed attempt's span is kept under its own attempt; the retry starts clean and is complete
+        killed = client.query_spans(hang.rollout_id, first_attempt.attempt_id)
+        assert [s.name for s in killed] == ["agl.message"] and killed[0].attributes.get("agl.message.body") == "attempt 1 started"
+        assert span_names(client, hang.rollout_id) == FULL_ATTEMPT
+        assert all(s.attempt_id == attempts[1].attempt_id for s in client.query_spans(hang.rollout_id))
+        assert client.stats().rollouts["succeeded"] == 4 and client.stats().attempts == 5
+    finally:
+        stop(runners, log)
+        client.close()
+        server.stop()
+        backing.close()
+    assert "replaced" in log.read_text()
+
+
+class ServerProcess:
+    """`agl store serve` in a subprocess, on a fixed port so that it can be killed and started again."""
+
+    def __init__(self, db: Path, log: Path) -> None:
+        self.db, self.log, self.port = db, log, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional["subprocess.Popen[bytes]"] = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "agl.cli", "store", "serve", "--store", str(self.db), "--port", str(self.port),
+               "--token", TOKEN]
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+        probe = RemoteLightningStore(self.url, token=TOKEN, retries=0)
+        eventually(lambda: _answers(probe), 60, f"the store server to start\n{self.log.read_text()}")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()  # SIGKILL: no graceful shutdown, requests in flight are cut
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def _answers(store: RemoteLightningStore) -> bool:
+    try:
+        store.stats()
+        return True
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+@pytest.fixture
+def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(tmp_path / "store.db", tmp_path / "server.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_store_server_killed_and_restarted_mid_batch_loses_nothing(
+    tmp_path: Path, agent_file: Path, server_process: ServerProcess
+) -> None:
+    n = 60
+    trainer = RemoteLightningStore(server_process.url, token=TOKEN)
+    config = RolloutConfig(max_attempts=3, heartbeat_timeout_seconds=4.0)
+    ids = [r.rollout_id for r in trainer.enqueue_many([EnqueueRequest(input={"pause": 0.03}, config=config) for _ in range(n)])]
+    log = tmp_path / "runner.log"
+    runners = start_runners(agent_file, server_process.url, 3, log)
+    try:
+        eventually(lambda: trainer.stats().rollouts["succeeded"] >= n // 4, 60, f"a quarter of the batch\n{log.read_text()}")
+        server_process.kill()
+        time.sleep(0.5)
+        server_process.start()  # same file, same port: runners and trainer retry through the gap
+        done = trainer.wait_for_rollouts(ids, timeout=120)
+        assert len(done) == n and all(r.status == "succeeded" for r in done), Counter(r.status for r in done)
+        stats = trainer.stats()
+        assert sum(stats.rollouts.values()) == n, "nothing enqueued twice"
+        for rollout_id in ids:
+            attempts = trainer.query_attempts(rollout_id)
+            assert attempts[-1].status == "succeeded"
+            assert all(a.status == "unresponsive" for a in attempts[:-1]), attempts
+            assert span_names(trainer, rollout_id) == FULL_ATTEMPT, f"spans of {rollout_id} were lost"
+        everything = sum(len(trainer.query_spans(i, None)) for i in ids)
+        assert stats.spans == everything >= n * sum(FULL_ATTEMPT.values())
+    finally:
+        stop(runners, log)
+        trainer.close()

@@ -1,0 +1,244 @@
+"""Span ingestion over HTTP: OTLP/HTTP exports (JSON and protobuf) and agl's own /v1/spans, plus fuzzing.
+
+``data/otlp_export.pb`` and ``data/otlp_export.json`` are the bodies the real OpenTelemetry exporters
+(opentelemetry-exporter-otlp-proto-http 1.45.2 and opentelemetry-exporter-otlp-json-http 0.66b1) sent for
+a small agent trace, with ``agl.rollout.id=ro-000000000000`` and ``agl.attempt.id=at-000000000000`` as
+resource attributes. Ids of the same length are swapped in, which keeps the protobuf encoding valid.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+import httpx
+import pytest
+from agl.store import SqliteLightningStore
+from agl.store.otlp import _pb_bytes_field
+from agl.store.server import ServerThread, TokenSet, create_app
+from agl.types import Rollout
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+DATA = Path(__file__).parent / "data"
+TOKEN = "otlp-token"
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+PB = {**HEADERS, "Content-Type": "application/x-protobuf"}
+JS = {**HEADERS, "Content-Type": "application/json"}
+
+
+class Ingest:
+    def __init__(self, path: Path) -> None:
+        self.store = SqliteLightningStore(path)
+        self.server = ServerThread(create_app(self.store, tokens=TokenSet({"t": TOKEN}))).start()
+        self.http = httpx.Client(base_url=self.server.url, timeout=30)
+
+    def running(self) -> Rollout:
+        self.store.enqueue_rollout("x")
+        rollout = self.store.dequeue_rollout("runner")
+        assert rollout is not None and rollout.attempt is not None
+        return rollout
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.stop()
+        self.store.close()
+
+
+@pytest.fixture(scope="module")
+def ingest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ingest]:
+    served = Ingest(tmp_path_factory.mktemp("otlp") / "store.db")
+    yield served
+    served.close()
+
+
+def fixture_for(rollout: Rollout, name: str) -> bytes:
+    assert rollout.attempt is not None
+    body = (DATA / name).read_bytes()
+    return body.replace(b"ro-000000000000", rollout.rollout_id.encode()).replace(
+        b"at-000000000000", rollout.attempt.attempt_id.encode()
+    )
+
+
+def summary(spans: List[Any]) -> List[Tuple[Any, ...]]:
+    return sorted((s.name, s.kind, s.status, s.error, s.parent_id is None, len(s.events)) for s in spans)
+
+
+@pytest.mark.parametrize("name, headers", [("otlp_export.pb", PB), ("otlp_export.json", JS)], ids=["protobuf", "json"])
+def test_real_exporter_bodies_are_stored_as_agl_spans(ingest: Ingest, name: str, headers: Dict[str, str]) -> None:
+    rollout = ingest.running()
+    response = ingest.http.post("/v1/traces", content=fixture_for(rollout, name), headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == headers["Content-Type"]
+    assert response.content in (b"", b"{}"), "full success: an empty ExportTraceServiceResponse"
+    spans = ingest.store.query_spans(rollout.rollout_id)
+    assert summary(spans) == [
+        ("chat tiny", "llm", "unset", None, False, 1),
+        ("execute_tool calc", "tool", "error", "division by zero", False, 0),
+        ("invoke_agent solver", "agent", "unset", None, True, 0),
+    ]
+    chat = next(s for s in spans if s.kind == "llm")
+    assert chat.attributes == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.request.model": "tiny",
+        "gen_ai.usage.input_tokens": 12,
+        "gen_ai.request.temperature": 0.5,
+        "agl.llm.stream": False,
+        "agl.llm.prompt_token_ids": [1, 2, 3],
+        "gen_ai.response.finish_reasons": ["stop"],
+        "otel.scope.name": "fixture-lib",
+        "otel.scope.version": "1.2.3",
+    }, "agl.sequence.id became the sequence id and left the attributes"
+    assert chat.sequence_id == 7 and chat.events[0].name == "first_token" and chat.events[0].attributes == {"delay_ms": 3}
+    root = next(s for s in spans if s.parent_id is None)
+    assert {s.parent_id for s in spans if s is not root} == {root.span_id} and len({s.trace_id for s in spans}) == 1
+    assert all(len(s.span_id) == 16 and s.start_time <= s.end_time for s in spans)
+    again = ingest.http.post("/v1/traces", content=gzip.compress(fixture_for(rollout, name)), headers={**headers, "Content-Encoding": "gzip"})
+    assert again.status_code == 200 and len(ingest.store.query_spans(rollout.rollout_id)) == 3, "re-sent spans are ignored"
+
+
+def test_spans_without_agl_ids_are_reported_as_partial_success(ingest: Ingest) -> None:
+    rollout = ingest.running()
+    assert rollout.attempt is not None
+    ids = [{"key": "agl.rollout.id", "value": {"stringValue": rollout.rollout_id}},
+           {"key": "agl.attempt.id", "value": {"stringValue": rollout.attempt.attempt_id}}]
+
+    def span(span_id: str, attributes: List[Any]) -> Dict[str, Any]:
+        return {"traceId": "a" * 32, "spanId": span_id, "name": "s", "startTimeUnixNano": "5", "endTimeUnixNano": "6",
+                "attributes": attributes}
+
+    body = {"resourceSpans": [{"scopeSpans": [{"spans": [span("1" * 16, ids), span("2" * 16, [])]}]}]}
+    response = ingest.http.post("/v1/traces", json=body, headers=HEADERS)
+    assert response.status_code == 200
+    partial = response.json()["partialSuccess"]
+    assert partial["rejectedSpans"] == "1" and "agl.rollout.id" in partial["errorMessage"]
+    assert [s.span_id for s in ingest.store.query_spans(rollout.rollout_id)] == ["1" * 16]
+    # the same answer in protobuf: ExportTraceServiceResponse{partial_success{rejected_spans=1, error_message}}
+    pb_span = _pb_bytes_field(1, bytes.fromhex("b" * 32)) + _pb_bytes_field(2, bytes.fromhex("3" * 16))
+    pb_body = _pb_bytes_field(1, _pb_bytes_field(2, _pb_bytes_field(2, pb_span)))
+    answer = ingest.http.post("/v1/traces", content=pb_body, headers=PB)
+    assert answer.status_code == 200 and answer.content.startswith(b"\x0a") and b"agl.attempt.id" in answer.content
+
+
+def test_bad_otlp_requests_get_4xx_and_store_nothing(ingest: Ingest) -> None:
+    rollout = ingest.running()
+    before = ingest.store.stats()
+    unknown = fixture_for(rollout, "otlp_export.json").replace(rollout.rollout_id.encode(), b"ro-ghost0000000")
+    cases = [
+        (unknown, JS, 404, "'ro-ghost0000000'"),
+        (fixture_for(rollout, "otlp_export.pb").replace(rollout.rollout_id.encode(), b"ro-ghost0000000"), PB, 404, "ro-ghost"),
+        (b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": "1"}]}]}]}', JS, 400, "traceId"),
+        (b"{not json", JS, 400, "not a valid OTLP"),
+        (b"\x0a\xff\xff\xff\xff\x0f", PB, 400, "runs past the end"),
+        (b"\x0b", PB, 400, "wire type 3"),
+        (b"{}", {**HEADERS, "Content-Type": "text/plain"}, 415, "application/x-protobuf"),
+        (b"{}", {**JS, "Content-Encoding": "br"}, 415, "gzip"),
+        (b"not gzip", {**JS, "Content-Encoding": "gzip"}, 400, "not valid gzip"),
+    ]
+    for body, headers, status, words in cases:
+        response = ingest.http.post("/v1/traces", content=body, headers=headers)
+        assert response.status_code == status, (body[:40], response.text)
+        assert words.encode() in response.content, (words, response.content)
+    assert ingest.store.stats() == before
+
+
+# -- fuzzing: no input gets a 5xx, and a refused one changes nothing -----------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+SPAN_FIELDS = ["rollout_id", "attempt_id", "sequence_id", "trace_id", "span_id", "parent_id", "name", "kind",
+               "start_time", "end_time", "status", "error", "attributes", "events"]
+OTLP_SPAN_FIELDS = ["traceId", "spanId", "parentSpanId", "name", "kind", "startTimeUnixNano", "endTimeUnixNano",
+                    "attributes", "events", "status"]
+
+
+def mutated(base: Dict[str, Any], fields: List[str]) -> st.SearchStrategy[Dict[str, Any]]:
+    """``base`` with some fields replaced by arbitrary JSON or dropped, and maybe an extra field."""
+    changes = st.dictionaries(st.sampled_from(fields + ["extra"]), json_values | st.just("<drop>"), max_size=4)
+
+    def apply(change: Dict[str, Any]) -> Dict[str, Any]:
+        out = dict(base)
+        for key, value in change.items():
+            if value == "<drop>":
+                out.pop(key, None)
+            else:
+                out[key] = value
+        return out
+
+    return changes.map(apply)
+
+
+def _post_json(ingest: Ingest, path: str, document: Any) -> httpx.Response:
+    body = json.dumps(document, allow_nan=True).encode()  # NaN/Infinity too: a lenient client may send them
+    return ingest.http.post(path, content=body, headers=JS)
+
+
+@pytest.fixture(scope="module")
+def fuzz_rollout(ingest: Ingest) -> Rollout:
+    return ingest.running()
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_agl_span_ingestion_never_5xx(ingest: Ingest, fuzz_rollout: Rollout, data: st.DataObject) -> None:
+    assert fuzz_rollout.attempt is not None
+    valid = {"rollout_id": fuzz_rollout.rollout_id, "attempt_id": fuzz_rollout.attempt.attempt_id, "sequence_id": 0,
+             "trace_id": "ab" * 16, "span_id": data.draw(st.text(min_size=1, max_size=8)), "name": "n", "start_time": 1,
+             "end_time": 2}
+    spans = data.draw(st.lists(mutated(valid, SPAN_FIELDS), max_size=3))
+    document = data.draw(st.sampled_from(["spans", "raw"]))
+    payload = {"spans": spans} if document == "spans" else data.draw(json_values)
+    before = ingest.store.stats()
+    response = _post_json(ingest, "/v1/spans", payload)
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert response.json()["message"] and ingest.store.stats() == before
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_otlp_json_ingestion_never_5xx(ingest: Ingest, fuzz_rollout: Rollout, data: st.DataObject) -> None:
+    assert fuzz_rollout.attempt is not None
+    ids = [{"key": "agl.rollout.id", "value": {"stringValue": fuzz_rollout.rollout_id}},
+           {"key": "agl.attempt.id", "value": {"stringValue": fuzz_rollout.attempt.attempt_id}}]
+    valid = {"traceId": "c" * 32, "spanId": data.draw(st.from_regex(r"\A[0-9a-f]{16}\Z")), "name": "n",
+             "startTimeUnixNano": "1", "endTimeUnixNano": "2", "attributes": ids}
+    spans = data.draw(st.lists(mutated(valid, OTLP_SPAN_FIELDS), max_size=3))
+    resource = data.draw(st.sampled_from([{"attributes": ids}, {}]) | json_values)
+    payload = {"resourceSpans": [{"resource": resource, "scopeSpans": [{"spans": spans}]}]}
+    if data.draw(st.booleans()):
+        payload = data.draw(json_values)
+    before = ingest.store.stats()
+    response = _post_json(ingest, "/v1/traces", payload)
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert ingest.store.stats() == before
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_otlp_protobuf_ingestion_never_5xx(ingest: Ingest, fuzz_rollout: Rollout, data: st.DataObject) -> None:
+    real = fixture_for(fuzz_rollout, "otlp_export.pb")
+    kind = data.draw(st.sampled_from(["random", "truncated", "flipped"]))
+    if kind == "random":
+        body = data.draw(st.binary(max_size=200))
+    elif kind == "truncated":
+        body = real[: data.draw(st.integers(0, len(real)))]
+    else:
+        body = bytearray(real)
+        for _ in range(data.draw(st.integers(1, 5))):
+            body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+        body = bytes(body)
+    before = ingest.store.stats()
+    response = ingest.http.post("/v1/traces", content=body, headers=PB)
+    assert response.status_code < 500, response.content
+    if response.status_code >= 400:
+        assert ingest.store.stats() == before

@@ -1,0 +1,419 @@
+"""What only the PostgreSQL store promises, on a real server: many machines on one database, LISTEN/NOTIFY
+wake-ups, reconnecting after lost sessions and a server restart, fork safety, the schema version; and
+``open_store`` for ``postgresql://`` URLs. (The contract itself runs in test_store_contract.py.)
+
+"Two machines" are two store objects on one database: they share nothing but the server, as two hosts would.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List
+from urllib.parse import urlsplit
+
+import agl.testing.postgres
+import psycopg
+import pytest
+from agl.errors import (
+    AglError,
+    DuplicateRolloutError,
+    InvalidSpanError,
+    StaleAttemptError,
+    StoreUnavailableError,
+)
+from agl.store import EnqueueRequest, open_store
+from agl.store._postgres_schema import INSERT_ROLLOUT
+from agl.store.postgres import PostgresLightningStore
+from agl.testing.postgres import (
+    PostgresServer,
+    PostgresUnavailableError,
+    TemporaryPostgres,
+)
+from agl.types import Rollout, RolloutConfig
+
+fork = multiprocessing.get_context("fork")
+MakeSpan = Callable[..., Any]
+
+
+def _dbname(dsn: str) -> str:
+    return urlsplit(dsn).path.lstrip("/")
+
+
+@pytest.fixture
+def machines(postgres_dsn: str) -> Iterator[List[PostgresLightningStore]]:
+    """Two store objects on one database."""
+    stores = [PostgresLightningStore(postgres_dsn, max_connections=4) for _ in range(2)]
+    yield stores
+    for store in stores:
+        store.close()
+
+
+def _count_claims(store: PostgresLightningStore, monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    """Count every look at the queue ``store`` makes (a polling waiter would make many)."""
+    calls = [0]
+    claim = store._claim
+
+    def counted(runner_id: str, limit: int) -> Any:
+        calls[0] += 1
+        return claim(runner_id, limit)
+
+    monkeypatch.setattr(store, "_claim", counted)
+    return calls
+
+
+# sessions of this database waiting for a lock another transaction holds
+_LOCK_WAITERS = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+# -- many machines -----------------------------------------------------------------------------------------
+
+
+def _drain(store: PostgresLightningStore, runner_id: str, out: List[str], start: threading.Event) -> None:
+    """Claim (in batches of 1 to 3) and complete until the queue is empty."""
+    start.wait(30)
+    while True:
+        batch = store.dequeue_many(runner_id, 1 + len(out) % 3)
+        if not batch:
+            return
+        for rollout in batch:
+            assert rollout.attempt is not None
+            store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
+            out.append(rollout.rollout_id)
+
+
+def test_two_machines_claim_disjoint_rollouts_under_contention(machines: List[PostgresLightningStore]) -> None:
+    ids = {r.rollout_id for r in machines[0].enqueue_many([EnqueueRequest(input=i) for i in range(300)])}
+    start = threading.Event()
+    claimed: List[List[str]] = [[] for _ in range(8)]  # four runner threads per machine
+    threads = [
+        threading.Thread(target=_drain, args=(machines[i % 2], f"machine-{i % 2}-runner-{i}", claimed[i], start))
+        for i in range(8)
+    ]
+    for thread in threads:
+        thread.start()
+    start.set()
+    for thread in threads:
+        thread.join(120)
+    everything = [rollout_id for per_runner in claimed for rollout_id in per_runner]
+    assert len(everything) == len(set(everything)) == 300 and set(everything) == ids
+    per_machine = [sum(len(claimed[i]) for i in range(m, 8, 2)) for m in (0, 1)]
+    assert all(per_machine), f"both machines should have claimed work: {per_machine}"
+    for store in machines:  # both see the same final state
+        stats = store.stats()
+        assert stats.rollouts["succeeded"] == 300 and stats.attempts == 300
+
+
+def _claim_in_child(store: PostgresLightningStore, runner: int, out: Path, start: Any) -> None:
+    claimed: List[str] = []
+    _drain(store, f"process-{runner}", claimed, start)
+    store.close()  # closes the child's connections only
+    out.write_text("\n".join(claimed))
+
+
+def test_forked_processes_share_the_store_object(
+    postgres_dsn: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = PostgresLightningStore(postgres_dsn)
+    ids = {r.rollout_id for r in store.enqueue_many([EnqueueRequest(input=i) for i in range(120)])}
+    store.get_rollout(next(iter(ids)))  # the parent holds an open pooled connection across the fork
+    outs = [tmp_path / f"claimed-{i}.txt" for i in range(3)]
+    start = fork.Event()
+    procs = [fork.Process(target=_claim_in_child, args=(store, i, out, start)) for i, out in enumerate(outs)]
+    for proc in procs:
+        proc.start()
+    start.set()
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0
+    claimed = [line for out in outs for line in out.read_text().split("\n") if line]
+    assert len(claimed) == len(set(claimed)) == 120 and set(claimed) == ids
+    with caplog.at_level(logging.WARNING, logger="agl.store.postgres"):
+        assert store.stats().rollouts["succeeded"] == 120
+    assert "retrying" not in caplog.text, "the children must not have closed the parent's connection"
+    store.close()
+
+
+def test_store_pickles_as_its_dsn_and_hides_the_password(postgres_dsn: str) -> None:
+    parts = urlsplit(postgres_dsn)
+    with_password = parts._replace(netloc=f"agl:s3cret@{parts.hostname}:{parts.port}").geturl()
+    store = PostgresLightningStore(with_password)  # the test server trusts 127.0.0.1: any password works
+    rollout = store.enqueue_rollout("x")
+    assert "s3cret" not in repr(store) and _dbname(postgres_dsn) in repr(store)
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.get_rollout(rollout.rollout_id) == rollout
+    clone.close()
+    store.close()
+
+
+# -- waking ------------------------------------------------------------------------------------------------
+
+
+def test_enqueue_on_another_machine_wakes_a_waiting_dequeue(
+    machines: List[PostgresLightningStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waiter, other = machines
+    claims = _count_claims(waiter, monkeypatch)
+    got: Dict[str, Any] = {}
+
+    def wait() -> None:
+        got["rollout"] = waiter.dequeue_rollout("runner-1", timeout=60)
+        got["at"] = time.monotonic()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    _until(lambda: claims[0] >= 2, "the waiter looked at the queue twice (before and after LISTEN)")
+    time.sleep(0.3)
+    assert claims[0] == 2, "a waiting dequeue must sleep until notified, not poll the database"
+    sent = time.monotonic()
+    rollout = other.enqueue_rollout("wake up")
+    thread.join(60)
+    assert got["rollout"] is not None and got["rollout"].rollout_id == rollout.rollout_id
+    assert got["at"] - sent < 10, "woken by the notification, not by its 60 s timeout"
+    assert claims[0] == 3
+
+
+def test_a_completion_waiting_behind_another_machines_reap_is_refused(machines: List[PostgresLightningStore]) -> None:
+    """The reap commits while the completion waits for the rollout's lock: the completion must see the reap."""
+    runner, _ = machines
+    runner.enqueue_rollout("x", config=RolloutConfig(max_attempts=2))
+    rollout = runner.dequeue_rollout("runner-1")
+    assert rollout is not None and rollout.attempt is not None
+    outcome: Dict[str, Any] = {}
+
+    def complete() -> None:
+        assert rollout is not None and rollout.attempt is not None
+        try:
+            outcome["rollout"] = runner.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded")
+        except StaleAttemptError as exc:
+            outcome["error"] = exc
+
+    watcher = psycopg.connect(runner.dsn, autocommit=True)
+    with psycopg.connect(runner.dsn) as reaper:  # another machine's reap, its transaction still open
+        reaper.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s FOR UPDATE", (rollout.rollout_id,))
+        reaper.execute("UPDATE agl_attempts SET status = 'timeout', end_time = 1 WHERE attempt_id = %s",
+                       (rollout.attempt.attempt_id,))
+        reaper.execute("UPDATE agl_rollouts SET status = 'queued', queue_pos = nextval('agl_queue_pos') "
+                       "WHERE rollout_id = %s", (rollout.rollout_id,))
+        thread = threading.Thread(target=complete)
+        thread.start()
+        _until(lambda: watcher.execute(_LOCK_WAITERS).fetchone()[0] >= 1, "the completion waits for the lock")
+        reaper.commit()
+    watcher.close()
+    thread.join(30)
+    assert "error" in outcome, f"a completion of a reaped attempt was accepted: {outcome}"
+    assert "'timeout'" in str(outcome["error"])
+    after = runner.get_rollout(rollout.rollout_id)
+    assert after.status == "queued" and after.attempt is not None and after.attempt.status == "timeout"
+
+
+def test_a_chosen_rollout_id_stored_by_another_machine_meanwhile_is_a_duplicate(
+    machines: List[PostgresLightningStore],
+) -> None:
+    """The other machine's insert commits while ours waits on the unique index: ours must say duplicate."""
+    store, _ = machines
+    outcome: Dict[str, Any] = {}
+
+    def enqueue() -> None:
+        try:
+            outcome["rollouts"] = store.enqueue_many([EnqueueRequest(rollout_id="ro-chosen", input="mine")])
+        except DuplicateRolloutError as exc:
+            outcome["error"] = exc
+
+    watcher = psycopg.connect(store.dsn, autocommit=True)
+    with psycopg.connect(store.dsn) as other:  # another machine's enqueue, its transaction still open
+        other.execute(INSERT_ROLLOUT, ("ro-chosen", "task", '"theirs"', "train", None, 1, None, None, "{}", 1.0))
+        thread = threading.Thread(target=enqueue)
+        thread.start()
+        _until(lambda: watcher.execute(_LOCK_WAITERS).fetchone()[0] >= 1, "our insert waits on the unique index")
+        other.commit()
+    watcher.close()
+    thread.join(30)
+    assert "error" in outcome and "'ro-chosen'" in str(outcome["error"]), outcome
+    assert store.get_rollout("ro-chosen").input == "theirs"
+    assert store.stats().rollouts["queued"] == 1
+
+
+def _complete_later(store: PostgresLightningStore, rollout: Rollout) -> None:
+    time.sleep(0.2)
+    assert rollout.attempt is not None
+    store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=0.5)
+
+
+def test_completion_on_another_machine_wakes_wait_for_rollouts(machines: List[PostgresLightningStore]) -> None:
+    trainer, runner = machines
+    queued = trainer.enqueue_rollout("x")
+    rollout = runner.dequeue_rollout("runner-1")
+    assert rollout is not None
+    thread = threading.Thread(target=_complete_later, args=(runner, rollout))
+    thread.start()
+    start = time.monotonic()
+    (done,) = trainer.wait_for_rollouts([queued.rollout_id], timeout=60)
+    thread.join()
+    assert (done.status, done.final_reward) == ("succeeded", 0.5)
+    assert time.monotonic() - start < 10, "woken by the notification, not by its 60 s timeout"
+
+
+def test_waiter_survives_its_listening_session_being_killed(
+    postgres_server: PostgresServer, machines: List[PostgresLightningStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waiter, other = machines
+    claims = _count_claims(waiter, monkeypatch)
+    got: Dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: got.update(rollout=waiter.dequeue_rollout("runner-1", timeout=60)))
+    thread.start()
+    _until(lambda: claims[0] >= 2, "the waiter is listening")
+    assert postgres_server.terminate_connections(_dbname(waiter.dsn)) >= 1
+    rollout = other.enqueue_rollout("after the cut")  # `other` reconnects; the waiter's listener reconnects too
+    thread.join(60)
+    assert got["rollout"] is not None and got["rollout"].rollout_id == rollout.rollout_id
+
+
+# -- lost sessions, restarts, unreachable servers ----------------------------------------------------------
+
+
+def test_reconnects_after_sessions_are_killed_and_keeps_committed_spans(
+    postgres_server: PostgresServer, postgres_dsn: str, make_span: MakeSpan, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = PostgresLightningStore(postgres_dsn)
+    store.enqueue_rollout("x")
+    rollout = store.dequeue_rollout("runner-1")
+    assert rollout is not None and rollout.attempt is not None
+    first = [make_span(rollout, i) for i in range(3)]
+    assert store.add_spans(first) == 3
+    assert postgres_server.terminate_connections(_dbname(postgres_dsn)) >= 1
+    second = [make_span(rollout, i) for i in range(3, 5)]
+    with caplog.at_level(logging.WARNING, logger="agl.store.postgres"):
+        assert store.add_spans(second) == 2
+    assert "retrying" in caplog.text, "the killed session was noticed and replaced"
+    assert store.query_spans(rollout.rollout_id) == first + second
+    done = store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
+    assert done.status == "succeeded"
+    store.close()
+
+
+def test_server_restart_loses_nothing_committed(make_span: MakeSpan) -> None:
+    with TemporaryPostgres() as server:
+        dsn = server.create_database()
+        store = PostgresLightningStore(dsn, reconnect_timeout=0.3)
+        store.enqueue_many([EnqueueRequest(input=i) for i in range(3)])
+        rollout = store.dequeue_rollout("runner-1")
+        assert rollout is not None and rollout.attempt is not None
+        spans = [make_span(rollout, i) for i in range(4)]
+        store.add_spans(spans)
+        server.kill()
+        with pytest.raises(StoreUnavailableError, match="cannot reach PostgreSQL.*check that the server is running"):
+            store.stats()
+        server.restart()
+        assert store.query_spans(rollout.rollout_id) == spans
+        assert store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded").is_terminal
+        assert store.stats().rollouts == {"queued": 2, "running": 0, "succeeded": 1, "failed": 0, "cancelled": 0}
+        store.close()
+
+
+def test_unreachable_server_is_a_clear_error() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"postgresql://agl@127.0.0.1:{probe.getsockname()[1]}/nowhere"  # nobody listens there
+    with pytest.raises(StoreUnavailableError, match="cannot connect to PostgreSQL.*check that the server is running"):
+        PostgresLightningStore(url)
+
+
+# -- schema ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def empty_database(postgres_server: PostgresServer) -> Iterator[str]:
+    """A database without the store's schema (created and dropped here)."""
+    dsn = postgres_server.create_database()
+    yield dsn
+    postgres_server.drop_database(_dbname(dsn))
+
+
+def test_machines_opening_a_new_database_at_once_create_the_schema_once(empty_database: str) -> None:
+    stores: List[PostgresLightningStore] = []
+    errors: List[BaseException] = []
+
+    def open_one() -> None:
+        try:
+            stores.append(PostgresLightningStore(empty_database))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == [] and len(stores) == 4
+    rollout = stores[0].enqueue_rollout("x")
+    assert stores[3].get_rollout(rollout.rollout_id) == rollout
+    for store in stores:
+        store.close()
+
+
+def test_newer_schema_is_refused(empty_database: str) -> None:
+    PostgresLightningStore(empty_database).close()
+    with psycopg.connect(empty_database, autocommit=True) as conn:
+        conn.execute("UPDATE agl_schema SET version = 99")
+    with pytest.raises(AglError, match="newer agl.*store schema 99"):
+        PostgresLightningStore(empty_database)
+
+
+def test_foreign_tables_are_refused(empty_database: str) -> None:
+    with psycopg.connect(empty_database, autocommit=True) as conn:
+        conn.execute("CREATE TABLE agl_rollouts (x integer)")
+    with pytest.raises(AglError, match="not made by agl.*empty database"):
+        PostgresLightningStore(empty_database)
+
+
+# -- input PostgreSQL cannot store ---------------------------------------------------------------------------
+
+
+def test_nul_characters_are_refused_and_store_nothing(postgres_dsn: str, make_span: MakeSpan) -> None:
+    store = PostgresLightningStore(postgres_dsn)
+    store.enqueue_rollout({"text": "a\x00b"})  # JSON escapes it: stored and read back as it was
+    rollout = store.dequeue_rollout("runner-1")
+    assert rollout is not None and rollout.attempt is not None and rollout.input == {"text": "a\x00b"}
+    bad = make_span(rollout, 1).model_copy(update={"name": "nul\x00name"})
+    with pytest.raises(InvalidSpanError, match="NUL"):
+        store.add_spans([make_span(rollout, 0), bad])
+    with pytest.raises(ValueError, match="NUL"):
+        store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "failed", error="bad\x00error")
+    assert store.query_spans(rollout.rollout_id) == [] and store.get_rollout(rollout.rollout_id).status == "running"
+    store.close()
+
+
+# -- the test server helper --------------------------------------------------------------------------------
+
+
+def test_without_postgresql_the_helper_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(agl.testing.postgres, "_BIN_GLOBS", ())
+    with pytest.raises(PostgresUnavailableError, match="apt-get install postgresql.*AGL_TEST_POSTGRES_DSN"):
+        TemporaryPostgres().start()
+
+
+# -- open_store --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
+def test_open_store_opens_postgresql_urls(postgres_dsn: str, scheme: str) -> None:
+    url = scheme + postgres_dsn[postgres_dsn.index("://") :]
+    with open_store(url) as store:
+        assert isinstance(store, PostgresLightningStore)
+        rollout = store.enqueue_rollout("x")
+    with PostgresLightningStore(postgres_dsn) as again:
+        assert again.get_rollout(rollout.rollout_id) == rollout
