@@ -2,29 +2,73 @@
 
 Reward rule (docs/rewards.md), so that no reward is ever counted twice:
 - The rollout's *episode* reward is the number ``rollout()`` returns; if it returns None, it is the last
-  ``emit_reward`` made outside any ``agl.operation``. Returning 1.0 *and* emitting 1.0 yields 1.0.
-  If both exist and differ, the returned value wins and a warning says so.
-- ``emit_reward`` inside an ``agl.operation(...)`` is a *step* reward: it belongs to the LLM calls of that
-  operation (LightningRL credit assignment), never to the episode.
+  ``emit_reward`` made outside any ``agl.operation``, tool or LLM call. Returning 1.0 *and* emitting 1.0
+  yields 1.0. If both exist and differ, the returned value wins and a warning says so.
+- ``emit_reward`` inside an ``agl.operation(...)``, or while a tool or LLM span is current (e.g. inside an
+  ``@agl.tool`` function), is a *step* reward: it belongs to the LLM call that caused it (LightningRL credit
+  assignment), never to the episode.
+
+Step-reward linkage: framework adapters may parent an LLM span to their own agent span rather than to the
+current span (LangGraph nodes do), so an operation's LLM calls are not always its descendants. Every llm,
+tool and reward span started inside an operation therefore carries the operation's span id
+(``agl.operation.span_id``), set by a span processor the first operation adds to agl's tracer.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import json
 import logging
+import threading
 import traceback
+import weakref
 from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
+
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.trace import SpanProcessor
 
 from agl import semconv
 from agl.context import _in_operation, current_scope, in_operation
-from agl.tracer import get_tracer, record_exception
+from agl.tracer import Tracer, get_tracer, record_exception
 
 logger = logging.getLogger("agl.emitters")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _warned_outside = False
+
+# The span id (hex, as stored) of the innermost agl.operation the current code runs in.
+_current_operation: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("agl_operation", default=None)
+_STEP_SPAN_KINDS = ("llm", "tool")  # a reward emitted while one of these is current is a step reward
+
+
+class _OperationLinker(SpanProcessor):
+    """Marks llm and tool spans started inside an ``agl.operation`` with the operation's span id."""
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        operation_id = _current_operation.get()
+        if operation_id is not None and span.attributes.get(semconv.SPAN_KIND) in _STEP_SPAN_KINDS:
+            span.set_attribute(semconv.OPERATION_SPAN_ID, operation_id)
+
+
+_linked_tracers: "weakref.WeakSet[Tracer]" = weakref.WeakSet()
+_link_lock = threading.Lock()
+
+
+def _link_operations(tracer: Tracer) -> None:
+    """Add the operation linker to ``tracer`` once (on the first operation, so plain tracing pays nothing)."""
+    if tracer in _linked_tracers:
+        return
+    with _link_lock:
+        if tracer not in _linked_tracers:
+            tracer.provider.add_span_processor(_OperationLinker())
+            _linked_tracers.add(tracer)
+
+
+def _current_span_kind() -> Optional[str]:
+    attributes = getattr(otel_trace.get_current_span(), "attributes", None)
+    return attributes.get(semconv.SPAN_KIND) if attributes else None
 
 
 def _warn_outside_rollout(what: str) -> None:
@@ -68,13 +112,17 @@ def emit_reward(
     """Record a reward (scalar, or named dimensions with one ``primary``); returns the primary value."""
     reward, name, dims = normalize_reward(value, primary)
     _warn_outside_rollout("emit_reward")
-    scope_kind = "step" if in_operation() else "episode"
+    step = in_operation() or _current_span_kind() in _STEP_SPAN_KINDS
+    scope_kind = "step" if step else "episode"
     attrs: Dict[str, Any] = {
         semconv.REWARD_VALUE: reward,
         semconv.REWARD_PRIMARY: name,
         semconv.REWARD_SOURCE: "emitted",
         semconv.REWARD_SCOPE: scope_kind,
     }
+    operation_id = _current_operation.get()
+    if operation_id is not None:
+        attrs[semconv.OPERATION_SPAN_ID] = operation_id
     if dims is not None:
         attrs[semconv.REWARD_DIMENSIONS] = json.dumps(dims)
     if attributes:
@@ -141,13 +189,18 @@ class operation:
     # -- context manager -----------------------------------------------------------------------------------
     def __enter__(self) -> "operation":
         attrs = {semconv.OPERATION: self.name, **self.attributes}
-        self._cm = get_tracer().span(semconv.SPAN_OPERATION, "chain", attrs)
+        tracer = get_tracer()
+        _link_operations(tracer)
+        self._cm = tracer.span(semconv.SPAN_OPERATION, "chain", attrs)
         self._span = self._cm.__enter__()
-        self._token = _in_operation.set(True)
+        span_id = format(self._span.get_span_context().span_id, "016x")
+        self._token = (_in_operation.set(True), _current_operation.set(span_id))
         return self
 
     def __exit__(self, *exc: Any) -> Optional[bool]:
-        _in_operation.reset(self._token)
+        in_operation_token, operation_token = self._token
+        _current_operation.reset(operation_token)
+        _in_operation.reset(in_operation_token)
         return self._cm.__exit__(*exc)
 
     def set_input(self, *args: Any, **kwargs: Any) -> None:

@@ -101,9 +101,42 @@ def test_returns_new_samples_in_order_inputs_untouched() -> None:
     assert all(s.advantage == 0.0 and s.loss_weight == 1.0 for s in inputs)
 
 
-def test_inconsistent_rollout_reward_rejected() -> None:
-    with pytest.raises(ValueError, match="one reward per rollout"):
-        grpo_advantages([sample("a", 1.0), sample("a", 0.5), sample("b", 0.0)])
+def test_rollout_of_two_tasks_rejected() -> None:
+    with pytest.raises(ValueError, match="samples of tasks"):
+        grpo_advantages([sample("a", 1.0, task="t1"), sample("a", 1.0, task="t2")])
+
+
+# --- per-call rewards (discounted / step credit): rollout-level statistics -----------------------------------
+
+
+def test_grpo_per_call_rewards_hand_computed() -> None:
+    # rollout a: rewards 1, 3 (rbar 2, T=2); rollout b: reward 0 (T=1). mean = (2 + 0) / 2 = 1
+    # var = [((1-1)^2 + (3-1)^2) / 2 + (0-1)^2 / 1] / (2 - 1) = 3
+    out = grpo_advantages([sample("a", 1.0, k=0), sample("a", 3.0, k=1), sample("b", 0.0)], eps=0.0)
+    s3 = math.sqrt(3)
+    assert [s.advantage for s in out] == pytest.approx([0.0, 2 / s3, -1 / s3])
+    assert [s.loss_weight for s in out] == [0.5, 0.5, 1.0]
+    out = grpo_advantages([sample("a", 1.0, k=0), sample("a", 3.0, k=1), sample("b", 0.0)], normalize_std=False)
+    assert [s.advantage for s in out] == pytest.approx([0.0, 2.0, -1.0])
+
+
+def test_rloo_per_call_rewards_hand_computed() -> None:
+    # rollout a: 1, 3 (rbar 2); b: 0; c: 4.  A_{a,t} = r_{a,t} - (0 + 4)/2, A_b = 0 - (2 + 4)/2, A_c = 4 - (2 + 0)/2
+    samples = [sample("a", 1.0, k=0), sample("a", 3.0, k=1), sample("b", 0.0), sample("c", 4.0)]
+    out = rloo_advantages(samples)
+    assert [s.advantage for s in out] == pytest.approx([-1.0, 1.0, -3.0, 3.0])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_per_call_rewards_long_rollout_does_not_dominate(estimator: str) -> None:
+    """Ten copies of a rollout's calls move the baseline no more than one copy does."""
+    long = [sample("long", r, k=k) for k, r in enumerate([0.0, 2.0] * 5)]
+    short = [sample("short", 0.0)]
+    once = [sample("long", 0.0, k=0), sample("long", 2.0, k=1)] + short
+    by_reward = lambda out: {(s.rollout_id, s.reward): s.advantage for s in out}  # noqa: E731
+    assert by_reward(compute_advantages(long + short, estimator)) == pytest.approx(
+        by_reward(compute_advantages(once, estimator))
+    )
 
 
 # --- groups -----------------------------------------------------------------------------------------------

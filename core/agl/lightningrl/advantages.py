@@ -1,11 +1,17 @@
 """Advantages and loss weights for training samples: GRPO and RLOO at the rollout level.
 
-Every estimator works on **rollouts**, not on samples. The samples of a task are grouped by ``task_id``;
-inside a group each rollout contributes exactly one reward ``r_i`` (the ``reward`` of its samples, which must
-all be equal), so a rollout that produced 10 samples weighs the same in the baseline as one that produced 1.
-Every sample of rollout ``i`` then gets the rollout's advantage ``A_i`` and the loss weight
+Every estimator works on **rollouts**, not on samples. The samples of a task are grouped by ``task_id``
+into ``n`` rollouts; rollout ``i`` has ``T_i`` samples with rewards ``r_{i,1..T_i}`` (all equal under the
+broadcast credit rule, different per call under discounted or step credit). Each rollout weighs the same
+in the group statistics however many samples it produced: its samples count with weight ``1 / T_i``::
 
-    loss_weight = 1 / n_samples(i)
+    rbar_i = (1/T_i) * sum_t r_{i,t}                              # the rollout's mean reward
+    mean   = (1/n)   * sum_i rbar_i
+
+When each rollout has one reward (``r_{i,t} = r_i``) this is plain GRPO / RLOO over the ``n`` rollout
+rewards. Every sample of rollout ``i`` gets the loss weight
+
+    loss_weight = 1 / T_i
 
 so the loss weights of one rollout's samples sum to 1 and every rollout contributes equally to the loss.
 
@@ -100,74 +106,101 @@ def resolve_rollout_rewards(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _rollout_groups(samples: Sequence[Sample]) -> Dict[str, Dict[str, float]]:
-    """``{task_id: {rollout_id: reward}}``; checks that a rollout has one task and one reward."""
+class _Rollout:
+    """The sample indices and rewards of one rollout of a group."""
+
+    __slots__ = ("indices", "rewards")
+
+    def __init__(self) -> None:
+        self.indices: List[int] = []
+        self.rewards: List[float] = []
+
+    def mean(self) -> float:
+        """``rbar_i``; exactly the reward when all are equal (so equal rewards give exact zeros later)."""
+        first = self.rewards[0]
+        if all(r == first for r in self.rewards):
+            return first
+        return math.fsum(self.rewards) / len(self.rewards)
+
+
+def _rollout_groups(samples: Sequence[Sample]) -> List[List[_Rollout]]:
+    """The rollouts of each task, in first-seen order; checks that a rollout belongs to one task."""
     task_of: Dict[str, str] = {}
-    groups: Dict[str, Dict[str, float]] = defaultdict(dict)
-    for s in samples:
+    groups: Dict[str, Dict[str, _Rollout]] = defaultdict(dict)
+    for index, s in enumerate(samples):
         task = task_of.setdefault(s.rollout_id, s.task_id)
         if task != s.task_id:
             raise ValueError(f"rollout {s.rollout_id!r} has samples of tasks {task!r} and {s.task_id!r}")
-        reward = groups[task].setdefault(s.rollout_id, s.reward)
-        if reward != s.reward:
-            raise ValueError(
-                f"rollout {s.rollout_id!r} has samples with rewards {reward!r} and {s.reward!r}; "
-                "rollout-level advantages need one reward per rollout"
-            )
-    return groups
+        rollout = groups[task].get(s.rollout_id)
+        if rollout is None:
+            rollout = groups[task][s.rollout_id] = _Rollout()
+        rollout.indices.append(index)
+        rollout.rewards.append(s.reward)
+    return [list(group.values()) for group in groups.values()]
 
 
-def _with_advantages(samples: Sequence[Sample], advantage: Dict[str, float]) -> List[Sample]:
-    counts: Dict[str, int] = defaultdict(int)
-    for s in samples:
-        counts[s.rollout_id] += 1
-    return [replace(s, advantage=advantage[s.rollout_id], loss_weight=1.0 / counts[s.rollout_id]) for s in samples]
+def _with_advantages(samples: Sequence[Sample], advantages: List[float], groups: List[List[_Rollout]]) -> List[Sample]:
+    weights = [1.0] * len(samples)
+    for group in groups:
+        for rollout in group:
+            for i in rollout.indices:
+                weights[i] = 1.0 / len(rollout.indices)
+    return [replace(s, advantage=a, loss_weight=w) for s, a, w in zip(samples, advantages, weights)]
 
 
 def grpo_advantages(samples: Sequence[Sample], *, normalize_std: bool = True, eps: float = 1e-6) -> List[Sample]:
-    """GRPO: each rollout's reward relative to the other rollouts of its task, at the rollout level.
+    """GRPO: each sample's reward relative to the rollouts of its task, with rollout-level statistics.
 
-    For a task group of ``n`` rollouts with rewards ``r_1..r_n`` (one per rollout)::
+    For a task group of ``n`` rollouts (``rbar_i``, ``mean`` and ``T_i`` as in the module docstring)::
 
-        mean = (1/n) * sum_j r_j
-        std  = sqrt( sum_j (r_j - mean)^2 / (n - 1) )        # sample standard deviation
-        A_i  = (r_i - mean) / (std + eps)                   # normalize_std=True
-        A_i  =  r_i - mean                                  # normalize_std=False
+        var     = sum_i (1/T_i) * sum_t (r_{i,t} - mean)^2 / (n - 1)     # sample variance over rollouts
+        A_{i,t} = (r_{i,t} - mean) / (sqrt(var) + eps)                   # normalize_std=True
+        A_{i,t} =  r_{i,t} - mean                                        # normalize_std=False
 
-    A group of size 1 (``n == 1``) gets ``A = 0``; a group whose rewards are all equal gets ``A = 0`` exactly
-    (no NaN). Every sample of rollout ``i`` gets ``advantage = A_i`` and ``loss_weight = 1 / n_samples(i)``.
+    With one reward per rollout, ``var`` is the sample variance of the ``n`` rollout rewards. A group of
+    size 1 gets ``A = 0``; a group whose rewards are all equal gets ``A = 0`` exactly (no NaN). Every
+    sample of rollout ``i`` gets ``loss_weight = 1 / T_i``.
     """
-    advantage: Dict[str, float] = {}
-    for group in _rollout_groups(samples).values():
-        rewards = list(group.values())
-        if len(rewards) == 1:
-            advantage.update(dict.fromkeys(group, 0.0))
+    advantages = [0.0] * len(samples)
+    groups = _rollout_groups(samples)
+    for group in groups:
+        n = len(group)
+        if n == 1:
             continue
-        mean = statistics.mean(rewards)  # exact (fractions): equal rewards give r_i - mean == 0.0
-        scale = statistics.stdev(rewards, mean) + eps if normalize_std else 1.0
-        advantage.update({rid: (r - mean) / scale for rid, r in group.items()})
-    return _with_advantages(samples, advantage)
+        mean = statistics.mean(r.mean() for r in group)  # exact (fractions): equal rewards give r - mean == 0.0
+        scale = 1.0
+        if normalize_std:
+            var = math.fsum(math.fsum((x - mean) ** 2 for x in r.rewards) / len(r.rewards) for r in group) / (n - 1)
+            scale = math.sqrt(var) + eps
+        for rollout in group:
+            for i, reward in zip(rollout.indices, rollout.rewards):
+                advantages[i] = (reward - mean) / scale
+    return _with_advantages(samples, advantages, groups)
 
 
 def rloo_advantages(samples: Sequence[Sample]) -> List[Sample]:
-    """RLOO: each rollout's reward minus the mean reward of the other rollouts of its task (leave-one-out).
+    """RLOO: each sample's reward minus the mean of the *other* rollouts of its task (leave-one-out).
 
-    For a task group of ``n >= 2`` rollouts with rewards ``r_1..r_n`` (one per rollout)::
+    For a task group of ``n >= 2`` rollouts (``rbar_i`` and ``mean`` as in the module docstring)::
 
-        A_i = r_i - (1/(n-1)) * sum_{j != i} r_j  =  n/(n-1) * (r_i - mean)
+        A_{i,t} = r_{i,t} - (1/(n-1)) * sum_{j != i} rbar_j
+                = (r_{i,t} - rbar_i) + n/(n-1) * (rbar_i - mean)
 
-    A group of size 1 gets ``A = 0``. Every sample of rollout ``i`` gets ``advantage = A_i`` and
-    ``loss_weight = 1 / n_samples(i)``.
+    With one reward per rollout this is ``n/(n-1) * (r_i - mean)``. A group of size 1 gets ``A = 0``. Every
+    sample of rollout ``i`` gets ``loss_weight = 1 / T_i``.
     """
-    advantage: Dict[str, float] = {}
-    for group in _rollout_groups(samples).values():
+    advantages = [0.0] * len(samples)
+    groups = _rollout_groups(samples)
+    for group in groups:
         n = len(group)
         if n == 1:
-            advantage.update(dict.fromkeys(group, 0.0))
             continue
-        mean = statistics.mean(group.values())
-        advantage.update({rid: n / (n - 1) * (r - mean) for rid, r in group.items()})
-    return _with_advantages(samples, advantage)
+        means = [r.mean() for r in group]
+        mean = statistics.mean(means)
+        for rollout, rbar in zip(group, means):
+            for i, reward in zip(rollout.indices, rollout.rewards):
+                advantages[i] = (reward - rbar) + n / (n - 1) * (rbar - mean)
+    return _with_advantages(samples, advantages, groups)
 
 
 AdvantageEstimator = Callable[..., List[Sample]]

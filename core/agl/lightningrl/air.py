@@ -1,0 +1,112 @@
+"""Automatic Intermediate Rewarding (AIR): rewards from system signals, added to the call that caused them.
+
+The trace already says whether what a call asked for worked; AIR turns that into per-call rewards, with
+weights from :class:`AIRConfig`, recorded in ``Transition.step_rewards`` under these names:
+
+- ``air.tool_ok`` / ``air.tool_error``: per tool span that ended without error / with error status (the
+  tool raised), credited to the call that caused the tool (see :mod:`agl.lightningrl.links`);
+- ``air.args_valid`` / ``air.args_invalid``: per tool call in the call's output message whose arguments
+  do / do not parse as a JSON object;
+- ``air.format_ok`` / ``air.format_miss``: the call's text content does / does not match
+  ``AIRConfig.format`` (``re.search``); a call with no text (only tool calls) is not checked.
+
+A call's AIR reward for one name is ``weight * count`` (two tools that raised: ``2 * tool_error``). Names
+with weight 0 are not recorded. The tool -> call rule is in :mod:`agl.lightningrl.links`: the tool call
+id in the call's output message, else the previous call of the same agent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Iterable, Mapping, Optional, Pattern, Union
+
+from agl.lightningrl.links import CallLinks, output_message, tool_calls_of
+
+
+@dataclass(frozen=True)
+class AIRConfig:
+    """Weights of the AIR signals. Defaults penalise failures only, so tool use is not paid for by itself."""
+
+    tool_ok: float = 0.0
+    tool_error: float = -0.1
+    args_valid: float = 0.0
+    args_invalid: float = -0.1
+    format: Union[str, Pattern[str], None] = None  # a regex the call's text must contain; None: no check
+    format_ok: float = 0.0
+    format_miss: float = -0.1
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "format":
+                if value is not None and not isinstance(value, (str, re.Pattern)):
+                    raise TypeError(f"AIRConfig.format must be a regex string or None, got {type(value).__name__}")
+                if isinstance(value, str):
+                    try:
+                        object.__setattr__(self, "format", re.compile(value))
+                    except re.error as exc:
+                        raise ValueError(f"AIRConfig.format {value!r} is not a valid regular expression: {exc}") from None
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"AIRConfig.{f.name} must be a finite number, got {value!r}")
+
+    @classmethod
+    def from_config(cls, value: Union[None, "AIRConfig", Mapping[str, Any]]) -> Optional["AIRConfig"]:
+        """None (AIR off), an AIRConfig, or a dict of its fields (``{}``: AIR on with the defaults)."""
+        if value is None or isinstance(value, AIRConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"air must be None, a dict or an AIRConfig, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown AIR setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Dict[str, Dict[str, float]]:
+    """``{llm span id: {air name: reward}}`` for the given calls (the selected ones) of one attempt."""
+    wanted = set(calls)
+    out: Dict[str, Dict[str, float]] = {}
+
+    def add(call: str, name: str, weight: float) -> None:
+        if weight:
+            named = out.setdefault(call, {})
+            named[name] = named.get(name, 0.0) + weight
+
+    for span in links.ordered:
+        if span.kind == "tool":
+            caller = links.caller_of_tool(span)
+            if caller in wanted:
+                if span.status == "error":
+                    add(caller, "air.tool_error", config.tool_error)
+                else:
+                    add(caller, "air.tool_ok", config.tool_ok)
+        elif span.kind == "llm" and span.span_id in wanted:
+            message = output_message(span)
+            for call in tool_calls_of(message):
+                if _arguments_parse((call.get("function") or {}).get("arguments")):
+                    add(span.span_id, "air.args_valid", config.args_valid)
+                else:
+                    add(span.span_id, "air.args_invalid", config.args_invalid)
+            text = message.get("content")
+            if config.format is not None and isinstance(text, str) and text:
+                if config.format.search(text):
+                    add(span.span_id, "air.format_ok", config.format_ok)
+                else:
+                    add(span.span_id, "air.format_miss", config.format_miss)
+    return out
+
+
+def _arguments_parse(arguments: Any) -> bool:
+    """Tool call arguments as the model wrote them (a JSON string) decode to a JSON object."""
+    if isinstance(arguments, dict):  # already decoded by whoever recorded it
+        return True
+    if not isinstance(arguments, str):
+        return False
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False

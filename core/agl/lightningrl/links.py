@@ -1,0 +1,170 @@
+"""Which LLM call caused a span: the links step rewards and Automatic Intermediate Rewards follow.
+
+A reward or a tool execution is credited to *the call that caused it*, found from the trace, never to
+"the latest call" by time alone:
+
+**Tool span -> call.** (1) The call whose output message requested it: the tool span's
+``gen_ai.tool.call.id`` is one of the tool call ids in the call's ``gen_ai.output.messages`` (frameworks
+that run the model's tool calls record the id: LangChain/LangGraph, the Agents SDK, AutoGen, AG2). (2)
+Without an id (``@agl.tool`` in a plain-Python agent): the last llm call *of the same agent* (nearest
+enclosing agent span) that started before the tool. With neither, the tool is unattributed.
+
+**Step reward span -> calls.** A step reward (``agl.reward.scope == "step"``) is linked through its
+nearest ancestor that is an llm span (emitted while the call was current: that call), a tool span (the
+call that caused the tool, as above) or an ``agl.operation`` span (every llm call made in the operation).
+If no ancestor is one of these (the operation span was lost), the reward's own
+``agl.operation.span_id`` names the operation. The calls *made in an operation* are the llm spans that
+carry its span id in ``agl.operation.span_id`` (set when they start, see agl.emitters), or lie below it in
+the tree, including those of operations nested in it. A reward linked to ``k`` calls gives each ``r / k``,
+so the step rewards of a rollout add up to what was emitted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Set
+
+from agl import semconv
+from agl.lightningrl.tree import TraceTree
+from agl.types import Span
+
+
+def is_operation(span: Span) -> bool:
+    return span.name == semconv.SPAN_OPERATION and semconv.OPERATION in span.attributes
+
+
+def output_message(span: Span) -> Dict[str, Any]:
+    """The first assistant message of an llm span's ``gen_ai.output.messages`` ({} if none or unreadable)."""
+    raw = span.attributes.get(semconv.OUTPUT_MESSAGES)
+    try:
+        messages = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        return {}
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        return messages[0]
+    return {}
+
+
+def tool_calls_of(message: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The tool calls of an assistant message in the chat format (``[{"id", "function": {...}}]``)."""
+    calls = message.get("tool_calls")
+    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+
+
+class CallLinks:
+    """The links of one attempt's trace tree; what costs more than one pass is computed on first use."""
+
+    def __init__(self, tree: TraceTree) -> None:
+        self.tree = tree
+        self.ordered: List[Span] = sorted(tree.spans(), key=lambda s: (s.sequence_id, s.start_time, s.span_id))
+        self._agent_of = self._nearest_agents()
+        self._fallback_caller: Dict[str, Optional[str]] = {}
+        last_call_of_agent: Dict[Optional[str], str] = {}
+        for span in self.ordered:
+            if span.kind == "llm":
+                last_call_of_agent[self._agent_of[span.span_id]] = span.span_id
+            elif span.kind == "tool":
+                self._fallback_caller[span.span_id] = last_call_of_agent.get(self._agent_of[span.span_id])
+        self._call_of_tool_call_id: Optional[Dict[str, str]] = None
+        self._calls_of_operation: Optional[Dict[str, List[str]]] = None
+
+    def _nearest_agents(self) -> Dict[str, Optional[str]]:
+        """span id -> span id of its nearest enclosing agent span (None outside any agent), in one pass."""
+        agent_of: Dict[str, Optional[str]] = {}
+        for node in self.tree.walk():  # parents come before their children
+            parent = node.parent_id
+            if parent is None:
+                agent_of[node.span_id] = None
+            else:
+                parent_span = self.tree.span(parent)
+                agent_of[node.span_id] = parent if parent_span.kind == "agent" else agent_of[parent]
+        return agent_of
+
+    def ancestors(self, span_id: str) -> Iterator[Span]:
+        """The spans above ``span_id`` in the (repaired) tree, nearest first."""
+        parent_id = self.tree.node(span_id).parent_id
+        while parent_id is not None:
+            node = self.tree.node(parent_id)
+            yield node.span
+            parent_id = node.parent_id
+
+    # -- tools --------------------------------------------------------------------------------------------
+    def caller_of_tool(self, tool: Span) -> Optional[str]:
+        """The llm call that caused the tool span (by tool call id, else the agent's previous call)."""
+        call_id = tool.attributes.get(semconv.TOOL_CALL_ID)
+        if call_id:
+            if self._call_of_tool_call_id is None:
+                self._call_of_tool_call_id = {
+                    call["id"]: span.span_id
+                    for span in self.ordered
+                    if span.kind == "llm"
+                    for call in tool_calls_of(output_message(span))
+                    if isinstance(call.get("id"), str)
+                }
+            caller = self._call_of_tool_call_id.get(call_id)
+            if caller is not None:
+                return caller
+        return self._fallback_caller.get(tool.span_id)
+
+    # -- operations and step rewards ------------------------------------------------------------------------
+    def calls_of_operation(self, operation_id: str) -> List[str]:
+        """The llm calls made in the operation (see the module docstring), in call order."""
+        if self._calls_of_operation is None:
+            self._calls_of_operation = self._operation_calls()
+        return self._calls_of_operation.get(operation_id, [])
+
+    def _operation_calls(self) -> Dict[str, List[str]]:
+        calls: Dict[str, List[str]] = defaultdict(list)
+        for span in self.ordered:
+            if span.kind != "llm":
+                continue
+            operations: Set[str] = {a.span_id for a in self.ancestors(span.span_id) if is_operation(a)}
+            linked = span.attributes.get(semconv.OPERATION_SPAN_ID)
+            if linked in self.tree:
+                operations.add(linked)
+                operations.update(a.span_id for a in self.ancestors(linked) if is_operation(a))
+            for operation_id in operations:
+                calls[operation_id].append(span.span_id)
+        return calls
+
+    def calls_for_reward(self, reward: Span) -> List[str]:
+        """The llm calls a step reward span belongs to (empty: unattributed)."""
+        for ancestor in self.ancestors(reward.span_id):
+            if ancestor.kind == "llm":
+                return [ancestor.span_id]
+            if ancestor.kind == "tool":
+                caller = self.caller_of_tool(ancestor)
+                return [caller] if caller is not None else []
+            if is_operation(ancestor):
+                return self.calls_of_operation(ancestor.span_id)
+        linked = reward.attributes.get(semconv.OPERATION_SPAN_ID)
+        return self.calls_of_operation(linked) if linked in self.tree else []
+
+    def step_rewards(self) -> "StepRewards":
+        """Every step reward span of the attempt, split over the calls it belongs to."""
+        out = StepRewards()
+        for span in self.ordered:
+            if span.kind != "reward" or span.attributes.get(semconv.REWARD_SCOPE) != "step":
+                continue
+            value = span.attributes.get(semconv.REWARD_VALUE)
+            if not isinstance(value, (int, float)):
+                continue
+            name = str(span.attributes.get(semconv.REWARD_PRIMARY, "primary"))
+            calls = self.calls_for_reward(span)
+            if not calls:
+                out.unattributed += 1
+                continue
+            for call in calls:
+                named = out.by_call.setdefault(call, {})
+                named[name] = named.get(name, 0.0) + float(value) / len(calls)
+        return out
+
+
+@dataclass
+class StepRewards:
+    """Emitted step rewards per llm span id (``{call: {name: value}}``) and how many had no call."""
+
+    by_call: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    unattributed: int = 0

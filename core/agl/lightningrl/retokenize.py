@@ -1,0 +1,140 @@
+"""Re-tokenizing an LLM call from its recorded messages, for servers that return no token ids.
+
+Opt-in only (``LightningRL(tokenizer=...)``) and counted in the batch report, because the ids are a
+reconstruction: a chat template or tokenizer that differs from the server's by one token gives a sample
+the model never produced. Exact ids come from the server (``agl serve``, vLLM with ``return_token_ids``).
+
+What is encoded:
+
+- prompt: the chat template applied to ``gen_ai.input.messages`` (and ``gen_ai.tool.definitions``) with
+  the generation prompt;
+- response, with a Hugging Face tokenizer (its ``apply_chat_template`` takes ``add_generation_prompt``):
+  the text the template adds for the recorded assistant message, i.e. ``template(messages + [answer])``
+  minus the prompt text (so the end-of-turn token is included, as the model must learn to stop);
+- response, with any other tokenizer (only ``apply_chat_template(messages, tools)`` and ``encode(text)``,
+  like :class:`agl.testing.FakeTokenizer`): the answer's content, then one line per tool call
+  ``{"name": <name>, "arguments": <arguments as sent>}``.
+
+Responses API input (``{"instructions", "input"}``) is turned into chat messages first: instructions as a
+system message, a string input as a user message, message items by role, function calls and their
+outputs as assistant tool calls and tool messages.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from agl import semconv
+from agl.lightningrl.links import output_message, tool_calls_of
+from agl.types import Span
+
+
+class RetokenizeError(ValueError):
+    """The span lacks what re-tokenization needs (its input messages)."""
+
+
+class Retokenizer:
+    """Wraps a tokenizer with ``apply_chat_template`` and ``encode`` (a HF tokenizer, FakeTokenizer, ...)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        for method in ("apply_chat_template", "encode"):
+            if not callable(getattr(tokenizer, method, None)):
+                raise TypeError(
+                    f"tokenizer must have apply_chat_template() and encode() (e.g. a Hugging Face tokenizer); "
+                    f"{type(tokenizer).__name__} has no {method}()"
+                )
+        self.tokenizer = tokenizer
+        self._hf_template = "add_generation_prompt" in _parameters(tokenizer.apply_chat_template)
+        self._encode_kwargs = {"add_special_tokens": False} if "add_special_tokens" in _parameters(tokenizer.encode) else {}
+
+    def ids(self, span: Span) -> Tuple[List[int], List[int]]:
+        """(prompt ids, response ids) of the llm span, from its recorded messages."""
+        messages = chat_messages(span)
+        tools = _json(span.attributes.get(semconv.TOOL_DEFINITIONS)) or None
+        answer = output_message(span)
+        prompt_text = self._template(messages, tools, generation_prompt=True)
+        response_text = render_answer(answer)
+        if self._hf_template and answer:
+            full_text = self._template(messages + [answer], tools, generation_prompt=False)
+            if full_text.startswith(prompt_text):
+                response_text = full_text[len(prompt_text):]
+        return self._encode(prompt_text), self._encode(response_text)
+
+    def _template(self, messages: List[Dict[str, Any]], tools: Optional[List[Any]], generation_prompt: bool) -> str:
+        if self._hf_template:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+            )
+        return self.tokenizer.apply_chat_template(messages, tools)
+
+    def _encode(self, text: str) -> List[int]:
+        return list(self.tokenizer.encode(text, **self._encode_kwargs))
+
+
+def render_answer(message: Mapping[str, Any]) -> str:
+    """The answer as text: content, then one ``{"name": ..., "arguments": ...}`` line per tool call."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+    parts = [content] if content else []
+    for call in tool_calls_of(dict(message)):
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments if arguments is not None else {})
+        parts.append('{"name": ' + json.dumps(function.get("name", "")) + ', "arguments": ' + arguments + "}")
+    return "\n".join(parts)
+
+
+def chat_messages(span: Span) -> List[Dict[str, Any]]:
+    """The span's input as chat messages (Responses API input converted); RetokenizeError if not recorded."""
+    recorded = _json(span.attributes.get(semconv.INPUT_MESSAGES))
+    if isinstance(recorded, list):
+        return [dict(m) for m in recorded if isinstance(m, Mapping)]
+    if isinstance(recorded, Mapping) and "input" in recorded:
+        return _responses_to_chat(recorded)
+    raise RetokenizeError(f"span {span.span_id} has no {semconv.INPUT_MESSAGES} to re-tokenize")
+
+
+def _responses_to_chat(recorded: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    messages: List[Dict[str, Any]] = []
+    if recorded.get("instructions"):
+        messages.append({"role": "system", "content": recorded["instructions"]})
+    items = recorded.get("input")
+    if isinstance(items, str):
+        return messages + [{"role": "user", "content": items}]
+    for item in items or ():
+        kind = item.get("type", "message")
+        if kind == "message" and "role" in item:
+            content = item.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+            messages.append({"role": item["role"], "content": content})
+        elif kind == "function_call":
+            function = {"name": item.get("name"), "arguments": item.get("arguments")}
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": item.get("call_id"), "type": "function", "function": function}
+            ]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output"))})
+        else:
+            raise RetokenizeError(f"cannot turn a Responses API input item of type {kind!r} into a chat message")
+    return messages
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return None
+    return value
+
+
+def _parameters(fn: Any) -> Mapping[str, Any]:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}

@@ -1,0 +1,184 @@
+"""From an attempt's trace tree to transitions: one per selected LLM call, with its exact token ids.
+
+Every llm span of the attempt ends up in exactly one of four places, so the counts always add up
+(``Extraction.accounted``)::
+
+    llm spans = filtered_by_agent + filtered_by_call + sum(skipped.values()) + len(transitions)
+
+- **filtered_by_agent**: its agent's name does not match ``agent_match`` (see ``agl.agent_match``);
+- **filtered_by_call**: ``llm_call_match`` (a regex, ``re.search``) matches neither the span's name
+  (``chat {model}``) nor its ``gen_ai.request.model``;
+- **skipped**, by reason: the request failed (``llm call failed``), or the call has no response tokens
+  (``empty response``) or no prompt tokens (``empty prompt``): never an empty sample;
+- a **transition**.
+
+A selected call without token ids (``agl.llm.token_ids_source == "absent"``: the server did not return
+them) raises :class:`agl.errors.MissingTokenIdsError`, naming the call, unless a tokenizer was given: then
+its messages are re-tokenized (``agl.lightningrl.retokenize``) and the call is counted in ``retokenized``.
+
+``step`` is the call's index among *all* llm calls of the attempt in call order, so a call keeps its step
+whatever ``agent_match`` selects. ``response_logprobs`` is kept only when there is exactly one per response
+token (else None, counted in ``logprobs_dropped``); re-tokenized calls have none.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Pattern, Union
+
+from agl import semconv
+from agl.agent_match import AgentMatch, PolicyMatcher
+from agl.errors import MissingTokenIdsError
+from agl.lightningrl.retokenize import Retokenizer
+from agl.lightningrl.tree import TraceTree
+from agl.lightningrl.types import Transition
+from agl.types import Span
+
+SKIP_CALL_FAILED = "llm call failed"
+SKIP_EMPTY_RESPONSE = "empty response"
+SKIP_EMPTY_PROMPT = "empty prompt"
+
+
+class CallSelector:
+    """``agent_match`` and ``llm_call_match``, compiled once for every attempt of a batch."""
+
+    def __init__(self, agent_match: AgentMatch = None, llm_call_match: Union[str, Pattern[str], None] = None) -> None:
+        self.policies = agent_match if isinstance(agent_match, PolicyMatcher) else PolicyMatcher(agent_match)
+        if llm_call_match is None or isinstance(llm_call_match, re.Pattern):
+            self.call_pattern = llm_call_match
+        elif isinstance(llm_call_match, str):
+            try:
+                self.call_pattern = re.compile(llm_call_match)
+            except re.error as exc:
+                raise ValueError(f"llm_call_match {llm_call_match!r} is not a valid regular expression: {exc}") from None
+        else:
+            raise TypeError(f"llm_call_match must be None or a regex string, got {type(llm_call_match).__name__}")
+
+    def call_matches(self, span: Span) -> bool:
+        if self.call_pattern is None:
+            return True
+        model = span.attributes.get(semconv.REQUEST_MODEL)
+        return bool(self.call_pattern.search(span.name) or (isinstance(model, str) and self.call_pattern.search(model)))
+
+
+@dataclass
+class Extraction:
+    """The transitions of one attempt, and where every other llm span went."""
+
+    transitions: List[Transition] = field(default_factory=list)
+    llm_spans: int = 0
+    filtered_by_agent: int = 0
+    filtered_by_call: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> number of llm spans
+    retokenized: int = 0
+    logprobs_dropped: int = 0
+
+    @property
+    def accounted(self) -> bool:
+        """Every llm span is a transition, filtered or skipped (the counts add up)."""
+        placed = self.filtered_by_agent + self.filtered_by_call + sum(self.skipped.values()) + len(self.transitions)
+        return placed == self.llm_spans
+
+
+def extract_transitions(
+    tree: TraceTree,
+    *,
+    task_id: str,
+    selector: Optional[CallSelector] = None,
+    retokenizer: Optional[Retokenizer] = None,
+) -> Extraction:
+    """The transitions of one attempt (see the module docstring), in call order, rewards not yet set."""
+    selector = selector or CallSelector()
+    out = Extraction()
+    for step, span in enumerate(tree.llm_spans()):
+        out.llm_spans += 1
+        agent = tree.enclosing_agent(span.span_id)
+        agent_name = agent.attributes.get(semconv.AGENT_NAME) if agent is not None else None
+        policy = selector.policies.policy_for(agent_name)
+        if policy is None:
+            out.filtered_by_agent += 1
+            continue
+        if not selector.call_matches(span):
+            out.filtered_by_call += 1
+            continue
+        if span.status == "error":
+            out.skipped[SKIP_CALL_FAILED] += 1
+            continue
+        prompt_ids = _ids(span.attributes.get(semconv.PROMPT_TOKEN_IDS))
+        response_ids = _ids(span.attributes.get(semconv.RESPONSE_TOKEN_IDS))
+        logprobs: Optional[List[float]] = None
+        if prompt_ids is None or response_ids is None:
+            if retokenizer is None:
+                raise MissingTokenIdsError(span.rollout_id, span.attempt_id, span.span_id, agent_name, _why_missing(span))
+            prompt_ids, response_ids = retokenizer.ids(span)
+            out.retokenized += 1
+        else:
+            logprobs = _floats(span.attributes.get(semconv.RESPONSE_LOGPROBS))
+            if logprobs is not None and len(logprobs) != len(response_ids):
+                logprobs = None
+                out.logprobs_dropped += 1
+        if not response_ids:
+            out.skipped[SKIP_EMPTY_RESPONSE] += 1
+            continue
+        if not prompt_ids:
+            out.skipped[SKIP_EMPTY_PROMPT] += 1
+            continue
+        out.transitions.append(
+            Transition(
+                rollout_id=span.rollout_id,
+                attempt_id=span.attempt_id,
+                task_id=task_id,
+                span_id=span.span_id,
+                step=step,
+                prompt_ids=prompt_ids,
+                response_ids=response_ids,
+                policy=policy,
+                agent_name=agent_name,
+                response_logprobs=logprobs,
+            )
+        )
+    return out
+
+
+def _why_missing(span: Span) -> str:
+    source = span.attributes.get(semconv.TOKEN_IDS_SOURCE)
+    if source == "absent":
+        return f"the server did not return token ids ({semconv.TOKEN_IDS_SOURCE} = 'absent')"
+    missing = [a for a in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS) if _ids(span.attributes.get(a)) is None]
+    return f"the span has no {' and no '.join(missing)} ({semconv.TOKEN_IDS_SOURCE} = {source!r})"
+
+
+def _ids(value: Any) -> Optional[List[int]]:
+    """A list of token ids from a stored attribute (a list, or a JSON string of one); None if absent.
+
+    Only the ends are type-checked, as the tracer does when it stores them: a per-token check would be
+    most of the cost of building a batch, and ids come from the server's JSON as ints.
+    """
+    value = _decoded(value)
+    if isinstance(value, list) and (not value or (type(value[0]) is int and type(value[-1]) is int)):
+        return list(value)  # a copy: transitions never share lists with the stored spans
+    return None
+
+
+def _floats(value: Any) -> Optional[List[float]]:
+    value = _decoded(value)
+    if isinstance(value, list) and (not value or (type(value[0]) in _NUMBERS and type(value[-1]) in _NUMBERS)):
+        return list(map(float, value))
+    return None
+
+
+_NUMBERS = (int, float)
+
+
+def _decoded(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return None
+    if isinstance(value, tuple):
+        return list(value)
+    return value

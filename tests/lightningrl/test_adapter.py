@@ -1,0 +1,263 @@
+"""LightningRL end to end: real rollouts of a tool-using agent (openai client, agl.instrument()) against the
+local fake server into a SQLite store, then batches under each setting; config errors; a batch-level
+property over synthetic rollouts."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai import OpenAI
+
+import agl
+from agl import semconv
+from agl.errors import MissingTokenIdsError
+from agl.lightningrl import Batch, BatchReport, LightningRL
+from agl.lightningrl.advantages import FailedRollouts
+from agl.lightningrl.synthetic import synthetic_rollouts
+from agl.store import SqliteLightningStore
+from agl.testing import FakeReply, FakeTokenizer
+from agl.types import Rollout
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+        },
+    }
+]
+
+
+@agl.tool
+def add(a: float, b: float) -> float:
+    return a + b
+
+
+@agl.rollout
+def adder(task, llm):
+    """Two calls (a tool call, then the answer) under the root agent 'adder'; a third by 'reviewer'."""
+    client = OpenAI(base_url=llm.get_base_url(), api_key="x")
+    messages = [{"role": "user", "content": task["question"]}]
+    first = client.chat.completions.create(model=llm.model, messages=messages, tools=TOOLS)
+    call = first.choices[0].message.tool_calls[0]
+    result = add(**json.loads(call.function.arguments))
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": f"{result:g}"},
+    ]
+    answer = client.chat.completions.create(model=llm.model, messages=messages, tools=TOOLS).choices[0].message.content
+    from agl.instrumentation.framework import agent_span
+
+    with agent_span("reviewer", "test"):
+        client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": answer}])
+    if task.get("fail"):
+        raise RuntimeError("the agent crashed")
+    return 1.0 if str(task["answer"]) in answer else 0.0
+
+
+@pytest.fixture
+def instrumented():
+    agl.instrument()
+    yield
+    agl.uninstrument()
+
+
+def run(tmp_path, fake_openai, tasks, n_per_task=2) -> Tuple[SqliteLightningStore, List[Rollout]]:
+    store = SqliteLightningStore(tmp_path / "lrl.db")
+    trainer = agl.Trainer(
+        store=store,
+        runner_mode="thread",
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+        progress=False,
+    )
+    with trainer.runners(adder):
+        rollouts = trainer.run_tasks(tasks, n_per_task=n_per_task)
+    return store, rollouts
+
+
+@pytest.fixture
+def two_groups(tmp_path, fake_openai, instrumented):
+    """Task q1: rollouts rewarded 1 and 0 (the second's answer is scripted wrong); task q2: both 1."""
+    fake_openai.script(FakeReply(), FakeReply(), FakeReply(), FakeReply(), FakeReply(content="It is 7."))
+    return run(tmp_path, fake_openai, [{"question": "What is 1 plus 2?", "answer": 3},
+                                       {"question": "What is 2 plus 2?", "answer": 4}])
+
+
+def test_default_batch_from_a_sqlite_store(two_groups) -> None:
+    store, rollouts = two_groups
+    assert [r.final_reward for r in rollouts] == [1.0, 0.0, 1.0, 1.0]
+    batch = LightningRL.from_config(None).build_batch(store, rollouts, progress=False)
+
+    report = batch.report
+    assert (report.rollouts, report.used, report.llm_spans, report.transitions, report.samples) == (4, 4, 12, 12, 12)
+    assert report.accounted and report.tree_repairs.total == 0
+    # token ids are the server's: the fake model's tokenizer applied to the messages sent
+    tok = FakeTokenizer()
+    for t in batch.transitions:
+        span = next(s for s in store.query_spans(t.rollout_id) if s.span_id == t.span_id)
+        messages = json.loads(span.attributes[semconv.INPUT_MESSAGES])
+        tools = json.loads(span.attributes.get(semconv.TOOL_DEFINITIONS, "null"))
+        assert t.prompt_ids == tok.encode(tok.apply_chat_template(messages, tools))
+    # broadcast credit, GRPO at the rollout level, loss weight 1/3 per call of a 3-call rollout
+    by_rollout: Dict[str, List] = defaultdict(list)
+    for s in batch.samples:
+        by_rollout[s.rollout_id].append(s)
+    r1, r0, q2a, q2b = (by_rollout[r.rollout_id] for r in rollouts)
+    assert {s.reward for s in r1} == {1.0} and {s.reward for s in r0} == {0.0}
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)  # rewards 1 and 0: mean 0.5, sample std sqrt(0.5)
+    assert [s.advantage for s in r1] == pytest.approx([a] * 3)
+    assert [s.advantage for s in r0] == pytest.approx([-a] * 3)
+    assert [s.advantage for s in q2a + q2b] == [0.0] * 6
+    assert all(s.loss_weight == pytest.approx(1 / 3) for s in batch.samples)
+    assert str(report).startswith("4 rollouts (4 used, 0 failed dropped, 0 failed filled); 12 llm spans -> 12 transitions")
+
+
+def test_agent_match_mapping_trains_policies_with_their_own_baselines(two_groups) -> None:
+    store, rollouts = two_groups
+    adapter = LightningRL.from_config(
+        {"agent_match": {"^adder$": "solver", "review": "reviewer"}, "credit": "step", "air": {"tool_ok": 0.5}}
+    )
+    batch = adapter.build_batch(store, rollouts, progress=False)
+    policies = batch.by_policy()
+    assert sorted(policies) == ["reviewer", "solver"]
+    assert len(policies["solver"]) == 8 and len(policies["reviewer"]) == 4
+    # step credit: the solver's first call caused the tool that ran (AIR tool_ok), nothing else has a reward
+    solver = [t for t in batch.transitions if t.policy == "solver"]
+    assert [t.step_rewards for t in solver] == [{"air.tool_ok": 0.5}, {}] * 4
+    assert [t.reward for t in solver] == [0.5, 0.0] * 4
+    # the reviewer's rewards are all 0: its own group gives zero advantages; the solver's are not mixed in
+    assert all(s.advantage == 0.0 and s.loss_weight == 1.0 for s in policies["reviewer"])
+    assert all(s.loss_weight == 0.5 for s in policies["solver"])
+
+
+def test_aggregate_merges_the_tool_conversation(two_groups) -> None:
+    store, rollouts = two_groups
+    batch = LightningRL.from_config({"agent_match": "^adder$", "aggregate": True}).build_batch(store, rollouts, progress=False)
+    assert batch.report.merged_calls == 4 and batch.report.prefix_mismatches == 0
+    assert len(batch.samples) == 4 and all(s.loss_weight == 1.0 for s in batch.samples)
+    for s in batch.samples:
+        first, second = (t for t in batch.transitions if t.span_id in s.span_ids)
+        assert s.prompt_ids == first.prompt_ids
+        assert s.prompt_ids + s.response_ids == second.prompt_ids + second.response_ids
+        assert [tok for tok, m in zip(s.response_ids, s.response_mask) if m] == first.response_ids + second.response_ids
+        assert 0 in s.response_mask  # the tool result and template tokens in between are masked out
+
+
+def test_failed_rollouts_are_dropped_or_filled(tmp_path, fake_openai, instrumented) -> None:
+    store, rollouts = run(tmp_path, fake_openai, [{"question": "1 plus 2?", "answer": 3},
+                                                  {"question": "1 plus 1?", "answer": 2, "fail": True}], n_per_task=1)
+    assert [r.status for r in rollouts] == ["succeeded", "failed"]
+    dropped = LightningRL().build_batch(store, rollouts, progress=False)
+    assert (dropped.report.used, dropped.report.failed_dropped) == (1, 1)
+    assert {s.rollout_id for s in dropped.samples} == {rollouts[0].rollout_id}
+    filled = LightningRL(failed=-1.0).build_batch(store, rollouts, progress=False)
+    assert (filled.report.used, filled.report.failed_filled) == (2, 1)
+    assert {s.reward for s in filled.samples if s.rollout_id == rollouts[1].rollout_id} == {-1.0}
+    assert LightningRL(failed=FailedRollouts(reward=0.0)).failed == FailedRollouts(reward=0.0)
+
+
+def test_missing_token_ids_error_and_retokenization(tmp_path, fake_openai) -> None:
+    agl.instrument(request_token_ids=False)  # the server is not asked for ids, as with a plain endpoint
+    try:
+        store, rollouts = run(tmp_path, fake_openai, [{"question": "1 plus 2?", "answer": 3}], n_per_task=1)
+    finally:
+        agl.uninstrument()
+    with pytest.raises(MissingTokenIdsError, match="'absent'") as info:
+        LightningRL().build_batch(store, rollouts, progress=False)
+    assert info.value.rollout_id == rollouts[0].rollout_id and info.value.agent_name == "adder"
+    batch = LightningRL(tokenizer=FakeTokenizer()).build_batch(store, rollouts, progress=False)
+    assert batch.report.retokenized == 3 and len(batch.samples) == 3
+    assert "3 re-tokenized" in str(batch.report)
+
+
+def test_retokenized_ids_equal_the_servers_ids(two_groups) -> None:
+    """Strip the ids of real spans: re-tokenizing the recorded messages (tool calls, tool results, tool
+    definitions included) with the server's tokenizer gives back exactly the server's ids."""
+    store, rollouts = two_groups
+    with_ids = LightningRL().build_batch(store, rollouts, progress=False)
+    stripped = []
+    for r in rollouts:
+        spans = []
+        for s in store.query_spans(r.rollout_id):
+            attrs = {k: v for k, v in s.attributes.items() if k not in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS)}
+            if s.kind == "llm":
+                attrs[semconv.TOKEN_IDS_SOURCE] = "absent"
+            spans.append(s.model_copy(update={"attributes": attrs}))
+        stripped.append((r, spans))
+    again = LightningRL(tokenizer=FakeTokenizer()).batch_from_spans(rollouts, stripped)
+    assert again.report.retokenized == 12
+    assert [(t.prompt_ids, t.response_ids) for t in again.transitions] == [
+        (t.prompt_ids, t.response_ids) for t in with_ids.transitions
+    ]
+
+
+# --- configuration ----------------------------------------------------------------------------------------
+
+
+def test_from_config_forms_and_errors(tmp_path) -> None:
+    adapter = LightningRL(agent_match="x")
+    assert LightningRL.from_config(adapter) is adapter
+    assert LightningRL.from_config(None).estimator == "grpo"
+    trainer = agl.Trainer(store=str(tmp_path / "t.db"), adapter={"agent_match": "w", "estimator": "rloo"}, progress=False)
+    assert LightningRL.from_config(trainer.adapter).estimator == "rloo"
+    assert agl.LightningRL is LightningRL
+    with pytest.raises(ValueError, match=r"unknown LightningRL setting\(s\) \['agent_mtch'\]"):
+        LightningRL.from_config({"agent_mtch": "w"})
+    with pytest.raises(TypeError, match="dict or a LightningRL"):
+        LightningRL.from_config("writer")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        LightningRL(estimator="ppo")
+    with pytest.raises(ValueError, match='failed must be "drop"'):
+        LightningRL(failed="zero")
+    with pytest.raises(ValueError, match="needs gamma"):
+        LightningRL(credit="discounted")
+    with pytest.raises(TypeError, match="aggregate"):
+        LightningRL(aggregate="yes")  # type: ignore[arg-type]
+
+
+def test_empty_batch() -> None:
+    batch = LightningRL().batch_from_spans([], [])
+    assert batch == Batch(samples=[], transitions=[], report=BatchReport())
+    assert str(batch.report).startswith("0 rollouts")
+
+
+# --- property: every rollout and every llm span accounted for, weights per rollout and policy ---------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    statuses=st.lists(st.sampled_from(["succeeded", "failed"]), min_size=12, max_size=12),
+    failed=st.sampled_from(["drop", -1.0]),
+    agent_match=st.sampled_from([None, "writer", {"writer": "a", "check": "b"}]),
+    credit=st.sampled_from([{"credit": "broadcast"}, {"credit": "discounted", "gamma": 0.7}, {"credit": "step"}]),
+    aggregate=st.booleans(),
+)
+def test_batch_accounting(n, statuses, failed, agent_match, credit, aggregate) -> None:
+    pairs = [(r.model_copy(update={"status": statuses[i]}), spans)
+             for i, (r, spans) in enumerate(synthetic_rollouts(n * 40, spans_per_rollout=40, rollouts_per_task=3))]
+    rollouts = [r for r, _ in pairs]
+    adapter = LightningRL.from_config(
+        {"agent_match": agent_match, "failed": failed, "aggregate": aggregate, "air": {}, **credit}
+    )
+    batch = adapter.batch_from_spans(rollouts, pairs)
+    report = batch.report
+    assert report.rollouts == report.used + report.failed_dropped == len(rollouts)
+    assert report.accounted
+    used = [r for r in rollouts if r.status == "succeeded" or failed != "drop"]
+    assert report.llm_spans == sum(1 for r, spans in pairs if r in used for s in spans if s.kind == "llm")
+    assert len(batch.transitions) == report.transitions
+    assert sorted(sid for s in batch.samples for sid in s.span_ids) == sorted(t.span_id for t in batch.transitions)
+    weights: Dict[Tuple[str, str], float] = defaultdict(float)
+    for s in batch.samples:
+        assert s.response_ids and len(s.response_mask) == len(s.response_ids)
+        weights[(s.rollout_id, s.policy)] += s.loss_weight
+    assert all(w == pytest.approx(1.0) for w in weights.values())
