@@ -39,6 +39,7 @@ from agl.instrumentation.openai_payloads import (
     ask_for_token_ids,
     chat_completion_attributes,
     logprobs_requested,
+    mark_client_traced,
     request_attributes,
     response_attributes,
 )
@@ -222,6 +223,8 @@ def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) 
     add_request_payloads(api, call_kwargs, deferred)
     if _wants_token_ids(request_token_ids):
         ask_for_token_ids(call_kwargs)
+    if current_scope() is not None:  # this call's span will be stored: a proxy must not record it again
+        mark_client_traced(call_kwargs)
     if otel_context.get_value(SUPPRESS_LLM_SPAN):
         span = otel_trace.get_current_span()
         if span.is_recording():

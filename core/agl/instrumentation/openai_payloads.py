@@ -10,7 +10,8 @@ because a deferred list of strings would be stored as a JSON string instead of a
 
 Token ids follow vLLM's ``return_token_ids``: ``prompt_token_ids`` on the response (chat: on the first
 stream chunk), ``token_ids`` on each chat choice (chat stream: per chunk, for its delta), and
-``prompt_token_ids``/``response_token_ids`` on a Responses API response.
+``prompt_token_ids``/``response_token_ids`` on a Responses API response. agl's policy server also puts the
+policy version that answered in a top-level ``agl_resources_version`` (chat streams: on every chunk).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ CHAT = "chat.completions"
 RESPONSES = "responses"
 
 TOKEN_IDS_REQUEST = "return_token_ids"  # vLLM's request flag, sent in extra_body
+RESOURCES_VERSION_FIELD = "agl_resources_version"  # agl's policy server: the policy version that answered
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # Responses API: ask for output text logprobs
+# Sent with every call the client-side tracer records, so an agl proxy on the way (agl.serving.proxy)
+# forwards it without recording it a second time.
+CLIENT_TRACED_HEADER = "x-agl-client-traced"
 
 _COMMON_NUMBERS = (("temperature", semconv.REQUEST_TEMPERATURE), ("top_p", semconv.REQUEST_TOP_P))
 _MAX_TOKENS = {CHAT: ("max_completion_tokens", "max_tokens"), RESPONSES: ("max_output_tokens",)}
@@ -89,6 +94,15 @@ def ask_for_token_ids(call_kwargs: Dict[str, Any]) -> None:
         call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True, **extra}
 
 
+def mark_client_traced(call_kwargs: Dict[str, Any]) -> None:
+    """Add ``CLIENT_TRACED_HEADER`` to the call's ``extra_headers``, in a new dict; the user's own value wins."""
+    headers = call_kwargs.get("extra_headers")
+    if headers is None:
+        call_kwargs["extra_headers"] = {CLIENT_TRACED_HEADER: "1"}
+    elif isinstance(headers, collections.abc.Mapping):
+        call_kwargs["extra_headers"] = {CLIENT_TRACED_HEADER: "1", **headers}
+
+
 def logprobs_requested(api: str, kwargs: Mapping[str, Any]) -> bool:
     """Whether the response will carry logprobs worth recording (decided once, before the call)."""
     if api == CHAT:
@@ -128,6 +142,7 @@ def chat_completion_attributes(completion: Any, deferred: Dict[str, Any], with_l
     deferred[semconv.OUTPUT_MESSAGES] = [choice.message for choice in choices]
     first = choices[0] if choices else None
     record_token_ids(_extra(completion, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
+    record_resources_version(_extra(completion, RESOURCES_VERSION_FIELD), deferred)
     if with_logprobs and first is not None and first.logprobs is not None and first.logprobs.content:
         deferred[semconv.RESPONSE_LOGPROBS] = _chat_logprobs(first.logprobs.content)
     return [c.finish_reason for c in choices if c.finish_reason]
@@ -146,6 +161,7 @@ def response_attributes(response: Any, deferred: Dict[str, Any], with_logprobs: 
     output = response.output
     deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_responses_output_messages, output)
     record_token_ids(_extra(response, "prompt_token_ids"), _extra(response, "response_token_ids"), deferred)
+    record_resources_version(_extra(response, RESOURCES_VERSION_FIELD), deferred)
     if with_logprobs:
         deferred[semconv.RESPONSE_LOGPROBS] = _responses_logprobs(output)
     incomplete = response.incomplete_details
@@ -186,6 +202,12 @@ def record_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any
         deferred[semconv.RESPONSE_TOKEN_IDS] = tuple(response_ids)
     present = prompt_ids is not None or response_ids is not None
     deferred[semconv.TOKEN_IDS_SOURCE] = "server" if present else "absent"
+
+
+def record_resources_version(version: Any, deferred: Dict[str, Any]) -> None:
+    """The policy version an agl server reported (other servers send none and nothing is recorded)."""
+    if isinstance(version, int) and not isinstance(version, bool):
+        deferred[semconv.RESOURCES_VERSION] = version
 
 
 def _chat_logprobs(content: Sequence[Any]) -> Callable[[], List[float]]:

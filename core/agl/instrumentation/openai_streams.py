@@ -18,6 +18,8 @@ import wrapt
 
 from agl import semconv
 from agl.instrumentation.openai_payloads import (
+    RESOURCES_VERSION_FIELD,
+    record_resources_version,
     record_response_ids,
     record_token_ids,
     record_usage,
@@ -101,7 +103,9 @@ class _Choice:
 class ChatStreamAccumulator:
     """Rebuilds a chat completion from ``ChatCompletionChunk`` objects (token ids of choice 0)."""
 
-    __slots__ = ("response_id", "model", "usage", "prompt_ids", "response_ids", "logprobs", "choices", "failure")
+    __slots__ = (
+        "response_id", "model", "usage", "prompt_ids", "response_ids", "logprobs", "choices", "failure", "version"
+    )
 
     def __init__(self) -> None:
         self.response_id: Optional[str] = None
@@ -112,11 +116,14 @@ class ChatStreamAccumulator:
         self.logprobs: List[float] = []
         self.choices: Dict[int, _Choice] = {}
         self.failure: Optional[Failure] = None
+        self.version: Any = None  # agl's policy server: the policy version that answered
 
     def add(self, chunk: Any) -> None:
         if self.response_id is None:
             self.response_id = chunk.id
             self.model = chunk.model
+            extra = chunk.model_extra
+            self.version = extra.get(RESOURCES_VERSION_FIELD) if extra else None
         if self.prompt_ids is None:
             extra = chunk.model_extra
             if extra:
@@ -159,6 +166,7 @@ class ChatStreamAccumulator:
         if choices:
             deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_messages, choices)
         record_token_ids(self.prompt_ids, self.response_ids, deferred)
+        record_resources_version(self.version, deferred)
         if self.logprobs:
             deferred[semconv.RESPONSE_LOGPROBS] = self.logprobs
         return [state.finish_reason for state in choices if state.finish_reason]

@@ -1,0 +1,253 @@
+"""Chat messages and tools to prompt text, and generated text back to content and tool calls.
+
+The prompt is the tokenizer's own chat template (``tokenizer.apply_chat_template``) applied to messages
+agl first rewrites into plain ``{"role", "content"}`` text, so any template works, including ones that know
+nothing of tools. Tools use one documented format (Hermes / Qwen2.5 style), whatever the model:
+
+- the tool definitions go into the system message (appended to the first system message, or a new one),
+  inside ``<tools></tools>`` with instructions to answer calls as below;
+- the model calls a tool by writing, anywhere in its answer, one block per call::
+
+      <tool_call>
+      {"name": "add", "arguments": {"a": 2, "b": 3}}
+      </tool_call>
+
+- an assistant message with ``tool_calls`` in the history is rendered the same way (its content, a newline,
+  then the blocks separated by newlines), so a model that wrote its calls in this canonical form sees its
+  own tokens again in the next prompt;
+- ``tool`` results become a user turn ``<tool_response>\\n...\\n</tool_response>`` (consecutive results
+  share one turn), as Qwen2.5's template does.
+
+Parsing is all-or-nothing: if every ``<tool_call>`` block holds a JSON object with a string ``name`` (and
+``arguments`` an object or a JSON string of one), or a list of such objects (SmolLM2's own format), the
+calls are returned and the text outside the blocks
+becomes the content (``None`` when empty); if any block fails, no call is returned and the whole text stays
+content, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.DOTALL)
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_INSTRUCTIONS = (
+    "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+class BadRequest(ValueError):
+    """A request that cannot be served as sent (answered with 400); ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as the OpenAI API carries it
+    call_id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+
+@dataclass
+class ParsedOutput:
+    content: Optional[str]
+    tool_calls: List[ToolCall]
+
+
+# --- prompt ------------------------------------------------------------------------------------------------
+
+
+def render_prompt(tokenizer: Any, messages: Sequence[Any], tools: Optional[Sequence[Any]] = None) -> str:
+    """The prompt text for ``messages`` (OpenAI chat format) and ``tools``, ending with the assistant cue."""
+    plain = to_plain_messages(messages)
+    if tools:
+        plain = _with_tools(plain, [_tool_function(tool, i) for i, tool in enumerate(tools)])
+    text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str):
+        raise BadRequest("the tokenizer's chat template did not produce text", "messages")
+    return text
+
+
+def to_plain_messages(messages: Sequence[Any]) -> List[Dict[str, str]]:
+    """OpenAI chat messages as ``{"role", "content"}`` text only (tool calls and results written out)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of chat messages", "messages")
+    plain: List[Dict[str, str]] = []
+    pending_results: List[str] = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, Mapping):
+            raise BadRequest(f"{where} must be an object with 'role' and 'content'", where)
+        role = message.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"{where}.role {role!r} is not one of {', '.join(_ROLES)}", f"{where}.role")
+        content = _text(message.get("content"), f"{where}.content")
+        if role == "tool":
+            pending_results.append(f"<tool_response>\n{content}\n</tool_response>")
+            continue
+        if pending_results:
+            plain.append({"role": "user", "content": "\n".join(pending_results)})
+            pending_results = []
+        if role == "assistant" and message.get("tool_calls"):
+            content = render_assistant(content, _history_calls(message["tool_calls"], where))
+        plain.append({"role": "system" if role == "developer" else role, "content": content})
+    if pending_results:
+        plain.append({"role": "user", "content": "\n".join(pending_results)})
+    return plain
+
+
+def render_assistant(content: str, calls: Sequence[Tuple[str, Any]]) -> str:
+    """An assistant turn with tool calls, in the canonical form the model is asked to write."""
+    blocks = [render_tool_call(name, arguments) for name, arguments in calls]
+    return "\n".join(([content] if content else []) + blocks)
+
+
+def render_tool_call(name: str, arguments: Any) -> str:
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+
+
+def _with_tools(plain: List[Dict[str, str]], functions: List[Dict[str, Any]]) -> List[Dict[str, str]]:
+    listing = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions)
+    block = f"{TOOLS_PREAMBLE}\n{listing}\n{TOOLS_INSTRUCTIONS}"
+    if plain and plain[0]["role"] == "system":
+        first = {"role": "system", "content": f"{plain[0]['content']}\n\n{block}" if plain[0]["content"] else block}
+        return [first] + plain[1:]
+    return [{"role": "system", "content": block}] + plain
+
+
+def _tool_function(tool: Any, index: int) -> Dict[str, Any]:
+    where = f"tools[{index}]"
+    if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+        raise BadRequest(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
+    function = tool.get("function")
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise BadRequest(f"{where}.function must be an object with a string 'name'", f"{where}.function")
+    return dict(function)
+
+
+def _history_calls(calls: Any, where: str) -> List[Tuple[str, Any]]:
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out: List[Tuple[str, Any]] = []
+    for number, call in enumerate(calls):
+        at = f"{where}.tool_calls[{number}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise BadRequest(f"{at} must have a 'function' with a string 'name'", at)
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                pass  # rendered as the string it is: the model sees what it wrote
+        out.append((function["name"], arguments if arguments is not None else {}))
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    """Message content as text: a string, None, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: List[str] = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") in ("text", "input_text") and isinstance(
+                part.get("text"), str
+            ):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise BadRequest(
+                    f"{where} has a {kind!r} part: this server's model reads text only; send text parts", where
+                )
+        return "".join(texts)
+    raise BadRequest(f"{where} must be a string, null or a list of text parts", where)
+
+
+# --- output ------------------------------------------------------------------------------------------------
+
+
+def parse_output(text: str, tools_offered: bool) -> ParsedOutput:
+    """Split generated text into content and tool calls (module docs); without tools it is all content."""
+    if not tools_offered or TOOL_CALL_OPEN not in text:
+        return ParsedOutput(_content(text), [])
+    calls: List[ToolCall] = []
+    for match in _BLOCK.finditer(text):
+        try:
+            value = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return ParsedOutput(_content(text), [])
+        block = [_parse_call(v) for v in (value if isinstance(value, list) and value else [value])]
+        if any(call is None for call in block):
+            return ParsedOutput(_content(text), [])
+        calls.extend(c for c in block if c is not None)
+    return ParsedOutput(_content(_BLOCK.sub("", text)), calls)
+
+
+def _parse_call(value: Any) -> Optional[ToolCall]:
+    """One call object, ``{"name": str, "arguments": object or JSON string of one}``; None if malformed."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(name=value["name"], arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+def _content(text: str) -> Optional[str]:
+    stripped = text.strip()
+    return stripped or None
+
+
+def streamable_prefix(text: str, tools_offered: bool, stops: Sequence[str] = ()) -> str:
+    """How much of the text generated so far a stream may send as content without taking anything back.
+
+    Held back: leading and trailing whitespace (content is stripped), a trailing partial character
+    (``\\ufffd``), a tail that could still grow into a stop string, and, when tools were offered,
+    everything from ``<tool_call>`` (or a tail that could become it) on. What is returned is always a
+    prefix of the final content, whatever the model writes next.
+    """
+    text = text.rstrip("\ufffd")
+    end = len(text)
+    if tools_offered:
+        opened = text.find(TOOL_CALL_OPEN)
+        if opened >= 0:
+            end = opened
+        end = min(end, _partial_suffix_start(text[:end], (TOOL_CALL_OPEN,)))
+    end = min(end, _partial_suffix_start(text[:end], stops))
+    return text[:end].strip()
+
+
+def _partial_suffix_start(text: str, markers: Sequence[str]) -> int:
+    """Where the longest tail of ``text`` that is a proper prefix of one of ``markers`` starts."""
+    start = len(text)
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-size:]):
+                start = min(start, len(text) - size)
+                break
+    return start

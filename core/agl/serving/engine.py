@@ -1,0 +1,611 @@
+"""Token generation for the policy server: one worker thread, continuous batching, exact token ids.
+
+Concurrent requests share forward passes. Requests wait in a queue; one worker thread owns the model and
+runs a decode loop over the *running batch*: at every step it samples one token for each running
+request, drops the finished ones, and admits waiting requests (prefilled together, then merged into the
+batch's KV cache) up to ``max_batch_size``. A request that arrives while others are generating therefore
+joins at the next step instead of waiting for the whole batch to finish. Prompts are left-padded; the
+attention mask hides padding and position ids count only real tokens, so a request gets the same logits
+(up to float rounding) alone or in a batch.
+
+Joining a running batch rewrites the KV cache tensors, which works for transformers' ``DynamicCache``
+with plain (non sliding-window) layers, as Llama, Qwen2 and most causal LMs use. For other caches the
+engine admits new requests only when the batch is empty (static batching); it still batches every
+request waiting at that moment.
+
+Sampling is per request: temperature, top-p, stop strings, seed (each request has its own
+``torch.Generator``) and the number of top logprobs. **Logprobs** are those of the distribution each token
+was actually drawn from: ``log_softmax(logits / temperature)`` restricted to the top-p nucleus and
+renormalized. With ``temperature == 0`` (greedy) that distribution is a point mass, so the engine reports
+the model's own distribution, ``log_softmax(logits)``, like OpenAI and vLLM do.
+
+The engine never changes weights. Whoever does (an in-process trainer, :meth:`PolicyServer.load_weights`)
+brackets the change with :meth:`GenerationEngine.paused`: waiting requests stay queued, the running batch
+drains, and every request is generated entirely under one ``version``, which it reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import random
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+logger = logging.getLogger(__name__)
+
+#: finish reasons: the model ended its answer (end-of-sequence token or a stop string), or max_tokens
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. ``temperature == 0`` is greedy; ``seed=None`` draws a random seed."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: Tuple[str, ...] = ()
+    seed: Optional[int] = None
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class Token:
+    """One sampled token: its id, its logprob (see the module docs) and the top alternatives asked for."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: List[Tuple[int, float]]
+
+
+@dataclasses.dataclass
+class Generation:
+    """A finished request. ``response_ids`` are every sampled token, the end-of-sequence token included.
+
+    ``text`` is the decoded answer without a final end-of-sequence token and cut before a stop string;
+    the ids still include the tokens that spelled the stop string, because they were sampled.
+    """
+
+    prompt_ids: List[int]
+    response_ids: List[int]
+    tokens: List[Token]
+    text: str
+    finish_reason: str
+    version: int
+
+    @property
+    def logprobs(self) -> List[float]:
+        return [t.logprob for t in self.tokens]
+
+
+# Events a request's listener receives, in order: Started, Step* (one per sampled token), then Finished
+# or Failed. The listener runs on the worker thread and must return quickly.
+@dataclasses.dataclass
+class Started:
+    version: int
+
+
+@dataclasses.dataclass
+class Step:
+    """A token was sampled; ``text`` is the whole answer so far (cut before a stop string)."""
+
+    token: Token
+    text: str
+
+
+@dataclasses.dataclass
+class Finished:
+    generation: Generation
+
+
+@dataclasses.dataclass
+class Failed:
+    error: BaseException
+
+
+Event = Any  # Started | Step | Finished | Failed
+Listener = Callable[[Event], None]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine started: how much batching actually happened."""
+
+    requests: int = 0
+    prefills: int = 0  # forward passes over new prompts (a group of requests admitted together)
+    decode_steps: int = 0  # forward passes over the running batch
+    row_steps: int = 0  # sum of the batch sizes of those decode steps
+    max_batch: int = 0  # most requests in one forward pass
+    generated_tokens: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.row_steps / self.decode_steps if self.decode_steps else 0.0
+
+
+class RequestHandle:
+    """What :meth:`GenerationEngine.submit` returns: cancel a request the client no longer wants."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt_ids: List[int]
+    params: SamplingParams
+    listener: Listener
+    handle: RequestHandle
+    eos_ids: frozenset
+
+
+class _Row:
+    """A request in the running batch: what it sampled so far and its random generator."""
+
+    def __init__(self, request: _Request, version: int, generator: Any) -> None:
+        self.request = request
+        self.version = version
+        self.generator = generator
+        self.tokens: List[Token] = []
+        self.text = ""
+        self.finish_reason: Optional[str] = None
+
+    @property
+    def ids(self) -> List[int]:
+        return [t.token_id for t in self.tokens]
+
+
+class GenerationEngine:
+    """Generates for concurrent requests with one model on one worker thread (see the module docs).
+
+    ``max_batch_size``: most requests in one forward pass. ``batch_wait_s``: how long an idle engine
+    waits after the first request arrives for others to join its first forward pass.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch_size: int = 16,
+        batch_wait_s: float = 0.005,
+        version: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.stats = EngineStats()
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        self._device = next(model.parameters()).device
+        self._pad_id = _pad_id(tokenizer)
+        self._eos_ids = _eos_ids(model, tokenizer)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._version = version
+        self._cond = threading.Condition()
+        self._waiting: Deque[_Request] = deque()
+        self._pauses = 0
+        self._busy = False  # the worker holds rows (a batch is running)
+        self._can_join = True  # cleared when the model's KV cache cannot be merged (see the module docs)
+        self._was_training = False  # the model's mode before the running batch began (restored after)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="agl-generation", daemon=True)
+        self._thread.start()
+
+    # --- public API ----------------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Requests admitted from now on report ``version`` (the weights were changed in place)."""
+        with self._cond:
+            self._version = version
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, listener: Listener) -> RequestHandle:
+        """Queue a request; ``listener`` gets its events on the worker thread (see ``Event``)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token id")
+        if self.max_context is not None and len(prompt_ids) + params.max_tokens > self.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_context} tokens: shorten the conversation or lower max_tokens"
+            )
+        handle = RequestHandle()
+        request = _Request(list(prompt_ids), params, listener, handle, self._eos_ids)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the generation engine is closed")
+            self._waiting.append(request)
+            self.stats.requests += 1
+            self._cond.notify_all()
+        return handle
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, timeout: Optional[float] = None
+    ) -> Generation:
+        """Blocking convenience: submit and wait for the finished generation."""
+        done = threading.Event()
+        box: Dict[str, Any] = {}
+
+        def listen(event: Event) -> None:
+            if isinstance(event, (Finished, Failed)):
+                box["event"] = event
+                done.set()
+
+        handle = self.submit(prompt_ids, params, listen)
+        if not done.wait(timeout):
+            handle.cancel()
+            raise TimeoutError(f"generation did not finish within {timeout} s")
+        event = box["event"]
+        if isinstance(event, Failed):
+            raise event.error
+        return event.generation
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No request starts inside the block; on entry, the running batch is drained first."""
+        with self._cond:
+            self._pauses += 1
+            self._cond.notify_all()
+            while self._busy and not self._closed:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._pauses -= 1
+                self._cond.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not yet running."""
+        with self._cond:
+            return len(self._waiting)
+
+    def close(self) -> None:
+        """Stop the worker; requests still running or queued fail with a clear error. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        with self._cond:
+            leftover = list(self._waiting)
+            self._waiting.clear()
+        for request in leftover:
+            _notify(request, Failed(RuntimeError("the policy server stopped before this request ran")))
+
+    # --- worker ----------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        batch = _Batch(self)
+        while True:
+            admitted = self._next_admissions(batch.size)
+            if admitted is None:
+                batch.fail_all(RuntimeError("the policy server stopped while this request was generating"))
+                self._leave_eval()
+                return
+            if admitted and not batch.size:
+                self._enter_eval()
+            with torch.inference_mode():
+                if admitted:
+                    try:
+                        batch.admit(admitted)
+                    except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving the others
+                        logger.exception("prefill failed; failing the %d new request(s)", len(admitted))
+                        for request in admitted:
+                            _notify(request, Failed(exc))
+                if batch.size:
+                    try:
+                        batch.step()
+                    except Exception as exc:  # noqa: BLE001
+                        logger.exception("decoding failed; failing the %d running request(s)", batch.size)
+                        batch.fail_all(exc)
+            if not batch.size:
+                self._leave_eval()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _enter_eval(self) -> None:
+        """Generate in eval mode (no dropout; gradient checkpointing would switch the KV cache off).
+
+        A trainer sharing the model only touches it while paused, after the batch drained and
+        :meth:`_leave_eval` gave it back its own mode.
+        """
+        self._was_training = bool(self.model.training)
+        if self._was_training:
+            self.model.eval()
+
+    def _leave_eval(self) -> None:
+        if self._was_training:
+            self.model.train()
+            self._was_training = False
+
+    def _next_admissions(self, running: int) -> Optional[List[_Request]]:
+        """Requests to admit before the next step ([] to just step); None when closed. Blocks while idle.
+
+        An idle engine that gets a request waits up to ``batch_wait_s`` for more to arrive, re-checking
+        everything (a pause may have begun) after each wake-up.
+        """
+        deadline: Optional[float] = None
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                room = self.max_batch_size - running
+                admissible = self._waiting and not self._pauses and room > 0 and (running == 0 or self._can_join)
+                if admissible:
+                    if running == 0 and len(self._waiting) < room:
+                        deadline = deadline if deadline is not None else time.monotonic() + self.batch_wait_s
+                        left = deadline - time.monotonic()
+                        if left > 0:
+                            self._cond.wait(left)
+                            continue
+                    self._busy = True
+                    return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                if running:
+                    return []
+                self._busy = False
+                self._cond.notify_all()
+                self._cond.wait()
+
+
+class _Batch:
+    """The running batch: rows, their KV cache, attention mask, next positions and next-token logits."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+        self.rows: List[_Row] = []
+        self.cache: Any = None
+        self.mask: Any = None  # [B, T] 1 for real tokens
+        self.positions: Any = None  # [B] position id of each row's next token
+        self.logits: Any = None  # [B, V] logits for each row's next token
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    # --- admission ---------------------------------------------------------------------------------------
+
+    def admit(self, requests: List[_Request]) -> None:
+        engine = self.engine
+        device = engine._device
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), engine._pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(requests), width), dtype=torch.long, device=device)
+        for i, request in enumerate(requests):
+            n = len(request.prompt_ids)
+            ids[i, width - n :] = torch.tensor(request.prompt_ids, dtype=torch.long, device=device)
+            mask[i, width - n :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        kwargs = {"logits_to_keep": 1} if engine._keeps_logits else {}
+        out = engine.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs
+        )
+        logits = out.logits[:, -1, :].float()
+        engine.stats.prefills += 1
+        engine.stats.max_batch = max(engine.stats.max_batch, len(requests) + self.size)
+        rows = [_Row(r, engine._version, _generator(r.params.seed, device)) for r in requests]
+        next_positions = positions[:, -1] + 1
+        if self.rows:
+            self._merge(cache, mask, next_positions, logits)
+        else:
+            self.cache, self.mask, self.positions, self.logits = cache, mask, next_positions, logits
+            engine._can_join = engine._can_join and _cache_can_join(cache)
+        self.rows.extend(rows)
+        for row in rows:
+            _notify(row.request, Started(row.version))
+
+    def _merge(self, cache: Any, mask: Any, positions: Any, logits: Any) -> None:
+        """Append new rows: left-pad the shorter side's cache and mask to a common width, stack on batch."""
+        width = max(self.mask.shape[1], mask.shape[1])
+        for old, new in zip(self.cache.layers, cache.layers):
+            old.keys = torch.cat([_pad_left(old.keys, width, 2), _pad_left(new.keys, width, 2)], dim=0)
+            old.values = torch.cat([_pad_left(old.values, width, 2), _pad_left(new.values, width, 2)], dim=0)
+        self.mask = torch.cat([_pad_left(self.mask, width, 1), _pad_left(mask, width, 1)], dim=0)
+        self.positions = torch.cat([self.positions, positions])
+        self.logits = torch.cat([self.logits, logits])
+
+    # --- decoding ----------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Sample one token per row, retire finished rows, run the model on the rest."""
+        engine = self.engine
+        tokens = [_sample(self.logits[i], row) for i, row in enumerate(self.rows)]
+        keep: List[int] = []
+        for i, (row, token) in enumerate(zip(self.rows, tokens)):
+            row.tokens.append(token)
+            engine.stats.generated_tokens += 1
+            self._update_text(row)
+            _notify(row.request, Step(token, row.text))
+            if row.finish_reason is None and row.request.handle.cancelled:
+                row.finish_reason = FINISH_CANCELLED
+            if row.finish_reason is None:
+                keep.append(i)
+            else:
+                _notify(row.request, Finished(self._generation(row)))
+        if len(keep) < len(self.rows):
+            self._select(keep)
+        if not self.rows:
+            self.cache = self.mask = self.positions = self.logits = None
+            return
+        next_ids = torch.tensor([[row.tokens[-1].token_id] for row in self.rows], device=engine._device)
+        ones = torch.ones((len(self.rows), 1), dtype=self.mask.dtype, device=self.mask.device)
+        self.mask = torch.cat([self.mask, ones], dim=1)
+        out = engine.model(
+            input_ids=next_ids,
+            attention_mask=self.mask,
+            position_ids=self.positions[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.logits = out.logits[:, -1, :].float()
+        self.positions = self.positions + 1
+        engine.stats.decode_steps += 1
+        engine.stats.row_steps += len(self.rows)
+        engine.stats.max_batch = max(engine.stats.max_batch, len(self.rows))
+
+    def _update_text(self, row: _Row) -> None:
+        """Decide whether the row is done: end-of-sequence token, a stop string, or max_tokens."""
+        request = row.request
+        ids = row.ids
+        ended = ids[-1] in request.eos_ids
+        row.text = self.engine.tokenizer.decode(ids[:-1] if ended else ids)
+        cut = _stop_position(row.text, request.params.stop)
+        if cut is not None:
+            row.text = row.text[:cut]
+        if ended or cut is not None:
+            row.finish_reason = FINISH_STOP
+        elif len(ids) >= request.params.max_tokens:
+            row.finish_reason = FINISH_LENGTH
+
+    def _generation(self, row: _Row) -> Generation:
+        return Generation(
+            prompt_ids=row.request.prompt_ids,
+            response_ids=row.ids,
+            tokens=row.tokens,
+            text=row.text,
+            finish_reason=row.finish_reason or FINISH_STOP,
+            version=row.version,
+        )
+
+    def _select(self, keep: List[int]) -> None:
+        """Keep only the rows ``keep``, and drop cache columns that are padding for every remaining row."""
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            return
+        index = torch.tensor(keep, device=self.mask.device)
+        self.mask = self.mask.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        self.logits = self.logits.index_select(0, index)
+        self.cache.batch_select_indices(index)
+        first = int(self.mask.any(dim=0).nonzero()[0])
+        if first and self.engine._can_join:
+            self.mask = self.mask[:, first:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, first:, :]
+                layer.values = layer.values[:, :, first:, :]
+
+    def fail_all(self, error: BaseException) -> None:
+        for row in self.rows:
+            _notify(row.request, Failed(error))
+        self.rows = []
+        self.cache = self.mask = self.positions = self.logits = None
+
+
+# --- sampling ----------------------------------------------------------------------------------------------
+
+
+def _sample(logits: Any, row: _Row) -> Token:
+    """Draw the row's next token; its logprob is under the distribution it was drawn from (module docs)."""
+    params = row.request.params
+    if params.temperature == 0:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token_id = int(torch.argmax(logprobs))
+    else:
+        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1:
+            logprobs = _nucleus(logprobs, params.top_p)
+        token_id = int(torch.multinomial(logprobs.exp(), 1, generator=row.generator))
+    top: List[Tuple[int, float]] = []
+    if params.top_logprobs:
+        values, indices = torch.topk(logprobs, params.top_logprobs)
+        top = [(int(i), float(v)) for v, i in zip(values, indices) if v > float("-inf")]
+    return Token(token_id, float(logprobs[token_id]), top)
+
+
+def _nucleus(logprobs: Any, top_p: float) -> Any:
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``; renormalize."""
+    sorted_logprobs, order = torch.sort(logprobs, descending=True)
+    cumulative = sorted_logprobs.exp().cumsum(-1)
+    drop_sorted = cumulative - sorted_logprobs.exp() >= top_p  # mass before this token already reached top_p
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    kept = logprobs.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(kept, dim=-1)
+
+
+def _stop_position(text: str, stops: Sequence[str]) -> Optional[int]:
+    positions = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(positions) if positions else None
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+
+_seeds = random.SystemRandom()
+
+
+def _notify(request: _Request, event: Event) -> None:
+    """Deliver an event; a listener that fails (its client went away) must not fail the whole batch."""
+    try:
+        request.listener(event)
+    except Exception:  # noqa: BLE001
+        logger.warning("a request listener failed; cancelling that request", exc_info=True)
+        request.handle.cancel()
+
+
+def _generator(seed: Optional[int], device: Any) -> Any:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else _seeds.getrandbits(63))
+    return generator
+
+
+def _cache_can_join(cache: Any) -> bool:
+    """Only plain dynamic layers (keys/values ``[batch, heads, seq, dim]``) can be padded and stacked."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _pad_left(tensor: Any, width: int, dim: int) -> Any:
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset:
+    """Tokens that end an answer: the tokenizer's end-of-sequence token and the model's generation config's."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, (list, tuple)):
+        ids.update(int(i) for i in configured)
+    return frozenset(ids)

@@ -1,0 +1,319 @@
+"""The Chat Completions wire format of the policy server: request checking and response objects.
+
+Responses follow OpenAI's ``chat.completion`` / ``chat.completion.chunk`` objects plus, always (no request
+flag needed), vLLM's ``return_token_ids`` fields and agl's policy version:
+
+- top-level ``prompt_token_ids`` (streamed: on the first chunk) and ``choices[0].token_ids`` (streamed: the
+  ids behind each chunk's delta; concatenated they are the response ids);
+- top-level ``agl_resources_version`` on every response and chunk (the HTTP header
+  ``x-agl-resources-version`` carries it too).
+
+Requests are checked before anything runs: a parameter this server cannot honour gets a 400 naming it and
+saying what to send instead, rather than being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from agl.serving.chat_format import BadRequest, ParsedOutput, ToolCall
+from agl.serving.engine import Generation, SamplingParams, Token
+
+VERSION_FIELD = "agl_resources_version"
+VERSION_HEADER = "x-agl-resources-version"
+MAX_TOP_LOGPROBS = 20
+MAX_STOPS = 4
+
+# Accepted and ignored: they change nothing about the answer this server gives.
+_IGNORED = frozenset(
+    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "return_token_ids", "prompt_cache_key",
+     "safety_identifier"}
+)
+_SUPPORTED = frozenset(
+    {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "temperature", "top_p", "max_tokens",
+     "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "n", "presence_penalty",
+     "frequency_penalty", "response_format", "logit_bias"}
+) | _IGNORED
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    """What a checked request asks for; ``max_tokens`` is None when the server should pick it."""
+
+    model: str
+    messages: List[Any]
+    tools: List[Any]
+    tool_choice: str  # "auto" or "none"
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    max_tokens: Optional[int]
+    temperature: float
+    top_p: float
+    stop: Tuple[str, ...]
+    seed: Optional[int]
+
+    @property
+    def tools_offered(self) -> bool:
+        """Whether tool calls are rendered into the prompt and parsed out of the answer."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop,
+            seed=self.seed,
+            top_logprobs=self.top_logprobs if self.logprobs else 0,
+        )
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """Check a ``/v1/chat/completions`` body; raises :class:`BadRequest` with a message for the client."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - _SUPPORTED)
+    if unknown:
+        raise BadRequest(
+            f"unsupported parameter(s) {', '.join(map(repr, unknown))}: agl's policy server accepts "
+            f"{', '.join(sorted(_SUPPORTED - _IGNORED))}",
+            unknown[0],
+        )
+    _require(body.get("n") in (None, 1), "n", "only n=1 is supported: send one request per sample")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        _require(body.get(penalty) in (None, 0, 0.0), penalty, f"{penalty} is not supported: leave it out or send 0")
+    _require(not body.get("logit_bias"), "logit_bias", "logit_bias is not supported: leave it out")
+    response_format = body.get("response_format")
+    _require(
+        response_format is None or response_format == {"type": "text"},
+        "response_format",
+        "only response_format {'type': 'text'} is supported (no JSON mode or schemas): leave it out",
+    )
+    model = body.get("model")
+    _require(isinstance(model, str) and model != "", "model", "'model' must be a non-empty string")
+    messages = body.get("messages")
+    _require(isinstance(messages, list) and bool(messages), "messages", "'messages' must be a non-empty list")
+    tools = body.get("tools") or []
+    _require(isinstance(tools, list), "tools", "'tools' must be a list of function tools")
+    logprobs = _optional_bool(body, "logprobs")
+    top_logprobs = body.get("top_logprobs") or 0
+    _require(
+        _is_int(top_logprobs) and 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
+        "top_logprobs",
+        f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}",
+    )
+    _require(not top_logprobs or logprobs, "top_logprobs", "top_logprobs needs logprobs: true")
+    stream_options = body.get("stream_options") or {}
+    _require(isinstance(stream_options, Mapping), "stream_options", "stream_options must be an object")
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice")),
+        stream=_optional_bool(body, "stream"),
+        include_usage=bool(stream_options.get("include_usage")),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        max_tokens=_max_tokens(body),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_top_p(body),
+        stop=_stops(body.get("stop")),
+        seed=_seed(body.get("seed")),
+    )
+
+
+def _require(condition: bool, param: str, message: str) -> None:
+    if not condition:
+        raise BadRequest(message, param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_bool(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key)
+    _require(value is None or isinstance(value, bool), key, f"{key} must be true or false")
+    return bool(value)
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+    _require(ok, key, f"{key} must be a number from {low:g} to {high:g}")
+    return float(value)
+
+
+def _top_p(body: Mapping[str, Any]) -> float:
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    _require(top_p > 0, "top_p", "top_p must be greater than 0 (use temperature 0 for greedy decoding)")
+    return top_p
+
+
+def _max_tokens(body: Mapping[str, Any]) -> Optional[int]:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is not None:
+            _require(_is_int(value) and value >= 1, key, f"{key} must be a positive integer")
+            return int(value)
+    return None
+
+
+def _stops(stop: Any) -> Tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    ok = isinstance(stops, list) and len(stops) <= MAX_STOPS and all(isinstance(s, str) and s for s in stops)
+    _require(ok, "stop", f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
+    return tuple(stops)
+
+
+def _seed(seed: Any) -> Optional[int]:
+    _require(seed is None or _is_int(seed), "seed", "seed must be an integer")
+    return None if seed is None else int(seed) % (2**63)
+
+
+def _tool_choice(choice: Any) -> str:
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "none":
+        return "none"
+    raise BadRequest(
+        f"tool_choice {choice!r} is not supported: this server cannot force a tool call; send 'auto' (the model "
+        "decides) or 'none' (no tools)",
+        "tool_choice",
+    )
+
+
+# --- responses ---------------------------------------------------------------------------------------------
+
+
+class ResponseWriter:
+    """Builds the response objects of one request (shared id, timestamps and model name)."""
+
+    def __init__(self, request: ChatRequest, model_name: str, tokenizer: Any, version: int) -> None:
+        self.request = request
+        self.tokenizer = tokenizer
+        self.version = version
+        self.header = {
+            "id": "chatcmpl-" + uuid.uuid4().hex,
+            "created": int(time.time()),
+            "model": model_name,
+            "system_fingerprint": None,
+        }
+
+    def completion(self, gen: Generation, parsed: ParsedOutput) -> Dict[str, Any]:
+        message: Dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+        if parsed.tool_calls:
+            message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": self._logprobs(gen.tokens),
+            "finish_reason": finish_reason(gen, parsed),
+            "token_ids": gen.response_ids,
+        }
+        return {
+            **self.header,
+            "object": "chat.completion",
+            "choices": [choice],
+            "usage": usage(gen),
+            "prompt_token_ids": gen.prompt_ids,
+            VERSION_FIELD: self.version,
+        }
+
+    def chunk(
+        self,
+        delta: Dict[str, Any],
+        tokens: Sequence[Token] = (),
+        finish: Optional[str] = None,
+        prompt_ids: Optional[List[int]] = None,
+    ) -> Dict[str, Any]:
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": self._logprobs(tokens),
+            "finish_reason": finish,
+            "token_ids": [t.token_id for t in tokens],
+        }
+        chunk: Dict[str, Any] = {**self.header, "object": "chat.completion.chunk", "choices": [choice]}
+        if prompt_ids is not None:
+            chunk["prompt_token_ids"] = prompt_ids
+        if self.request.include_usage:
+            chunk["usage"] = None
+        chunk[VERSION_FIELD] = self.version
+        return chunk
+
+    def usage_chunk(self, gen: Generation) -> Dict[str, Any]:
+        return {
+            **self.header,
+            "object": "chat.completion.chunk",
+            "choices": [],
+            "usage": usage(gen),
+            VERSION_FIELD: self.version,
+        }
+
+    def stream_end(
+        self, gen: Generation, parsed: ParsedOutput, sent: str, pending: Sequence[Token]
+    ) -> List[Dict[str, Any]]:
+        """The last chunks of a stream: the rest of the content, one chunk per tool call, the finish reason.
+
+        ``sent`` is the content streamed so far (always a prefix of the final content, see
+        ``chat_format.streamable_prefix``); ``pending`` the tokens not yet sent, which ride on the first of
+        these chunks so that the chunks' ``token_ids`` add up to the response ids.
+        """
+        content = parsed.content or ""
+        rest = content[len(sent) :] if content.startswith(sent) else ""
+        deltas: List[Dict[str, Any]] = [{"content": rest}] if rest else []
+        deltas += [{"tool_calls": [{"index": i, **_tool_call(call)}]} for i, call in enumerate(parsed.tool_calls)]
+        chunks = [self.chunk(delta, pending if i == 0 else ()) for i, delta in enumerate(deltas)]
+        chunks.append(self.chunk({}, () if deltas else pending, finish=finish_reason(gen, parsed)))
+        if self.request.include_usage:
+            chunks.append(self.usage_chunk(gen))
+        return chunks
+
+    def _logprobs(self, tokens: Sequence[Token]) -> Optional[Dict[str, Any]]:
+        if not self.request.logprobs:
+            return None
+        content = [
+            {**self._entry(t.token_id, t.logprob), "top_logprobs": [self._entry(i, lp) for i, lp in t.top_logprobs]}
+            for t in tokens
+        ]
+        return {"content": content, "refusal": None}
+
+    def _entry(self, token_id: int, logprob: float) -> Dict[str, Any]:
+        text = self.tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def finish_reason(gen: Generation, parsed: ParsedOutput) -> str:
+    if parsed.tool_calls and gen.finish_reason == "stop":
+        return "tool_calls"
+    return gen.finish_reason
+
+
+def usage(gen: Generation) -> Dict[str, Any]:
+    prompt, completion = len(gen.prompt_ids), len(gen.response_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _tool_call(call: ToolCall) -> Dict[str, Any]:
+    return {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def error_body(message: str, status: int, param: Optional[str] = None) -> Dict[str, Any]:
+    """OpenAI's error object, which the ``openai`` client turns into ``BadRequestError`` etc."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def sse(data: Mapping[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"

@@ -1,0 +1,470 @@
+"""The policy server over real HTTP with the real ``openai`` client and a real (tiny, random) Llama.
+
+Reference values come from outside the server: prompt ids from the tokenizer's own chat template, greedy
+answers from transformers' ``generate``, logprobs from a full teacher-forced forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterator, List, Tuple
+
+import httpx
+import openai
+import pytest
+import torch
+
+import agl
+import agl.instrumentation
+from agl import semconv
+from agl.instrumentation.openai_client import OpenAIInstrumentor
+from agl.models import load_policy
+from agl.serving import PolicyServer, SamplingParams
+from agl.serving.chat_format import render_prompt
+from agl.testing import ListSink, tracer_writes_to
+
+MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+TOOL_ANSWER = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+# --- fixtures ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Tuple[Any, Any]:
+    return load_policy("tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Tuple[Any, Any]) -> Iterator[PolicyServer]:
+    model, tokenizer = tiny
+    with PolicyServer(model, tokenizer, model_name="policy", max_batch_size=8, version=1) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: PolicyServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tool_server() -> Iterator[PolicyServer]:
+    """A tiny model taught to answer MESSAGES + [ADD_TOOL] with TOOL_ANSWER and its end-of-sequence token."""
+    model, tokenizer = load_policy("tiny", seed=1, device="cpu")
+    prompt = prompt_ids(tokenizer, MESSAGES, [ADD_TOOL])
+    teach(model, prompt, tokenizer(TOOL_ANSWER, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+    with PolicyServer(model, tokenizer, model_name="policy", version=4) as s:
+        yield s
+
+
+@pytest.fixture
+def tool_client(tool_server: PolicyServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=tool_server.base_url, api_key="x", max_retries=0) as c:
+        yield c
+
+
+def teach(model: Any, prompt: List[int], target: List[int], max_steps: int = 600) -> None:
+    """Overfit ``model`` until greedy decoding after ``prompt`` writes ``target`` (teacher-forced argmax).
+
+    One thread: for a model this small, thread synchronisation costs more than it saves.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.tensor([prompt + target])
+    model.train()
+    try:
+        for _ in range(max_steps):
+            hidden = model.model(input_ids=ids).last_hidden_state[0, len(prompt) - 1 : -1]
+            logits = model.lm_head(hidden)
+            if logits.argmax(-1).tolist() == target:
+                return
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(logits, torch.tensor(target)).backward()
+            optimizer.step()
+        raise AssertionError(f"the tiny model did not learn its answer in {max_steps} steps")
+    finally:
+        model.eval()
+        torch.set_num_threads(threads)
+
+
+def prompt_ids(tokenizer: Any, messages: List[Dict[str, Any]], tools: Any = None) -> List[int]:
+    return tokenizer(render_prompt(tokenizer, messages, tools), add_special_tokens=False)["input_ids"]
+
+
+def template_ids(tokenizer: Any, messages: List[Dict[str, Any]]) -> List[int]:
+    """The tokenizer's own chat template, without agl's rendering in between."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def greedy(model: Any, prompt: List[int], n: int) -> List[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n, do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def teacher_forced_logprobs(
+    model: Any, prompt: List[int], response: List[int], temperature: float = 1.0
+) -> List[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(1, torch.tensor(response)[:, None])[:, 0].tolist()
+
+
+def extra(obj: Any, key: str) -> Any:
+    return obj.model_extra[key]
+
+
+# --- plain and streamed answers ----------------------------------------------------------------------------
+
+
+def test_plain_completion_returns_exact_prompt_and_response_ids(client, server, tiny):
+    model, tokenizer = tiny
+    raw = client.chat.completions.with_raw_response.create(
+        model="policy", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True
+    )
+    completion = raw.parse()
+    choice = completion.choices[0]
+    expected_prompt = template_ids(tokenizer, MESSAGES)
+    assert extra(completion, "prompt_token_ids") == expected_prompt
+    response = extra(choice, "token_ids")
+    assert response == greedy(model, expected_prompt, 12)
+    assert choice.finish_reason == "length" and completion.model == "policy"
+    assert completion.usage.prompt_tokens == len(expected_prompt) and completion.usage.completion_tokens == 12
+    assert (choice.message.content or "") == tokenizer.decode(response).strip()
+    served = [t.logprob for t in choice.logprobs.content]
+    assert served == pytest.approx(teacher_forced_logprobs(model, expected_prompt, response), abs=1e-4)
+    assert [t.token for t in choice.logprobs.content] == [tokenizer.decode([i]) for i in response]
+    assert extra(completion, "agl_resources_version") == server.version == 1
+    assert raw.headers["x-agl-resources-version"] == "1"
+
+
+def test_sampling_logprobs_are_those_of_the_tempered_distribution_and_seeds_repeat(client, tiny):
+    model, tokenizer = tiny
+
+    def sample(seed: int) -> Any:
+        return client.chat.completions.create(
+            model="policy", messages=MESSAGES, max_tokens=10, temperature=0.7, seed=seed, logprobs=True,
+            top_logprobs=3,
+        ).choices[0]
+
+    first, again, other = sample(11), sample(11), sample(12)
+    ids = extra(first, "token_ids")
+    assert ids == extra(again, "token_ids") and ids != extra(other, "token_ids")
+    served = [t.logprob for t in first.logprobs.content]
+    expected = teacher_forced_logprobs(model, template_ids(tokenizer, MESSAGES), ids, temperature=0.7)
+    assert served == pytest.approx(expected, abs=1e-4)
+    for token in first.logprobs.content:
+        tops = [t.logprob for t in token.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] >= token.logprob
+
+
+def test_top_p_renormalizes_over_the_nucleus(client, tiny):
+    model, tokenizer = tiny
+    choice = client.chat.completions.create(
+        model="policy", messages=MESSAGES, max_tokens=6, temperature=1.0, top_p=0.5, seed=3, logprobs=True
+    ).choices[0]
+    ids = extra(choice, "token_ids")
+    plain = teacher_forced_logprobs(model, template_ids(tokenizer, MESSAGES), ids)
+    served = [t.logprob for t in choice.logprobs.content]
+    # Dropping the tail raises every kept token's probability: renormalized over at most half the mass.
+    assert all(s > p for s, p in zip(served, plain))
+    assert all(s >= p + 0.69 for s, p in zip(served, plain))  # log(1/0.5) = 0.693
+
+
+def test_stream_carries_the_same_ids_content_and_version_as_the_plain_answer(client, tiny):
+    _, tokenizer = tiny
+    plain = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(
+        model="policy", messages=MESSAGES, max_tokens=16, temperature=0, stream=True, logprobs=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert extra(chunks[0], "prompt_token_ids") == extra(plain, "prompt_token_ids")
+    assert all("prompt_token_ids" not in (c.model_extra or {}) for c in chunks[1:])
+    with_choice = [c for c in chunks if c.choices]
+    ids = [i for c in with_choice for i in extra(c.choices[0], "token_ids")]
+    assert ids == extra(plain.choices[0], "token_ids")
+    assert sum(len(c.choices[0].logprobs.content) for c in with_choice if c.choices[0].logprobs) == len(ids)
+    content = "".join(c.choices[0].delta.content or "" for c in with_choice)
+    assert content == (plain.choices[0].message.content or "")
+    assert with_choice[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
+    assert {extra(c, "agl_resources_version") for c in chunks} == {1}
+
+
+def test_models_and_health(server):
+    root = server.base_url.removesuffix("/v1")
+    models = httpx.get(f"{server.base_url}/models").json()
+    assert [m["id"] for m in models["data"]] == ["policy"]
+    health = httpx.get(f"{root}/health")
+    assert health.json()["status"] == "ok" and health.headers["x-agl-resources-version"] == str(server.version)
+
+
+# --- tool calls, end of sequence, stop strings -------------------------------------------------------------
+
+
+def test_tool_call_is_parsed_and_ids_are_what_the_model_wrote(tool_client, tool_server):
+    tokenizer = tool_server.tokenizer
+    completion = tool_client.chat.completions.create(
+        model="policy", messages=MESSAGES, tools=[ADD_TOOL], temperature=0, max_tokens=80
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me add."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "add" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    ids = extra(choice, "token_ids")
+    assert ids[-1] == tokenizer.eos_token_id  # sampled, so it is trained on
+    assert tokenizer.decode(ids[:-1]) == TOOL_ANSWER
+    assert extra(completion, "prompt_token_ids") == prompt_ids(tokenizer, MESSAGES, [ADD_TOOL])
+    assert extra(completion, "agl_resources_version") == 4
+
+
+def test_streamed_tool_call_is_assembled_by_the_openai_client(tool_client, tool_server):
+    with tool_client.chat.completions.stream(
+        model="policy", messages=MESSAGES, tools=[ADD_TOOL], temperature=0, max_tokens=80
+    ) as stream:
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "Let me add." and final.choices[0].finish_reason == "tool_calls"
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+    assert calls == [("add", {"a": 2, "b": 3})]
+    ids = [i for c in chunks if c.choices for i in extra(c.choices[0], "token_ids")]
+    assert tool_server.tokenizer.decode(ids[:-1]) == TOOL_ANSWER
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in streamed_text  # content is held back once a call may be starting
+
+
+def test_tool_call_format_without_tools_offered_stays_content(tool_client, tool_server):
+    """Asking with tool_choice='none' drops the tools from the prompt, and nothing is parsed as a call."""
+    tokenizer = tool_server.tokenizer
+    prompt = prompt_ids(tokenizer, MESSAGES, [ADD_TOOL])
+    gen = tool_server.engine.generate(prompt, SamplingParams(max_tokens=80, temperature=0))
+    assert gen.text == TOOL_ANSWER and gen.finish_reason == "stop"
+    completion = tool_client.chat.completions.create(
+        model="policy", messages=MESSAGES, tools=[ADD_TOOL], tool_choice="none", temperature=0, max_tokens=5
+    )
+    assert extra(completion, "prompt_token_ids") == template_ids(tokenizer, MESSAGES)
+    assert completion.choices[0].message.tool_calls is None
+
+
+def test_stop_string_cuts_content_but_keeps_the_sampled_ids(tool_client, tool_server):
+    tokenizer = tool_server.tokenizer
+    completion = tool_client.chat.completions.create(
+        model="policy", messages=MESSAGES, tools=[ADD_TOOL], temperature=0, max_tokens=80, stop=["add."]
+    )
+    choice = completion.choices[0]
+    assert choice.message.content == "Let me" and choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert "add." in tokenizer.decode(extra(choice, "token_ids"))
+
+
+# --- batching, pausing, versions ---------------------------------------------------------------------------
+
+
+def test_concurrent_requests_run_as_one_batch(client, server, tiny):
+    model, tokenizer = tiny
+    questions = [f"What is {i} + {i}?" for i in range(6)]
+    before = dict(vars(server.stats))
+
+    def ask(question: str) -> List[int]:
+        completion = client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0
+        )
+        return extra(completion.choices[0], "token_ids")
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        with server.paused():
+            futures = [pool.submit(ask, q) for q in questions]
+            _wait_for(lambda: server.engine.waiting == len(questions))
+        answers = [f.result(timeout=60) for f in futures]
+    stats = server.stats
+    assert stats.prefills - before["prefills"] == 1  # all six prompts went through one forward pass
+    assert stats.max_batch >= len(questions)
+    assert stats.row_steps - before["row_steps"] == len(questions) * 7  # 8 tokens: 1 from the prefill + 7 steps
+    for question, answer in zip(questions, answers):
+        assert answer == greedy(model, template_ids(tokenizer, [{"role": "user", "content": question}]), 8)
+
+
+def test_a_request_arriving_mid_generation_joins_the_running_batch(client, server):
+    stats = server.stats
+    before = stats.prefills, stats.decode_steps, stats.row_steps, stats.generated_tokens
+
+    def ask() -> int:
+        completion = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=150, temperature=0)
+        return completion.usage.completion_tokens
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(ask)
+        _wait_for(lambda: stats.generated_tokens > before[3])  # the first one is generating
+        second = pool.submit(ask)
+        assert (first.result(timeout=60), second.result(timeout=60)) == (150, 150)
+    steps = stats.decode_steps - before[1]
+    assert stats.prefills - before[0] == 2  # admitted separately...
+    assert steps < 2 * 149  # ...yet they shared forward passes (one after the other: 2 * 149 steps)
+    assert stats.row_steps - before[2] == 2 * 149
+
+
+def test_pause_drains_running_requests_and_holds_new_ones(client, server):
+    results: Dict[str, Any] = {}
+
+    def ask(name: str, max_tokens: int) -> None:
+        results[name] = client.chat.completions.create(
+            model="policy", messages=MESSAGES, max_tokens=max_tokens, temperature=0
+        )
+
+    started = server.stats.generated_tokens
+    running = threading.Thread(target=ask, args=("running", 200))
+    running.start()
+    _wait_for(lambda: server.stats.generated_tokens > started)  # it is generating
+    with server.paused():
+        # On entry the running request has been generated to its end (drained), not cut short.
+        assert server.stats.generated_tokens - started >= 200
+        running.join(timeout=30)
+        assert results["running"].usage.completion_tokens == 200
+        held = threading.Thread(target=ask, args=("held", 4))
+        held.start()
+        _wait_for(lambda: server.engine.waiting == 1)
+        time.sleep(0.2)
+        assert "held" not in results and server.engine.waiting == 1
+    held.join(timeout=60)
+    assert results["held"].usage.completion_tokens == 4
+
+
+def test_load_weights_swaps_the_policy_and_the_version(tiny):
+    _, tokenizer = tiny
+    model, _ = load_policy("tiny", seed=0, device="cpu")
+    other, _ = load_policy("tiny", seed=5, device="cpu")
+    prompt = template_ids(tokenizer, MESSAGES)
+    expected_before, expected_after = greedy(model, prompt, 8), greedy(other, prompt, 8)
+    assert expected_before != expected_after
+    with PolicyServer(model, tokenizer, version=0) as server, openai.OpenAI(
+        base_url=server.base_url, api_key="x", max_retries=0
+    ) as client:
+
+        def answer() -> Tuple[List[int], Any, str]:
+            raw = client.chat.completions.with_raw_response.create(
+                model="policy", messages=MESSAGES, max_tokens=8, temperature=0
+            )
+            completion = raw.parse()
+            return extra(completion.choices[0], "token_ids"), extra(completion, "agl_resources_version"), raw.headers[
+                "x-agl-resources-version"
+            ]
+
+        assert answer() == (expected_before, 0, "0")
+        server.load_weights(other.state_dict(), version=7)
+        assert answer() == (expected_after, 7, "7")
+        server.set_version(8)  # an in-process trainer changed the shared model itself
+        assert answer()[1:] == (8, "8")
+
+
+# --- bad requests ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, param, words",
+    [
+        ({"n": 2}, "n", "only n=1"),
+        ({"tool_choice": "required", "tools": [ADD_TOOL]}, "tool_choice", "cannot force a tool call"),
+        ({"temperature": 3}, "temperature", "from 0 to 2"),
+        ({"max_tokens": 10**6}, "max_tokens", "exceeds the model's context"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "no JSON mode"),
+        ({"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
+        ({"frobnicate": 1}, "frobnicate", "unsupported parameter"),
+        ({"messages": []}, "messages", "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "is not one of"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content",
+            "reads text only",
+        ),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ],
+)
+def test_bad_requests_get_a_400_that_names_the_parameter(server, change, param, words):
+    body = {"model": "policy", "messages": MESSAGES, **change}
+    response = httpx.post(f"{server.base_url}/chat/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_bad_request_through_the_openai_client_and_invalid_json(client, server):
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        client.chat.completions.create(model="policy", messages=MESSAGES, n=3)
+    response = httpx.post(
+        f"{server.base_url}/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+# --- agl's instrumented client -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def instrumented() -> Iterator[OpenAIInstrumentor]:
+    agl.instrumentation.uninstrument()  # a test elsewhere may have left agl.instrument() on
+    instrumentor = OpenAIInstrumentor()
+    assert instrumentor.instrument()
+    yield instrumentor
+    instrumentor.uninstrument()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_instrumented_client_records_token_ids_and_version_in_the_llm_span(instrumented, server, stream):
+    rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
+    with tracer_writes_to(ListSink()) as sink, openai.OpenAI(
+        base_url=server.base_url, api_key="x", max_retries=0
+    ) as client, _version(server, 12):
+        with agl.rollout_scope(rollout_id, "at-1"):
+            result = client.chat.completions.create(
+                model="policy", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, stream=stream
+            )
+            chunks = list(result) if stream else [result]
+        (span,) = sink.of(rollout_id, "llm")
+    a = span.attributes
+    prompt = extra(chunks[0], "prompt_token_ids")
+    response = [i for c in chunks if c.choices for i in extra(c.choices[0], "token_ids")]
+    assert a[semconv.PROMPT_TOKEN_IDS] == prompt == template_ids(server.tokenizer, MESSAGES)
+    assert a[semconv.RESPONSE_TOKEN_IDS] == response and len(response) == 6
+    assert len(a[semconv.RESPONSE_LOGPROBS]) == 6
+    assert a[semconv.TOKEN_IDS_SOURCE] == "server"
+    assert a[semconv.RESOURCES_VERSION] == 12
+
+
+@contextlib.contextmanager
+def _version(server: PolicyServer, version: int) -> Iterator[None]:
+    previous = server.version
+    server.set_version(version)
+    try:
+        yield
+    finally:
+        server.set_version(previous)
+
+
+def _wait_for(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)

