@@ -156,7 +156,15 @@ class ProxyLLM(LLM):
     resource_type: Literal["proxy_llm"] = "proxy_llm"  # type: ignore[assignment]
 
     def get_base_url(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> str:
+        """Without ids, those of the rollout the caller runs in (the runner's scope), so agent code that
+        calls ``llm.get_base_url()`` reaches the proxy under its own rollout unchanged."""
         base = self.endpoint.rstrip("/")
+        if rollout_id is None and attempt_id is None:
+            from agl.context import current_scope
+
+            scope = current_scope()
+            if scope is not None:
+                rollout_id, attempt_id = scope.rollout_id, scope.attempt_id
         if rollout_id is None or attempt_id is None:
             return base
         prefix, sep, suffix = base.rpartition("/v1")

@@ -1,0 +1,406 @@
+"""``agl.VERL``: the training loop that runs agents on agl's runners and updates the policy with verl.
+
+One step:
+
+1. keep ``data.train_batch_size`` task groups in flight (``rollout.n`` rollouts each; with
+   ``async_groups=k``, k more, so that the next batch is already being generated while this one trains);
+2. wait until ``train_batch_size`` groups have all their rollouts finished; unfinished groups carry over
+   to the next step (async) or are waited for (sync);
+3. build the batch: ``LightningRL.from_config(adapter).build_batch(store, rollouts)`` (credit, rollout-level
+   advantages, loss weights), then :func:`~agl.algorithm.verl.batch.samples_to_dataproto`;
+4. pause the proxy (new LLM requests wait, those in flight finish), let the backend train on the batch and
+   push the weights to the inference servers, resume the proxy;
+5. publish a new resources version (the same endpoint; its version tells which policy answered).
+
+The backend (:class:`PolicyBackend`) owns everything on the GPUs: verl's workers, the vLLM servers, the
+weight sync. :class:`agl.algorithm.verl.ray_backend.VerlRayBackend` is the real one; the loop itself needs
+no GPU and is tested on CPU with a backend that records what it was given.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Literal, Mapping, Optional, Protocol, Sequence, Tuple, Union
+
+from agl.algorithm.base import Algorithm
+from agl.algorithm.verl.config import ConfigInput, VERLConfig, VERLConfigError, as_verl_config
+from agl.dataset import as_tasks
+from agl.store.base import EnqueueRequest
+from agl.types import ProxyLLM, Rollout, Task
+
+logger = logging.getLogger("agl.verl")
+
+AdvantageSource = Literal["lightningrl", "verl"]
+_LIGHTNINGRL_ESTIMATORS = ("grpo", "rloo")
+
+
+@dataclass
+class Serving:
+    """Where the backend serves the policy: OpenAI-compatible base URLs and the served model name."""
+
+    upstreams: List[str]
+    model: str
+    pad_token_id: int = 0
+
+
+class PolicyBackend(Protocol):
+    """What the loop needs from the GPU side."""
+
+    def start(self, total_steps: int) -> Serving:
+        """Start workers and inference servers (``total_steps`` sizes the LR schedule); the servers answer
+        with the initial weights on return."""
+
+    def data_parallel_size(self) -> int:
+        """Rows of a batch must be a multiple of this (and of the number of mini batches times it)."""
+
+    def update(self, batch: Any, step: int, mini_batches: int) -> Dict[str, float]:
+        """Train on ``batch`` (a verl DataProto) in ``mini_batches`` mini batches, push the new weights to
+        the servers; they serve again when this returns. Returns metrics."""
+
+    def save_checkpoint(self, step: int) -> None:
+        ...
+
+    def stop(self) -> None:
+        ...
+
+
+@dataclass
+class _Group:
+    """The ``n`` rollouts of one task enqueued together (a GRPO group)."""
+
+    task: Task
+    rollout_ids: List[str]
+    enqueued_at_version: int  # VERL.policy_version when enqueued
+    done: Dict[str, Rollout] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == len(self.rollout_ids)
+
+
+@dataclass
+class StepResult:
+    step: int
+    metrics: Dict[str, float]
+
+
+@dataclass
+class TrainingSummary:
+    steps: List[StepResult] = field(default_factory=list)
+    validations: List[Dict[str, float]] = field(default_factory=list)
+
+
+class VERL(Algorithm):
+    """Train the agent's LLM with verl (GRPO by default) on GPUs; see docs/verl.md.
+
+    ``VERL(config)`` takes the verl keys as a nested dict or as ``"key=value"`` overrides (both:
+    ``VERL(config, overrides=[...])``); they are merged onto verl's defaults and validated at once
+    (:class:`VERLConfigError`). Options of agl's loop:
+
+    - ``advantages``: ``"lightningrl"`` (default) trains on LightningRL's rollout-level advantages and loss
+      weights (every rollout weighs the same however many LLM calls it made); ``"verl"`` lets verl's
+      ``algorithm.adv_estimator`` compute per-sample advantages from the rewards (Agent Lightning v0.3);
+    - ``overlong_prompt`` / ``overlong_response``: see :mod:`agl.algorithm.verl.batch`;
+    - ``async_groups``: extra task groups kept generating while a step trains (0: synchronous);
+    - ``llm_resource``: the resource name agents read the model from (``"main_llm"``);
+    - ``proxy_spans``: the proxy records an llm span per call (set False when every agent is traced on its
+      own side with ``agl.instrument()``, which records the same calls);
+    - ``backend``: a :class:`PolicyBackend` (default: verl's Ray workers and vLLM servers).
+    """
+
+    def __init__(
+        self,
+        config: Union[VERLConfig, ConfigInput] = None,
+        overrides: Sequence[str] = (),
+        *,
+        advantages: AdvantageSource = "lightningrl",
+        overlong_prompt: str = "drop",
+        overlong_response: str = "truncate",
+        async_groups: int = 0,
+        llm_resource: str = "main_llm",
+        proxy_spans: bool = True,
+        proxy_host: str = "127.0.0.1",
+        proxy_port: int = 0,
+        wait_timeout: Optional[float] = None,
+        seed: int = 0,
+        backend: Optional[PolicyBackend] = None,
+    ) -> None:
+        self.config = as_verl_config(config, overrides)
+        if advantages not in ("lightningrl", "verl"):
+            raise VERLConfigError(f'advantages must be "lightningrl" or "verl", got {advantages!r}')
+        if advantages == "lightningrl" and self.config.adv_estimator not in _LIGHTNINGRL_ESTIMATORS:
+            raise VERLConfigError(
+                f"algorithm.adv_estimator={self.config.adv_estimator} is not a LightningRL estimator "
+                f"({', '.join(_LIGHTNINGRL_ESTIMATORS)}): use one of those, or VERL(..., advantages='verl') to let "
+                "verl compute it per sample"
+            )
+        if overlong_prompt not in ("drop", "truncate") or overlong_response not in ("truncate", "drop"):
+            raise VERLConfigError(
+                f'overlong_prompt must be "drop" or "truncate" and overlong_response "truncate" or "drop", got '
+                f"{overlong_prompt!r} and {overlong_response!r}"
+            )
+        if not isinstance(async_groups, int) or async_groups < 0:
+            raise VERLConfigError(f"async_groups must be a non-negative integer, got {async_groups!r}")
+        self.advantages = advantages
+        self.overlong = (overlong_prompt, overlong_response)
+        self.async_groups = async_groups
+        self.llm_resource = llm_resource
+        self.proxy_spans = proxy_spans
+        self.proxy_address = (proxy_host, proxy_port)
+        self.wait_timeout = wait_timeout
+        self.rng = random.Random(seed)
+        self.backend = backend
+        self.proxy: Any = None
+        self.policy_version = 0  # weight updates done so far
+        self.max_skipped_steps = 3  # consecutive steps without a trainable sample before giving up
+        self.summary = TrainingSummary()
+
+    # -- the adapter -------------------------------------------------------------------------------------------
+    def lightningrl(self) -> Any:
+        """The trainer's adapter as a LightningRL, with verl's estimator unless the adapter chose one."""
+        from agl.lightningrl.adapter import LightningRL
+
+        adapter = self.adapter
+        if adapter is None or isinstance(adapter, Mapping):
+            settings = dict(adapter or {})
+            if self.advantages == "lightningrl":
+                settings.setdefault("estimator", self.config.adv_estimator)
+                if self.config.adv_estimator == "grpo":
+                    normalize = bool(self.config.get("algorithm.norm_adv_by_std_in_grpo", True))
+                    settings.setdefault("estimator_options", {"normalize_std": normalize})
+            adapter = settings
+        return LightningRL.from_config(adapter)
+
+    # -- run ---------------------------------------------------------------------------------------------------
+    def run(self, train_dataset: Optional[Sequence[Any]], val_dataset: Optional[Sequence[Any]]) -> TrainingSummary:
+        from agl.serving.proxy import LLMProxy
+
+        if not train_dataset:
+            raise ValueError("agl.VERL needs a train_dataset: trainer.fit(agent, train_dataset=[...])")
+        tasks = as_tasks(train_dataset)
+        batch_size = self.config.train_batch_size
+        if len(tasks) < batch_size:
+            raise VERLConfigError(
+                f"the train dataset has {len(tasks)} tasks, fewer than data.train_batch_size={batch_size}: "
+                "lower the batch size or add tasks"
+            )
+        if self.backend is None:
+            self.config.check_runtime()
+            from agl.algorithm.verl.ray_backend import VerlRayBackend
+
+            self.backend = VerlRayBackend(self.config, self.advantages)
+        adapter = self.lightningrl()  # fail on a bad adapter before the GPUs start
+        total_steps = len(tasks) // batch_size * self.config.total_epochs
+        if len(tasks) % batch_size:
+            logger.info("each epoch leaves out %d task(s) that do not fill a batch", len(tasks) % batch_size)
+        host, port = self.proxy_address
+        try:
+            serving = self.backend.start(total_steps)
+            store = self.store if self.proxy_spans else None
+            self.proxy = LLMProxy(serving.upstreams, store, host=host, port=port, model=serving.model).start()
+            self._publish(serving.model)
+            if val_dataset and self.config.get("trainer.val_before_train"):
+                self._validate(val_dataset, step=0)
+            self._train(tasks, total_steps, adapter, serving, val_dataset)
+        finally:
+            if self.proxy is not None:
+                self.proxy.stop()
+            self.backend.stop()
+        return self.summary
+
+    def _train(
+        self, tasks: List[Task], total_steps: int, adapter: Any, serving: Serving, val_dataset: Optional[Sequence[Any]]
+    ) -> None:
+        from agl.algorithm.verl.batch import NoTrainableSamples  # needs torch: imported once training runs
+
+        stream = self._task_stream(tasks)
+        in_flight: "OrderedDict[str, _Group]" = OrderedDict()
+        batch_size = self.config.train_batch_size
+        test_freq = int(self.config.get("trainer.test_freq") or -1)
+        save_freq = int(self.config.get("trainer.save_freq") or -1)
+        skipped = 0
+        for step in range(1, total_steps + 1):
+            steps_left = total_steps - step + 1
+            wanted = min(batch_size + self.async_groups, batch_size * steps_left)
+            self._top_up(in_flight, stream, wanted)
+            started = time.monotonic()
+            groups = self._wait_for_groups(in_flight, batch_size)
+            waited = time.monotonic() - started
+            # Weight updates between a group's enqueue and this update (0: generated fully on-policy).
+            staleness = max(self.policy_version - g.enqueued_at_version for g in groups)
+            rollouts = [r for g in groups for r in (g.done[i] for i in g.rollout_ids)]
+            try:
+                metrics = self._update(step, rollouts, adapter, serving)
+                skipped = 0
+            except NoTrainableSamples as exc:
+                skipped += 1
+                logger.error("step %d trains nothing and is skipped: %s", step, exc)
+                if skipped >= self.max_skipped_steps:
+                    raise NoTrainableSamples(f"{skipped} steps in a row had nothing to train on; last: {exc}") from exc
+                metrics = {"agl/step_skipped": 1.0}
+            metrics["agl/timing/wait_s"] = waited
+            metrics["agl/async/carried_over_groups"] = float(len(in_flight))
+            metrics["agl/async/max_staleness"] = float(staleness)
+            if save_freq > 0 and (step % save_freq == 0 or step == total_steps):
+                self.backend.save_checkpoint(step)  # type: ignore[union-attr]
+            if val_dataset and test_freq > 0 and (step % test_freq == 0 or step == total_steps):
+                metrics.update(self._validate(val_dataset, step))
+            self.summary.steps.append(StepResult(step, metrics))
+            logger.info("step %d/%d: %s", step, total_steps, _format_metrics(metrics))
+        for group in in_flight.values():  # async leftovers after the last step
+            for rollout_id in group.rollout_ids:
+                if rollout_id not in group.done:
+                    self.store.cancel_rollout(rollout_id)
+
+    def _task_stream(self, tasks: List[Task]) -> Iterator[Task]:
+        """Tasks epoch after epoch, shuffled per epoch, whole batches only (like verl's drop_last)."""
+        usable = len(tasks) - len(tasks) % self.config.train_batch_size
+        shuffle = bool(self.config.get("data.shuffle", True))
+        for _ in range(self.config.total_epochs):
+            order = list(tasks)
+            if shuffle:
+                self.rng.shuffle(order)
+            yield from order[:usable]
+
+    def _top_up(self, in_flight: "OrderedDict[str, _Group]", stream: Iterator[Task], wanted: int) -> None:
+        n = self.config.n
+        requests: List[Tuple[Task, List[EnqueueRequest]]] = []
+        while len(in_flight) + len(requests) < wanted:
+            task = next(stream, None)
+            if task is None:
+                break
+            requests.append(
+                (
+                    task,
+                    [
+                        EnqueueRequest(
+                            input=task.input,
+                            task_id=task.task_id,
+                            mode="train",
+                            config=self.trainer.rollout_config,
+                            metadata=task.metadata,
+                        )
+                        for _ in range(n)
+                    ],
+                )
+            )
+        if not requests:
+            return
+        rollouts = self.store.enqueue_many([r for _, group in requests for r in group])
+        for index, (task, _) in enumerate(requests):
+            ids = [r.rollout_id for r in rollouts[index * n : (index + 1) * n]]
+            in_flight[ids[0]] = _Group(task, ids, self.policy_version)
+
+    def _wait_for_groups(self, in_flight: "OrderedDict[str, _Group]", count: int) -> List["_Group"]:
+        """Block until ``count`` groups are complete; remove and return the oldest complete ones."""
+        from agl.progress import progress_bar
+
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
+        total = sum(len(g.rollout_ids) for g in in_flight.values())
+        with progress_bar(f"rollouts (step of {count} groups)", total=total, enabled=self.trainer.progress) as advance:
+            advance(sum(len(g.done) for g in in_flight.values()))
+            while sum(g.complete for g in in_flight.values()) < count:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"only {sum(g.complete for g in in_flight.values())} of {count} task groups finished within "
+                        f"{self.wait_timeout} s; are the runners alive? (VERL(wait_timeout=...) sets this limit)"
+                    )
+                owner = {rid: g for g in in_flight.values() for rid in g.rollout_ids if rid not in g.done}
+                for rollout in self.store.wait_for_rollouts(sorted(owner), timeout=0.5):
+                    group = owner.get(rollout.rollout_id)
+                    if group is not None:
+                        group.done[rollout.rollout_id] = rollout
+                        advance(1)
+        ready = [key for key, g in in_flight.items() if g.complete][:count]
+        return [in_flight.pop(key) for key in ready]
+
+    def _update(self, step: int, rollouts: List[Rollout], adapter: Any, serving: Serving) -> Dict[str, float]:
+        from agl.algorithm.verl.batch import pad_to_divisor, samples_to_dataproto
+
+
+        batch = adapter.build_batch(self.store, rollouts, progress=self.trainer.progress)
+        data, report = samples_to_dataproto(
+            batch.samples,
+            max_prompt_length=self.config.max_prompt_length,
+            max_response_length=self.config.max_response_length,
+            pad_token_id=serving.pad_token_id,
+            overlong_prompt=self.overlong[0],  # type: ignore[arg-type]
+            overlong_response=self.overlong[1],  # type: ignore[arg-type]
+            precomputed_advantages=self.advantages == "lightningrl",
+        )
+        if report.dropped or report.prompts_truncated or report.responses_truncated:
+            logger.warning("step %d: %s", step, report)
+        mini_batches, divisor = self.mini_batches(len(data))
+        data = pad_to_divisor(data, divisor, report)
+        self.proxy.pause()
+        try:
+            metrics = dict(self.backend.update(data, step, mini_batches))  # type: ignore[union-attr]
+            self.policy_version += 1
+        finally:
+            self.proxy.resume()
+        self._publish(serving.model)
+        rewards = [r.final_reward for r in rollouts if r.final_reward is not None]
+        metrics.update(report.metrics())
+        metrics.update(
+            {
+                "agl/rollouts": float(len(rollouts)),
+                "agl/rollouts_failed": float(sum(r.status != "succeeded" for r in rollouts)),
+                "agl/reward_mean": float(sum(rewards) / len(rewards)) if rewards else math.nan,
+                "agl/lightningrl/samples": float(batch.report.samples),
+                "agl/lightningrl/failed_dropped": float(batch.report.failed_dropped),
+                "agl/policy_version": float(self.policy_version),
+            }
+        )
+        return metrics
+
+    def mini_batches(self, rows: int) -> Tuple[int, int]:
+        """How many mini batches a batch of ``rows`` samples is split into, and the row count to pad to a
+        multiple of. verl sizes a mini batch as ``ppo_mini_batch_size * rollout.n`` samples; LightningRL
+        makes one sample per LLM call, so the count per step varies and the split keeps mini batches near
+        that size: ``round(rows / that)`` of them (at least 1), each a multiple of the data-parallel size."""
+        target = self.config.ppo_mini_batch_size * self.config.n
+        count = max(1, round(rows / target))
+        return count, count * self.backend.data_parallel_size()  # type: ignore[union-attr]
+
+    def _publish(self, model: str, sampling: Optional[Dict[str, Any]] = None) -> str:
+        """A new resources version with the proxy as ``llm_resource`` (other resources are kept)."""
+        latest = self.store.get_resources()
+        resources = dict(latest.resources) if latest is not None else {}
+        params = sampling if sampling is not None else self._sampling("actor_rollout_ref.rollout")
+        resources[self.llm_resource] = ProxyLLM(endpoint=self.proxy.base_url, model=model, sampling_parameters=params)
+        return self.store.add_resources(resources).resources_id
+
+    def _sampling(self, section: str) -> Dict[str, Any]:
+        params = {"temperature": float(self.config.get(f"{section}.temperature", 1.0))}
+        top_p = self.config.get(f"{section}.top_p")
+        if top_p is not None and float(top_p) < 1.0:
+            params["top_p"] = float(top_p)
+        return params
+
+    def _validate(self, val_dataset: Sequence[Any], step: int) -> Dict[str, float]:
+        """Run the validation tasks once with ``rollout.val_kwargs`` sampling; mean reward and success rate."""
+        resources_id = self._publish(self.proxy.model, self._sampling("actor_rollout_ref.rollout.val_kwargs"))
+        rollouts = self.trainer.run_tasks(val_dataset, mode="val", resources_id=resources_id, description="validation")
+        self._publish(self.proxy.model)  # training sampling again for the next rollouts
+        rewards = [r.final_reward if r.final_reward is not None else 0.0 for r in rollouts]
+        metrics = {
+            "val/reward_mean": float(sum(rewards) / len(rewards)) if rewards else math.nan,
+            "val/succeeded": float(sum(r.status == "succeeded" for r in rollouts)),
+            "val/rollouts": float(len(rollouts)),
+        }
+        self.summary.validations.append({"step": float(step), **metrics})
+        logger.info("validation at step %d: %s", step, _format_metrics(metrics))
+        return metrics
+
+
+def _format_metrics(metrics: Mapping[str, float]) -> str:
+    keys = [k for k in metrics if k.startswith(("agl/reward", "val/", "actor/pg_loss", "agl/batch/samples_out"))]
+    return ", ".join(f"{k}={metrics[k]:.4g}" for k in keys) or f"{len(metrics)} metrics"
+
+
+__all__ = ["PolicyBackend", "Serving", "StepResult", "TrainingSummary", "VERL"]
