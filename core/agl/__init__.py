@@ -10,6 +10,7 @@ from agl.algorithm import Algorithm, Baseline
 from agl.context import RolloutScope, propagate, rollout_scope, submit
 from agl.emitters import emit_exception, emit_message, emit_object, emit_reward, operation
 from agl.instrumentation import instrument, uninstrument
+from agl.lightningrl import LightningRL
 from agl.litagent import FunctionalLitAgent, LitAgent, rollout
 from agl.runner import Runner
 from agl.store import InMemoryLightningStore, LightningStore, SqliteLightningStore, open_store
@@ -31,6 +32,20 @@ from agl.types import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``agl.VERL`` and ``agl.TorchGRPO`` are imported on first use: only training needs verl or torch."""
+    if name == "VERL":
+        from agl.algorithm.verl import VERL
+
+        return VERL
+    if name == "TorchGRPO":
+        from agl.algorithm.torch_grpo import TorchGRPO
+
+        return TorchGRPO
+    raise AttributeError(f"module 'agl' has no attribute {name!r}")
+
+
 __all__ = [
     "Algorithm",
     "Attempt",
@@ -38,6 +53,7 @@ __all__ = [
     "FunctionalLitAgent",
     "InMemoryLightningStore",
     "LLM",
+    "LightningRL",
     "LightningStore",
     "LitAgent",
     "NamedResources",
@@ -51,7 +67,9 @@ __all__ = [
     "Span",
     "SqliteLightningStore",
     "Task",
+    "TorchGRPO",
     "Trainer",
+    "VERL",
     "emit_exception",
     "emit_message",
     "emit_object",

@@ -119,6 +119,39 @@ def cmd_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import json
+
+    from agl.lightningrl import LightningRL
+    from agl.lightningrl.export import export
+    from agl.store import open_store
+
+    try:
+        config = json.loads(Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"agl: cannot read --config {args.config!r}: {exc}") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"agl: --config must be a JSON object of LightningRL settings, got {args.config!r}")
+    if args.agent_match is not None:
+        config["agent_match"] = args.agent_match
+    store = open_store(args.store)
+    rollouts = store.query_rollouts(
+        status=args.status or ["succeeded", "failed", "cancelled"], mode=args.mode, limit=args.limit
+    )
+    try:
+        adapter = LightningRL.from_config(config)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"agl: bad LightningRL config: {exc}") from None
+    batch = adapter.build_batch(store, rollouts)
+    try:
+        n = export(batch, args.out, args.format)
+    except (ImportError, ValueError) as exc:
+        raise SystemExit(f"agl: {exc}") from None
+    print(batch.report)
+    print(f"wrote {n} samples to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agl", description="Train any AI agent with reinforcement learning.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -153,6 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (listing, stats):
         p.add_argument("--store", default=None, help=store_help)
         p.set_defaults(func=cmd_store)
+    from agl.remote_cli import add_runner_parser, add_serve_parser
+
+    add_serve_parser(store_sub)  # agl store serve
+    add_runner_parser(sub)  # agl runner
+    from agl.serving.cli import add_serve_command
+
+    add_serve_command(sub, store_help)  # agl serve (the policy server)
+    export_ = sub.add_parser("export", help="build a LightningRL batch from stored rollouts; write JSONL or Parquet")
+    export_.add_argument("out", help="output file (.jsonl, or .parquet with pyarrow installed)")
+    export_.add_argument("--format", choices=["jsonl", "parquet"], help="default: from the file suffix")
+    export_.add_argument("--config", default="{}", help="LightningRL settings as JSON, or @file.json")
+    export_.add_argument("--agent-match", help="regex on agent names (overrides the config's agent_match)")
+    export_.add_argument("--status", action="append", choices=["succeeded", "failed", "cancelled"],
+                         help="rollouts to read (repeatable; default: every finished rollout)")
+    export_.add_argument("--mode", choices=["train", "val"], help="only rollouts of this mode")
+    export_.add_argument("--limit", type=int, help="read at most N rollouts")
+    export_.add_argument("--store", default=None, help=store_help)
+    export_.set_defaults(func=cmd_export)
     return parser
 
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 # --- span kind (agl) ----------------------------------------------------------------------------------
 SPAN_KIND = "agl.span.kind"  # agent | llm | tool | chain | reward | annotation
-# Rollout id, attempt id and sequence id are fields of agl.types.Span, not attributes.
+# Rollout id, attempt id and sequence id are fields of agl.types.Span, not attributes. Spans that arrive
+# over OTLP (the store server's /v1/traces) carry them as attributes of the span or of its resource:
+OTLP_ROLLOUT_ID = "agl.rollout.id"  # str: the rollout the span belongs to
+OTLP_ATTEMPT_ID = "agl.attempt.id"  # str: the attempt (rollout.attempt.attempt_id)
+OTLP_SEQUENCE_ID = "agl.sequence.id"  # int >= 0, optional: order within the attempt (default: start time in ns)
 
 # --- agents (OTel GenAI) ---------------------------------------------------------------------------------
 OPERATION_NAME = "gen_ai.operation.name"  # chat | invoke_agent | execute_tool | ...
@@ -60,6 +64,7 @@ OBJECT_TYPE = "agl.object.type"
 OPERATION = "agl.operation.name"
 OPERATION_INPUT = "agl.operation.input"
 OPERATION_OUTPUT = "agl.operation.output"
+OPERATION_SPAN_ID = "agl.operation.span_id"  # on llm, tool and reward spans made inside an agl.operation
 
 # --- span names written by agl itself --------------------------------------------------------------------
 SPAN_REWARD = "agl.reward"
