@@ -59,6 +59,8 @@ class Trainer:
         if n_workers is not None:
             warnings.warn("Trainer(n_workers=) is now n_runners=", DeprecationWarning, stacklevel=2)
             n_runners = n_workers
+        if n_runners < 0:
+            raise ValueError(f"n_runners must be >= 0 (0: only runners on other machines), got {n_runners}")
         self.algorithm = algorithm
         self.n_runners = n_runners
         self.store = store if isinstance(store, LightningStore) else open_store(store)
@@ -73,6 +75,7 @@ class Trainer:
         if initial_resources:
             self.resources_id = self.store.add_resources(parse_resources(dict(initial_resources))).resources_id
         self._pool: Optional[RunnerPool] = None
+        self._remote_runners_only = False
 
     # -- running tasks (used by dev and by algorithms) -----------------------------------------------------
     def run_tasks(
@@ -87,11 +90,12 @@ class Trainer:
     ) -> List[Rollout]:
         """Enqueue ``n_per_task`` rollouts per task and wait for all of them; returns them in task order.
 
-        Needs the runner pool (inside ``fit``/``dev``, or ``with trainer.runners(agent):``).
+        Needs runners: this trainer's pool (inside ``fit``/``dev``, or ``with trainer.runners(agent):``), or
+        with ``n_runners=0`` runners started elsewhere against the same store (``agl runner --store URL``).
         """
-        if self._pool is None:
+        if self._pool is None and not self._remote_runners_only:
             raise RuntimeError("run_tasks needs running runners: call it from an algorithm inside fit(), or "
-                               "inside `with trainer.runners(agent):`")
+                               "inside `with trainer.runners(agent):` (or use n_runners=0 with remote runners)")
         tasks = as_tasks(dataset)
         requests = [
             EnqueueRequest(
@@ -129,8 +133,18 @@ class Trainer:
         return [finished[i] for i in ids]
 
     @contextlib.contextmanager
-    def runners(self, agent: LitAgent[Any]) -> Iterator[RunnerPool]:
-        """The runner pool for ``agent``: started on enter, stopped on exit (also on errors and Ctrl-C)."""
+    def runners(self, agent: LitAgent[Any]) -> Iterator[Optional[RunnerPool]]:
+        """The runner pool for ``agent``: started on enter, stopped on exit (also on errors and Ctrl-C).
+
+        With ``n_runners=0`` there is no local pool (None): rollouts wait for remote runners.
+        """
+        if self.n_runners == 0:  # the work is done by runners elsewhere (agl runner --store URL)
+            self._remote_runners_only = True
+            try:
+                yield None
+            finally:
+                self._remote_runners_only = False
+            return
         pool = RunnerPool(agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs)
         self._pool = pool.start()
         try:

@@ -205,3 +205,26 @@ def test_store_server_killed_and_restarted_mid_batch_loses_nothing(
     finally:
         stop(runners, log)
         trainer.close()
+
+
+def test_a_trainer_without_local_runners_uses_runners_started_elsewhere(tmp_path: Path, agent_file: Path) -> None:
+    """Disaggregation: the trainer only enqueues and waits; `agl runner` processes do every rollout."""
+    import agl
+
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    server = ServerThread(create_app(backing, tokens=TokenSet({"t": TOKEN}))).start()
+    log = tmp_path / "runner.log"
+    runners = start_runners(agent_file, server.url, 2, log)
+    try:
+        trainer = agl.Trainer(n_runners=0, store=RemoteLightningStore(server.url, token=TOKEN), progress=False)
+        summaries = trainer.dev(agl.rollout(lambda task: 0.0), dev_dataset=[{"n": i} for i in range(4)],
+                                print_table=False)
+    finally:
+        stop(runners, log)
+        server.stop()
+    assert [s.status for s in summaries] == ["succeeded"] * 4
+    assert [s.reward for s in summaries] == [1.0] * 4  # the remote agent's reward, not the local stand-in's
+    assert all(s.spans == sum(FULL_ATTEMPT.values()) for s in summaries)
+    with pytest.raises(ValueError, match="n_runners must be >= 0"):
+        agl.Trainer(n_runners=-1, store=backing)
+    backing.close()
