@@ -1,0 +1,124 @@
+"""Checkpoints of the torch trainer: the trained weights (the LoRA adapter only, or the whole model), the
+optimizer, the step and the trainer's bookkeeping, so a resumed run continues where it stopped.
+
+Layout under ``checkpoint_dir``::
+
+    step-000012/
+        adapter/            peft ``save_pretrained`` (LoRA)   or   model.pt (full fine-tuning state dict)
+        optimizer.pt
+        state.json          step, policy version, data cursor (epoch, position), metric rows, evaluations
+    latest                  the name of the newest complete checkpoint folder
+
+A checkpoint is written to a temporary folder and renamed into place, and ``latest`` is replaced
+atomically, so a run killed mid-save leaves the previous checkpoint usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from agl.errors import AglError
+
+
+class CheckpointError(AglError, ValueError):
+    """A checkpoint that cannot be resumed from (missing files, another model or LoRA setting)."""
+
+
+@dataclass
+class TrainerState:
+    """The trainer's bookkeeping besides weights and optimizer."""
+
+    step: int = 0
+    policy_version: int = 0
+    epoch: int = 0
+    cursor: int = 0  # position in the current epoch's task order
+    rows: List[Dict[str, float]] = field(default_factory=list)
+    evaluations: List[Dict[str, Any]] = field(default_factory=list)
+    fingerprint: Dict[str, Any] = field(default_factory=dict)  # model + LoRA settings, checked on resume
+
+
+def save_checkpoint(
+    directory: Path, model: Any, optimizer: torch.optim.Optimizer, state: TrainerState, *, lora: bool, keep: int = 2
+) -> Path:
+    """Write ``step-NNNNNN`` under ``directory``, point ``latest`` at it, keep the newest ``keep`` folders."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"step-{state.step:06d}"
+    staging = Path(tempfile.mkdtemp(dir=directory, prefix=f".{name}-"))
+    try:
+        if lora:
+            # the embeddings are not trained: peft need not look for the base model's config to decide
+            model.save_pretrained(str(staging / "adapter"), save_embedding_layers=False)
+        else:
+            torch.save(model.state_dict(), staging / "model.pt")
+        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        (staging / "state.json").write_text(json.dumps(asdict(state)), encoding="utf-8")
+        final = directory / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    pointer = directory / ".latest.tmp"
+    pointer.write_text(name, encoding="utf-8")
+    os.replace(pointer, directory / "latest")
+    _prune(directory, keep)
+    return final
+
+
+def latest_checkpoint(directory: Optional[Path]) -> Optional[Path]:
+    """The folder ``latest`` names, or None when there is no checkpoint yet."""
+    if directory is None:
+        return None
+    pointer = Path(directory) / "latest"
+    if not pointer.exists():
+        return None
+    path = Path(directory) / pointer.read_text(encoding="utf-8").strip()
+    if not (path / "state.json").exists():
+        raise CheckpointError(f"{pointer} names {path.name}, which has no state.json: delete {pointer} to start afresh")
+    return path
+
+
+def load_checkpoint(
+    path: Path, model: Any, optimizer: torch.optim.Optimizer, *, lora: bool, fingerprint: Dict[str, Any]
+) -> TrainerState:
+    """Load weights and optimizer from ``path`` into ``model``/``optimizer``; returns the saved state.
+
+    Refuses a checkpoint made for another model or LoRA setting (its ``fingerprint`` differs): resuming it
+    would load mismatched weights or silently train a different configuration.
+    """
+    state = TrainerState(**json.loads((path / "state.json").read_text(encoding="utf-8")))
+    if state.fingerprint != fingerprint:
+        raise CheckpointError(
+            f"checkpoint {path} was made with {state.fingerprint}, this run uses {fingerprint}: use another "
+            "checkpoint_dir, or resume=False to start afresh"
+        )
+    device = next(model.parameters()).device
+    if lora:
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        weights = load_peft_weights(str(path / "adapter"), device=str(device))
+        result = set_peft_model_state_dict(model, weights)
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise CheckpointError(f"checkpoint {path}: adapter weights do not fit this model ({unexpected[:3]} ...)")
+    else:
+        model.load_state_dict(torch.load(path / "model.pt", map_location=device))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device))
+    return state
+
+
+def _prune(directory: Path, keep: int) -> None:
+    folders = sorted(p for p in directory.glob("step-*") if p.is_dir())
+    for old in folders[: max(0, len(folders) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,174 @@
+"""Training metrics: one row per step to the console, a CSV file, TensorBoard (when installed) and a log file;
+a PNG reward curve at the end.
+
+Rows are plain dicts of numbers, so any trainer can log through :class:`MetricsLog`; columns appear in the
+CSV in first-seen order (a column first seen late is added and the file rewritten, so the CSV always has
+one header that covers every row).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+logger = logging.getLogger("agl.train")
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# Columns the console line shows, with their format, in this order (others go to CSV/TensorBoard only).
+_CONSOLE = (
+    ("reward_mean", "reward {:.3f}"),
+    ("reward_std", "±{:.3f}"),
+    ("success_rate", "success {:.0%}"),
+    ("val_success", "val {:.0%}"),
+    ("loss", "loss {:+.2e}"),
+    ("kl_ref", "kl {:.4f}"),
+    ("gen_tokens_per_s", "gen {:.0f} tok/s"),
+    ("train_tokens_per_s", "train {:.0f} tok/s"),
+    ("step_time_s", "{:.0f}s"),
+)
+
+
+class MetricsLog:
+    """Writes metric rows under ``directory`` (``metrics.csv``, ``train.log``, ``tensorboard/``).
+
+    ``rows`` keeps every row in memory for the curve and for resuming (a resumed run passes the rows of the
+    checkpoint back in).
+    """
+
+    def __init__(self, directory: Path, *, rows: Optional[List[Dict[str, float]]] = None, tensorboard: bool = True) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.csv_path = self.directory / "metrics.csv"
+        self.log_path = self.directory / "train.log"
+        self.png_path = self.directory / "reward_curve.png"
+        self.rows: List[Dict[str, float]] = list(rows or [])
+        self._columns: List[str] = []
+        for row in self.rows:
+            self._add_columns(row)
+        self._rewrite_csv()
+        # The log file gets every metrics line and note, plus agl's own warnings (failed rollouts, ...).
+        self._log_handler = logging.FileHandler(self.log_path, encoding="utf-8")
+        self._log_handler.setLevel(logging.WARNING)
+        self._log_handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        logging.getLogger("agl").addHandler(self._log_handler)
+        self._tb = _tensorboard_writer(self.directory / "tensorboard") if tensorboard else None
+
+    def log(self, row: Dict[str, float], *, total_steps: Optional[int] = None) -> str:
+        """Record one step's row; returns (and logs) its console line."""
+        self.rows.append(dict(row))
+        if self._add_columns(row):
+            self._rewrite_csv()
+        else:
+            with self.csv_path.open("a", newline="", encoding="utf-8") as f:
+                csv.DictWriter(f, fieldnames=self._columns).writerow(row)
+        if self._tb is not None:
+            step = int(row.get("step", len(self.rows)))
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        line = format_line(row, total_steps)
+        self.note(line)
+        return line
+
+    def note(self, message: str) -> None:
+        """A free-form line (evaluations, checkpoints) for the log file (and the ``agl.train`` logger)."""
+        logger.info(message)
+        record = logging.LogRecord("agl.train", logging.INFO, __file__, 0, message, None, None)
+        self._log_handler.emit(record)  # emit skips the handler's WARNING level: these lines always go in
+
+    def close(self) -> None:
+        logging.getLogger("agl").removeHandler(self._log_handler)
+        self._log_handler.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def _add_columns(self, row: Dict[str, Any]) -> bool:
+        new = [k for k in row if k not in self._columns]
+        self._columns.extend(new)
+        return bool(new)
+
+    def _rewrite_csv(self) -> None:
+        with self.csv_path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=self._columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+
+
+def format_line(row: Dict[str, float], total_steps: Optional[int] = None) -> str:
+    """``step 3/12 [######------] reward 0.412 ±0.31 success 38% ...``"""
+    step = int(row.get("step", 0))
+    head = f"step {step}"
+    if total_steps:
+        done = min(20, round(20 * step / total_steps))
+        head = f"step {step}/{total_steps} [{'#' * done}{'-' * (20 - done)}]"
+    parts = [head]
+    for key, fmt in _CONSOLE:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            parts.append(fmt.format(value))
+    return " ".join(parts)
+
+
+def _tensorboard_writer(path: Path) -> Any:
+    """A SummaryWriter when the ``tensorboard`` package is installed, else None (it is optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(path))
+
+
+def plot_reward_curve(
+    rows: Sequence[Dict[str, float]],
+    path: Path,
+    *,
+    evaluations: Sequence[Dict[str, Any]] = (),
+    title: str = "agl GRPO training",
+) -> Optional[Path]:
+    """Save the training reward/success per step and the validation success as a PNG; None without
+    matplotlib (logged, not raised: the CSV has the same numbers)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on servers and CI
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no reward curve PNG (pip install 'agl[torch]')")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in rows if "reward_mean" in r]
+    if steps:
+        ax.plot(steps, [r["reward_mean"] for r in rows if "reward_mean" in r], label="train reward (mean)")
+        ax.plot(steps, [r.get("success_rate", float("nan")) for r in rows if "reward_mean" in r], label="train success")
+    names = list(dict.fromkeys(e.get("name", "val") for e in evaluations))
+    for name in names:
+        points = [e for e in evaluations if e.get("name", "val") == name]
+        label = "held-out success" if name == "val" else f"held-out success ({name})"
+        ax.plot([e["step"] for e in points], [e["success"] for e in points], marker="o", linestyle="--", label=label)
+    ax.set_xlabel("training step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def ascii_curve(values: Sequence[float], *, width: int = 40, height: int = 8, label: str = "") -> str:
+    """A small text plot of ``values`` in [0, 1] for the console (each column one step, resampled)."""
+    if not values:
+        return f"{label}: (no data)"
+    n = len(values)
+    cols = [values[min(n - 1, int(i * n / width))] for i in range(min(width, n))] if n > width else list(values)
+    lines = []
+    for level in range(height, 0, -1):
+        threshold = (level - 0.5) / height
+        lines.append(f"{level / height:4.2f} |" + "".join("#" if v >= threshold else " " for v in cols))
+    lines.append("     +" + "-" * len(cols))
+    return (f"{label}\n" if label else "") + "\n".join(lines)

@@ -1,0 +1,601 @@
+"""TorchGRPO: a GRPO / PPO-clip trainer in plain torch that serves the policy it trains.
+
+    trainer = agl.Trainer(algorithm=TorchGRPO(model="smollm2", group_size=4, batch_tasks=4, steps=12),
+                          adapter={"agent_match": "^(solve|answer)$"}, n_runners=16, runner_mode="thread")
+    trainer.fit(agent, train_dataset, val_dataset=val_dataset)
+
+One process holds the model. A :class:`~agl.serving.PolicyServer` serves it (the same object, no copy) and
+the store publishes an ``LLM`` resource with the server's ``base_url``, so the runners' agents reach the
+policy by URL like any OpenAI-compatible endpoint. Each step alternates two phases, so generation and
+training never fight over the CPU cores or the GPU:
+
+1. **generate**: ``group_size`` rollouts of each of ``batch_tasks`` training tasks (``Trainer.run_tasks``);
+2. **train**, with the server paused: LightningRL turns the rollouts' spans into samples with advantages
+   (``adapter.build_batch``), the GRPO loss (:mod:`agl.algorithm.grpo_loss`) updates the weights in place,
+   and the server answers from then on as the next policy version.
+
+The "old" logprobs of the PPO ratio are the ones the server returned with each token (the exact ids and
+the distribution they were drawn from); ``old_logprobs="recompute"`` uses a forward pass instead. The
+reference policy for the optional KL term is the model with the LoRA adapter disabled (or a frozen copy
+under full fine-tuning). Metrics go to the console, ``metrics.csv``, TensorBoard when installed, and a PNG
+curve at the end (:mod:`agl.algorithm.metrics`); checkpoints let a stopped run resume
+(:mod:`agl.algorithm.checkpoint`). The same code runs on a CUDA GPU when one is present. See docs/training.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import (
+    Any,
+    Dict,
+    Iterator,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
+
+import torch
+
+from agl.algorithm.base import Algorithm
+from agl.algorithm.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from agl.algorithm.grpo_loss import (
+    collate,
+    policy_loss,
+    response_logprobs,
+    split_micro_batches,
+)
+from agl.algorithm.metrics import MetricsLog, ascii_curve, plot_reward_curve
+from agl.algorithm.trainable import DEFAULT_LORA, LoraSpec, TrainablePolicy
+from agl.dataset import as_tasks
+from agl.lightningrl.types import Sample
+from agl.types import LLM, Rollout, Task
+
+logger = logging.getLogger("agl.train")
+
+_DEFAULT = object()  # "not given": lora's default is LoRA, None means full fine-tuning
+
+
+@dataclass
+class Evaluation:
+    """One pass over the validation tasks."""
+
+    name: str
+    step: int
+    success: float
+    reward_mean: float
+    n: int
+    failed: int
+    seconds: float
+
+    def as_row(self) -> Dict[str, Any]:
+        return {"name": self.name, "step": self.step, "success": self.success, "reward_mean": self.reward_mean,
+                "n": self.n, "failed": self.failed, "seconds": self.seconds}
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> "Evaluation":
+        return cls(**{k: row[k] for k in ("name", "step", "success", "reward_mean", "n", "failed", "seconds")})
+
+    def __str__(self) -> str:
+        return (
+            f"[{self.name}] held-out success {self.success:.1%} ({round(self.success * self.n)}/{self.n}), mean reward "
+            f"{self.reward_mean:.3f}, {self.failed} failed rollouts, {self.seconds:.0f} s"
+        )
+
+
+@dataclass
+class TrainResult:
+    """What ``run`` returns (and ``Trainer.fit`` hands back)."""
+
+    before: Optional[Evaluation]
+    after: Optional[Evaluation]
+    steps: int
+    seconds: float
+    output_dir: Path
+    rows: List[Dict[str, float]] = field(default_factory=list)
+    curve_png: Optional[Path] = None
+    extra: Dict[str, Tuple[Evaluation, Evaluation]] = field(default_factory=dict)  # name: (before, after)
+
+    @property
+    def improvement(self) -> Optional[float]:
+        """Held-out success after minus before (a fraction; 0.2 is 20 points)."""
+        if self.before is None or self.after is None:
+            return None
+        return self.after.success - self.before.success
+
+
+class TorchGRPO(Algorithm):
+    """GRPO with PPO clipping, LoRA or full fine-tuning, on the policy it serves itself.
+
+    Model: ``model`` is ``"smollm2"`` (bundled), ``"tiny"`` (random, tests), a Hugging Face name or path, or
+    a ``(model, tokenizer)`` pair already loaded. ``lora``: a dict of ``peft.LoraConfig`` fields (default
+    :data:`~agl.algorithm.trainable.DEFAULT_LORA`), a LoraConfig, or None for full fine-tuning.
+
+    Schedule: each step runs ``group_size`` rollouts of ``batch_tasks`` training tasks. ``steps`` bounds
+    the number of steps; without it, ``epochs`` passes over the training tasks. ``time_budget_s`` bounds
+    the whole ``run``: no step starts unless it and the final evaluations (timed by the last step and the
+    first evaluations) still fit. ``eval_every`` steps (0: only before and after) the validation tasks run once each.
+
+    Optimisation: ``lr`` (AdamW), ``ppo_epochs`` passes over each batch, ``micro_batch_size`` samples per
+    forward pass, ``grad_accum`` micro-batches per optimizer step (None: one step per pass over the batch),
+    ``clip_eps`` (PPO ratio clip), ``kl_coef`` (k3 KL to the reference; 0 skips the reference pass),
+    ``max_grad_norm``.
+
+    Sampling: ``temperature`` and ``max_tokens`` go into the published LLM resource (so into every agent
+    request); ``sampling`` adds other parameters; ``val_sampling`` overrides them for validation (for
+    example ``{"temperature": 0.0}`` for greedy evaluation); ``extra_evals`` names more evaluations run
+    before and after training only, e.g. ``{"greedy": {"temperature": 0.0}}``. ``success_threshold``: a rollout whose reward
+    reaches it counts as a success.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Union[str, Tuple[Any, Any]] = "smollm2",
+        lora: LoraSpec = _DEFAULT,  # type: ignore[assignment]
+        lr: float = 5e-4,
+        group_size: int = 4,
+        batch_tasks: int = 8,
+        steps: Optional[int] = None,
+        epochs: int = 1,
+        ppo_epochs: int = 1,
+        micro_batch_size: int = 16,
+        grad_accum: Optional[int] = None,
+        clip_eps: float = 0.2,
+        kl_coef: float = 0.0,
+        max_grad_norm: float = 1.0,
+        old_logprobs: Literal["sample", "recompute"] = "sample",
+        temperature: float = 1.0,
+        max_tokens: int = 256,
+        sampling: Optional[Mapping[str, Any]] = None,
+        val_sampling: Optional[Mapping[str, Any]] = None,
+        extra_evals: Optional[Mapping[str, Mapping[str, Any]]] = None,
+        success_threshold: float = 1.0,
+        eval_every: int = 0,
+        time_budget_s: Optional[float] = None,
+        checkpoint_dir: Union[str, Path, None] = None,
+        checkpoint_every: int = 1,
+        resume: bool = True,
+        output_dir: Union[str, Path, None] = None,
+        seed: int = 0,
+        device: Optional[str] = None,
+        dtype: Any = None,
+        torch_threads: Optional[int] = None,
+        server_batch_size: int = 16,
+        model_name: str = "policy",
+        resource_name: str = "main_llm",
+    ) -> None:
+        _check_positive(group_size=group_size, batch_tasks=batch_tasks, epochs=epochs, ppo_epochs=ppo_epochs,
+                        micro_batch_size=micro_batch_size, max_tokens=max_tokens, server_batch_size=server_batch_size)
+        if steps is not None and steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        if grad_accum is not None and grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1 or None (one optimizer step per pass), got {grad_accum}")
+        if group_size < 2:
+            logger.warning("group_size=1: GRPO compares rollouts of the same task, every advantage will be 0")
+        if old_logprobs not in ("sample", "recompute"):
+            raise ValueError(f'old_logprobs must be "sample" or "recompute", got {old_logprobs!r}')
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for training rollouts (got {temperature}); use "
+                             "val_sampling={'temperature': 0.0} for greedy evaluation")
+        self.model_spec = model
+        self.lora = dict(DEFAULT_LORA) if lora is _DEFAULT else lora
+        self.lr = lr
+        self.group_size = group_size
+        self.batch_tasks = batch_tasks
+        self.steps = steps
+        self.epochs = epochs
+        self.ppo_epochs = ppo_epochs
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum = grad_accum
+        self.clip_eps = clip_eps
+        self.kl_coef = kl_coef
+        self.max_grad_norm = max_grad_norm
+        self.old_logprobs = old_logprobs
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.sampling = dict(sampling or {})
+        self.val_sampling = dict(val_sampling) if val_sampling is not None else None
+        self.extra_evals = {name: dict(v) for name, v in (extra_evals or {}).items()}
+        if "val" in self.extra_evals:
+            raise ValueError('extra_evals cannot use the name "val": it is the main evaluation (val_sampling)')
+        self.success_threshold = success_threshold
+        self.eval_every = eval_every
+        self.time_budget_s = time_budget_s
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.resume = resume
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.seed = seed
+        self.device = device
+        self.dtype = dtype
+        self.torch_threads = torch_threads
+        self.server_batch_size = server_batch_size
+        self.model_name = model_name
+        self.resource_name = resource_name
+        # set up by run()
+        self.policy: Optional[TrainablePolicy] = None
+        self.tokenizer: Any = None
+        self.server: Any = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.state = TrainerState()
+
+    # ------------------------------------------------------------------------------------------------------
+    # run
+    # ------------------------------------------------------------------------------------------------------
+    def run(self, train_dataset: Optional[Sequence[Any]], val_dataset: Optional[Sequence[Any]]) -> TrainResult:
+        """Evaluate, train for the configured steps, evaluate again; see the class and module docs."""
+        if not train_dataset:
+            raise ValueError("TorchGRPO needs a training dataset: trainer.fit(agent, train_dataset, val_dataset=...)")
+        started = time.monotonic()
+        train_tasks = as_tasks(train_dataset)
+        val_tasks = as_tasks(val_dataset, prefix="val") if val_dataset else []
+        total_steps = self._total_steps(len(train_tasks))
+        output = self.output_dir or self.checkpoint_dir or Path(".agl") / "runs" / time.strftime("grpo-%Y%m%d-%H%M%S")
+        with self._session() as adapter:
+            resumed = self._maybe_resume()
+            metrics = MetricsLog(output, rows=self.state.rows)
+            try:
+                metrics.note(
+                    f"TorchGRPO: {self.policy.n_trainable() / 1e6:.2f}M trainable parameters "  # type: ignore[union-attr]
+                    f"({'LoRA' if self.policy.is_lora else 'full fine-tuning'}), {total_steps} steps of "  # type: ignore[union-attr]
+                    f"{self.batch_tasks} tasks x {self.group_size} rollouts, serving at {self.server.base_url}"
+                    + (f", resumed at step {self.state.step}" if resumed else "")
+                )
+                before = self._first_evaluations(val_tasks, metrics)
+                after = self._train(train_tasks, val_tasks, total_steps, adapter, metrics, started)
+                if val_tasks and (after is None or after.step != self.state.step):
+                    after = self._evaluate(val_tasks, metrics)
+                extra = {
+                    name: (before[name], self._evaluate(val_tasks, metrics, name)) for name in self.extra_evals
+                } if val_tasks else {}
+                png = plot_reward_curve(self.state.rows, metrics.png_path, evaluations=self.state.evaluations)
+            finally:
+                metrics.close()
+        result = TrainResult(
+            before=before.get("val"), after=after, extra=extra, steps=self.state.step, seconds=time.monotonic() - started,
+            output_dir=Path(output), rows=list(self.state.rows), curve_png=png,
+        )
+        self._print_summary(result)
+        return result
+
+    def _total_steps(self, n_tasks: int) -> int:
+        if self.steps is not None:
+            return self.steps
+        return self.epochs * math.ceil(n_tasks / self.batch_tasks)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[Any]:
+        """Load the policy, start its server, publish it; stop the server on the way out (errors too)."""
+        from agl.lightningrl.adapter import LightningRL
+        from agl.serving import PolicyServer
+
+        adapter = LightningRL.from_config(self.adapter)
+        if self.torch_threads or not torch.cuda.is_available():
+            torch.set_num_threads(self.torch_threads or os.cpu_count() or 1)
+        random.seed(self.seed)
+        torch.manual_seed(self.seed)
+        model, tokenizer = self._load_model()
+        self.attach(model, tokenizer)
+        self.server = PolicyServer(model, self.tokenizer, model_name=self.model_name, max_batch_size=self.server_batch_size)
+        self.server.start()
+        try:
+            yield adapter
+        finally:
+            self.server.stop()
+
+    def attach(self, model: Any, tokenizer: Any) -> None:
+        """Wrap ``model`` for training (LoRA or full) and create the optimizer. ``run`` calls it; a custom
+        loop may call it and then :meth:`update` directly."""
+        self.tokenizer = tokenizer
+        self.policy = TrainablePolicy(model, self.lora, need_reference=self.kl_coef > 0)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.lr)
+
+    def _load_model(self) -> Tuple[Any, Any]:
+        if isinstance(self.model_spec, tuple):
+            model, tokenizer = self.model_spec
+            return model, tokenizer
+        from agl.models import load_policy
+
+        return load_policy(self.model_spec, dtype=self.dtype, device=self.device, seed=self.seed)
+
+    def _maybe_resume(self) -> bool:
+        assert self.policy is not None and self.optimizer is not None
+        fingerprint = self.policy.fingerprint(self._model_label())
+        self.state = TrainerState(fingerprint=fingerprint)
+        path = latest_checkpoint(self.checkpoint_dir) if self.resume else None
+        if path is None:
+            return False
+        self.state = load_checkpoint(
+            path, self.policy.module, self.optimizer, lora=self.policy.is_lora, fingerprint=fingerprint
+        )
+        self.server.set_version(self.state.policy_version)
+        logger.info("resumed from %s (step %d)", path, self.state.step)
+        return True
+
+    def _model_label(self) -> str:
+        return self.model_spec if isinstance(self.model_spec, str) else type(self.model_spec[0]).__name__
+
+    # ------------------------------------------------------------------------------------------------------
+    # resources
+    # ------------------------------------------------------------------------------------------------------
+    def _publish(self, sampling: Mapping[str, Any]) -> str:
+        """Store an LLM resource pointing at the server; returns its resources id."""
+        llm = LLM(endpoint=self.server.base_url, model=self.model_name, sampling_parameters=dict(sampling))
+        return self.store.add_resources({self.resource_name: llm}).resources_id
+
+    def _train_sampling(self) -> Dict[str, Any]:
+        # logprobs: the server returns each token's logprob, the exact "old" logprobs of the PPO ratio.
+        return {"temperature": self.temperature, "max_tokens": self.max_tokens, "logprobs": True, **self.sampling}
+
+    # ------------------------------------------------------------------------------------------------------
+    # evaluation
+    # ------------------------------------------------------------------------------------------------------
+    def _first_evaluations(self, val_tasks: List[Task], metrics: MetricsLog) -> Dict[str, Evaluation]:
+        """The untrained policy's evaluations by name (kept in the checkpoint: a resumed run reports them)."""
+        out: Dict[str, Evaluation] = {}
+        if not val_tasks:
+            return out
+        for name in ["val", *self.extra_evals]:
+            saved = [e for e in self.state.evaluations if e["step"] == 0 and e.get("name") == name]
+            out[name] = Evaluation.from_row(saved[0]) if saved else self._evaluate(val_tasks, metrics, name)
+        return out
+
+    def _evaluate(self, val_tasks: List[Task], metrics: MetricsLog, name: str = "val") -> Evaluation:
+        started = time.monotonic()
+        overrides = self.val_sampling if name == "val" else self.extra_evals[name]
+        sampling = {**self._train_sampling(), **(overrides or {})}
+        rollouts = self.trainer.run_tasks(
+            val_tasks, mode="val", resources_id=self._publish(sampling), description=f"eval (step {self.state.step})"
+        )
+        rewards = [r.final_reward for r in rollouts if r.status == "succeeded" and r.final_reward is not None]
+        successes = sum(1 for r in rewards if r >= self.success_threshold)
+        evaluation = Evaluation(
+            name=name,
+            step=self.state.step,
+            success=successes / len(rollouts),
+            reward_mean=sum(rewards) / len(rollouts),  # failed rollouts count as reward 0 here
+            n=len(rollouts),
+            failed=len(rollouts) - len(rewards),
+            seconds=time.monotonic() - started,
+        )
+        self.state.evaluations.append(evaluation.as_row())
+        metrics.note(f"eval at step {evaluation.step}: {evaluation}")
+        _console(f"eval at step {evaluation.step}: {evaluation}")
+        return evaluation
+
+    # ------------------------------------------------------------------------------------------------------
+    # training loop
+    # ------------------------------------------------------------------------------------------------------
+    def _train(
+        self,
+        train_tasks: List[Task],
+        val_tasks: List[Task],
+        total_steps: int,
+        adapter: Any,
+        metrics: MetricsLog,
+        started: float,
+    ) -> Optional[Evaluation]:
+        last_eval: Optional[Evaluation] = None
+        resources_id = self._publish(self._train_sampling())
+        while self.state.step < total_steps:
+            if self.time_budget_s is not None and time.monotonic() - started + self._still_needed_s() > self.time_budget_s:
+                metrics.note(f"time budget of {self.time_budget_s:.0f} s reached after {self.state.step} steps")
+                break
+            step_started = time.monotonic()
+            tasks = self._next_tasks(train_tasks)
+            rollouts = self.trainer.run_tasks(
+                tasks, mode="train", n_per_task=self.group_size, resources_id=resources_id,
+                description=f"step {self.state.step + 1}: rollouts",
+            )
+            generated = time.monotonic()
+            batch = adapter.build_batch(self.store, rollouts, progress=False)
+            with self.server.paused():
+                stats = self.update(batch.samples)
+            resources_id = self._publish(self._train_sampling())
+            self.state.policy_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
+            self.server.set_version(self.state.policy_version)
+            self.state.step += 1
+            row = self._row(rollouts, batch, stats, step_started, generated)
+            if val_tasks and self.eval_every and self.state.step % self.eval_every == 0:
+                last_eval = self._evaluate(val_tasks, metrics)
+                row["val_success"] = last_eval.success
+            _console(metrics.log(row, total_steps=total_steps))
+            self.state.rows = metrics.rows
+            if self.checkpoint_dir is not None and (
+                self.state.step % self.checkpoint_every == 0 or self.state.step == total_steps
+            ):
+                self._save()
+        return last_eval
+
+    def _still_needed_s(self) -> float:
+        """Time one more step and the final evaluations need: as long as the last step and the first
+        evaluations took."""
+        last_step = self.state.rows[-1].get("step_time_s", 0.0) if self.state.rows else 0.0
+        return last_step + sum(e["seconds"] for e in self.state.evaluations if e["step"] == 0)
+
+    def _next_tasks(self, train_tasks: List[Task]) -> List[Task]:
+        """The next ``batch_tasks`` tasks of a per-epoch shuffled order (seeded, so resuming continues it)."""
+        chosen: List[Task] = []
+        while len(chosen) < min(self.batch_tasks, len(train_tasks)):
+            order = list(range(len(train_tasks)))
+            random.Random(self.seed * 100_003 + self.state.epoch).shuffle(order)
+            take = order[self.state.cursor : self.state.cursor + self.batch_tasks - len(chosen)]
+            chosen.extend(train_tasks[i] for i in take)
+            self.state.cursor += len(take)
+            if self.state.cursor >= len(order):
+                self.state.epoch += 1
+                self.state.cursor = 0
+        return chosen
+
+    def _save(self) -> None:
+        assert self.policy is not None and self.optimizer is not None
+        path = save_checkpoint(self.checkpoint_dir, self.policy.module, self.optimizer, self.state, lora=self.policy.is_lora)  # type: ignore[arg-type]
+        logger.info("checkpoint %s", path)
+
+    # ------------------------------------------------------------------------------------------------------
+    # one update
+    # ------------------------------------------------------------------------------------------------------
+    def update(self, samples: Sequence[Sample]) -> Dict[str, float]:
+        """GRPO update(s) on one batch of samples (advantages set); returns the step's statistics.
+
+        Call with the server paused: the weights change in place. Samples with advantage 0 carry no policy
+        gradient; without a KL term they are skipped (the loss is unchanged, their weight still counts in
+        the normaliser).
+        """
+        assert self.policy is not None and self.optimizer is not None
+        started = time.monotonic()
+        stats: Dict[str, float] = {"samples": float(len(samples)), "optimizer_steps": 0.0}
+        live = [s for s in samples if s.advantage != 0.0 or self.kl_coef > 0]
+        stats["live_samples"] = float(len(live))
+        if not live:
+            stats["train_s"] = time.monotonic() - started
+            return stats
+        micro = split_micro_batches(live, self.micro_batch_size)
+        pad_id = _pad_id(self.tokenizer)
+        device = next(self.policy.module.parameters()).device
+        batches = [collate(mb, pad_id).to(device) for mb in micro]
+        weight_of = [float(b.weights.sum()) for b in batches]
+        per_window = self.grad_accum or len(batches)
+        windows = [list(range(i, min(i + per_window, len(batches)))) for i in range(0, len(batches), per_window)]
+        # The live samples' share of the weight normaliser; the skipped samples' weight still counts.
+        skipped_weight = sum(s.loss_weight for s in samples) - sum(weight_of)
+        old, ref = self._fixed_logprobs(batches)
+        self.policy.module.train()
+        sums: Dict[str, float] = {}
+        drift: List[float] = []
+        for epoch in range(self.ppo_epochs):
+            for w, window in enumerate(windows):
+                total = sum(weight_of[i] for i in window) + skipped_weight * len(window) / len(batches)
+                for i in window:
+                    logprobs = response_logprobs(self.policy.module, batches[i], self.temperature)
+                    served = batches[i].old_logprobs
+                    if epoch == 0 and w == 0 and served is not None:  # before any update: compare with the server
+                        mask = batches[i].response_mask
+                        drift.append(float(((logprobs.detach() - served).abs() * mask).sum() / mask.sum()))
+                    parts = policy_loss(
+                        logprobs, old[i], batches[i], clip_eps=self.clip_eps, kl_coef=self.kl_coef,
+                        ref_logprobs=ref[i], weight_total=total,
+                    )
+                    parts.loss.backward()
+                    _add(sums, {"loss": float(parts.loss.detach()) / (len(windows) * self.ppo_epochs), **parts.stats})
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                stats["optimizer_steps"] += 1
+                _add(sums, {"grad_norm_sum": float(grad_norm)})
+        self.policy.module.eval()
+        tokens = sums.get("tokens", 0.0) or 1.0
+        stats.update(
+            loss=sums.get("loss", 0.0),
+            train_tokens=sums.get("tokens", 0.0) / self.ppo_epochs,
+            clip_frac=sums.get("clipped_tokens", 0.0) / tokens,
+            kl_old=sums.get("kl_old_sum", 0.0) / tokens,
+            neg_logprob=sums.get("entropy_proxy_sum", 0.0) / tokens,
+            grad_norm=sums.get("grad_norm_sum", 0.0) / max(1.0, stats["optimizer_steps"]),
+            train_s=time.monotonic() - started,
+        )
+        if self.kl_coef > 0:
+            stats["kl_ref"] = sums.get("kl_ref_sum", 0.0) / tokens
+        if drift:
+            stats["logprob_drift"] = sum(drift) / len(drift)
+        return stats
+
+    def _fixed_logprobs(self, batches: List[Any]) -> Tuple[List[Any], List[Any]]:
+        """The old logprobs (the server's, or a forward pass before any update) and the reference's."""
+        assert self.policy is not None
+        old: List[Any] = []
+        ref: List[Any] = [None] * len(batches)
+        self.policy.module.eval()
+        with torch.no_grad():
+            for b in batches:
+                if self.old_logprobs == "sample" and b.old_logprobs is not None:
+                    old.append(b.old_logprobs)
+                else:
+                    old.append(response_logprobs(self.policy.module, b, self.temperature))
+        if self.kl_coef > 0:
+            with self.policy.reference() as reference:
+                ref = [response_logprobs(reference, b, self.temperature) for b in batches]
+        return old, ref
+
+    def _row(
+        self, rollouts: List[Rollout], batch: Any, stats: Dict[str, float], started: float, generated: float
+    ) -> Dict[str, float]:
+        rewards = [r.final_reward for r in rollouts if r.status == "succeeded" and r.final_reward is not None]
+        gen_s = generated - started
+        gen_tokens = sum(len(s.response_ids) for s in batch.samples)
+        row: Dict[str, float] = {
+            "step": self.state.step,
+            "policy_version": self.state.policy_version,
+            "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+            "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            "success_rate": sum(r >= self.success_threshold for r in rewards) / len(rollouts),
+            "rollouts": len(rollouts),
+            "failed_rollouts": len(rollouts) - len(rewards),
+            "gen_s": gen_s,
+            "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
+            **stats,
+            "step_time_s": time.monotonic() - started,
+        }
+        if stats.get("train_tokens"):
+            row["train_tokens_per_s"] = stats.get("train_tokens", 0.0) * self.ppo_epochs / stats["train_s"]
+        return row
+
+    # ------------------------------------------------------------------------------------------------------
+    def _print_summary(self, result: TrainResult) -> None:
+        lines = [f"TorchGRPO: {result.steps} steps in {result.seconds:.0f} s; output in {result.output_dir}"]
+        if result.before is not None:
+            lines.append(f"  before training: {result.before}")
+        if result.after is not None:
+            lines.append(f"  after training:  {result.after}")
+        if result.improvement is not None:
+            lines.append(f"  held-out success {result.improvement * 100:+.1f} points")
+        for name, (before, after) in result.extra.items():
+            gain = (after.success - before.success) * 100
+            lines.append(f"  {name}: {before.success:.1%} -> {after.success:.1%} ({gain:+.1f} points)")
+        curve = [r["success_rate"] for r in result.rows if "success_rate" in r]
+        if curve:
+            lines.append(ascii_curve(curve, label="train success per step"))
+        if result.curve_png is not None:
+            lines.append(f"  curve: {result.curve_png}")
+        _console("\n".join(lines))
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad nor an end-of-sequence token to pad batches with")
+    return int(pad)
+
+
+def _add(into: Dict[str, float], values: Mapping[str, float]) -> None:
+    for key, value in values.items():
+        into[key] = into.get(key, 0.0) + value
+
+
+def _console(text: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False).print(text, markup=False, soft_wrap=True)

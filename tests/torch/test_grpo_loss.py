@@ -1,0 +1,156 @@
+"""The GRPO update on a real (tiny, random) Llama: rewarded responses become likelier, punished ones less
+likely; the loss pieces follow their formulas."""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+from agl.algorithm.grpo_loss import (
+    collate,
+    policy_loss,
+    response_logprobs,
+    split_micro_batches,
+)
+from agl.algorithm.torch_grpo import TorchGRPO
+from agl.lightningrl.advantages import grpo_advantages
+from agl.lightningrl.types import Sample
+from agl.models import load_policy
+
+TEMPERATURE = 0.8
+
+
+@pytest.fixture
+def tiny() -> Tuple[Any, Any]:
+    torch.manual_seed(0)
+    return load_policy("tiny", device="cpu", seed=0)
+
+
+def _ids(tokenizer: Any, text: str) -> List[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _group(tokenizer: Any, with_logprobs: Any = None) -> List[Sample]:
+    """One task, four rollouts: two rewarded answers, two punished ones (rollout-level GRPO advantages)."""
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids = _ids(tokenizer, prompt)
+    answers = [("The answer is 5.", 1.0), ("5", 1.0), ("I like turtles and tea.", 0.0), ("seven hundred", 0.0)]
+    samples = [
+        Sample(
+            rollout_id=f"ro-{i}", task_id="task-0", policy="default", prompt_ids=prompt_ids,
+            response_ids=_ids(tokenizer, text) + [tokenizer.eos_token_id],
+            response_mask=[1] * (len(_ids(tokenizer, text)) + 1), reward=reward,
+        )
+        for i, (text, reward) in enumerate(answers)
+    ]
+    if with_logprobs is not None:
+        for s in samples:
+            s.response_logprobs = with_logprobs(s)
+    return grpo_advantages(samples)
+
+
+def _sequence_logprobs(model: Any, tokenizer: Any, samples: List[Sample]) -> torch.Tensor:
+    batch = collate(samples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        return (response_logprobs(model, batch, TEMPERATURE) * batch.response_mask).sum(-1)
+
+
+@pytest.mark.parametrize("lora", ["default", None], ids=["lora", "full"])
+def test_one_step_moves_rewarded_up_and_punished_down(tiny: Tuple[Any, Any], lora: Any) -> None:
+    model, tokenizer = tiny
+    kwargs = {} if lora == "default" else {"lora": None, "lr": 1e-3}
+    algo = TorchGRPO(model="tiny", temperature=TEMPERATURE, **kwargs)
+    algo.attach(model, tokenizer)
+    samples = _group(tokenizer)
+    assert [s.advantage > 0 for s in samples] == [True, True, False, False]
+    before = _sequence_logprobs(model, tokenizer, samples)
+
+    stats = algo.update(samples)
+
+    after = _sequence_logprobs(model, tokenizer, samples)
+    delta = (after - before).tolist()
+    assert delta[0] > 0.01 and delta[1] > 0.01, f"rewarded responses did not become likelier: {delta}"
+    assert delta[2] < -0.01 and delta[3] < -0.01, f"punished responses did not become less likely: {delta}"
+    assert stats["optimizer_steps"] == 1 and stats["live_samples"] == 4
+    assert stats["train_tokens"] == sum(len(s.response_ids) for s in samples)
+
+
+def test_server_logprobs_are_the_old_logprobs(tiny: Tuple[Any, Any]) -> None:
+    """With the sampler's logprobs in the samples, the first pass has ratio 1 (no drift) and no clipping."""
+    model, tokenizer = tiny
+    exact = {}
+    for s in _group(tokenizer):
+        exact[s.rollout_id] = response_logprobs(model, collate([s], tokenizer.pad_token_id), TEMPERATURE)[0].tolist()
+    samples = _group(tokenizer, with_logprobs=lambda s: exact[s.rollout_id])
+    algo = TorchGRPO(model="tiny", temperature=TEMPERATURE)
+    algo.attach(model, tokenizer)
+    stats = algo.update(samples)
+    assert stats["logprob_drift"] < 1e-5
+    assert stats["clip_frac"] == 0.0
+
+
+def test_zero_advantage_groups_are_skipped_without_kl(tiny: Tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    samples = [
+        Sample(rollout_id=f"ro-{i}", task_id="t", policy="default", prompt_ids=[1, 2, 3], response_ids=[4, 5],
+               response_mask=[1, 1], reward=1.0)
+        for i in range(3)
+    ]
+    algo = TorchGRPO(model="tiny")
+    algo.attach(model, tokenizer)
+    before = [p.detach().clone() for p in algo.policy.parameters()]  # type: ignore[union-attr]
+    stats = algo.update(grpo_advantages(samples))
+    assert stats["live_samples"] == 0 and stats["optimizer_steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, algo.policy.parameters(), strict=True))  # type: ignore[union-attr]
+
+
+def test_kl_to_reference_is_zero_before_training_and_positive_after(tiny: Tuple[Any, Any]) -> None:
+    """LoRA's reference is the adapter switched off: identical to the policy until the adapter has learnt."""
+    model, tokenizer = tiny
+    algo = TorchGRPO(model="tiny", temperature=TEMPERATURE, kl_coef=0.1, ppo_epochs=2)
+    algo.attach(model, tokenizer)
+    samples = _group(tokenizer)
+    batch = collate(samples, tokenizer.pad_token_id)
+    with algo.policy.reference() as ref:  # type: ignore[union-attr]
+        ref_lp = response_logprobs(ref, batch, TEMPERATURE)
+    assert torch.allclose(ref_lp, response_logprobs(algo.policy.module, batch, TEMPERATURE).detach())  # type: ignore[union-attr]
+    stats = algo.update(samples)
+    assert stats["kl_ref"] > 0  # measured over both passes: the second one runs on moved weights
+    with algo.policy.reference() as ref:  # type: ignore[union-attr]
+        assert torch.allclose(response_logprobs(ref, batch, TEMPERATURE), ref_lp)  # the reference never moves
+
+
+def test_clipped_ratio_stops_the_gradient() -> None:
+    """PPO clip: a positive-advantage token whose ratio is already above 1 + eps gets no gradient."""
+    batch = collate(
+        [Sample(rollout_id="r", task_id="t", policy="p", prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 1],
+                reward=1.0, advantage=1.0, response_logprobs=[-1.0, -1.0])],
+        pad_id=0,
+    )
+    logprobs = torch.tensor([[-0.5, -1.05]], requires_grad=True)  # ratios e^0.5 (clipped) and e^-0.05
+    parts = policy_loss(logprobs, batch.old_logprobs, batch, clip_eps=0.2, weight_total=1.0)  # type: ignore[arg-type]
+    parts.loss.backward()
+    grad = logprobs.grad[0].tolist()  # type: ignore[union-attr]
+    assert grad[0] == 0.0
+    assert grad[1] == pytest.approx(-0.5 * torch.exp(torch.tensor(-0.05)).item(), rel=1e-5)  # -(1/2 tokens) * ratio
+    assert parts.stats["clipped_tokens"] == 1.0
+
+
+def test_bad_samples_are_refused_with_the_rollout_named() -> None:
+    sample = Sample(rollout_id="ro-bad", task_id="t", policy="p", prompt_ids=[1], response_ids=[2, 3],
+                    response_mask=[1], reward=0.0)
+    with pytest.raises(ValueError, match="ro-bad.*response_mask has 1 entries for 2"):
+        collate([sample], pad_id=0)
+
+
+def test_micro_batches_group_similar_lengths() -> None:
+    samples = [
+        Sample(rollout_id=str(n), task_id="t", policy="p", prompt_ids=[1] * n, response_ids=[2], response_mask=[1],
+               reward=0.0)
+        for n in (50, 3, 48, 4, 49, 5)
+    ]
+    batches = split_micro_batches(samples, 3)
+    assert [[len(s.prompt_ids) for s in b] for b in batches] == [[3, 4, 5], [48, 49, 50]]

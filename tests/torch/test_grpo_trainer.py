@@ -1,0 +1,156 @@
+"""TorchGRPO end to end with real parts: the tiny Llama behind a real PolicyServer on 127.0.0.1, the real
+``openai`` client instrumented by agl, a real SQLite store, thread runners, LightningRL, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import agl
+import openai
+import pytest
+import torch
+from agl.algorithm.checkpoint import CheckpointError, latest_checkpoint
+from agl.algorithm.grpo_loss import collate
+from agl.algorithm.torch_grpo import TorchGRPO
+from agl.models import load_policy
+
+TASKS = [{"task_id": f"t{i}", "question": f"Say something about the number {i}."} for i in range(6)]
+VAL = [{"task_id": f"v{i}", "question": f"Count to {i}."} for i in range(3)]
+
+SERVED: List[Dict[str, Any]] = []  # what the server sent back, recorded by the agent itself
+RUNS: Dict[str, int] = {}  # rollouts run per task so far
+_lock = threading.Lock()
+
+
+@agl.rollout
+def chat_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
+    """One chat call. The reward alternates over a task's rollouts (0, 1, 0, ...), so every GRPO group has
+    different rewards and every step trains (a random model's answers give no reliable signal)."""
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": task["question"]}]
+    with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
+        completion = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
+    choice = completion.choices[0]
+    with _lock:
+        SERVED.append({
+            "messages": messages,
+            "prompt_token_ids": completion.model_extra["prompt_token_ids"],
+            "token_ids": choice.model_extra["token_ids"],
+            "logprobs": [t.logprob for t in choice.logprobs.content],
+        })
+        RUNS[task["task_id"]] = RUNS.get(task["task_id"], 0) + 1
+        return float(RUNS[task["task_id"]] % 2 == 0)
+
+
+@pytest.fixture(autouse=True)
+def instrumented() -> Iterator[None]:
+    agl.instrument()
+    SERVED.clear()
+    RUNS.clear()
+    yield
+    agl.uninstrument()
+
+
+def _trainer(tmp_path: Path, algorithm: TorchGRPO) -> agl.Trainer:
+    return agl.Trainer(
+        algorithm=algorithm, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False,
+    )
+
+
+def _algo(tmp_path: Path, **overrides: Any) -> TorchGRPO:
+    settings: Dict[str, Any] = dict(
+        model=load_policy("tiny", device="cpu", seed=0), group_size=3, batch_tasks=2, steps=2, max_tokens=6,
+        temperature=1.0, lr=1e-3, output_dir=tmp_path / "run", checkpoint_dir=tmp_path / "ckpt", seed=0,
+    )
+    settings.update(overrides)
+    return TorchGRPO(**settings)
+
+
+def test_fit_trains_evaluates_and_writes_metrics(tmp_path: Path) -> None:
+    algo = _algo(tmp_path)
+    result = _trainer(tmp_path, algo).fit(chat_agent, TASKS, val_dataset=VAL)
+
+    assert result.steps == 2
+    assert result.before is not None and result.after is not None
+    assert result.before.n == result.after.n == len(VAL)
+    rows = result.rows
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollouts"] == 6 and r["failed_rollouts"] == 0 for r in rows)
+    assert all(r["samples"] == 6 for r in rows)  # one chat call per rollout, all selected
+    assert all(r["live_samples"] == 6 and r["optimizer_steps"] == 1 for r in rows)
+    # The server answered every request of step 2 with the policy of step 1's update.
+    assert rows[1]["policy_version"] > rows[0]["policy_version"] > 0
+    assert algo.server.version == rows[1]["policy_version"]
+    csv_lines = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("step,") and len(csv_lines) == 3
+    assert result.curve_png is not None and result.curve_png.stat().st_size > 1000
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "eval at step 0" in log and "eval at step 2" in log and "step 2/2" in log
+
+
+def test_served_token_ids_are_the_ids_the_trainer_feeds_the_model(tmp_path: Path) -> None:
+    """No retokenization drift: prompt ids = the chat template of the messages the agent sent, response ids
+    = the ids the server sampled, and those exact ids are what the loss's forward pass sees."""
+    model, tokenizer = load_policy("tiny", device="cpu", seed=0)
+    algo = _algo(tmp_path, model=(model, tokenizer), steps=1)
+    fed: List[Any] = []
+    update = algo.update
+
+    def recording_update(samples: Any) -> Dict[str, float]:
+        fed.extend(samples)
+        return update(samples)
+
+    algo.update = recording_update  # type: ignore[method-assign]
+    _trainer(tmp_path, algo).fit(chat_agent, TASKS[:2])
+
+    assert len(fed) == 6 and len(SERVED) == 6
+    by_response = {tuple(s["token_ids"]): s for s in SERVED}
+    for sample in fed:
+        served = by_response[tuple(sample.response_ids)]
+        template = tokenizer.apply_chat_template(served["messages"], tokenize=False, add_generation_prompt=True)
+        assert sample.prompt_ids == served["prompt_token_ids"]
+        assert sample.prompt_ids == tokenizer(template, add_special_tokens=False)["input_ids"]
+        assert sample.response_logprobs == pytest.approx(served["logprobs"])
+        # the row the trainer's forward pass gets, padding removed
+        batch = collate([sample], tokenizer.pad_token_id)
+        assert batch.input_ids[0].tolist() == served["prompt_token_ids"] + served["token_ids"]
+    # The server's logprobs are the trainer's: same ids, same distribution (log_softmax(logits / T)).
+    assert algo.state.rows[0]["logprob_drift"] < 1e-4
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
+    first = _algo(tmp_path, steps=2)
+    _trainer(tmp_path, first).fit(chat_agent, TASKS)
+    saved = latest_checkpoint(tmp_path / "ckpt")
+    assert saved is not None and saved.name == "step-000002"
+    trained = {k: v.clone() for k, v in first.policy.module.state_dict().items() if "lora_" in k}  # type: ignore[union-attr]
+    state = json.loads((saved / "state.json").read_text())
+    assert state["step"] == 2 and state["cursor"] == 4
+
+    second = _algo(tmp_path, steps=3)
+    seen_at_start: Dict[str, torch.Tensor] = {}
+    update = second.update
+
+    def first_update_sees_the_checkpoint(samples: Any) -> Dict[str, float]:
+        if not seen_at_start:
+            seen_at_start.update({k: v.clone() for k, v in second.policy.module.state_dict().items() if "lora_" in k})  # type: ignore[union-attr]
+            assert second.optimizer.state  # AdamW moments came back too  # type: ignore[union-attr]
+        return update(samples)
+
+    second.update = first_update_sees_the_checkpoint  # type: ignore[method-assign]
+    result = _trainer(tmp_path, second).fit(chat_agent, TASKS)
+
+    assert result.steps == 3
+    assert [r["step"] for r in result.rows] == [1, 2, 3]  # the earlier rows came back with the checkpoint
+    assert trained.keys() == seen_at_start.keys() and len(trained) > 0
+    assert all(torch.equal(trained[k], seen_at_start[k]) for k in trained)
+    assert latest_checkpoint(tmp_path / "ckpt").name == "step-000003"  # type: ignore[union-attr]
+
+
+def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path: Path) -> None:
+    _trainer(tmp_path, _algo(tmp_path, steps=1)).fit(chat_agent, TASKS)
+    other = _algo(tmp_path, steps=2, lora={"r": 4})
+    with pytest.raises(CheckpointError, match="resume=False"):
+        _trainer(tmp_path, other).fit(chat_agent, TASKS)
