@@ -41,10 +41,90 @@ def test_agl_never_replaces_the_global_tracer_provider():
     before = otel_trace.get_tracer_provider()
     agl.instrument()
     try:
-        assert otel_trace.get_tracer_provider() is before
-        assert agl.get_tracer().provider is not before
+        with rollout_scope("ro-1", "at-1"), agl.get_tracer().span("s", "chain"):
+            assert otel_trace.get_tracer_provider() is before
     finally:
         agl.uninstrument()
+
+
+def test_spans_nest_with_the_users_own_spans_both_ways(tracer):
+    """The user's tracer provider (SDK, exporting to memory) and agl share OpenTelemetry's context."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    t, sink = tracer
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    users = provider.get_tracer("user")
+    with rollout_scope("ro-1", "at-1"):
+        with users.start_as_current_span("user outer") as outer:
+            with t.span("agl agent", "agent") as ours:
+                with users.start_as_current_span("user inner"):
+                    child = t.start_span("agl llm", "llm")  # not current: parent from the context
+                    child.end()
+                with otel_trace.use_span(ours, end_on_exit=False):
+                    assert otel_trace.get_current_span() is ours
+            explicit = t.start_span("agl explicit", "tool", parent=ours)
+            explicit.end()
+        root = t.start_span("agl root", "chain")
+        root.end()
+    assert t.flush(5)
+    users_spans = {s.name: s for s in exported.get_finished_spans()}
+    agl_spans = {s.name: s for s in sink.spans}
+    trace = outer.get_span_context().trace_id
+    assert agl_spans["agl agent"].trace_id == format(trace, "032x")
+    assert agl_spans["agl agent"].parent_id == format(outer.get_span_context().span_id, "016x")
+    inner = users_spans["user inner"]
+    assert inner.context.trace_id == trace and inner.parent.span_id == ours.get_span_context().span_id
+    assert agl_spans["agl llm"].parent_id == format(inner.context.span_id, "016x")
+    assert agl_spans["agl explicit"].parent_id == agl_spans["agl agent"].span_id
+    assert agl_spans["agl root"].parent_id is None and agl_spans["agl root"].trace_id != format(trace, "032x")
+    ids = [s.span_id for s in sink.spans]
+    assert len(set(ids)) == len(ids) and all(len(i) == 16 and int(i, 16) for i in ids)
+    context = ours.get_span_context()
+    assert context.is_valid and context.trace_flags.sampled and not context.is_remote
+
+
+def test_ended_spans_ignore_changes_and_attribute_values_are_cleaned(tracer):
+    class Thing:
+        def __str__(self):
+            return "thing"
+
+    t, sink = tracer
+    with rollout_scope("ro-1", "at-1"):
+        span = t.start_span("s", "chain", {"list": ["a", "b"], "obj": Thing()})
+        span.set_attribute("map", {"k": (1, 2)})
+        span.set_status(otel_trace.StatusCode.OK)
+        span.set_status(otel_trace.StatusCode.ERROR, "too late: OK is final")
+        span.end()
+        span.set_attribute("after", 1)
+        span.update_name("renamed")
+        t.set_deferred(span, {semconv.OUTPUT_MESSAGES: []})
+        span.end()
+    assert t.flush(5)
+    (written,) = sink.spans
+    assert written.name == "s" and written.status == "ok" and written.error is None
+    assert written.attributes["list"] == ["a", "b"] and written.attributes["map"] == {"k": (1, 2)}
+    assert written.attributes["obj"] == "thing" and "after" not in written.attributes
+    assert semconv.OUTPUT_MESSAGES not in written.attributes and t.stats().enqueued == 1
+
+
+def test_start_hooks_see_each_new_span_once(tracer):
+    t, sink = tracer
+    seen = []
+
+    def hook(span):
+        seen.append(span.name)
+        span.set_attribute("hooked", True)
+
+    t.add_start_hook(hook)
+    t.add_start_hook(hook)
+    with rollout_scope("ro-1", "at-1"), t.span("a", "chain"):
+        t.start_span("b", "tool").end()
+    assert t.flush(5)
+    assert seen == ["a", "b"] and all(s.attributes["hooked"] is True for s in sink.spans)
 
 
 def test_spans_are_stamped_with_rollout_and_written_off_thread(tracer):
@@ -237,3 +317,17 @@ def test_spans_are_recorded_under_a_parent_the_users_tracing_did_not_sample(trac
     assert t.flush(5)
     assert [s.name for s in sink.spans] == ["chat"]
     t.processor.shutdown()
+
+
+def test_span_ids_do_not_repeat_when_the_agent_reseeds_random(tracer):
+    """Agents seed `random` for reproducibility; agl's ids must not follow (repeats would be dropped)."""
+    import random
+
+    t, sink = tracer
+    with rollout_scope("ro-1", "at-1"):
+        for _ in range(3):
+            random.seed(1234)
+            with t.span("call", "llm"):
+                pass
+    assert t.flush(5)
+    assert len({s.span_id for s in sink.spans}) == 3

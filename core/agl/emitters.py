@@ -11,7 +11,7 @@ Reward rule (docs/rewards.md), so that no reward is ever counted twice:
 Step-reward linkage: framework adapters may parent an LLM span to their own agent span rather than to the
 current span (LangGraph nodes do), so an operation's LLM calls are not always its descendants. Every llm,
 tool and reward span started inside an operation therefore carries the operation's span id
-(``agl.operation.span_id``), set by a span processor the first operation adds to agl's tracer.
+(``agl.operation.span_id``), set by a start hook the first operation adds to agl's tracer.
 """
 
 from __future__ import annotations
@@ -21,16 +21,14 @@ import functools
 import inspect
 import json
 import logging
-import threading
 import traceback
-import weakref
 from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
 
 from opentelemetry import trace as otel_trace
-from opentelemetry.sdk.trace import SpanProcessor
 
 from agl import semconv
 from agl.context import _in_operation, current_scope, in_operation
+from agl.otel_span import AglSpan
 from agl.tracer import Tracer, get_tracer, record_exception
 
 logger = logging.getLogger("agl.emitters")
@@ -43,27 +41,16 @@ _current_operation: contextvars.ContextVar[Optional[str]] = contextvars.ContextV
 _STEP_SPAN_KINDS = ("llm", "tool")  # a reward emitted while one of these is current is a step reward
 
 
-class _OperationLinker(SpanProcessor):
+def _link_to_operation(span: AglSpan) -> None:
     """Marks llm and tool spans started inside an ``agl.operation`` with the operation's span id."""
-
-    def on_start(self, span: Any, parent_context: Any = None) -> None:
-        operation_id = _current_operation.get()
-        if operation_id is not None and span.attributes.get(semconv.SPAN_KIND) in _STEP_SPAN_KINDS:
-            span.set_attribute(semconv.OPERATION_SPAN_ID, operation_id)
-
-
-_linked_tracers: "weakref.WeakSet[Tracer]" = weakref.WeakSet()
-_link_lock = threading.Lock()
+    operation_id = _current_operation.get()
+    if operation_id is not None and span.attributes.get(semconv.SPAN_KIND) in _STEP_SPAN_KINDS:
+        span.set_attribute(semconv.OPERATION_SPAN_ID, operation_id)
 
 
 def _link_operations(tracer: Tracer) -> None:
-    """Add the operation linker to ``tracer`` once (on the first operation, so plain tracing pays nothing)."""
-    if tracer in _linked_tracers:
-        return
-    with _link_lock:
-        if tracer not in _linked_tracers:
-            tracer.provider.add_span_processor(_OperationLinker())
-            _linked_tracers.add(tracer)
+    """Add the operation linker to ``tracer`` (on the first operation, so plain tracing pays nothing)."""
+    tracer.add_start_hook(_link_to_operation)
 
 
 def _current_span_kind() -> Optional[str]:

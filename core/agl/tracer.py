@@ -1,8 +1,10 @@
-"""agl's tracer: its own OpenTelemetry TracerProvider feeding the store through a background batcher.
+"""agl's tracer: OpenTelemetry API spans of its own, fed to the store through a background batcher.
 
 Why this shape:
-- agl never replaces the user's global TracerProvider; integrations get spans from ``get_tracer()``.
-  OpenTelemetry's *context* is shared, so our spans still nest under (and above) the user's spans.
+- agl never touches the user's global TracerProvider, and has no provider of its own: the spans it starts
+  are :class:`agl.otel_span.AglSpan` objects (OpenTelemetry API spans without the SDK's per-span
+  machinery, see that module). OpenTelemetry's *context* is shared, so our spans still nest under (and
+  above) the user's spans. Integrations get spans from ``get_tracer()``.
 - The thread that makes an LLM call does no store I/O: ``on_end`` appends the finished span, as plain
   values, to a bounded deque and a daemon thread converts and writes batches. Payloads (messages, token
   ids, SDK objects) are attached with :meth:`Tracer.set_deferred`. Message lists and SDK objects become
@@ -22,18 +24,16 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
-from opentelemetry.sdk.resources import Resource as OtelResource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import StatusCode
 from pydantic_core import to_json
 
 from agl import semconv
 from agl.context import current_scope
+from agl.otel_span import AglSpan, clean_attributes, new_id
 from agl.types import Span, SpanEvent, SpanKind
 
 logger = logging.getLogger("agl.tracer")
@@ -90,12 +90,11 @@ def _otel_value(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-class StoreSpanProcessor(SpanProcessor):
-    """Notes the rollout of each span on start; queues finished spans; a daemon thread writes them in batches.
+class StoreSpanProcessor:
+    """Queues finished spans of rollouts; a daemon thread writes them in batches.
 
-    The rollout bookkeeping is kept beside the span (``_open``: span id -> [rollout, attempt, sequence,
-    deferred attributes]) rather than set as OpenTelemetry attributes, which would cost a lock and
-    validation per span on the caller's thread.
+    The rollout bookkeeping (rollout, attempt, sequence, deferred attributes) travels on the
+    :class:`AglSpan` itself, set by :meth:`Tracer.start_span`.
     """
 
     def __init__(self, max_queue: int = 100_000, batch_size: int = 64, interval: float = 0.2):
@@ -104,15 +103,15 @@ class StoreSpanProcessor(SpanProcessor):
         self.interval = interval
         self.sink: Any = None  # anything with add_spans(list[Span])
         self.stats = TracerStats()
-        self._open: Dict[int, List[Any]] = {}
+        self.generation = 0  # + 1 in each forked child: spans started before the fork are not the child's
         self._init_worker_state()
         os.register_at_fork(after_in_child=self._init_worker_state)
 
     def _init_worker_state(self) -> None:
         # Called again in a forked child: the parent's thread does not exist there, and the parent's
-        # queued spans belong to the parent.
+        # queued spans (and those it had open) belong to the parent.
+        self.generation += 1
         self._queue: collections.deque[_Finished] = collections.deque()
-        self._open.clear()
         self._wake = threading.Event()
         self._done = threading.Condition()
         self._processed = 0  # exported + rejected + dropped-by-worker, under _done
@@ -123,23 +122,16 @@ class StoreSpanProcessor(SpanProcessor):
         self.stats = TracerStats()
 
     # -- hot path: runs on the user's thread ----------------------------------------------------------------
-    def on_start(self, span: Any, parent_context: Optional[otel_context.Context] = None) -> None:
-        scope = current_scope()
-        if scope is not None:
-            self._open[span.context.span_id] = [scope.rollout_id, scope.attempt_id, scope.next_sequence_id(), None]
-
     def set_deferred(self, span: Any, attributes: Mapping[str, Any]) -> None:
-        entry = self._open.get(span.get_span_context().span_id)
-        if entry is None:  # not in a rollout (or not ours): it will not be stored
-            return
-        if entry[3] is None:
-            entry[3] = dict(attributes)
+        if not isinstance(span, AglSpan) or span.rollout_id is None or span.end_time is not None:
+            return  # not in a rollout, not ours, or already queued: it will not be stored (with these)
+        if span.deferred is None:
+            span.deferred = dict(attributes)
         else:
-            entry[3].update(attributes)
+            span.deferred.update(attributes)
 
-    def on_end(self, span: ReadableSpan) -> None:
-        entry = self._open.pop(span.context.span_id, None)
-        if entry is None:
+    def on_end(self, span: AglSpan) -> None:
+        if span.rollout_id is None or span.generation != self.generation:
             self.stats.unscoped += 1
             if not self._warned_unscoped:
                 self._warned_unscoped = True
@@ -157,7 +149,7 @@ class StoreSpanProcessor(SpanProcessor):
                     self.max_queue,
                 )
             return
-        self._queue.append(_finished(span, entry))
+        self._queue.append(_finished(span))
         self.stats.enqueued += 1
         if self._worker is None:
             self._start_worker()
@@ -255,38 +247,39 @@ def _is_permanent(exc: Exception) -> bool:
     return isinstance(exc, AglError) and not isinstance(exc, (StoreClosedError, StoreUnavailableError))
 
 
-# A finished span as queued for the writer: plain values only, so the OpenTelemetry span object (a dozen
-# objects the garbage collector tracks) is freed when the caller drops it instead of living in the queue.
-# Few tracked objects per queued span keep the agent's thread from paying for collections it would not
-# otherwise run: (name, trace id, span id, parent span id, start, end, status code, status description,
-# attributes, events, rollout id, attempt id, sequence id, deferred attributes).
+# A finished span as queued for the writer: plain values only, so the span object is freed when the caller
+# drops it instead of living in the queue. Few tracked objects per queued span keep the agent's thread from
+# paying for collections it would not otherwise run: (name, trace id, span id, parent span id, start, end,
+# status code, status description, attributes, events, rollout id, attempt id, sequence id, deferred
+# attributes).
 _Finished = Tuple[
     str, int, int, Optional[int], int, int, StatusCode, Optional[str], Mapping[str, Any], Tuple[Any, ...],
     str, str, int, Optional[Dict[str, Any]],
 ]
 
 
-def _finished(span: ReadableSpan, entry: List[Any]) -> _Finished:
-    """What the writer needs of ``span`` (runs on the caller's thread: field reads only, no encoding)."""
-    parent = span.parent
-    status = span.status
+def _finished(span: AglSpan) -> _Finished:
+    """What the writer needs of ``span`` (runs on the caller's thread: field reads only, no encoding).
+
+    The attribute dict is handed over as it is: an ended span ignores every change.
+    """
     events = span.events
-    attributes = span.attributes
+    deferred = span.deferred
     return (
         span.name,
-        span.context.trace_id,
-        span.context.span_id,
-        parent.span_id if parent is not None else None,
-        span.start_time or 0,
-        span.end_time or span.start_time or 0,
-        status.status_code,
-        status.description,
-        dict(attributes.copy()) if attributes else _NO_ATTRIBUTES,  # C-level copies (the proxy's own iteration is slow)
-        tuple((e.name, e.timestamp, e.attributes) for e in events) if events else (),
-        entry[0],
-        entry[1],
-        entry[2],
-        _settled(entry[3]) if entry[3] else None,
+        span.trace_id,
+        span.span_id,
+        span.parent_id,
+        span.start_time,
+        span.end_time,
+        span.status_code,
+        span.status_description,
+        span.attributes,
+        tuple(events) if events else (),
+        span.rollout_id,
+        span.attempt_id,
+        span.sequence_id,
+        _settled(deferred) if deferred else None,
     )
 
 
@@ -309,7 +302,6 @@ def _settled(deferred: Dict[str, Any]) -> Dict[str, Any]:
     return deferred
 
 
-_NO_ATTRIBUTES: Mapping[str, Any] = {}
 _SPAN_FIELDS = frozenset(Span.model_fields)
 
 
@@ -369,16 +361,20 @@ def _trusted_span(**fields: Any) -> Span:
     return span
 
 
+StartHook = Callable[[AglSpan], None]
+
+
 class Tracer:
-    """The process-wide agl tracer. Get it with :func:`get_tracer`."""
+    """The process-wide agl tracer. Get it with :func:`get_tracer`.
+
+    Every span it starts is recorded (no sampling): a training span must be stored even when it nests
+    under a span the user's own tracing chose not to sample.
+    """
 
     def __init__(self, max_queue: int = 100_000, batch_size: int = 64) -> None:
-        # ALWAYS_ON, not the SDK default (ParentBased, or whatever OTEL_TRACES_SAMPLER says): a training span
-        # must be recorded even when it nests under a span the user's own tracing chose not to sample.
-        self.provider = TracerProvider(resource=OtelResource.create({"service.name": "agl"}), sampler=ALWAYS_ON)
         self.processor = StoreSpanProcessor(max_queue=max_queue, batch_size=batch_size)
-        self.provider.add_span_processor(self.processor)
-        self.otel = self.provider.get_tracer("agl")
+        self._start_hooks: Tuple[StartHook, ...] = ()  # replaced, never mutated: start_span reads it unlocked
+        self._hooks_lock = threading.Lock()
 
     def set_store(self, store: Any) -> None:
         """Where finished spans go (anything with ``add_spans``). Spans wait in the queue until set."""
@@ -391,6 +387,16 @@ class Tracer:
     def stats(self) -> TracerStats:
         return self.processor.stats
 
+    def add_start_hook(self, hook: StartHook) -> None:
+        """Call ``hook(span)`` on every span this tracer starts, after its attributes are set (once per hook).
+
+        For agl's own bookkeeping that depends on where a span starts (e.g. the operation it belongs to).
+        A hook runs on the caller's thread: keep it to a few attribute reads and writes.
+        """
+        with self._hooks_lock:
+            if hook not in self._start_hooks:
+                self._start_hooks = (*self._start_hooks, hook)
+
     @contextlib.contextmanager
     def span(
         self,
@@ -401,20 +407,18 @@ class Tracer:
         parent: Optional[otel_trace.Span] = None,
     ) -> Iterator[otel_trace.Span]:
         """Start a span of ``kind`` as the current span; an exception marks it as an error and propagates."""
-        attrs: Dict[str, Any] = {semconv.SPAN_KIND: kind}
-        if attributes:
-            attrs.update(attributes)
-        ctx = otel_trace.set_span_in_context(parent) if parent is not None else None
-        with self.otel.start_as_current_span(
-            name, context=ctx, attributes=attrs, record_exception=False, set_status_on_exception=False
-        ) as span:
-            try:
-                yield span
-            except GeneratorExit:  # a generator closed early: not a failure
-                raise
-            except BaseException as exc:
-                record_exception(span, exc)
-                raise
+        span = self.start_span(name, kind, attributes, parent=parent)
+        token = otel_context.attach(otel_trace.set_span_in_context(span))
+        try:
+            yield span
+        except GeneratorExit:  # a generator closed early: not a failure
+            raise
+        except BaseException as exc:
+            record_exception(span, exc)
+            raise
+        finally:
+            otel_context.detach(token)
+            span.end()
 
     def start_span(
         self,
@@ -425,12 +429,37 @@ class Tracer:
         parent: Optional[otel_trace.Span] = None,
         start_time: Optional[int] = None,
     ) -> otel_trace.Span:
-        """Start a span without making it current (for callback-style integrations that end it later)."""
+        """Start a span without making it current (for callback-style integrations that end it later).
+
+        Its parent is ``parent``, else the current span (agl's or the user's own); without either it
+        starts a new trace. Started inside a rollout, it is stored when it ends.
+        """
         attrs: Dict[str, Any] = {semconv.SPAN_KIND: kind}
         if attributes:
-            attrs.update(attributes)
-        ctx = otel_trace.set_span_in_context(parent) if parent is not None else None
-        return self.otel.start_span(name, context=ctx, attributes=attrs, start_time=start_time)
+            attrs.update(clean_attributes(attributes))
+        if parent is None:
+            parent = otel_trace.get_current_span()
+        if type(parent) is AglSpan:
+            trace_id, parent_id, trace_state = parent.trace_id, parent.span_id, parent.trace_state
+        else:
+            parent_context = parent.get_span_context()
+            if parent_context.is_valid:
+                trace_id, parent_id, trace_state = parent_context.trace_id, parent_context.span_id, parent_context.trace_state
+            else:
+                trace_id, parent_id, trace_state = new_id(128), None, None
+        span = AglSpan(
+            name, trace_id, new_id(64), parent_id, trace_state, attrs,
+            start_time if start_time is not None else time.time_ns(), self.processor,
+        )
+        scope = current_scope()
+        if scope is not None:
+            span.rollout_id = scope.rollout_id
+            span.attempt_id = scope.attempt_id
+            span.sequence_id = scope.next_sequence_id()
+            span.generation = self.processor.generation
+        for hook in self._start_hooks:
+            hook(span)
+        return span
 
     def set_deferred(self, span: otel_trace.Span, attributes: Mapping[str, Any]) -> None:
         """Attach attributes encoded off the hot path (messages, token ids, raw objects): containers when the
