@@ -36,7 +36,7 @@ from agl.errors import (
 from agl.store import _rules
 from agl.store._sqlite_schema import (
     ATTEMPT_COLS,
-    INSERT_SPAN,
+    SPAN_ROWS_PER_INSERT,
     NEXT_QUEUE_POS,
     ROLLOUT_COLS,
     SCHEMA,
@@ -46,6 +46,7 @@ from agl.store._sqlite_schema import (
     attempt_from_row,
     json_list,
     rollout_from_row,
+    insert_spans_sql,
     span_from_row,
     span_to_row,
 )
@@ -498,7 +499,10 @@ class SqliteLightningStore(LightningStore):
                 if found[1] == "running":
                     beats.append((now, _rules.attempt_deadline(found[3], now, found[4], found[5]), found[0]))
             before = c.total_changes
-            c.executemany(INSERT_SPAN, [(aids[(row[0], row[1])],) + row for row in rows])
+            for start in range(0, len(rows), SPAN_ROWS_PER_INSERT):
+                chunk = rows[start : start + SPAN_ROWS_PER_INSERT]
+                params = [value for row in chunk for value in (aids[(row[0], row[1])],) + row]
+                c.execute(insert_spans_sql(len(chunk)), params)
             stored = c.total_changes - before
             c.executemany("UPDATE attempts SET last_heartbeat = ?, deadline = ? WHERE aid = ?", beats)
         return stored
