@@ -29,7 +29,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.context import current_scope
+from agl.context import RolloutScope, current_scope
 from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.context_keys import SUPPRESS_LLM_SPAN, resolve_llm_parent
 from agl.instrumentation.openai_payloads import (
@@ -221,9 +221,10 @@ def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) 
     call_kwargs = dict(kwargs)
     deferred = request_attributes(api, kwargs, bool(kwargs.get("stream")))
     add_request_payloads(api, call_kwargs, deferred)
-    if _wants_token_ids(request_token_ids):
+    scope = current_scope()
+    if _wants_token_ids(request_token_ids, scope):
         ask_for_token_ids(call_kwargs)
-    if current_scope() is not None:  # this call's span will be stored: a proxy must not record it again
+    if scope is not None:  # this call's span will be stored: a proxy must not record it again
         mark_client_traced(call_kwargs)
     if otel_context.get_value(SUPPRESS_LLM_SPAN):
         span = otel_trace.get_current_span()
@@ -236,11 +237,10 @@ def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) 
     return LlmCall(api, span, True, deferred, kwargs), call_kwargs
 
 
-def _wants_token_ids(request_token_ids: Optional[bool]) -> bool:
+def _wants_token_ids(request_token_ids: Optional[bool], scope: Optional[RolloutScope]) -> bool:
     """An explicit True/False wins; by default token ids are asked for inside rollouts that want them."""
     if request_token_ids is not None:
         return request_token_ids
-    scope = current_scope()
     return scope is not None and scope.request_token_ids
 
 
