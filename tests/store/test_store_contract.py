@@ -277,11 +277,16 @@ def test_cancel_finished_rollout_is_illegal(store: LightningStore) -> None:
 # -- expiry ------------------------------------------------------------------------------------------------
 
 
+# These check what happens when a deadline passes, not how fast anything is: the deadlines are short so
+# the tests stay quick, with margins wide enough for the HTTP and PostgreSQL backends on a busy machine.
+EXPIRY_S = 0.3
+
+
 def test_timeout_expires_and_retries(store: LightningStore) -> None:
-    store.enqueue_rollout("x", config=RolloutConfig(max_attempts=2, timeout_seconds=0.05))
+    store.enqueue_rollout("x", config=RolloutConfig(max_attempts=2, timeout_seconds=EXPIRY_S))
     first = claim(store)
     assert store.reap_expired() == []
-    time.sleep(0.1)
+    time.sleep(EXPIRY_S + 0.05)
     (requeued,) = store.reap_expired()
     assert requeued.rollout_id == first.rollout_id and requeued.status == "queued"
     assert requeued.attempt is not None and requeued.attempt.status == "timeout"
@@ -290,16 +295,16 @@ def test_timeout_expires_and_retries(store: LightningStore) -> None:
         store.complete_attempt(first.rollout_id, aid(first), "succeeded")
     second = claim(store)
     assert second.attempt is not None and second.attempt.sequence == 2
-    time.sleep(0.1)
+    time.sleep(EXPIRY_S + 0.05)
     (failed,) = store.reap_expired()
     assert failed.status == "failed" and "timeout_seconds" in (failed.error or "")
     assert [a.status for a in store.query_attempts(first.rollout_id)] == ["timeout", "timeout"]
 
 
 def test_heartbeat_timeout_marks_unresponsive(store: LightningStore) -> None:
-    store.enqueue_rollout("x", config=RolloutConfig(heartbeat_timeout_seconds=0.05))
+    store.enqueue_rollout("x", config=RolloutConfig(heartbeat_timeout_seconds=EXPIRY_S))
     rollout = claim(store)
-    time.sleep(0.1)
+    time.sleep(EXPIRY_S + 0.05)
     (failed,) = store.reap_expired()
     assert failed.status == "failed" and failed.attempt is not None and failed.attempt.status == "unresponsive"
     assert "heartbeat_timeout_seconds" in (failed.error or "")
