@@ -247,10 +247,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500, help="calls per round and mode")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--latency", type=float, default=LATENCY_S * 1e3, help="model latency in ms")
+    parser.add_argument("--writer", choices=("thread", "process"), default="thread", help="agl's span writer")
     args = parser.parse_args()
 
     fast, slow = make_client(), make_client(args.latency / 1e3)
     tracer = get_tracer()
+    tracer.set_writer(args.writer)
     instrumentor = OpenAIInstrumentor()
     gcs = GcCounter()
     stored = expected = 0
@@ -288,7 +290,7 @@ def main() -> None:
         instrumentor.uninstrument()
 
     stats = tracer.stats()
-    print(f"store: {store.label}")
+    print(f"store: {store.label}; span writer: {args.writer}")
     print(
         f"canned reply: {PROMPT_TOKENS} prompt + {RESPONSE_TOKENS} response token ids; {len(MESSAGES)} input messages; "
         f"{args.rounds} rounds x {args.calls} calls per mode (medians of paired rounds)"

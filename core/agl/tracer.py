@@ -11,6 +11,10 @@ Why this shape:
   JSON text when the span ends (a few microseconds): queued containers would be promoted by the garbage
   collector and walked by every full collection on the agent's thread, which costs more. Token ids stay
   tuples, and callables (larger work, e.g. logprobs) run on the writer.
+- The writer is a thread by default, or a child process (``set_writer("process")`` / ``AGL_SPAN_WRITER``):
+  a CPU-bound agent shares its GIL with a writer thread and pays for every span's encoding and insert,
+  while a process works on another core (:mod:`agl.writer_process`). Conversion lives in
+  :mod:`agl.span_encoding`, the store write in :mod:`agl.span_export`, the same for both.
 - A full queue drops the span and counts it (``stats().dropped``) with a warning: never silent.
 - ``flush()`` at rollout end waits until every span finished so far is in the store.
 """
@@ -23,95 +27,61 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+import pickle
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import StatusCode
-from pydantic_core import to_json
 
 from agl import semconv
 from agl.context import current_scope
 from agl.otel_span import AglSpan, clean_attributes, new_id
-from agl.types import Span, SpanEvent, SpanKind
+from agl.span_encoding import Finished, encode_attribute, finished, without_callables
+from agl.span_export import SpanExporter, TracerStats
+from agl.types import SpanKind
+from agl.writer_process import WriterProcess
+
+__all__ = ["Tracer", "TracerStats", "encode_attribute", "get_tracer", "record_exception"]
 
 logger = logging.getLogger("agl.tracer")
 
 
-@dataclass
-class TracerStats:
-    """Counters a user can read at any time; the runner reports non-zero ``dropped`` per rollout."""
-
-    enqueued: int = 0
-    exported: int = 0
-    dropped: int = 0  # queue full
-    unscoped: int = 0  # finished outside any rollout: not stored
-    export_errors: int = 0  # failed store writes (retried)
-    rejected: int = 0  # spans the store refused (e.g. unknown rollout): dropped after logging
-
-
-def encode_attribute(value: Any) -> Any:
-    """How a deferred value is stored: callables are called first (work moved off the caller's thread);
-    scalars and lists of numbers stay as they are; everything else becomes a JSON string."""
-    if callable(value):
-        value = value()
-    if isinstance(value, (str, int, float, bool)):
-        return value
-    if isinstance(value, (list, tuple)) and _is_number_list(value):
-        return value if isinstance(value, list) else list(value)
-    try:
-        return to_json(value, exclude_none=True, fallback=str).decode()
-    except Exception:  # noqa: BLE001 - e.g. SDK models whose pydantic serializer is not built yet
-        return to_json(_dumped(value), fallback=str).decode()
-
-
-def _dumped(value: Any) -> Any:
-    """Plain data from pydantic models through their own ``model_dump`` (the slow, always-working way)."""
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json", exclude_none=True)
-    if isinstance(value, (list, tuple)):
-        return [_dumped(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _dumped(v) for k, v in value.items()}
-    return value
-
-
-def _is_number_list(values: Any) -> bool:
-    # Token ids and logprobs come from JSON decoded by the SDK, so the ends stand for the whole list; a
-    # mixed list that slips through is caught by the store, which refuses just that span (see _write).
-    return not values or (type(values[0]) in _NUMBER_TYPES and type(values[-1]) in _NUMBER_TYPES)
-
-
-_NUMBER_TYPES = (int, float)
-
-
-def _otel_value(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
+WRITER_MODES = ("thread", "process")
+WRITER_ENV = "AGL_SPAN_WRITER"
+_SHIP_HERE = 4  # batches queued before the agent's own thread ships one to the writer process
 
 
 class StoreSpanProcessor:
-    """Queues finished spans of rollouts; a daemon thread writes them in batches.
+    """Queues finished spans of rollouts; a daemon thread (or a writer process) writes them in batches.
 
     The rollout bookkeeping (rollout, attempt, sequence, deferred attributes) travels on the
     :class:`AglSpan` itself, set by :meth:`Tracer.start_span`.
     """
 
-    def __init__(self, max_queue: int = 100_000, batch_size: int = 64, interval: float = 0.2):
+    def __init__(self, max_queue: int = 100_000, batch_size: int = 64, interval: float = 0.2, writer: str = "thread"):
         self.max_queue = max_queue
         self.batch_size = batch_size
         self.interval = interval
+        self.writer = _checked_writer(writer)
         self.sink: Any = None  # anything with add_spans(list[Span])
         self.stats = TracerStats()
         self.generation = 0  # + 1 in each forked child: spans started before the fork are not the child's
+        self._process: Optional[WriterProcess] = None
         self._init_worker_state()
         os.register_at_fork(after_in_child=self._init_worker_state)
 
     def _init_worker_state(self) -> None:
-        # Called again in a forked child: the parent's thread does not exist there, and the parent's
-        # queued spans (and those it had open) belong to the parent.
+        # Called again in a forked child: the parent's thread and writer process do not belong to it, and
+        # the parent's queued spans (and those it had open) belong to the parent.
         self.generation += 1
-        self._queue: collections.deque[_Finished] = collections.deque()
+        if self._process is not None:
+            self._process.abandon()
+        self._process = None
+        self._process_failed = False  # a writer process died: stay on the thread from then on
+        self._queue: collections.deque[Finished] = collections.deque()
+        self._in_flight: collections.deque[List[Finished]] = collections.deque()  # shipped, not acknowledged
+        self._ship_lock = threading.Lock()
         self._wake = threading.Event()
         self._done = threading.Condition()
         self._processed = 0  # exported + rejected + dropped-by-worker, under _done
@@ -120,6 +90,53 @@ class StoreSpanProcessor:
         self._warned_drop = False
         self._warned_unscoped = False
         self.stats = TracerStats()
+
+    # -- configuration --------------------------------------------------------------------------------------
+    def set_sink(self, sink: Any) -> None:
+        """Attach the store. A writer process serves one store: a different store gets a new process once the
+        old one has written what it was sent; ``None`` pauses writing (spans wait) and keeps the process."""
+        if self._process is not None and sink is not None and sink is not self._process.sink:
+            self._stop_process()
+        self.sink = sink
+        self._ensure_process()
+        self._wake.set()
+
+    def set_writer(self, writer: str) -> None:
+        self.writer = _checked_writer(writer)
+        if self.writer == "thread" and self._process is not None:
+            self._stop_process()
+        self._process_failed = False
+        self._ensure_process()
+        self._wake.set()
+
+    @property
+    def writer_pid(self) -> Optional[int]:
+        """The writer process's pid while one writes this process's spans, else None (a thread writes)."""
+        process = self._process
+        return process.pid if process is not None else None
+
+    def _ensure_process(self) -> None:
+        if self.writer != "process" or self._process is not None or self._process_failed or self.sink is None:
+            return
+        if not getattr(self.sink, "multiprocess_safe", False):
+            logger.warning(
+                "agl's span writer process needs a store several processes can share (SQLite, PostgreSQL, the "
+                "HTTP client); %s is not, so spans are written by a thread", type(self.sink).__name__,
+            )
+            self._process_failed = True
+            return
+        try:
+            self._process = WriterProcess(self.sink, self._on_ack, self._on_process_exit)
+        except Exception as exc:  # noqa: BLE001 - e.g. a store that does not pickle: the thread still works
+            logger.warning("agl could not start its span writer process (spans are written by a thread): %s", exc)
+            self._process_failed = True
+
+    def _stop_process(self) -> None:
+        process = self._process
+        if process is not None:
+            with self._ship_lock:
+                self._process = None
+            process.close()
 
     # -- hot path: runs on the user's thread ----------------------------------------------------------------
     def set_deferred(self, span: Any, attributes: Mapping[str, Any]) -> None:
@@ -149,12 +166,77 @@ class StoreSpanProcessor:
                     self.max_queue,
                 )
             return
-        self._queue.append(_finished(span))
+        self._queue.append(finished(span))
         self.stats.enqueued += 1
         if self._worker is None:
             self._start_worker()
-        elif len(self._queue) >= self.batch_size and not self._wake.is_set():
-            self._wake.set()  # Event.set takes a lock; once is enough until the writer wakes
+        elif len(self._queue) >= self.batch_size:
+            if not self._wake.is_set():
+                self._wake.set()  # Event.set takes a lock; once is enough until the writer wakes
+            elif self._process is not None and len(self._queue) >= _SHIP_HERE * self.batch_size:
+                # The writer thread did not get to run: a CPU-bound agent starves it (see the module
+                # docstring of agl.writer_process). Ship a batch from here, so the writer process keeps up.
+                self._ship(block=False)
+
+    # -- writer process -------------------------------------------------------------------------------------
+    def _ship(self, block: bool) -> None:
+        """Pickle queued spans down the writer process's pipe. ``block=False`` (the agent's thread): one batch,
+        only if nobody else is shipping and the pipe is free. ``block=True``: everything queued."""
+        if not self._ship_lock.acquire(blocking=block):
+            return
+        try:
+            while self._queue and self.sink is not None:
+                process = self._process
+                if process is None or (not block and process.busy):
+                    return
+                n = min(len(self._queue), self.batch_size)
+                batch = [without_callables(self._queue.popleft()) for _ in range(n)]
+                self._in_flight.append(batch)
+                try:
+                    payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:  # noqa: BLE001 - an attribute value that does not pickle
+                    self._in_flight.pop()
+                    logger.warning("agl could not pickle %d spans for its writer process; writing them here: %s", n, exc)
+                    self._export_here(batch)
+                    continue
+                try:
+                    process.send(payload, block)
+                except OSError:
+                    return  # the child is gone; its exit handler puts the in-flight batches back
+                if not block:
+                    return
+        finally:
+            self._ship_lock.release()
+
+    def _export_here(self, batch: List[Finished]) -> None:
+        exporter = SpanExporter(self.sink, self.stats)
+        exporter.write_until_done(exporter.convert(batch), give_up=lambda: False)
+        self._count_processed(len(batch))
+
+    def _on_ack(self, ack: Tuple[int, int, int, int]) -> None:
+        n, exported, rejected, errors = ack
+        self._in_flight.popleft()
+        self.stats.exported += exported
+        self.stats.rejected += rejected
+        self.stats.export_errors += errors
+        self._count_processed(n)
+
+    def _on_process_exit(self, deliberate: bool) -> None:
+        with self._ship_lock:
+            if not deliberate:
+                self._process = None
+                self._process_failed = True
+            while self._in_flight:  # unacknowledged batches go back to the head of the queue, in order
+                self._queue.extendleft(reversed(self._in_flight.pop()))
+        if self._queue:
+            if self._worker is None:
+                self._start_worker()
+            self._wake.set()
+
+    def _count_processed(self, n: int) -> None:
+        with self._done:
+            self._processed += n
+            self._done.notify_all()
 
     # -- background -----------------------------------------------------------------------------------------
     def _start_worker(self) -> None:
@@ -164,60 +246,29 @@ class StoreSpanProcessor:
                 self._worker.start()
 
     def _run(self) -> None:
-        backoff = 0.05
         while True:
             self._wake.wait(self.interval)
             self._wake.clear()
-            while self._queue:
-                if self.sink is None:
-                    break  # keep spans until a store is attached
-                n = min(len(self._queue), self.batch_size)
-                spans = self._convert_batch([self._queue[i] for i in range(n)])
-                try:
-                    self._write(spans)
-                except Exception as exc:  # noqa: BLE001 - the store's failure must not kill the writer
-                    self.stats.export_errors += 1
-                    logger.warning("agl could not write %d spans (will retry): %s", n, exc)
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
-                    continue
-                backoff = 0.05
-                for _ in range(n):
-                    self._queue.popleft()
-                with self._done:
-                    self._processed += n
-                    self._done.notify_all()
+            if self._process is not None:
+                self._ship(block=True)
+            else:
+                self._export_queue()
             if self._stopped and not self._queue:
                 return
 
-    def _write(self, spans: List[Span]) -> None:
-        """Write a batch; if the store refuses it (a bad span, an unknown rollout), write the spans one by
-        one so that only the refused ones are dropped (counted and logged). Other errors propagate."""
-        try:
-            self.sink.add_spans(spans)
-            self.stats.exported += len(spans)
-            return
-        except Exception as exc:  # noqa: BLE001
-            if not _is_permanent(exc):
-                raise
-            if len(spans) == 1:
-                self.stats.rejected += 1
-                log = logger.debug if self.stats.rejected > 1 else logger.error
-                log("agl store refused span %r and it was dropped (stats().rejected counts them): %s", spans[0].name, exc)
+    def _export_queue(self) -> None:
+        while self._queue and self._process is None:
+            sink = self.sink
+            if sink is None:
+                return  # keep spans until a store is attached
+            exporter = SpanExporter(sink, self.stats)
+            n = min(len(self._queue), self.batch_size)
+            spans = exporter.convert([self._queue[i] for i in range(n)])
+            if not exporter.write_until_done(spans, give_up=lambda: self.sink is not sink or self._stopped):
                 return
-        for span in spans:
-            self._write([span])
-
-    def _convert_batch(self, batch: List["_Finished"]) -> List[Span]:
-        """Convert spans; one that cannot be converted is dropped and counted, never kills the writer."""
-        spans = []
-        for finished in batch:
-            try:
-                spans.append(convert_span(finished))
-            except Exception as exc:  # noqa: BLE001
-                self.stats.rejected += 1
-                logger.error("agl could not convert span %r and dropped it: %s", finished[0], exc, exc_info=True)
-        return spans
+            for _ in range(n):
+                self._queue.popleft()
+            self._count_processed(n)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000
@@ -225,6 +276,8 @@ class StoreSpanProcessor:
             target = self.stats.enqueued + self.stats.dropped
         if self._worker is None:
             return not self._queue
+        if self._process is not None:
+            self._ship(block=True)  # here, not on the writer thread, which a busy agent may have starved
         self._wake.set()
         with self._done:
             while self._processed < target:
@@ -238,127 +291,14 @@ class StoreSpanProcessor:
     def shutdown(self) -> None:
         self.force_flush(5_000)
         self._stopped = True
+        self._stop_process()
         self._wake.set()
 
 
-def _is_permanent(exc: Exception) -> bool:
-    from agl.errors import AglError, StoreClosedError, StoreUnavailableError
-
-    return isinstance(exc, AglError) and not isinstance(exc, (StoreClosedError, StoreUnavailableError))
-
-
-# A finished span as queued for the writer: plain values only, so the span object is freed when the caller
-# drops it instead of living in the queue. Few tracked objects per queued span keep the agent's thread from
-# paying for collections it would not otherwise run: (name, trace id, span id, parent span id, start, end,
-# status code, status description, attributes, events, rollout id, attempt id, sequence id, deferred
-# attributes).
-_Finished = Tuple[
-    str, int, int, Optional[int], int, int, StatusCode, Optional[str], Mapping[str, Any], Tuple[Any, ...],
-    str, str, int, Optional[Dict[str, Any]],
-]
-
-
-def _finished(span: AglSpan) -> _Finished:
-    """What the writer needs of ``span`` (runs on the caller's thread: field reads only, no encoding).
-
-    The attribute dict is handed over as it is: an ended span ignores every change.
-    """
-    events = span.events
-    deferred = span.deferred
-    return (
-        span.name,
-        span.trace_id,
-        span.span_id,
-        span.parent_id,
-        span.start_time,
-        span.end_time,
-        span.status_code,
-        span.status_description,
-        span.attributes,
-        tuple(events) if events else (),
-        span.rollout_id,
-        span.attempt_id,
-        span.sequence_id,
-        _settled(deferred) if deferred else None,
-    )
-
-
-def _settled(deferred: Dict[str, Any]) -> Dict[str, Any]:
-    """Deferred payloads that the garbage collector need not walk while they wait for the writer.
-
-    Containers (message lists, SDK objects) become their JSON text now, a few microseconds: a queued list of
-    dicts survives collections and is promoted, and every full collection then walks it on the agent's
-    thread, which costs more than encoding it. Token ids stay tuples (untracked once seen by the collector),
-    callables stay for the writer (they exist to move larger work off this thread).
-    """
-    for key, value in deferred.items():
-        kind = type(value)
-        if kind in _PLAIN_TYPES or kind is tuple or callable(value):
-            continue
-        try:
-            deferred[key] = encode_attribute(value)
-        except Exception:  # noqa: BLE001 - the writer tries again and records the error on the span
-            pass
-    return deferred
-
-
-_SPAN_FIELDS = frozenset(Span.model_fields)
-
-
-def convert_span(finished: _Finished) -> Span:
-    """A queued finished span as an agl Span, its deferred payloads encoded (runs on the writer thread)."""
-    (name, trace_id, span_id, parent_id, start, end, status_code, description, attrs, events,
-     rollout_id, attempt_id, sequence_id, deferred) = finished
-    attributes: Dict[str, Any] = {k: _otel_value(v) for k, v in attrs.items()}
-    if deferred:
-        for key, value in deferred.items():
-            if type(value) in _PLAIN_TYPES:
-                attributes[key] = value
-                continue
-            try:
-                attributes[key] = encode_attribute(value)
-            except Exception as exc:  # noqa: BLE001 - keep the span, mark the one value that failed
-                logger.warning("agl could not encode attribute %s of span %r: %s", key, name, exc)
-                attributes[key] = f"agl-encode-error: {type(exc).__name__}: {exc}"
-    status = "error" if status_code is StatusCode.ERROR else "ok" if status_code is StatusCode.OK else "unset"
-    return _trusted_span(
-        rollout_id=rollout_id,
-        attempt_id=attempt_id,
-        sequence_id=sequence_id,
-        trace_id=format(trace_id, "032x"),
-        span_id=format(span_id, "016x"),
-        parent_id=format(parent_id, "016x") if parent_id is not None else None,
-        name=name,
-        kind=attrs.get(semconv.SPAN_KIND, "chain"),
-        start_time=start,
-        end_time=end,
-        status=status,
-        error=description if status == "error" else None,
-        attributes=attributes,
-        events=[
-            SpanEvent.model_construct(
-                name=e_name, timestamp=e_time, attributes={k: _otel_value(v) for k, v in (e_attrs or {}).items()}
-            )
-            for e_name, e_time, e_attrs in events
-        ],
-    )
-
-
-_PLAIN_TYPES = frozenset((str, int, float, bool))
-
-
-def _trusted_span(**fields: Any) -> Span:
-    """A Span from values the tracer built itself, without validation.
-
-    ``Span.model_construct`` costs a few microseconds per span on the writer's critical path; this sets
-    the same instance state directly. Every field must be given (checked by tests/test_tracer.py).
-    """
-    span = Span.__new__(Span)
-    object.__setattr__(span, "__dict__", fields)
-    object.__setattr__(span, "__pydantic_fields_set__", _SPAN_FIELDS)
-    object.__setattr__(span, "__pydantic_extra__", None)
-    object.__setattr__(span, "__pydantic_private__", None)
-    return span
+def _checked_writer(writer: str) -> str:
+    if writer not in WRITER_MODES:
+        raise ValueError(f"agl span writer must be one of {', '.join(WRITER_MODES)}, not {writer!r}")
+    return writer
 
 
 StartHook = Callable[[AglSpan], None]
@@ -371,14 +311,24 @@ class Tracer:
     under a span the user's own tracing chose not to sample.
     """
 
-    def __init__(self, max_queue: int = 100_000, batch_size: int = 64) -> None:
-        self.processor = StoreSpanProcessor(max_queue=max_queue, batch_size=batch_size)
+    def __init__(self, max_queue: int = 100_000, batch_size: int = 64, writer: Optional[str] = None) -> None:
+        """``writer``: ``"thread"`` (default) or ``"process"`` (see :mod:`agl.writer_process`); when not
+        given, the ``AGL_SPAN_WRITER`` environment variable decides."""
+        self.processor = StoreSpanProcessor(
+            max_queue=max_queue, batch_size=batch_size, writer=writer or os.environ.get(WRITER_ENV) or "thread"
+        )
         self._start_hooks: Tuple[StartHook, ...] = ()  # replaced, never mutated: start_span reads it unlocked
         self._hooks_lock = threading.Lock()
 
     def set_store(self, store: Any) -> None:
         """Where finished spans go (anything with ``add_spans``). Spans wait in the queue until set."""
-        self.processor.sink = store
+        self.processor.set_sink(store)
+
+    def set_writer(self, writer: str) -> None:
+        """Who writes spans to the store: ``"thread"`` (a daemon thread, the default) or ``"process"``: a child
+        process on another core, for CPU-bound agents whose GIL the writer thread would otherwise share.
+        The process needs a store several processes can share; with any other, a thread writes (warned)."""
+        self.processor.set_writer(writer)
 
     @property
     def store(self) -> Any:

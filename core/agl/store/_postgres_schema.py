@@ -108,19 +108,32 @@ INSERT_ROLLOUT = (
     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 'queued', nextval('agl_queue_pos'))"
 )
 
-# Claims the first ``limit`` queued rollouts nobody else is claiming right now; returns the SELECT_ROLLOUTS
-# rollout columns as they are after the claim, the new attempt's aid and the queue position (for order).
+# The whole of a claim in one statement (one round trip, committed on its own): takes the first
+# ``limit`` queued rollouts nobody else is claiming right now, starts an attempt of each (ids from
+# ``attempt_ids``, in queue order; its deadline is ``_rules.attempt_deadline(now, now, ...)``: ``least``
+# skips NULLs as that rule skips absent bounds) and notifies DONE_CHANNEL if one can expire, so that a
+# waiter sleeping until the next expiry learns of it. Returns one row per claimed rollout (SELECT_ROLLOUTS
+# columns, then the new deadline and the queue position), or one row of NULLs when none was; every row
+# ends with the earliest deadline of the attempts that were running before (the snapshot precedes the
+# claim), which tells the caller whether it must reap, then whether it notified.
 CLAIM = (
-    "UPDATE agl_rollouts r SET status = 'running', queue_pos = NULL, n_attempts = r.n_attempts + 1, "
-    "start_time = coalesce(r.start_time, %(now)s), latest_aid = nextval('agl_attempts_aid_seq') "
-    "FROM (SELECT seq, queue_pos FROM agl_rollouts WHERE queue_pos IS NOT NULL ORDER BY queue_pos "
-    "LIMIT %(limit)s FOR UPDATE SKIP LOCKED) p "
-    f"WHERE r.seq = p.seq RETURNING {ROLLOUT_COLS}, r.latest_aid, p.queue_pos"
-)
-
-INSERT_ATTEMPT = (
-    "INSERT INTO agl_attempts (aid, rollout_id, attempt_id, sequence, runner_id, status, start_time, "
-    "last_heartbeat, deadline) VALUES (%s, %s, %s, %s, %s, 'running', %s, %s, %s)"
+    "WITH p AS (SELECT seq, queue_pos FROM agl_rollouts WHERE queue_pos IS NOT NULL ORDER BY queue_pos "
+    "LIMIT %(limit)s FOR UPDATE SKIP LOCKED), "
+    "c AS (UPDATE agl_rollouts r SET status = 'running', queue_pos = NULL, n_attempts = r.n_attempts + 1, "
+    "start_time = coalesce(r.start_time, %(now)s), latest_aid = nextval('agl_attempts_aid_seq') FROM p "
+    f"WHERE r.seq = p.seq RETURNING {ROLLOUT_COLS}, r.latest_aid, p.queue_pos, "
+    "least(%(now)s + r.timeout_seconds, %(now)s + r.heartbeat_timeout_seconds) AS deadline), "
+    "n AS (SELECT c.*, (%(attempt_ids)s::text[])[row_number() OVER (ORDER BY c.queue_pos)] AS attempt_id FROM c), "
+    "i AS (INSERT INTO agl_attempts (aid, rollout_id, attempt_id, sequence, runner_id, status, start_time, "
+    "last_heartbeat, deadline) SELECT n.latest_aid, n.rollout_id, n.attempt_id, n.n_attempts, %(runner_id)s, "
+    "'running', %(now)s, %(now)s, n.deadline FROM n), "
+    "d AS (SELECT min(deadline) AS next_deadline, "
+    f"(SELECT count(pg_notify('{DONE_CHANNEL}', '')) FROM n WHERE n.deadline IS NOT NULL) AS notified "
+    "FROM agl_attempts WHERE status = 'running' AND deadline IS NOT NULL) "
+    "SELECT n.rollout_id, n.task_id, n.input, n.mode, n.status, n.resources_id, n.max_attempts, n.timeout_seconds, "
+    "n.heartbeat_timeout_seconds, n.metadata, n.n_attempts, n.final_reward, n.error, n.create_time, n.start_time, "
+    "n.end_time, n.rollout_id, n.attempt_id, n.n_attempts, %(runner_id)s, 'running', %(now)s, NULL, %(now)s, NULL, "
+    "n.deadline, n.queue_pos, d.next_deadline, d.notified FROM d LEFT JOIN n ON TRUE ORDER BY n.queue_pos"
 )
 
 # The attempt's row joined with its rollout's bookkeeping, both rows locked (rollout first, as every state
@@ -144,6 +157,35 @@ END_ATTEMPT = (
 ROLLOUT_SUCCEEDED = "status = 'succeeded', final_reward = %s, error = NULL, end_time = %s"
 ROLLOUT_REQUEUED = "status = 'queued', error = %s, queue_pos = nextval('agl_queue_pos')"
 ROLLOUT_FAILED = "status = 'failed', error = %s, end_time = %s"
+
+# ``complete_attempt`` in one statement (one round trip, committed on its own): locks the rollout and the
+# attempt (rollout first, as every state change does) and, only if the attempt is still running, ends it
+# as END_ATTEMPT would. Where the rollout goes is ``on_retry`` while attempts are left, else ``on_last``
+# (both decided by ``_rules.next_rollout_status``). Returns one row, or none for unknown ids: the attempt's
+# and the rollout's status as locked (a non-running attempt was left alone), then the SELECT_ROLLOUTS
+# columns of the rollout as it now is (NULLs when nothing changed). The locked row is the newest version
+# (a reap that committed while this waited is seen), and the updates re-check it.
+COMPLETE = (
+    "WITH l AS (SELECT a.aid, a.status AS attempt_status, r.status AS rollout_status, "
+    "CASE WHEN r.n_attempts < r.max_attempts THEN %(on_retry)s ELSE %(on_last)s END AS next "
+    "FROM agl_rollouts r JOIN agl_attempts a ON a.rollout_id = r.rollout_id "
+    "WHERE r.rollout_id = %(rollout_id)s AND a.attempt_id = %(attempt_id)s FOR UPDATE OF r, a), "
+    "a AS (UPDATE agl_attempts a SET status = %(status)s, end_time = %(now)s, error = %(error)s, deadline = NULL "
+    f"FROM l WHERE a.aid = l.aid AND l.attempt_status = 'running' RETURNING {ATTEMPT_COLS}), "
+    "r AS (UPDATE agl_rollouts r SET status = l.next, "
+    "final_reward = CASE WHEN l.next = 'succeeded' THEN %(reward)s::float8 ELSE r.final_reward END, "
+    "error = CASE WHEN l.next = 'succeeded' THEN NULL ELSE %(error)s END, "
+    "end_time = CASE WHEN l.next = 'queued' THEN r.end_time ELSE %(now)s END, "
+    "queue_pos = CASE WHEN l.next = 'queued' THEN nextval('agl_queue_pos') ELSE r.queue_pos END "
+    "FROM l WHERE r.rollout_id = %(rollout_id)s AND l.attempt_status = 'running' "
+    f"RETURNING {ROLLOUT_COLS}, l.next) "
+    "SELECT l.attempt_status, l.rollout_status, r.rollout_id, r.task_id, r.input, r.mode, r.status, r.resources_id, "
+    "r.max_attempts, r.timeout_seconds, r.heartbeat_timeout_seconds, r.metadata, r.n_attempts, r.final_reward, "
+    "r.error, r.create_time, r.start_time, r.end_time, a.*, "
+    f"(SELECT pg_notify(CASE WHEN r.next = 'queued' THEN '{QUEUE_CHANNEL}' ELSE '{DONE_CHANNEL}' END, '') "
+    "WHERE r.next IS NOT NULL) "
+    "FROM l LEFT JOIN r ON TRUE LEFT JOIN a ON TRUE"
+)
 
 NEXT_DEADLINE = "SELECT min(deadline) FROM agl_attempts WHERE status = 'running' AND deadline IS NOT NULL"
 
@@ -181,16 +223,43 @@ SPAN_ATTEMPTS = (
     "WHERE (a.rollout_id, a.attempt_id) IN (SELECT * FROM unnest(%s::text[], %s::text[]))"
 )
 
+# A small batch of spans in one statement (one round trip, committed on its own; COPY_SPANS takes more
+# round trips but is faster for big batches): the spans (one array per SPAN_COLUMNS column but ``aid``,
+# without repeats), stored only if every (rollout_id, attempt_id) of the batch is known (``n_keys`` pairs);
+# stored ones are skipped; each running attempt named gets a heartbeat (its deadline per
+# ``_rules.attempt_deadline``: ``least`` skips NULLs as the rule skips absent bounds). Returns whether all
+# were known and how many spans were stored.
+ADD_SPANS = (
+    "WITH v AS (SELECT * FROM unnest(%(rollout_id)s::text[], %(attempt_id)s::text[], %(span_id)s::text[], "
+    "%(sequence_id)s::bigint[], %(trace_id)s::text[], %(parent_id)s::text[], %(name)s::text[], %(kind)s::text[], "
+    "%(start_time)s::bigint[], %(end_time)s::bigint[], %(status)s::text[], %(error)s::text[], "
+    "%(attributes)s::text[], %(events)s::text[]) WITH ORDINALITY AS v(rollout_id, attempt_id, span_id, sequence_id, "
+    "trace_id, parent_id, name, kind, start_time, end_time, status, error, attributes, events, k)), "
+    "k AS (SELECT a.aid, a.rollout_id, a.attempt_id, a.status, a.start_time, r.timeout_seconds, "
+    "r.heartbeat_timeout_seconds FROM agl_attempts a JOIN agl_rollouts r ON r.rollout_id = a.rollout_id "
+    "WHERE (a.rollout_id, a.attempt_id) IN (SELECT rollout_id, attempt_id FROM v)), "
+    "ok AS (SELECT count(*) = %(n_keys)s AS known FROM k), "
+    f"ins AS (INSERT INTO agl_spans ({SPAN_COLUMNS}) SELECT k.aid, v.rollout_id, v.attempt_id, v.span_id, "
+    "v.sequence_id, v.trace_id, v.parent_id, v.name, v.kind, v.start_time, v.end_time, v.status, v.error, "
+    "v.attributes, v.events FROM v JOIN k ON k.rollout_id = v.rollout_id AND k.attempt_id = v.attempt_id "
+    "WHERE (SELECT known FROM ok) ORDER BY v.k ON CONFLICT (aid, span_id) DO NOTHING RETURNING 1), "
+    "hb AS (UPDATE agl_attempts a SET last_heartbeat = %(now)s, "
+    "deadline = least(k.start_time + k.timeout_seconds, %(now)s + k.heartbeat_timeout_seconds) FROM k "
+    "WHERE a.aid = k.aid AND k.status = 'running' AND a.status = 'running' AND (SELECT known FROM ok)) "
+    "SELECT (SELECT known FROM ok), (SELECT count(*) FROM ins)"
+)
+
 __all__ = [
+    "ADD_SPANS",
     "ATTEMPT_COLS",
     "CLAIM",
+    "COMPLETE",
     "COPY_SPANS",
     "DONE_CHANNEL",
     "END_ATTEMPT",
     "EXPIRED",
     "HEARTBEAT",
     "HEARTBEATS",
-    "INSERT_ATTEMPT",
     "INSERT_ROLLOUT",
     "INSERT_SPANS",
     "LIVE_ATTEMPT",

@@ -36,7 +36,21 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    NoReturn,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    TypeVar,
+)
 
 from pydantic_core import from_json
 
@@ -52,15 +66,16 @@ from agl.errors import (
 )
 from agl.store import _rules
 from agl.store._postgres_schema import (
+    ADD_SPANS,
     ATTEMPT_COLS,
     CLAIM,
+    COMPLETE,
     COPY_SPANS,
     DONE_CHANNEL,
     END_ATTEMPT,
     EXPIRED,
     HEARTBEAT,
     HEARTBEATS,
-    INSERT_ATTEMPT,
     INSERT_ROLLOUT,
     INSERT_SPANS,
     LIVE_ATTEMPT,
@@ -115,6 +130,14 @@ _CONNECT_TIMEOUT_S = 10
 # The server rolled the transaction back and it may simply be run again.
 _ROLLED_BACK = (pg_errors.TransactionRollback, pg_errors.DeadlockDetected, pg_errors.SerializationFailure)
 
+# The server ended the session (shutdown, pg_terminate_backend) and said so: a statement it was running was
+# aborted, not committed (a commit that completed was answered before the session ended).
+_SESSION_ENDED = (pg_errors.AdminShutdown, pg_errors.CrashShutdown, pg_errors.CannotConnectNow)
+
+# Batches of up to this many spans go in with one statement (ADD_SPANS); bigger ones with COPY, which takes
+# more round trips but less time per span.
+_SMALL_SPAN_BATCH = 64
+
 
 def _oneline(exc: Optional[BaseException]) -> str:
     """An error's message on one line (libpq's span several)."""
@@ -147,14 +170,27 @@ class _Pool:
         self._closed = False
 
     def get(self) -> Any:
-        with self._cond:
-            while not self._idle and self._size >= self._max_size and not self._closed:
-                self._cond.wait()
-            if self._closed:
-                raise StoreClosedError("the store was closed while this call waited for a connection")
-            if self._idle:
-                return self._idle.pop()
-            self._size += 1
+        """A connection whose session is open as far as can be seen without a round trip.
+
+        An idle session the server ended (restart, ``pg_terminate_backend``) has its goodbye or end of file
+        waiting on the socket: it is replaced here, before a statement is sent on it, because a statement
+        that commits on its own cannot be retried once sent (it may have been committed).
+        """
+        while True:
+            with self._cond:
+                while not self._idle and self._size >= self._max_size and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    raise StoreClosedError("the store was closed while this call waited for a connection")
+                conn = self._idle.pop() if self._idle else None
+                if conn is None:
+                    self._size += 1
+            if conn is None:
+                break
+            if _idle_session_open(conn):
+                return conn
+            logger.warning("PostgreSQL ended an idle session of the pool (server restart or session killed); retrying")
+            self._discard(conn)
         try:
             return self._connect()
         except BaseException:
@@ -169,13 +205,18 @@ class _Pool:
         if reuse and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             reuse = False  # an operation was interrupted mid-transaction (KeyboardInterrupt): start afresh
         if not reuse:
-            with contextlib.suppress(psycopg.Error):
-                conn.close()
+            self._discard(conn)
+            return
         with self._cond:
-            if reuse:
-                self._idle.append(conn)
-            else:
-                self._size -= 1
+            self._idle.append(conn)
+            self._cond.notify()
+
+    def _discard(self, conn: Any) -> None:
+        """Close a connection of the pool and free its place."""
+        with contextlib.suppress(psycopg.Error):
+            conn.close()
+        with self._cond:
+            self._size -= 1
             self._cond.notify()
 
     def close(self) -> None:
@@ -192,6 +233,16 @@ class _Pool:
         """In a forked child: forget the parent's connections without closing them."""
         _ABANDONED.extend(self._idle)
         self._idle = []
+
+
+def _idle_session_open(conn: Any) -> bool:
+    """False if the server has ended this idle session: it sends nothing else unasked to a session that does
+    not LISTEN, so anything readable (an error saying why, or end of file) means the session is gone."""
+    if conn.closed:
+        return False
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return not poller.poll(0)
 
 
 class _Notifications:
@@ -420,8 +471,12 @@ class PostgresLightningStore(LightningStore):
                     conn.execute(statement)  # type: ignore[arg-type]  # constant SQL
             conn.execute("INSERT INTO agl_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
-    def _run(self, work: Callable[[Any], T], *, write: bool = True) -> T:
+    def _run(self, work: Callable[[Any], T], *, write: bool = True, single: bool = False) -> T:
         """Run ``work(conn)`` (in one transaction if ``write``), retrying on a new connection while it is safe.
+
+        ``single``: ``work`` writes with one statement, which commits on its own (no BEGIN and COMMIT: one
+        round trip instead of three, which is most of the cost of a small write); once sent it may have
+        been committed, so a connection lost during it is not retried unless the server said it aborted it.
 
         A retry happens when the connection was lost or the server rolled the transaction back (deadlock,
         serialisation failure) before the commit was sent: then nothing of it was stored. Connecting is
@@ -432,7 +487,7 @@ class PostgresLightningStore(LightningStore):
         delay = 0.05
         while True:
             try:
-                return self._run_once(pool, work, write)
+                return self._run_once(pool, work, write, single)
             except _CommitUnknown as unknown:
                 raise StoreUnavailableError(
                     f"the connection to PostgreSQL ({redacted(self.dsn)}) was lost while committing, so this change "
@@ -450,18 +505,21 @@ class PostgresLightningStore(LightningStore):
                 delay = min(delay * 2, 1.0)
                 pool, _ = self._state()  # raises if close() was called meanwhile
 
-    def _run_once(self, pool: _Pool, work: Callable[[Any], T], write: bool) -> T:
+    def _run_once(self, pool: _Pool, work: Callable[[Any], T], write: bool, single: bool) -> T:
         conn = pool.get()
         committing = False
         try:
             if not write:
+                return work(conn)
+            if single:
+                committing = True  # from the statement's start
                 return work(conn)
             with conn.transaction():
                 result = work(conn)
                 committing = True
             return result
         except (psycopg.OperationalError, *_ROLLED_BACK) as exc:
-            if committing and (conn.closed or conn.broken):
+            if committing and (conn.closed or conn.broken) and not isinstance(exc, _SESSION_ENDED):
                 raise _CommitUnknown() from exc
             if isinstance(exc, _ROLLED_BACK) or conn.closed or conn.broken:
                 raise  # nothing was committed: _run retries
@@ -495,12 +553,17 @@ class PostgresLightningStore(LightningStore):
         """``LIVE_ATTEMPT``'s row (rollout and attempt locked); raises unless the attempt exists and is running."""
         row = c.execute(LIVE_ATTEMPT, (rollout_id, attempt_id)).fetchone()
         if row is None:
-            if c.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone() is None:
-                raise UnknownRolloutError(rollout_id)
-            raise UnknownAttemptError(rollout_id, attempt_id)
+            PostgresLightningStore._raise_unknown(c, rollout_id, attempt_id)
         if row[1] != "running":
             raise _rules.stale_error(rollout_id, attempt_id, row[1], row[2])
         return row
+
+    @staticmethod
+    def _raise_unknown(c: Any, rollout_id: str, attempt_id: str) -> NoReturn:
+        """For an attempt that was not found: UnknownRolloutError, or UnknownAttemptError if the rollout exists."""
+        if c.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone() is None:
+            raise UnknownRolloutError(rollout_id)
+        raise UnknownAttemptError(rollout_id, attempt_id)
 
     @staticmethod
     def _end_attempt(
@@ -633,35 +696,27 @@ class PostgresLightningStore(LightningStore):
         return self._wait(QUEUE_CHANNEL, timeout, attempt) or []
 
     def _claim(self, runner_id: str, limit: int) -> Tuple[List[Rollout], Optional[float]]:
-        """Reap, then claim up to ``limit`` queued rollouts in one transaction; also returns the next expiry."""
-        _, next_expiry = self._reap()
-        queued = "SELECT EXISTS (SELECT 1 FROM agl_rollouts WHERE queue_pos IS NOT NULL)"
-        if not self._run(lambda c: c.execute(queued).fetchone()[0], write=False):
-            return [], next_expiry  # nothing queued: no transaction
+        """Claim up to ``limit`` queued rollouts (reaping first if an attempt expired); also returns the next
+        expiry. One statement, which also tells whether an attempt has expired: only then is there more."""
+        claimed, deadlines, next_before, now = self._claim_once(runner_id, limit)
+        if next_before is not None and next_before <= now:
+            reaped, next_before = self._reap()
+            if reaped and len(claimed) < limit:  # the reap may have requeued some: claim them in this call
+                more, more_deadlines, _, _ = self._claim_once(runner_id, limit - len(claimed))
+                claimed += more
+                deadlines += more_deadlines
+        return claimed, min((d for d in deadlines + [next_before] if d is not None), default=None)
 
-        def work(c: Any) -> Tuple[List[Rollout], List[float]]:
-            now = self._now()
-            rows = sorted(c.execute(CLAIM, {"now": now, "limit": limit}).fetchall(), key=lambda row: row[-1])
-            attempts = []  # INSERT_ATTEMPT parameters, one per claimed rollout
-            for row in rows:
-                deadline = _rules.attempt_deadline(now, now, row[7], row[8])
-                attempts.append((row[16], row[0], new_id("at"), row[10], runner_id, now, now, deadline))
-            if attempts:
-                with c.cursor() as cur:
-                    cur.executemany(INSERT_ATTEMPT, attempts)
-            deadlines = [a[7] for a in attempts if a[7] is not None]
-            if deadlines:
-                c.execute(f"NOTIFY {DONE_CHANNEL}")  # a waiter sleeping until the next expiry must learn of these
-            claimed = [
-                rollout_from_row(row[:16] + (a[1], a[2], a[3], runner_id, "running", now, None, now, None))
-                for row, a in zip(rows, attempts)
-            ]
-            return claimed, deadlines
-
-        claimed, deadlines = self._run(work)
-        if next_expiry is not None:
-            deadlines.append(next_expiry)
-        return claimed, min(deadlines) if deadlines else None
+    def _claim_once(
+        self, runner_id: str, limit: int
+    ) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
+        """CLAIM: the claimed rollouts, their attempts' deadlines, the earliest deadline of the attempts that
+        were running before, and the time of the claim."""
+        now = self._now()
+        params = {"now": now, "limit": limit, "runner_id": runner_id, "attempt_ids": [new_id("at") for _ in range(limit)]}
+        rows = self._run(lambda c: c.execute(CLAIM, params).fetchall(), single=True)
+        claimed = [row for row in rows if row[0] is not None]
+        return [rollout_from_row(row[:25]) for row in claimed], [row[25] for row in claimed], rows[0][27], now
 
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         def work(c: Any) -> Attempt:
@@ -682,13 +737,23 @@ class PostgresLightningStore(LightningStore):
         error: Optional[str] = None,
     ) -> Rollout:
         _rules.check_complete_status(status)
-
-        def work(c: Any) -> Rollout:
-            now = self._now()
-            aid, _, _, _, _, _, n_attempts, max_attempts = self._live_attempt(c, rollout_id, attempt_id)
-            return self._end_attempt(c, rollout_id, aid, status, error, reward, n_attempts, max_attempts, now)
-
-        return self._run(work)
+        params = {
+            "rollout_id": rollout_id,
+            "attempt_id": attempt_id,
+            "status": status,
+            "reward": reward,
+            "error": error,
+            "now": self._now(),
+            "on_retry": _rules.next_rollout_status(status, n_attempts=1, max_attempts=2),
+            "on_last": _rules.next_rollout_status(status, n_attempts=2, max_attempts=2),
+        }
+        row = self._run(lambda c: c.execute(COMPLETE, params).fetchone(), single=True)
+        if row is None:
+            return self._run(lambda c: self._raise_unknown(c, rollout_id, attempt_id), write=False)
+        attempt_status, rollout_status = row[:2]
+        if attempt_status != "running":
+            raise _rules.stale_error(rollout_id, attempt_id, attempt_status, rollout_status)
+        return rollout_from_row(row[2:27])
 
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         def work(c: Any) -> Rollout:
@@ -793,18 +858,12 @@ class PostgresLightningStore(LightningStore):
             return 0
         rows = [_storable(span_to_row(span)) for span in spans]  # encoded before any round trip
         keys = list(dict.fromkeys((row[0], row[1]) for row in rows))
+        if len(rows) <= _SMALL_SPAN_BATCH:
+            return self._add_small_batch(rows, keys)
 
         def work(c: Any, copy: bool) -> int:
             now = self._now()
-            found = {
-                (r[0], r[1]): r[2:]
-                for r in c.execute(SPAN_ATTEMPTS, ([k[0] for k in keys], [k[1] for k in keys])).fetchall()
-            }
-            for rollout_id, attempt_id in keys:  # the first unknown id of the batch, as the other backends
-                if (rollout_id, attempt_id) not in found:
-                    if c.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone():
-                        raise UnknownAttemptError(rollout_id, attempt_id)
-                    raise UnknownRolloutError(rollout_id)
+            found = self._span_attempts(c, keys)
             first: Dict[Tuple[int, str], Tuple[Any, ...]] = {}  # (aid, span_id) -> row: the first copy wins
             for row in rows:
                 aid = found[(row[0], row[1])][0]
@@ -831,6 +890,39 @@ class PostgresLightningStore(LightningStore):
             return self._run(lambda c: work(c, copy=True))
         except pg_errors.UniqueViolation:  # some were (a batch sent again): insert skipping those
             return self._run(lambda c: work(c, copy=False))
+
+    _SPAN_FIELDS = (
+        "rollout_id", "attempt_id", "span_id", "sequence_id", "trace_id", "parent_id", "name", "kind", "start_time",
+        "end_time", "status", "error", "attributes", "events",
+    )  # span_to_row's columns: ADD_SPANS's parameters
+
+    def _add_small_batch(self, rows: List[Tuple[Any, ...]], keys: List[Tuple[str, str]]) -> int:
+        """``add_spans`` of a small batch: one statement (ADD_SPANS) in the common case."""
+        first: Dict[Tuple[str, str, str], Tuple[Any, ...]] = {}  # the first copy of a span in the batch wins
+        for row in rows:
+            first.setdefault(row[:3], row)
+        params: Dict[str, Any] = dict(zip(self._SPAN_FIELDS, (list(column) for column in zip(*first.values()))))
+        params["n_keys"] = len(keys)
+        while True:
+            params["now"] = self._now()
+            known, stored = self._run(lambda c: c.execute(ADD_SPANS, params).fetchone(), single=True)
+            if known:
+                return int(stored)
+            self._run(lambda c: self._span_attempts(c, keys), write=False)  # raises for the first unknown id
+            # all are known now (enqueued or claimed meanwhile): store them
+
+    @staticmethod
+    def _span_attempts(c: Any, keys: List[Tuple[str, str]]) -> Dict[Tuple[str, str], Tuple[Any, ...]]:
+        """(rollout_id, attempt_id) -> (aid, status, start_time, timeout, heartbeat timeout) for each key;
+        raises UnknownRolloutError/UnknownAttemptError for the first unknown one, as the other backends."""
+        found = {
+            (r[0], r[1]): r[2:]
+            for r in c.execute(SPAN_ATTEMPTS, ([k[0] for k in keys], [k[1] for k in keys])).fetchall()
+        }
+        for rollout_id, attempt_id in keys:
+            if (rollout_id, attempt_id) not in found:
+                PostgresLightningStore._raise_unknown(c, rollout_id, attempt_id)
+        return found
 
     def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
         def work(c: Any) -> List[Span]:

@@ -1,0 +1,188 @@
+"""How a finished span travels from the agent's thread to the store: a tuple of plain values, then a Span.
+
+The tracer queues :data:`Finished` tuples on the caller's thread (field reads, no encoding); the writer (a
+thread, or the writer process of :mod:`agl.writer_process`) turns them into :class:`agl.types.Span` with
+:func:`convert_span`. Both ends live here so that the tuple's layout is defined once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from opentelemetry.trace import StatusCode
+from pydantic_core import to_json
+
+from agl import semconv
+from agl.otel_span import AglSpan
+from agl.types import Span, SpanEvent
+
+logger = logging.getLogger("agl.tracer")
+
+
+def encode_attribute(value: Any) -> Any:
+    """How a deferred value is stored: callables are called first (work moved off the caller's thread);
+    scalars and lists of numbers stay as they are; everything else becomes a JSON string."""
+    if callable(value):
+        value = value()
+    if isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)) and _is_number_list(value):
+        return value if isinstance(value, list) else list(value)
+    try:
+        return to_json(value, exclude_none=True, fallback=str).decode()
+    except Exception:  # noqa: BLE001 - e.g. SDK models whose pydantic serializer is not built yet
+        return to_json(_dumped(value), fallback=str).decode()
+
+
+def _dumped(value: Any) -> Any:
+    """Plain data from pydantic models through their own ``model_dump`` (the slow, always-working way)."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json", exclude_none=True)
+    if isinstance(value, (list, tuple)):
+        return [_dumped(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _dumped(v) for k, v in value.items()}
+    return value
+
+
+def _is_number_list(values: Any) -> bool:
+    # Token ids and logprobs come from JSON decoded by the SDK, so the ends stand for the whole list; a
+    # mixed list that slips through is caught by the store, which refuses just that span (see _write).
+    return not values or (type(values[0]) in _NUMBER_TYPES and type(values[-1]) in _NUMBER_TYPES)
+
+
+_NUMBER_TYPES = (int, float)
+
+
+def _otel_value(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+# A finished span as queued for the writer: plain values only, so the span object is freed when the caller
+# drops it instead of living in the queue. Few tracked objects per queued span keep the agent's thread from
+# paying for collections it would not otherwise run: (name, trace id, span id, parent span id, start, end,
+# status code, status description, attributes, events, rollout id, attempt id, sequence id, deferred
+# attributes).
+Finished = Tuple[
+    str, int, int, Optional[int], int, int, StatusCode, Optional[str], Mapping[str, Any], Tuple[Any, ...],
+    str, str, int, Optional[Dict[str, Any]],
+]
+
+
+def finished(span: AglSpan) -> Finished:
+    """What the writer needs of ``span`` (runs on the caller's thread: field reads only, no encoding).
+
+    The attribute dict is handed over as it is: an ended span ignores every change.
+    """
+    events = span.events
+    deferred = span.deferred
+    return (
+        span.name,
+        span.trace_id,
+        span.span_id,
+        span.parent_id,
+        span.start_time,
+        span.end_time,
+        span.status_code,
+        span.status_description,
+        span.attributes,
+        tuple(events) if events else (),
+        span.rollout_id,
+        span.attempt_id,
+        span.sequence_id,
+        settled(deferred) if deferred else None,
+    )
+
+
+def settled(deferred: Dict[str, Any]) -> Dict[str, Any]:
+    """Deferred payloads that the garbage collector need not walk while they wait for the writer.
+
+    Containers (message lists, SDK objects) become their JSON text now, a few microseconds: a queued list of
+    dicts survives collections and is promoted, and every full collection then walks it on the agent's
+    thread, which costs more than encoding it. Token ids stay tuples (untracked once seen by the collector),
+    callables stay for the writer (they exist to move larger work off this thread).
+    """
+    for key, value in deferred.items():
+        kind = type(value)
+        if kind in _PLAIN_TYPES or kind is tuple or callable(value):
+            continue
+        try:
+            deferred[key] = encode_attribute(value)
+        except Exception:  # noqa: BLE001 - the writer tries again and records the error on the span
+            pass
+    return deferred
+
+
+_SPAN_FIELDS = frozenset(Span.model_fields)
+
+
+def convert_span(item: Finished) -> Span:
+    """A queued finished span as an agl Span, its deferred payloads encoded (runs on the writer thread)."""
+    (name, trace_id, span_id, parent_id, start, end, status_code, description, attrs, events,
+     rollout_id, attempt_id, sequence_id, deferred) = item
+    attributes: Dict[str, Any] = {k: _otel_value(v) for k, v in attrs.items()}
+    if deferred:
+        for key, value in deferred.items():
+            if type(value) in _PLAIN_TYPES:
+                attributes[key] = value
+                continue
+            attributes[key] = _encoded_or_error(key, value, name)
+    status = "error" if status_code is StatusCode.ERROR else "ok" if status_code is StatusCode.OK else "unset"
+    return _trusted_span(
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=sequence_id,
+        trace_id=format(trace_id, "032x"),
+        span_id=format(span_id, "016x"),
+        parent_id=format(parent_id, "016x") if parent_id is not None else None,
+        name=name,
+        kind=attrs.get(semconv.SPAN_KIND, "chain"),
+        start_time=start,
+        end_time=end,
+        status=status,
+        error=description if status == "error" else None,
+        attributes=attributes,
+        events=[
+            SpanEvent.model_construct(
+                name=e_name, timestamp=e_time, attributes={k: _otel_value(v) for k, v in (e_attrs or {}).items()}
+            )
+            for e_name, e_time, e_attrs in events
+        ],
+    )
+
+
+_PLAIN_TYPES = frozenset((str, int, float, bool))
+
+
+def _encoded_or_error(key: str, value: Any, span_name: str) -> Any:
+    """``encode_attribute(value)``; a value that fails is kept as an error text, so the span is still stored."""
+    try:
+        return encode_attribute(value)
+    except Exception as exc:  # noqa: BLE001 - keep the span, mark the one value that failed
+        logger.warning("agl could not encode attribute %s of span %r: %s", key, span_name, exc)
+        return f"agl-encode-error: {type(exc).__name__}: {exc}"
+
+
+def without_callables(item: Finished) -> Finished:
+    """``item`` with its deferred callables called and encoded, so that it can be pickled to another process."""
+    deferred = item[13]
+    if deferred and any(callable(v) for v in deferred.values()):
+        for key, value in deferred.items():
+            if callable(value):
+                deferred[key] = _encoded_or_error(key, value, item[0])
+    return item
+
+
+def _trusted_span(**fields: Any) -> Span:
+    """A Span from values the tracer built itself, without validation.
+
+    ``Span.model_construct`` costs a few microseconds per span on the writer's critical path; this sets
+    the same instance state directly. Every field must be given (checked by tests/test_tracer.py).
+    """
+    span = Span.__new__(Span)
+    object.__setattr__(span, "__dict__", fields)
+    object.__setattr__(span, "__pydantic_fields_set__", _SPAN_FIELDS)
+    object.__setattr__(span, "__pydantic_extra__", None)
+    object.__setattr__(span, "__pydantic_private__", None)
+    return span
