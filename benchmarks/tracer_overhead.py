@@ -38,7 +38,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import openai
 import wrapt
@@ -242,20 +242,49 @@ def rollout_then_flush(store: Store, client: openai.OpenAI) -> Tuple[float, str]
     return timed_flush(), rollout_id
 
 
+def measure_writer(
+    writer: str, store: Store, fast: openai.OpenAI, slow: openai.OpenAI, instrumentor: OpenAIInstrumentor,
+    args: argparse.Namespace,
+) -> Dict[str, Any]:
+    """Every writer-dependent figure for one span writer (``thread`` or ``process``)."""
+    tracer = get_tracer()
+    tracer.set_writer(writer)
+    gcs = GcCounter()
+    latent = end_to_end(store, slow, instrumentor, args.calls, args.rounds, gcs)
+    cpu_bound = end_to_end(store, fast, instrumentor, args.calls, args.rounds, gcs)
+    collections = [c / (2 * args.calls * args.rounds) * 1000 for c in gcs.collections]
+    stored = latent["stored"] + cpu_bound["stored"]
+    expected = 2 * args.calls * args.rounds
+
+    instrumentor.instrument()
+    flushes = {}
+    for label, client in (("latent", slow), ("cpu", fast)):
+        flushes[label], rollout_id = rollout_then_flush(store, client)
+        stored += store.count(rollout_id)
+        expected += FLUSH_SPANS
+    tracer.set_store(None)  # every span of this rollout waits in the queue
+    _, rollout_id = in_rollout(store, lambda: calls(fast, FLUSH_SPANS))
+    tracer.set_store(store.sink)
+    queued_flush_ms = timed_flush()
+    stored += store.count(rollout_id)
+    expected += FLUSH_SPANS
+    instrumentor.uninstrument()
+    return {"latent": latent, "cpu": cpu_bound, "collections": collections, "flushes": flushes,
+            "queued_flush_ms": queued_flush_ms, "stored": stored, "expected": expected}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500, help="calls per round and mode")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--latency", type=float, default=LATENCY_S * 1e3, help="model latency in ms")
-    parser.add_argument("--writer", choices=("thread", "process"), default="thread", help="agl's span writer")
+    parser.add_argument("--writers", default="thread,process", help="agl span writers to measure, comma-separated")
     args = parser.parse_args()
+    writers = [w.strip() for w in args.writers.split(",") if w.strip()]
 
     fast, slow = make_client(), make_client(args.latency / 1e3)
     tracer = get_tracer()
-    tracer.set_writer(args.writer)
     instrumentor = OpenAIInstrumentor()
-    gcs = GcCounter()
-    stored = expected = 0
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(tmp)
         tracer.set_store(store.sink)
@@ -266,31 +295,11 @@ def main() -> None:
         instrumentor.uninstrument()
 
         hot_us, hot_stored = hot_path(store, instrumentor, HOT_CALLS, args.rounds)
-        stored += hot_stored
-        expected += HOT_CALLS * args.rounds
-
-        latent = end_to_end(store, slow, instrumentor, args.calls, args.rounds, gcs)
-        cpu_bound = end_to_end(store, fast, instrumentor, args.calls, args.rounds, gcs)
-        collections = [c / (2 * args.calls * args.rounds) * 1000 for c in gcs.collections]
-        stored += latent["stored"] + cpu_bound["stored"]
-        expected += 2 * args.calls * args.rounds
-
-        instrumentor.instrument()
-        flushes = {}
-        for label, client in (("latent", slow), ("cpu", fast)):
-            flushes[label], rollout_id = rollout_then_flush(store, client)
-            stored += store.count(rollout_id)
-            expected += FLUSH_SPANS
-        tracer.set_store(None)  # every span of this rollout waits in the queue
-        _, rollout_id = in_rollout(store, lambda: calls(fast, FLUSH_SPANS))
-        tracer.set_store(store.sink)
-        queued_flush_ms = timed_flush()
-        stored += store.count(rollout_id)
-        expected += FLUSH_SPANS
-        instrumentor.uninstrument()
+        results = {w: measure_writer(w, store, fast, slow, instrumentor, args) for w in writers}
+        tracer.set_writer("thread")
 
     stats = tracer.stats()
-    print(f"store: {store.label}; span writer: {args.writer}")
+    print(f"store: {store.label}")
     print(
         f"canned reply: {PROMPT_TOKENS} prompt + {RESPONSE_TOKENS} response token ids; {len(MESSAGES)} input messages; "
         f"{args.rounds} rounds x {args.calls} calls per mode (medians of paired rounds)"
@@ -303,28 +312,41 @@ def main() -> None:
     def ratio(result: Dict[str, Any]) -> str:
         return f"{(result['base'] + result['wall']) / result['base']:.3f}x"
 
-    rows: List[Tuple[str, str, str, Any]] = [
-        ("hot path: agl code per call, calling thread (us)", f"{hot_us:.1f}", per_call, hot_us <= CALL_TARGET_US),
-        (f"uninstrumented call, {latency} (us)", f"{latent['base']:.0f}", "", None),
-        (f"overhead per call, {latency}, flush included (us)", f"{latent['wall']:.1f}", per_call, latent["wall"] <= CALL_TARGET_US),
-        ("  ratio", ratio(latent), "", None),
-        ("uninstrumented call, CPU-bound, 0 ms (us)", f"{cpu_bound['base']:.0f}", "", None),
-        ("overhead per call, CPU-bound, writer and flush included (us)", f"{cpu_bound['wall']:.1f}", per_call,
-         cpu_bound["wall"] <= CALL_TARGET_US),
-        ("  calling thread CPU only (us)", f"{cpu_bound['cpu']:.1f}", "", None),
-        ("  ratio", ratio(cpu_bound), "", None),
-        ("GC collections per 1,000 instrumented calls (gen0/1/2)", "/".join(f"{c:.1f}" for c in collections), "", None),
-        (f"end-of-rollout flush, {FLUSH_SPANS} calls, {latency} (ms)", f"{flushes['latent']:.1f}", per_flush,
-         flushes["latent"] <= FLUSH_TARGET_MS),
-        (f"end-of-rollout flush, {FLUSH_SPANS} calls, CPU-bound (ms)", f"{flushes['cpu']:.1f}", per_flush,
-         flushes["cpu"] <= FLUSH_TARGET_MS),
-        (f"writer: {FLUSH_SPANS} spans all queued, one flush (ms)", f"{queued_flush_ms:.0f}", "", None),
-        ("  = writer cost per span (us)", f"{queued_flush_ms * 1e3 / FLUSH_SPANS:.0f}", "", None),
-        ("spans stored / expected", f"{stored}/{expected}", "all", stored == expected),
+    def per_writer(label: str, value: Callable[[Dict[str, Any]], str], target: str = "",
+                   ok: Optional[Callable[[Dict[str, Any]], bool]] = None) -> Tuple[str, List[str], str, List[Any]]:
+        return (label, [value(results[w]) for w in writers], target,
+                [None if ok is None else ok(results[w]) for w in writers])
+
+    rows = [
+        ("hot path: agl code per call, calling thread (us)", [f"{hot_us:.1f}"] * len(writers), per_call,
+         [hot_us <= CALL_TARGET_US] * len(writers)),
+        per_writer(f"uninstrumented call, {latency} (us)", lambda r: f"{r['latent']['base']:.0f}"),
+        per_writer(f"overhead per call, {latency}, flush included (us)", lambda r: f"{r['latent']['wall']:.1f}",
+                   per_call, lambda r: r["latent"]["wall"] <= CALL_TARGET_US),
+        per_writer("  ratio", lambda r: ratio(r["latent"])),
+        per_writer("uninstrumented call, CPU-bound, 0 ms (us)", lambda r: f"{r['cpu']['base']:.0f}"),
+        per_writer("overhead per call, CPU-bound, writer and flush included (us)", lambda r: f"{r['cpu']['wall']:.1f}",
+                   per_call, lambda r: r["cpu"]["wall"] <= CALL_TARGET_US),
+        per_writer("  calling thread CPU only (us)", lambda r: f"{r['cpu']['cpu']:.1f}"),
+        per_writer("  ratio", lambda r: ratio(r["cpu"])),
+        per_writer("GC collections per 1,000 instrumented calls (gen0/1/2)",
+                   lambda r: "/".join(f"{c:.1f}" for c in r["collections"])),
+        per_writer(f"end-of-rollout flush, {FLUSH_SPANS} calls, {latency} (ms)", lambda r: f"{r['flushes']['latent']:.1f}",
+                   per_flush, lambda r: r["flushes"]["latent"] <= FLUSH_TARGET_MS),
+        per_writer(f"end-of-rollout flush, {FLUSH_SPANS} calls, CPU-bound (ms)", lambda r: f"{r['flushes']['cpu']:.1f}",
+                   per_flush, lambda r: r["flushes"]["cpu"] <= FLUSH_TARGET_MS),
+        per_writer(f"writer: {FLUSH_SPANS} spans all queued, one flush (ms)", lambda r: f"{r['queued_flush_ms']:.0f}"),
+        per_writer("  = per span (us)", lambda r: f"{r['queued_flush_ms'] * 1e3 / FLUSH_SPANS:.0f}"),
+        per_writer("spans stored / expected", lambda r: f"{r['stored']}/{r['expected']}", "all",
+                   lambda r: r["stored"] == r["expected"]),
     ]
-    print(f"{'measure':<62} {'value':>11} {'target':>9}  met")
-    for name, value, target, ok in rows:
-        print(f"{name:<62} {value:>11} {target:>9}  {'' if ok is None else ('yes' if ok else 'NO')}")
+    hot_ok = hot_stored == HOT_CALLS * args.rounds
+    header = "".join(f" {w + ' writer':>15} met" for w in writers)
+    print(f"{'measure':<62}{header} {'target':>8}")
+    for name, values, target, oks in rows:
+        cells = "".join(f" {v:>15} {'' if ok is None else ('yes' if ok else 'NO'):<3}" for v, ok in zip(values, oks))
+        print(f"{name:<62}{cells} {target:>8}")
+    print(f"hot-path spans stored: {hot_stored}/{HOT_CALLS * args.rounds} {'yes' if hot_ok else 'NO'}")
     print(f"(tracer: dropped={stats.dropped} export_errors={stats.export_errors} rejected={stats.rejected})")
 
 
