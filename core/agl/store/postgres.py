@@ -52,7 +52,7 @@ from typing import (
     TypeVar,
 )
 
-from pydantic_core import from_json
+from pydantic_core import from_json, to_json
 
 from agl.errors import (
     AglError,
@@ -713,7 +713,8 @@ class PostgresLightningStore(LightningStore):
         """CLAIM: the claimed rollouts, their attempts' deadlines, the earliest deadline of the attempts that
         were running before, and the time of the claim."""
         now = self._now()
-        params = {"now": now, "limit": limit, "runner_id": runner_id, "attempt_ids": [new_id("at") for _ in range(limit)]}
+        attempt_ids = [new_id("at") for _ in range(limit)]
+        params = {"now": now, "limit": limit, "runner_id": runner_id, "attempt_ids": attempt_ids}
         rows = self._run(lambda c: c.execute(CLAIM, params).fetchall(), single=True)
         claimed = [row for row in rows if row[0] is not None]
         return [rollout_from_row(row[:25]) for row in claimed], [row[25] for row in claimed], rows[0][27], now
@@ -891,17 +892,12 @@ class PostgresLightningStore(LightningStore):
         except pg_errors.UniqueViolation:  # some were (a batch sent again): insert skipping those
             return self._run(lambda c: work(c, copy=False))
 
-    _SPAN_FIELDS = (
-        "rollout_id", "attempt_id", "span_id", "sequence_id", "trace_id", "parent_id", "name", "kind", "start_time",
-        "end_time", "status", "error", "attributes", "events",
-    )  # span_to_row's columns: ADD_SPANS's parameters
-
     def _add_small_batch(self, rows: List[Tuple[Any, ...]], keys: List[Tuple[str, str]]) -> int:
         """``add_spans`` of a small batch: one statement (ADD_SPANS) in the common case."""
         first: Dict[Tuple[str, str, str], Tuple[Any, ...]] = {}  # the first copy of a span in the batch wins
         for row in rows:
             first.setdefault(row[:3], row)
-        params: Dict[str, Any] = dict(zip(self._SPAN_FIELDS, (list(column) for column in zip(*first.values()))))
+        params: Dict[str, Any] = {"spans": to_json(list(first.values())).decode()}
         params["n_keys"] = len(keys)
         while True:
             params["now"] = self._now()
