@@ -7,6 +7,8 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -159,6 +161,51 @@ def test_threads_that_end_do_not_leak_connections(sqlite_store: SqliteLightningS
         thread.join()
     sqlite_store.get_rollout(rollout.rollout_id)
     assert len(sqlite_store._conns) <= 2  # this thread's, and at most the last thread's
+
+
+_CLOSE_WHILE_WRITING = """
+import sys, threading, time
+from agl.errors import StoreClosedError
+from agl.store import SqliteLightningStore
+from agl.types import Span
+
+path = sys.argv[1]
+for round in range(15):
+    store = SqliteLightningStore(f"{path}-{round}.db")
+    store.enqueue_rollout("x")
+    rollout = store.dequeue_rollout("r")
+    spans = [Span(rollout_id=rollout.rollout_id, attempt_id=rollout.attempt.attempt_id, sequence_id=i,
+                  trace_id="ab" * 16, span_id=f"{round:08x}{i:08x}", name="s", kind="llm", start_time=1, end_time=2,
+                  attributes={"blob": "x" * 4000}) for i in range(300)]
+    outcomes = []
+
+    def write():
+        try:
+            while True:
+                store.add_spans(spans)
+                store.query_spans(rollout.rollout_id)
+        except StoreClosedError:
+            outcomes.append("closed")
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.02 + 0.01 * round)
+    store.close()
+    for thread in threads:
+        thread.join(30)
+    assert outcomes == ["closed", "closed"], outcomes
+print("ok")
+"""
+
+
+def test_closing_while_other_threads_write_raises_there_instead_of_crashing(tmp_path: Path) -> None:
+    # closing a connection under another thread's running statement crashes CPython's sqlite3 module
+    # (a segfault, seen when a test closed its store while the tracer's writer still wrote to it)
+    done = subprocess.run(
+        [sys.executable, "-c", _CLOSE_WHILE_WRITING, str(tmp_path / "closing")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:

@@ -105,6 +105,8 @@ class SqliteLightningStore(LightningStore):
         self._conns: List[Tuple[threading.Thread, sqlite3.Connection]] = []  # strong refs: see _ABANDONED
         self._conns_lock = threading.Lock()
         self._write_lock = threading.Lock()
+        self._in_flight = 0  # operations between _session()'s enter and exit, in this process
+        self._idle = threading.Condition()
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"path": self.path, "busy_timeout": self.busy_timeout}
@@ -116,12 +118,31 @@ class SqliteLightningStore(LightningStore):
         return f"SqliteLightningStore({self.path!r})"
 
     # -- connections and transactions ----------------------------------------------------------------------
-    def _conn(self) -> sqlite3.Connection:
-        if self._closed:
-            raise StoreClosedError(f"{self!r} was closed; open the file again with SqliteLightningStore(path)")
-        if os.getpid() != self._pid:
+    def _closed_error(self) -> StoreClosedError:
+        return StoreClosedError(f"{self!r} was closed; open the file again with SqliteLightningStore(path)")
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection for one operation. ``close()`` waits for the operations in flight: closing
+        a connection while another thread's statement runs on it crashes the interpreter (a segfault in
+        CPython's sqlite3 module), e.g. when a store is closed while the tracer's writer still writes to it."""
+        if os.getpid() != self._pid:  # forked: the parent's connections and locks are not ours
             _ABANDONED.extend(conn for _, conn in self._conns)
             self._reset_process_state()
+        with self._idle:
+            if self._closed:
+                raise self._closed_error()
+            self._in_flight += 1
+        try:
+            yield self._conn()
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._idle.notify_all()
+
+    def _conn(self) -> sqlite3.Connection:
+        """This thread's connection (made on first use); only inside ``_session()``."""
         conn: Optional[sqlite3.Connection] = getattr(self._local, "conn", None)
         if conn is None:
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False)
@@ -143,8 +164,7 @@ class SqliteLightningStore(LightningStore):
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction holding the database's write lock from its first statement."""
-        conn = self._conn()
-        with self._write_lock:
+        with self._session() as conn, self._write_lock:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
@@ -155,11 +175,11 @@ class SqliteLightningStore(LightningStore):
                 raise
 
     def _create_schema(self) -> None:
-        conn = self._conn()
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        with self._session() as conn:
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
         if mode != "wal":
             logger.warning("%s: SQLite refused WAL mode (journal_mode=%s); is it on a network drive?", self.path, mode)
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise AglError(
                 f"{self.path} was written by a newer agl (store schema {version}, this agl knows {SCHEMA_VERSION}): "
@@ -173,13 +193,24 @@ class SqliteLightningStore(LightningStore):
                 c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
-        self._closed = True
+        """Refuse new operations, wait (up to ``busy_timeout``) for those in flight, then close the connections.
+
+        Connections another thread is still using after that wait are left open (closing them under a running
+        statement would crash the process); the garbage collector closes them when that thread lets go."""
         if os.getpid() != self._pid:
+            self._closed = True
             return  # the parent's connections are not ours to close
-        with self._conns_lock:
-            conns, self._conns = self._conns, []
-        for _, conn in conns:
-            conn.close()
+        with self._idle:
+            self._closed = True
+            idle = self._idle.wait_for(lambda: self._in_flight == 0, timeout=self.busy_timeout)
+            with self._conns_lock:
+                conns, self._conns = self._conns, []
+        if not idle:
+            logger.warning("%r closed while operations were still running in other threads", self)
+        me = threading.current_thread()
+        for thread, conn in conns:
+            if idle or thread is me or not thread.is_alive():
+                conn.close()
 
     # -- shared steps --------------------------------------------------------------------------------------
     @staticmethod
@@ -239,7 +270,8 @@ class SqliteLightningStore(LightningStore):
 
     def _reap(self) -> Tuple[List[Rollout], Optional[float]]:
         """End expired attempts; return the changed rollouts and the next pending deadline."""
-        next_deadline = self._conn().execute(_NEXT_DEADLINE).fetchone()[0]
+        with self._session() as conn:
+            next_deadline = conn.execute(_NEXT_DEADLINE).fetchone()[0]
         now = time.time()
         if next_deadline is None or next_deadline > now:
             return [], next_deadline  # the common case: one indexed read, no write lock
@@ -313,8 +345,9 @@ class SqliteLightningStore(LightningStore):
     def _claim(self, runner_id: str, limit: int) -> Tuple[List[Rollout], Optional[float]]:
         """Reap, then claim up to ``limit`` queued rollouts in one transaction; also returns the next expiry."""
         _, next_expiry = self._reap()
-        conn = self._conn()
-        if conn.execute("SELECT 1 FROM rollouts WHERE queue_pos IS NOT NULL LIMIT 1").fetchone() is None:
+        with self._session() as conn:
+            queued = conn.execute("SELECT 1 FROM rollouts WHERE queue_pos IS NOT NULL LIMIT 1").fetchone()
+        if queued is None:
             return [], next_expiry  # nothing queued: no need for the write lock
         now = time.time()
         with self._write() as c:
@@ -406,7 +439,8 @@ class SqliteLightningStore(LightningStore):
         return rollout
 
     def get_rollout(self, rollout_id: str) -> Rollout:
-        return self._select_one(self._conn(), rollout_id)
+        with self._session() as conn:
+            return self._select_one(conn, rollout_id)
 
     def query_rollouts(
         self,
@@ -433,15 +467,16 @@ class SqliteLightningStore(LightningStore):
             where.append("r.mode = ?")
             params.append(mode)
         sql = f"{SELECT_ROLLOUTS} WHERE {' AND '.join(where)} ORDER BY r.seq LIMIT ? OFFSET ?"
-        rows = self._conn().execute(sql, params + [-1 if limit is None else limit, offset]).fetchall()
+        with self._session() as conn:
+            rows = conn.execute(sql, params + [-1 if limit is None else limit, offset]).fetchall()
         return [rollout_from_row(row) for row in rows]
 
     def query_attempts(self, rollout_id: str) -> List[Attempt]:
-        conn = self._conn()
         sql = f"SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.rollout_id = ? ORDER BY a.sequence"
-        rows = conn.execute(sql, (rollout_id,)).fetchall()
-        if not rows:
-            self._select_one(conn, rollout_id)  # raises if the rollout is unknown
+        with self._session() as conn:
+            rows = conn.execute(sql, (rollout_id,)).fetchall()
+            if not rows:
+                self._select_one(conn, rollout_id)  # raises if the rollout is unknown
         return [attempt_from_row(row) for row in rows]
 
     def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> List[Rollout]:
@@ -461,14 +496,11 @@ class SqliteLightningStore(LightningStore):
 
     def _pending(self, ids: Sequence[str], *, check_known: bool) -> List[str]:
         """Those of ``ids`` that are not terminal yet (raising for unknown ids when ``check_known``)."""
-        rows = (
-            self._conn()
-            .execute(
+        with self._session() as conn:
+            rows = conn.execute(
                 "SELECT rollout_id, status FROM rollouts WHERE rollout_id IN (SELECT value FROM json_each(?))",
                 (json_list(ids),),
-            )
-            .fetchall()
-        )
+            ).fetchall()
         status = dict(rows)
         if check_known and len(status) < len(ids):
             raise UnknownRolloutError(next(i for i in ids if i not in status))
@@ -508,32 +540,32 @@ class SqliteLightningStore(LightningStore):
         return stored
 
     def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
-        conn = self._conn()
-        if attempt_id == "latest":
-            sql = (
-                f"SELECT {SPAN_COLS} FROM spans s WHERE s.aid = (SELECT latest_aid FROM rollouts WHERE rollout_id = ?) "
-                "ORDER BY s.sequence_id, s.rowid"
-            )
-            rows = conn.execute(sql, (rollout_id,)).fetchall()
-        elif attempt_id is None:
-            sql = (
-                f"SELECT {SPAN_COLS} FROM attempts a JOIN spans s ON s.aid = a.aid WHERE a.rollout_id = ? "
-                "ORDER BY a.sequence, s.sequence_id, s.rowid"
-            )
-            rows = conn.execute(sql, (rollout_id,)).fetchall()
-        else:
-            sql = (
-                f"SELECT {SPAN_COLS} FROM attempts a JOIN spans s ON s.aid = a.aid "
-                "WHERE a.rollout_id = ? AND a.attempt_id = ? ORDER BY s.sequence_id, s.rowid"
-            )
-            rows = conn.execute(sql, (rollout_id, attempt_id)).fetchall()
-        if not rows:  # only now find out whether the ids exist, to keep the common path one query
-            self._select_one(conn, rollout_id)
-            if attempt_id not in ("latest", None):
-                sql = "SELECT 1 FROM attempts WHERE rollout_id = ? AND attempt_id = ?"
-                if conn.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
-                    raise UnknownAttemptError(rollout_id, attempt_id)  # type: ignore[arg-type]
-        return [span_from_row(row) for row in rows]
+        with self._session() as conn:
+            if attempt_id == "latest":
+                sql = (
+                    f"SELECT {SPAN_COLS} FROM spans s WHERE s.aid = (SELECT latest_aid FROM rollouts WHERE rollout_id = ?) "
+                    "ORDER BY s.sequence_id, s.rowid"
+                )
+                rows = conn.execute(sql, (rollout_id,)).fetchall()
+            elif attempt_id is None:
+                sql = (
+                    f"SELECT {SPAN_COLS} FROM attempts a JOIN spans s ON s.aid = a.aid WHERE a.rollout_id = ? "
+                    "ORDER BY a.sequence, s.sequence_id, s.rowid"
+                )
+                rows = conn.execute(sql, (rollout_id,)).fetchall()
+            else:
+                sql = (
+                    f"SELECT {SPAN_COLS} FROM attempts a JOIN spans s ON s.aid = a.aid "
+                    "WHERE a.rollout_id = ? AND a.attempt_id = ? ORDER BY s.sequence_id, s.rowid"
+                )
+                rows = conn.execute(sql, (rollout_id, attempt_id)).fetchall()
+            if not rows:  # only now find out whether the ids exist, to keep the common path one query
+                self._select_one(conn, rollout_id)
+                if attempt_id not in ("latest", None):
+                    sql = "SELECT 1 FROM attempts WHERE rollout_id = ? AND attempt_id = ?"
+                    if conn.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
+                        raise UnknownAttemptError(rollout_id, attempt_id)  # type: ignore[arg-type]
+            return [span_from_row(row) for row in rows]
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
@@ -552,30 +584,30 @@ class SqliteLightningStore(LightningStore):
         )
 
     def get_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
-        conn = self._conn()
-        if resources_id is None:
-            row = conn.execute("SELECT * FROM resources ORDER BY version DESC LIMIT 1").fetchone()
-            if row is None:
-                return None
-        else:
-            row = conn.execute("SELECT * FROM resources WHERE resources_id = ?", (resources_id,)).fetchone()
-            if row is None:
-                raise UnknownResourcesError(resources_id)
-        version, rid, encoded, create_time = row
-        return ResourcesUpdate(
-            resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=create_time
-        )
+        with self._session() as conn:
+            if resources_id is None:
+                row = conn.execute("SELECT * FROM resources ORDER BY version DESC LIMIT 1").fetchone()
+                if row is None:
+                    return None
+            else:
+                row = conn.execute("SELECT * FROM resources WHERE resources_id = ?", (resources_id,)).fetchone()
+                if row is None:
+                    raise UnknownResourcesError(resources_id)
+            version, rid, encoded, create_time = row
+            return ResourcesUpdate(
+                resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=create_time
+            )
 
     # -- misc ----------------------------------------------------------------------------------------------
     def stats(self) -> StoreStats:
-        conn = self._conn()
-        conn.execute("BEGIN")  # one snapshot for every count
-        try:
-            counts = {status: 0 for status in _rules.ROLLOUT_STATUSES}
-            counts.update(conn.execute("SELECT status, count(*) FROM rollouts GROUP BY status").fetchall())
-            n_attempts, n_spans, n_versions = conn.execute(
-                "SELECT (SELECT count(*) FROM attempts), (SELECT count(*) FROM spans), (SELECT count(*) FROM resources)"
-            ).fetchone()
-        finally:
-            conn.execute("COMMIT")
-        return StoreStats(rollouts=counts, attempts=n_attempts, spans=n_spans, resources_versions=n_versions)
+        with self._session() as conn:
+            conn.execute("BEGIN")  # one snapshot for every count
+            try:
+                counts = {status: 0 for status in _rules.ROLLOUT_STATUSES}
+                counts.update(conn.execute("SELECT status, count(*) FROM rollouts GROUP BY status").fetchall())
+                n_attempts, n_spans, n_versions = conn.execute(
+                    "SELECT (SELECT count(*) FROM attempts), (SELECT count(*) FROM spans), (SELECT count(*) FROM resources)"
+                ).fetchone()
+            finally:
+                conn.execute("COMMIT")
+            return StoreStats(rollouts=counts, attempts=n_attempts, spans=n_spans, resources_versions=n_versions)
