@@ -70,6 +70,7 @@ class ThreadedServer:
             self.app,
             log_level="warning",
             log_config=None,
+            loop="asyncio",  # in the host's process: never uvloop, which older uvicorn installs process-wide
             access_log=False,
             lifespan=self.lifespan,
             timeout_graceful_shutdown=self.graceful_shutdown_s,

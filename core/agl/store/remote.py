@@ -4,8 +4,9 @@
 changes: the same methods, results and exception classes (with the server's messages) as in-process.
 
 Why it is built this way:
-- One pooled ``httpx.Client`` per process, made lazily: after ``fork`` (runner pools) the child makes its
-  own instead of sharing the parent's sockets, and the object pickles as its settings.
+- One connection pool per process (``_http.ConnectionPool``, on the standard library: a third of
+  httpx's CPU per call), made lazily: after ``fork`` (runner pools) the child makes its own instead of
+  sharing the parent's sockets, and the object pickles as its settings.
 - Connection errors, timeouts and 5xx answers are retried with exponential back-off and jitter (the
   server may be restarting); after the last try the call raises StoreUnavailableError.
 - Every call is safe to retry, even when the lost try did reach the store:
@@ -28,7 +29,6 @@ import uuid
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, TypeVar
 from urllib.parse import quote
 
-import httpx
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, to_json
 
@@ -43,6 +43,7 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import _rules
+from agl.store._http import Answer, ConnectionPool, TransportError
 from agl.store.base import EnqueueRequest, LightningStore, StoreStats
 from agl.store.wire import (
     AUTH_HEADER,
@@ -78,8 +79,6 @@ logger = logging.getLogger("agl.store.remote")
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
-#: Transport failures worth another try (the server restarting, a dropped connection, a slow answer).
-_RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
@@ -121,7 +120,7 @@ class RemoteLightningStore(LightningStore):
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
-        self._client: Optional[httpx.Client] = None
+        self._client: Optional[ConnectionPool] = None
         self._client_lock = threading.Lock()
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -135,7 +134,7 @@ class RemoteLightningStore(LightningStore):
         return f"RemoteLightningStore({self.url!r})"
 
     # -- transport -----------------------------------------------------------------------------------------
-    def _http(self) -> httpx.Client:
+    def _http(self) -> ConnectionPool:
         if self._closed:
             raise StoreClosedError(f"{self!r} was closed; create a new RemoteLightningStore (or open_store(url))")
         if os.getpid() != self._pid:
@@ -145,8 +144,9 @@ class RemoteLightningStore(LightningStore):
             with self._client_lock:
                 if self._client is None:
                     headers = {AUTH_HEADER: f"Bearer {self.token}"} if self.token else {}
-                    limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
-                    self._client = httpx.Client(base_url=self.url, headers=headers, limits=limits, timeout=self.timeout)
+                    self._client = ConnectionPool(
+                        self.url, headers, max_connections=self.max_connections, connect_timeout=min(self.timeout, 10.0)
+                    )
                 client = self._client
         return client
 
@@ -170,22 +170,22 @@ class RemoteLightningStore(LightningStore):
         headers = {"Content-Type": "application/json"} if body is not None else {}
         if idempotent_key:
             headers[IDEMPOTENCY_HEADER] = uuid.uuid4().hex
-        timeout = httpx.Timeout(self.timeout + poll, connect=min(self.timeout, 10.0))
+        timeout = self.timeout + poll
         started = time.monotonic()
         last_problem = ""
         for attempt in range(self.retries + 1):
             if attempt:
                 self._sleep_before(attempt)
             try:
-                response = self._http().request(method, path, content=body, params=params, headers=headers, timeout=timeout)
-            except _RETRYABLE as exc:
-                last_problem = f"{type(exc).__name__}: {exc}"
+                response = self._http().request(method, path, body=body, params=params, headers=headers, timeout=timeout)
+            except TransportError as exc:
+                last_problem = str(exc)
                 logger.debug("%s %s failed (%s); retrying", method, path, last_problem)
                 continue
-            if response.status_code in _RETRY_STATUSES:
-                last_problem = f"HTTP {response.status_code}: {response.text[:200]}"
+            if response.status in _RETRY_STATUSES:
+                last_problem = f"HTTP {response.status}: {response.text[:200]}"
                 continue
-            if response.status_code >= 400:
+            if response.status >= 400:
                 try:
                     self._raise(response)
                 except Exception as exc:
@@ -204,12 +204,12 @@ class RemoteLightningStore(LightningStore):
         time.sleep(delay / 2 + random.uniform(0, delay / 2))  # jitter: clients that failed together spread out
 
     @staticmethod
-    def _raise(response: httpx.Response) -> None:
+    def _raise(response: Answer) -> None:
         try:
             body = response.json()
         except ValueError:
             body = {}
-        raise_for_error(response.status_code, body if isinstance(body, dict) else {})
+        raise_for_error(response.status, body if isinstance(body, dict) else {})
 
     @staticmethod
     def _segment(value: str, unknown: Callable[[], Exception]) -> str:
