@@ -7,6 +7,7 @@ import os
 import pickle
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -206,6 +207,21 @@ def test_closing_while_other_threads_write_raises_there_instead_of_crashing(tmp_
         [sys.executable, "-c", _CLOSE_WHILE_WRITING, str(tmp_path / "closing")], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_a_new_store_file_has_8k_pages_and_an_old_one_keeps_its_own(tmp_path: Path) -> None:
+    fresh = SqliteLightningStore(tmp_path / "fresh.db")
+    with fresh._session as conn:
+        assert conn.execute("PRAGMA page_size").fetchone()[0] == 8192  # heavy LLM spans fit without overflow
+    fresh.close()
+    old = sqlite3.connect(tmp_path / "old.db")
+    old.execute("CREATE TABLE unrelated (x)")  # a file made with SQLite's default 4 KiB pages
+    old.close()
+    reopened = SqliteLightningStore(tmp_path / "old.db")
+    with reopened._session as conn:
+        assert conn.execute("PRAGMA page_size").fetchone()[0] == 4096
+    reopened.enqueue_rollout("still works")
+    reopened.close()
 
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
