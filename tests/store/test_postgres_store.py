@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -34,6 +37,7 @@ from agl.testing.postgres import (
     PostgresServer,
     PostgresUnavailableError,
     TemporaryPostgres,
+    remove_abandoned_folders,
 )
 from agl.types import Rollout, RolloutConfig
 
@@ -417,3 +421,19 @@ def test_open_store_opens_postgresql_urls(postgres_dsn: str, scheme: str) -> Non
         rollout = store.enqueue_rollout("x")
     with PostgresLightningStore(postgres_dsn) as again:
         assert again.get_rollout(rollout.rollout_id) == rollout
+
+
+def test_folders_of_killed_temporary_servers_are_removed_by_the_next_start(tmp_path: Path) -> None:
+    # a folder per TemporaryPostgres names its owner; a folder whose owner died before stop() is ~40 MB of junk
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folders = {}
+    for name, owner in (("dead", str(dead.pid)), ("alive", str(os.getpid())), ("unowned", None), ("garbled", "x")):
+        folder = tmp_path / f"agl-pg-{name}"
+        (folder / "data").mkdir(parents=True)
+        if owner is not None:
+            (folder / "owner.pid").write_text(owner)
+        folders[name] = folder
+    assert remove_abandoned_folders(str(tmp_path)) == [str(folders["dead"])]
+    assert not folders["dead"].exists()
+    assert all(folders[name].exists() for name in ("alive", "unowned", "garbled"))

@@ -9,6 +9,9 @@ Why it is built this way:
 - Trust authentication on 127.0.0.1 only: the cluster lives for one test session and holds test data.
 - ``durable=False`` (the default) turns ``fsync`` off: a test does not care whether its data survives
   a power cut, and fsync dominates the time of small commits. Benchmarks pass ``durable=True``.
+- A folder is ~40 MB. One whose owner process was killed before ``stop()`` (a test run interrupted, a
+  benchmark killed by a timeout; the server itself dies with its parent) is removed by the next ``start()``
+  in the same temporary directory: each folder names its owner's pid in ``owner.pid``.
 - :func:`postgres_for_tests` uses ``$AGL_TEST_POSTGRES_DSN`` (an existing server whose user may create
   databases) when set, else starts a ``TemporaryPostgres``; both lend each test an empty store database.
 
@@ -354,7 +357,10 @@ class TemporaryPostgres(PostgresServer):
         base = tempfile.gettempdir()
         if user is not None and not _world_traversable(base):
             base = "/tmp"  # the server user must be able to reach its folder
-        self.directory = tempfile.mkdtemp(prefix="agl-pg-", dir=base)
+        remove_abandoned_folders(base)
+        self.directory = tempfile.mkdtemp(prefix=_FOLDER_PREFIX, dir=base)
+        with open(os.path.join(self.directory, _OWNER_FILE), "w") as owner:
+            owner.write(str(os.getpid()))
         data = os.path.join(self.directory, "data")
         if user is not None:
             os.chown(self.directory, user.pw_uid, user.pw_gid)
@@ -459,6 +465,37 @@ class TemporaryPostgres(PostgresServer):
         if self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = ""
+
+
+_FOLDER_PREFIX = "agl-pg-"
+_OWNER_FILE = "owner.pid"
+
+
+def remove_abandoned_folders(base: str) -> List[str]:
+    """Delete the ``TemporaryPostgres`` folders under ``base`` whose owner process no longer exists; returns
+    them. A folder without a readable ``owner.pid`` (one being created right now, or made by an older agl)
+    is left alone."""
+    removed = []
+    for path in glob.glob(os.path.join(base, _FOLDER_PREFIX + "*")):
+        try:
+            with open(os.path.join(path, _OWNER_FILE)) as owner:
+                pid = int(owner.read())
+        except (OSError, ValueError):
+            continue
+        if not _process_exists(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _as_user(user: Optional[pwd.struct_passwd]) -> dict:
