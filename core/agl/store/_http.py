@@ -1,22 +1,30 @@
-"""A small pooled HTTP/1.1 client on the standard library: the transport of the store client.
+"""A small pooled HTTP/1.1 client on plain sockets: the transport of the store client.
 
-Why not httpx here: a store call is a small JSON request on a kept-alive connection, made for every
-dequeue, span batch and completion of every runner, so its CPU is paid per rollout on every runner and,
-when runners share a host with the server, taken from the server. httpx spends 400-575 µs of CPU per such
-request (URL merging, cookies, auth and redirect flows), ``http.client`` 120-180 µs (measured on the
-development VM against ``agl store serve``). What this client leaves out on purpose: proxies (a store
-server is an internal service reached directly), redirects, cookies and compression.
+Why its own: a store call is a small JSON request on a kept-alive connection, made for every dequeue, span
+batch and completion of every runner, so its CPU is paid per rollout on every runner and, when runners
+share a host with the server, taken from the server. Measured on the development VM against
+``agl store serve``, client CPU per request: httpx 400-575 µs (URL merging, cookies, auth and redirect
+flows), ``http.client`` 150-170 µs (most of it parsing the answer's headers with the ``email`` package),
+this client 35-60 µs: one ``sendall`` of the whole request, the answer's head split by hand.
+
+What it speaks: HTTP/1.1 requests with a ``Content-Length`` body; answers framed by ``Content-Length``,
+``Transfer-Encoding: chunked`` or the end of the connection, informational (1xx) answers skipped,
+keep-alive as HTTP/1.1 and 1.0 define it. What it leaves out on purpose: proxies (a store server is an
+internal service reached directly), redirects, cookies and compression.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
+import socket
 import ssl
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import urlencode, urlsplit
+
+_READ_SIZE = 65536
+_MAX_HEAD = 65536  # bytes of status line and headers an answer may have
 
 
 class TransportError(Exception):
@@ -38,6 +46,22 @@ class Answer:
         return json.loads(self.content)
 
 
+def _transport_error(exc: BaseException) -> TransportError:
+    return TransportError(f"{type(exc).__name__}: {exc}")
+
+
+def _header_lines(headers: Dict[str, str]) -> str:
+    for name, value in headers.items():
+        if any(c in name for c in ":\r\n") or "\r" in value or "\n" in value:
+            raise ValueError(f"HTTP header {name!r} has a name with ':' or a line break in its name or value")
+    return "\r\n".join(f"{name}: {value}" for name, value in headers.items())
+
+
+def _host_port(host: str, port: int, default: int) -> str:
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
+    return host if port == default else f"{host}:{port}"
+
+
 class ConnectionPool:
     """Kept-alive connections to one server, shared by threads; at most ``max_connections`` in use at once."""
 
@@ -49,10 +73,11 @@ class ConnectionPool:
         self._host = parts.hostname
         self._port = parts.port or (443 if self._https else 80)
         self._prefix = parts.path.rstrip("/")
-        self._headers = dict(headers)
+        self._host_line = f"Host: {_host_port(self._host, self._port, 443 if self._https else 80)}"
+        self._fixed_lines = _header_lines(headers)
         self._connect_timeout = connect_timeout
         self._ssl = ssl.create_default_context() if self._https else None
-        self._idle: List[http.client.HTTPConnection] = []
+        self._idle: List[_Connection] = []
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._closed = False
@@ -72,24 +97,48 @@ class ConnectionPool:
         A kept-alive connection the server closed meanwhile (it restarted, or dropped an idle socket) fails
         on first use; that one failure is repeated at once on a new connection rather than reported.
         """
-        target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
-        sent_headers = {**self._headers, **(headers or {})}
+        head = self._head(method, self._prefix + path + (f"?{urlencode(params)}" if params else ""), body, headers)
         with self._slots:
-            conn, reused = self._take()
             try:
-                answer, keep = self._exchange(conn, method, target, body, sent_headers, timeout)
-            except (OSError, http.client.HTTPException) as exc:
+                conn, reused = self._take()
+            except OSError as exc:
+                raise _transport_error(exc) from exc
+            try:
+                answer, keep = conn.exchange(method, head, body, timeout)
+            except (OSError, _BadAnswer) as exc:
                 conn.close()
-                if not reused or isinstance(exc, TimeoutError):
-                    raise TransportError(f"{type(exc).__name__}: {exc}") from exc
-                conn = self._connect()
-                try:
-                    answer, keep = self._exchange(conn, method, target, body, sent_headers, timeout)
-                except (OSError, http.client.HTTPException) as again:
-                    conn.close()
-                    raise TransportError(f"{type(again).__name__}: {again}") from again
+                if not reused or isinstance(exc, (TimeoutError, _BadAnswer)):
+                    raise _transport_error(exc) from exc
+                conn, answer, keep = self._exchange_on_new_connection(method, head, body, timeout)
             self._give_back(conn, keep)
             return answer
+
+    def _exchange_on_new_connection(
+        self, method: str, head: bytes, body: Optional[bytes], timeout: float
+    ) -> Tuple["_Connection", Answer, bool]:
+        """The one repeat, after a pooled connection turned out to be closed."""
+        try:
+            conn = self._connect()
+        except OSError as exc:
+            raise _transport_error(exc) from exc
+        try:
+            answer, keep = conn.exchange(method, head, body, timeout)
+        except (OSError, _BadAnswer) as exc:
+            conn.close()
+            raise _transport_error(exc) from exc
+        return conn, answer, keep
+
+    def _head(self, method: str, target: str, body: Optional[bytes], extra: Optional[Dict[str, str]]) -> bytes:
+        """Request line and headers, ending with the blank line. CR, LF or a space in the target, or CR/LF in
+        a header, would let a value (an id, a token) inject a request or header: refused."""
+        if any(c in target for c in " \r\n\t"):
+            raise ValueError(f"a store request path may not contain spaces or line breaks: {target[:80]!r}")
+        lines = [f"{method} {target} HTTP/1.1", self._host_line, self._fixed_lines]
+        if extra:
+            lines.append(_header_lines(extra))
+        if body is not None:
+            lines.append(f"Content-Length: {len(body)}")
+        return ("\r\n".join(line for line in lines if line) + "\r\n\r\n").encode("latin-1")
 
     def close(self) -> None:
         with self._lock:
@@ -98,38 +147,133 @@ class ConnectionPool:
         for conn in idle:
             conn.close()
 
-    def _take(self) -> Tuple[http.client.HTTPConnection, bool]:
+    def _take(self) -> Tuple["_Connection", bool]:
         with self._lock:
             if self._idle:
                 return self._idle.pop(), True
         return self._connect(), False
 
-    def _connect(self) -> http.client.HTTPConnection:
-        """A new connection (opened lazily by the first request, within ``connect_timeout``)."""
-        if self._https:
-            return http.client.HTTPSConnection(self._host, self._port, timeout=self._connect_timeout, context=self._ssl)
-        return http.client.HTTPConnection(self._host, self._port, timeout=self._connect_timeout)
+    def _connect(self) -> "_Connection":
+        """A new connection, opened within ``connect_timeout``."""
+        sock = socket.create_connection((self._host, self._port), timeout=self._connect_timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=self._host)
+        except BaseException:
+            sock.close()
+            raise
+        return _Connection(sock)
 
-    def _give_back(self, conn: http.client.HTTPConnection, keep: bool) -> None:
+    def _give_back(self, conn: "_Connection", keep: bool) -> None:
         with self._lock:
             if keep and not self._closed:
                 self._idle.append(conn)
                 return
         conn.close()
 
-    @staticmethod
-    def _exchange(
-        conn: http.client.HTTPConnection,
-        method: str,
-        target: str,
-        body: Optional[bytes],
-        headers: Dict[str, str],
-        timeout: float,
-    ) -> Tuple[Answer, bool]:
-        if conn.sock is None:
-            conn.connect()  # with the connect timeout
-        conn.sock.settimeout(timeout)  # then each read and write within ``timeout``
-        conn.request(method, target, body=body, headers=headers)
-        response = conn.getresponse()
-        content = response.read()
-        return Answer(response.status, content), not response.will_close
+
+class _BadAnswer(Exception):
+    """The server's bytes are not an HTTP/1.x answer this client can read."""
+
+
+class _Connection:
+    """One kept-alive connection: its socket, and the bytes read past the end of the last answer."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def exchange(self, method: str, head: bytes, body: Optional[bytes], timeout: float) -> Tuple[Answer, bool]:
+        """Send one request (``head`` ends with the blank line) and read its answer; (answer, keep-alive)."""
+        self.sock.settimeout(timeout)  # each read and write within ``timeout``
+        self.sock.sendall(head + body if body else head)
+        while True:
+            version, status, fields = self._read_head()
+            if not 100 <= status < 200:
+                break  # 1xx answers (e.g. 103 Early Hints) precede the real one
+        connection = fields.get("connection", "").lower()
+        keep = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
+        if method == "HEAD" or status in (204, 304):
+            return Answer(status, b""), keep
+        if "chunked" in fields.get("transfer-encoding", "").lower():
+            return Answer(status, self._read_chunked()), keep
+        length = fields.get("content-length")
+        if length is None:
+            return Answer(status, self._read_to_end()), False
+        if not length.strip().isdigit():
+            raise _BadAnswer(f"Content-Length {length!r} is not a number")
+        return Answer(status, self._read_exact(int(length))), keep
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(_READ_SIZE)
+        if not chunk:
+            raise ConnectionResetError("the server closed the connection before its answer was complete")
+        self._buffer += chunk
+
+    def _read_head(self) -> Tuple[str, int, Dict[str, str]]:
+        while (end := self._buffer.find(b"\r\n\r\n")) < 0:
+            if len(self._buffer) > _MAX_HEAD:
+                raise _BadAnswer(f"the answer's headers are over {_MAX_HEAD} bytes")
+            self._fill()
+        lines = self._buffer[:end].decode("latin-1").split("\r\n")
+        self._buffer = self._buffer[end + 4 :]
+        version, _, rest = lines[0].partition(" ")
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or not code.isdigit():
+            raise _BadAnswer(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        fields = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            fields[name.strip().lower()] = value.strip()
+        return version, int(code), fields
+
+    def _read_exact(self, n: int) -> bytes:
+        if len(self._buffer) >= n:
+            data, self._buffer = self._buffer[:n], self._buffer[n:]
+            return data
+        data = bytearray(n)
+        view = memoryview(data)
+        have = len(self._buffer)
+        view[:have] = self._buffer
+        self._buffer = b""
+        while have < n:
+            got = self.sock.recv_into(view[have:])
+            if not got:
+                raise ConnectionResetError(f"the server closed the connection {n - have} bytes before the answer's end")
+            have += got
+        return bytes(data)
+
+    def _read_line(self) -> bytes:
+        while (end := self._buffer.find(b"\r\n")) < 0:
+            if len(self._buffer) > _MAX_HEAD:
+                raise _BadAnswer("a chunk header or trailer line is too long")
+            self._fill()
+        line, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
+        return line
+
+    def _read_chunked(self) -> bytes:
+        parts: List[bytes] = []
+        while True:
+            size_text = self._read_line().split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise _BadAnswer(f"bad chunk size {size_text[:20]!r}") from None
+            if size == 0:
+                while self._read_line():  # trailer fields, up to the blank line
+                    pass
+                return b"".join(parts)
+            parts.append(self._read_exact(size))
+            if self._read_exact(2) != b"\r\n":
+                raise _BadAnswer("a chunk does not end with CRLF")
+
+    def _read_to_end(self) -> bytes:
+        parts = [self._buffer]
+        self._buffer = b""
+        while chunk := self.sock.recv(_READ_SIZE):
+            parts.append(chunk)
+        return b"".join(parts)
