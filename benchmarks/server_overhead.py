@@ -1,12 +1,18 @@
 """What the store server's HTTP layer costs per request, without sockets: CPU microseconds per request.
 
-    python benchmarks/server_overhead.py [--requests 3000]
+    python benchmarks/server_overhead.py [--requests 3000] [--cycles 1500] [--no-postgres]
 
 The app of ``agl store serve`` (``create_app``) over an in-memory store is called as an ASGI app, in this
 process, with the requests a runner makes (and ``/healthz``, which has no token check and no store call,
 as the floor). No uvicorn, no network, no client: the figure is FastAPI's routing, dependency solving,
 validation and response, plus agl's handlers and a store call that costs a few microseconds. It is what
 to measure when changing the server's HTTP layer; ``store_load.py`` gives the end-to-end figures.
+
+Then a runner's rollout cycle (dequeue, add_spans of 4 spans, get_resources, complete_attempt: four
+requests) through the same app over SQLite and over PostgreSQL (a throwaway server, fsync on), with the
+store's calls on worker threads (the default for PostgreSQL) and inline on the event loop (the default for
+SQLite): the server process's CPU per cycle, which is what bounds ``store_load.py`` on a small machine.
+PostgreSQL's own CPU is not in it (another process).
 
 Prints process CPU time per request (median of 5 rounds) and exits 0: measurements, not assertions.
 """
@@ -15,13 +21,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
+import json
+import os
 import statistics
+import tempfile
 import time
-from typing import Any, Dict, List, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from agl.store import EnqueueRequest, InMemoryLightningStore
-from agl.store.server import TokenSet, create_app
-from agl.types import LLM
+from pydantic_core import to_json
+
+from agl.store import EnqueueRequest, InMemoryLightningStore, LightningStore, SqliteLightningStore
+from agl.store.server import ServerLimits, TokenSet, create_app
+from agl.types import LLM, Rollout
+
+_spec = importlib.util.spec_from_file_location("store_benchmark", Path(__file__).parent / "store.py")
+assert _spec and _spec.loader
+_store_benchmark = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_store_benchmark)
+make_span = _store_benchmark.make_span  # the span of the other store benchmarks
 
 TOKEN = "bench-token"
 
@@ -38,16 +58,25 @@ def scope(method: str, path: str, body: bytes, query: bytes = b"") -> Dict[str, 
 
 async def request(app: Any, method: str, path: str, body: bytes = b"") -> int:
     """One request through the ASGI app; returns the status code."""
+    return (await answer(app, method, path, body))[0]
+
+
+async def answer(app: Any, method: str, path: str, body: bytes = b"") -> Tuple[int, bytes]:
+    """One request through the ASGI app; returns the status code and the body."""
     sent: List[Dict[str, Any]] = []
+    received: List[bool] = []
 
     async def receive() -> Dict[str, Any]:
+        if received:  # as a server does: after the body, wait for the client to go (it never does here)
+            await asyncio.Event().wait()
+        received.append(True)
         return {"type": "http.request", "body": body, "more_body": False}
 
     async def send(message: Dict[str, Any]) -> None:
         sent.append(message)
 
     await app(scope(method, path, body), receive, send)
-    return int(sent[0]["status"])
+    return int(sent[0]["status"]), b"".join(m.get("body", b"") for m in sent[1:])
 
 
 async def measure(n: int) -> List[Tuple[str, float]]:
@@ -81,13 +110,73 @@ async def measure(n: int) -> List[Tuple[str, float]]:
     return results
 
 
+async def rollout_cycles(store: LightningStore, inline: bool, n: int) -> float:
+    """Server CPU microseconds per rollout cycle (four requests), store calls inline or on worker threads."""
+    resources = store.add_resources({"llm": LLM(endpoint="http://127.0.0.1:1/v1", model="bench")})
+    app = create_app(store, tokens=TokenSet({"bench": TOKEN}), limits=ServerLimits(inline_calls=inline))
+    store.enqueue_many([EnqueueRequest(input={"i": i}, resources_id=resources.resources_id) for i in range(n + 20)])
+    claim = b'{"runner_id": "bench", "limit": 1, "timeout": 0}'
+    spent = 0.0
+    async with app.router.lifespan_context(app):
+        for i in range(n + 20):  # the first 20 warm up
+            start = time.process_time()
+            status, body = await answer(app, "POST", "/v1/rollouts/dequeue", claim)
+            assert status == 200, body
+            claimed = time.process_time()
+            rollout = Rollout.model_validate(json.loads(body)["rollouts"][0])  # the client's work: not counted
+            assert rollout.attempt is not None
+            spans = b'{"spans": ' + to_json([make_span(rollout, k) for k in range(4)]) + b"}"
+            attempt = f"/v1/rollouts/{rollout.rollout_id}/attempts/{rollout.attempt.attempt_id}"
+            resume = time.process_time()
+            assert await request(app, "POST", "/v1/spans", spans) == 200
+            assert await request(app, "GET", "/v1/resources", b"") == 200
+            assert await request(app, "POST", attempt + "/complete", b'{"status": "succeeded", "reward": 1.0}') == 200
+            if i >= 20:
+                spent += (claimed - start) + (time.process_time() - resume)
+    return spent / n * 1e6
+
+
+@contextlib.contextmanager
+def cycle_stores(postgres: bool) -> Iterator[List[Tuple[str, Callable[[], LightningStore]]]]:
+    """(label, fresh store) for the rollout-cycle rows."""
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        counter = iter(range(1000))
+        stores: List[Tuple[str, Callable[[], LightningStore]]] = [
+            ("SQLite", lambda: SqliteLightningStore(os.path.join(tmp, f"cycles-{next(counter)}.db")))
+        ]
+        if postgres:
+            try:
+                from agl.store.postgres import PostgresLightningStore
+                from agl.testing.postgres import TemporaryPostgres
+
+                server = stack.enter_context(TemporaryPostgres(durable=True))
+                stores.append(("PostgreSQL", lambda: PostgresLightningStore(server.create_database())))
+            except Exception as exc:  # noqa: BLE001 - say so and measure the rest
+                print(f"PostgreSQL: not measured ({type(exc).__name__}: {exc})")
+        yield stores
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=3000, help="requests per round (5 rounds per endpoint)")
+    parser.add_argument("--cycles", type=int, default=1500, help="rollout cycles per store and mode")
+    parser.add_argument("--no-postgres", action="store_true", help="skip the PostgreSQL rows")
     args = parser.parse_args()
     print(f"{'request (in-process ASGI, in-memory store)':<50} {'CPU us/request':>15}")
     for label, micros in asyncio.run(measure(args.requests)):
         print(f"{label:<50} {micros:>15.1f}")
+    print()
+    print(f"{'rollout cycle, 4 requests (server process CPU)':<50} {'worker threads':>15} {'inline':>10}")
+    with cycle_stores(not args.no_postgres) as stores:
+        for label, make in stores:
+            cells: Dict[bool, Optional[float]] = {}
+            for inline in (False, True):
+                store = make()
+                try:
+                    cells[inline] = asyncio.run(rollout_cycles(store, inline, args.cycles))
+                finally:
+                    store.close()
+            print(f"{label + ' (us per cycle)':<50} {cells[False]:>15.0f} {cells[True]:>10.0f}")
 
 
 if __name__ == "__main__":
