@@ -10,9 +10,9 @@ to measure when changing the server's HTTP layer; ``store_load.py`` gives the en
 
 Then a runner's rollout cycle (dequeue, add_spans of 4 spans, get_resources, complete_attempt: four
 requests) through the same app over SQLite and over PostgreSQL (a throwaway server, fsync on), with the
-store's calls on worker threads (the default for PostgreSQL) and inline on the event loop (the default for
-SQLite): the server process's CPU per cycle, which is what bounds ``store_load.py`` on a small machine.
-PostgreSQL's own CPU is not in it (another process).
+store's calls on worker threads, as coroutines on the event loop (``AsyncRolloutCalls``, PostgreSQL's
+default) and inline on the event loop (SQLite's default): the server process's CPU per cycle, which is
+what bounds ``store_load.py`` on a small machine. PostgreSQL's own CPU is not in it (another process).
 
 Prints process CPU time per request (median of 5 rounds) and exits 0: measurements, not assertions.
 """
@@ -29,11 +29,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from pydantic_core import to_json
 
 from agl.store import EnqueueRequest, InMemoryLightningStore, LightningStore, SqliteLightningStore
+from agl.store.base import AsyncRolloutCalls
 from agl.store.server import ServerLimits, TokenSet, create_app
 from agl.types import LLM, Rollout
 
@@ -110,10 +111,17 @@ async def measure(n: int) -> List[Tuple[str, float]]:
     return results
 
 
-async def rollout_cycles(store: LightningStore, inline: bool, n: int) -> float:
-    """Server CPU microseconds per rollout cycle (four requests), store calls inline or on worker threads."""
+CYCLE_MODES: List[Tuple[str, ServerLimits]] = [
+    ("worker threads", ServerLimits(inline_calls=False, async_calls=False)),
+    ("async", ServerLimits(inline_calls=False, async_calls=True)),
+    ("inline", ServerLimits(inline_calls=True)),
+]
+
+
+async def rollout_cycles(store: LightningStore, limits: ServerLimits, n: int) -> float:
+    """Server CPU microseconds per rollout cycle (four requests) with the store's calls made as ``limits`` say."""
     resources = store.add_resources({"llm": LLM(endpoint="http://127.0.0.1:1/v1", model="bench")})
-    app = create_app(store, tokens=TokenSet({"bench": TOKEN}), limits=ServerLimits(inline_calls=inline))
+    app = create_app(store, tokens=TokenSet({"bench": TOKEN}), limits=limits)
     store.enqueue_many([EnqueueRequest(input={"i": i}, resources_id=resources.resources_id) for i in range(n + 20)])
     claim = b'{"runner_id": "bench", "limit": 1, "timeout": 0}'
     spent = 0.0
@@ -166,17 +174,20 @@ def main() -> None:
     for label, micros in asyncio.run(measure(args.requests)):
         print(f"{label:<50} {micros:>15.1f}")
     print()
-    print(f"{'rollout cycle, 4 requests (server process CPU)':<50} {'worker threads':>15} {'inline':>10}")
+    print(f"{'rollout cycle, 4 requests (server process CPU)':<50}" + "".join(f" {m:>15}" for m, _ in CYCLE_MODES))
     with cycle_stores(not args.no_postgres) as stores:
         for label, make in stores:
-            cells: Dict[bool, Optional[float]] = {}
-            for inline in (False, True):
+            cells = []
+            for mode, limits in CYCLE_MODES:
                 store = make()
                 try:
-                    cells[inline] = asyncio.run(rollout_cycles(store, inline, args.cycles))
+                    if mode == "async" and not isinstance(store, AsyncRolloutCalls):
+                        cells.append("n/a")
+                    else:
+                        cells.append(f"{asyncio.run(rollout_cycles(store, limits, args.cycles)):.0f}")
                 finally:
                     store.close()
-            print(f"{label + ' (us per cycle)':<50} {cells[False]:>15.0f} {cells[True]:>10.0f}")
+            print(f"{label + ' (us per cycle)':<50}" + "".join(f" {c:>15}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -15,17 +15,18 @@ from agl.store.server import ServerThread, TokenSet, create_app
 from agl.testing.postgres import PostgresServer, PostgresUnavailableError, postgres_for_tests
 from agl.types import Rollout, Span
 
-BACKENDS = ["memory", "sqlite", "http", "postgres"]
+BACKENDS = ["memory", "sqlite", "http", "postgres", "http-postgres"]
 
 _span_ids = itertools.count(1)
 
 
 class ServedStore(RemoteLightningStore):
-    """The HTTP backend under test: a real uvicorn server on 127.0.0.1 over a SQLite file, and its client.
-    Closing the client also stops the server and closes the SQLite store behind it."""
+    """The HTTP backends under test: a real uvicorn server on 127.0.0.1 over a store (a SQLite file, or a
+    PostgreSQL database, whose rollout-cycle calls the server makes on its event loop), and its client.
+    Closing the client also stops the server and closes the store behind it."""
 
-    def __init__(self, path: Path) -> None:
-        self.backing = SqliteLightningStore(path)
+    def __init__(self, backing: LightningStore) -> None:
+        self.backing = backing
         self.server = ServerThread(create_app(self.backing, tokens=TokenSet({"test": "test-token"}))).start()
         super().__init__(self.server.url, token="test-token", retries=2)
 
@@ -37,20 +38,21 @@ class ServedStore(RemoteLightningStore):
 
 
 def make_store(backend: str, directory: Path, postgres: Optional[PostgresServer] = None) -> LightningStore:
-    if backend == "postgres":
-        assert postgres is not None, "make_store('postgres', ...) needs the postgres_server fixture"
-        return postgres.open_store()  # an empty database of its own, given back when the store is closed
+    if backend in ("postgres", "http-postgres"):
+        assert postgres is not None, f"make_store({backend!r}, ...) needs the postgres_server fixture"
+        store = postgres.open_store()  # an empty database of its own, given back when the store is closed
+        return ServedStore(store) if backend == "http-postgres" else store
     if backend == "memory":
         return InMemoryLightningStore()
     if backend == "http":
-        return ServedStore(directory / "served.db")
+        return ServedStore(SqliteLightningStore(directory / "served.db"))
     return SqliteLightningStore(directory / "store.db")
 
 
 @pytest.fixture(params=BACKENDS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LightningStore]:
     """A fresh store of each backend (SQLite on a real file, PostgreSQL in an empty database of a real server)."""
-    postgres = request.getfixturevalue("postgres_server") if request.param == "postgres" else None
+    postgres = request.getfixturevalue("postgres_server") if "postgres" in request.param else None
     s = make_store(request.param, tmp_path, postgres)
     yield s
     s.close()

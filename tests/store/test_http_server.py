@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import httpx
 import pytest
@@ -25,7 +25,8 @@ from agl.errors import (
     UnknownAttemptError,
     UnknownRolloutError,
 )
-from agl.store import EnqueueRequest, SqliteLightningStore, open_store
+from agl.store import EnqueueRequest, LightningStore, SqliteLightningStore, open_store
+from agl.store.postgres import PostgresLightningStore
 from agl.store.remote import RemoteLightningStore
 from agl.store.server import ServerLimits, ServerThread, TokenSet, create_app
 from agl.types import LLM, RolloutConfig
@@ -37,8 +38,11 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 class Served:
     """A server thread over a SQLite file, with a raw httpx client and an agl client."""
 
-    def __init__(self, path: Path, limits: Optional[ServerLimits] = None, tokens: Optional[Dict[str, str]] = None) -> None:
-        self.backing = SqliteLightningStore(path)
+    def __init__(
+        self, backing: Union[Path, LightningStore], limits: Optional[ServerLimits] = None, tokens: Optional[Dict[str, str]] = None
+    ) -> None:
+        """``backing``: a SQLite file, or a store (closed with the server)."""
+        self.backing = SqliteLightningStore(backing) if isinstance(backing, Path) else backing
         app = create_app(self.backing, tokens=TokenSet(tokens or {"shared": TOKEN}), limits=limits)
         self.thread = ServerThread(app).start()
         self.url = self.thread.url
@@ -456,6 +460,31 @@ def test_retries_after_a_lost_answer_apply_once(restarted: Callable[[], Any], re
     lose_next_answer(restart)
     update = client.add_resources({"llm": LLM(endpoint="http://x/v1", model="m")})
     assert backing.stats().resources_versions == 1 and backing.get_resources() == update
+
+
+def test_retried_calls_apply_once_when_postgresql_calls_run_on_the_event_loop(postgres_dsn: str, make_span: Any) -> None:
+    """The server makes PostgreSQL's claim, span insert and completion as coroutines (AsyncRolloutCalls):
+    a retry after a lost answer still gets the first answer, from the Idempotency-Key cache."""
+    served = Served(PostgresLightningStore(postgres_dsn))
+    proxy = LossyProxy(served.url)
+    client = RemoteLightningStore(proxy.url, token=TOKEN, retries=3, backoff=0.01)
+    try:
+        client.enqueue_many([EnqueueRequest(input=i) for i in range(2)])
+        proxy.drop = 1
+        rollout = client.dequeue_rollout("runner-1", timeout=5)
+        assert rollout is not None and rollout.attempt is not None
+        assert served.backing.stats().attempts == 1, "a retried dequeue gets the first claim, not a second one"
+        proxy.drop = 1
+        assert client.add_spans([make_span(rollout, 0), make_span(rollout, 1)]) == 2  # a second insert says 0
+        proxy.drop = 1
+        done = client.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
+        assert done.status == "succeeded" and done.final_reward == 1.0
+        assert [line.split(b" ")[1] for line in proxy.seen].count(b"/v1/rollouts/dequeue") == 2
+        assert len(served.backing.query_spans(rollout.rollout_id)) == 2
+    finally:
+        client.close()
+        proxy.close()
+        served.close()
 
 
 def test_an_unreachable_server_raises_store_unavailable_after_the_retries() -> None:

@@ -7,6 +7,7 @@ wake-ups, reconnecting after lost sessions and a server restart, fork safety, th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -28,7 +29,11 @@ from agl.errors import (
     DuplicateRolloutError,
     InvalidSpanError,
     StaleAttemptError,
+    StoreClosedError,
     StoreUnavailableError,
+    UnknownAttemptError,
+    UnknownResourcesError,
+    UnknownRolloutError,
 )
 from agl.store import EnqueueRequest, open_store
 from agl.store._postgres_schema import INSERT_ROLLOUT
@@ -39,7 +44,7 @@ from agl.testing.postgres import (
     TemporaryPostgres,
     remove_abandoned_folders,
 )
-from agl.types import Rollout, RolloutConfig
+from agl.types import LLM, Rollout, RolloutConfig
 
 fork = multiprocessing.get_context("fork")
 MakeSpan = Callable[..., Any]
@@ -437,3 +442,78 @@ def test_folders_of_killed_temporary_servers_are_removed_by_the_next_start(tmp_p
     assert remove_abandoned_folders(str(tmp_path)) == [str(folders["dead"])]
     assert not folders["dead"].exists()
     assert all(folders[name].exists() for name in ("alive", "unowned", "garbled"))
+
+
+# -- the async calls of the store server's event loop (AsyncRolloutCalls) ------------------------------------
+
+
+def test_async_calls_give_what_the_sync_calls_give(postgres_dsn: str, make_span: MakeSpan) -> None:
+    store = PostgresLightningStore(postgres_dsn)
+    resources = store.add_resources({"llm": LLM(endpoint="http://127.0.0.1:1/v1", model="m")})
+    store.enqueue_many([EnqueueRequest(input=i, resources_id=resources.resources_id) for i in range(3)])
+
+    async def cycle() -> None:
+        claimed = await store.aclaim("runner-1", 2)
+        assert [r.input for r in claimed] == [0, 1] and all(r.status == "running" for r in claimed)
+        assert claimed == [store.get_rollout(r.rollout_id) for r in claimed]
+        first = claimed[0]
+        assert first.attempt is not None
+        spans = [make_span(first, i) for i in range(3)]
+        assert await store.aadd_spans(spans) == 3
+        assert await store.aadd_spans(spans[1:]) == 0  # already stored: ignored, as add_spans does
+        assert await store.aadd_spans([]) == 0
+        assert store.query_spans(first.rollout_id) == spans
+        assert await store.aget_resources(resources.resources_id) == resources
+        assert await store.aget_resources() == resources
+        with pytest.raises(UnknownResourcesError):
+            await store.aget_resources("res-missing")
+        done = await store.acomplete_attempt(first.rollout_id, first.attempt.attempt_id, "succeeded", reward=0.5)
+        assert done == store.get_rollout(first.rollout_id) and done.final_reward == 0.5
+        with pytest.raises(StaleAttemptError):
+            await store.acomplete_attempt(first.rollout_id, first.attempt.attempt_id, "failed")
+        with pytest.raises(UnknownAttemptError):
+            await store.acomplete_attempt(first.rollout_id, "at-missing", "failed")
+        with pytest.raises(UnknownRolloutError):
+            await store.acomplete_attempt("ro-missing", "at-missing", "failed")
+        with pytest.raises(UnknownRolloutError):
+            await store.aadd_spans([make_span(first, 9).model_copy(update={"rollout_id": "ro-missing"})])
+        assert len(await store.aclaim("runner-1", 5)) == 1 and await store.aclaim("runner-1") == []
+
+    asyncio.run(cycle())
+    store.close()
+
+
+def test_async_calls_reconnect_after_sessions_are_killed_and_on_a_new_event_loop(
+    postgres_server: PostgresServer, postgres_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = PostgresLightningStore(postgres_dsn)
+    store.enqueue_many([EnqueueRequest(input=i) for i in range(2)])
+
+    async def claim() -> List[Rollout]:
+        return await store.aclaim("runner-1")
+
+    assert len(asyncio.run(claim())) == 1  # its own event loop, as every asyncio.run
+    assert postgres_server.terminate_connections(_dbname(postgres_dsn)) >= 1
+    with caplog.at_level(logging.WARNING, logger="agl.store.postgres"):
+        assert len(asyncio.run(claim())) == 1  # a new loop, and the killed sessions are replaced
+    assert store.stats().rollouts["running"] == 2
+    store.close()
+    with pytest.raises(StoreClosedError):
+        asyncio.run(claim())
+
+
+def test_async_calls_of_a_stopped_server_are_a_clear_error_and_resume_after_restart(make_span: MakeSpan) -> None:
+    with TemporaryPostgres() as server:
+        store = PostgresLightningStore(server.create_database(), reconnect_timeout=0.3)
+        store.enqueue_rollout("x")
+
+        async def claim_and_add() -> int:
+            rollout = (await store.aclaim("runner-1"))[0]
+            server.kill()
+            with pytest.raises(StoreUnavailableError, match="cannot reach PostgreSQL.*check that the server is running"):
+                await store.aget_resources()
+            server.restart()
+            return await store.aadd_spans([make_span(rollout, 0)])
+
+        assert asyncio.run(claim_and_add()) == 1
+        store.close()

@@ -194,3 +194,34 @@ class LightningStore(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncRolloutCalls(abc.ABC):
+    """Optional, for a networked store: the calls of a runner's rollout cycle as coroutines that wait for the
+    database on the running event loop, without a thread. The store server uses them when a store has them.
+
+    Why: the server would otherwise run each call of a networked store on a worker thread, and the hop there
+    and back costs more server CPU than the call (see ``benchmarks/server_overhead.py``). Each does exactly
+    what its synchronous namesake does (same results, same errors, same retries), ``aclaim`` being
+    ``dequeue_many(runner_id, limit, timeout=0)``: waiting for work stays with the synchronous call.
+    """
+
+    @abc.abstractmethod
+    async def aclaim(self, runner_id: str, limit: int = 1) -> List[Rollout]: ...
+
+    @abc.abstractmethod
+    async def aadd_spans(self, spans: Sequence[Span]) -> int: ...
+
+    @abc.abstractmethod
+    async def acomplete_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus,
+        *,
+        reward: Optional[float] = None,
+        error: Optional[str] = None,
+    ) -> Rollout: ...
+
+    @abc.abstractmethod
+    async def aget_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]: ...

@@ -22,6 +22,10 @@ Why it is built this way:
   (measured when the store opens), so machines whose clocks disagree still agree on deadlines.
 - Spans go in with ``COPY`` (about ten times faster than ``INSERT`` here); a batch holding a span that is
   already stored (sent again) is inserted with ``ON CONFLICT DO NOTHING`` instead, so it is ignored.
+- The calls of a runner's rollout cycle (claim, small span batches, completion, resources) also exist as
+  coroutines (:class:`~agl.store.base.AsyncRolloutCalls`) on psycopg's async connections, for the store
+  server's event loop: the same statements, results, errors and retries, without the hop to a worker
+  thread, which costs the server more CPU than the call (see :mod:`agl.store._postgres_async`).
 
 The schema (tables prefixed ``agl_``) is created on first use and versioned; see
 :mod:`agl.store._postgres_schema`.
@@ -29,6 +33,7 @@ The schema (tables prefixed ``agl_``) is created on first use and versioned; see
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -54,6 +59,7 @@ from typing import (
 
 from pydantic_core import from_json, to_json
 
+from agl.store._postgres_async import AsyncPool
 from agl.errors import (
     AglError,
     DuplicateResourcesError,
@@ -93,7 +99,7 @@ from agl.store._postgres_schema import (
 )
 from agl.store._sqlite_schema import attempt_from_row, rollout_from_row, span_from_row, span_to_row
 from agl.store._waiting import wait_until
-from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.store.base import AsyncRolloutCalls, EnqueueRequest, LightningStore, StoreStats
 from agl.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
@@ -366,7 +372,57 @@ class _CommitUnknown(Exception):
     """Internal: the connection died while a transaction was committing."""
 
 
-class PostgresLightningStore(LightningStore):
+def _raise_failure(exc: BaseException, conn: Any, committing: bool) -> NoReturn:
+    """What a statement that failed with ``exc`` on ``conn`` means for the caller, raised: ``exc`` itself when
+    nothing was committed and it may be retried, ``_CommitUnknown`` when the connection died while it may
+    have been committing, else an AglError (the server refused the operation)."""
+    if committing and (conn.closed or conn.broken) and not isinstance(exc, _SESSION_ENDED):
+        raise _CommitUnknown() from exc
+    if isinstance(exc, _ROLLED_BACK) or conn.closed or conn.broken:
+        raise exc  # nothing was committed: the caller retries
+    raise AglError(f"PostgreSQL refused the operation: {_oneline(exc)}") from exc
+
+
+ROLLOUT_EXISTS = "SELECT 1 FROM agl_rollouts WHERE rollout_id = %s"
+
+
+def _unknown(rollout_exists: bool, rollout_id: str, attempt_id: str) -> Exception:
+    """For an attempt that was not found: UnknownRolloutError, or UnknownAttemptError if the rollout exists."""
+    return UnknownAttemptError(rollout_id, attempt_id) if rollout_exists else UnknownRolloutError(rollout_id)
+
+
+def _small_batch_params(rows: List[Tuple[Any, ...]], keys: List[Tuple[str, str]]) -> Dict[str, Any]:
+    """ADD_SPANS's parameters: the batch as one JSON array (the first copy of a span in it wins)."""
+    first: Dict[Tuple[str, str, str], Tuple[Any, ...]] = {}
+    for row in rows:
+        first.setdefault(row[:3], row)
+    return {"spans": to_json(list(first.values())).decode(), "n_keys": len(keys)}
+
+
+def _resources_query(resources_id: Optional[str]) -> Tuple[str, Tuple[Any, ...]]:
+    if resources_id is None:
+        return "SELECT * FROM agl_resources ORDER BY version DESC LIMIT 1", ()
+    return "SELECT * FROM agl_resources WHERE resources_id = %s", (resources_id,)
+
+
+def _resources_update(row: Optional[Tuple[Any, ...]], resources_id: Optional[str]) -> Optional[ResourcesUpdate]:
+    if row is None:
+        if resources_id is not None:
+            raise UnknownResourcesError(resources_id)
+        return None
+    version, rid, encoded, create_time = row
+    return ResourcesUpdate(
+        resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=create_time
+    )
+
+
+def _data_error(exc: BaseException) -> ValueError:
+    return ValueError(
+        f"PostgreSQL cannot store this value ({_oneline(exc)}); text must not contain NUL (\\x00) characters"
+    )
+
+
+class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
     """A LightningStore in a PostgreSQL database, shared by every process on every machine that opens it."""
 
     multiprocess_safe: ClassVar[bool] = True
@@ -407,6 +463,7 @@ class PostgresLightningStore(LightningStore):
         self._pid = os.getpid()
         self._pool = _Pool(self._connect, self.max_connections)
         self._notifications = _Notifications(self._connect)
+        self._apool: Optional[AsyncPool] = None  # made by the first async call, on its event loop
 
     def _state(self) -> Tuple[_Pool, _Notifications]:
         """This process's pool and listener (a forked child gets its own)."""
@@ -414,6 +471,8 @@ class PostgresLightningStore(LightningStore):
             raise StoreClosedError(f"{self!r} was closed; open the database again with PostgresLightningStore(dsn)")
         if os.getpid() != self._pid:  # a forked child: the parent's listening thread does not exist here
             self._pool.abandon()
+            if self._apool is not None:
+                _ABANDONED.extend(self._apool.abandon())
             self._reset_process_state()
         return self._pool, self._notifications
 
@@ -489,18 +548,9 @@ class PostgresLightningStore(LightningStore):
             try:
                 return self._run_once(pool, work, write, single)
             except _CommitUnknown as unknown:
-                raise StoreUnavailableError(
-                    f"the connection to PostgreSQL ({redacted(self.dsn)}) was lost while committing, so this change "
-                    "may or may not have been stored: read the state back (get_rollout, query_spans) before "
-                    f"repeating it ({_oneline(unknown.__cause__)})"
-                ) from unknown.__cause__
+                raise self._commit_unknown(unknown) from unknown.__cause__
             except (psycopg.OperationalError, *_ROLLED_BACK) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise StoreUnavailableError(
-                        f"cannot reach PostgreSQL ({redacted(self.dsn)}) for {self.reconnect_timeout:g} s: "
-                        f"{_oneline(exc)}; check that the server is running"
-                    ) from exc
-                logger.warning("PostgreSQL operation interrupted (%s); retrying", _oneline(exc))
+                self._check_retry(exc, deadline, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 pool, _ = self._state()  # raises if close() was called meanwhile
@@ -519,15 +569,71 @@ class PostgresLightningStore(LightningStore):
                 committing = True
             return result
         except (psycopg.OperationalError, *_ROLLED_BACK) as exc:
-            if committing and (conn.closed or conn.broken) and not isinstance(exc, _SESSION_ENDED):
-                raise _CommitUnknown() from exc
-            if isinstance(exc, _ROLLED_BACK) or conn.closed or conn.broken:
-                raise  # nothing was committed: _run retries
-            raise AglError(f"PostgreSQL refused the operation: {_oneline(exc)}") from exc
+            _raise_failure(exc, conn, committing)
         except psycopg.DataError as exc:
-            raise ValueError(
-                f"PostgreSQL cannot store this value ({_oneline(exc)}); text must not contain NUL (\\x00) characters"
+            raise _data_error(exc) from exc
+        finally:
+            pool.put(conn)
+
+    def _commit_unknown(self, unknown: "_CommitUnknown") -> StoreUnavailableError:
+        return StoreUnavailableError(
+            f"the connection to PostgreSQL ({redacted(self.dsn)}) was lost while committing, so this change "
+            "may or may not have been stored: read the state back (get_rollout, query_spans) before "
+            f"repeating it ({_oneline(unknown.__cause__)})"
+        )
+
+    def _check_retry(self, exc: BaseException, deadline: float, delay: float) -> None:
+        """Before a retry after ``exc``: give up (StoreUnavailableError) once ``reconnect_timeout`` is spent."""
+        if time.monotonic() + delay > deadline:
+            raise StoreUnavailableError(
+                f"cannot reach PostgreSQL ({redacted(self.dsn)}) for {self.reconnect_timeout:g} s: "
+                f"{_oneline(exc)}; check that the server is running"
             ) from exc
+        logger.warning("PostgreSQL operation interrupted (%s); retrying", _oneline(exc))
+
+    # -- async calls (the store server's event loop) -------------------------------------------------------
+    def _async_pool(self) -> AsyncPool:
+        """This process's async pool for the running event loop (a new loop gets a new pool)."""
+        self._state()
+        loop = asyncio.get_running_loop()
+        if self._apool is None or self._apool.loop is not loop:
+            if self._apool is not None:
+                self._apool.close()
+            self._apool = AsyncPool(self._aconnect, self.max_connections, _idle_session_open)
+        return self._apool
+
+    async def _aconnect(self) -> Any:
+        return await psycopg.AsyncConnection.connect(
+            self.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_S, application_name="agl-store"
+        )
+
+    async def _arun(self, sql: str, params: Any, *, write: bool, fetch_all: bool = False) -> Any:
+        """One statement (committing on its own if ``write``) on an async connection: ``_run(..., single=True)``
+        (or ``write=False``) for the event loop, with the same retries; returns fetchall() or fetchone()."""
+        pool = self._async_pool()
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            try:
+                return await self._arun_once(pool, sql, params, write, fetch_all)
+            except _CommitUnknown as unknown:
+                raise self._commit_unknown(unknown) from unknown.__cause__
+            except (psycopg.OperationalError, *_ROLLED_BACK) as exc:
+                self._check_retry(exc, deadline, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                pool = self._async_pool()  # raises if close() was called meanwhile
+
+    @staticmethod
+    async def _arun_once(pool: AsyncPool, sql: str, params: Any, write: bool, fetch_all: bool) -> Any:
+        conn = await pool.get()
+        try:
+            cursor = await conn.execute(sql, params)
+            return await (cursor.fetchall() if fetch_all else cursor.fetchone())
+        except (psycopg.OperationalError, *_ROLLED_BACK) as exc:
+            _raise_failure(exc, conn, committing=write)
+        except psycopg.DataError as exc:
+            raise _data_error(exc) from exc
         finally:
             pool.put(conn)
 
@@ -539,6 +645,8 @@ class PostgresLightningStore(LightningStore):
             return  # the parent's connections are not ours to close
         self._notifications.close()
         self._pool.close()
+        if self._apool is not None:
+            self._apool.close()
 
     # -- shared steps (inside a transaction) ---------------------------------------------------------------
     @staticmethod
@@ -561,9 +669,7 @@ class PostgresLightningStore(LightningStore):
     @staticmethod
     def _raise_unknown(c: Any, rollout_id: str, attempt_id: str) -> NoReturn:
         """For an attempt that was not found: UnknownRolloutError, or UnknownAttemptError if the rollout exists."""
-        if c.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone() is None:
-            raise UnknownRolloutError(rollout_id)
-        raise UnknownAttemptError(rollout_id, attempt_id)
+        raise _unknown(c.execute(ROLLOUT_EXISTS, (rollout_id,)).fetchone() is not None, rollout_id, attempt_id)
 
     @staticmethod
     def _end_attempt(
@@ -712,10 +818,15 @@ class PostgresLightningStore(LightningStore):
     ) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
         """CLAIM: the claimed rollouts, their attempts' deadlines, the earliest deadline of the attempts that
         were running before, and the time of the claim."""
-        now = self._now()
+        params = self._claim_params(runner_id, limit)
+        return self._claimed(self._run(lambda c: c.execute(CLAIM, params).fetchall(), single=True), params["now"])
+
+    def _claim_params(self, runner_id: str, limit: int) -> Dict[str, Any]:
         attempt_ids = [new_id("at") for _ in range(limit)]
-        params = {"now": now, "limit": limit, "runner_id": runner_id, "attempt_ids": attempt_ids}
-        rows = self._run(lambda c: c.execute(CLAIM, params).fetchall(), single=True)
+        return {"now": self._now(), "limit": limit, "runner_id": runner_id, "attempt_ids": attempt_ids}
+
+    @staticmethod
+    def _claimed(rows: List[Tuple[Any, ...]], now: float) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
         claimed = [row for row in rows if row[0] is not None]
         return [rollout_from_row(row[:25]) for row in claimed], [row[25] for row in claimed], rows[0][27], now
 
@@ -737,8 +848,17 @@ class PostgresLightningStore(LightningStore):
         reward: Optional[float] = None,
         error: Optional[str] = None,
     ) -> Rollout:
+        params = self._complete_params(rollout_id, attempt_id, status, reward, error)
+        row = self._run(lambda c: c.execute(COMPLETE, params).fetchone(), single=True)
+        if row is None:
+            return self._run(lambda c: self._raise_unknown(c, rollout_id, attempt_id), write=False)
+        return self._completed(row, rollout_id, attempt_id)
+
+    def _complete_params(
+        self, rollout_id: str, attempt_id: str, status: AttemptStatus, reward: Optional[float], error: Optional[str]
+    ) -> Dict[str, Any]:
         _rules.check_complete_status(status)
-        params = {
+        return {
             "rollout_id": rollout_id,
             "attempt_id": attempt_id,
             "status": status,
@@ -748,9 +868,10 @@ class PostgresLightningStore(LightningStore):
             "on_retry": _rules.next_rollout_status(status, n_attempts=1, max_attempts=2),
             "on_last": _rules.next_rollout_status(status, n_attempts=2, max_attempts=2),
         }
-        row = self._run(lambda c: c.execute(COMPLETE, params).fetchone(), single=True)
-        if row is None:
-            return self._run(lambda c: self._raise_unknown(c, rollout_id, attempt_id), write=False)
+
+    @staticmethod
+    def _completed(row: Tuple[Any, ...], rollout_id: str, attempt_id: str) -> Rollout:
+        """The rollout COMPLETE returned, or the error for an attempt that was no longer running."""
         attempt_status, rollout_status = row[:2]
         if attempt_status != "running":
             raise _rules.stale_error(rollout_id, attempt_id, attempt_status, rollout_status)
@@ -894,18 +1015,18 @@ class PostgresLightningStore(LightningStore):
 
     def _add_small_batch(self, rows: List[Tuple[Any, ...]], keys: List[Tuple[str, str]]) -> int:
         """``add_spans`` of a small batch: one statement (ADD_SPANS) in the common case."""
-        first: Dict[Tuple[str, str, str], Tuple[Any, ...]] = {}  # the first copy of a span in the batch wins
-        for row in rows:
-            first.setdefault(row[:3], row)
-        params: Dict[str, Any] = {"spans": to_json(list(first.values())).decode()}
-        params["n_keys"] = len(keys)
+        params = _small_batch_params(rows, keys)
         while True:
             params["now"] = self._now()
             known, stored = self._run(lambda c: c.execute(ADD_SPANS, params).fetchone(), single=True)
             if known:
                 return int(stored)
-            self._run(lambda c: self._span_attempts(c, keys), write=False)  # raises for the first unknown id
+            self._check_span_attempts(keys)
             # all are known now (enqueued or claimed meanwhile): store them
+
+    def _check_span_attempts(self, keys: List[Tuple[str, str]]) -> None:
+        """After ADD_SPANS found an attempt missing: raise for the first unknown (rollout, attempt)."""
+        self._run(lambda c: self._span_attempts(c, keys), write=False)
 
     @staticmethod
     def _span_attempts(c: Any, keys: List[Tuple[str, str]]) -> Dict[Tuple[str, str], Tuple[Any, ...]]:
@@ -975,21 +1096,55 @@ class PostgresLightningStore(LightningStore):
         )
 
     def get_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
-        def work(c: Any) -> Optional[Tuple[Any, ...]]:
-            if resources_id is None:
-                return c.execute("SELECT * FROM agl_resources ORDER BY version DESC LIMIT 1").fetchone()
-            row = c.execute("SELECT * FROM agl_resources WHERE resources_id = %s", (resources_id,)).fetchone()
-            if row is None:
-                raise UnknownResourcesError(resources_id)
-            return row
+        sql, params = _resources_query(resources_id)
+        return _resources_update(self._run(lambda c: c.execute(sql, params).fetchone(), write=False), resources_id)
 
-        row = self._run(work, write=False)
+    # -- the calls of a rollout cycle, for an event loop (see agl.store.base.AsyncRolloutCalls) ----------------
+    async def aclaim(self, runner_id: str, limit: int = 1) -> List[Rollout]:
+        _rules.check_limit(limit)
+        params = self._claim_params(runner_id, limit)
+        claimed, _, next_before, now = self._claimed(await self._arun(CLAIM, params, write=True, fetch_all=True), params["now"])
+        if next_before is not None and next_before <= now:  # an attempt has expired: reap (rare) on a thread
+            reaped, _ = await asyncio.to_thread(self._reap)
+            if reaped and len(claimed) < limit:  # the reap may have requeued some: claim them in this call
+                claimed += await self.aclaim(runner_id, limit - len(claimed))
+        return claimed
+
+    async def aadd_spans(self, spans: Sequence[Span]) -> int:
+        if not spans:
+            self._state()
+            return 0
+        if len(spans) > _SMALL_SPAN_BATCH:
+            return await asyncio.to_thread(self.add_spans, spans)  # big batches go in with COPY, on a thread
+        rows = [_storable(span_to_row(span)) for span in spans]
+        keys = list(dict.fromkeys((row[0], row[1]) for row in rows))
+        params = _small_batch_params(rows, keys)
+        while True:
+            params["now"] = self._now()
+            known, stored = await self._arun(ADD_SPANS, params, write=True)
+            if known:
+                return int(stored)
+            await asyncio.to_thread(self._check_span_attempts, keys)
+
+    async def acomplete_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus,
+        *,
+        reward: Optional[float] = None,
+        error: Optional[str] = None,
+    ) -> Rollout:
+        params = self._complete_params(rollout_id, attempt_id, status, reward, error)
+        row = await self._arun(COMPLETE, params, write=True)
         if row is None:
-            return None
-        version, rid, encoded, create_time = row
-        return ResourcesUpdate(
-            resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=create_time
-        )
+            exists = await self._arun(ROLLOUT_EXISTS, (rollout_id,), write=False) is not None
+            raise _unknown(exists, rollout_id, attempt_id)
+        return self._completed(row, rollout_id, attempt_id)
+
+    async def aget_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
+        sql, params = _resources_query(resources_id)
+        return _resources_update(await self._arun(sql, params, write=False), resources_id)
 
     # -- misc ----------------------------------------------------------------------------------------------
     def stats(self) -> StoreStats:

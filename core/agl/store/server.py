@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
 
 import anyio
 import anyio.to_thread
@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agl.errors import AglError
 from agl.http_thread import ThreadedServer
 from agl.store import otlp
-from agl.store.base import LightningStore, StoreStats
+from agl.store.base import AsyncRolloutCalls, LightningStore, StoreStats
 from agl.store.memory import InMemoryLightningStore
 from agl.store.sqlite import SqliteLightningStore
 from agl.store.wire import (
@@ -85,6 +85,7 @@ class ServerLimits:
     idempotency_ttl: float = 600.0  # seconds a retried request still gets the first answer
     idempotency_entries: int = 100_000
     inline_calls: Optional[bool] = None  # run non-waiting store calls on the event loop (None: for local stores)
+    async_calls: bool = True  # a networked store's AsyncRolloutCalls on the event loop (else on worker threads)
 
 
 class TokenSet:
@@ -213,26 +214,48 @@ class IdempotencyCache:
         self._entries = collections.OrderedDict()
 
     def run(self, key: Tuple[str, ...], call: Callable[[], Response]) -> Response:
-        with self._lock:
-            self._expire()
-            entry = self._entries.get(key)
-            owner = entry is None
-            if owner:
-                entry = (time.monotonic(), threading.Event(), [])
-                self._entries[key] = entry
-        _, done, result = entry  # type: ignore[misc]
+        owner, (_, done, result) = self._enter(key)
         if not owner:
             done.wait()
             return _copy_response(result[0])
         try:
             response = call()
         except BaseException as exc:  # an error the handler turns into 4xx: a retry gets the same one
-            response = _error_response(exc)
-            if response.status_code >= 500:
-                with self._lock:  # a failure of our own: let a retry try again
-                    self._entries.pop(key, None)
+            response = self._failed(key, exc)
         result.append(response)
         done.set()
+        return response
+
+    async def run_async(self, key: Tuple[str, ...], call: Callable[[], Awaitable[Response]]) -> Response:
+        """:meth:`run` for a call made on the event loop."""
+        owner, (_, done, result) = self._enter(key)
+        if not owner:  # rare: a retry while the first try still runs
+            await anyio.to_thread.run_sync(done.wait)
+            return _copy_response(result[0])
+        try:
+            response = await call()
+        except BaseException as exc:  # noqa: BLE001 - as in run()
+            response = self._failed(key, exc)
+        result.append(response)
+        done.set()
+        return response
+
+    def _enter(self, key: Tuple[str, ...]) -> Tuple[bool, Tuple[float, threading.Event, List[Any]]]:
+        """(whether this request runs the call, the key's entry), the entry made if the key is new."""
+        with self._lock:
+            self._expire()
+            entry = self._entries.get(key)
+            owner = entry is None
+            if entry is None:
+                entry = (time.monotonic(), threading.Event(), [])
+                self._entries[key] = entry
+        return owner, entry
+
+    def _failed(self, key: Tuple[str, ...], exc: BaseException) -> Response:
+        response = _error_response(exc)
+        if response.status_code >= 500:
+            with self._lock:  # a failure of our own: let a retry try again
+                self._entries.pop(key, None)
         return response
 
     def seen(self, key: Tuple[str, ...]) -> bool:
@@ -361,6 +384,9 @@ def create_app(
     inline = limits.inline_calls
     if inline is None:
         inline = isinstance(store, (InMemoryLightningStore, SqliteLightningStore))
+    # A networked store with coroutines for the calls of a rollout cycle waits for its database on the event
+    # loop: no thread hop for those (see AsyncRolloutCalls); its other calls still go to worker threads.
+    native = store if isinstance(store, AsyncRolloutCalls) and limits.async_calls and not inline else None
     pollers: Dict[str, anyio.CapacityLimiter] = {}
 
     @contextlib.asynccontextmanager
@@ -399,6 +425,10 @@ def create_app(
         """Run ``call``; with an Idempotency-Key, a repeat of the same request gets the first answer."""
         key = idempotency_key(request, client)
         return call() if key is None else cache.run(key, call)
+
+    async def once_async(request: Request, client: str, call: Callable[[], Awaitable[Response]]) -> Response:
+        key = idempotency_key(request, client)
+        return await call() if key is None else await cache.run_async(key, call)
 
     async def long_poll(request: Request, wait: Callable[[threading.Event], Response]) -> Response:
         """Run a blocking wait on the poll limiter; ``gone`` is set if the client disconnects meanwhile."""
@@ -465,18 +495,25 @@ def create_app(
 
     @api.post("/rollouts/dequeue", response_model=RolloutList, tags=["rollouts"], summary="claim work (long poll)")
     async def dequeue(body: DequeueBody, request: Request, client: str = Client) -> Response:
+        def waited(gone: threading.Event) -> Response:
+            step = lambda t: store.dequeue_many(body.runner_id, body.limit, timeout=t)  # noqa: E731
+            return _rollouts(sliced(body.timeout, gone, step))
+
+        if native is not None:
+            async def claim_or_wait() -> Response:  # the claim on the loop; only an empty queue costs a thread
+                claimed = await native.aclaim(body.runner_id, body.limit)
+                if claimed or body.timeout <= 0:
+                    return _rollouts(claimed)
+                return await long_poll(request, waited)
+
+            return await once_async(request, client, claim_or_wait)  # a retry waits for this answer
         key = idempotency_key(request, client)
         if inline and (key is None or not cache.seen(key)):  # a first try: claim without a thread if work is there
             claimed = store.dequeue_many(body.runner_id, body.limit, timeout=0)
             if claimed or body.timeout <= 0:
                 response = _rollouts(claimed)
                 return response if key is None else cache.record(key, response)
-
-        def wait(gone: threading.Event) -> Response:
-            step = lambda t: store.dequeue_many(body.runner_id, body.limit, timeout=t)  # noqa: E731
-            return once(request, client, lambda: _rollouts(sliced(body.timeout, gone, step)))
-
-        return await long_poll(request, wait)
+        return await long_poll(request, lambda gone: once(request, client, lambda: waited(gone)))
 
     @api.post("/rollouts/wait", response_model=RolloutList, tags=["rollouts"], summary="wait for rollouts to end (long poll)")
     async def wait_for_rollouts(body: WaitBody, request: Request) -> Response:
@@ -518,6 +555,13 @@ def create_app(
 
     @api.post("/rollouts/{rollout_id}/attempts/{attempt_id}/complete", response_model=Rollout, tags=["attempts"])
     async def complete(rollout_id: str, attempt_id: str, body: CompleteBody, request: Request, client: str = Client) -> Response:
+        if native is not None:
+            async def complete_here() -> Response:
+                return _json(await native.acomplete_attempt(
+                    rollout_id, attempt_id, body.status, reward=body.reward, error=body.error
+                ))
+
+            return await once_async(request, client, complete_here)
         call = lambda: _json(  # noqa: E731
             store.complete_attempt(rollout_id, attempt_id, body.status, reward=body.reward, error=body.error)
         )
@@ -538,6 +582,11 @@ def create_app(
             body = SpansBody.model_validate_json(await request.body())
         except ValidationError as exc:
             raise RequestValidationError(exc.errors(include_url=False)) from None
+        if native is not None:
+            async def add_here() -> Response:
+                return _json(Stored(stored=await native.aadd_spans(body.spans)))
+
+            return await once_async(request, client, add_here)
         return await run(lambda: once(request, client, lambda: _json(Stored(stored=store.add_spans(body.spans)))))
 
     @api.get("/rollouts/{rollout_id}/spans", response_model=SpanList, tags=["spans"])
@@ -589,6 +638,8 @@ def create_app(
 
     @api.get("/resources", response_model=MaybeResources, tags=["resources"], summary="a resources version, or the latest")
     async def get_resources(resources_id: Optional[str] = Query(None, description="omit for the latest")) -> Response:
+        if native is not None:
+            return _json(MaybeResources(update=await native.aget_resources(resources_id)))
         return await run(lambda: _json(MaybeResources(update=store.get_resources(resources_id))))
 
     @api.get("/stats", response_model=StoreStats, tags=["meta"])
