@@ -103,30 +103,20 @@ class ConnectionPool:
                 conn, reused = self._take()
             except OSError as exc:
                 raise _transport_error(exc) from exc
-            try:
-                answer, keep = conn.exchange(method, head, body, timeout)
-            except (OSError, _BadAnswer) as exc:
-                conn.close()
-                if not reused or isinstance(exc, (TimeoutError, _BadAnswer)):
+            while True:
+                try:
+                    answer, keep = conn.exchange(method, head, body, timeout)
+                    break
+                except (OSError, _BadAnswer) as exc:
+                    conn.close()
+                    if not reused or isinstance(exc, (TimeoutError, _BadAnswer)):
+                        raise _transport_error(exc) from exc
+                try:  # the one repeat: a pooled connection turned out to be closed
+                    conn, reused = self._connect(), False
+                except OSError as exc:
                     raise _transport_error(exc) from exc
-                conn, answer, keep = self._exchange_on_new_connection(method, head, body, timeout)
             self._give_back(conn, keep)
             return answer
-
-    def _exchange_on_new_connection(
-        self, method: str, head: bytes, body: Optional[bytes], timeout: float
-    ) -> Tuple["_Connection", Answer, bool]:
-        """The one repeat, after a pooled connection turned out to be closed."""
-        try:
-            conn = self._connect()
-        except OSError as exc:
-            raise _transport_error(exc) from exc
-        try:
-            answer, keep = conn.exchange(method, head, body, timeout)
-        except (OSError, _BadAnswer) as exc:
-            conn.close()
-            raise _transport_error(exc) from exc
-        return conn, answer, keep
 
     def _head(self, method: str, target: str, body: Optional[bytes], extra: Optional[Dict[str, str]]) -> bytes:
         """Request line and headers, ending with the blank line. CR, LF or a space in the target, or CR/LF in
