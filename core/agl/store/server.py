@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
 import anyio
 import anyio.to_thread
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
@@ -192,6 +192,55 @@ async def _too_large(scope: Scope, send: Send, max_bytes: int) -> None:
 
 async def _drain_receive() -> Message:
     return {"type": "http.disconnect"}
+
+
+class TokenCheck:
+    """ASGI middleware: a request under ``prefix`` needs a bearer token the server accepts (401/403 with a JSON
+    error otherwise); the token's name goes to ``scope["state"]["agl_client"]`` (the idempotency keys' owner).
+
+    Why a middleware and not a FastAPI dependency: solving the dependency cost a light request 10-17 of its
+    70-90 µs of server CPU (``benchmarks/server_overhead.py``); this is a header lookup. A request for a
+    path that does not exist under ``prefix`` gets 401 without a token too (no route list for strangers).
+    """
+
+    def __init__(self, app: ASGIApp, tokens: Optional[TokenSet], prefix: str) -> None:
+        self.app = app
+        self.tokens = tokens
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        try:
+            name = self._check(scope)
+        except _AuthFailure as exc:
+            body = ErrorBody(error="StoreAuthError", message=exc.message)
+            headers = {"WWW-Authenticate": 'Bearer realm="agl-store"'} if exc.status == 401 else None
+            response = JSONResponse(body.model_dump(exclude_none=True), status_code=exc.status, headers=headers)
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})[CLIENT_STATE] = name
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> str:
+        if not self.tokens:
+            return "anonymous"
+        header = next((v for k, v in scope["headers"] if k == _AUTH_HEADER), b"").decode("latin-1")
+        scheme, _, presented = header.partition(" ")
+        if not header:
+            raise _AuthFailure(401, "this store server needs a token: send 'Authorization: Bearer <token>' "
+                               f"(the agl client reads token=... or ${TOKEN_ENV})")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise _AuthFailure(401, "the Authorization header must be 'Bearer <token>'")
+        name = self.tokens.check(presented.strip())
+        if name is None:
+            raise _AuthFailure(403, "token not accepted by this store server: check the token you were given")
+        return name
+
+
+CLIENT_STATE = "agl_client"
+_AUTH_HEADER = AUTH_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
 
 
 # -- idempotent retries -----------------------------------------------------------------------------------
@@ -401,33 +450,19 @@ def create_app(
         finally:
             stop.set()
 
-    async def authenticate(request: Request) -> str:
-        """Async on purpose: FastAPI runs a sync dependency on a worker thread, a hop per request."""
-        if not tokens:
-            return "anonymous"
-        header = request.headers.get(AUTH_HEADER, "")
-        scheme, _, presented = header.partition(" ")
-        if not header:
-            raise _AuthFailure(401, "this store server needs a token: send 'Authorization: Bearer <token>' "
-                               f"(the agl client reads token=... or ${TOKEN_ENV})")
-        if scheme.lower() != "bearer" or not presented.strip():
-            raise _AuthFailure(401, "the Authorization header must be 'Bearer <token>'")
-        name = tokens.check(presented.strip())
-        if name is None:
-            raise _AuthFailure(403, "token not accepted by this store server: check the token you were given")
-        return name
-
-    def idempotency_key(request: Request, client: str) -> Optional[Tuple[str, ...]]:
+    def idempotency_key(request: Request) -> Optional[Tuple[str, ...]]:
+        """(the token's name, the path, the Idempotency-Key header): a retry of the same request by the same
+        client, if the request has the header."""
         key = request.headers.get(IDEMPOTENCY_HEADER)
-        return (client, request.url.path, key[:128]) if key else None
+        return (request.scope["state"][CLIENT_STATE], request.url.path, key[:128]) if key else None
 
-    def once(request: Request, client: str, call: Callable[[], Response]) -> Response:
+    def once(request: Request, call: Callable[[], Response]) -> Response:
         """Run ``call``; with an Idempotency-Key, a repeat of the same request gets the first answer."""
-        key = idempotency_key(request, client)
+        key = idempotency_key(request)
         return call() if key is None else cache.run(key, call)
 
-    async def once_async(request: Request, client: str, call: Callable[[], Awaitable[Response]]) -> Response:
-        key = idempotency_key(request, client)
+    async def once_async(request: Request, call: Callable[[], Awaitable[Response]]) -> Response:
+        key = idempotency_key(request)
         return await call() if key is None else await cache.run_async(key, call)
 
     async def long_poll(request: Request, wait: Callable[[threading.Event], Response]) -> Response:
@@ -470,19 +505,13 @@ def create_app(
     )
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
-
-    @app.exception_handler(_AuthFailure)
-    async def on_auth(request: Request, exc: _AuthFailure) -> Response:
-        body = ErrorBody(error="StoreAuthError", message=exc.message)
-        headers = {"WWW-Authenticate": 'Bearer realm="agl-store"'} if exc.status == 401 else None
-        return JSONResponse(body.model_dump(exclude_none=True), status_code=exc.status, headers=headers)
+    app.add_middleware(TokenCheck, tokens=tokens, prefix="/v1/")  # added last: runs first, before bodies are read
 
     @app.get("/healthz", tags=["meta"], summary="liveness (no token needed)")
     async def healthz() -> Dict[str, str]:
         return {"status": "ok"}
 
-    api = _Routes(app, "/v1", dependencies=[Depends(authenticate)], responses=_ERRORS)
-    Client = Depends(authenticate)
+    api = _Routes(app, "/v1", responses=_ERRORS)
 
     async def run(call: Callable[[], Response]) -> Response:
         """A store call that does not wait: inline for local stores, on a worker thread for networked ones."""
@@ -490,11 +519,11 @@ def create_app(
 
     # -- rollouts ---------------------------------------------------------------------------------------
     @api.post("/rollouts", response_model=RolloutList, tags=["rollouts"], summary="enqueue rollouts (FIFO)")
-    async def enqueue(body: EnqueueBody, request: Request, client: str = Client) -> Response:
-        return await run(lambda: once(request, client, lambda: _rollouts(store.enqueue_many(body.requests))))
+    async def enqueue(body: EnqueueBody, request: Request) -> Response:
+        return await run(lambda: once(request, lambda: _rollouts(store.enqueue_many(body.requests))))
 
     @api.post("/rollouts/dequeue", response_model=RolloutList, tags=["rollouts"], summary="claim work (long poll)")
-    async def dequeue(body: DequeueBody, request: Request, client: str = Client) -> Response:
+    async def dequeue(body: DequeueBody, request: Request) -> Response:
         def waited(gone: threading.Event) -> Response:
             step = lambda t: store.dequeue_many(body.runner_id, body.limit, timeout=t)  # noqa: E731
             return _rollouts(sliced(body.timeout, gone, step))
@@ -506,14 +535,14 @@ def create_app(
                     return _rollouts(claimed)
                 return await long_poll(request, waited)
 
-            return await once_async(request, client, claim_or_wait)  # a retry waits for this answer
-        key = idempotency_key(request, client)
+            return await once_async(request, claim_or_wait)  # a retry waits for this answer
+        key = idempotency_key(request)
         if inline and (key is None or not cache.seen(key)):  # a first try: claim without a thread if work is there
             claimed = store.dequeue_many(body.runner_id, body.limit, timeout=0)
             if claimed or body.timeout <= 0:
                 response = _rollouts(claimed)
                 return response if key is None else cache.record(key, response)
-        return await long_poll(request, lambda gone: once(request, client, lambda: waited(gone)))
+        return await long_poll(request, lambda gone: once(request, lambda: waited(gone)))
 
     @api.post("/rollouts/wait", response_model=RolloutList, tags=["rollouts"], summary="wait for rollouts to end (long poll)")
     async def wait_for_rollouts(body: WaitBody, request: Request) -> Response:
@@ -554,18 +583,18 @@ def create_app(
         return await run(lambda: _json(store.heartbeat(rollout_id, attempt_id)))
 
     @api.post("/rollouts/{rollout_id}/attempts/{attempt_id}/complete", response_model=Rollout, tags=["attempts"])
-    async def complete(rollout_id: str, attempt_id: str, body: CompleteBody, request: Request, client: str = Client) -> Response:
+    async def complete(rollout_id: str, attempt_id: str, body: CompleteBody, request: Request) -> Response:
         if native is not None:
             async def complete_here() -> Response:
                 return _json(await native.acomplete_attempt(
                     rollout_id, attempt_id, body.status, reward=body.reward, error=body.error
                 ))
 
-            return await once_async(request, client, complete_here)
+            return await once_async(request, complete_here)
         call = lambda: _json(  # noqa: E731
             store.complete_attempt(rollout_id, attempt_id, body.status, reward=body.reward, error=body.error)
         )
-        return await run(lambda: once(request, client, call))
+        return await run(lambda: once(request, call))
 
     # -- spans ------------------------------------------------------------------------------------------
     @api.post(
@@ -575,7 +604,7 @@ def create_app(
         summary="store spans (insert-only, idempotent)",
         openapi_extra=_json_body_schema({"spans": {"type": "array", "items": {"$ref": "#/components/schemas/Span"}}}),
     )
-    async def add_spans(request: Request, client: str = Client) -> Response:
+    async def add_spans(request: Request) -> Response:
         # parsed from the raw bytes in one step (pydantic's JSON parser): batches of 1,000 spans are the
         # heaviest requests, and this is ~3x cheaper than FastAPI's json.loads-then-validate
         try:
@@ -586,8 +615,8 @@ def create_app(
             async def add_here() -> Response:
                 return _json(Stored(stored=await native.aadd_spans(body.spans)))
 
-            return await once_async(request, client, add_here)
-        return await run(lambda: once(request, client, lambda: _json(Stored(stored=store.add_spans(body.spans)))))
+            return await once_async(request, add_here)
+        return await run(lambda: once(request, lambda: _json(Stored(stored=store.add_spans(body.spans)))))
 
     @api.get("/rollouts/{rollout_id}/spans", response_model=SpanList, tags=["spans"])
     async def query_spans(
@@ -632,9 +661,9 @@ def create_app(
 
     # -- resources and stats -----------------------------------------------------------------------------
     @api.post("/resources", response_model=ResourcesUpdate, tags=["resources"], summary="add a resources version")
-    async def add_resources(body: ResourcesBody, request: Request, client: str = Client) -> Response:
+    async def add_resources(body: ResourcesBody, request: Request) -> Response:
         call = lambda: _json(store.add_resources(body.resources, body.resources_id))  # type: ignore[arg-type]  # noqa: E731
-        return await run(lambda: once(request, client, call))
+        return await run(lambda: once(request, call))
 
     @api.get("/resources", response_model=MaybeResources, tags=["resources"], summary="a resources version, or the latest")
     async def get_resources(resources_id: Optional[str] = Query(None, description="omit for the latest")) -> Response:
@@ -651,18 +680,18 @@ def create_app(
 
 
 class _Routes:
-    """``@api.get`` / ``@api.post`` for endpoints under ``prefix`` that share dependencies and documented
-    responses, registered on the app itself.
+    """``@api.get`` / ``@api.post`` for endpoints under ``prefix`` that share documented responses, registered
+    on the app itself.
 
     Why not an ``APIRouter`` and ``include_router``: FastAPI (0.16x) matches the routes of an included router
     through an extra layer on every request, ~55 of the ~170 microseconds of server CPU a light request
     costs (measured with ``GET /v1/resources``); routes of the app are matched directly.
     """
 
-    def __init__(self, app: FastAPI, prefix: str, *, dependencies: List[Any], responses: Dict[Any, Any]) -> None:
+    def __init__(self, app: FastAPI, prefix: str, *, responses: Dict[Any, Any]) -> None:
         self._app = app
         self._prefix = prefix
-        self._common: Dict[str, Any] = {"dependencies": dependencies, "responses": responses}
+        self._common: Dict[str, Any] = {"responses": responses}
 
     def get(self, path: str, **kwargs: Any) -> Callable[[Any], Any]:
         return self._app.get(self._prefix + path, **self._common, **kwargs)
