@@ -111,8 +111,10 @@ def test_no_token_no_access_and_nothing_changes(served: Served) -> None:
         ("POST", f"/v1/rollouts/{rollout.rollout_id}/cancel"),
         ("POST", "/v1/spans"),
         ("POST", "/v1/traces"),
+        ("GET", "/v1/no-such-endpoint"),  # which paths exist is not told without a token either
     ]:
         assert served.http.request(method, path).status_code == 401, path
+    assert served.http.get("/v1/no-such-endpoint", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
     assert snapshot(served.backing) == before
     with pytest.raises(StoreAuthError, match="not accepted"):
         RemoteLightningStore(served.url, token="nope").stats()
