@@ -1,6 +1,6 @@
 """What the OpenAI instrumentation costs the agent: per call, and at the end of a rollout.
 
-    python benchmarks/tracer_overhead.py [--calls 500] [--rounds 10]
+    python benchmarks/tracer_overhead.py [--calls 100] [--rounds 30]
 
 The real ``openai`` client talks to an in-process transport (``MockTransport``, no network) that returns
 a canned chat completion with vLLM token ids, so the client's own work is the whole baseline. Spans go to
@@ -11,8 +11,10 @@ list (the output says which). Every span is checked to be in the store.
    ``create`` that returns a parsed completion at once, so nothing but agl's code (span start and end,
    request and response reading, the hand-off to the writer) is timed.
 2. End to end: rounds alternate ``--calls`` real client calls uninstrumented and ``--calls`` instrumented
-   inside a rollout (a fresh one per round); the figure is the median of the paired per-round differences
-   of wall time per call, the end-of-round ``flush()`` included (every span stored). Two transports:
+   inside a rollout (a fresh one per round), which of the two goes first alternating too; the figure is
+   the median of the paired per-round differences of wall time per call, the end-of-round ``flush()``
+   included (every span stored), and the middle half of those differences shows how noisy the machine
+   was. Two transports:
    - ``--latency`` ms (default 2) per answer, as a model server's answer takes time (the wait releases
      the GIL, as a socket read does): what an agent sees. The writer works during the waits.
    - 0 ms, a CPU-bound loop: the worst case for a GIL-bound language, where the writer's work (encoding
@@ -209,13 +211,16 @@ class GcCounter:
 def end_to_end(
     store: Store, client: openai.OpenAI, instrumentor: OpenAIInstrumentor, n: int, rounds: int, gcs: GcCounter
 ) -> Dict[str, Any]:
-    """Paired rounds of n plain and n instrumented calls: median overhead per call (wall and CPU)."""
+    """Paired rounds of n plain and n instrumented calls: median overhead per call (wall and CPU), and the
+    quartiles of the wall overhead. The order within a pair alternates, so that a drift in the machine's
+    speed (frequent on a shared VM) adds to as many pairs as it takes from."""
     wall_diff: List[float] = []
     cpu_diff: List[float] = []
     plain_wall: List[float] = []
     stored = 0
-    for _ in range(rounds):
-        plain = calls(client, n)
+    for i in range(rounds):
+        if i % 2 == 0:
+            plain = calls(client, n)
         instrumentor.instrument()
         gcs.active = True
         start = time.perf_counter()
@@ -224,6 +229,8 @@ def end_to_end(
         traced = (time.perf_counter() - start, traced[1])
         gcs.active = False
         instrumentor.uninstrument()
+        if i % 2 == 1:
+            plain = calls(client, n)
         plain_wall.append(plain[0] / n * 1e6)
         wall_diff.append((traced[0] - plain[0]) / n * 1e6)
         cpu_diff.append((traced[1] - plain[1]) / n * 1e6)
@@ -231,6 +238,7 @@ def end_to_end(
     return {
         "base": statistics.median(plain_wall),
         "wall": statistics.median(wall_diff),
+        "wall_quartiles": statistics.quantiles(wall_diff, n=4)[::2],
         "cpu": statistics.median(cpu_diff),
         "stored": stored,
     }
@@ -275,8 +283,8 @@ def measure_writer(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=500, help="calls per round and mode")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=100, help="calls per round and mode")
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--latency", type=float, default=LATENCY_S * 1e3, help="model latency in ms")
     parser.add_argument("--writers", default="thread,process", help="agl span writers to measure, comma-separated")
     args = parser.parse_args()
@@ -309,6 +317,10 @@ def main() -> None:
     per_flush = f"<= {FLUSH_TARGET_MS:.0f}"
     latency = f"{args.latency:g} ms model latency"
 
+    def quartiles(result: Dict[str, Any]) -> str:
+        low, high = result["wall_quartiles"]
+        return f"{low:.0f} to {high:.0f}"
+
     def ratio(result: Dict[str, Any]) -> str:
         return f"{(result['base'] + result['wall']) / result['base']:.3f}x"
 
@@ -323,10 +335,12 @@ def main() -> None:
         per_writer(f"uninstrumented call, {latency} (us)", lambda r: f"{r['latent']['base']:.0f}"),
         per_writer(f"overhead per call, {latency}, flush included (us)", lambda r: f"{r['latent']['wall']:.1f}",
                    per_call, lambda r: r["latent"]["wall"] <= CALL_TARGET_US),
+        per_writer("  middle half of the rounds (us)", lambda r: quartiles(r["latent"])),
         per_writer("  ratio", lambda r: ratio(r["latent"])),
         per_writer("uninstrumented call, CPU-bound, 0 ms (us)", lambda r: f"{r['cpu']['base']:.0f}"),
         per_writer("overhead per call, CPU-bound, writer and flush included (us)", lambda r: f"{r['cpu']['wall']:.1f}",
                    per_call, lambda r: r["cpu"]["wall"] <= CALL_TARGET_US),
+        per_writer("  middle half of the rounds (us)", lambda r: quartiles(r["cpu"])),
         per_writer("  calling thread CPU only (us)", lambda r: f"{r['cpu']['cpu']:.1f}"),
         per_writer("  ratio", lambda r: ratio(r["cpu"])),
         per_writer("GC collections per 1,000 instrumented calls (gen0/1/2)",
