@@ -82,5 +82,7 @@ for _req in sorted(ROOT.glob("integrations/*/requirements-*.txt")):
 @nox.session(python=PYTHON)
 def benchmarks(session: nox.Session) -> None:
     session.install("-e", ".[dev,postgres]")
-    for script in ("benchmarks/store.py", "benchmarks/tracer_overhead.py", "benchmarks/dev_latency.py"):
+    for script in (
+        "benchmarks/store.py", "benchmarks/tracer_overhead.py", "benchmarks/dev_latency.py", "benchmarks/server_overhead.py"
+    ):
         session.run("python", script)
