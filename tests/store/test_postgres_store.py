@@ -517,3 +517,25 @@ def test_async_calls_of_a_stopped_server_are_a_clear_error_and_resume_after_rest
 
         assert asyncio.run(claim_and_add()) == 1
         store.close()
+
+
+def test_closing_the_store_under_a_running_server_closes_its_async_connections(
+    postgres_server: PostgresServer, postgres_dsn: str
+) -> None:
+    from agl.store.remote import RemoteLightningStore
+    from agl.store.server import ServerThread, TokenSet, create_app
+
+    store = PostgresLightningStore(postgres_dsn)
+    server = ServerThread(create_app(store, tokens=TokenSet({"t": "token"}))).start()
+    client = RemoteLightningStore(server.url, token="token", retries=0)
+    try:
+        client.enqueue_rollout("x")
+        assert client.dequeue_rollout("runner-1") is not None  # claimed on the server's loop: an async connection
+        sessions = f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{_dbname(postgres_dsn)}' AND pid <> pg_backend_pid()"
+        with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+            assert admin.execute(sessions).fetchone()[0] >= 1
+            store.close()  # from this thread, while the server's loop runs
+            _until(lambda: admin.execute(sessions).fetchone()[0] == 0, "the store's sessions are gone")
+    finally:
+        client.close()
+        server.stop()

@@ -67,8 +67,18 @@ class AsyncPool:
         self._slots.release()
 
     def close(self) -> None:
-        """Close the idle connections (from any thread: no await needed); those in use close when put back."""
+        """Close the idle connections; those in use close when put back. From another thread while the loop
+        runs (a store closed under its server), the idle ones are closed on the loop, which is using them."""
         self._closed = True
+        if self.loop.is_running() and _running_loop() is not self.loop:
+            try:
+                self.loop.call_soon_threadsafe(self._close_idle)
+                return
+            except RuntimeError:  # the loop closed meanwhile: nobody uses the connections any more
+                pass
+        self._close_idle()
+
+    def _close_idle(self) -> None:
         idle, self._idle = self._idle, []
         for conn in idle:
             _finish(conn)
@@ -77,6 +87,13 @@ class AsyncPool:
         """In a forked child: the parent's connections, to be kept referenced and never closed."""
         idle, self._idle = self._idle, []
         return idle
+
+
+def _running_loop() -> Any:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _finish(conn: Any) -> None:
