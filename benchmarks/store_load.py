@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 from agl.store import EnqueueRequest
 from agl.store.remote import RemoteLightningStore
@@ -89,12 +89,44 @@ class Server:
 
     def cpu_seconds(self) -> float:
         """User + system CPU the server process has used so far."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used so far (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_now() -> Tuple[float, float]:
+    """(CPU seconds the whole machine has been busy, CPU seconds of the PostgreSQL processes) so far.
+
+    Busy = every /proc/stat category but idle and iowait. The machine's figure is what one rollout really
+    costs here, all processes together; unlike rollouts/s it does not move when the host takes cores away.
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = (sum(fields) - fields[3] - fields[4]) / ticks
+    postgres = sum(
+        process_cpu_seconds(int(pid))
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and _comm(pid) == "postgres"
+    )
+    return busy, postgres
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 @contextlib.contextmanager
@@ -197,9 +229,10 @@ def measure(location: str, n_clients: int, args: argparse.Namespace, log: Path) 
             batch = [EnqueueRequest(input={"i": i}, resources_id=resources.resources_id) for i in range(start, min(n_rollouts, start + 500))]
             ids += [r.rollout_id for r in trainer.enqueue_many(batch)]
         jobs = [(_rollout_client, server.url, f"runner-{i}", q, args.spans_per_rollout) for i, q in enumerate(quotas)]
-        cpu = server.cpu_seconds()
+        cpu, (busy, db) = server.cpu_seconds(), cpu_now()
         rollout_s, out, layout = run_clients(jobs, args.max_procs)
         rollout_cpu = server.cpu_seconds() - cpu
+        busy_after, db_after = cpu_now()
         finished = sum(done for done, _, _ in out)
 
         holders = trainer.enqueue_many([EnqueueRequest(input="span holder") for _ in range(n_clients)])
@@ -219,6 +252,7 @@ def measure(location: str, n_clients: int, args: argparse.Namespace, log: Path) 
             "rollouts/s": finished / rollout_s,
             "spans/s": spans_sent / span_s,
             "server rollouts/cpu-s": finished / rollout_cpu,
+            "cpu ms": (1000 * (busy_after - busy) / finished, 1000 * rollout_cpu / finished, 1000 * (db_after - db) / finished),
             "server spans/cpu-s": spans_sent / span_cpu,
             "rss": rss,
             "peak": peak,
@@ -261,7 +295,8 @@ def main() -> int:
     print(f"{os.cpu_count()} CPUs; server: `agl store serve` in its own process; clients: RemoteLightningStore, "
           f"one per runner, over at most {args.max_procs} processes")
     print(f"{'backend':<9} {'clients':>7} {'client layout':<22} {'rollouts/s':>11} {'spans/s':>9} "
-          f"{'per server CPU-s: rollouts':>27} {'spans':>8} {'server RSS / peak MB':>21}  lost")
+          f"{'per server CPU-s: rollouts':>27} {'spans':>8} {'CPU ms/rollout: all server db':>30} "
+          f"{'server RSS / peak MB':>21}  lost")
     any_lost = False
     with tempfile.TemporaryDirectory() as tmp, store_locations(backends, tmp) as locations:
         for backend, fresh in locations.items():
@@ -270,11 +305,14 @@ def main() -> int:
                 any_lost |= bool(row["lost"])
                 print(f"{backend:<9} {n:>7} {row['layout']:<22} {row['rollouts/s']:>11,.0f} {row['spans/s']:>9,.0f} "
                       f"{row['server rollouts/cpu-s']:>27,.0f} {row['server spans/cpu-s']:>8,.0f} "
+                      f"{'':>12}{row['cpu ms'][0]:>6.2f} {row['cpu ms'][1]:>6.2f} {row['cpu ms'][2]:>4.2f} "
                       f"{row['rss']:>10,.0f} / {row['peak']:<8,.0f}  {row['lost'] or 'nothing'}", flush=True)
     print(f"targets with 8 clients: >= {ROLLOUTS_TARGET} rollouts/s, >= {SPANS_TARGET:,} spans/s (batches of "
           f"{SPAN_BATCH}); reference framework: 84 rollouts/s, 3,450 spans/s")
     print(f"a rollout = dequeue + get_resources (read once per client and version) + add_spans("
           f"{args.spans_per_rollout}) + complete_attempt; {args.rollouts} rollouts per row")
+    print("'CPU ms/rollout': CPU time of the whole machine (all processes, clients included), of the server "
+          "process, and of PostgreSQL's processes per rollout during the rollouts phase; less noisy than rollouts/s")
     print("'per server CPU-s': work done per second of the server process's own CPU time, which the other "
           "processes on this machine do not skew (the server is one process: one core's worth at most)")
     return 1 if any_lost else 0

@@ -36,7 +36,7 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import EnqueueRequest, open_store
-from agl.store._postgres_schema import INSERT_ROLLOUT
+from agl.store._postgres_schema import INSERT_ROLLOUT, claim_statement
 from agl.store.postgres import PostgresLightningStore
 from agl.testing.postgres import (
     PostgresServer,
@@ -539,3 +539,22 @@ def test_closing_the_store_under_a_running_server_closes_its_async_connections(
     finally:
         client.close()
         server.stop()
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_the_claim_statement_runs_on_a_reused_generic_plan(postgres_dsn: str, limit: int) -> None:
+    """The claim is planned once per connection, not on every call: with ``LIMIT $n`` PostgreSQL's generic plan
+    was a table scan once the queue held thousands, so it re-planned each claim (half its server CPU; see
+    ``claim_statement``)."""
+    store = PostgresLightningStore(postgres_dsn)
+    store.enqueue_many([EnqueueRequest(input=i) for i in range(3000)])
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute("ANALYZE agl_rollouts")  # what autovacuum does to a table that has grown
+        for _ in range(12):
+            claimed = conn.execute(claim_statement(limit), store._claim_params("r", limit), prepare=True).fetchall()
+            assert len(claimed) == limit
+        generic, custom = conn.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%SKIP LOCKED%'"
+        ).fetchone()
+    store.close()
+    assert generic >= 6 and custom <= 6, (generic, custom)

@@ -74,7 +74,7 @@ from agl.store import _rules
 from agl.store._postgres_schema import (
     ADD_SPANS,
     ATTEMPT_COLS,
-    CLAIM,
+    claim_statement,
     COMPLETE,
     COPY_SPANS,
     DONE_CHANNEL,
@@ -816,14 +816,15 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
     def _claim_once(
         self, runner_id: str, limit: int
     ) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
-        """CLAIM: the claimed rollouts, their attempts' deadlines, the earliest deadline of the attempts that
+        """One claim statement: the claimed rollouts, their attempts' deadlines, the earliest deadline of the attempts that
         were running before, and the time of the claim."""
         params = self._claim_params(runner_id, limit)
-        return self._claimed(self._run(lambda c: c.execute(CLAIM, params).fetchall(), single=True), params["now"])
+        sql = claim_statement(limit)
+        return self._claimed(self._run(lambda c: c.execute(sql, params).fetchall(), single=True), params["now"])
 
     def _claim_params(self, runner_id: str, limit: int) -> Dict[str, Any]:
         attempt_ids = [new_id("at") for _ in range(limit)]
-        return {"now": self._now(), "limit": limit, "runner_id": runner_id, "attempt_ids": attempt_ids}
+        return {"now": self._now(), "runner_id": runner_id, "attempt_ids": attempt_ids}
 
     @staticmethod
     def _claimed(rows: List[Tuple[Any, ...]], now: float) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
@@ -1103,7 +1104,8 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
     async def aclaim(self, runner_id: str, limit: int = 1) -> List[Rollout]:
         _rules.check_limit(limit)
         params = self._claim_params(runner_id, limit)
-        claimed, _, next_before, now = self._claimed(await self._arun(CLAIM, params, write=True, fetch_all=True), params["now"])
+        rows = await self._arun(claim_statement(limit), params, write=True, fetch_all=True)
+        claimed, _, next_before, now = self._claimed(rows, params["now"])
         if next_before is not None and next_before <= now:  # an attempt has expired: reap (rare) on a thread
             reaped, _ = await asyncio.to_thread(self._reap)
             if reaped and len(claimed) < limit:  # the reap may have requeued some: claim them in this call
