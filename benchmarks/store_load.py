@@ -108,8 +108,8 @@ def process_cpu_seconds(pid: int) -> float:
 def cpu_now() -> Tuple[float, float]:
     """(CPU seconds the whole machine has been busy, CPU seconds of the PostgreSQL processes) so far.
 
-    Busy = every /proc/stat category but idle and iowait. The machine's figure is what one rollout really
-    costs here, all processes together; unlike rollouts/s it does not move when the host takes cores away.
+    Busy = every /proc/stat category but idle and iowait. The machine's figure is what one rollout costs
+    here, all processes together (clients, server, database, the kernel's loopback work).
     """
     ticks = os.sysconf("SC_CLK_TCK")
     fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
@@ -312,7 +312,8 @@ def main() -> int:
     print(f"a rollout = dequeue + get_resources (read once per client and version) + add_spans("
           f"{args.spans_per_rollout}) + complete_attempt; {args.rollouts} rollouts per row")
     print("'CPU ms/rollout': CPU time of the whole machine (all processes, clients included), of the server "
-          "process, and of PostgreSQL's processes per rollout during the rollouts phase; less noisy than rollouts/s")
+          "process, and of PostgreSQL's processes per rollout during the rollouts phase (where the time goes; it moves "
+          "with the VM's speed too: compare within one run)")
     print("'per server CPU-s': work done per second of the server process's own CPU time, which the other "
           "processes on this machine do not skew (the server is one process: one core's worth at most)")
     return 1 if any_lost else 0
