@@ -8,9 +8,11 @@ spread over at most ``--max-procs`` forked processes (threads inside a process b
 CPU is real and separate from the server's: on a machine with few cores the clients compete with the
 server, which is what a real deployment on one host would do too.
 
-- rollouts/s: every client does what a runner does per rollout, ``--rollouts`` in all: a long-poll
-  dequeue, get_resources, one add_spans of ``--spans-per-rollout`` spans, complete_attempt. The trainer
-  enqueued them before (batches of 500). Timed from the start signal to the last client's end.
+- rollouts/s: every client does what agl's Runner does per rollout, ``--rollouts`` in all: get_resources,
+  one add_spans of ``--spans-per-rollout`` spans, and ``complete_and_dequeue``, whose completion claims
+  the next rollout in the same request (a long-poll dequeue only when that found none).
+  ``--separate-calls``: complete_attempt, then a long-poll dequeue, as two requests. The trainer enqueued
+  the rollouts before (batches of 500). Timed from the start signal to the last client's end.
 - spans/s: each client holds one running attempt and sends ``--span-batches`` batches of 1,000 spans
   (as the tracer's writer does).
 - Then it checks that nothing was lost (every rollout succeeded exactly once with all its spans, every
@@ -151,18 +153,26 @@ def store_locations(backends: List[str], tmp: str) -> Iterator[Dict[str, Any]]:
 # -- clients ------------------------------------------------------------------------------------------------
 
 
-def _rollout_client(url: str, runner_id: str, quota: int, spans_per_rollout: int, go: Any, out: List[Any]) -> None:
+def _rollout_client(
+    url: str, runner_id: str, quota: int, spans_per_rollout: int, separate: bool, go: Any, out: List[Any]
+) -> None:
+    """What agl's Runner does per rollout; ``separate``: complete, then dequeue, as two calls."""
     store = RemoteLightningStore(url, token=TOKEN)
     done = spans = 0
+    claimed: List[Rollout] = []
     go.wait()
     while done < quota:
-        rollout = store.dequeue_rollout(runner_id, timeout=10)
+        rollout = claimed.pop(0) if claimed else store.dequeue_rollout(runner_id, timeout=10)
         if rollout is None:
             break  # the queue ran dry: counted as lost below if anything is missing
         assert rollout.attempt is not None
         store.get_resources(rollout.resources_id)
         spans += store.add_spans([make_span(rollout, i) for i in range(spans_per_rollout)])
-        store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
+        ids = (rollout.rollout_id, rollout.attempt.attempt_id, "succeeded")
+        if separate or done + 1 == quota:
+            store.complete_attempt(*ids, reward=1.0)
+        else:
+            _, claimed = store.complete_and_dequeue(*ids, reward=1.0, runner_id=runner_id)
         done += 1
     out.append((done, spans, time.perf_counter()))
     store.close()
@@ -228,7 +238,10 @@ def measure(location: str, n_clients: int, args: argparse.Namespace, log: Path) 
         for start in range(0, n_rollouts, 500):
             batch = [EnqueueRequest(input={"i": i}, resources_id=resources.resources_id) for i in range(start, min(n_rollouts, start + 500))]
             ids += [r.rollout_id for r in trainer.enqueue_many(batch)]
-        jobs = [(_rollout_client, server.url, f"runner-{i}", q, args.spans_per_rollout) for i, q in enumerate(quotas)]
+        jobs = [
+            (_rollout_client, server.url, f"runner-{i}", q, args.spans_per_rollout, args.separate_calls)
+            for i, q in enumerate(quotas)
+        ]
         cpu, (busy, db) = server.cpu_seconds(), cpu_now()
         rollout_s, out, layout = run_clients(jobs, args.max_procs)
         rollout_cpu = server.cpu_seconds() - cpu
@@ -289,6 +302,8 @@ def main() -> int:
     parser.add_argument("--spans-per-rollout", type=int, default=4)
     parser.add_argument("--span-batches", type=int, default=3, help="batches of 1,000 spans per client")
     parser.add_argument("--max-procs", type=int, default=8, help="client processes at most (threads beyond)")
+    parser.add_argument("--separate-calls", action="store_true",
+                        help="complete_attempt then dequeue as two calls, instead of complete_and_dequeue as the Runner does")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     backends = [b.strip() for b in args.backends.split(",")]
@@ -309,8 +324,9 @@ def main() -> int:
                       f"{row['rss']:>10,.0f} / {row['peak']:<8,.0f}  {row['lost'] or 'nothing'}", flush=True)
     print(f"targets with 8 clients: >= {ROLLOUTS_TARGET} rollouts/s, >= {SPANS_TARGET:,} spans/s (batches of "
           f"{SPAN_BATCH}); reference framework: 84 rollouts/s, 3,450 spans/s")
-    print(f"a rollout = dequeue + get_resources (read once per client and version) + add_spans("
-          f"{args.spans_per_rollout}) + complete_attempt; {args.rollouts} rollouts per row")
+    step = "complete_attempt, then dequeue" if args.separate_calls else "complete_and_dequeue (as agl's Runner)"
+    print(f"a rollout = get_resources (read once per client and version) + add_spans({args.spans_per_rollout}) + "
+          f"{step}; {args.rollouts} rollouts per row")
     print("'CPU ms/rollout': CPU time of the whole machine (all processes, clients included), of the server "
           "process, and of PostgreSQL's processes per rollout during the rollouts phase (where the time goes; it moves "
           "with the VM's speed too: compare within one run)")

@@ -255,3 +255,57 @@ def test_spans_from_thread_pools_stay_in_their_rollout(store):
     assert len(messages) == 4
     assert all(m.parent_id == root.span_id for m in messages)
     assert sorted(s.sequence_id for s in spans) == list(range(len(spans)))
+
+
+class CountingStore(SqliteLightningStore):
+    """Counts the runner's store calls that claim or complete."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.calls = {"dequeue_many": 0, "complete_attempt": 0, "complete_and_dequeue": 0}
+
+    def dequeue_many(self, *args, **kwargs):
+        self.calls["dequeue_many"] += 1
+        return super().dequeue_many(*args, **kwargs)
+
+    def complete_attempt(self, *args, **kwargs):
+        self.calls["complete_attempt"] += 1
+        return super().complete_attempt(*args, **kwargs)
+
+    def complete_and_dequeue(self, *args, **kwargs):
+        self.calls["complete_and_dequeue"] += 1
+        return super().complete_and_dequeue(*args, **kwargs)
+
+
+def test_runner_claims_the_next_rollout_with_each_completion_never_past_max_rollouts(tmp_path):
+    store = CountingStore(tmp_path / "counting.db")
+    store.enqueue_many([agl.store.EnqueueRequest(input={"i": i}) for i in range(5)])
+    runner = Runner(agl.rollout(lambda task: 1.0), store)
+    try:
+        assert runner.run_forever(threading.Event(), max_rollouts=3) == 3
+    finally:
+        runner.close()
+    assert [r.status for r in store.query_rollouts()] == ["succeeded"] * 3 + ["queued"] * 2  # none left claimed
+    # one dequeue to start; the first two completions claimed the next rollout, the third only completed
+    # (SQLite's complete_and_dequeue is LightningStore's: complete_attempt, then dequeue_many)
+    assert store.calls == {"complete_and_dequeue": 2, "complete_attempt": 2 + 1, "dequeue_many": 1 + 2}
+    store.close()
+
+
+def test_a_stop_during_a_rollout_claims_nothing_more(tmp_path):
+    store = SqliteLightningStore(tmp_path / "stop.db")
+    store.enqueue_many([agl.store.EnqueueRequest(input={"i": i}) for i in range(4)])
+    stop = threading.Event()
+
+    def agent(task):
+        if task["i"] == 1:
+            stop.set()
+        return 1.0
+
+    runner = Runner(agl.rollout(agent), store)
+    try:
+        assert runner.run_forever(stop) == 2
+    finally:
+        runner.close()
+    assert [r.status for r in store.query_rollouts()] == ["succeeded"] * 2 + ["queued"] * 2
+    store.close()

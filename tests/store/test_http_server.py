@@ -298,6 +298,7 @@ def test_openapi_documents_every_endpoint(served: Served) -> None:
         "/v1/rollouts/{rollout_id}/attempts",
         "/v1/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat",
         "/v1/rollouts/{rollout_id}/attempts/{attempt_id}/complete",
+        "/v1/rollouts/{rollout_id}/attempts/{attempt_id}/complete-and-dequeue",
         "/v1/rollouts/{rollout_id}/spans",
         "/v1/spans",
         "/v1/traces",
@@ -543,3 +544,47 @@ def test_runner_fails_fast_on_a_wrong_token(served: Served, tmp_path: Path, caps
     agent.write_text("def agent(task):\n    return 1.0\n")
     code = main(["runner", "--store", served.url, "--agent", f"{agent}:agent", "--token", "wrong"])
     assert code == 2 and "token not accepted" in capsys.readouterr().err
+
+
+class _ClaimsFail:
+    """A store whose claims fail (its database went away just then); everything else works."""
+
+    def dequeue_many(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailableError("the database went away")
+
+    async def aclaim(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailableError("the database went away")
+
+
+class _SqliteClaimsFail(_ClaimsFail, SqliteLightningStore):
+    pass
+
+
+class _PostgresClaimsFail(_ClaimsFail, PostgresLightningStore):
+    pass
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_failed_claim_after_a_recorded_completion_answers_the_completion(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """complete-and-dequeue: the completion stands and is answered; the failed claim gives no rollouts."""
+    if backend == "sqlite":
+        plain: LightningStore = SqliteLightningStore(tmp_path / "store.db")
+        backing: LightningStore = _SqliteClaimsFail(tmp_path / "store.db")
+    else:
+        dsn = request.getfixturevalue("postgres_dsn")
+        plain, backing = PostgresLightningStore(dsn), _PostgresClaimsFail(dsn)
+    plain.enqueue_many([EnqueueRequest(input=i) for i in range(2)])
+    rollout = plain.dequeue_rollout("r")
+    assert rollout is not None and rollout.attempt is not None
+    served = Served(backing)
+    try:
+        completed, claimed = served.client.complete_and_dequeue(
+            rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0, runner_id="r"
+        )
+        assert completed.status == "succeeded" and claimed == []
+        assert [r.status for r in plain.query_rollouts()] == ["succeeded", "queued"]
+    finally:
+        served.close()
+        plain.close()

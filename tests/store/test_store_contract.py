@@ -191,6 +191,46 @@ def test_stale_attempt_is_refused_and_changes_nothing(store: LightningStore) -> 
     assert store.get_rollout(new.rollout_id).status == "succeeded"
 
 
+def test_complete_and_dequeue_completes_then_claims(store: LightningStore) -> None:
+    store.enqueue_many([EnqueueRequest(input={"i": i}) for i in range(4)])
+    first = claim(store)
+    completed, claimed = store.complete_and_dequeue(
+        first.rollout_id, aid(first), "succeeded", reward=0.5, runner_id="runner-2", limit=2
+    )
+    assert completed.status == "succeeded" and completed.final_reward == 0.5
+    assert completed.attempt is not None and completed.attempt.status == "succeeded"
+    assert [r.input for r in claimed] == [{"i": 1}, {"i": 2}]
+    for rollout in claimed:
+        assert rollout.status == "running" and rollout.attempt is not None and rollout.attempt.runner_id == "runner-2"
+        assert store.get_rollout(rollout.rollout_id) == rollout
+    last = claim(store)
+    done, none = store.complete_and_dequeue(last.rollout_id, aid(last), "succeeded", runner_id="runner-2")
+    assert done.status == "succeeded" and none == []  # an empty queue: nothing, at once
+
+
+def test_complete_and_dequeue_claims_after_the_completion(store: LightningStore) -> None:
+    """A failed attempt's rollout is requeued by the completion, so the same call can claim it again."""
+    store.enqueue_rollout("x", config=RolloutConfig(max_attempts=2))
+    first = claim(store)
+    requeued, claimed = store.complete_and_dequeue(first.rollout_id, aid(first), "failed", error="boom", runner_id="r")
+    assert requeued.status == "queued" and requeued.error == "boom"
+    assert [r.rollout_id for r in claimed] == [first.rollout_id]
+    assert claimed[0].attempt is not None and claimed[0].attempt.sequence == 2
+
+
+def test_a_refused_completion_claims_nothing(store: LightningStore) -> None:
+    store.enqueue_many([EnqueueRequest(input=i) for i in range(2)])
+    rollout = claim(store)
+    store.complete_attempt(rollout.rollout_id, aid(rollout), "succeeded")
+    with pytest.raises(StaleAttemptError):
+        store.complete_and_dequeue(rollout.rollout_id, aid(rollout), "succeeded", runner_id="r")
+    with pytest.raises(UnknownRolloutError):
+        store.complete_and_dequeue("ro-ghost", "at-ghost", "succeeded", runner_id="r")
+    with pytest.raises(ValueError, match="limit"):
+        store.complete_and_dequeue(rollout.rollout_id, aid(rollout), "succeeded", runner_id="r", limit=0)
+    assert [r.status for r in store.query_rollouts()] == ["succeeded", "queued"]
+
+
 @pytest.mark.parametrize("status", ["running", "cancelled", "done"])
 def test_complete_needs_a_final_status(store: LightningStore, status: str) -> None:
     store.enqueue_rollout("x")

@@ -18,10 +18,12 @@ attempt are kept and never mixed into its retry.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence
+import logging
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pydantic import BaseModel, Field
 
+from agl.store import _rules
 from agl.types import (
     Attempt,
     AttemptStatus,
@@ -33,6 +35,8 @@ from agl.types import (
     RolloutStatus,
     Span,
 )
+
+logger = logging.getLogger("agl.store")
 
 
 class EnqueueRequest(BaseModel):
@@ -121,6 +125,35 @@ class LightningStore(abc.ABC):
         ``reward`` is the rollout's final reward (kept on success only). Ending an attempt that is not the
         rollout's live attempt raises StaleAttemptError and changes nothing.
         """
+
+    def complete_and_dequeue(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus,
+        *,
+        reward: Optional[float] = None,
+        error: Optional[str] = None,
+        runner_id: str,
+        limit: int = 1,
+    ) -> Tuple[Rollout, List[Rollout]]:
+        """``complete_attempt``, then claim up to ``limit`` queued rollouts for ``runner_id`` without waiting:
+        a runner's step from one rollout to the next, in one round trip to a store server.
+
+        The completion comes first and decides: if it raises, nothing is claimed. A claim that fails after a
+        recorded completion gives no rollouts (logged), never an error, so the caller does not report the
+        completion again; it dequeues as usual when it gets none.
+        """
+        _rules.check_limit(limit)
+        completed = self.complete_attempt(rollout_id, attempt_id, status, reward=reward, error=error)
+        return completed, self._claim_after_completion(runner_id, limit)
+
+    def _claim_after_completion(self, runner_id: str, limit: int) -> List[Rollout]:
+        try:
+            return self.dequeue_many(runner_id, limit, timeout=0)
+        except Exception as exc:  # noqa: BLE001 - the completion is recorded; the runner will dequeue again
+            logger.warning("claim after a completion failed (the runner will dequeue again): %s", exc)
+            return []
 
     @abc.abstractmethod
     def cancel_rollout(self, rollout_id: str) -> Rollout:

@@ -26,7 +26,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel
@@ -50,7 +50,9 @@ from agl.store.wire import (
     IDEMPOTENCY_HEADER,
     TOKEN_ENV,
     AttemptList,
+    CompleteAndDequeueBody,
     CompleteBody,
+    CompletedAndClaimed,
     DequeueBody,
     EnqueueBody,
     MaybeResources,
@@ -284,13 +286,46 @@ class RemoteLightningStore(LightningStore):
         body = CompleteBody(status=status, reward=reward, error=error).model_dump_json().encode()
 
         def already_completed(exc: Exception) -> Rollout:
-            if isinstance(exc, StaleAttemptError):
-                ended = [a for a in self.query_attempts(rollout_id) if a.attempt_id == attempt_id]
-                if ended and ended[0].status == status:  # our lost try did it
-                    return self.get_rollout(rollout_id)
-            raise exc
+            return self._completed_by_lost_try(rollout_id, attempt_id, status, exc)
 
         return self._call("POST", path, Rollout, body=body, idempotent_key=True, after_retry=already_completed)
+
+    def _completed_by_lost_try(self, rollout_id: str, attempt_id: str, status: str, exc: Exception) -> Rollout:
+        """After a retried completion is refused as stale: the rollout if our earlier try (whose answer was
+        lost) ended the attempt with ``status``; else ``exc`` is raised."""
+        if isinstance(exc, StaleAttemptError):
+            ended = [a for a in self.query_attempts(rollout_id) if a.attempt_id == attempt_id]
+            if ended and ended[0].status == status:
+                return self.get_rollout(rollout_id)
+        raise exc
+
+    def complete_and_dequeue(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus,
+        *,
+        reward: Optional[float] = None,
+        error: Optional[str] = None,
+        runner_id: str,
+        limit: int = 1,
+    ) -> Tuple[Rollout, List[Rollout]]:
+        """One request instead of two (see ``LightningStore.complete_and_dequeue``)."""
+        _rules.check_complete_status(status)
+        _rules.check_limit(limit)
+        path = self._rollout_path(rollout_id, attempt_id) + "/complete-and-dequeue"
+        body = CompleteAndDequeueBody(status=status, reward=reward, error=error, runner_id=runner_id, limit=limit)
+
+        def already_completed(exc: Exception) -> CompletedAndClaimed:
+            # what a lost try claimed is lost with its answer: those attempts end at their heartbeat deadline
+            # and their rollouts are retried
+            return CompletedAndClaimed(rollout=self._completed_by_lost_try(rollout_id, attempt_id, status, exc), claimed=[])
+
+        got = self._call(
+            "POST", path, CompletedAndClaimed, body=body.model_dump_json().encode(), idempotent_key=True,
+            after_retry=already_completed,
+        )
+        return got.rollout, got.claimed
 
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         return self._call("POST", self._rollout_path(rollout_id) + "/cancel", Rollout)

@@ -52,7 +52,9 @@ from agl.store.wire import (
     IDEMPOTENCY_HEADER,
     TOKEN_ENV,
     AttemptList,
+    CompleteAndDequeueBody,
     CompleteBody,
+    CompletedAndClaimed,
     DequeueBody,
     EnqueueBody,
     ErrorBody,
@@ -596,6 +598,36 @@ def create_app(
         call = lambda: _json(  # noqa: E731
             store.complete_attempt(rollout_id, attempt_id, body.status, reward=body.reward, error=body.error)
         )
+        return await run(lambda: once(request, call))
+
+    @api.post(
+        "/rollouts/{rollout_id}/attempts/{attempt_id}/complete-and-dequeue",
+        body=CompleteAndDequeueBody,
+        response_model=CompletedAndClaimed,
+        tags=["attempts"],
+        summary="complete, then claim work without waiting (a runner's step to its next rollout)",
+    )
+    async def complete_and_dequeue(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        body = await _parse(request, CompleteAndDequeueBody)
+        outcome = dict(reward=body.reward, error=body.error)
+        if native is not None:
+            async def here() -> Response:
+                completed = await native.acomplete_attempt(rollout_id, attempt_id, body.status, **outcome)
+                try:
+                    claimed = await native.aclaim(body.runner_id, body.limit)
+                except Exception as exc:  # noqa: BLE001 - as LightningStore.complete_and_dequeue: completion stands
+                    logger.warning("claim after completing %s failed (the runner will dequeue again): %s", rollout_id, exc)
+                    claimed = []
+                return _json(CompletedAndClaimed(rollout=completed, claimed=claimed))
+
+            return await once_async(request, here)
+
+        def call() -> Response:
+            completed, claimed = store.complete_and_dequeue(
+                rollout_id, attempt_id, body.status, **outcome, runner_id=body.runner_id, limit=body.limit
+            )
+            return _json(CompletedAndClaimed(rollout=completed, claimed=claimed))
+
         return await run(lambda: once(request, call))
 
     # -- spans ------------------------------------------------------------------------------------------

@@ -87,6 +87,18 @@ class CompleteBody(BaseModel):
     error: Optional[str] = None
 
 
+class CompleteAndDequeueBody(CompleteBody):
+    """A completion, then a claim for ``runner_id`` without waiting (``LightningStore.complete_and_dequeue``)."""
+
+    runner_id: str = _ID
+    limit: int = Field(default=1, ge=1, le=10_000)
+
+
+class CompletedAndClaimed(BaseModel):
+    rollout: Rollout = Field(description="the completed attempt's rollout, as complete returns it")
+    claimed: List[Rollout] = Field(description="rollouts claimed after the completion (none if the queue was empty)")
+
+
 class SpansBody(BaseModel):
     spans: List[Span]
 
