@@ -145,7 +145,7 @@ def claim_statement(limit: int) -> str:
 
     Why not ``LIMIT %(limit)s``: with the limit unknown, PostgreSQL's generic plan for the prepared statement
     expects hundreds of claimed rows and joins them by scanning the table (2-3 ms), so it re-plans the
-    statement on every call instead (planning is half of its ~470 µs of server CPU). With the limit in the
+    statement on every call instead (planning is half of its ~470 µs of PostgreSQL CPU). With the limit in the
     text the generic plan is the right one and is reused: ~260 µs. Runners use one or two limits, so this
     makes one or two prepared statements per connection.
     """

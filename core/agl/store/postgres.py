@@ -816,8 +816,8 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
     def _claim_once(
         self, runner_id: str, limit: int
     ) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
-        """One claim statement: the claimed rollouts, their attempts' deadlines, the earliest deadline of the attempts that
-        were running before, and the time of the claim."""
+        """One claim statement: the claimed rollouts, their attempts' deadlines, the earliest deadline of the
+        attempts that were running before, and the time of the claim."""
         params = self._claim_params(runner_id, limit)
         sql = claim_statement(limit)
         return self._claimed(self._run(lambda c: c.execute(sql, params).fetchall(), single=True), params["now"])

@@ -527,6 +527,7 @@ def create_app(
     @api.post("/rollouts/dequeue", body=DequeueBody, response_model=RolloutList, tags=["rollouts"], summary="claim work (long poll)")
     async def dequeue(request: Request) -> Response:
         body = await _parse(request, DequeueBody)
+
         def waited(gone: threading.Event) -> Response:
             step = lambda t: store.dequeue_many(body.runner_id, body.limit, timeout=t)  # noqa: E731
             return _rollouts(sliced(body.timeout, gone, step))
