@@ -174,6 +174,8 @@ def test_malformed_requests_get_422_naming_the_field_and_change_nothing(served: 
         ("/v1/rollouts/query", {"status": ["done"]}, "status"),
         (path, {"status": "finished"}, "status"),
         (path, {"status": "succeeded", "reward": "lots"}, "reward"),
+        (path + "-and-dequeue", {"status": "succeeded"}, "runner_id"),
+        (path + "-and-dequeue", {"status": "succeeded", "runner_id": "r", "limit": 0}, "limit"),
         ("/v1/spans", {"spans": [span_json(rollout, start_time="soon")]}, "start_time"),
         ("/v1/spans", {"spans": [span_json(rollout, surprise=1)]}, "surprise"),
         ("/v1/spans", {"spans": [{"span_id": "x"}]}, "rollout_id"),
@@ -183,15 +185,19 @@ def test_malformed_requests_get_422_naming_the_field_and_change_nothing(served: 
         response = served.http.post(url, json=body, headers=AUTH)
         assert response.status_code == 422, (url, body, response.text)
         assert field in response.json()["message"], (field, response.json())
-    for raw in (b"{not json", b"", b"[]", b"\xff\xfe"):
-        response = served.http.post("/v1/spans", content=raw, headers={**AUTH, "Content-Type": "application/json"})
-        assert 400 <= response.status_code < 500, (raw, response.text)
-        assert response.json()["message"]
+    for url in ("/v1/spans", "/v1/rollouts/dequeue", path, path + "-and-dequeue"):  # bodies the endpoints parse
+        for raw in (b"{not json", b"", b"[]", b"\xff\xfe"):
+            response = served.http.post(url, content=raw, headers={**AUTH, "Content-Type": "application/json"})
+            assert 400 <= response.status_code < 500, (url, raw, response.text)
+            assert response.json()["message"]
     deep = b"[" * 100_000 + b"]" * 100_000
     assert served.http.post("/v1/rollouts", content=deep, headers={**AUTH, "Content-Type": "application/json"}).status_code < 500
     nowhere = served.http.get("/v1/nowhere", headers=AUTH)
     assert nowhere.status_code == 404 and "no endpoint GET /v1/nowhere" in nowhere.json()["message"]
     assert served.http.delete("/v1/stats", headers=AUTH).status_code == 405
+    for url in ("/v1/spans", path, path + "-and-dequeue"):  # hot routes: other methods answered by FastAPI
+        wrong = served.http.get(url, headers=AUTH)
+        assert wrong.status_code == 405 and "GET is not allowed" in wrong.json()["message"], (url, wrong.text)
     assert snapshot(served.backing) == before
 
 
@@ -206,6 +212,7 @@ def test_unknown_ids_get_404_naming_the_id_and_change_nothing(served: Served) ->
         ("GET", "/v1/rollouts/ro-ghost/spans", None, "ro-ghost"),
         ("POST", f"/v1/rollouts/{rid}/attempts/at-ghost/heartbeat", None, "at-ghost"),
         ("POST", f"/v1/rollouts/{rid}/attempts/at-ghost/complete", {"status": "succeeded"}, "at-ghost"),
+        ("POST", "/v1/rollouts/ro-ghost/attempts/at-1/complete-and-dequeue", {"status": "succeeded", "runner_id": "r"}, "ro-ghost"),
         ("POST", "/v1/rollouts/wait", {"rollout_ids": [rid, "ro-ghost"]}, "ro-ghost"),
         ("POST", "/v1/spans", {"spans": [span_json(rollout), span_json(rollout, "bb" * 8, attempt_id="at-ghost")]}, "at-ghost"),
         ("GET", "/v1/resources?resources_id=res-ghost", None, "res-ghost"),
