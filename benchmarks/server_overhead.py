@@ -3,8 +3,8 @@
     python benchmarks/server_overhead.py [--requests 3000] [--cycles 1500] [--no-postgres]
 
 The app of ``agl store serve`` (``create_app``) over an in-memory store is called as an ASGI app, in this
-process, with the requests a runner makes (and ``/healthz``, which has no token check and no store call,
-as the floor). No uvicorn, no network, no client: the figure is FastAPI's routing, dependency solving,
+process, with the requests a runner makes (and ``/healthz``, which has no token check and no store call:
+the floor of a request through FastAPI's stack, which the runner's hot requests skip, see DirectRoutes). No uvicorn, no network, no client: the figure is FastAPI's routing, dependency solving,
 validation and response, plus agl's handlers and a store call that costs a few microseconds. It is what
 to measure when changing the server's HTTP layer; ``store_load.py`` gives the end-to-end figures.
 
@@ -89,7 +89,7 @@ async def measure(n: int) -> List[Tuple[str, float]]:
     assert rollout.attempt is not None
     attempt = f"/v1/rollouts/{rollout.rollout_id}/attempts/{rollout.attempt.attempt_id}"
     cases = [
-        ("GET /healthz (floor: no token check, no store)", "GET", "/healthz", b""),
+        ("GET /healthz (FastAPI's floor: no token, no store)", "GET", "/healthz", b""),
         ("GET /v1/resources", "GET", "/v1/resources", b""),
         ("GET /v1/stats", "GET", "/v1/stats", b""),
         ("POST .../heartbeat", "POST", attempt + "/heartbeat", b""),

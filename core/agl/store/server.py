@@ -264,7 +264,9 @@ class DirectRoutes:
         if self._table is None:  # built on the first request: the routes are registered after the middleware
             found = {route.name: route for route in self._fastapi.routes if isinstance(route, APIRoute)}
             self._table = [
-                (method, found[name].path_regex, found[name].endpoint) for name in self._names for method in found[name].methods
+                (method, found[name].path_regex, found[name].endpoint)
+                for name in self._names
+                for method in found[name].methods
             ]
         return self._table
 
@@ -287,7 +289,8 @@ class DirectRoutes:
         try:
             response = await endpoint(request=request, **params)
         except Exception as exc:
-            handler = next((self._fastapi.exception_handlers[c] for c in type(exc).__mro__ if c in self._fastapi.exception_handlers), None)
+            handlers = self._fastapi.exception_handlers
+            handler = next((handlers[c] for c in type(exc).__mro__ if c in handlers), None)
             if handler is None:
                 raise  # as through FastAPI: ServerErrorMiddleware answers 500
             response = await handler(request, exc)
