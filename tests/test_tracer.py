@@ -242,6 +242,30 @@ def test_a_forked_child_gets_a_fresh_writer(tracer, tmp_path):
     assert out.read_text() == "True ['child-span']"
 
 
+def test_store_ids_follow_neither_the_agents_seed_nor_a_fork(tmp_path):
+    """Rollout, task and attempt ids come from agl's own generator: reseeding `random` does not repeat them,
+    and a forked child (a runner process) does not draw its parent's next ids."""
+    import random
+
+    from agl.types import new_id
+
+    seeded = []
+    for _ in range(3):
+        random.seed(7)
+        seeded.append(new_id("ro"))
+    assert len(set(seeded)) == 3 and all(len(i) == len("ro-") + 12 for i in seeded)
+    out = tmp_path / "child.txt"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            out.write_text(" ".join(new_id("ro") for _ in range(5)))
+        finally:
+            os._exit(0)
+    parent = {new_id("ro") for _ in range(5)}
+    os.waitpid(pid, 0)
+    assert not parent & set(out.read_text().split())
+
+
 def test_a_value_that_cannot_be_encoded_is_marked_and_the_writer_goes_on(tracer):
     t, sink = tracer
 

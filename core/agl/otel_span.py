@@ -18,8 +18,6 @@ their ``str``); span and attribute count limits are not applied (agl's store has
 from __future__ import annotations
 
 import logging
-import os
-import random
 import time
 import traceback
 from collections.abc import Mapping as AbcMapping
@@ -29,23 +27,20 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags, TraceState
 
+from agl.types import random_bits
+
 logger = logging.getLogger("agl.tracer")
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NO_TRACE_STATE = TraceState()
 _PLAIN_TYPES = frozenset((str, bool, int, float, type(None)))
-# A generator of agl's own: agents often call random.seed(...) (per task, for reproducibility), which would
-# make span ids repeat and the store drop the repeats as duplicates. Reseeded in forked children.
-_rng = random.Random()
-os.register_at_fork(after_in_child=_rng.seed)
-_getrandbits = _rng.getrandbits
 
 
 def new_id(bits: int) -> int:
-    """A random non-zero id (zero means "invalid" in OpenTelemetry)."""
-    value = _getrandbits(bits)
+    """A random non-zero id (zero means "invalid" in OpenTelemetry), from agl's own generator (see agl.types)."""
+    value = random_bits(bits)
     while not value:
-        value = _getrandbits(bits)
+        value = random_bits(bits)
     return value
 
 

@@ -6,8 +6,9 @@ models, so there is exactly one span format and one rollout format in the system
 
 from __future__ import annotations
 
+import os
+import random
 import time
-import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,9 +24,17 @@ TERMINAL_ATTEMPT_STATUSES: frozenset[str] = frozenset(
 )
 
 
+# Ids (and span ids, see agl.otel_span) come from a generator of agl's own, seeded from os.urandom and
+# reseeded in forked children: agents often call random.seed(...) (per task, for reproducibility), which
+# would make ids repeat; and uuid4 costs a system call per id (three per rollout on the store's hot path).
+_rng = random.Random()
+os.register_at_fork(after_in_child=_rng.seed)
+random_bits = _rng.getrandbits
+
+
 def new_id(prefix: str) -> str:
-    """A short, sortable-enough unique id such as ``ro-3f2a9c1b7d4e``."""
-    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+    """A short unique id such as ``ro-3f2a9c1b7d4e`` (48 random bits)."""
+    return f"{prefix}-{random_bits(48):012x}"
 
 
 def now() -> float:
