@@ -18,6 +18,7 @@ from typing import Any, List
 import pytest
 from agl.errors import AglError
 from agl.store import EnqueueRequest, InMemoryLightningStore, SqliteLightningStore, open_store
+from agl.store import _rules
 from agl.store.doorbell import Doorbell
 from agl.types import LLM, RolloutConfig
 
@@ -222,6 +223,25 @@ def test_a_new_store_file_has_8k_pages_and_an_old_one_keeps_its_own(tmp_path: Pa
         assert conn.execute("PRAGMA page_size").fetchone()[0] == 4096
     reopened.enqueue_rollout("still works")
     reopened.close()
+
+
+def test_span_batches_rewrite_the_heartbeat_once_per_resolution(
+    sqlite_store: SqliteLightningStore, make_span: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a page write per span batch saved: the heartbeat is a liveness signal, not a clock (span_heartbeat_due)
+    monkeypatch.setattr(_rules, "SPAN_HEARTBEAT_RESOLUTION", 0.2)
+    sqlite_store.enqueue_rollout("x")
+    rollout = sqlite_store.dequeue_rollout("r")
+    assert rollout is not None and rollout.attempt is not None
+    claimed = rollout.attempt.last_heartbeat
+    sqlite_store.add_spans([make_span(rollout, 0)])
+    (attempt,) = sqlite_store.query_attempts(rollout.rollout_id)
+    assert attempt.last_heartbeat == claimed  # within the resolution: left as it was
+    time.sleep(0.25)
+    sqlite_store.add_spans([make_span(rollout, 1)])
+    (attempt,) = sqlite_store.query_attempts(rollout.rollout_id)
+    assert attempt.last_heartbeat >= claimed + 0.2
+    assert len(sqlite_store.query_spans(rollout.rollout_id)) == 2
 
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:

@@ -484,10 +484,11 @@ def test_spans_of_unknown_ids_store_nothing_of_the_batch(store: LightningStore, 
 
 
 def test_span_refreshes_heartbeat_of_running_attempt(store: LightningStore, make_span: MakeSpan) -> None:
-    store.enqueue_rollout("x")
+    # a heartbeat older than a tenth of the heartbeat timeout is always rewritten (see span_heartbeat_due)
+    store.enqueue_rollout("x", config=RolloutConfig(heartbeat_timeout_seconds=0.3))
     rollout = claim(store)
     assert rollout.attempt is not None
-    time.sleep(0.01)
+    time.sleep(0.05)
     store.add_spans([make_span(rollout, 0)])
     (attempt,) = store.query_attempts(rollout.rollout_id)
     assert attempt.last_heartbeat > rollout.attempt.last_heartbeat

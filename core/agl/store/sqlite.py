@@ -75,10 +75,33 @@ _ABANDONED: List[sqlite3.Connection] = []
 
 _NEXT_DEADLINE = "SELECT min(deadline) FROM attempts WHERE status = 'running' AND deadline IS NOT NULL"
 
+# complete_attempt's read: the rollout with the attempt it names (a SELECT_ROLLOUTS row, but that attempt
+# rather than the latest: they are the same when it is live), then the attempt's aid.
+_COMPLETING = (
+    f"SELECT {ROLLOUT_COLS}, {ATTEMPT_COLS}, a.aid FROM rollouts r "
+    "LEFT JOIN attempts a ON a.rollout_id = r.rollout_id AND a.attempt_id = ? WHERE r.rollout_id = ?"
+)
+_ROLLOUT_AT = {column.strip()[2:]: i for i, column in enumerate(ROLLOUT_COLS.split(","))}
+_ATTEMPT_AT = {column.strip()[2:]: len(_ROLLOUT_AT) + i for i, column in enumerate(ATTEMPT_COLS.split(","))}
+_COMPLETING_AID = len(_ROLLOUT_AT) + len(_ATTEMPT_AT)
+
+
+def _check_live(
+    row: Optional[Sequence[Any]], rollout_id: str, attempt_id: str, aid_at: int, status_at: int, rollout_status_at: int
+) -> None:
+    """Raise unless ``row`` (a rollout left-joined with the attempt named) shows that attempt still running."""
+    if row is None:
+        raise UnknownRolloutError(rollout_id)
+    if row[aid_at] is None:
+        raise UnknownAttemptError(rollout_id, attempt_id)
+    if row[status_at] != "running":
+        raise _rules.stale_error(rollout_id, attempt_id, row[status_at], row[rollout_status_at])
+
+
 # The live attempt's row joined with its rollout's bookkeeping; see _live_attempt.
 _LIVE_ATTEMPT = (
     "SELECT a.aid, a.status, r.status, a.start_time, r.timeout_seconds, r.heartbeat_timeout_seconds, "
-    "r.n_attempts, r.max_attempts FROM rollouts r "
+    "r.n_attempts, r.max_attempts, a.last_heartbeat FROM rollouts r "
     "LEFT JOIN attempts a ON a.rollout_id = r.rollout_id AND a.attempt_id = ? WHERE r.rollout_id = ?"
 )
 
@@ -251,12 +274,7 @@ class SqliteLightningStore(LightningStore):
     def _live_attempt(c: sqlite3.Connection, rollout_id: str, attempt_id: str) -> Tuple[Any, ...]:
         """``_LIVE_ATTEMPT``'s row; raises unless the attempt exists and is still running."""
         row = c.execute(_LIVE_ATTEMPT, (attempt_id, rollout_id)).fetchone()
-        if row is None:
-            raise UnknownRolloutError(rollout_id)
-        if row[0] is None:
-            raise UnknownAttemptError(rollout_id, attempt_id)
-        if row[1] != "running":
-            raise _rules.stale_error(rollout_id, attempt_id, row[1], row[2])
+        _check_live(row, rollout_id, attempt_id, 0, 1, 2)
         return row
 
     @staticmethod
@@ -270,22 +288,22 @@ class SqliteLightningStore(LightningStore):
         n_attempts: int,
         max_attempts: int,
         now: float,
-    ) -> None:
-        """End the live attempt ``aid`` and move the rollout on per the shared retry rule."""
+    ) -> Dict[str, Any]:
+        """End the live attempt ``aid`` and move the rollout on per the shared retry rule; returns the rollout
+        columns it set (and their values)."""
         c.execute("UPDATE attempts SET status = ?, end_time = ?, error = ? WHERE aid = ?", (status, now, error, aid))
         nxt = _rules.next_rollout_status(status, n_attempts, max_attempts)
         if nxt == "succeeded":
-            sql = (
-                "UPDATE rollouts SET status = 'succeeded', final_reward = ?, error = NULL, end_time = ? "
-                "WHERE rollout_id = ?"
-            )
-            c.execute(sql, (reward, now, rollout_id))
+            changes: Dict[str, Any] = {"status": nxt, "final_reward": reward, "error": None, "end_time": now}
         elif nxt == "queued":
-            sql = f"UPDATE rollouts SET status = 'queued', error = ?, queue_pos = {NEXT_QUEUE_POS} WHERE rollout_id = ?"
-            c.execute(sql, (error, rollout_id))
+            changes = {"status": nxt, "error": error}
         else:
-            sql = "UPDATE rollouts SET status = 'failed', error = ?, end_time = ? WHERE rollout_id = ?"
-            c.execute(sql, (error, now, rollout_id))
+            changes = {"status": nxt, "error": error, "end_time": now}
+        assignments = ", ".join(f"{column} = ?" for column in changes)
+        if nxt == "queued":
+            assignments += f", queue_pos = {NEXT_QUEUE_POS}"  # to the back of the queue
+        c.execute(f"UPDATE rollouts SET {assignments} WHERE rollout_id = ?", (*changes.values(), rollout_id))
+        return changes
 
     def _ring_for(self, statuses: Iterable[str]) -> None:
         """After a commit: wake runners for requeued work, and waiters for finished rollouts."""
@@ -420,7 +438,7 @@ class SqliteLightningStore(LightningStore):
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         now = time.time()
         with self._write() as c:
-            aid, _, _, start, timeout, hb_timeout, _, _ = self._live_attempt(c, rollout_id, attempt_id)
+            aid, _, _, start, timeout, hb_timeout, _, _, _ = self._live_attempt(c, rollout_id, attempt_id)
             deadline = _rules.attempt_deadline(start, now, timeout, hb_timeout)
             c.execute("UPDATE attempts SET last_heartbeat = ?, deadline = ? WHERE aid = ?", (now, deadline, aid))
             row = c.execute(f"SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.aid = ?", (aid,)).fetchone()
@@ -438,9 +456,18 @@ class SqliteLightningStore(LightningStore):
         _rules.check_complete_status(status)
         now = time.time()
         with self._write() as c:
-            aid, _, _, _, _, _, n_attempts, max_attempts = self._live_attempt(c, rollout_id, attempt_id)
-            self._end_attempt(c, rollout_id, aid, status, error, reward, n_attempts, max_attempts, now)
-            rollout = self._select_one(c, rollout_id)
+            row = c.execute(_COMPLETING, (attempt_id, rollout_id)).fetchone()
+            _check_live(row, rollout_id, attempt_id, _COMPLETING_AID, _ATTEMPT_AT["status"], _ROLLOUT_AT["status"])
+            n_attempts, max_attempts = row[_ROLLOUT_AT["n_attempts"]], row[_ROLLOUT_AT["max_attempts"]]
+            aid = row[_COMPLETING_AID]
+            changes = self._end_attempt(c, rollout_id, aid, status, error, reward, n_attempts, max_attempts, now)
+        # the rollout as it now is, from the row read before the change: one query less per completion
+        values = list(row[:_COMPLETING_AID])
+        for column, value in changes.items():
+            values[_ROLLOUT_AT[column]] = value
+        for column, value in (("status", status), ("end_time", now), ("error", error)):
+            values[_ATTEMPT_AT[column]] = value
+        rollout = rollout_from_row(values)
         self._ring_for([rollout.status])
         return rollout
 
@@ -555,7 +582,7 @@ class SqliteLightningStore(LightningStore):
                 if found[0] is None:
                     raise UnknownAttemptError(key[0], key[1])
                 aids[key] = found[0]
-                if found[1] == "running":
+                if found[1] == "running" and _rules.span_heartbeat_due(found[8], now, found[5]):
                     beats.append((now, _rules.attempt_deadline(found[3], now, found[4], found[5]), found[0]))
             before = c.total_changes
             for start in range(0, len(rows), SPAN_ROWS_PER_INSERT):
