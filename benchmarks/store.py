@@ -1,6 +1,6 @@
 """Throughput of the store backends from one client thread: full rollout cycles/s and spans/s.
 
-    python benchmarks/store.py [--rollouts 5000] [--spans 100000] [--no-postgres]
+    python benchmarks/store.py [--rollouts 5000] [--spans 100000] [--repeat 3] [--prefill 0] [--no-postgres]
 
 A rollout cycle is what one training rollout costs the store: enqueued in batches (``enqueue_many``),
 claimed in batches (``dequeue_many``), a few spans added in one call, and ``complete_attempt``. Span
@@ -8,8 +8,10 @@ throughput adds spans in batches of 1000, as the tracer's background writer does
 use a temporary file. PostgreSQL runs in a throwaway server on 127.0.0.1 (``TemporaryPostgres``, with
 fsync on), once with its defaults (each commit waits for its WAL flush) and once with
 ``synchronous_commit=off``, which like SQLite's ``synchronous=NORMAL`` does not wait for the disk at
-commit. Prints figures against the SQLite targets and always exits 0: these are measurements, not
-assertions (machines differ).
+commit. ``--prefill N`` measures the cycles on stores already holding N finished rollouts, as a store some
+way into a training run does. In-process backends run ``--repeat`` times, each on a new store, and the
+median is shown (a shared VM's speed drifts between runs). Prints figures against the SQLite targets and
+always exits 0: these are measurements, not assertions (machines differ).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import tempfile
 import time
 from typing import Callable, Iterator, List, Tuple
@@ -68,6 +71,16 @@ def rollout_cycles(store: LightningStore, n: int) -> float:
     return (n // BATCH) * BATCH / (time.perf_counter() - start)
 
 
+def prefill(store: LightningStore, n: int) -> None:
+    """Make ``store`` hold ``n`` finished rollouts (a store some way into a training run)."""
+    requests = [EnqueueRequest(input={"question": "6*7", "answer": 42}) for _ in range(1000)]
+    for _ in range(n // 1000):
+        store.enqueue_many(requests)
+        for rollout in store.dequeue_many("prefill", 1000):
+            assert rollout.attempt is not None
+            store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
+
+
 def span_throughput(store: LightningStore, n: int) -> float:
     """Spans per second, added in batches of SPAN_BATCH to one running attempt each."""
     store.enqueue_many([EnqueueRequest() for _ in range(n // SPAN_BATCH)])
@@ -112,6 +125,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=5_000)
     parser.add_argument("--spans", type=int, default=100_000)
+    parser.add_argument("--prefill", type=int, default=0, help="finished rollouts in each store before its cycles")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per in-process backend (the median is shown)")
     parser.add_argument("--no-postgres", action="store_true", help="skip the PostgreSQL rows")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -121,16 +136,22 @@ def main() -> None:
         ]
         if not args.no_postgres:
             backends += stack.enter_context(postgres_backends())
-        print(f"{'backend':<10} {'rollout cycles/s':>18} {'spans/s':>12}")
+        print(f"{'backend':<10} {'rollout cycles/s':>18} {'spans/s':>12}   (median of runs: all runs)")
         for name, factory in backends:
-            with factory() as store:
-                cycles = rollout_cycles(store, args.rollouts)
-            with factory() as store:
-                spans = span_throughput(store, args.spans)
-            print(f"{name:<10} {cycles:>18,.0f} {spans:>12,.0f}")
+            runs = 1 if name.startswith("P") else args.repeat  # PostgreSQL's runs take tens of seconds each
+            cycles, spans = [], []
+            for _ in range(runs):
+                with factory() as store:
+                    prefill(store, args.prefill)
+                    cycles.append(rollout_cycles(store, args.rollouts))
+                with factory() as store:
+                    spans.append(span_throughput(store, args.spans))
+            every = f"{', '.join(f'{c:,.0f}' for c in cycles)} / {', '.join(f'{s:,.0f}' for s in spans)}"
+            print(f"{name:<10} {statistics.median(cycles):>18,.0f} {statistics.median(spans):>12,.0f}   ({every})")
         print(f"{'target':<10} {CYCLES_TARGET:>18,} {SPANS_TARGET:>12,}   (SQLite)")
-        print(f"({BATCH} rollouts per batch, {SPANS_PER_ROLLOUT} spans per rollout, span batches of {SPAN_BATCH}; "
-              "PG async: PostgreSQL with synchronous_commit=off)")
+        print(f"({BATCH} rollouts per batch, {SPANS_PER_ROLLOUT} spans per rollout, span batches of {SPAN_BATCH}; each "
+              f"run on a new store holding {args.prefill:,} finished rollouts, {args.repeat} runs in process, 1 for PostgreSQL; PG async: PostgreSQL with "
+              "synchronous_commit=off)")
 
 
 if __name__ == "__main__":

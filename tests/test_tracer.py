@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 from opentelemetry import trace as otel_trace
@@ -242,7 +243,7 @@ def test_a_forked_child_gets_a_fresh_writer(tracer, tmp_path):
     assert out.read_text() == "True ['child-span']"
 
 
-def test_store_ids_follow_neither_the_agents_seed_nor_a_fork(tmp_path):
+def test_store_ids_sort_by_time_and_follow_neither_the_agents_seed_nor_a_fork(tmp_path):
     """Rollout, task and attempt ids come from agl's own generator: reseeding `random` does not repeat them,
     and a forked child (a runner process) does not draw its parent's next ids."""
     import random
@@ -253,7 +254,10 @@ def test_store_ids_follow_neither_the_agents_seed_nor_a_fork(tmp_path):
     for _ in range(3):
         random.seed(7)
         seeded.append(new_id("ro"))
-    assert len(set(seeded)) == 3 and all(len(i) == len("ro-") + 12 for i in seeded)
+    assert len(set(seeded)) == 3 and all(len(i) == len("ro-") + 20 for i in seeded)
+    earlier = new_id("ro")
+    time.sleep(1.01)
+    assert new_id("ro") > earlier  # ids sort by the second they were made: index inserts stay at the right edge
     out = tmp_path / "child.txt"
     pid = os.fork()
     if pid == 0:

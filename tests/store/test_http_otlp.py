@@ -3,7 +3,7 @@
 ``data/otlp_export.pb`` and ``data/otlp_export.json`` are the bodies the real OpenTelemetry exporters
 (opentelemetry-exporter-otlp-proto-http 1.45.2 and opentelemetry-exporter-otlp-json-http 0.66b1) sent for
 a small agent trace, with ``agl.rollout.id=ro-000000000000`` and ``agl.attempt.id=at-000000000000`` as
-resource attributes. Ids of the same length are swapped in, which keeps the protobuf encoding valid.
+resource attributes. The test's own ids are swapped in (in the protobuf body with its lengths re-encoded).
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from typing import Any, Dict, Iterator, List, Tuple
 import httpx
 import pytest
 from agl.store import SqliteLightningStore
-from agl.store.otlp import _pb_bytes_field
+from agl.store.otlp import _pb_bytes_field, _pb_varint, _read_varint
 from agl.store.server import ServerThread, TokenSet, create_app
 from agl.types import Rollout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 DATA = Path(__file__).parent / "data"
+DATA_FILES = ("otlp_export.pb", "otlp_export.json")
 TOKEN = "otlp-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 PB = {**HEADERS, "Content-Type": "application/x-protobuf"}
@@ -57,9 +58,32 @@ def ingest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ingest]:
 def fixture_for(rollout: Rollout, name: str) -> bytes:
     assert rollout.attempt is not None
     body = (DATA / name).read_bytes()
-    return body.replace(b"ro-000000000000", rollout.rollout_id.encode()).replace(
-        b"at-000000000000", rollout.attempt.attempt_id.encode()
-    )
+    body = swap(body, name, b"ro-000000000000", rollout.rollout_id.encode())
+    return swap(body, name, b"at-000000000000", rollout.attempt.attempt_id.encode())
+
+
+def swap(body: bytes, name: str, old: bytes, new: bytes) -> bytes:
+    """``body`` (a fixture named ``name``, or made from one) with the id ``old`` replaced by ``new``."""
+    return _pb_swap(body, old, new) if name.endswith(".pb") else body.replace(old, new)
+
+
+def _pb_swap(message: bytes, old: bytes, new: bytes) -> bytes:
+    """A protobuf message with every length-delimited field equal to ``old`` set to ``new``: fields holding it
+    deeper are parsed as messages in turn, and every length on the way is re-encoded."""
+    out, pos = bytearray(), 0
+    while pos < len(message):
+        key, start = _read_varint(message, pos)
+        wire = key & 7
+        if wire != 2:
+            end = _read_varint(message, start)[1] if wire == 0 else start + (8 if wire == 1 else 4)
+            out += message[pos:end]
+            pos = end
+            continue
+        size, start = _read_varint(message, start)
+        payload, pos = message[start : start + size], start + size
+        payload = new if payload == old else _pb_swap(payload, old, new) if old in payload else payload
+        out += _pb_varint(key) + _pb_varint(len(payload)) + payload
+    return bytes(out)
 
 
 def summary(spans: List[Any]) -> List[Tuple[Any, ...]]:
@@ -125,10 +149,10 @@ def test_spans_without_agl_ids_are_reported_as_partial_success(ingest: Ingest) -
 def test_bad_otlp_requests_get_4xx_and_store_nothing(ingest: Ingest) -> None:
     rollout = ingest.running()
     before = ingest.store.stats()
-    unknown = fixture_for(rollout, "otlp_export.json").replace(rollout.rollout_id.encode(), b"ro-ghost0000000")
+    ghost = {name: swap(fixture_for(rollout, name), name, rollout.rollout_id.encode(), b"ro-ghost") for name in DATA_FILES}
     cases = [
-        (unknown, JS, 404, "'ro-ghost0000000'"),
-        (fixture_for(rollout, "otlp_export.pb").replace(rollout.rollout_id.encode(), b"ro-ghost0000000"), PB, 404, "ro-ghost"),
+        (ghost["otlp_export.json"], JS, 404, "'ro-ghost'"),
+        (ghost["otlp_export.pb"], PB, 404, "ro-ghost"),
         (b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": "1"}]}]}]}', JS, 400, "traceId"),
         (b"{not json", JS, 400, "not a valid OTLP"),
         (b"\x0a\xff\xff\xff\xff\x0f", PB, 400, "runs past the end"),
