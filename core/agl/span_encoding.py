@@ -15,7 +15,7 @@ from pydantic_core import to_json
 
 from agl import semconv
 from agl.otel_span import AglSpan
-from agl.types import Span, SpanEvent
+from agl.types import Span, SpanEvent, trusted
 
 logger = logging.getLogger("agl.tracer")
 
@@ -117,7 +117,6 @@ def settled(deferred: Dict[str, Any]) -> Dict[str, Any]:
     return deferred
 
 
-_SPAN_FIELDS = frozenset(Span.model_fields)
 
 
 def convert_span(item: Finished) -> Span:
@@ -131,7 +130,7 @@ def convert_span(item: Finished) -> Span:
                 attributes[key] = value
                 continue
             attributes[key] = _encoded_or_error(key, value, name)
-    return _trusted_span(
+    return trusted(Span, dict(
         rollout_id=rollout_id,
         attempt_id=attempt_id,
         sequence_id=sequence_id,
@@ -151,7 +150,7 @@ def convert_span(item: Finished) -> Span:
             )
             for e_name, e_time, e_attrs in events
         ],
-    )
+    ))
 
 
 _PLAIN_TYPES = frozenset((str, int, float, bool))
@@ -176,15 +175,3 @@ def without_callables(item: Finished) -> Finished:
     return item
 
 
-def _trusted_span(**fields: Any) -> Span:
-    """A Span from values the tracer built itself, without validation.
-
-    ``Span.model_construct`` costs a few microseconds per span on the writer's critical path; this sets
-    the same instance state directly. Every field must be given (checked by tests/test_tracer.py).
-    """
-    span = Span.__new__(Span)
-    object.__setattr__(span, "__dict__", fields)
-    object.__setattr__(span, "__pydantic_fields_set__", _SPAN_FIELDS)
-    object.__setattr__(span, "__pydantic_extra__", None)
-    object.__setattr__(span, "__pydantic_private__", None)
-    return span

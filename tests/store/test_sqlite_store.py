@@ -244,6 +244,26 @@ def test_span_batches_rewrite_the_heartbeat_once_per_resolution(
     assert len(sqlite_store.query_spans(rollout.rollout_id)) == 2
 
 
+def test_rollouts_built_from_rows_without_validation_equal_validated_ones(sqlite_store: SqliteLightningStore) -> None:
+    # rollout_from_row skips pydantic's validation (agl.types.trusted): every state it builds must be what
+    # validation would have made, down to the JSON (5 is not 5.0)
+    config = RolloutConfig(max_attempts=2, timeout_seconds=5, heartbeat_timeout_seconds=60)
+    queued = sqlite_store.enqueue_rollout({"q": [1, 2]}, mode="val", config=config, metadata={"k": "v"})
+    claimed = sqlite_store.dequeue_rollout("r")
+    assert claimed is not None and claimed.attempt is not None
+    requeued = sqlite_store.complete_attempt(claimed.rollout_id, claimed.attempt.attempt_id, "failed", error="boom")
+    again = sqlite_store.dequeue_rollout("r")
+    assert again is not None and again.attempt is not None
+    done = sqlite_store.complete_attempt(again.rollout_id, again.attempt.attempt_id, "succeeded", reward=0.5)
+    listed = sqlite_store.query_rollouts()
+    attempts = sqlite_store.query_attempts(done.rollout_id)
+    for model in [queued, claimed, requeued, again, done, *listed, *attempts]:
+        validated = type(model).model_validate(model.model_dump())
+        assert model == validated and model.model_dump_json() == validated.model_dump_json()
+        assert model.model_fields_set == validated.model_fields_set
+    assert [requeued.status, done.status, done.final_reward] == ["queued", "succeeded", 0.5]
+
+
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "store.db"
     SqliteLightningStore(path).close()

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence, Tuple
 from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from agl.errors import InvalidSpanError
-from agl.types import Attempt, Rollout, RolloutConfig, Span
+from agl.types import Attempt, Rollout, RolloutConfig, Span, trusted
 
 SCHEMA_VERSION = 1
 
@@ -121,38 +121,45 @@ NEXT_QUEUE_POS = "(SELECT coalesce(max(queue_pos), 0) + 1 FROM rollouts WHERE qu
 
 
 def attempt_from_row(row: Sequence[Any]) -> Attempt:
-    """An ``ATTEMPT_COLS`` row."""
-    return Attempt(
-        rollout_id=row[0],
-        attempt_id=row[1],
-        sequence=row[2],
-        runner_id=row[3],
-        status=row[4],
-        start_time=row[5],
-        end_time=row[6],
-        last_heartbeat=row[7],
-        error=row[8],
+    """An ``ATTEMPT_COLS`` row (the store's own, so built without validation; see ``agl.types.trusted``)."""
+    return trusted(
+        Attempt,
+        {
+            "rollout_id": row[0],
+            "attempt_id": row[1],
+            "sequence": row[2],
+            "runner_id": row[3],
+            "status": row[4],
+            "start_time": row[5],
+            "end_time": row[6],
+            "last_heartbeat": row[7],
+            "error": row[8],
+        },
     )
 
 
 def rollout_from_row(row: Sequence[Any]) -> Rollout:
     """A ``SELECT_ROLLOUTS`` row: rollout columns, then the latest attempt's (NULLs if never dequeued)."""
-    return Rollout(
-        rollout_id=row[0],
-        task_id=row[1],
-        input=from_json(row[2]),
-        mode=row[3],
-        status=row[4],
-        resources_id=row[5],
-        config=RolloutConfig(max_attempts=row[6], timeout_seconds=row[7], heartbeat_timeout_seconds=row[8]),
-        metadata=from_json(row[9]),
-        n_attempts=row[10],
-        final_reward=row[11],
-        error=row[12],
-        create_time=row[13],
-        start_time=row[14],
-        end_time=row[15],
-        attempt=None if row[17] is None else attempt_from_row(row[16:]),
+    config = {"max_attempts": row[6], "timeout_seconds": row[7], "heartbeat_timeout_seconds": row[8]}
+    return trusted(
+        Rollout,
+        {
+            "rollout_id": row[0],
+            "task_id": row[1],
+            "input": from_json(row[2]),
+            "mode": row[3],
+            "status": row[4],
+            "resources_id": row[5],
+            "config": trusted(RolloutConfig, config),
+            "metadata": from_json(row[9]),
+            "n_attempts": row[10],
+            "final_reward": row[11],
+            "error": row[12],
+            "create_time": row[13],
+            "start_time": row[14],
+            "end_time": row[15],
+            "attempt": None if row[17] is None else attempt_from_row(row[16:]),
+        },
     )
 
 
