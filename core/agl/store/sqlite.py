@@ -15,13 +15,12 @@ The schema and row conversions live in :mod:`agl.store._sqlite_schema`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sqlite3
 import threading
 import time
-from typing import Any, ClassVar, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pydantic_core import from_json
 
@@ -127,6 +126,45 @@ class _Operation:
         self.store._end_operation()
 
 
+class _WriteTransaction:
+    """``with store._write() as conn``: one write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back
+    on any exception), under this process's write lock, inside one operation (``_Operation``). A class
+    rather than a generator-based context manager for the same reason: two of these per rollout cycle."""
+
+    __slots__ = ("store", "conn")
+
+    def __init__(self, store: "SqliteLightningStore") -> None:
+        self.store = store
+
+    def __enter__(self) -> sqlite3.Connection:
+        store = self.store
+        conn = self.conn = store._begin_operation()
+        try:
+            store._write_lock.acquire()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except BaseException:
+                store._write_lock.release()
+                raise
+        except BaseException:
+            store._end_operation()
+            raise
+        return conn
+
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
+        conn, store = self.conn, self.store
+        try:
+            if exc_type is None:
+                conn.execute("COMMIT")
+        finally:
+            try:
+                if conn.in_transaction:  # an exception, or a failed COMMIT (else the next BEGIN would fail)
+                    conn.execute("ROLLBACK")
+            finally:
+                store._write_lock.release()
+                store._end_operation()
+
+
 class SqliteLightningStore(LightningStore):
     """A LightningStore in one SQLite file, shared by every thread and process that opens the same path."""
 
@@ -150,7 +188,8 @@ class SqliteLightningStore(LightningStore):
         self._conns_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._in_flight = 0  # operations between _begin_operation and _end_operation, in this process
-        self._idle = threading.Condition(threading.Lock())
+        self._in_flight_lock = threading.Lock()  # taken directly on every operation: Condition's methods cost more
+        self._idle = threading.Condition(self._in_flight_lock)
         self._session = _Operation(self)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -171,7 +210,7 @@ class SqliteLightningStore(LightningStore):
         if os.getpid() != self._pid:  # forked: the parent's connections and locks are not ours
             _ABANDONED.extend(conn for _, conn in self._conns)
             self._reset_process_state()
-        with self._idle:
+        with self._in_flight_lock:
             if self._closed:
                 raise self._closed_error()
             self._in_flight += 1
@@ -182,7 +221,7 @@ class SqliteLightningStore(LightningStore):
             raise
 
     def _end_operation(self) -> None:
-        with self._idle:
+        with self._in_flight_lock:
             self._in_flight -= 1
             if self._closed and not self._in_flight:
                 self._idle.notify_all()
@@ -207,18 +246,9 @@ class SqliteLightningStore(LightningStore):
             self._local.conn = conn
         return conn
 
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def _write(self) -> "_WriteTransaction":
         """One write transaction holding the database's write lock from its first statement."""
-        with self._session as conn, self._write_lock:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:  # also after a failed COMMIT, or the next BEGIN would fail
-                    conn.execute("ROLLBACK")
-                raise
+        return _WriteTransaction(self)
 
     def _create_schema(self) -> None:
         with self._session as conn:
