@@ -249,8 +249,10 @@ def test_rollouts_built_from_rows_without_validation_equal_validated_ones(sqlite
     # validation would have made, down to the JSON (5 is not 5.0)
     config = RolloutConfig(max_attempts=2, timeout_seconds=5, heartbeat_timeout_seconds=60)
     queued = sqlite_store.enqueue_rollout({"q": [1, 2]}, mode="val", config=config, metadata={"k": "v"})
+    assert queued.model_dump_json() == sqlite_store.get_rollout(queued.rollout_id).model_dump_json()
     claimed = sqlite_store.dequeue_rollout("r")
     assert claimed is not None and claimed.attempt is not None
+    assert claimed.model_dump_json() == sqlite_store.get_rollout(claimed.rollout_id).model_dump_json()
     requeued = sqlite_store.complete_attempt(claimed.rollout_id, claimed.attempt.attempt_id, "failed", error="boom")
     again = sqlite_store.dequeue_rollout("r")
     assert again is not None and again.attempt is not None
@@ -262,6 +264,14 @@ def test_rollouts_built_from_rows_without_validation_equal_validated_ones(sqlite
         assert model == validated and model.model_dump_json() == validated.model_dump_json()
         assert model.model_fields_set == validated.model_fields_set
     assert [requeued.status, done.status, done.final_reward] == ["queued", "succeeded", 0.5]
+    for reward, stored in ((1, 1.0), (True, 1.0), (float("nan"), None)):  # the answer is what the file holds
+        sqlite_store.enqueue_rollout("r")
+        claimed = sqlite_store.dequeue_rollout("r")
+        assert claimed is not None and claimed.attempt is not None
+        attempt_id = claimed.attempt.attempt_id
+        answer = sqlite_store.complete_attempt(claimed.rollout_id, attempt_id, "succeeded", reward=reward)
+        read = sqlite_store.get_rollout(claimed.rollout_id)
+        assert answer == read and answer.model_dump_json() == read.model_dump_json() and read.final_reward == stored
 
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:

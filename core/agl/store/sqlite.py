@@ -324,7 +324,9 @@ class SqliteLightningStore(LightningStore):
         c.execute("UPDATE attempts SET status = ?, end_time = ?, error = ? WHERE aid = ?", (status, now, error, aid))
         nxt = _rules.next_rollout_status(status, n_attempts, max_attempts)
         if nxt == "succeeded":
-            changes: Dict[str, Any] = {"status": nxt, "final_reward": reward, "error": None, "end_time": now}
+            # as the REAL column holds it (1 -> 1.0, NaN -> NULL): the caller's answer is built from these values
+            final = None if reward is None or reward != reward else float(reward)
+            changes: Dict[str, Any] = {"status": nxt, "final_reward": final, "error": None, "end_time": now}
         elif nxt == "queued":
             changes = {"status": nxt, "error": error}
         else:
