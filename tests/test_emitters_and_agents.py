@@ -103,6 +103,8 @@ def test_step_rewards_inside_an_operation_are_not_episode_rewards(store):
         ({"a": 1.0}, "b", "not one of the reward dimensions"),
         ("high", None, "must be a number"),
         ({}, None, "empty dict"),
+        (float("nan"), None, "must be a finite number, got nan"),
+        ({"a": 1.0, "b": float("inf")}, "a", "'b' must be a finite number, got inf"),
     ],
 )
 def test_bad_rewards_say_what_is_wrong(value, primary, message):
@@ -188,6 +190,13 @@ def test_agent_exception_fails_the_rollout_with_the_error(store):
     assert "RuntimeError: tool server is down" in done.error
     root = [s for s in store.query_spans(done.rollout_id) if s.name == "agl.rollout"][0]
     assert root.status == "error"
+
+
+def test_a_nan_reward_fails_the_rollout_and_says_so(store):
+    # a NaN must not reach the store (SQLite keeps it as "no reward") nor the advantages
+    done = run_one(store, agl.rollout(lambda task: float("nan")))
+    assert done.status == "failed" and done.final_reward is None
+    assert "the reward rollout() returned must be a finite number, got nan" in done.error
 
 
 def test_a_hung_agent_times_out_and_the_runner_moves_on(store):

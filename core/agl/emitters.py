@@ -21,6 +21,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import traceback
 from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
 
@@ -69,12 +70,21 @@ def _warn_outside_rollout(what: str) -> None:
         )
 
 
+def finite_reward(value: Union[int, float], what: str) -> float:
+    """``value`` as a float; a NaN or infinite reward raises here, where it was made, rather than reach the store
+    (SQLite would keep it as "no reward") or the advantages (where it would spoil a whole task group)."""
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"{what} must be a finite number, got {reward}: check how the reward is computed")
+    return reward
+
+
 def normalize_reward(value: Union[float, int, bool, Mapping[str, Any]], primary: Optional[str] = None) -> tuple[float, str, Optional[Dict[str, float]]]:
     """(primary value, primary name, named dimensions or None) for a scalar or ``{name: value}`` reward."""
     if isinstance(value, Mapping):
         if not value:
             raise ValueError("emit_reward got an empty dict: give at least one {name: value}")
-        dims = {str(k): float(v) for k, v in value.items()}
+        dims = {str(k): finite_reward(v, f"reward {k!r}") for k, v in value.items()}
         if primary is None:
             if len(dims) > 1:
                 raise ValueError(
@@ -86,7 +96,7 @@ def normalize_reward(value: Union[float, int, bool, Mapping[str, Any]], primary:
             raise ValueError(f"primary={primary!r} is not one of the reward dimensions {sorted(dims)}")
         return dims[primary], primary, dims
     if isinstance(value, (int, float)):  # bool is an int
-        return float(value), primary or "primary", None
+        return finite_reward(value, "a reward"), primary or "primary", None
     raise TypeError(f"a reward must be a number or a dict of numbers, got {type(value).__name__}")
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from agl import semconv
 from agl.context import RolloutScope, enter_scope, exit_scope
+from agl.emitters import finite_reward
 from agl.errors import AglError, StaleAttemptError, StoreUnavailableError
 from agl.litagent import LitAgent
 from agl.store.base import LightningStore
@@ -43,7 +44,7 @@ def reward_from_result(result: Any) -> Optional[float]:
     if result is None:
         return None
     if isinstance(result, (int, float)):
-        return float(result)
+        return finite_reward(result, "the reward rollout() returned")
     raise TypeError(
         f"rollout() returned {type(result).__name__}; return a number (the reward), None, "
         "or a dict with a 'reward' key"
