@@ -240,6 +240,20 @@ def test_complete_needs_a_final_status(store: LightningStore, status: str) -> No
     assert store.get_rollout(rollout.rollout_id) == rollout
 
 
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), "1.0"])
+def test_complete_refuses_a_reward_that_is_not_a_finite_number(store: LightningStore, reward: Any) -> None:
+    # every backend alike, the HTTP client before sending (JSON would carry a NaN as null: no reward)
+    store.enqueue_rollout("x")
+    rollout = claim(store)
+    with pytest.raises(ValueError, match="a reward must be a finite int or float"):
+        store.complete_attempt(rollout.rollout_id, aid(rollout), "succeeded", reward=reward)
+    with pytest.raises(ValueError, match="a reward must be a finite int or float"):
+        store.complete_and_dequeue(rollout.rollout_id, aid(rollout), "succeeded", reward=reward, runner_id="r")
+    assert store.get_rollout(rollout.rollout_id) == rollout
+    done = store.complete_attempt(rollout.rollout_id, aid(rollout), "succeeded", reward=1)
+    assert done.final_reward == 1.0 and store.get_rollout(rollout.rollout_id).final_reward == 1.0
+
+
 def test_heartbeat_updates_last_heartbeat(store: LightningStore) -> None:
     store.enqueue_rollout("x")
     rollout = claim(store)

@@ -6,6 +6,7 @@ caller gets, when an attempt expires) is decided here once.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence, Set, Tuple
 
 from pydantic_core import PydanticSerializationError, to_json
@@ -18,8 +19,9 @@ ROLLOUT_STATUSES: Tuple[str, ...] = ("queued", "running", "succeeded", "failed",
 COMPLETE_STATUSES = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
 
 
-def check_complete_status(status: str) -> None:
-    """Reject a ``complete_attempt`` status that does not end an attempt, before anything is touched."""
+def check_completion(status: str, reward: Optional[float]) -> None:
+    """Reject a ``complete_attempt`` whose status does not end an attempt, or whose reward is not a finite
+    number, before anything is touched (SQLite would keep a NaN as "no reward", JSON carries it as null)."""
     if status == "cancelled":
         raise IllegalTransitionError(
             "complete_attempt cannot end an attempt as 'cancelled': call cancel_rollout(rollout_id) instead"
@@ -28,6 +30,11 @@ def check_complete_status(status: str) -> None:
         raise IllegalTransitionError(
             f"complete_attempt needs a final status ({', '.join(sorted(COMPLETE_STATUSES))}), got {status!r}; "
             "report progress of a running attempt with heartbeat()"
+        )
+    if reward is not None and (not isinstance(reward, (int, float)) or not math.isfinite(reward)):
+        raise ValueError(
+            f"complete_attempt got reward {reward!r} ({type(reward).__name__}): a reward must be a finite int or "
+            "float, or None"
         )
 
 
