@@ -117,8 +117,6 @@ def settled(deferred: Dict[str, Any]) -> Dict[str, Any]:
     return deferred
 
 
-
-
 def convert_span(item: Finished) -> Span:
     """A queued finished span as an agl Span, its deferred payloads encoded (runs on the writer thread)."""
     (name, trace_id, span_id, parent_id, start, end, status, description, attrs, events,

@@ -149,7 +149,8 @@ def test_spans_without_agl_ids_are_reported_as_partial_success(ingest: Ingest) -
 def test_bad_otlp_requests_get_4xx_and_store_nothing(ingest: Ingest) -> None:
     rollout = ingest.running()
     before = ingest.store.stats()
-    ghost = {name: swap(fixture_for(rollout, name), name, rollout.rollout_id.encode(), b"ro-ghost") for name in DATA_FILES}
+    real_id = rollout.rollout_id.encode()
+    ghost = {name: swap(fixture_for(rollout, name), name, real_id, b"ro-ghost") for name in DATA_FILES}
     cases = [
         (ghost["otlp_export.json"], JS, 404, "'ro-ghost'"),
         (ghost["otlp_export.pb"], PB, 404, "ro-ghost"),
