@@ -250,8 +250,9 @@ def test_complete_refuses_a_reward_that_is_not_a_finite_number(store: LightningS
     with pytest.raises(ValueError, match="a reward must be a finite int or float"):
         store.complete_and_dequeue(rollout.rollout_id, aid(rollout), "succeeded", reward=reward, runner_id="r")
     assert store.get_rollout(rollout.rollout_id) == rollout
-    done = store.complete_attempt(rollout.rollout_id, aid(rollout), "succeeded", reward=1)
-    assert done.final_reward == 1.0 and store.get_rollout(rollout.rollout_id).final_reward == 1.0
+    done = store.complete_attempt(rollout.rollout_id, aid(rollout), "succeeded", reward=True)  # a bool is an int
+    assert done.final_reward == 1.0 and type(done.final_reward) is float
+    assert store.get_rollout(rollout.rollout_id).model_dump_json() == done.model_dump_json()
 
 
 def test_heartbeat_updates_last_heartbeat(store: LightningStore) -> None:

@@ -19,9 +19,10 @@ ROLLOUT_STATUSES: Tuple[str, ...] = ("queued", "running", "succeeded", "failed",
 COMPLETE_STATUSES = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
 
 
-def check_completion(status: str, reward: Optional[float]) -> None:
+def check_completion(status: str, reward: Optional[float]) -> Optional[float]:
     """Reject a ``complete_attempt`` whose status does not end an attempt, or whose reward is not a finite
-    number, before anything is touched (SQLite would keep a NaN as "no reward", JSON carries it as null)."""
+    number, before anything is touched (SQLite would keep a NaN as "no reward", JSON carries it as null).
+    Returns the reward as every backend stores it: a float (``1`` and ``True`` become ``1.0``)."""
     if status == "cancelled":
         raise IllegalTransitionError(
             "complete_attempt cannot end an attempt as 'cancelled': call cancel_rollout(rollout_id) instead"
@@ -36,6 +37,7 @@ def check_completion(status: str, reward: Optional[float]) -> None:
             f"complete_attempt got reward {reward!r} ({type(reward).__name__}): a reward must be a finite int or "
             "float, or None"
         )
+    return None if reward is None else float(reward)
 
 
 def encode_json(value: Any, what: str) -> str:

@@ -229,7 +229,7 @@ class InMemoryLightningStore(LightningStore):
         reward: Optional[float] = None,
         error: Optional[str] = None,
     ) -> Rollout:
-        _rules.check_completion(status, reward)
+        reward = _rules.check_completion(status, reward)
         with self._cond:
             record = self._record(rollout_id)
             attempt = self._attempt(record, attempt_id)

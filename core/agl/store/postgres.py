@@ -858,7 +858,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
     def _complete_params(
         self, rollout_id: str, attempt_id: str, status: AttemptStatus, reward: Optional[float], error: Optional[str]
     ) -> Dict[str, Any]:
-        _rules.check_completion(status, reward)
+        reward = _rules.check_completion(status, reward)
         return {
             "rollout_id": rollout_id,
             "attempt_id": attempt_id,

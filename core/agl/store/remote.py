@@ -281,7 +281,7 @@ class RemoteLightningStore(LightningStore):
         reward: Optional[float] = None,
         error: Optional[str] = None,
     ) -> Rollout:
-        _rules.check_completion(status, reward)
+        reward = _rules.check_completion(status, reward)
         path = self._rollout_path(rollout_id, attempt_id) + "/complete"
         body = CompleteBody(status=status, reward=reward, error=error).model_dump_json().encode()
 
@@ -311,7 +311,7 @@ class RemoteLightningStore(LightningStore):
         limit: int = 1,
     ) -> Tuple[Rollout, List[Rollout]]:
         """One request instead of two (see ``LightningStore.complete_and_dequeue``)."""
-        _rules.check_completion(status, reward)
+        reward = _rules.check_completion(status, reward)
         _rules.check_limit(limit)
         path = self._rollout_path(rollout_id, attempt_id) + "/complete-and-dequeue"
         body = CompleteAndDequeueBody(status=status, reward=reward, error=error, runner_id=runner_id, limit=limit)

@@ -324,9 +324,7 @@ class SqliteLightningStore(LightningStore):
         c.execute("UPDATE attempts SET status = ?, end_time = ?, error = ? WHERE aid = ?", (status, now, error, aid))
         nxt = _rules.next_rollout_status(status, n_attempts, max_attempts)
         if nxt == "succeeded":
-            # as the REAL column holds it (1 -> 1.0): the caller's answer is built from these values
-            final = None if reward is None else float(reward)
-            changes: Dict[str, Any] = {"status": nxt, "final_reward": final, "error": None, "end_time": now}
+            changes: Dict[str, Any] = {"status": nxt, "final_reward": reward, "error": None, "end_time": now}
         elif nxt == "queued":
             changes = {"status": nxt, "error": error}
         else:
@@ -485,7 +483,7 @@ class SqliteLightningStore(LightningStore):
         reward: Optional[float] = None,
         error: Optional[str] = None,
     ) -> Rollout:
-        _rules.check_completion(status, reward)
+        reward = _rules.check_completion(status, reward)
         now = time.time()
         with self._write() as c:
             row = c.execute(_COMPLETING, (attempt_id, rollout_id)).fetchone()
