@@ -9,19 +9,12 @@ wraps the answer in chatter ("The final answer is 46", "The result is 63."). Bot
 (``agent_match="^(solve|answer)$"``); the calculator is plain Python, so the arithmetic itself is exact once
 the solver writes the right expression.
 
-Reward: 1.0 for exactly ``The answer is N.`` with the correct N; when the correct number appears in any
-other form, 0.5 plus up to 0.4 for how close the sentence is to the asked one (0.82 for "The final answer
-is: 20", 0.89 for "The answer is 20"); 0.0 otherwise. A rollout succeeds when its reward is 1.0.
-
-Why graded: with a flat 0.5, a run whose samples all found the right number in the wrong sentence gave
-every group equal rewards, so GRPO had no advantage left to learn from and the run stayed at 0% success
-(two of five runs on 2026-11-25). Ranking those answers by closeness keeps a gradient towards the
-sentence.
+Reward: 1.0 for exactly ``The answer is N.`` with the correct N; 0.5 when the correct number appears in
+the answer in any other form; 0.0 otherwise. A rollout succeeds when its reward is 1.0.
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import Any, Dict, Optional, Tuple, TypedDict
 
@@ -83,11 +76,10 @@ def build_graph(model: ChatOpenAI) -> Any:
 
 def reward(answer: str, expected: int) -> float:
     text = answer.strip()
-    target = f"The answer is {expected}."
-    if text == target:
+    if text == f"The answer is {expected}.":
         return 1.0
     if re.search(rf"(?<![\d-]){expected}(?!\d)", text):
-        return round(0.5 + 0.4 * difflib.SequenceMatcher(None, text, target).ratio(), 4)
+        return 0.5
     return 0.0
 
 

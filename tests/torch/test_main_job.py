@@ -41,11 +41,8 @@ def test_reward_wants_the_exact_sentence_with_the_right_number() -> None:
     finally:
         sys.path.remove(str(JOB))
     assert agent.reward(" The answer is 52.\n", 52) == 1.0
-    # the right number in another sentence: above 0.5, below a success, closer sentences ranked higher
-    # (a group whose samples all have the right number still has advantages to learn from)
-    close, wordy = agent.reward("The answer is 52", 52), agent.reward("The final answer is: 52", 52)
-    chatter = agent.reward("Well, 58 take away 6 leaves us with 52 in the end.", 52)
-    assert 1.0 > close > wordy > chatter > 0.5
+    assert agent.reward("The answer is 52", 52) == 0.5  # right number, not the sentence
+    assert agent.reward("The final answer is 52.", 52) == 0.5
     assert agent.reward("The answer is 152.", 52) == 0.0 and agent.reward("The answer is -52.", 52) == 0.0
     assert agent.calculate("Sure: 58 - 6 = 50") == (52, "58 - 6 = 52")  # the tool recomputes, exactly
     assert agent.calculate("fifty-eight minus six") == (None, "no expression found")
