@@ -74,10 +74,14 @@ class Checkpointer:
             self._dirty.discard(path)
             self._released.add(path)
         with self._conn_lock:
-            conn = self._conns.pop(path, None)
-            self._last_write.pop(path, None)
-            if conn is not None:
-                conn.close()
+            self._drop(path)
+
+    def _drop(self, path: str) -> None:
+        """Close the thread's connection to ``path`` (under ``_conn_lock``)."""
+        conn = self._conns.pop(path, None)
+        self._last_write.pop(path, None)
+        if conn is not None:
+            conn.close()
 
     def _start(self) -> None:
         with self._start_lock:
@@ -118,19 +122,14 @@ class Checkpointer:
                 conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
             except sqlite3.Error as exc:  # e.g. the file was deleted: the backstop still bounds the WAL
                 logger.debug("agl: background checkpoint of %s failed: %s", path, exc)
-                conn = self._conns.pop(path, None)
-                if conn is not None:
-                    conn.close()
+                self._drop(path)
 
     def _close_idle(self) -> None:
         now = time.monotonic()
         for path, last in list(self._last_write.items()):
             if now - last > IDLE_CLOSE:
                 with self._conn_lock:
-                    conn = self._conns.pop(path, None)
-                    self._last_write.pop(path, None)
-                if conn is not None:
-                    conn.close()
+                    self._drop(path)
 
 
 _ABANDONED: List[sqlite3.Connection] = []  # a parent's connections as seen in a forked child: never closed there
