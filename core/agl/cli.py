@@ -6,10 +6,11 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from agl.litagent import LitAgent, rollout
 
@@ -48,6 +49,44 @@ def load_agent(target: str) -> LitAgent[Any]:
     raise SystemExit(f"agl: {target} is a {type(obj).__name__}, not a LitAgent or a rollout function")
 
 
+def load_tasks(path: str) -> List[Any]:
+    """A dataset file's tasks, or a clean exit saying what is wrong with the file."""
+    from agl.dataset import load_dataset
+
+    try:
+        tasks = load_dataset(path)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"agl: cannot read tasks from {path}: {exc}") from None
+    if not tasks:
+        raise SystemExit(f"agl: {path} holds no tasks")
+    return tasks
+
+
+def json_setting(value: str, flag: str, *, yaml_ok: bool = False) -> Dict[str, Any]:
+    """A JSON object given inline or as ``@file`` (``.yaml``/``.yml`` files too when ``yaml_ok``)."""
+    try:
+        data = _read_setting(value, yaml_ok)
+    except (OSError, ValueError, ImportError) as exc:
+        raise SystemExit(f"agl: cannot read {flag} {value!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"agl: {flag} must be a JSON object of settings, got {value!r}")
+    return data
+
+
+def _read_setting(value: str, yaml_ok: bool) -> Any:
+    if not value.startswith("@"):
+        return json.loads(value)
+    path = Path(value[1:])
+    if yaml_ok and path.suffix in (".yaml", ".yml"):
+        import yaml  # the verl extra brings it (omegaconf needs it)
+
+        try:
+            return yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(str(exc)) from None
+    return json.loads(path.read_text())
+
+
 @contextlib.contextmanager
 def _endpoint(args: argparse.Namespace) -> Iterator[Optional[dict]]:
     """The initial resources for ``dev``: a given endpoint, or agl's built-in scripted fake model."""
@@ -66,10 +105,9 @@ def _endpoint(args: argparse.Namespace) -> Iterator[Optional[dict]]:
 
 def cmd_dev(args: argparse.Namespace) -> int:
     import agl
-    from agl.dataset import load_dataset
 
     agent = load_agent(args.agent)
-    data = load_dataset(args.data)
+    data = load_tasks(args.data)
     if args.limit:
         data = data[: args.limit]
     agl.instrument()
@@ -120,18 +158,11 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import json
-
     from agl.lightningrl import LightningRL
     from agl.lightningrl.export import export
     from agl.store import open_store
 
-    try:
-        config = json.loads(Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"agl: cannot read --config {args.config!r}: {exc}") from None
-    if not isinstance(config, dict):
-        raise SystemExit(f"agl: --config must be a JSON object of LightningRL settings, got {args.config!r}")
+    config = json_setting(args.config, "--config")
     if args.agent_match is not None:
         config["agent_match"] = args.agent_match
     store = open_store(args.store)
@@ -193,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agl.serving.cli import add_serve_command
 
     add_serve_command(sub, store_help)  # agl serve (the policy server)
+    from agl.train_cli import add_train_parser
+
+    add_train_parser(sub, store_help)  # agl train
     export_ = sub.add_parser("export", help="build a LightningRL batch from stored rollouts; write JSONL or Parquet")
     export_.add_argument("out", help="output file (.jsonl, or .parquet with pyarrow installed)")
     export_.add_argument("--format", choices=["jsonl", "parquet"], help="default: from the file suffix")

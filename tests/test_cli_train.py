@@ -1,0 +1,91 @@
+"""``agl train``'s checks that run before any trainer exists: each bad input stops the command with a message
+that says what is wrong, and nothing on disk is touched. Training itself: tests/torch/test_train_cli.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+from agl.cli import main
+
+AGENT = '''
+import agl
+
+@agl.rollout
+def agent(task, llm: agl.LLM) -> float:
+    return 1.0
+'''
+
+
+@pytest.fixture()
+def files(tmp_path: Path) -> Path:
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"q": i}) + "\n" for i in range(3)))
+    return tmp_path
+
+
+def _fails(args: List[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *args])
+    assert isinstance(exc.value.code, str), exc.value.code  # a message, not a bare status
+    return exc.value.code
+
+
+def _base(files: Path) -> List[str]:
+    return [f"{files}/agent.py:agent", "--data", str(files / "train.jsonl"), "--out", str(files / "run")]
+
+
+def test_unreadable_data_says_which_file_and_why(files: Path) -> None:
+    message = _fails([f"{files}/agent.py:agent", "--data", str(files / "missing.jsonl")])
+    assert "cannot read tasks from" in message and "missing.jsonl" in message
+    (files / "bad.jsonl").write_text('{"q": 1}\n{not json\n')
+    message = _fails([f"{files}/agent.py:agent", "--data", str(files / "bad.jsonl")])
+    assert "bad.jsonl:2" in message
+    (files / "empty.jsonl").write_text("\n")
+    assert "holds no tasks" in _fails([f"{files}/agent.py:agent", "--data", str(files / "empty.jsonl")])
+
+
+def test_an_out_folder_holding_a_run_is_neither_overwritten_nor_silently_resumed(files: Path) -> None:
+    run = files / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.csv").write_text("step\n1\n")
+    message = _fails(_base(files))
+    assert "already holds a training run" in message and "--resume" in message
+    assert (run / "metrics.csv").read_text() == "step\n1\n" and (run / "checkpoints").is_dir()
+
+
+def test_resume_needs_a_run_to_continue(files: Path) -> None:
+    message = _fails([*_base(files), "--resume"])
+    assert "holds no run to continue" in message
+    assert not (files / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--config", "[1, 2]"], "--config must be a JSON object"),
+        (["--config", "@nowhere.json"], "cannot read --config"),
+        (["--set", "lr"], "must look like KEY=VALUE"),
+    ],
+)
+def test_malformed_settings_are_named(files: Path, extra: List[str], expected: str) -> None:
+    assert expected in _fails([*_base(files), *extra])
+
+
+def test_grpo_without_torch_says_which_extra_to_install(files: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "agl.algorithm.torch_grpo", None)  # importing it now raises ImportError
+    message = _fails(_base(files))
+    assert 'pip install "agl[torch]"' in message
+
+
+def test_grpo_flags_with_verl_point_to_verl_keys(files: Path) -> None:
+    message = _fails([*_base(files), "--algorithm", "verl", "--steps", "3", "--group-size", "4"])
+    assert "--steps, --group-size set TorchGRPO" in message and "trainer.total_training_steps" in message
+
+
+def test_a_bad_agent_match_regex_is_named_before_anything_runs(files: Path) -> None:
+    message = _fails([*_base(files), "--agent-match", "^(solve|answer$"])
+    assert "--agent-match '^(solve|answer$' is not a regular expression" in message

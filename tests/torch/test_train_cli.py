@@ -1,0 +1,88 @@
+"""``agl train`` end to end with real parts: an agent file calling the policy through the real ``openai``
+client, the tiny random Llama served by agl's policy server on 127.0.0.1, thread runners, a SQLite store
+under ``--out``, TorchGRPO's checkpoints, and ``--resume`` continuing a run."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Dict, List
+
+import agl
+import pytest
+from agl.cli import main
+from agl.store import open_store
+
+AGENT = '''
+import openai
+import agl
+
+@agl.rollout
+def agent(task, llm: agl.LLM) -> float:
+    """One call; the agent's name is the function's, "agent". The reward (length parity) varies."""
+    with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
+        reply = client.chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": task["question"]}], **llm.sampling_parameters
+        )
+    return float(len(reply.choices[0].message.content or "") % 2)
+'''
+
+
+@pytest.fixture()
+def files(tmp_path: Path):
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"Say {i}."}) + "\n" for i in range(4)))
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"question": f"Count to {i}."}) + "\n" for i in range(2)))
+    yield tmp_path
+    agl.uninstrument()  # `agl train` instruments the process, as a user's run would
+
+
+def _train(files: Path, *extra: str) -> List[str]:
+    return [
+        "train", f"{files}/agent.py:agent", "--data", str(files / "train.jsonl"), "--val-data", str(files / "val.jsonl"),
+        "--model", "tiny", "--group-size", "2", "--batch-tasks", "2", "--max-tokens", "4", "--n-runners", "4",
+        "--set", "lr=0.001", "--set", 'lora={"r": 4}', "--set", "seed=1", "--out", str(files / "run"), *extra,
+    ]
+
+
+def _rows(run: Path) -> List[Dict[str, str]]:
+    """metrics.csv's training-step rows."""
+    with open(run / "metrics.csv", newline="") as f:
+        return [row for row in csv.DictReader(f) if row.get("samples")]
+
+
+def _steps(run: Path) -> List[int]:
+    return [int(float(row["step"])) for row in _rows(run)]
+
+
+def test_train_runs_steps_stores_rollouts_and_resumes(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = files / "run"
+    assert main(_train(files, "--steps", "1")) == 0
+    out = capsys.readouterr().out
+    assert "4 training tasks, 2 held-out tasks" in out and "lora={'r': 4}" in out and f"the run is in {run}" in out
+    assert _steps(run) == [1]
+    store = open_store(str(run / "store.db"))
+    train = store.query_rollouts(mode="train")
+    assert len(train) == 4 and all(r.status == "succeeded" for r in train)  # 2 tasks x 2 rollouts
+    assert len(store.query_rollouts(mode="val")) == 4  # 2 held-out tasks, before and after
+    assert any((run / "checkpoints").iterdir())
+    spans = store.query_spans(train[0].rollout_id, "latest")
+    assert any(s.kind == "llm" for s in spans)
+    store.close()
+
+    with pytest.raises(SystemExit, match="already holds a training run"):
+        main(_train(files, "--steps", "2"))
+    assert main(_train(files, "--steps", "2", "--resume")) == 0
+    assert _steps(run) == [1, 2]  # step 1 came from the checkpoint, only step 2 ran
+
+
+@pytest.mark.parametrize("agent_match, samples", [("^agent$", 4), ("^nobody$", 0)])
+def test_agent_match_picks_the_calls_that_become_samples(files: Path, agent_match: str, samples: int) -> None:
+    assert main(_train(files, "--steps", "1", "--agent-match", agent_match)) == 0
+    assert [float(row["samples"]) for row in _rows(files / "run")] == [samples]  # one llm call per rollout
+
+
+def test_unknown_grpo_setting_is_named(files: Path) -> None:
+    with pytest.raises(SystemExit, match="bad grpo settings: .*colour"):
+        main(_train(files, "--set", "colour=1", "--check"))
