@@ -133,6 +133,11 @@ def test_cli_store_listing(tmp_path, fake_openai, instrumented, capsys):
     assert "unknown rollout id" in capsys.readouterr().err
 
 
+def test_cli_dev_names_a_missing_data_file(tmp_path):
+    with pytest.raises(SystemExit, match=r"cannot read tasks from .*nothing\.jsonl: dataset file .* does not exist"):
+        agl_main(["dev", "examples/calc_agent.py:calc_agent", "--data", str(tmp_path / "nothing.jsonl")])
+
+
 def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai, instrumented):
     """Plain Python: the runner's root agent span is named after the function; nested agent spans
     (here made with the adapter kit, as framework adapters do) take over inside."""
