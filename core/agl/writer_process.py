@@ -29,15 +29,16 @@ import struct
 import subprocess
 import sys
 import threading
-from typing import IO, Any, Callable, List, Optional, Tuple
+from typing import IO, Any, Callable, Optional, Tuple
+
+from agl.fork_safety import keep_unused
 
 logger = logging.getLogger("agl.tracer")
 
 _HEADER = struct.Struct("!Q")
 _PIPE_BYTES = 1 << 20  # room for a couple of batches of heavy spans, so the agent's thread never waits
 
-Ack = Tuple[int, int, int, int]
-_ABANDONED: List["WriterProcess"] = []  # a parent's writers as seen in a forked child (see WriterProcess.abandon)  # spans in the batch, exported, rejected, export errors
+Ack = Tuple[int, int, int, int]  # spans in the batch, exported, rejected, export errors
 
 
 class WriterProcess:
@@ -143,7 +144,7 @@ class WriterProcess:
         """In a forked child: close the parent's pipe ends here, so the parent's writer sees its end of input
         when the parent closes it, whatever this child does.
 
-        The file objects are not closed but kept forever (in ``_ABANDONED``): the parent's reader thread, which
+        The file objects are not closed but kept forever (``agl.fork_safety``): the parent's reader thread, which
         does not exist in the child, may have held their locks at the fork, and closing or freeing them would
         block or close a reused descriptor."""
         self._closing = True
@@ -153,7 +154,7 @@ class WriterProcess:
                     os.close(stream.fileno())
                 except (OSError, ValueError):
                     pass
-        _ABANDONED.append(self)
+        keep_unused([self])
 
 
 def _close_quietly(stream: Optional[IO[bytes]]) -> None:

@@ -86,3 +86,16 @@ def test_a_forked_child_checkpoints_on_its_own_thread(sqlite_store: SqliteLightn
     child.join(60)
     assert child.exitcode == 0 and done.is_set()
     assert sqlite_store.stats().spans == 410
+
+
+def test_closed_stores_leave_nothing_behind_in_the_checkpoint_thread(tmp_path: Path, make_span: Any) -> None:
+    """A process that opens and closes many store files (a test suite, a trainer making scratch stores)
+    does not accumulate per-file state in the process-wide checkpoint thread."""
+    from agl.store._checkpoints import checkpointer
+
+    for i in range(5):
+        store = SqliteLightningStore(tmp_path / f"store-{i}.db")
+        _write_heavy(store, make_span, 10)
+        store.close()
+    paths = {str(tmp_path / f"store-{i}.db") for i in range(5)}
+    assert _eventually(lambda: not paths & (checkpointer._released | set(checkpointer._conns)))

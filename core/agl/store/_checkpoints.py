@@ -21,7 +21,9 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Dict, List, Optional, Set
+from typing import Dict, Optional, Set
+
+from agl.fork_safety import keep_unused
 
 logger = logging.getLogger("agl.store")
 
@@ -36,7 +38,7 @@ class Checkpointer:
 
     Stores call :meth:`written` after each commit (well under a microsecond) and :meth:`release` when they
     close. After ``os.fork`` the child starts with no thread and no connections: the parent's are kept in
-    ``_ABANDONED``, never used or closed there (closing would checkpoint the parent's file from the child).
+    ``agl.fork_safety``, never used or closed there (closing would checkpoint the parent's file).
     """
 
     def __init__(self) -> None:
@@ -45,7 +47,7 @@ class Checkpointer:
 
     def _reset(self) -> None:
         self._dirty: Set[str] = set()  # written since their last checkpoint
-        self._released: Set[str] = set()  # closed, and not written since: no connection to reopen
+        self._released: Set[str] = set()  # closed during the current round: not to be reopened by it
         self._dirty_lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -53,7 +55,7 @@ class Checkpointer:
         self._conn_lock = threading.Lock()  # held while a connection is used or closed
         old = getattr(self, "_conns", None)
         if old:
-            _ABANDONED.extend(old.values())
+            keep_unused(old.values())
         self._conns: Dict[str, sqlite3.Connection] = {}
         self._last_write: Dict[str, float] = {}
 
@@ -107,6 +109,8 @@ class Checkpointer:
             for path in paths:
                 self._last_write[path] = now
                 self._checkpoint(path)
+            with self._dirty_lock:  # a store closed before now is in no later round (release took it out of _dirty)
+                self._released.clear()
             self._close_idle()
 
     def _checkpoint(self, path: str) -> None:
@@ -132,6 +136,5 @@ class Checkpointer:
                     self._drop(path)
 
 
-_ABANDONED: List[sqlite3.Connection] = []  # a parent's connections as seen in a forked child: never closed there
 
 checkpointer = Checkpointer()

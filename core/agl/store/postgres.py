@@ -70,6 +70,7 @@ from agl.errors import (
     UnknownResourcesError,
     UnknownRolloutError,
 )
+from agl.fork_safety import keep_unused
 from agl.store import _rules
 from agl.store._postgres_schema import (
     ADD_SPANS,
@@ -126,10 +127,6 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 logger = logging.getLogger("agl.store.postgres")
 
 T = TypeVar("T")
-
-# Connections of a parent process found in a forked child: never used, never closed (closing would end the
-# parent's sessions), only kept referenced so that they are never finalised.
-_ABANDONED: List[Any] = []
 
 _CONNECT_TIMEOUT_S = 10
 
@@ -237,7 +234,7 @@ class _Pool:
 
     def abandon(self) -> None:
         """In a forked child: forget the parent's connections without closing them."""
-        _ABANDONED.extend(self._idle)
+        keep_unused(self._idle)
         self._idle = []
 
 
@@ -472,7 +469,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
         if os.getpid() != self._pid:  # a forked child: the parent's listening thread does not exist here
             self._pool.abandon()
             if self._apool is not None:
-                _ABANDONED.extend(self._apool.abandon())
+                keep_unused(self._apool.abandon())
             self._reset_process_state()
         return self._pool, self._notifications
 

@@ -32,6 +32,7 @@ from agl.errors import (
     UnknownResourcesError,
     UnknownRolloutError,
 )
+from agl.fork_safety import keep_unused
 from agl.store import _rules
 from agl.store._checkpoints import BACKSTOP_PAGES, WAL_SIZE_LIMIT, checkpointer
 from agl.store._sqlite_schema import (
@@ -68,10 +69,6 @@ from agl.types import (
 )
 
 logger = logging.getLogger("agl.store.sqlite")
-
-# Connections of a parent process found in a forked child: never used, never closed (closing them could
-# disturb the parent's locks), only kept referenced so that they are never finalised.
-_ABANDONED: List[sqlite3.Connection] = []
 
 _NEXT_DEADLINE = "SELECT min(deadline) FROM attempts WHERE status = 'running' AND deadline IS NOT NULL"
 
@@ -186,7 +183,7 @@ class SqliteLightningStore(LightningStore):
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._local = threading.local()
-        self._conns: List[Tuple[threading.Thread, sqlite3.Connection]] = []  # strong refs: see _ABANDONED
+        self._conns: List[Tuple[threading.Thread, sqlite3.Connection]] = []  # strong refs: see agl.fork_safety
         self._conns_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._in_flight = 0  # operations between _begin_operation and _end_operation, in this process
@@ -210,7 +207,7 @@ class SqliteLightningStore(LightningStore):
     def _begin_operation(self) -> sqlite3.Connection:
         """This thread's connection, counted as in use until ``_end_operation`` (see ``_Operation``)."""
         if os.getpid() != self._pid:  # forked: the parent's connections and locks are not ours
-            _ABANDONED.extend(conn for _, conn in self._conns)
+            keep_unused(conn for _, conn in self._conns)
             self._reset_process_state()
         with self._in_flight_lock:
             if self._closed:
