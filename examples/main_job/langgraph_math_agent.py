@@ -9,8 +9,10 @@ wraps the answer in chatter ("The final answer is 46", "The result is 63."). Bot
 (``agent_match="^(solve|answer)$"``); the calculator is plain Python, so the arithmetic itself is exact once
 the solver writes the right expression.
 
-Reward: 1.0 for exactly ``The answer is N.`` with the correct N; 0.5 when the correct number appears in
-the answer in any other form; 0.0 otherwise. A rollout succeeds when its reward is 1.0.
+Reward: 1.0 for exactly ``The answer is N.`` with the correct N, 0.0 for anything else; a rollout succeeds
+when its reward is 1.0. There is deliberately no partial credit for the right number in another sentence:
+with 0.5 for it, two of five runs ended with every sample of every group on 0.5 ("The final answer is: 20"),
+no advantage left and 0% success (docs/training.md, "The main job").
 """
 
 from __future__ import annotations
@@ -75,12 +77,7 @@ def build_graph(model: ChatOpenAI) -> Any:
 
 
 def reward(answer: str, expected: int) -> float:
-    text = answer.strip()
-    if text == f"The answer is {expected}.":
-        return 1.0
-    if re.search(rf"(?<![\d-]){expected}(?!\d)", text):
-        return 0.5
-    return 0.0
+    return 1.0 if answer.strip() == f"The answer is {expected}." else 0.0
 
 
 @agl.rollout

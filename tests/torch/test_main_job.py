@@ -41,8 +41,8 @@ def test_reward_wants_the_exact_sentence_with_the_right_number() -> None:
     finally:
         sys.path.remove(str(JOB))
     assert agent.reward(" The answer is 52.\n", 52) == 1.0
-    assert agent.reward("The answer is 52", 52) == 0.5  # right number, not the sentence
-    assert agent.reward("The final answer is 52.", 52) == 0.5
+    assert agent.reward("The answer is 52", 52) == 0.0  # right number, not the sentence: no partial credit
+    assert agent.reward("The final answer is 52.", 52) == 0.0
     assert agent.reward("The answer is 152.", 52) == 0.0 and agent.reward("The answer is -52.", 52) == 0.0
     assert agent.calculate("Sure: 58 - 6 = 50") == (52, "58 - 6 = 52")  # the tool recomputes, exactly
     assert agent.calculate("fifty-eight minus six") == (None, "no expression found")
