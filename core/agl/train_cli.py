@@ -118,10 +118,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _check_out(out: Path, resume: bool, check: bool) -> None:
     """Refuse to start a fresh run in a folder that holds one: its checkpoints would be resumed, its metrics
     and rollouts mixed with the new run's. Nothing is deleted here; the user decides."""
+    if check:  # --check writes nothing
+        return
     holds_run = out.is_dir() and any((out / name).exists() for name in ("checkpoints", "metrics.csv", "store.db"))
-    if resume and not holds_run and not check:
+    if resume and not holds_run:
         raise SystemExit(f"agl: --resume: {out} holds no run to continue (no checkpoints, metrics or store there)")
-    if holds_run and not resume and not check:
+    if holds_run and not resume:
         raise SystemExit(
             f"agl: {out} already holds a training run: pass --resume to continue it, or choose another --out "
             "(or delete the folder)"
