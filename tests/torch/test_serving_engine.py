@@ -11,6 +11,7 @@ from typing import Any, List, Tuple
 import pytest
 import torch
 
+from agl.lightningrl.types import Sample
 from agl.models import load_policy
 from agl.serving.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix, to_plain_messages
 from agl.serving.engine import Failed, Finished, GenerationEngine, SamplingParams, Started, Step
@@ -329,6 +330,61 @@ def test_tiny_policy_is_small_seeded_and_uses_smollm2s_tokenizer(tiny):
     assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
     with pytest.raises(ValueError, match="unknown dtype 'float33'"):
         load_policy("tiny", dtype="float33", device="cpu")
+
+
+def _attention_flags() -> Tuple[bool, bool, bool, bool]:
+    b = torch.backends.cuda
+    return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()
+
+
+def test_attention_kernels_switch_only_cudnn_off_and_only_on_cuda():
+    """On CUDA, masked grouped-query attention is ~100x slower with PyTorch's cuDNN backend allowed
+    (measured on an H200: agl.models.attention_kernels); on other devices nothing changes."""
+    from agl.models import attention_kernels
+
+    before = _attention_flags()
+    assert before[0], "PyTorch's default allows the cuDNN backend: the test needs it on to see it switched off"
+    with attention_kernels(torch.device("cuda")):
+        assert _attention_flags() == (False, True, True, True)
+    assert _attention_flags() == before
+    for device in ("cpu", torch.device("cpu"), "meta"):
+        with attention_kernels(device):
+            assert _attention_flags() == before
+
+
+def test_every_forward_pass_of_the_engine_and_the_trainer_runs_inside_attention_kernels(monkeypatch, tiny):
+    """The engine's prefill and decode steps and TorchGRPO's forward passes run with the CUDA attention
+    choice in force. Their model is on the CPU here, so each module is told its device is CUDA."""
+    from agl import models
+    from agl.algorithm import torch_grpo
+    from agl.serving import engine as engine_module
+
+    model, tokenizer = load_policy("tiny", device="cpu")  # its own copy: the trainer adds LoRA layers to it
+    flags: List[bool] = []
+    model.register_forward_pre_hook(lambda module, args: flags.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    as_if_cuda = lambda device: models.attention_kernels("cuda")  # noqa: E731
+    monkeypatch.setattr(engine_module, "attention_kernels", as_if_cuda)
+    monkeypatch.setattr(torch_grpo, "attention_kernels", as_if_cuda)
+
+    engine = GenerationEngine(model, tokenizer, max_batch_size=2)
+    try:
+        engine.generate(encode(tokenizer, "hello"), SamplingParams(max_tokens=3, temperature=0))
+    finally:
+        engine.close()
+    assert len(flags) == 3  # one prefill, two decode steps (the third token needs no forward pass)
+
+    algorithm = torch_grpo.TorchGRPO(model=(model, tokenizer), lr=1e-3, ppo_epochs=2)
+    algorithm.attach(model, tokenizer)
+    samples = [
+        Sample(rollout_id=f"ro-{i}", task_id="t", policy="default", prompt_ids=[1, 2, 3], response_ids=[4, 5],
+               response_mask=[1, 1], reward=float(i), advantage=float(2 * i - 1))
+        for i in range(2)
+    ]
+    stats = algorithm.update(samples)
+    assert stats["optimizer_steps"] == 2
+    assert len(flags) == 3 + 3  # the old logprobs, then one forward pass per epoch
+    assert not any(flags)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_missing_bundled_model_says_what_to_install(monkeypatch):

@@ -65,6 +65,7 @@ from agl.algorithm.metrics import MetricsLog, ascii_curve, plot_reward_curve
 from agl.algorithm.trainable import DEFAULT_LORA, LoraSpec, TrainablePolicy
 from agl.dataset import as_tasks
 from agl.lightningrl.types import Sample
+from agl.models import attention_kernels, load_policy
 from agl.types import LLM, Rollout, Task
 
 logger = logging.getLogger("agl.train")
@@ -311,8 +312,6 @@ class TorchGRPO(Algorithm):
         if isinstance(self.model_spec, tuple):
             model, tokenizer = self.model_spec
             return model, tokenizer
-        from agl.models import load_policy
-
         return load_policy(self.model_spec, dtype=self.dtype, device=self.device, seed=self.seed)
 
     def _maybe_resume(self) -> bool:
@@ -476,30 +475,32 @@ class TorchGRPO(Algorithm):
         windows = [list(range(i, min(i + per_window, len(batches)))) for i in range(0, len(batches), per_window)]
         # The live samples' share of the weight normaliser; the skipped samples' weight still counts.
         skipped_weight = sum(s.loss_weight for s in samples) - sum(weight_of)
-        old, ref = self._fixed_logprobs(batches)
-        self.policy.module.train()
         sums: Dict[str, float] = {}
         drift: List[float] = []
-        for epoch in range(self.ppo_epochs):
-            for w, window in enumerate(windows):
-                total = sum(weight_of[i] for i in window) + skipped_weight * len(window) / len(batches)
-                for i in window:
-                    logprobs = response_logprobs(self.policy.module, batches[i], self.temperature)
-                    served = batches[i].old_logprobs
-                    if epoch == 0 and w == 0 and served is not None:  # before any update: compare with the server
-                        mask = batches[i].response_mask
-                        drift.append(float(((logprobs.detach() - served).abs() * mask).sum() / mask.sum()))
-                    parts = policy_loss(
-                        logprobs, old[i], batches[i], clip_eps=self.clip_eps, kl_coef=self.kl_coef,
-                        ref_logprobs=ref[i], weight_total=total,
-                    )
-                    parts.loss.backward()
-                    _add(sums, {"loss": float(parts.loss.detach()) / (len(windows) * self.ppo_epochs), **parts.stats})
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                stats["optimizer_steps"] += 1
-                _add(sums, {"grad_norm_sum": float(grad_norm)})
+        with attention_kernels(device):  # masked attention on CUDA: see attention_kernels
+            old, ref = self._fixed_logprobs(batches)
+            self.policy.module.train()
+            for epoch in range(self.ppo_epochs):
+                for w, window in enumerate(windows):
+                    total = sum(weight_of[i] for i in window) + skipped_weight * len(window) / len(batches)
+                    for i in window:
+                        logprobs = response_logprobs(self.policy.module, batches[i], self.temperature)
+                        served = batches[i].old_logprobs
+                        if epoch == 0 and w == 0 and served is not None:  # before any update: vs the server
+                            mask = batches[i].response_mask
+                            drift.append(float(((logprobs.detach() - served).abs() * mask).sum() / mask.sum()))
+                        parts = policy_loss(
+                            logprobs, old[i], batches[i], clip_eps=self.clip_eps, kl_coef=self.kl_coef,
+                            ref_logprobs=ref[i], weight_total=total,
+                        )
+                        parts.loss.backward()
+                        share = float(parts.loss.detach()) / (len(windows) * self.ppo_epochs)
+                        _add(sums, {"loss": share, **parts.stats})
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    stats["optimizer_steps"] += 1
+                    _add(sums, {"grad_norm_sum": float(grad_norm)})
         self.policy.module.eval()
         tokens = sums.get("tokens", 0.0) or 1.0
         stats.update(

@@ -40,6 +40,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from agl.models import attention_kernels
+
 logger = logging.getLogger(__name__)
 
 #: finish reasons: the model ended its answer (end-of-sequence token or a stop string), or max_tokens
@@ -312,7 +314,7 @@ class GenerationEngine:
                 return
             if admitted and not batch.size:
                 self._enter_eval()
-            with torch.inference_mode():
+            with torch.inference_mode(), attention_kernels(self._device):
                 if admitted:
                     try:
                         batch.admit(admitted)
