@@ -1,6 +1,6 @@
 """GPU smoke of agl's own torch path: PolicyServer and TorchGRPO on CUDA, end to end, in a few minutes.
 
-    python benchmarks/torch_gpu_smoke.py [--model smollm2|tiny|PATH] [--steps 8] [--out DIR]
+    python benchmarks/torch_gpu_smoke.py [--model smollm2|tiny|PATH] [--steps 8] [--runner-mode thread|process]
 
 The CPU test suite pins its models to the CPU, so this script is what runs the CUDA code paths: the policy
 loads on the default device (CUDA when available, bfloat16), the recording server generates on it, thread
@@ -53,6 +53,8 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=".agl/torch_gpu_smoke")
     parser.add_argument("--max-drift", type=float, default=0.05, help="mean |served - recomputed| logprob allowed")
+    parser.add_argument("--runner-mode", choices=["thread", "process"], default="thread",
+                        help="runners as threads of this process (default) or as separate processes")
     parser.add_argument("--allow-cpu", action="store_true", help="run on a machine without a GPU (checks the script)")
     args = parser.parse_args(argv)
 
@@ -94,7 +96,7 @@ def main(argv: List[str] | None = None) -> int:
         seed=0,
     )
     trainer = agl.Trainer(
-        algorithm=algorithm, store=str(Path(args.out) / "store.db"), n_runners=16, runner_mode="thread"
+        algorithm=algorithm, store=str(Path(args.out) / "store.db"), n_runners=16, runner_mode=args.runner_mode
     )
     started = time.perf_counter()
     result = trainer.fit(vowels_agent, TASKS)
