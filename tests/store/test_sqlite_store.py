@@ -70,6 +70,110 @@ def _wait_for_bell(bell: Doorbell, count: int = 1) -> None:
         time.sleep(0.01)
 
 
+def _one_call_then_exit(store: SqliteLightningStore) -> None:
+    store.query_rollouts()
+    os._exit(0)
+
+
+def test_forks_while_other_threads_use_the_store_leave_no_child_blocked(tmp_path: Path) -> None:
+    """A fork while another thread is inside SQLite copies SQLite's process-wide mutexes locked; the
+    child's first call then blocks for good (7 of 100 forks before agl.fork_safety's hold, 0 of 300 after).
+    Runner processes are forked from a trainer whose store, tracer writer and server threads are busy."""
+    store = SqliteLightningStore(tmp_path / "busy.db")
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            store.enqueue_rollout({"text": "x" * 2000})
+            store.query_rollouts()
+
+    threads = [threading.Thread(target=busy) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    blocked = 0
+    try:
+        for _ in range(60):
+            child = fork.Process(target=_one_call_then_exit, args=(store,))
+            child.start()
+            child.join(5)
+            if child.is_alive():
+                blocked += 1
+                child.kill()
+                child.join()
+            else:
+                assert child.exitcode == 0
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        store.close()
+    assert blocked == 0
+
+
+def test_a_fork_waits_for_the_store_operations_in_flight_and_holds_new_ones(tmp_path: Path) -> None:
+    store = SqliteLightningStore(tmp_path / "gate.db")
+    inside, leave, started_late = threading.Event(), threading.Event(), threading.Event()
+    ended_at: List[float] = []
+
+    def long_operation() -> None:
+        with store._session:  # one operation, as every store call makes
+            inside.set()
+            leave.wait(10)
+            ended_at.append(time.monotonic())
+
+    def late_call() -> None:
+        started_late.set()
+        store.query_rollouts()
+        ended_at.append(time.monotonic())
+
+    holder = threading.Thread(target=long_operation)
+    holder.start()
+    assert inside.wait(10)
+    threading.Timer(0.4, leave.set).start()
+    child = fork.Process(target=_one_call_then_exit, args=(store,))
+    child.start()  # returns once forked: after the operation in flight ended
+    forked_at = time.monotonic()
+    child.join(10)
+    holder.join()
+    assert child.exitcode == 0
+    assert ended_at and ended_at[0] <= forked_at
+    late = threading.Thread(target=late_call)
+    late.start()
+    late.join(10)
+    assert started_late.is_set() and len(ended_at) == 2  # operations go on after the fork
+    store.close()
+
+
+def test_a_fork_does_not_wait_forever_for_a_stuck_operation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from agl.store import sqlite as sqlite_module
+
+    monkeypatch.setattr(sqlite_module, "FORK_WAIT_S", 0.2)
+    store = SqliteLightningStore(tmp_path / "stuck.db")
+    inside, leave = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        with store._session:
+            inside.set()
+            leave.wait(10)
+
+    holder = threading.Thread(target=stuck)
+    holder.start()
+    assert inside.wait(10)
+    started = time.monotonic()
+    child = fork.Process(target=os._exit, args=(0,))
+    child.start()
+    waited = time.monotonic() - started
+    child.join(10)
+    leave.set()
+    holder.join()
+    assert child.exitcode == 0 and 0.2 <= waited < 5
+    assert "forking while 1 store operation(s) still run" in caplog.text
+    store.query_rollouts()  # the store still works in the parent
+    store.close()
+
+
 def test_enqueue_wakes_a_waiter_in_another_process(sqlite_store: SqliteLightningStore, tmp_path: Path) -> None:
     out = tmp_path / "woken.txt"
     child = fork.Process(target=_dequeue_and_report, args=(sqlite_store, out))

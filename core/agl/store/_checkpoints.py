@@ -21,9 +21,9 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Dict, Optional, Set
+from typing import Any, Dict, Optional, Set
 
-from agl.fork_safety import keep_unused
+from agl.fork_safety import hold_across_fork, keep_unused
 
 logger = logging.getLogger("agl.store")
 
@@ -43,7 +43,9 @@ class Checkpointer:
 
     def __init__(self) -> None:
         self._reset()
+        self._held_for_fork: Optional[Any] = None
         os.register_at_fork(after_in_child=self._reset)
+        hold_across_fork(self)
 
     def _reset(self) -> None:
         self._dirty: Set[str] = set()  # written since their last checkpoint
@@ -58,6 +60,16 @@ class Checkpointer:
             keep_unused(old.values())
         self._conns: Dict[str, sqlite3.Connection] = {}
         self._last_write: Dict[str, float] = {}
+
+    def _before_fork(self) -> None:
+        """No checkpoint or connection close runs across a fork (see ``agl.fork_safety``)."""
+        self._held_for_fork = self._conn_lock
+        self._held_for_fork.acquire()
+
+    def _after_fork(self) -> None:
+        lock, self._held_for_fork = self._held_for_fork, None
+        if lock is not None:
+            lock.release()
 
     def written(self, path: str) -> None:
         """A transaction was committed to ``path``: checkpoint it soon."""

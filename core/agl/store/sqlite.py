@@ -32,7 +32,7 @@ from agl.errors import (
     UnknownResourcesError,
     UnknownRolloutError,
 )
-from agl.fork_safety import keep_unused
+from agl.fork_safety import hold_across_fork, keep_unused
 from agl.store import _rules
 from agl.store._checkpoints import BACKSTOP_PAGES, WAL_SIZE_LIMIT, checkpointer
 from agl.store._sqlite_schema import (
@@ -69,6 +69,8 @@ from agl.types import (
 )
 
 logger = logging.getLogger("agl.store.sqlite")
+
+FORK_WAIT_S = 10.0  # how long a fork waits for this process's store operations in flight (agl.fork_safety)
 
 _NEXT_DEADLINE = "SELECT min(deadline) FROM attempts WHERE status = 'running' AND deadline IS NOT NULL"
 
@@ -178,6 +180,7 @@ class SqliteLightningStore(LightningStore):
         self._queue_bell = Doorbell(self.path, "queue")  # work was enqueued or requeued
         self._done_bell = Doorbell(self.path, "done")  # a rollout finished, or there is a new deadline to watch
         self._reset_process_state()
+        hold_across_fork(self)
         self._create_schema()
 
     def _reset_process_state(self) -> None:
@@ -189,6 +192,8 @@ class SqliteLightningStore(LightningStore):
         self._in_flight = 0  # operations between _begin_operation and _end_operation, in this process
         self._in_flight_lock = threading.Lock()  # taken directly on every operation: Condition's methods cost more
         self._idle = threading.Condition(self._in_flight_lock)
+        self._forking = False  # a fork waits for the operations in flight; new ones wait for the fork
+        self._fork_held = False  # _before_fork holds _in_flight_lock for the fork under way
         self._session = _Operation(self)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -210,6 +215,8 @@ class SqliteLightningStore(LightningStore):
             keep_unused(conn for _, conn in self._conns)
             self._reset_process_state()
         with self._in_flight_lock:
+            while self._forking:
+                self._idle.wait()
             if self._closed:
                 raise self._closed_error()
             self._in_flight += 1
@@ -222,8 +229,33 @@ class SqliteLightningStore(LightningStore):
     def _end_operation(self) -> None:
         with self._in_flight_lock:
             self._in_flight -= 1
-            if self._closed and not self._in_flight:
+            if (self._closed or self._forking) and not self._in_flight:
                 self._idle.notify_all()
+
+    def _before_fork(self) -> None:
+        """Before ``os.fork``: no thread of this process may be inside SQLite (see ``agl.fork_safety``).
+
+        Holds new operations and waits up to ``FORK_WAIT_S`` for those in flight, then keeps
+        ``_in_flight_lock`` through the fork, so no operation starts before ``_after_fork``."""
+        if os.getpid() != self._pid:
+            return  # a store inherited from a parent and unused here: its locks are the parent's copies
+        self._in_flight_lock.acquire()
+        self._fork_held = True
+        self._forking = True
+        if not self._idle.wait_for(lambda: self._in_flight == 0, timeout=FORK_WAIT_S):
+            logger.warning(
+                "%r: forking while %d store operation(s) still run in other threads; the child may block in "
+                "its first store call", self, self._in_flight,
+            )
+
+    def _after_fork(self) -> None:
+        """After ``os.fork``, in the parent and in the child: operations may start again."""
+        if not self._fork_held:
+            return
+        self._fork_held = False
+        self._forking = False
+        self._idle.notify_all()
+        self._in_flight_lock.release()
 
     def _conn(self) -> sqlite3.Connection:
         """This thread's connection (made on first use); only inside ``_session``."""
@@ -285,13 +317,14 @@ class SqliteLightningStore(LightningStore):
             idle = self._idle.wait_for(lambda: self._in_flight == 0, timeout=self.busy_timeout)
             with self._conns_lock:
                 conns, self._conns = self._conns, []
+        checkpointer.release(self.path)  # before the store's own: the last connection to close folds the WAL
+        me = threading.current_thread()
+        with self._idle:  # no fork while a connection closes (see _before_fork); not nested with release's lock
+            for thread, conn in conns:
+                if idle or thread is me or not thread.is_alive():
+                    conn.close()
         if not idle:
             logger.warning("%r closed while operations were still running in other threads", self)
-        checkpointer.release(self.path)
-        me = threading.current_thread()
-        for thread, conn in conns:
-            if idle or thread is me or not thread.is_alive():
-                conn.close()
 
     # -- shared steps --------------------------------------------------------------------------------------
     @staticmethod
