@@ -6,7 +6,7 @@
 Then run the agent through ``agl.Trainer(...).dev(...)`` or ``.fit(...)``; see README.md.
 """
 
-from agl.algorithm import Algorithm, Baseline
+from agl.algorithm import APO, Algorithm, Baseline
 from agl.context import RolloutScope, propagate, rollout_scope, submit
 from agl.emitters import emit_exception, emit_message, emit_object, emit_reward, operation
 from agl.instrumentation import instrument, uninstrument
@@ -47,6 +47,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "APO",
     "Algorithm",
     "Attempt",
     "Baseline",

@@ -1,0 +1,316 @@
+"""Automatic Prompt Optimization: improve a ``PromptTemplate`` resource by a textual-gradient beam search.
+
+The method is the one of ProTeGi and TextGrad that Agent Lightning's APO uses. Each round, for every prompt
+in the beam: run the agent with it on ``gradient_batch_size`` training tasks; show an optimizer model the
+prompt and the transcripts of the rollouts that scored worst (their LLM and tool calls, read from the spans,
+with their rewards) and ask what in the prompt made them fail (the "gradient"); ask it ``branch_factor``
+times for an edited prompt that fixes that. Every new prompt is scored by the mean reward of one rollout per
+validation task (the same tasks for every candidate); the best ``beam_width`` prompts go on to the next
+round. At the end the best prompt is published as a new resources version and becomes the trainer's
+current resources, so a later ``Trainer.dev`` or training run uses it.
+
+The optimizer is any OpenAI-compatible chat endpoint given as an ``agl.LLM`` (a hosted model, a vLLM server,
+``agl serve``). Its calls are made on the algorithm's thread, outside any rollout, so they are never recorded
+as training data. An edit that drops or invents a ``{placeholder}`` of the seed prompt would make the agent's
+``template.format(...)`` fail, so it is refused (logged, not scored).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import statistics
+import string
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+
+from agl import semconv
+from agl.algorithm.base import Algorithm
+from agl.dataset import as_tasks
+from agl.errors import AglError
+from agl.types import LLM, PromptTemplate, Rollout, Span, Task
+
+logger = logging.getLogger("agl.apo")
+
+CRITIQUE_PROMPT = """You improve the prompt of an AI agent. The agent ran with this prompt:
+<prompt>
+{prompt}
+</prompt>
+
+Here are runs of the agent with it, worst first; each shows its reward (higher is better) and what the agent did:
+{runs}
+
+In a few sentences: what in the prompt led the agent to these results, and what should change?"""
+
+EDIT_PROMPT = """You improve the prompt of an AI agent. The current prompt is:
+<prompt>
+{prompt}
+</prompt>
+
+A review of the agent's runs with it says:
+{critique}
+
+Write an improved prompt that fixes these problems. Keep every placeholder in braces, such as {placeholders},
+exactly as it is. Reply with the new prompt only, between <prompt> and </prompt>."""
+
+_PROMPT_TAGS = re.compile(r"<prompt>\s*(.*?)\s*</prompt>", re.DOTALL)
+
+
+class APOError(AglError):
+    """APO cannot start (no prompt to optimize, no tasks) or the optimizer model cannot be used."""
+
+
+@dataclass
+class Candidate:
+    """One prompt APO tried: its text, its validation score, and where it came from."""
+
+    template: str
+    score: float
+    round: int  # 0 for the seed prompt
+    parent: Optional[int] = None  # index in APOResult.history of the prompt it was edited from
+    critique: Optional[str] = None
+    resources_id: str = ""
+
+
+@dataclass
+class APOResult:
+    """Every prompt tried, in order (``history[0]`` is the seed), and the best one, now published."""
+
+    history: List[Candidate] = field(default_factory=list)
+    best_index: int = 0
+    refused: int = 0  # edits refused because they changed the prompt's placeholders
+
+    @property
+    def best(self) -> Candidate:
+        return self.history[self.best_index]
+
+    @property
+    def seed(self) -> Candidate:
+        return self.history[0]
+
+
+class APO(Algorithm):
+    """Textual-gradient beam search over one ``PromptTemplate`` of the trainer's initial resources.
+
+    ``optimizer``: the model that critiques and edits (``agl.LLM`` or its fields as a dict).
+    ``prompt``: the name of the resource to optimize (default: the only, or first, ``PromptTemplate``).
+    ``beam_width`` prompts survive each of ``rounds`` rounds; each spawns ``branch_factor`` edits from one
+    critique of ``gradient_batch_size`` training rollouts (the ``max_transcripts`` worst are shown).
+    Candidates are scored on ``val_batch_size`` validation tasks (the validation set, else the training
+    set), the same for every candidate. Failed rollouts and rollouts without a reward count as 0.
+    """
+
+    def __init__(
+        self,
+        optimizer: Union[LLM, Mapping[str, Any]],
+        *,
+        prompt: Optional[str] = None,
+        beam_width: int = 2,
+        branch_factor: int = 2,
+        rounds: int = 2,
+        gradient_batch_size: int = 4,
+        val_batch_size: int = 8,
+        max_transcripts: int = 3,
+        request_timeout: float = 120.0,
+        seed: int = 0,
+    ) -> None:
+        for name, value in (("beam_width", beam_width), ("branch_factor", branch_factor), ("rounds", rounds),
+                            ("gradient_batch_size", gradient_batch_size), ("val_batch_size", val_batch_size),
+                            ("max_transcripts", max_transcripts)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        self.optimizer = optimizer if isinstance(optimizer, LLM) else LLM(**dict(optimizer))
+        self.prompt_name = prompt
+        self.beam_width = beam_width
+        self.branch_factor = branch_factor
+        self.rounds = rounds
+        self.gradient_batch_size = gradient_batch_size
+        self.val_batch_size = val_batch_size
+        self.max_transcripts = max_transcripts
+        self.request_timeout = request_timeout
+        self.rng = random.Random(seed)
+
+    # --- the search ---------------------------------------------------------------------------------------
+
+    def run(self, train_dataset: Optional[Sequence[Any]], val_dataset: Optional[Sequence[Any]]) -> APOResult:
+        train = as_tasks(train_dataset or [])
+        if not train:
+            raise APOError("APO needs training tasks: the critiques are drawn from rollouts on them")
+        val_pool = as_tasks(val_dataset) if val_dataset else train
+        val = self.rng.sample(val_pool, min(self.val_batch_size, len(val_pool)))
+        name, seed_template, base = self._seed_prompt()
+        self._fields = _fields(seed_template)
+        self._name, self._base = name, base
+
+        result = APOResult()
+        seed = self._scored(seed_template, val, round_=0)
+        result.history.append(seed)
+        beam = [0]
+        for round_ in range(1, self.rounds + 1):
+            seen = {c.template for c in result.history}
+            for parent in beam:
+                critique = self._critique(result.history[parent], train)
+                for edited in self._edits(result.history[parent].template, critique):
+                    if edited in seen:
+                        continue
+                    if _fields(edited) != self._fields:
+                        result.refused += 1
+                        logger.warning(
+                            "APO round %d: refused an edit whose placeholders %s differ from the seed's %s",
+                            round_, sorted(_fields(edited)), sorted(self._fields),
+                        )
+                        continue
+                    seen.add(edited)
+                    candidate = self._scored(edited, val, round_, parent=parent, critique=critique)
+                    result.history.append(candidate)
+            ranked = sorted(range(len(result.history)), key=lambda i: (-result.history[i].score, i))
+            beam = ranked[: self.beam_width]
+            logger.info("APO round %d/%d: best score %.3f (seed %.3f), %d prompts tried", round_, self.rounds,
+                        result.history[beam[0]].score, seed.score, len(result.history))
+        result.best_index = beam[0]
+        self.trainer.resources_id = result.best.resources_id  # later rollouts of this trainer use the best
+        logger.info("APO: best prompt scores %.3f against the seed's %.3f (published as %s)",
+                    result.best.score, seed.score, result.best.resources_id)
+        return result
+
+    def _seed_prompt(self) -> Tuple[str, str, Dict[str, Any]]:
+        update = self.store.get_resources(self.trainer.resources_id) if self.trainer.resources_id else None
+        resources: Dict[str, Any] = dict(update.resources) if update is not None else {}
+        templates = [k for k, v in resources.items() if isinstance(v, PromptTemplate)]
+        if self.prompt_name is not None:
+            if self.prompt_name not in templates:
+                raise APOError(
+                    f"no PromptTemplate named {self.prompt_name!r} in the trainer's resources (it has "
+                    f"{sorted(templates) or 'none'}): pass initial_resources={{{self.prompt_name!r}: "
+                    "agl.PromptTemplate(template=...)}} to the Trainer"
+                )
+            name = self.prompt_name
+        elif templates:
+            name = templates[0]
+        else:
+            raise APOError(
+                "APO optimizes a PromptTemplate resource and the trainer has none: pass "
+                "initial_resources={'prompt': agl.PromptTemplate(template='...')} to the Trainer, and have the "
+                "agent read it (resources['prompt'].format(...))"
+            )
+        return name, resources[name].template, resources
+
+    def _scored(self, template: str, val: List[Task], round_: int, **origin: Any) -> Candidate:
+        resources_id = self._publish(template)
+        rollouts = self.trainer.run_tasks(val, mode="val", resources_id=resources_id,
+                                          description=f"APO round {round_}: scoring")
+        score = statistics.fmean(_reward(r) for r in rollouts)
+        logger.info("APO round %d: prompt scored %.3f on %d tasks", round_, score, len(rollouts))
+        return Candidate(template=template, score=score, round=round_, resources_id=resources_id, **origin)
+
+    def _publish(self, template: str) -> str:
+        resources = dict(self._base)
+        resources[self._name] = PromptTemplate(template=template)
+        return self.store.add_resources(resources).resources_id
+
+    # --- the optimizer model ------------------------------------------------------------------------------
+
+    def _critique(self, candidate: Candidate, train: List[Task]) -> str:
+        batch = self.rng.sample(train, min(self.gradient_batch_size, len(train)))
+        rollouts = self.trainer.run_tasks(batch, mode="train", resources_id=candidate.resources_id,
+                                          description="APO: rollouts to critique")
+        worst = sorted(rollouts, key=_reward)[: self.max_transcripts]
+        runs = "\n\n".join(
+            f'<run reward="{_reward(r):g}">\n{transcript(self.store.query_spans(r.rollout_id), r)}\n</run>'
+            for r in worst
+        )
+        return self._ask(CRITIQUE_PROMPT.format(prompt=candidate.template, runs=runs), n=1)[0]
+
+    def _edits(self, template: str, critique: str) -> List[str]:
+        placeholders = ", ".join("{" + f + "}" for f in sorted(self._fields)) or "{question}"
+        request = EDIT_PROMPT.format(prompt=template, critique=critique, placeholders=placeholders)
+        return [_extract_prompt(reply) for reply in self._ask(request, n=self.branch_factor)]
+
+    def _ask(self, content: str, n: int) -> List[str]:
+        """``n`` replies of the optimizer model to one user message (one request each: not every server
+        honours ``n``)."""
+        import openai
+
+        llm = self.optimizer
+        replies = []
+        with openai.OpenAI(base_url=llm.get_base_url(), api_key=llm.api_key or "agl",
+                           timeout=self.request_timeout, max_retries=2) as client:
+            for _ in range(n):
+                try:
+                    completion = client.chat.completions.create(
+                        model=llm.model, messages=[{"role": "user", "content": content}],
+                        **llm.sampling_parameters,
+                    )
+                except openai.OpenAIError as exc:
+                    raise APOError(f"the optimizer model {llm.model!r} at {llm.get_base_url()} failed: {exc}") from exc
+                replies.append(completion.choices[0].message.content or "")
+        return replies
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+
+
+def transcript(spans: Sequence[Span], rollout: Optional[Rollout] = None, limit: int = 600) -> str:
+    """What the agent did in one rollout, as text for the optimizer: its LLM calls (the first one's input in
+    full, later ones' new input) and tool calls, in order, each message cut to ``limit`` characters."""
+    lines: List[str] = []
+    seen_inputs = 0
+    for span in sorted(spans, key=lambda s: (s.sequence_id, s.start_time)):
+        attrs = span.attributes
+        if span.kind == "llm":
+            inputs = _json_list(attrs.get(semconv.INPUT_MESSAGES))
+            for message in inputs[seen_inputs:]:
+                lines.append(f"[{message.get('role', '?')}] {_cut(_content(message), limit)}")
+            seen_inputs = len(inputs)
+            for message in _json_list(attrs.get(semconv.OUTPUT_MESSAGES)):
+                text = _content(message)
+                calls = message.get("tool_calls") or []
+                if calls:
+                    text += " " + " ".join(f"<call {json.dumps(c, default=str)}>" for c in calls)
+                lines.append(f"[assistant] {_cut(text, limit)}")
+                seen_inputs += 1  # the next call's input repeats this reply
+        elif span.kind == "tool":
+            lines.append(f"[tool {attrs.get(semconv.TOOL_NAME, span.name)}] "
+                         f"{_cut(str(attrs.get(semconv.TOOL_CALL_ARGUMENTS, '')), limit)} -> "
+                         f"{_cut(str(attrs.get(semconv.TOOL_CALL_RESULT, span.error or '')), limit)}")
+    if rollout is not None and rollout.status != "succeeded":
+        lines.append(f"[rollout {rollout.status}] {_cut(rollout.error or '', limit)}")
+    return "\n".join(lines) or "(no LLM or tool calls were recorded)"
+
+
+def _reward(rollout: Rollout) -> float:
+    return float(rollout.final_reward) if rollout.status == "succeeded" and rollout.final_reward is not None else 0.0
+
+
+def _fields(template: str) -> Set[str]:
+    try:
+        return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError:  # unbalanced braces: never equal to a valid seed's fields
+        return {"<unbalanced braces>"}
+
+
+def _extract_prompt(reply: str) -> str:
+    found = _PROMPT_TAGS.search(reply)
+    return (found.group(1) if found else reply).strip()
+
+
+def _json_list(value: Any) -> List[Dict[str, Any]]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return []
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _content(message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, list):  # content parts
+        return " ".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
+    return "" if content is None else str(content)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,171 @@
+"""APO end to end: real runner threads, a real SQLite store, the agent's model and the optimizer model both
+real OpenAI-compatible HTTP servers on 127.0.0.1 (the optimizer's replies scripted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import agl
+import openai
+import pytest
+from agl.algorithm.apo import APO, APOError, transcript
+from agl.testing.fake_openai import FakeOpenAIServer
+from agl.testing.fake_policy import FakeReply
+
+TASKS = [{"task_id": f"t{i}", "question": f"What is {i} plus {i}?"} for i in range(6)]
+SEED = "Answer the question: {question}"
+GOOD = "Be concise. Answer the question: {question}"
+
+
+@agl.rollout
+def agent(task: Dict[str, Any], prompt_template: agl.PromptTemplate, llm: agl.LLM) -> float:
+    """The system prompt is the template; the reward depends only on it (1.0 when it asks for concision),
+    so APO's choice is checkable. The model call gives the optimizer a transcript to read."""
+    system = prompt_template.format(question=task["question"])
+    with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
+        client.chat.completions.create(model=llm.model, messages=[{"role": "system", "content": system}])
+    return 1.0 if "concise" in system else 0.25
+
+
+@pytest.fixture
+def optimizer() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def instrumented() -> Iterator[None]:
+    agl.instrument()
+    yield
+    agl.uninstrument()
+
+
+def _trainer(tmp_path: Path, fake_openai: FakeOpenAIServer, algorithm: Any, prompt: str = SEED) -> agl.Trainer:
+    return agl.Trainer(
+        algorithm=algorithm,
+        store=str(tmp_path / "store.db"),
+        n_runners=3,
+        runner_mode="thread",
+        progress=False,
+        initial_resources={
+            "main_llm": agl.LLM(endpoint=fake_openai.base_url, model="agent-model"),
+            "prompt": agl.PromptTemplate(template=prompt),
+        },
+    )
+
+
+def _optimizer_llm(server: FakeOpenAIServer) -> agl.LLM:
+    return agl.LLM(endpoint=server.base_url, model="optimizer-model", sampling_parameters={"temperature": 1.0})
+
+
+def _contents(server: FakeOpenAIServer) -> List[str]:
+    return [r["body"]["messages"][0]["content"] for r in server.requests if r["path"].endswith("/chat/completions")]
+
+
+def test_beam_search_finds_the_better_prompt_and_publishes_it(tmp_path, fake_openai, optimizer) -> None:
+    optimizer.script(
+        # round 1, from the seed: one critique, two edits (the second invents a placeholder: refused)
+        FakeReply(content="The prompt never asks for a short answer."),
+        FakeReply(content=f"Here it is:\n<prompt>\n{GOOD}\n</prompt>"),
+        FakeReply(content="<prompt>Answer {query}</prompt>"),
+        # round 2, from the best (GOOD) then the seed: a repeat of GOOD is not scored again
+        FakeReply(content="Fine already."),
+        FakeReply(content=f"<prompt>{GOOD}</prompt>"),
+        FakeReply(content="<prompt>Answer: {question}</prompt>"),
+        FakeReply(content="Still no request for concision."),
+        FakeReply(content="<prompt>Think, then answer: {question}</prompt>"),
+        FakeReply(content=f"<prompt>{GOOD}</prompt>"),
+    )
+    algorithm = APO(_optimizer_llm(optimizer), beam_width=2, branch_factor=2, rounds=2,
+                    gradient_batch_size=2, val_batch_size=4)
+    trainer = _trainer(tmp_path, fake_openai, algorithm)
+    result = trainer.fit(agent, TASKS, val_dataset=TASKS[:4])
+
+    assert [c.template for c in result.history] == [
+        SEED, GOOD, "Answer: {question}", "Think, then answer: {question}"
+    ]
+    assert [c.score for c in result.history] == [0.25, 1.0, 0.25, 0.25]
+    assert [c.parent for c in result.history] == [None, 0, 1, 0]
+    assert result.history[1].critique == "The prompt never asks for a short answer."
+    assert result.refused == 1
+    assert result.best.template == GOOD and result.seed.template == SEED
+    # published: the trainer's current resources hold the best prompt, the agent's LLM unchanged
+    published = trainer.store.get_resources(trainer.resources_id)
+    assert published.resources["prompt"].template == GOOD
+    assert published.resources["main_llm"].model == "agent-model"
+    # every candidate was scored on the same 4 validation tasks, one rollout each
+    val = [r for r in trainer.store.query_rollouts() if r.mode == "val"]
+    by_resources: Dict[str, List[str]] = {}
+    for r in val:
+        by_resources.setdefault(r.resources_id, []).append(r.task_id)
+    assert len(by_resources) == 4 and all(sorted(t) == sorted(next(iter(by_resources.values()))) for t in by_resources.values())
+    assert all(len(t) == 4 for t in by_resources.values())
+
+    requests = _contents(optimizer)
+    assert len(requests) == 9
+    critique = requests[0]
+    assert SEED in critique and '<run reward="0.25">' in critique
+    assert "[system] Answer the question: What is" in critique  # the agent's own call, read from its spans
+    assert "[assistant] " in critique
+    edit = requests[1]
+    assert "The prompt never asks for a short answer." in edit and "{question}" in edit and SEED in edit
+    assert all(r["body"]["model"] == "optimizer-model" and r["body"]["temperature"] == 1.0
+               for r in optimizer.requests if r["path"].endswith("/chat/completions"))
+
+
+def test_a_trainer_without_a_prompt_template_is_told_how_to_add_one(tmp_path, fake_openai, optimizer) -> None:
+    trainer = agl.Trainer(
+        algorithm=APO(_optimizer_llm(optimizer)), store=str(tmp_path / "store.db"), n_runners=1,
+        runner_mode="thread", progress=False,
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+    )
+    with pytest.raises(APOError, match=r"initial_resources=\{'prompt': agl.PromptTemplate"):
+        trainer.fit(agent, TASKS)
+    named = APO(_optimizer_llm(optimizer), prompt="system")
+    with pytest.raises(APOError, match=r"no PromptTemplate named 'system' .* \['prompt'\]"):
+        _trainer(tmp_path / "b", fake_openai, named).fit(agent, TASKS)
+
+
+def test_an_unreachable_optimizer_names_the_model_and_url(tmp_path, fake_openai) -> None:
+    dead = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="gone")
+    algorithm = APO(dead, rounds=1, gradient_batch_size=1, val_batch_size=1, request_timeout=2)
+    with pytest.raises(APOError, match=r"optimizer model 'gone' at http://127.0.0.1:9/v1 failed"):
+        _trainer(tmp_path, fake_openai, algorithm).fit(agent, TASKS)
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="beam_width must be at least 1"):
+        APO({"endpoint": "http://x/v1", "model": "m"}, beam_width=0)
+    with pytest.raises(APOError, match="needs training tasks"):
+        APO({"endpoint": "http://x/v1", "model": "m"}).run([], None)
+
+
+def test_transcript_shows_new_messages_tool_calls_and_failures() -> None:
+    from agl import semconv
+    from agl.types import Rollout, Span
+
+    def span(seq: int, kind: str, **attrs: Any) -> Span:
+        return Span(rollout_id="r", attempt_id="a", sequence_id=seq, trace_id="t", span_id=f"s{seq}", name=kind,
+                    kind=kind, start_time=seq, end_time=seq, attributes=attrs)
+
+    first_in = [{"role": "system", "content": "S"}, {"role": "user", "content": "U" * 800}]
+    first_out = [{"role": "assistant", "content": "", "tool_calls": [{"name": "calc", "arguments": "{}"}]}]
+    spans = [
+        span(0, "llm", **{semconv.INPUT_MESSAGES: first_in, semconv.OUTPUT_MESSAGES: first_out}),
+        span(1, "tool", **{semconv.TOOL_NAME: "calc", semconv.TOOL_CALL_ARGUMENTS: "1+1",
+                           semconv.TOOL_CALL_RESULT: "2"}),
+        span(2, "llm", **{semconv.INPUT_MESSAGES: first_in + first_out + [{"role": "tool", "content": "2"}],
+                          semconv.OUTPUT_MESSAGES: '[{"role": "assistant", "content": "It is 2."}]'}),
+    ]
+    failed = Rollout(rollout_id="r", task_id="t", input={}, status="failed", error="ValueError: boom")
+    text = transcript(spans, failed, limit=100)
+    assert text.splitlines() == [
+        "[system] S",
+        "[user] " + "U" * 99 + "…",
+        '[assistant]  <call {"name": "calc", "arguments": "{}"}>',
+        "[tool calc] 1+1 -> 2",
+        "[tool] 2",
+        "[assistant] It is 2.",
+        "[rollout failed] ValueError: boom",
+    ]
