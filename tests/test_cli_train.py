@@ -89,3 +89,56 @@ def test_grpo_flags_with_verl_point_to_verl_keys(files: Path) -> None:
 def test_a_bad_agent_match_regex_is_named_before_anything_runs(files: Path) -> None:
     message = _fails([*_base(files), "--agent-match", "^(solve|answer$"])
     assert "--agent-match '^(solve|answer$' is not a regular expression" in message
+
+
+APO_AGENT = '''
+import agl
+
+@agl.rollout
+def agent(task, prompt_template: agl.PromptTemplate, llm: agl.LLM) -> float:
+    return 1.0 if "concise" in prompt_template.format(q=task["q"]) else 0.5
+'''
+
+
+def test_apo_needs_its_prompt_and_models_and_refuses_grpo_flags(files: Path) -> None:
+    message = _fails([*_base(files), "--algorithm", "apo", "--prompt", "Answer {q}"])
+    assert "--algorithm apo needs --llm-endpoint, --llm-model, --optimizer-endpoint, --optimizer-model" in message
+    message = _fails([*_base(files), "--algorithm", "apo", "--steps", "3"])
+    assert "--steps set TorchGRPO" in message and "--set beam_width=N" in message
+    message = _fails([*_base(files), "--algorithm", "apo", "--prompt", "@" + str(files / "nope.txt"),
+                      "--llm-endpoint", "http://x/v1", "--llm-model", "m",
+                      "--optimizer-endpoint", "http://x/v1", "--optimizer-model", "o"])
+    assert "cannot read --prompt" in message and "nope.txt" in message
+    message = _fails([*_base(files), "--algorithm", "apo", "--prompt", "Answer {q}", "--llm-endpoint", "http://x/v1",
+                      "--llm-model", "m", "--optimizer-endpoint", "http://x/v1", "--optimizer-model", "o",
+                      "--set", "beam_width=0"])
+    assert "bad apo settings: beam_width must be at least 1" in message
+    assert not (files / "run").exists()
+
+
+def test_apo_from_the_command_line_saves_the_best_prompt(files: Path, fake_openai) -> None:
+    import agl
+    from agl.testing.fake_openai import FakeOpenAIServer
+    from agl.testing.fake_policy import FakeReply
+
+    (files / "apo_agent.py").write_text(APO_AGENT)
+    (files / "prompt.txt").write_text("Answer {q}")
+    with FakeOpenAIServer() as optimizer:
+        optimizer.script(FakeReply(content="Ask for brevity."), FakeReply(content="<prompt>Be concise: {q}</prompt>"))
+        try:
+            code = main([
+                "train", f"{files}/apo_agent.py:agent", "--data", str(files / "train.jsonl"), "--out", str(files / "run"),
+                "--algorithm", "apo", "--prompt", "@" + str(files / "prompt.txt"),
+                "--llm-endpoint", fake_openai.base_url, "--llm-model", "agent-model",
+                "--optimizer-endpoint", optimizer.base_url, "--optimizer-model", "optimizer-model",
+                "--set", "rounds=1", "--set", "beam_width=1", "--set", "branch_factor=1",
+                "--set", "gradient_batch_size=2", "--set", "val_batch_size=3", "--n-runners", "2",
+            ])
+        finally:
+            agl.uninstrument()
+    assert code == 0
+    assert (files / "run" / "best_prompt.txt").read_text() == "Be concise: {q}"
+    history = json.loads((files / "run" / "apo_history.json").read_text())
+    assert [(h["template"], h["score"], h["critique"]) for h in history] == [
+        ("Answer {q}", 0.5, None), ("Be concise: {q}", 1.0, "Ask for brevity.")
+    ]

@@ -1,10 +1,11 @@
-"""``agl train``: train an agent from the command line, with TorchGRPO (CPU or one GPU) or VERL (GPUs).
+"""``agl train``: train an agent from the command line, with TorchGRPO (CPU or one GPU), VERL (GPUs), or
+optimize its prompt with APO (any OpenAI-compatible models).
 
 The same run as a Python script with ``Trainer(algorithm=..., adapter=...).fit(agent, train, val_dataset=val)``;
 the command exists so that a user can go from ``agl dev`` (does my agent run?) to training without writing
 that script. Everything the algorithms accept stays reachable: the common TorchGRPO settings have flags,
 any other keyword goes through ``--set KEY=VALUE`` or ``--config``, and for VERL ``--set`` takes verl's own
-dotted overrides. A run's files (store, metrics, checkpoints) live under ``--out``; an ``--out`` that
+dotted overrides; for APO, ``--set`` takes APO's keywords. A run's files (store, metrics, checkpoints) live under ``--out``; an ``--out`` that
 already holds a run is resumed only with ``--resume``, never silently overwritten or mixed into.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -25,28 +27,32 @@ _GRPO_FLAGS = ("model", "steps", "group_size", "batch_tasks", "lr", "temperature
 
 
 def add_train_parser(sub: Any, store_help: str) -> None:
-    """``agl train AGENT --data FILE [--val-data FILE] [--agent-match RE] [--algorithm grpo|verl] ...``."""
+    """``agl train AGENT --data FILE [--val-data FILE] [--agent-match RE] [--algorithm grpo|verl|apo] ...``."""
     train = sub.add_parser(
         "train",
-        help="train an agent with reinforcement learning (TorchGRPO on CPU/one GPU, or VERL on GPUs)",
+        help="train an agent with reinforcement learning (TorchGRPO on CPU/one GPU, or VERL on GPUs), or "
+        "optimize its prompt (APO)",
         description="Train AGENT's LLM calls on the tasks of --data. grpo (default) serves and trains the policy in "
         "this process (CPU or one GPU, extra 'torch'); verl trains on GPUs (extra 'verl'). The run's store, "
-        "metrics and checkpoints go under --out.",
+        "metrics and checkpoints go under --out. apo optimizes the agent's prompt instead of weights (no GPU).",
         epilog="examples:\n"
         "  agl train examples/main_job/langgraph_math_agent.py:math_agent --data examples/data/main_job_train.jsonl \\\n"
         "      --val-data examples/data/main_job_heldout.jsonl --agent-match '^(solve|answer)$' \\\n"
         "      --group-size 4 --batch-tasks 4 --temperature 0.7 --max-tokens 24 --minutes 10\n"
         "  agl train my_agent.py:agent --data train.jsonl --algorithm verl --config @verl.yaml "
-        "--set trainer.total_epochs=1 --check",
+        "--set trainer.total_epochs=1 --check\n"
+        "  agl train my_agent.py:agent --data train.jsonl --algorithm apo --prompt @prompt.txt \\\n"
+        "      --llm-endpoint http://127.0.0.1:8000/v1 --llm-model my-model \\\n"
+        "      --optimizer-endpoint https://api.openai.com/v1 --optimizer-model gpt-4.1-mini --set rounds=3",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("agent", help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
     train.add_argument("--data", required=True, help="training tasks: .jsonl (one per line) or .json (a list)")
     train.add_argument("--val-data", help="held-out tasks, evaluated before and after training")
     train.add_argument("--agent-match", help="regex on agent names: only their LLM calls are trained (default: all)")
-    train.add_argument("--algorithm", choices=["grpo", "verl"], default="grpo")
+    train.add_argument("--algorithm", choices=["grpo", "verl", "apo"], default="grpo")
     train.add_argument("--config", help="algorithm settings: a JSON object or @file (.json; .yaml too for verl); "
-                       "grpo: TorchGRPO keywords, verl: verl's config keys")
+                       "grpo: TorchGRPO keywords, verl: verl's config keys, apo: APO keywords")
     train.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                        help="one more setting (repeatable). grpo: a TorchGRPO keyword, the value read as JSON when it "
                        "parses (--set lora=null --set kl_coef=0.01); verl: a verl override (--set trainer.total_epochs=1)")
@@ -60,6 +66,15 @@ def add_train_parser(sub: Any, store_help: str) -> None:
     grpo.add_argument("--max-tokens", type=int, help="longest response per LLM call (default 256)")
     grpo.add_argument("--minutes", type=float, help="wall-time budget of the whole command; training stops early "
                       "enough for the final evaluation to fit")
+    apo = train.add_argument_group("apo settings (agl.APO; see docs/prompt-optimization.md)")
+    apo.add_argument("--prompt", help="the seed prompt (TEXT or @FILE), given to the agent as the PromptTemplate "
+                     "resource 'prompt'; str.format placeholders such as {question} are kept by every edit")
+    apo.add_argument("--llm-endpoint", help="the agent's model: an OpenAI-compatible base URL (resource 'main_llm')")
+    apo.add_argument("--llm-model", help="the agent's model name at --llm-endpoint")
+    apo.add_argument("--optimizer-endpoint", help="the model that critiques and edits the prompt: a base URL")
+    apo.add_argument("--optimizer-model", help="the optimizer's model name")
+    apo.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key "
+                     "sent to both endpoints, when set (default OPENAI_API_KEY)")
     train.add_argument("--out", default=".agl/train", help="the run's folder: store, metrics, checkpoints "
                        "(default .agl/train)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
@@ -90,10 +105,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     train_tasks = load_tasks(args.data)
     val_tasks = load_tasks(args.val_data) if args.val_data else None
     config = json_setting(args.config, "--config", yaml_ok=args.algorithm == "verl") if args.config else {}
+    resources = None
     if args.algorithm == "grpo":
         algorithm = _torch_grpo(args, config, out)
-    else:
+    elif args.algorithm == "verl":
         algorithm = _verl(args, config)
+    else:
+        algorithm, resources = _apo(args, config)
     print(f"agl train: {len(train_tasks)} training tasks, {len(val_tasks or [])} held-out tasks")
     if args.check:
         return 0
@@ -106,8 +124,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         n_runners=args.n_runners,
         runner_mode=args.runner_mode,
         rollout_timeout=args.rollout_timeout,
+        initial_resources=resources,
     )
     result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
+    if args.algorithm == "apo":
+        _save_apo(result, out)
     if args.algorithm == "verl":  # TorchGRPO prints its own summary and curve
         for step in result.steps:
             print(json.dumps({"step": step.step, **{k: v for k, v in step.metrics.items() if k.startswith("agl/")}}))
@@ -138,7 +159,7 @@ def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> 
 
     settings: Dict[str, Any] = {"output_dir": out, "checkpoint_dir": out / "checkpoints", "resume": args.resume}
     settings.update(config)
-    settings.update(_grpo_sets(args.settings))
+    settings.update(_keyword_sets(args.settings))
     for name in _GRPO_FLAGS:
         value = getattr(args, name)
         if value is not None:
@@ -156,8 +177,9 @@ def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> 
     return algorithm
 
 
-def _grpo_sets(settings: Sequence[str]) -> Dict[str, Any]:
-    """``--set key=value`` for TorchGRPO: the value as JSON when it parses (numbers, null, lists), else text."""
+def _keyword_sets(settings: Sequence[str]) -> Dict[str, Any]:
+    """``--set key=value`` for TorchGRPO or APO: the value as JSON when it parses (numbers, null, lists), else
+    text."""
     result: Dict[str, Any] = {}
     for item in settings:
         key, sep, raw = item.partition("=")
@@ -170,8 +192,55 @@ def _grpo_sets(settings: Sequence[str]) -> Dict[str, Any]:
     return result
 
 
+def _grpo_only(args: argparse.Namespace) -> Sequence[str]:
+    return [f"--{name.replace('_', '-')}" for name in (*_GRPO_FLAGS, "minutes") if getattr(args, name) is not None]
+
+
+def _apo(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
+    """APO and the resources it starts from: the seed prompt and the agent's model, from the apo flags."""
+    from agl.algorithm.apo import APO
+    from agl.types import LLM, PromptTemplate
+
+    if _grpo_only(args):
+        raise SystemExit(f"agl: {', '.join(_grpo_only(args))} set TorchGRPO; --algorithm apo changes no weights "
+                         "(its settings: --set beam_width=N --set rounds=N ...)")
+    missing = [flag for flag in ("prompt", "llm_endpoint", "llm_model", "optimizer_endpoint", "optimizer_model")
+               if not getattr(args, flag)]
+    if missing:
+        raise SystemExit("agl: --algorithm apo needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
+                         + " (the seed prompt, the agent's model, and the model that edits the prompt)")
+    prompt = args.prompt
+    if prompt.startswith("@"):
+        try:
+            prompt = Path(prompt[1:]).read_text()
+        except OSError as exc:
+            raise SystemExit(f"agl: cannot read --prompt {args.prompt!r}: {exc}") from None
+    api_key = os.environ.get(args.api_key_env) or None
+    settings = {**config, **_keyword_sets(args.settings)}
+    try:
+        algorithm = APO(LLM(endpoint=args.optimizer_endpoint, model=args.optimizer_model, api_key=api_key), **settings)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"agl: bad apo settings: {exc} (APO's settings: docs/prompt-optimization.md)") from None
+    resources = {
+        "main_llm": LLM(endpoint=args.llm_endpoint, model=args.llm_model, api_key=api_key),
+        "prompt": PromptTemplate(template=prompt),
+    }
+    print("agl train: APO(" + ", ".join(f"{k}={v!r}" for k, v in settings.items()) + ")")
+    return algorithm, resources
+
+
+def _save_apo(result: Any, out: Path) -> None:
+    """The best prompt as text, and every prompt tried with its score, under ``out``."""
+    (out / "best_prompt.txt").write_text(result.best.template)
+    history = [{"template": c.template, "score": c.score, "round": c.round, "parent": c.parent,
+                "critique": c.critique} for c in result.history]
+    (out / "apo_history.json").write_text(json.dumps(history, indent=2))
+    print(f"agl train: best prompt scores {result.best.score:.3f} (seed {result.seed.score:.3f}); "
+          f"{len(result.history)} prompts tried; saved to {out / 'best_prompt.txt'}\n{result.best.template}")
+
+
 def _verl(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
-    grpo_only = [f"--{name.replace('_', '-')}" for name in (*_GRPO_FLAGS, "minutes") if getattr(args, name) is not None]
+    grpo_only = _grpo_only(args)
     if grpo_only:
         raise SystemExit(
             f"agl: {', '.join(grpo_only)} set TorchGRPO; with --algorithm verl use verl's keys instead, e.g. "
