@@ -94,8 +94,8 @@ class RunnerPool:
     def _spawn(self, index: int) -> Any:
         runner_id = f"runner-{index}-{os.getpid()}-{self.respawned}"
         if self.mode == "process":
-            # Let the span writer go idle first: a fork while another thread is inside SQLite could leave
-            # the child with a lock that is never released.
+            # Let the span writer go idle first: the fork waits for this process's store operations in flight
+            # (agl.fork_safety), and an idle writer has none.
             get_tracer().flush(1.0)
             proc = self._ctx.Process(
                 target=_process_main,
@@ -144,21 +144,24 @@ class RunnerPool:
         return replaced
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop every worker: idle ones at once, busy ones after their rollout (killed after ``timeout``)."""
+        """Stop every worker: idle ones at once, busy ones after their rollout; ``timeout`` bounds the whole
+        stop, not each worker (processes still running then are killed; threads are left as daemons)."""
         self._stop.set()
+        deadline = time.monotonic() + timeout
         if self.mode == "process":
             for proc in self._workers:
                 if proc.is_alive():
                     proc.terminate()
             for proc in self._workers:
-                proc.join(timeout)
+                proc.join(max(0.0, deadline - time.monotonic()))
+            for proc in self._workers:
                 if proc.is_alive():
                     logger.warning("runner %s did not stop within %s s; killing it", proc.name, timeout)
                     proc.kill()
                     proc.join(1.0)
         else:
             for thread in self._workers:
-                thread.join(timeout)
+                thread.join(max(0.0, deadline - time.monotonic()))
             for runner in self._runners:
                 runner.close()
         self._workers.clear()
