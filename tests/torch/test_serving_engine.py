@@ -316,6 +316,21 @@ def test_a_model_left_in_training_mode_generates_in_eval_mode_and_gets_its_mode_
     assert gen.response_ids == expected[0, len(gen.prompt_ids):].tolist()
 
 
+def test_the_kv_cache_goes_under_the_name_this_transformers_takes(engine, tiny):
+    """transformers renamed forward's ``past_key_values`` to ``cache`` and drops the old name in 5.40: the
+    engine passes whichever the installed version's forward declares, so it warns about neither."""
+    import inspect
+    import warnings
+
+    model, tokenizer = tiny
+    declared = inspect.signature(model.forward).parameters
+    assert engine._cache_arg == ("cache" if "cache" in declared else "past_key_values")
+    with warnings.catch_warnings():  # process-wide: the engine thread's warnings become its errors
+        warnings.filterwarnings("error", message=".*past_key_values.*", category=FutureWarning)
+        gen = engine.generate(encode(tokenizer, "hello there"), GREEDY, timeout=60)
+    assert len(gen.response_ids) == GREEDY.max_tokens or gen.finish_reason == "stop"
+
+
 # --- models ------------------------------------------------------------------------------------------------
 
 

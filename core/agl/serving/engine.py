@@ -206,7 +206,10 @@ class GenerationEngine:
         self._device = next(model.parameters()).device
         self._pad_id = _pad_id(tokenizer)
         self._eos_ids = _eos_ids(model, tokenizer)
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        forward = inspect.signature(_base_model(model).forward).parameters
+        self._keeps_logits = "logits_to_keep" in forward
+        # transformers renamed forward's ``past_key_values`` to ``cache`` (5.2x; the old name goes in 5.40)
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         self._version = version
         self._cond = threading.Condition()
         self._waiting: Deque[_Request] = deque()
@@ -408,9 +411,8 @@ class _Batch:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         kwargs = {"logits_to_keep": 1} if engine._keeps_logits else {}
-        out = engine.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs
-        )
+        kwargs[engine._cache_arg] = cache
+        out = engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
         logits = out.logits[:, -1, :].float()
         engine.stats.prefills += 1
         engine.stats.max_batch = max(engine.stats.max_batch, len(requests) + self.size)
@@ -465,7 +467,7 @@ class _Batch:
             input_ids=next_ids,
             attention_mask=self.mask,
             position_ids=self.positions[:, None],
-            past_key_values=self.cache,
+            **{engine._cache_arg: self.cache},
             use_cache=True,
         )
         self.logits = out.logits[:, -1, :].float()
@@ -576,6 +578,12 @@ def _generator(seed: Optional[int], device: Any) -> Any:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed if seed is not None else _seeds.getrandbits(63))
     return generator
+
+
+def _base_model(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (whose own ``forward`` only takes ``**kwargs``)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
 
 
 def _cache_can_join(cache: Any) -> bool:
