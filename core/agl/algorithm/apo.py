@@ -131,6 +131,10 @@ class APO(Algorithm):
         self.max_transcripts = max_transcripts
         self.request_timeout = request_timeout
         self.rng = random.Random(seed)
+        # set by run() from the trainer's resources: the prompt's name, its placeholders, the other resources
+        self._name = ""
+        self._fields: Set[str] = set()
+        self._base: Dict[str, Any] = {}
 
     # --- the search ---------------------------------------------------------------------------------------
 
@@ -140,9 +144,8 @@ class APO(Algorithm):
             raise APOError("APO needs training tasks: the critiques are drawn from rollouts on them")
         val_pool = as_tasks(val_dataset) if val_dataset else train
         val = self.rng.sample(val_pool, min(self.val_batch_size, len(val_pool)))
-        name, seed_template, base = self._seed_prompt()
+        self._name, seed_template, self._base = self._seed_prompt()
         self._fields = _fields(seed_template)
-        self._name, self._base = name, base
 
         result = APOResult()
         seed = self._scored(seed_template, val, round_=0)
