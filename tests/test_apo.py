@@ -134,6 +134,23 @@ def test_an_unreachable_optimizer_names_the_model_and_url(tmp_path, fake_openai)
         _trainer(tmp_path, fake_openai, algorithm).fit(agent, TASKS)
 
 
+def test_an_optimizer_failing_mid_search_keeps_the_best_so_far(tmp_path, fake_openai, optimizer) -> None:
+    failure = FakeReply(status_code=500, error_message="overloaded")
+    optimizer.script(
+        FakeReply(content="Ask for concision."), FakeReply(content=f"<prompt>{GOOD}</prompt>"),  # round 1
+        failure, failure, failure,  # round 2's critique: the first try and the client's two retries
+    )
+    algorithm = APO(_optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=2,
+                    gradient_batch_size=1, val_batch_size=2)
+    trainer = _trainer(tmp_path, fake_openai, algorithm)
+    with pytest.raises(APOError, match="optimizer model 'optimizer-model' .* failed") as caught:
+        trainer.fit(agent, TASKS)
+    result = caught.value.result
+    assert result is not None and [c.template for c in result.history] == [SEED, GOOD]
+    assert result.best.template == GOOD
+    assert trainer.store.get_resources(trainer.resources_id).resources["prompt"].template == GOOD
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="beam_width must be at least 1"):
         APO({"endpoint": "http://x/v1", "model": "m"}, beam_width=0)

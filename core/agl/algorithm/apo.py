@@ -59,7 +59,12 @@ _PROMPT_TAGS = re.compile(r"<prompt>\s*(.*?)\s*</prompt>", re.DOTALL)
 
 
 class APOError(AglError):
-    """APO cannot start (no prompt to optimize, no tasks) or the optimizer model cannot be used."""
+    """APO cannot start (no prompt to optimize, no tasks) or the optimizer model cannot be used.
+
+    Raised mid-search, it carries the search so far as ``result`` (``None`` before the seed was scored),
+    whose best prompt is already published as the trainer's current resources."""
+
+    result: "Optional[APOResult]" = None
 
 
 @dataclass
@@ -150,6 +155,20 @@ class APO(Algorithm):
         result = APOResult()
         seed = self._scored(seed_template, val, round_=0)
         result.history.append(seed)
+        try:
+            self._search(result, train, val)
+        except APOError as exc:  # the optimizer failed: keep what was found, say so, and stop
+            self._publish_best(result)
+            logger.error("APO stopped after %d prompts: %s; the best so far (%.3f) is published as %s",
+                         len(result.history), exc, result.best.score, result.best.resources_id)
+            exc.result = result
+            raise
+        self._publish_best(result)
+        return result
+
+    def _search(self, result: APOResult, train: List[Task], val: List[Task]) -> None:
+        """The rounds of the beam search, adding every prompt scored to ``result.history``."""
+        seed = result.seed
         beam = [0]
         for round_ in range(1, self.rounds + 1):
             seen = {c.template for c in result.history}
@@ -172,11 +191,12 @@ class APO(Algorithm):
             beam = ranked[: self.beam_width]
             logger.info("APO round %d/%d: best score %.3f (seed %.3f), %d prompts tried", round_, self.rounds,
                         result.history[beam[0]].score, seed.score, len(result.history))
-        result.best_index = beam[0]
+
+    def _publish_best(self, result: APOResult) -> None:
+        result.best_index = min(range(len(result.history)), key=lambda i: (-result.history[i].score, i))
         self.trainer.resources_id = result.best.resources_id  # later rollouts of this trainer use the best
         logger.info("APO: best prompt scores %.3f against the seed's %.3f (published as %s)",
-                    result.best.score, seed.score, result.best.resources_id)
-        return result
+                    result.best.score, result.seed.score, result.best.resources_id)
 
     def _seed_prompt(self) -> Tuple[str, str, Dict[str, Any]]:
         update = self.store.get_resources(self.trainer.resources_id) if self.trainer.resources_id else None
