@@ -69,7 +69,8 @@ def _algo(tmp_path: Path, **overrides: Any) -> TorchGRPO:
 
 
 def test_fit_trains_evaluates_and_writes_metrics(tmp_path: Path) -> None:
-    algo = _algo(tmp_path)
+    seen: List[Dict[str, Any]] = []
+    algo = _algo(tmp_path, on_step=seen.append)
     result = _trainer(tmp_path, algo).fit(chat_agent, TASKS, val_dataset=VAL)
 
     assert result.steps == 2
@@ -82,6 +83,7 @@ def test_fit_trains_evaluates_and_writes_metrics(tmp_path: Path) -> None:
     assert all(r["live_samples"] == 6 and r["optimizer_steps"] == 1 for r in rows)
     # The server answered every request of step 2 with the policy of step 1's update.
     assert rows[1]["policy_version"] > rows[0]["policy_version"] > 0
+    assert seen == rows  # on_step got every row as logged (a tracker such as wandb.log can take it)
     assert algo.server.version == rows[1]["policy_version"]
     csv_lines = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert csv_lines[0].startswith("step,") and len(csv_lines) == 3
@@ -154,3 +156,14 @@ def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path: Path) ->
     other = _algo(tmp_path, steps=2, lora={"r": 4})
     with pytest.raises(CheckpointError, match="resume=False"):
         _trainer(tmp_path, other).fit(chat_agent, TASKS)
+
+
+def test_an_on_step_callback_that_raises_stops_training(tmp_path: Path) -> None:
+    def broken_tracker(row: Dict[str, Any]) -> None:
+        raise ValueError(f"tracker down at step {row['step']}")
+
+    algo = _algo(tmp_path, on_step=broken_tracker)
+    with pytest.raises(ValueError, match="tracker down at step 1"):
+        _trainer(tmp_path, algo).fit(chat_agent, TASKS)
+    assert algo.state.step == 1  # the step was done and logged; no second one started
+    assert len((tmp_path / "run" / "metrics.csv").read_text().splitlines()) == 2

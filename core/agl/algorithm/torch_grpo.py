@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import (
     Any,
+    Callable,
     Dict,
     Iterator,
     List,
@@ -143,6 +144,10 @@ class TorchGRPO(Algorithm):
     example ``{"temperature": 0.0}`` for greedy evaluation); ``extra_evals`` names more evaluations run
     before and after training only, e.g. ``{"greedy": {"temperature": 0.0}}``. ``success_threshold``: a rollout whose reward
     reaches it counts as a success.
+
+    Metrics: every step's row goes to ``metrics.csv``, ``train.log``, TensorBoard (when installed) and, if
+    given, ``on_step(row)``, called on the training thread after the row is logged: hand it to any tracker,
+    e.g. ``on_step=lambda row: wandb.log(row, step=row["step"])``. An exception it raises stops training.
     """
 
     def __init__(
@@ -181,6 +186,7 @@ class TorchGRPO(Algorithm):
         server_batch_size: int = 16,
         model_name: str = "policy",
         resource_name: str = "main_llm",
+        on_step: Optional[Callable[[Dict[str, float]], None]] = None,
     ) -> None:
         _check_positive(group_size=group_size, batch_tasks=batch_tasks, epochs=epochs, ppo_epochs=ppo_epochs,
                         micro_batch_size=micro_batch_size, max_tokens=max_tokens, server_batch_size=server_batch_size)
@@ -230,6 +236,7 @@ class TorchGRPO(Algorithm):
         self.server_batch_size = server_batch_size
         self.model_name = model_name
         self.resource_name = resource_name
+        self.on_step = on_step
         # set up by run()
         self.policy: Optional[TrainablePolicy] = None
         self.tokenizer: Any = None
@@ -417,6 +424,8 @@ class TorchGRPO(Algorithm):
                 row["val_success"] = last_eval.success
             _console(metrics.log(row, total_steps=total_steps))
             self.state.rows = metrics.rows
+            if self.on_step is not None:
+                self.on_step(dict(row))
             if self.checkpoint_dir is not None and (
                 self.state.step % self.checkpoint_every == 0 or self.state.step == total_steps
             ):
