@@ -167,3 +167,5 @@ def test_an_on_step_callback_that_raises_stops_training(tmp_path: Path) -> None:
         _trainer(tmp_path, algo).fit(chat_agent, TASKS)
     assert algo.state.step == 1  # the step was done and logged; no second one started
     assert len((tmp_path / "run" / "metrics.csv").read_text().splitlines()) == 2
+    checkpoint = latest_checkpoint(tmp_path / "ckpt")  # and saved: a resume starts at step 2
+    assert checkpoint is not None and json.loads((checkpoint / "state.json").read_text())["step"] == 1

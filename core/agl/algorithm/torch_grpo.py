@@ -146,7 +146,8 @@ class TorchGRPO(Algorithm):
     reaches it counts as a success.
 
     Metrics: every step's row goes to ``metrics.csv``, ``train.log``, TensorBoard (when installed) and, if
-    given, ``on_step(row)``, called on the training thread after the row is logged: hand it to any tracker,
+    given, ``on_step(row)``, called on the training thread after the row is logged and the step's checkpoint
+    saved: hand it to any tracker,
     e.g. ``on_step=lambda row: wandb.log(row, step=row["step"])``. An exception it raises stops training.
     """
 
@@ -424,12 +425,12 @@ class TorchGRPO(Algorithm):
                 row["val_success"] = last_eval.success
             _console(metrics.log(row, total_steps=total_steps))
             self.state.rows = metrics.rows
-            if self.on_step is not None:
-                self.on_step(dict(row))
             if self.checkpoint_dir is not None and (
                 self.state.step % self.checkpoint_every == 0 or self.state.step == total_steps
             ):
                 self._save()
+            if self.on_step is not None:  # after the checkpoint: a failing tracker loses no training
+                self.on_step(dict(row))
         return last_eval
 
     def _still_needed_s(self) -> float:
