@@ -174,3 +174,28 @@ def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai,
     assert asked(select_llm_calls(spans, "write|rewrite")) == ["write", "rewrite"]
     assert asked(select_llm_calls(spans, "^check")) == ["check"]
     assert asked(select_llm_calls(spans, "^pipeline$")) == ["plan"]
+
+
+PROMPT_AGENT = '''
+import agl
+
+@agl.rollout
+def agent(task, prompt_template: agl.PromptTemplate) -> float:
+    return float(prompt_template.format(**task) == "Be concise: 2+2")
+'''
+
+
+def test_cli_dev_gives_the_agent_a_prompt_from_a_file(tmp_path, fake_openai, instrumented, capsys):
+    (tmp_path / "agent.py").write_text(PROMPT_AGENT)
+    (tmp_path / "tasks.jsonl").write_text('{"q": "2+2"}\n')
+    (tmp_path / "best_prompt.txt").write_text("Be concise: {q}")
+    base = ["dev", f"{tmp_path}/agent.py:agent", "--data", str(tmp_path / "tasks.jsonl"), "--runner-mode", "thread",
+            "--n-runners", "1", "--endpoint", fake_openai.base_url, "--store", str(tmp_path / "dev.db")]
+    assert agl_main([*base, "--prompt", "@" + str(tmp_path / "best_prompt.txt")]) == 0
+    store = agl.SqliteLightningStore(tmp_path / "dev.db")
+    (rollout,) = store.query_rollouts()
+    assert rollout.final_reward == 1.0
+    assert store.get_resources(rollout.resources_id).resources["prompt"].template == "Be concise: {q}"
+    store.close()
+    with pytest.raises(SystemExit, match=r"cannot read --prompt .*missing\.txt"):
+        agl_main([*base, "--prompt", "@" + str(tmp_path / "missing.txt")])

@@ -73,6 +73,16 @@ def json_setting(value: str, flag: str, *, yaml_ok: bool = False) -> Dict[str, A
     return data
 
 
+def prompt_setting(value: str, flag: str = "--prompt") -> str:
+    """A prompt given inline or as ``@FILE``."""
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        raise SystemExit(f"agl: cannot read {flag} {value!r}: {exc}") from None
+
+
 def _read_setting(value: str, yaml_ok: bool) -> Any:
     if not value.startswith("@"):
         return json.loads(value)
@@ -110,8 +120,11 @@ def cmd_dev(args: argparse.Namespace) -> int:
     data = load_tasks(args.data)
     if args.limit:
         data = data[: args.limit]
+    prompt = prompt_setting(args.prompt) if args.prompt is not None else None
     agl.instrument()
     with _endpoint(args) as resources:
+        if prompt is not None:
+            resources = {**(resources or {}), "prompt": agl.PromptTemplate(template=prompt)}
         trainer = agl.Trainer(
             n_runners=args.n_runners,
             store=args.store,
@@ -200,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--api-key", default=None)
     dev.add_argument("--fake-model", action="store_true", help="serve agl's scripted fake model locally and use it")
     dev.add_argument("--limit", type=int, help="run only the first N tasks")
+    dev.add_argument("--prompt", help="a PromptTemplate resource 'prompt' for the agent: TEXT or @FILE (e.g. the "
+                     "best_prompt.txt of `agl train --algorithm apo`)")
     dev.set_defaults(func=cmd_dev)
 
     inspect_ = sub.add_parser("inspect", help="print a rollout's span tree")

@@ -199,6 +199,7 @@ def _grpo_only(args: argparse.Namespace) -> Sequence[str]:
 def _apo(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
     """APO and the resources it starts from: the seed prompt and the agent's model, from the apo flags."""
     from agl.algorithm.apo import APO
+    from agl.cli import prompt_setting
     from agl.types import LLM, PromptTemplate
 
     if _grpo_only(args):
@@ -209,12 +210,7 @@ def _apo(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
     if missing:
         raise SystemExit("agl: --algorithm apo needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
                          + " (the seed prompt, the agent's model, and the model that edits the prompt)")
-    prompt = args.prompt
-    if prompt.startswith("@"):
-        try:
-            prompt = Path(prompt[1:]).read_text()
-        except OSError as exc:
-            raise SystemExit(f"agl: cannot read --prompt {args.prompt!r}: {exc}") from None
+    prompt = prompt_setting(args.prompt)
     api_key = os.environ.get(args.api_key_env) or None
     settings = {**config, **_keyword_sets(args.settings)}
     try:
