@@ -14,7 +14,7 @@ import torch
 from agl.lightningrl.types import Sample
 from agl.models import load_policy
 from agl.serving.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix, to_plain_messages
-from agl.serving.engine import Failed, Finished, GenerationEngine, SamplingParams, Started, Step
+from agl.serving.engine import Failed, Finished, GenerationEngine, SamplingParams, Started, Step, _draw, _nucleus
 from agl.serving.weights import WeightLoader, WeightsError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -332,6 +332,52 @@ def test_the_kv_cache_goes_under_the_name_this_transformers_takes(engine, tiny):
 
 
 # --- models ------------------------------------------------------------------------------------------------
+
+
+def test_sampled_tokens_follow_the_distribution_and_never_leave_the_nucleus():
+    # Shares with zeros (tokens outside a top-p nucleus) first, between and last: a wrong boundary rule
+    # (searchsorted's side, float32 sums) shows up as a drawn zero or a skewed share.
+    shares = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.0, 0.05, 0.0])
+    logprobs = torch.log(shares)
+    generator = torch.Generator().manual_seed(11)
+    draws = 40_000
+    counts = torch.bincount(torch.tensor([_draw(logprobs, generator) for _ in range(draws)]), minlength=len(shares))
+    assert counts[shares == 0].sum() == 0
+    expected = shares[shares > 0] * draws
+    chi_square = float((((counts[shares > 0] - expected) ** 2) / expected).sum())
+    assert chi_square < 16.3  # 3 degrees of freedom: p = 0.001
+
+
+def test_a_uniform_that_rounds_up_to_the_total_draws_the_last_token_with_a_share(monkeypatch):
+    import agl.serving.engine as engine_module
+
+    monkeypatch.setattr(engine_module.torch, "rand", lambda *args, **kwargs: torch.ones(1, dtype=torch.float64))
+    logprobs = torch.log(torch.tensor([0.25, 0.0, 0.75, 0.0, 0.0]))
+    assert _draw(logprobs, torch.Generator()) == 2
+
+
+def _full_sort_nucleus(logprobs: Any, top_p: float) -> Any:
+    """The nucleus by definition: sort everything, drop a token once the mass before it reached top_p."""
+    ordered, order = torch.sort(logprobs, descending=True)
+    shares = ordered.exp()
+    drop = torch.zeros_like(shares, dtype=torch.bool).scatter(0, order, shares.cumsum(-1) - shares >= top_p)
+    return torch.log_softmax(logprobs.masked_fill(drop, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("scale", [8.0, 4.0, 2.0, 0.01])  # peaked (a few tokens) ... near uniform (thousands)
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
+def test_nucleus_from_the_most_likely_tokens_equals_the_full_sort(scale, top_p):
+    logits = torch.randn(49_152, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
+    logprobs = torch.log_softmax(logits, dim=-1)
+    got, expected = _nucleus(logprobs, top_p), _full_sort_nucleus(logprobs, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)], atol=1e-6)
+
+
+def test_seeded_draws_repeat():
+    logprobs = torch.log_softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), dim=-1)
+    first, second = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert [_draw(logprobs, first) for _ in range(50)] == [_draw(logprobs, second) for _ in range(50)]
 
 
 def test_tiny_policy_is_small_seeded_and_uses_smollm2s_tokenizer(tiny):

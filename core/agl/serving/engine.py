@@ -537,7 +537,7 @@ def _sample(logits: Any, row: _Row) -> Token:
         logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
         if params.top_p < 1:
             logprobs = _nucleus(logprobs, params.top_p)
-        token_id = int(torch.multinomial(logprobs.exp(), 1, generator=row.generator))
+        token_id = _draw(logprobs, row.generator)
     top: List[Tuple[int, float]] = []
     if params.top_logprobs:
         values, indices = torch.topk(logprobs, params.top_logprobs)
@@ -545,14 +545,47 @@ def _sample(logits: Any, row: _Row) -> Token:
     return Token(token_id, float(logprobs[token_id]), top)
 
 
+def _draw(logprobs: Any, generator: Any) -> int:
+    """One token drawn from ``exp(logprobs)`` by inverting its cumulative distribution.
+
+    Why not ``torch.multinomial``: on the CPU it draws one exponential variate per vocabulary entry, ~1.1 ms
+    for a 49K vocabulary against ~0.1 ms here (one uniform variate), paid for every row at every decode step.
+    The sums are in float64 so that the last tokens' share is not lost to rounding; ``right=True`` never
+    lands on a token of probability zero (outside the nucleus), since its cumulative sum equals its
+    predecessor's.
+    """
+    cumulative = torch.cumsum(logprobs.exp().double(), 0)
+    total = cumulative[-1:]
+    u = torch.rand((1,), generator=generator, dtype=torch.float64, device=cumulative.device) * total
+    index = int(torch.searchsorted(cumulative, u, right=True))
+    if index >= cumulative.numel():  # u rounded up to the total: the last token with a share
+        index = int(torch.searchsorted(cumulative, total, right=False))
+    return index
+
+
 def _nucleus(logprobs: Any, top_p: float) -> Any:
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``; renormalize."""
-    sorted_logprobs, order = torch.sort(logprobs, descending=True)
-    cumulative = sorted_logprobs.exp().cumsum(-1)
-    drop_sorted = cumulative - sorted_logprobs.exp() >= top_p  # mass before this token already reached top_p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    kept = logprobs.masked_fill(drop, float("-inf"))
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``; renormalize.
+
+    The nucleus is looked for among the ``k`` most likely tokens first (``topk``), widening ``k`` only when
+    their mass falls short: sorting a 49K vocabulary costs ~3.8 ms on the CPU, for every row at every step,
+    while a nucleus rarely holds more than a few hundred tokens (``topk`` of 256: ~0.1 ms).
+    """
+    size = logprobs.shape[-1]
+    for k in _NUCLEUS_CANDIDATES + (size,):
+        k = min(k, size)
+        top, order = torch.topk(logprobs, k)  # descending
+        shares = top.exp()
+        before = shares.cumsum(-1) - shares  # mass of the more likely tokens
+        if k == size or float(before[-1] + shares[-1]) >= top_p:
+            break
+    keep = before < top_p
+    kept = torch.full_like(logprobs, float("-inf"))
+    kept[order[keep]] = top[keep]
     return torch.log_softmax(kept, dim=-1)
+
+
+#: how many of the most likely tokens ``_nucleus`` looks at before widening to the whole vocabulary
+_NUCLEUS_CANDIDATES = (256, 4096)
 
 
 def _stop_position(text: str, stops: Sequence[str]) -> Optional[int]:
