@@ -38,7 +38,6 @@ from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
 from agl.integrations.autogen import AutoGenInstrumentor  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
 from agl.testing import FakeReply  # noqa: E402
-from agl.tracer import get_tracer  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -199,6 +198,32 @@ def test_streamed_model_calls_are_one_llm_span_each(fake_openai, instrumented, s
     (tool,) = of_kind(spans, "tool")
     assert tool.attributes[semconv.TOOL_CALL_RESULT] == "9.0"
     assert "The answer is 9.0." in fake_openai.tokenizer.decode(llm[-1].attributes[semconv.RESPONSE_TOKEN_IDS])
+
+
+def test_structured_output_is_an_llm_span_of_its_agent(fake_openai, instrumented, sink):
+    """``output_content_type`` makes AutoGen call ``beta.chat.completions.parse``, not ``create``: before
+    openai 1.92 a class of its own (the oldest line runs it), since then the plain one."""
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        value: int
+
+    async def main() -> None:
+        client = OpenAIChatCompletionClient(
+            model="fake-model", base_url=fake_openai.base_url, api_key="x", max_retries=0,
+            model_info={**MODEL_INFO, "json_output": True, "structured_output": True},
+        )
+        agent = AssistantAgent("solver", model_client=client, output_content_type=Answer)
+        result = await agent.run(task="What is 6 times 7?")
+        assert result.messages[-1].content == Answer(value=42)
+
+    fake_openai.script(FakeReply(content='{"value": 42}'))
+    spans = sink.of(run_in_rollout(main()))
+    (llm,) = of_kind(spans, "llm")
+    (agent,) = of_kind(spans, "agent")
+    assert agent.attributes[semconv.AGENT_NAME] == "solver" and llm.parent_id == agent.span_id
+    assert llm.attributes[semconv.RESPONSE_TOKEN_IDS] and llm.attributes[semconv.PROMPT_TOKEN_IDS]
+    assert fake_openai.requests[-1]["body"]["response_format"]["type"] == "json_schema"
 
 
 def test_a_tool_that_raises_gets_error_status_and_the_model_sees_the_error(fake_openai, instrumented, sink):

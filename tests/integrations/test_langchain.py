@@ -39,7 +39,6 @@ from agl.integrations.langchain import LangChainInstrumentor  # noqa: E402
 from agl.integrations.langchain._handler import AglCallbackHandler  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
 from agl.testing import FakeOpenAIServer, FakeReply  # noqa: E402
-from agl.tracer import get_tracer  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 with warnings.catch_warnings():  # LangGraph 1.x deprecates it in favour of langchain.agents.create_agent
@@ -398,6 +397,41 @@ def assert_rollout_isolated(spans: Sequence[Span], question: str) -> None:
     for span in llm_spans:
         assert agent_of(span, spans) == last_input_text(span).split(":")[0]  # its own node, in its rollout
     assert_one_tree(spans)
+
+
+@pytest.mark.parametrize("mode", ["invoke", "ainvoke"])
+def test_structured_output_calls_are_llm_spans_of_their_node(fake_openai, instrumented, sink, mode):
+    """``with_structured_output(method="json_schema")`` goes through ``beta.chat.completions.parse``, not
+    ``create``: before openai 1.92 a class of its own (the oldest line runs it), since then the plain one."""
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        value: int
+
+    structured = model(fake_openai.base_url).with_structured_output(Answer, method="json_schema")
+
+    def solve(state: MessagesState) -> Dict[str, Any]:
+        return {"messages": [HumanMessage(str(structured.invoke(state["messages"]).value))]}
+
+    async def asolve(state: MessagesState) -> Dict[str, Any]:
+        return {"messages": [HumanMessage(str((await structured.ainvoke(state["messages"])).value))]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("solve", solve if mode == "invoke" else asolve)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", END)
+    app = graph.compile()
+    fake_openai.script(FakeReply(content='{"value": 42}'))
+    rollout_id = f"ro-structured-{uuid.uuid4().hex[:6]}"
+    with agl.rollout_scope(rollout_id, "at-1"), agl.operation("run"):
+        message = {"messages": [HumanMessage("what is 6 x 7?")]}
+        result = app.invoke(message) if mode == "invoke" else asyncio.run(app.ainvoke(message))
+    assert result["messages"][-1].content == "42"
+    spans = sink.of(rollout_id)
+    (llm,) = of_kind(spans, "llm")
+    assert agent_of(llm, spans) == "solve"
+    assert llm.attributes[semconv.RESPONSE_TOKEN_IDS] and llm.attributes[semconv.PROMPT_TOKEN_IDS]
+    assert len(generation_requests(fake_openai)) == 1
 
 
 def test_concurrent_rollouts_in_threads_keep_their_spans(fake_openai, instrumented, sink):

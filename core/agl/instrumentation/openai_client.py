@@ -56,11 +56,14 @@ from agl.tracer import get_tracer, record_exception
 logger = logging.getLogger("agl.instrumentation")
 
 # (module, class, api, is_async): where ``create`` (and the structured-output ``parse``, which does not go
-# through ``create``) live in openai 1.60 up to 3.x. The Responses API appeared in openai 1.66; a class or
-# method that is not there is skipped.
+# through ``create``) live in openai 1.60 up to 3.x. The Responses API appeared in openai 1.66; up to openai
+# 1.91 structured output was ``client.beta.chat.completions.parse``, a class of its own (1.92 made
+# ``beta.chat`` the plain ``Chat``). A class or method that is not there is skipped.
 _TARGETS: Tuple[Tuple[str, str, str, bool], ...] = (
     ("openai.resources.chat.completions", "Completions", CHAT, False),
     ("openai.resources.chat.completions", "AsyncCompletions", CHAT, True),
+    ("openai.resources.beta.chat.completions", "Completions", CHAT, False),
+    ("openai.resources.beta.chat.completions", "AsyncCompletions", CHAT, True),
     ("openai.resources.responses", "Responses", RESPONSES, False),
     ("openai.resources.responses", "AsyncResponses", RESPONSES, True),
 )
