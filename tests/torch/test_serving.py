@@ -419,6 +419,103 @@ def test_bad_request_through_the_openai_client_and_invalid_json(client, server):
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
 
 
+# --- the Responses API ---------------------------------------------------------------------------------------
+
+FLAT_ADD_TOOL = {"type": "function", **ADD_TOOL["function"]}
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def responses_args(**more: Any) -> Dict[str, Any]:
+    """MESSAGES as a Responses request: the system message as instructions, the user's as input."""
+    return {"model": "policy", "instructions": MESSAGES[0]["content"], "input": MESSAGES[1]["content"], **more}
+
+
+def test_responses_answer_is_the_chat_answer_with_the_same_ids(client, server, tiny):
+    model, tokenizer = tiny
+    chat = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True)
+    raw = client.responses.with_raw_response.create(**responses_args(max_output_tokens=12, temperature=0, include=LOGPROBS))
+    response = raw.parse()
+    assert extra(response, "prompt_token_ids") == extra(chat, "prompt_token_ids") == template_ids(tokenizer, MESSAGES)
+    ids = extra(response, "response_token_ids")
+    assert ids == extra(chat.choices[0], "token_ids") == greedy(model, template_ids(tokenizer, MESSAGES), 12)
+    assert response.output_text == (chat.choices[0].message.content or "")
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == len(extra(response, "prompt_token_ids")) and response.usage.output_tokens == 12
+    (message,) = response.output
+    logprobs = [t.logprob for t in message.content[0].logprobs]
+    assert logprobs == [t.logprob for t in chat.choices[0].logprobs.content]
+    assert extra(response, "agl_resources_version") == 1 and raw.headers["x-agl-resources-version"] == "1"
+
+
+def test_responses_stream_assembles_to_the_plain_response(client, tiny):
+    plain = client.responses.create(**responses_args(max_output_tokens=16, temperature=0))
+    with client.responses.stream(**responses_args(max_output_tokens=16, temperature=0)) as stream:
+        events = list(stream)
+    final = events[-1].response  # cut at max_output_tokens: "response.incomplete", as OpenAI sends it
+    assert final.output_text == plain.output_text and final.status == plain.status == "incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+    assert extra(final, "response_token_ids") == extra(plain, "response_token_ids")
+    assert extra(final, "prompt_token_ids") == extra(plain, "prompt_token_ids")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+
+
+def test_responses_tool_call_has_the_chat_prompt_and_the_models_ids(tool_client, tool_server):
+    tokenizer = tool_server.tokenizer
+    response = tool_client.responses.create(**responses_args(tools=[FLAT_ADD_TOOL], temperature=0, max_output_tokens=80))
+    message, call = response.output
+    assert message.type == "message" and response.output_text == "Let me add."
+    assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 2, "b": 3}
+    assert response.status == "completed"
+    assert extra(response, "prompt_token_ids") == prompt_ids(tokenizer, MESSAGES, [ADD_TOOL])
+    ids = extra(response, "response_token_ids")
+    assert ids[-1] == tokenizer.eos_token_id and tokenizer.decode(ids[:-1]) == TOOL_ANSWER
+    with tool_client.responses.stream(**responses_args(tools=[FLAT_ADD_TOOL], temperature=0, max_output_tokens=80)) as stream:
+        streamed = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert [(o.type, getattr(o, "name", None)) for o in final.output] == [("message", None), ("function_call", "add")]
+    assert final.output[1].call_id.startswith("call_") and json.loads(final.output[1].arguments) == {"a": 2, "b": 3}
+    assert streamed == "Let me add."  # held back from "<tool_call>" on
+
+
+def test_responses_input_items_render_the_same_prompt_as_the_chat_conversation(client, server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    chat_messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": MESSAGES[1]["content"]}]},
+        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+    ]
+    chat = client.chat.completions.create(model="policy", messages=chat_messages, tools=[ADD_TOOL], max_tokens=2)
+    response = client.responses.create(**responses_args(input=items, tools=[FLAT_ADD_TOOL], max_output_tokens=2))
+    assert extra(response, "prompt_token_ids") == extra(chat, "prompt_token_ids")
+
+
+@pytest.mark.parametrize(
+    "change, param, words",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation"),
+        ({"text": {"format": {"type": "json_object"}}}, "text", "only text output"),
+        ({"tools": [{"type": "web_search"}]}, "tools", "function tools"),
+        ({"input": []}, "input", "non-empty"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning' is not supported"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "positive integer"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens", "max_output_tokens 1000000 plus the"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input", "is not one of"),
+        ({"temperature": 3}, "temperature", "from 0 to 2"),
+        ({"frobnicate": 1}, "frobnicate", "unsupported parameter"),
+    ],
+)
+def test_bad_responses_requests_get_a_400_that_names_the_parameter(server, change, param, words):
+    response = httpx.post(f"{server.base_url}/responses", json=responses_args(**change))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
 # --- agl's instrumented client -----------------------------------------------------------------------------
 
 
@@ -432,20 +529,27 @@ def instrumented() -> Iterator[OpenAIInstrumentor]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_instrumented_client_records_token_ids_and_version_in_the_llm_span(instrumented, server, stream):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_instrumented_client_records_token_ids_and_version_in_the_llm_span(instrumented, server, stream, api):
     rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
     with tracer_writes_to(ListSink()) as sink, openai.OpenAI(
         base_url=server.base_url, api_key="x", max_retries=0
     ) as client, _version(server, 12):
         with agl.rollout_scope(rollout_id, "at-1"):
-            result = client.chat.completions.create(
-                model="policy", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, stream=stream
-            )
-            chunks = list(result) if stream else [result]
+            if api == "chat":
+                result = client.chat.completions.create(
+                    model="policy", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, stream=stream
+                )
+                chunks = list(result) if stream else [result]
+                prompt = extra(chunks[0], "prompt_token_ids")
+                response = [i for c in chunks if c.choices for i in extra(c.choices[0], "token_ids")]
+            else:
+                args = responses_args(max_output_tokens=6, temperature=0, include=LOGPROBS, stream=stream)
+                result = client.responses.create(**args)
+                final = [e.response for e in result if e.type == "response.incomplete"][0] if stream else result
+                prompt, response = extra(final, "prompt_token_ids"), extra(final, "response_token_ids")
         (span,) = sink.of(rollout_id, "llm")
     a = span.attributes
-    prompt = extra(chunks[0], "prompt_token_ids")
-    response = [i for c in chunks if c.choices for i in extra(c.choices[0], "token_ids")]
     assert a[semconv.PROMPT_TOKEN_IDS] == prompt == template_ids(server.tokenizer, MESSAGES)
     assert a[semconv.RESPONSE_TOKEN_IDS] == response and len(response) == 6
     assert len(a[semconv.RESPONSE_LOGPROBS]) == 6

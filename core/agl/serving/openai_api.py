@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agl.serving.chat_format import BadRequest, ParsedOutput, ToolCall
 from agl.serving.engine import Generation, SamplingParams, Token
+from agl.serving.responses_api import VERSION_FIELD, token_logprobs
 
-VERSION_FIELD = "agl_resources_version"
 VERSION_HEADER = "x-agl-resources-version"
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 4
@@ -280,18 +280,24 @@ class ResponseWriter:
             chunks.append(self.usage_chunk(gen))
         return chunks
 
+    # --- the stream, as the server's streaming loop drives it (``ResponsesWriter`` has the same four) ---------
+
+    def stream_start(self, prompt_ids: List[int]) -> List[str]:
+        return [sse(self.chunk({"role": "assistant", "content": ""}, prompt_ids=prompt_ids))]
+
+    def stream_text(self, text: str, tokens: Sequence[Token], first: bool) -> List[str]:
+        return [sse(self.chunk({"content": text}, tokens))]
+
+    def stream_finish(self, gen: Generation, parsed: ParsedOutput, sent: str, pending: Sequence[Token]) -> List[str]:
+        return [sse(chunk) for chunk in self.stream_end(gen, parsed, sent, pending)] + ["data: [DONE]\n\n"]
+
+    def stream_error(self, error: Dict[str, Any]) -> str:
+        return sse(error)
+
     def _logprobs(self, tokens: Sequence[Token]) -> Optional[Dict[str, Any]]:
         if not self.request.logprobs:
             return None
-        content = [
-            {**self._entry(t.token_id, t.logprob), "top_logprobs": [self._entry(i, lp) for i, lp in t.top_logprobs]}
-            for t in tokens
-        ]
-        return {"content": content, "refusal": None}
-
-    def _entry(self, token_id: int, logprob: float) -> Dict[str, Any]:
-        text = self.tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": token_logprobs(self.tokenizer, tokens), "refusal": None}
 
 
 def finish_reason(gen: Generation, parsed: ParsedOutput) -> str:

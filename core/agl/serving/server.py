@@ -7,7 +7,8 @@ in-process trainer can share the model object: it steps the optimizer inside ``w
 and then calls ``server.set_version(n)``. A server in another process (``agl serve``) gets new weights with
 :meth:`PolicyServer.load_weights`.
 
-Endpoints: ``POST /v1/chat/completions`` (plain and streamed), ``GET /v1/models``, ``GET /health``.
+Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/responses`` (plain and streamed; see
+:mod:`agl.serving.responses_api`), ``GET /v1/models``, ``GET /health``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from agl.serving.openai_api import (
     ResponseWriter,
     error_body,
     parse_request,
-    sse,
 )
+from agl.serving.responses_api import ResponsesWriter, in_responses_terms, to_chat_body
 from agl.serving.weights import WeightLoader, WeightsSource
 
 logger = logging.getLogger(__name__)
@@ -189,20 +190,29 @@ def _create_app(server: PolicyServer) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request) -> Response:
-        return await _chat_completion(server, request)
+        return await _generate(server, request, responses_api=False)
+
+    @app.post("/v1/responses")
+    async def _responses(request: Request) -> Response:
+        return await _generate(server, request, responses_api=True)
 
     return app
 
 
-async def _chat_completion(server: PolicyServer, http_request: Request) -> Response:
+async def _generate(server: PolicyServer, http_request: Request, responses_api: bool) -> Response:
+    """One request of either API: both are checked, rendered and generated as the chat request they mean."""
     version = server.engine.version
     try:
         body = await http_request.json()
     except ValueError:
         return _error(400, "the request body is not valid JSON", None, version)
+    chat_body = None
     try:
-        request, prompt_ids, params = server._prepare(body)
+        chat_body = to_chat_body(body) if responses_api else body
+        request, prompt_ids, params = server._prepare(chat_body)
     except BadRequest as exc:
+        if responses_api and chat_body is not None:
+            exc = in_responses_terms(exc)  # a chat-path check failed on what the Responses request meant
         return _error(400, str(exc), exc.param, version)
     loop = asyncio.get_running_loop()
     events: "asyncio.Queue[Any]" = asyncio.Queue()
@@ -219,7 +229,11 @@ async def _chat_completion(server: PolicyServer, http_request: Request) -> Respo
             finished = True
             return _error(500, f"generation failed: {first.error}", None, version)
         assert isinstance(first, Started)
-        writer = ResponseWriter(request, server.model_name, server.tokenizer, first.version)
+        writer: Any
+        if responses_api:
+            writer = ResponsesWriter(body, server.model_name, server.tokenizer, first.version, request.logprobs)
+        else:
+            writer = ResponseWriter(request, server.model_name, server.tokenizer, first.version)
         headers = {VERSION_HEADER: str(first.version)}
         if request.stream:
             finished = True  # the stream owns the request from here
@@ -231,7 +245,8 @@ async def _chat_completion(server: PolicyServer, http_request: Request) -> Respo
                 finished = True
                 gen = event.generation
                 parsed = parse_output(gen.text, request.tools_offered)
-                return _versioned(writer.completion(gen, parsed), first.version)
+                payload = writer.response(gen, parsed) if responses_api else writer.completion(gen, parsed)
+                return _versioned(payload, first.version)
             if isinstance(event, Failed):
                 finished = True
                 return _error(500, f"generation failed: {event.error}", None, first.version)
@@ -241,12 +256,14 @@ async def _chat_completion(server: PolicyServer, http_request: Request) -> Respo
 
 
 async def _stream(
-    events: "asyncio.Queue[Any]", handle: Any, writer: ResponseWriter, request: ChatRequest, prompt_ids: List[int]
+    events: "asyncio.Queue[Any]", handle: Any, writer: Any, request: ChatRequest, prompt_ids: List[int]
 ) -> AsyncIterator[str]:
-    """SSE chunks as tokens arrive; content is sent only once it can no longer turn into a tool call."""
+    """SSE as tokens arrive, for either API's writer; text is sent only once it can no longer turn into a
+    tool call (``streamable_prefix``), the rest with the parsed output at the end."""
     finished = False
     try:
-        yield sse(writer.chunk({"role": "assistant", "content": ""}, prompt_ids=prompt_ids))
+        for line in writer.stream_start(prompt_ids):
+            yield line
         sent = ""
         pending: List[Token] = []
         while True:
@@ -255,18 +272,18 @@ async def _stream(
                 pending.append(event.token)
                 safe = streamable_prefix(event.text, request.tools_offered, request.stop)
                 if len(safe) > len(sent):
-                    yield sse(writer.chunk({"content": safe[len(sent) :]}, pending))
+                    for line in writer.stream_text(safe[len(sent) :], pending, first=not sent):
+                        yield line
                     sent, pending = safe, []
             elif isinstance(event, Finished):
                 finished = True
                 gen = event.generation
-                for chunk in writer.stream_end(gen, parse_output(gen.text, request.tools_offered), sent, pending):
-                    yield sse(chunk)
-                yield "data: [DONE]\n\n"
+                for line in writer.stream_finish(gen, parse_output(gen.text, request.tools_offered), sent, pending):
+                    yield line
                 return
             elif isinstance(event, Failed):
                 finished = True
-                yield sse(error_body(f"generation failed: {event.error}", 500))
+                yield writer.stream_error(error_body(f"generation failed: {event.error}", 500))
                 return
     finally:
         if not finished:

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl.serving.responses_api import message_text
+
 ToolCallSpec = Mapping[str, Any]
 """A scripted call, ``{"name": "add", "arguments": {"a": 1} | '{"a": 1}', "id"?: "call_..."}``."""
 
@@ -100,15 +102,6 @@ def render_assistant(content: str | None, tool_calls: Sequence[GeneratedToolCall
     """
     parts = [content] if content else []
     return "\n".join(parts + [call.render() for call in tool_calls])
-
-
-def message_text(content: Any) -> str:
-    """The text of a chat/responses message content, which is a string or a list of typed parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
 
 
 class FakeTokenizer:

@@ -14,49 +14,21 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from agl.testing.fake_policy import ChatTool, Generation, ToolChoice, message_text
+from agl.serving import responses_api
+from agl.testing.fake_policy import ChatTool, Generation, ToolChoice
 
 Body = Mapping[str, Any]
 Item = dict[str, Any]
 
-_LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
 
 def conversation(body: Body) -> tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]:
-    """The Responses request as chat messages, chat-format tools and the tool choice."""
-    messages: list[dict[str, Any]] = []
-    if body.get("instructions"):
-        messages.append({"role": "system", "content": message_text(body["instructions"])})
-    items = body["input"]
-    for item in [{"role": "user", "content": items}] if isinstance(items, str) else items:
-        _append_input_item(messages, item)
-    tools = [
-        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-        for t in body.get("tools") or []
-        if t.get("type") == "function"
-    ]
-    return messages, tools, body.get("tool_choice")
+    """The Responses request as chat messages, chat-format tools and the tool choice (the policy server's
+    own mapping, :mod:`agl.serving.responses_api`)."""
+    return responses_api.conversation(body), responses_api.chat_tools(body.get("tools") or []), body.get("tool_choice")
 
 
 def missing_field(body: Body) -> str | None:
     return None if isinstance(body.get("input"), (str, list)) else "input"
-
-
-def _append_input_item(messages: list[dict[str, Any]], item: Mapping[str, Any]) -> None:
-    """Map one input item; calls join the preceding assistant message, as they were one model turn."""
-    kind = item.get("type", "message")
-    if kind == "message":
-        messages.append({"role": item["role"], "content": message_text(item.get("content"))})
-    elif kind == "function_call":
-        function = {"name": item["name"], "arguments": item["arguments"]}
-        call = {"id": item["call_id"], "type": "function", "function": function}
-        if not messages or messages[-1]["role"] != "assistant":
-            messages.append({"role": "assistant", "content": None})
-        messages[-1].setdefault("tool_calls", []).append(call)
-    elif kind == "function_call_output":
-        output = item.get("output")
-        content = output if isinstance(output, str) else message_text(output)
-        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": content})
 
 
 def response(gen: Generation, body: Body, token_ids: bool) -> dict[str, Any]:
@@ -133,7 +105,7 @@ class _Rendering:
         self.body = body
         self.response_id = "resp_" + uuid.uuid4().hex
         self.created_at = time.time()
-        self.with_logprobs = _LOGPROBS_INCLUDE in (body.get("include") or [])
+        self.with_logprobs = responses_api.LOGPROBS_INCLUDE in (body.get("include") or [])
         self._items = self._build_items()
 
     def items(self) -> list[Item]:
@@ -143,28 +115,8 @@ class _Rendering:
         return self.gen.logprobs(ids, start) if self.with_logprobs else []
 
     def response(self, status: str, output: list[Item]) -> dict[str, Any]:
-        body = self.body
-        return {
-            "id": self.response_id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": status,
-            "model": body.get("model") or "fake-model",
-            "output": output,
-            "instructions": body.get("instructions"),
-            "tools": list(body.get("tools") or []),
-            "tool_choice": body.get("tool_choice") or "auto",
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "temperature": body.get("temperature"),
-            "top_p": body.get("top_p"),
-            "max_output_tokens": body.get("max_output_tokens"),
-            "previous_response_id": body.get("previous_response_id"),
-            "metadata": body.get("metadata") or {},
-            "text": body.get("text") or {"format": {"type": "text"}},
-            "error": None,
-            "incomplete_details": None,
-            "usage": None,
-        }
+        model = self.body.get("model") or "fake-model"
+        return responses_api.response_object(self.body, self.response_id, self.created_at, model, status, output)
 
     def _build_items(self) -> list[Item]:
         gen = self.gen
