@@ -7,6 +7,7 @@ answers from transformers' ``generate``, logprobs from a full teacher-forced for
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -514,6 +515,45 @@ def test_bad_responses_requests_get_a_400_that_names_the_parameter(server, chang
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+# --- a generation that fails ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_generation_that_fails_reaches_the_client_as_an_error_and_the_server_goes_on(api):
+    """The model raises at its second forward pass (the first decode step, after the prefill): a plain
+    request gets a 500, a stream an error event the ``openai`` client raises; the next request is served."""
+    model, tokenizer = load_policy("tiny", device="cpu")
+    forward, passes = model.forward, {"n": 0, "fail": True}
+
+    @functools.wraps(forward)  # the engine reads forward's signature
+    def failing_forward(*args: Any, **kwargs: Any) -> Any:
+        passes["n"] += 1
+        if passes["fail"] and passes["n"] == 2:
+            raise RuntimeError("the accelerator fell over")
+        return forward(*args, **kwargs)
+
+    model.forward = failing_forward
+    with PolicyServer(model, tokenizer, model_name="policy") as server, openai.OpenAI(
+        base_url=server.base_url, api_key="x", max_retries=0
+    ) as client:
+
+        def ask(stream: bool) -> Any:
+            passes["n"] = 0
+            if api == "chat":
+                result = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4, stream=stream)
+            else:
+                result = client.responses.create(**responses_args(max_output_tokens=4, stream=stream))
+            return list(result) if stream else result
+
+        with pytest.raises(openai.InternalServerError, match="generation failed: the accelerator fell over"):
+            ask(stream=False)
+        with pytest.raises(openai.APIError, match="generation failed: the accelerator fell over") as raised:
+            ask(stream=True)
+        assert not isinstance(raised.value, openai.APIStatusError)  # the stream had begun (200): an error event
+        passes["fail"] = False
+        assert ask(stream=False) and ask(stream=True)
 
 
 # --- agl's instrumented client -----------------------------------------------------------------------------
