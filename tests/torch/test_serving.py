@@ -506,6 +506,11 @@ def test_responses_input_items_render_the_same_prompt_as_the_chat_conversation(c
         ({"max_output_tokens": 0}, "max_output_tokens", "positive integer"),
         ({"max_output_tokens": 10**6}, "max_output_tokens", "max_output_tokens 1000000 plus the"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input", "is not one of"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+            "input",
+            "reads text only",
+        ),
         ({"temperature": 3}, "temperature", "from 0 to 2"),
         ({"frobnicate": 1}, "frobnicate", "unsupported parameter"),
     ],

@@ -107,6 +107,25 @@ def _append_input_item(messages: List[Dict[str, Any]], item: Mapping[str, Any]) 
         )
 
 
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _check_item(item: Any, index: int) -> None:
+    """An input item is an object whose content parts, if any, are text (this server reads text only)."""
+    if not isinstance(item, Mapping):
+        raise BadRequest(f"input[{index}] must be an object", "input")
+    content = item.get("content")
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if kind not in _TEXT_PARTS:
+                raise BadRequest(
+                    f"input[{index}].content has a {kind!r} part: agl's policy server reads text only "
+                    f"({', '.join(_TEXT_PARTS)} parts)",
+                    "input",
+                )
+
+
 def to_chat_body(body: Any) -> Dict[str, Any]:
     """Check a ``/v1/responses`` body and return the ``/v1/chat/completions`` body it stands for.
 
@@ -134,8 +153,9 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
     items = body.get("input")
     if not (isinstance(items, str) and items) and not (isinstance(items, list) and items):
         raise BadRequest("'input' must be a non-empty string or a non-empty list of input items", "input")
-    if not isinstance(items, str) and not all(isinstance(item, Mapping) for item in items):
-        raise BadRequest("every input item must be an object", "input")
+    if not isinstance(items, str):
+        for index, item in enumerate(items):
+            _check_item(item, index)
     text_format = (body.get("text") or {}).get("format") if isinstance(body.get("text"), Mapping) else None
     if text_format not in (None, {"type": "text"}):
         raise BadRequest(
