@@ -210,7 +210,8 @@ class ResponseWriter:
             "system_fingerprint": None,
         }
 
-    def completion(self, gen: Generation, parsed: ParsedOutput) -> Dict[str, Any]:
+    def final(self, gen: Generation, parsed: ParsedOutput) -> Dict[str, Any]:
+        """The finished ``chat.completion`` object."""
         message: Dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
         if parsed.tool_calls:
             message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
@@ -280,7 +281,7 @@ class ResponseWriter:
             chunks.append(self.usage_chunk(gen))
         return chunks
 
-    # --- the stream, as the server's streaming loop drives it (``ResponsesWriter`` has the same four) ---------
+    # --- the stream, as the server's streaming loop drives it (``AnswerWriter``) ---------------------------
 
     def stream_start(self, prompt_ids: List[int]) -> List[str]:
         return [sse(self.chunk({"role": "assistant", "content": ""}, prompt_ids=prompt_ids))]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Protocol, Sequence
 
 from agl.serving.chat_format import BadRequest, ParsedOutput
 
@@ -204,6 +204,21 @@ def in_responses_terms(exc: BadRequest) -> BadRequest:
     return BadRequest(message, param or None)
 
 
+class AnswerWriter(Protocol):
+    """What the server asks of either API's writer (the chat ``openai_api.ResponseWriter`` and
+    :class:`ResponsesWriter`): the finished object, and a stream as SSE lines."""
+
+    def final(self, gen: "Generation", parsed: ParsedOutput) -> Dict[str, Any]: ...
+
+    def stream_start(self, prompt_ids: List[int]) -> List[str]: ...
+
+    def stream_text(self, text: str, tokens: Sequence["Token"], first: bool) -> List[str]: ...
+
+    def stream_finish(self, gen: "Generation", parsed: ParsedOutput, sent: str, pending: Sequence["Token"]) -> List[str]: ...
+
+    def stream_error(self, error: Dict[str, Any]) -> str: ...
+
+
 def response_object(
     body: Mapping[str, Any], response_id: str, created_at: float, model: str, status: str, output: List[Dict[str, Any]]
 ) -> Dict[str, Any]:
@@ -247,7 +262,7 @@ class ResponsesWriter:
 
     # --- objects ----------------------------------------------------------------------------------------------
 
-    def response(self, gen: "Generation", parsed: ParsedOutput) -> Dict[str, Any]:
+    def final(self, gen: "Generation", parsed: ParsedOutput) -> Dict[str, Any]:
         """The finished ``response`` object."""
         result = self._shell("completed", self.items(gen, parsed))
         if gen.finish_reason == "length":
@@ -290,7 +305,7 @@ class ResponsesWriter:
         shell[VERSION_FIELD] = self.version
         return shell
 
-    # --- the stream, as the server's streaming loop drives it (the chat ``ResponseWriter`` has the same four) ---
+    # --- the stream, as the server's streaming loop drives it (``AnswerWriter``) ------------------------------
 
     def stream_start(self, prompt_ids: List[int]) -> List[str]:
         """``response.created`` and ``response.in_progress`` (the prompt ids come with the final response)."""
@@ -304,7 +319,7 @@ class ResponsesWriter:
     def stream_finish(self, gen: "Generation", parsed: ParsedOutput, sent: str, pending: Sequence["Token"]) -> List[str]:
         """After the streamed text (a prefix of the final content): its rest, the message closed, each tool
         call, then ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``)."""
-        final = self.response(gen, parsed)
+        final = self.final(gen, parsed)
         events: List[Dict[str, Any]] = []
         for index, item in enumerate(final["output"]):
             if item["type"] == "message":

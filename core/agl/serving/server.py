@@ -34,7 +34,7 @@ from agl.serving.openai_api import (
     error_body,
     parse_request,
 )
-from agl.serving.responses_api import ResponsesWriter, in_responses_terms, to_chat_body
+from agl.serving.responses_api import AnswerWriter, ResponsesWriter, in_responses_terms, to_chat_body
 from agl.serving.weights import WeightLoader, WeightsSource
 
 logger = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ async def _generate(server: PolicyServer, http_request: Request, responses_api: 
             finished = True
             return _error(500, f"generation failed: {first.error}", None, version)
         assert isinstance(first, Started)
-        writer: Any
+        writer: AnswerWriter
         if responses_api:
             writer = ResponsesWriter(body, server.model_name, server.tokenizer, first.version, request.logprobs)
         else:
@@ -245,8 +245,7 @@ async def _generate(server: PolicyServer, http_request: Request, responses_api: 
                 finished = True
                 gen = event.generation
                 parsed = parse_output(gen.text, request.tools_offered)
-                payload = writer.response(gen, parsed) if responses_api else writer.completion(gen, parsed)
-                return _versioned(payload, first.version)
+                return _versioned(writer.final(gen, parsed), first.version)
             if isinstance(event, Failed):
                 finished = True
                 return _error(500, f"generation failed: {event.error}", None, first.version)
@@ -256,7 +255,7 @@ async def _generate(server: PolicyServer, http_request: Request, responses_api: 
 
 
 async def _stream(
-    events: "asyncio.Queue[Any]", handle: Any, writer: Any, request: ChatRequest, prompt_ids: List[int]
+    events: "asyncio.Queue[Any]", handle: Any, writer: AnswerWriter, request: ChatRequest, prompt_ids: List[int]
 ) -> AsyncIterator[str]:
     """SSE as tokens arrive, for either API's writer; text is sent only once it can no longer turn into a
     tool call (``streamable_prefix``), the rest with the parsed output at the end."""
