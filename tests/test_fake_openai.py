@@ -365,6 +365,15 @@ def test_bad_requests_get_openai_errors(client: openai.OpenAI) -> None:
         client.completions.create(model="m", prompt="hi")
 
 
+def test_a_responses_input_item_it_cannot_map_is_a_400_and_uses_no_scripted_reply(
+    fake_openai: FakeOpenAIServer, client: openai.OpenAI
+) -> None:
+    fake_openai.script(FakeReply(content="scripted"))
+    with pytest.raises(openai.BadRequestError, match="input item type 'reasoning' is not supported"):
+        client.responses.create(model="m", input=[{"type": "reasoning", "id": "rs_1", "summary": []}])
+    assert client.responses.create(model="m", input="hi").output_text == "scripted"
+
+
 def test_broken_stream_raises_in_the_client(fake_openai: FakeOpenAIServer, client: openai.OpenAI) -> None:
     fake_openai.script(FakeReply(break_stream_after=2))
     received = []

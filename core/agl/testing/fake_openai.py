@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from agl.http_thread import ThreadedServer
+from agl.serving.chat_format import BadRequest
 from agl.testing import fake_chat, fake_responses
 from agl.testing.fake_policy import ChatTool, FakeReply, FakeTokenizer, Generation, ToolChoice, generate
 
@@ -183,12 +184,15 @@ async def _generate(server: FakeOpenAIServer, request: Request, api: _WireApi) -
     missing = api.missing_field(body)
     if missing:
         return error_response(400, f"missing required parameter: '{missing}'")
+    try:
+        messages, tools, tool_choice = api.conversation(body)
+    except BadRequest as exc:  # e.g. a Responses input item type agl does not map; no scripted reply is used
+        return error_response(400, str(exc))
     reply = server._next_reply()
     if reply is not None and reply.delay:
         await asyncio.sleep(reply.delay)
     if reply is not None and reply.is_error:
         return error_response(reply.status_code, reply.error_message or f"fake error {reply.status_code}")
-    messages, tools, tool_choice = api.conversation(body)
     gen = generate(reply, messages, tools, tool_choice, server.tokenizer)
     token_ids = server.always_token_ids or bool(body.get("return_token_ids"))
     if body.get("stream"):
