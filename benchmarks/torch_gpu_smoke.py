@@ -9,16 +9,19 @@ and TorchGRPO updates a LoRA adapter on the GPU and pushes it to the server betw
 reward is the share of vowels in its answer, a toy objective that varies between any model's samples (the
 random ``tiny`` model's included), so every step has advantages to train on.
 
-Prints served tokens/s at 1 and 16 concurrent clients, seconds per training step, train tokens/s, the reward
+Before training it checks the served APIs on the device: a greedy chat completion and the same request
+through the Responses API (plain and streamed) give the same token ids and text, and a seeded top-p sample
+repeats. Prints served tokens/s at 1 and 16 concurrent clients, seconds per training step, train tokens/s, the reward
 per step and the logprob drift (served logprobs against the trainer's forward pass: the bfloat16 gap that
 decides whether ``old_logprobs="sample"`` is safe). Exits 1 when a check fails: the model is not on a GPU
-(unless ``--allow-cpu``), a step did not train, the server did not get each update, or the drift exceeds
+(unless ``--allow-cpu``), the API checks fail, a step did not train, the server did not get each update, or the drift exceeds
 ``--max-drift``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -45,6 +48,41 @@ def vowels_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
         completion = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
     text = completion.choices[0].message.content or ""
     return sum(c in "aeiouAEIOU" for c in text) / max(len(text), 1)
+
+
+def check_apis(base_url: str) -> List[str]:
+    """Chat and Responses answers agree on the device; a seeded top-p sample repeats. Returns failures."""
+    failures: List[str] = []
+
+    def ids(obj: Any, name: str) -> Any:  # agl's token-id extension fields
+        return (obj.model_extra or {}).get(name)
+
+    question = "Name three colours."
+    with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0) as client:
+        chat = client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": question}], max_tokens=16, temperature=0
+        )
+        plain = client.responses.create(model="policy", input=question, max_output_tokens=16, temperature=0)
+        with client.responses.stream(model="policy", input=question, max_output_tokens=16, temperature=0) as stream:
+            streamed = list(stream)[-1].response  # "response.incomplete" when cut at max_output_tokens
+        chat_ids = ids(chat.choices[0], "token_ids")
+        if not chat_ids or ids(plain, "response_token_ids") != chat_ids or ids(streamed, "response_token_ids") != chat_ids:
+            failures.append("greedy chat, Responses and streamed Responses answers have different token ids")
+        if not plain.output_text == streamed.output_text == (chat.choices[0].message.content or ""):
+            failures.append("greedy chat, Responses and streamed Responses answers have different text")
+        sampled = [
+            client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": question}], max_tokens=16, temperature=1.0,
+                top_p=0.9, seed=7, logprobs=True,
+            )
+            for _ in range(2)
+        ]
+        if ids(sampled[0].choices[0], "token_ids") != ids(sampled[1].choices[0], "token_ids"):
+            failures.append("a seeded top-p sample did not repeat")
+        if not all(math.isfinite(t.logprob) for t in sampled[0].choices[0].logprobs.content):
+            failures.append("a top-p sample has a token of logprob -inf (drawn outside its nucleus)")
+    print(f"  API checks (chat = Responses = streamed Responses, seeded top-p repeats): {'FAILED' if failures else 'ok'}")
+    return failures
 
 
 def main(argv: List[str] | None = None) -> int:
@@ -74,6 +112,7 @@ def main(argv: List[str] | None = None) -> int:
 
     with PolicyServer(model, tokenizer, max_batch_size=16) as server:
         served(server.base_url, 1, 1, 4)  # warm-up (CUDA context, kernels)
+        failures += check_apis(server.base_url)
         rates = {}
         for clients in (1, 16):
             rate, tokens, elapsed = served(server.base_url, clients, 2, 48)

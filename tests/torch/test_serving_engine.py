@@ -14,7 +14,17 @@ import torch
 from agl.lightningrl.types import Sample
 from agl.models import load_policy
 from agl.serving.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix, to_plain_messages
-from agl.serving.engine import Failed, Finished, GenerationEngine, SamplingParams, Started, Step, _draw, _nucleus
+from agl.serving.engine import (
+    Failed,
+    Finished,
+    GenerationEngine,
+    SamplingParams,
+    Started,
+    Step,
+    _draw,
+    _nucleus,
+    _sorted_nucleus,
+)
 from agl.serving.weights import WeightLoader, WeightsError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -356,20 +366,28 @@ def test_a_uniform_that_rounds_up_to_the_total_draws_the_last_token_with_a_share
     assert _draw(logprobs, torch.Generator()) == 2
 
 
-def _full_sort_nucleus(logprobs: Any, top_p: float) -> Any:
-    """The nucleus by definition: sort everything, drop a token once the mass before it reached top_p."""
-    ordered, order = torch.sort(logprobs, descending=True)
-    shares = ordered.exp()
-    drop = torch.zeros_like(shares, dtype=torch.bool).scatter(0, order, shares.cumsum(-1) - shares >= top_p)
-    return torch.log_softmax(logprobs.masked_fill(drop, float("-inf")), dim=-1)
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.8, 0.97, 1.0])
+def test_sorted_nucleus_keeps_the_most_likely_tokens_until_their_mass_reaches_top_p(top_p):
+    shares = torch.tensor([0.02, 0.4, 0.05, 0.3, 0.13, 0.1])
+    by_share = sorted(range(len(shares)), key=lambda i: -float(shares[i]))
+    kept, mass = set(), 0.0
+    for i in by_share:  # the definition, one token at a time
+        if mass >= top_p:
+            break
+        kept.add(i)
+        mass += float(shares[i])
+    got = _sorted_nucleus(torch.log(shares), top_p)
+    assert {i for i in range(len(shares)) if got[i] > float("-inf")} == kept
+    assert torch.allclose(got.exp().sum(), torch.tensor(1.0))
 
 
 @pytest.mark.parametrize("scale", [8.0, 4.0, 2.0, 0.01])  # peaked (a few tokens) ... near uniform (thousands)
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
-def test_nucleus_from_the_most_likely_tokens_equals_the_full_sort(scale, top_p):
-    logits = torch.randn(49_152, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
+@pytest.mark.parametrize("vocab", [49_152, 200])  # SmolLM2's; one smaller than the first topk try
+def test_nucleus_from_the_most_likely_tokens_equals_the_full_sort(scale, top_p, vocab):
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
     logprobs = torch.log_softmax(logits, dim=-1)
-    got, expected = _nucleus(logprobs, top_p), _full_sort_nucleus(logprobs, top_p)
+    got, expected = _nucleus(logprobs, top_p), _sorted_nucleus(logprobs, top_p)
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)], atol=1e-6)
 
