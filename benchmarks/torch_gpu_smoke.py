@@ -11,7 +11,7 @@ random ``tiny`` model's included), so every step has advantages to train on.
 
 Before training it checks the served APIs on the device: a greedy chat completion and the same request
 through the Responses API (plain and streamed) give the same token ids and text, and a seeded top-p sample
-repeats. Prints served tokens/s at 1 and 16 concurrent clients, seconds per training step, train tokens/s, the reward
+repeats, and a JSON-schema ``response_format`` is enforced (structured output). Prints served tokens/s at 1 and 16 concurrent clients, seconds per training step, train tokens/s, the reward
 per step and the logprob drift (served logprobs against the trainer's forward pass: the bfloat16 gap that
 decides whether ``old_logprobs="sample"`` is safe). Exits 1 when a check fails: the model is not on a GPU
 (unless ``--allow-cpu``), the API checks fail, a step did not train, the server did not get each update, or the drift exceeds
@@ -21,6 +21,7 @@ decides whether ``old_logprobs="sample"`` is safe). Exits 1 when a check fails: 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -48,6 +49,14 @@ def vowels_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
         completion = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
     text = completion.choices[0].message.content or ""
     return sum(c in "aeiouAEIOU" for c in text) / max(len(text), 1)
+
+
+VERDICT = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
 
 
 def check_apis(base_url: str) -> List[str]:
@@ -81,7 +90,18 @@ def check_apis(base_url: str) -> List[str]:
             failures.append("a seeded top-p sample did not repeat")
         if not all(math.isfinite(t.logprob) for t in sampled[0].choices[0].logprobs.content):
             failures.append("a top-p sample has a token of logprob -inf (drawn outside its nucleus)")
-    print(f"  API checks (chat = Responses = streamed Responses, seeded top-p repeats): {'FAILED' if failures else 'ok'}")
+        structured = client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": question}], max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}},
+        )
+        try:
+            answer = json.loads(structured.choices[0].message.content or "")
+            if answer.get("answer") not in ("yes", "no") or not isinstance(answer.get("sure"), bool):
+                failures.append(f"a structured answer does not match its schema: {answer}")
+        except ValueError:
+            failures.append(f"a structured answer is not JSON: {structured.choices[0].message.content!r}")
+    checks = "chat = Responses = streamed Responses, seeded top-p repeats, a JSON schema is enforced"
+    print(f"  API checks ({checks}): {'FAILED' if failures else 'ok'}")
     return failures
 
 

@@ -122,6 +122,45 @@ def test_served_token_ids_are_the_ids_the_trainer_feeds_the_model(tmp_path: Path
     assert algo.state.rows[0]["logprob_drift"] < 1e-4
 
 
+VERDICT_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "verdict",
+        "schema": {
+            "type": "object",
+            "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+            "required": ["answer", "sure"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("old_logprobs", ["sample", "recompute"])
+def test_a_structured_output_agent_trains_and_restricted_logprobs_are_explained(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, old_logprobs: str
+) -> None:
+    """The agent asks for a JSON schema: the server draws from the tokens the grammar allows and reports
+    those logprobs, which the trainer's unrestricted forward pass cannot match. "sample" says so once and
+    names the fix; "recompute" takes the old logprobs from the trainer and says nothing."""
+    algo = _algo(tmp_path, steps=1, max_tokens=32, sampling={"response_format": VERDICT_FORMAT},
+                 old_logprobs=old_logprobs)
+    with caplog.at_level("WARNING", logger="agl.algorithm.torch_grpo"):
+        _trainer(tmp_path, algo).fit(chat_agent, TASKS[:2])
+    row = algo.state.rows[0]
+    assert row["samples"] == 6 and row["optimizer_steps"] == 1
+    tokenizer = algo.tokenizer
+    for served in SERVED:
+        answer = json.loads(tokenizer.decode(served["token_ids"][:-1]))
+        assert answer["answer"] in ("yes", "no") and isinstance(answer["sure"], bool)
+    assert row["logprob_drift"] > TorchGRPO.DRIFT_WARNING
+    warnings = [r.getMessage() for r in caplog.records if "served logprobs differ" in r.getMessage()]
+    if old_logprobs == "sample":
+        assert len(warnings) == 1 and 'old_logprobs="recompute"' in warnings[0]
+    else:
+        assert warnings == []
+
+
 def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
     first = _algo(tmp_path, steps=2)
     _trainer(tmp_path, first).fit(chat_agent, TASKS)

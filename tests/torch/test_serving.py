@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Literal, Tuple
 
 import httpx
 import openai
@@ -390,7 +390,13 @@ def test_load_weights_swaps_the_policy_and_the_version(tiny):
         ({"tool_choice": "required", "tools": [ADD_TOOL]}, "tool_choice", "cannot force a tool call"),
         ({"temperature": 3}, "temperature", "from 0 to 2"),
         ({"max_tokens": 10**6}, "max_tokens", "exceeds the model's context"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "no JSON mode"),
+        ({"response_format": {"type": "xml"}}, "response_format", "must be {'type': 'text'}"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+            "response_format",
+            "cannot be enforced: failed to compile JSON schema: Invalid type: frob",
+        ),
         ({"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
         ({"frobnicate": 1}, "frobnicate", "unsupported parameter"),
         ({"messages": []}, "messages", "non-empty list"),
@@ -499,7 +505,9 @@ def test_responses_input_items_render_the_same_prompt_as_the_chat_conversation(c
     "change, param, words",
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation"),
-        ({"text": {"format": {"type": "json_object"}}}, "text", "only text output"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format", "text.format must be {'type': 'text'}"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}}, "text.format", "Invalid type"),
+        ({"text": "json"}, "text", "must be an object"),
         ({"tools": [{"type": "web_search"}]}, "tools", "function tools"),
         ({"input": []}, "input", "non-empty"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning' is not supported"),
@@ -520,6 +528,113 @@ def test_bad_responses_requests_get_a_400_that_names_the_parameter(server, chang
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+# --- structured output ---------------------------------------------------------------------------------------
+
+VERDICT = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+VERDICT_FORMAT = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True}}
+
+
+def verdict(text: str) -> Dict[str, Any]:
+    """The answer parsed and checked against VERDICT."""
+    value = json.loads(text)
+    assert set(value) == {"answer", "sure"} and value["answer"] in ("yes", "no") and isinstance(value["sure"], bool)
+    return value
+
+
+def test_a_json_schema_answer_always_parses_and_matches_the_schema(client, server):
+    free = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=24, seed=0)
+    assert not (free.choices[0].message.content or "").startswith("{")  # the random model writes no JSON itself
+    for seed in range(6):
+        completion = client.chat.completions.create(
+            model="policy", messages=MESSAGES, response_format=VERDICT_FORMAT, max_tokens=40, seed=seed, logprobs=True
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop"
+        verdict(choice.message.content)
+        ids = extra(choice, "token_ids")
+        assert ids[-1] == server.tokenizer.eos_token_id and server.tokenizer.decode(ids[:-1]) == choice.message.content
+        # tokens the grammar forces were drawn from a one-token distribution: logprob exactly 0; where the
+        # schema leaves a choice (the enum, the boolean) the model made it
+        logprobs = [t.logprob for t in choice.logprobs.content]
+        assert logprobs.count(0.0) >= len(logprobs) // 2 and any(lp < 0 for lp in logprobs)
+    greedy_answer = client.chat.completions.create(
+        model="policy", messages=MESSAGES, response_format=VERDICT_FORMAT, max_tokens=40, temperature=0
+    )
+    verdict(greedy_answer.choices[0].message.content)
+
+
+def test_json_object_mode_answers_with_an_object(client):
+    for seed in range(3):
+        completion = client.chat.completions.create(
+            model="policy", messages=MESSAGES, response_format={"type": "json_object"}, max_tokens=48, seed=seed
+        )
+        content = completion.choices[0].message.content
+        assert content.startswith("{")
+        if completion.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(content), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_text_format_is_the_chat_response_format(client, stream):
+    text = {"format": {"type": "json_schema", "name": "verdict", "schema": VERDICT, "strict": True}}
+    chat = client.chat.completions.create(
+        model="policy", messages=MESSAGES, response_format=VERDICT_FORMAT, max_tokens=40, temperature=0
+    )
+    args = responses_args(text=text, max_output_tokens=40, temperature=0)
+    if stream:
+        with client.responses.stream(**args) as events:
+            response = events.get_final_response()
+    else:
+        response = client.responses.create(**args)
+    assert response.status == "completed" and verdict(response.output_text)
+    assert extra(response, "response_token_ids") == extra(chat.choices[0], "token_ids")
+
+
+def test_with_tools_the_answer_is_the_json_or_calls_to_offered_tools(client):
+    finished = 0
+    for seed in range(6):
+        completion = client.chat.completions.create(
+            model="policy", messages=MESSAGES, tools=[ADD_TOOL], response_format=VERDICT_FORMAT, max_tokens=48,
+            seed=seed,
+        )
+        choice = completion.choices[0]
+        if choice.finish_reason == "length":
+            continue  # cut mid-answer (the random model may chain calls)
+        finished += 1
+        if choice.message.tool_calls:
+            for call in choice.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                assert call.function.name == "add" and set(arguments) <= {"a", "b"}
+                assert all(isinstance(v, int) for v in arguments.values())
+        else:
+            verdict(choice.message.content)
+    assert finished >= 3
+
+
+def test_langchain_structured_output_is_served_and_recorded_with_token_ids(instrumented, server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        sure: bool
+
+    llm = ChatOpenAI(base_url=server.base_url, api_key="x", model="policy", max_retries=0, max_tokens=40)
+    structured = llm.with_structured_output(Verdict, method="json_schema")
+    rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
+    with tracer_writes_to(ListSink()) as sink, agl.rollout_scope(rollout_id, "at-1"):
+        result = structured.invoke([{"role": "user", "content": "Is 2 + 3 = 5?"}])
+        (span,) = sink.of(rollout_id, "llm")
+    assert isinstance(result, Verdict)
+    ids = span.attributes[semconv.RESPONSE_TOKEN_IDS]
+    assert Verdict.model_validate_json(server.tokenizer.decode(ids[:-1])) == result
 
 
 # --- a generation that fails ------------------------------------------------------------------------------

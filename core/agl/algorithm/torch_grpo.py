@@ -216,6 +216,7 @@ class TorchGRPO(Algorithm):
         self.kl_coef = kl_coef
         self.max_grad_norm = max_grad_norm
         self.old_logprobs = old_logprobs
+        self._drift_warned = False
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.sampling = dict(sampling or {})
@@ -526,7 +527,25 @@ class TorchGRPO(Algorithm):
             stats["kl_ref"] = sums.get("kl_ref_sum", 0.0) / tokens
         if drift:
             stats["logprob_drift"] = sum(drift) / len(drift)
+            self._warn_on_drift(stats["logprob_drift"])
         return stats
+
+    #: mean |trainer - server| logprob per token above which "sample" old logprobs are not the trainer's policy
+    DRIFT_WARNING = 0.05
+
+    def _warn_on_drift(self, drift: float) -> None:
+        """Say once why served logprobs can differ from the trainer's, and what to do about it."""
+        if drift <= self.DRIFT_WARNING or self.old_logprobs != "sample" or self._drift_warned:
+            return
+        self._drift_warned = True
+        logger.warning(
+            "served logprobs differ from the trainer's by %.3f per token on average (first pass, before any "
+            "update). Either the served model is not the trained one, or the agent samples from a restricted "
+            "distribution (top_p < 1, a response_format): the server reports logprobs of what it drew from, "
+            "the trainer computes the unrestricted policy's. PPO ratios are then off from the start; use "
+            "TorchGRPO(old_logprobs=\"recompute\") to take the old logprobs from the trainer's own forward pass.",
+            drift,
+        )
 
     def _fixed_logprobs(self, batches: List[Any]) -> Tuple[List[Any], List[Any]]:
         """The old logprobs (the server's, or a forward pass before any update) and the reference's."""

@@ -14,9 +14,10 @@ engine admits new requests only when the batch is empty (static batching); it st
 request waiting at that moment.
 
 Sampling is per request: temperature, top-p, stop strings, seed (each request has its own
-``torch.Generator``) and the number of top logprobs. **Logprobs** are those of the distribution each token
-was actually drawn from: ``log_softmax(logits / temperature)`` restricted to the top-p nucleus and
-renormalized. With ``temperature == 0`` (greedy) that distribution is a point mass, so the engine reports
+``torch.Generator``), the number of top logprobs, and a grammar the answer must follow (structured output,
+:mod:`agl.serving.structured`). **Logprobs** are those of the distribution each token was actually drawn
+from: ``log_softmax(logits / temperature)`` over the tokens the grammar allows, restricted to the top-p
+nucleus and renormalized. With ``temperature == 0`` (greedy) that distribution is a point mass, so the engine reports
 the model's own distribution, ``log_softmax(logits)``, like OpenAI and vLLM do.
 
 The engine never changes weights. Whoever does (an in-process trainer, :meth:`PolicyServer.load_weights`)
@@ -41,6 +42,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from agl.models import attention_kernels
+from agl.serving.structured import GrammarError, Grammars, TokenMask
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class SamplingParams:
     stop: Tuple[str, ...] = ()
     seed: Optional[int] = None
     top_logprobs: int = 0
+    grammar: Optional[str] = None  # the answer must follow it (agl.serving.structured.response_grammar)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -166,10 +169,11 @@ class _Request:
 class _Row:
     """A request in the running batch: what it sampled so far and its random generator."""
 
-    def __init__(self, request: _Request, version: int, generator: Any) -> None:
+    def __init__(self, request: _Request, version: int, generator: Any, grammar: Optional[TokenMask]) -> None:
         self.request = request
         self.version = version
         self.generator = generator
+        self.grammar = grammar
         self.tokens: List[Token] = []
         self.text = ""
         self.finish_reason: Optional[str] = None
@@ -206,6 +210,7 @@ class GenerationEngine:
         self._device = next(model.parameters()).device
         self._pad_id = _pad_id(tokenizer)
         self._eos_ids = _eos_ids(model, tokenizer)
+        self.grammars = Grammars(tokenizer, self._eos_ids)
         forward = inspect.signature(_base_model(model).forward).parameters
         self._keeps_logits = "logits_to_keep" in forward
         # transformers renamed forward's ``past_key_values`` to ``cache`` (5.2x; the old name goes in 5.40)
@@ -416,7 +421,8 @@ class _Batch:
         logits = out.logits[:, -1, :].float()
         engine.stats.prefills += 1
         engine.stats.max_batch = max(engine.stats.max_batch, len(requests) + self.size)
-        rows = [_Row(r, engine._version, _generator(r.params.seed, device)) for r in requests]
+        grammars = [engine.grammars.mask(r.params.grammar) if r.params.grammar else None for r in requests]
+        rows = [_Row(r, engine._version, _generator(r.params.seed, device), g) for r, g in zip(requests, grammars)]
         next_positions = positions[:, -1] + 1
         if self.rows:
             self._merge(cache, mask, next_positions, logits)
@@ -442,9 +448,14 @@ class _Batch:
     def step(self) -> None:
         """Sample one token per row, retire finished rows, run the model on the rest."""
         engine = self.engine
-        tokens = [_sample(self.logits[i], row) for i, row in enumerate(self.rows)]
         keep: List[int] = []
-        for i, (row, token) in enumerate(zip(self.rows, tokens)):
+        for i, row in enumerate(self.rows):
+            try:
+                token = _sample(self.logits[i], row)
+            except GrammarError as exc:  # this request's answer cannot go on; the others can
+                logger.warning("failing a structured-output request: %s", exc)
+                _notify(row.request, Failed(exc))
+                continue
             row.tokens.append(token)
             engine.stats.generated_tokens += 1
             self._update_text(row)
@@ -530,14 +541,17 @@ class _Batch:
 def _sample(logits: Any, row: _Row) -> Token:
     """Draw the row's next token; its logprob is under the distribution it was drawn from (module docs)."""
     params = row.request.params
+    allowed = row.grammar.apply(logits) if row.grammar is not None else logits
     if params.temperature == 0:
         logprobs = torch.log_softmax(logits, dim=-1)
-        token_id = int(torch.argmax(logprobs))
+        token_id = int(torch.argmax(allowed))
     else:
-        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        logprobs = torch.log_softmax(allowed / params.temperature, dim=-1)
         if params.top_p < 1:
             logprobs = _nucleus(logprobs, params.top_p)
         token_id = _draw(logprobs, row.generator)
+    if row.grammar is not None:
+        row.grammar.advance(token_id)
     top: List[Tuple[int, float]] = []
     if params.top_logprobs:
         values, indices = torch.topk(logprobs, params.top_logprobs)

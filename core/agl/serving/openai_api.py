@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from agl.serving.chat_format import BadRequest, ParsedOutput, ToolCall
 from agl.serving.engine import Generation, SamplingParams, Token
 from agl.serving.responses_api import VERSION_FIELD, token_logprobs
+from agl.serving.structured import answer_schema, response_grammar
 
 VERSION_HEADER = "x-agl-resources-version"
 MAX_TOP_LOGPROBS = 20
@@ -57,6 +58,7 @@ class ChatRequest:
     top_p: float
     stop: Tuple[str, ...]
     seed: Optional[int]
+    answer_schema: Optional[Dict[str, Any]] = None  # response_format's JSON schema; None: free text
 
     @property
     def tools_offered(self) -> bool:
@@ -71,6 +73,7 @@ class ChatRequest:
             stop=self.stop,
             seed=self.seed,
             top_logprobs=self.top_logprobs if self.logprobs else 0,
+            grammar=response_grammar(self.answer_schema, self.tools if self.tools_offered else ()),
         )
 
 
@@ -89,12 +92,6 @@ def parse_request(body: Any) -> ChatRequest:
     for penalty in ("presence_penalty", "frequency_penalty"):
         _require(body.get(penalty) in (None, 0, 0.0), penalty, f"{penalty} is not supported: leave it out or send 0")
     _require(not body.get("logit_bias"), "logit_bias", "logit_bias is not supported: leave it out")
-    response_format = body.get("response_format")
-    _require(
-        response_format is None or response_format == {"type": "text"},
-        "response_format",
-        "only response_format {'type': 'text'} is supported (no JSON mode or schemas): leave it out",
-    )
     model = body.get("model")
     _require(isinstance(model, str) and model != "", "model", "'model' must be a non-empty string")
     messages = body.get("messages")
@@ -125,6 +122,7 @@ def parse_request(body: Any) -> ChatRequest:
         top_p=_top_p(body),
         stop=_stops(body.get("stop")),
         seed=_seed(body.get("seed")),
+        answer_schema=answer_schema(body.get("response_format")),
     )
 
 

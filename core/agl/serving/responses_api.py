@@ -156,13 +156,9 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
     if not isinstance(items, str):
         for index, item in enumerate(items):
             _check_item(item, index)
-    text_format = (body.get("text") or {}).get("format") if isinstance(body.get("text"), Mapping) else None
-    if text_format not in (None, {"type": "text"}):
-        raise BadRequest(
-            "only text output is supported (no JSON mode or schemas): leave 'text' out or send "
-            "{'format': {'type': 'text'}}",
-            "text",
-        )
+    text = body.get("text")
+    if text is not None and not isinstance(text, Mapping):
+        raise BadRequest("'text' must be an object such as {'format': {'type': 'text'}}", "text")
     tools = body.get("tools") or []
     if not isinstance(tools, list) or any(not isinstance(t, Mapping) or t.get("type") != "function" for t in tools):
         raise BadRequest("'tools' must be a list of function tools ({'type': 'function', 'name': ...})", "tools")
@@ -186,11 +182,22 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
     for key in ("tool_choice", "temperature", "top_p"):
         if body.get(key) is not None:
             chat[key] = body[key]
+    if text and text.get("format") is not None:
+        chat["response_format"] = _chat_response_format(text["format"])
     return chat
 
 
+def _chat_response_format(text_format: Any) -> Any:
+    """``text.format`` as the chat ``response_format`` it stands for (flat json_schema fields are nested)."""
+    if isinstance(text_format, Mapping) and text_format.get("type") == "json_schema":
+        spec = {k: text_format[k] for k in ("name", "description", "schema", "strict") if k in text_format}
+        return {"type": "json_schema", "json_schema": spec}
+    return text_format
+
+
 def in_responses_terms(exc: BadRequest) -> BadRequest:
-    """A 400 from the chat path, named as a Responses client sent it (``input``, ``max_output_tokens``).
+    """A 400 from the chat path, named as a Responses client sent it (``input``, ``max_output_tokens``,
+    ``text.format``).
 
     Chat messages stand for input items, but not one to one (``instructions`` comes first, calls join the
     assistant turn), so ``messages[3].role`` becomes ``input``, not an index into it.
@@ -200,7 +207,9 @@ def in_responses_terms(exc: BadRequest) -> BadRequest:
         param = "input"
     elif param in ("max_tokens", "max_completion_tokens"):
         param = "max_output_tokens"
-    message = str(exc).replace("max_tokens", "max_output_tokens")
+    elif param == "response_format":
+        param = "text.format"
+    message = str(exc).replace("max_tokens", "max_output_tokens").replace("response_format", "text.format")
     return BadRequest(message, param or None)
 
 

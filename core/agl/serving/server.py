@@ -170,7 +170,10 @@ class PolicyServer:
                 f"{context} tokens: ask for at most {room}",
                 "max_tokens",
             )
-        return request, prompt_ids, request.sampling(max_tokens)
+        params = request.sampling(max_tokens)
+        if params.grammar is not None:
+            self.engine.grammars.check(params.grammar)
+        return request, prompt_ids, params
 
 
 def _create_app(server: PolicyServer) -> FastAPI:

@@ -1,0 +1,128 @@
+"""Structured output's grammar (agl.serving.structured) checked string by string with llguidance and
+SmolLM2's real tokenizer, and a failing grammar in the engine failing only its own request.
+
+The policy server's answers under a response_format are tested over HTTP in test_serving.py."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, List, Tuple
+
+import pytest
+
+from agl.models import load_policy
+from agl.serving.chat_format import BadRequest
+from agl.serving.engine import Failed, Finished, GenerationEngine, SamplingParams
+from agl.serving.structured import GrammarError, Grammars, TokenMask, answer_schema, response_grammar
+
+VERDICT = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "function",
+    "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+}
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Tuple[Any, Any]:
+    return load_policy("tiny", device="cpu")
+
+
+def accepts(tiny: Tuple[Any, Any], grammar: str, text: str) -> bool:
+    """Whether ``text`` followed by end-of-sequence is a whole answer under ``grammar``."""
+    _, tokenizer = tiny
+    mask = Grammars(tokenizer, [tokenizer.eos_token_id]).mask(grammar)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    try:
+        for token_id in ids:
+            mask.advance(token_id)
+    except GrammarError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ('{"answer": "yes", "sure": true}', True),
+        ('{"answer": "no", "sure": false}', True),
+        ('{"answer": "maybe", "sure": true}', False),  # not in the enum
+        ('{"answer": "yes"}', False),  # a required key missing
+        ('{"answer": "yes", "sure": true, "why": 1}', False),  # additionalProperties: false
+        ('{"answer":"yes","sure":true}', False),  # whitespace is fixed: ", " and ": "
+        ('{"answer": "yes", "sure": true}  ', False),
+        ("yes", False),
+        (CALL, False),  # no tools offered
+    ],
+)
+def test_a_schema_grammar_takes_exactly_the_schemas_answers(tiny, text, ok):
+    assert accepts(tiny, response_grammar(VERDICT), text) is ok
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ('{"answer": "yes", "sure": true}', True),
+        (CALL, True),
+        (CALL + "\n" + CALL.replace("2", "7"), True),  # several calls, one per line, as the server renders them
+        (CALL.replace('"add"', '"sub"'), False),  # not an offered tool
+        (CALL.replace("2", '"two"'), False),  # arguments not valid under the tool's parameters
+        ("Let me add.\n" + CALL, False),  # text besides calls is neither the JSON nor calls
+        (CALL + '{"answer": "yes", "sure": true}', False),
+    ],
+)
+def test_with_tools_the_grammar_takes_the_json_or_tool_calls(tiny, text, ok):
+    assert accepts(tiny, response_grammar(VERDICT, [ADD]), text) is ok
+
+
+def test_response_formats_map_to_schemas():
+    assert answer_schema(None) is None and answer_schema({"type": "text"}) is None
+    assert answer_schema({"type": "json_object"}) == {"type": "object"}
+    assert answer_schema({"type": "json_schema", "json_schema": {"name": "v", "schema": VERDICT}}) == VERDICT
+    assert response_grammar(None, [ADD]) is None
+    with pytest.raises(BadRequest, match="json_schema.schema") as raised:
+        answer_schema({"type": "json_schema", "json_schema": {"name": "v"}})
+    assert raised.value.param == "response_format"
+    with pytest.raises(BadRequest, match="must be"):
+        answer_schema("json")
+
+
+def test_a_grammar_that_fails_mid_answer_fails_only_its_own_request(tiny, monkeypatch):
+    model, tokenizer = tiny
+    engine = GenerationEngine(model, tokenizer, max_batch_size=4, batch_wait_s=0.2)  # both join one batch
+    original = TokenMask.apply
+    calls = {"n": 0}
+
+    def failing_apply(self: TokenMask, logits: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise GrammarError("the grammar engine gave up")
+        return original(self, logits)
+
+    monkeypatch.setattr(TokenMask, "apply", failing_apply)
+    prompt = tokenizer("hello", add_special_tokens=False)["input_ids"]
+    events: List[Any] = [None, None]
+    done = [threading.Event(), threading.Event()]
+
+    def listener(index: int) -> Any:
+        def listen(event: Any) -> None:
+            if isinstance(event, (Finished, Failed)):
+                events[index] = event
+                done[index].set()
+
+        return listen
+
+    try:
+        engine.submit(prompt, SamplingParams(max_tokens=30, grammar=response_grammar(VERDICT)), listener(0))
+        engine.submit(prompt, SamplingParams(max_tokens=8, temperature=0), listener(1))
+        assert done[0].wait(60) and done[1].wait(60)
+    finally:
+        engine.close()
+    assert isinstance(events[0], Failed) and "gave up" in str(events[0].error)
+    assert isinstance(events[1], Finished) and len(events[1].generation.response_ids) == 8
+    assert engine.stats.max_batch == 2
