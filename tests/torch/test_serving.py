@@ -387,7 +387,11 @@ def test_load_weights_swaps_the_policy_and_the_version(tiny):
     "change, param, words",
     [
         ({"n": 2}, "n", "only n=1"),
-        ({"tool_choice": "required", "tools": [ADD_TOOL]}, "tool_choice", "cannot force a tool call"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools to call"),
+        ({"tool_choice": {"type": "function", "function": {"name": "sub"}}, "tools": [ADD_TOOL]}, "tool_choice",
+         "not one of the tools ['add']"),
+        ({"tool_choice": {"type": "allowed_tools"}, "tools": [ADD_TOOL]}, "tool_choice", "is not supported"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
         ({"temperature": 3}, "temperature", "from 0 to 2"),
         ({"max_tokens": 10**6}, "max_tokens", "exceeds the model's context"),
         ({"response_format": {"type": "xml"}}, "response_format", "must be {'type': 'text'}"),
@@ -618,7 +622,58 @@ def test_with_tools_the_answer_is_the_json_or_calls_to_offered_tools(client):
     assert finished >= 3
 
 
-def test_langchain_structured_output_is_served_and_recorded_with_token_ids(instrumented, server):
+VOTE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "vote",
+        "parameters": {
+            "type": "object", "properties": {"choice": {"enum": ["a", "b"]}}, "required": ["choice"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "vote"}}])
+def test_tool_choice_required_or_named_forces_one_valid_call(client, tool_choice):
+    free = client.chat.completions.create(model="policy", messages=MESSAGES, tools=[ADD_TOOL, VOTE_TOOL], seed=0)
+    assert not free.choices[0].message.tool_calls  # the random model calls nothing by itself
+    names = set()
+    for seed in range(4):
+        completion = client.chat.completions.create(
+            model="policy", messages=MESSAGES, tools=[ADD_TOOL, VOTE_TOOL], tool_choice=tool_choice,
+            parallel_tool_calls=False, max_tokens=64, seed=seed,
+        )
+        choice = completion.choices[0]
+        if choice.finish_reason == "length":  # the random model may write a long integer for add's a or b
+            assert choice.message.content.startswith('<tool_call>\n{"name": "')
+            continue
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "vote":
+            assert arguments in ({"choice": "a"}, {"choice": "b"})
+        else:
+            assert call.function.name == "add" and all(isinstance(v, int) for v in arguments.values())
+        names.add(call.function.name)
+    assert names  # some answers finished within max_tokens
+    if isinstance(tool_choice, dict):
+        assert names == {"vote"}
+
+
+def test_responses_named_tool_choice_gives_a_function_call_to_it(client):
+    flat_vote = {"type": "function", **VOTE_TOOL["function"]}
+    response = client.responses.create(
+        **responses_args(tools=[FLAT_ADD_TOOL, flat_vote], tool_choice={"type": "function", "name": "vote"},
+                         parallel_tool_calls=False, max_output_tokens=64)
+    )
+    (item,) = response.output
+    assert item.type == "function_call" and item.name == "vote"
+    assert json.loads(item.arguments) in ({"choice": "a"}, {"choice": "b"})
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output_is_served_and_recorded_with_token_ids(instrumented, server, method):
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel
 
@@ -627,14 +682,19 @@ def test_langchain_structured_output_is_served_and_recorded_with_token_ids(instr
         sure: bool
 
     llm = ChatOpenAI(base_url=server.base_url, api_key="x", model="policy", max_retries=0, max_tokens=40)
-    structured = llm.with_structured_output(Verdict, method="json_schema")
+    structured = llm.with_structured_output(Verdict, method=method)
     rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
     with tracer_writes_to(ListSink()) as sink, agl.rollout_scope(rollout_id, "at-1"):
         result = structured.invoke([{"role": "user", "content": "Is 2 + 3 = 5?"}])
         (span,) = sink.of(rollout_id, "llm")
     assert isinstance(result, Verdict)
     ids = span.attributes[semconv.RESPONSE_TOKEN_IDS]
-    assert Verdict.model_validate_json(server.tokenizer.decode(ids[:-1])) == result
+    answer = server.tokenizer.decode(ids[:-1])
+    if method == "function_calling":  # one forced call to the "Verdict" tool, whose arguments are the object
+        call = json.loads(answer.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+        assert call["name"] == "Verdict"
+        answer = json.dumps(call["arguments"])
+    assert Verdict.model_validate_json(answer) == result
 
 
 # --- a generation that fails ------------------------------------------------------------------------------

@@ -80,6 +80,21 @@ def test_with_tools_the_grammar_takes_the_json_or_tool_calls(tiny, text, ok):
     assert accepts(tiny, response_grammar(VERDICT, [ADD]), text) is ok
 
 
+@pytest.mark.parametrize(
+    "one_call, text, ok",
+    [
+        (False, CALL, True),
+        (False, CALL + "\n" + CALL, True),
+        (True, CALL, True),
+        (True, CALL + "\n" + CALL, False),  # parallel_tool_calls: false
+        (False, '{"answer": "yes", "sure": true}', False),  # a call is required: no other answer
+        (False, "", False),
+    ],
+)
+def test_forced_calls_take_only_calls(tiny, one_call, text, ok):
+    assert accepts(tiny, response_grammar(VERDICT, [ADD], calls_only=True, one_call=one_call), text) is ok
+
+
 def test_response_formats_map_to_schemas():
     assert answer_schema(None) is None and answer_schema({"type": "text"}) is None
     assert answer_schema({"type": "json_object"}) == {"type": "object"}

@@ -31,13 +31,12 @@ MAX_STOPS = 4
 
 # Accepted and ignored: they change nothing about the answer this server gives.
 _IGNORED = frozenset(
-    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "return_token_ids", "prompt_cache_key",
-     "safety_identifier"}
+    {"user", "metadata", "store", "service_tier", "return_token_ids", "prompt_cache_key", "safety_identifier"}
 )
 _SUPPORTED = frozenset(
     {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "temperature", "top_p", "max_tokens",
      "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "n", "presence_penalty",
-     "frequency_penalty", "response_format", "logit_bias"}
+     "frequency_penalty", "response_format", "logit_bias", "parallel_tool_calls"}
 ) | _IGNORED
 
 
@@ -48,7 +47,7 @@ class ChatRequest:
     model: str
     messages: List[Any]
     tools: List[Any]
-    tool_choice: str  # "auto" or "none"
+    tool_choice: str  # "auto", "none" or "required" (a call is forced)
     stream: bool
     include_usage: bool
     logprobs: bool
@@ -59,6 +58,8 @@ class ChatRequest:
     stop: Tuple[str, ...]
     seed: Optional[int]
     answer_schema: Optional[Dict[str, Any]] = None  # response_format's JSON schema; None: free text
+    forced_tool: Optional[str] = None  # tool_choice named this function: every call is to it
+    parallel_tool_calls: bool = True  # False: one call at most (enforced where a grammar is in force)
 
     @property
     def tools_offered(self) -> bool:
@@ -73,8 +74,16 @@ class ChatRequest:
             stop=self.stop,
             seed=self.seed,
             top_logprobs=self.top_logprobs if self.logprobs else 0,
-            grammar=response_grammar(self.answer_schema, self.tools if self.tools_offered else ()),
+            grammar=self._grammar(),
         )
+
+    def _grammar(self) -> Optional[str]:
+        tools = self.tools if self.tools_offered else []
+        one_call = not self.parallel_tool_calls
+        if self.tool_choice == "required":
+            forced = [t for t in tools if self.forced_tool in (None, _tool_name(t))]
+            return response_grammar(None, forced, calls_only=True, one_call=one_call)
+        return response_grammar(self.answer_schema, tools, one_call=one_call)
 
 
 def parse_request(body: Any) -> ChatRequest:
@@ -98,6 +107,7 @@ def parse_request(body: Any) -> ChatRequest:
     _require(isinstance(messages, list) and bool(messages), "messages", "'messages' must be a non-empty list")
     tools = body.get("tools") or []
     _require(isinstance(tools, list), "tools", "'tools' must be a list of function tools")
+    tool_choice, forced_tool = _tool_choice(body.get("tool_choice"), tools)
     logprobs = _optional_bool(body, "logprobs")
     top_logprobs = body.get("top_logprobs") or 0
     _require(
@@ -112,7 +122,7 @@ def parse_request(body: Any) -> ChatRequest:
         model=model,
         messages=messages,
         tools=tools,
-        tool_choice=_tool_choice(body.get("tool_choice")),
+        tool_choice=tool_choice,
         stream=_optional_bool(body, "stream"),
         include_usage=bool(stream_options.get("include_usage")),
         logprobs=logprobs,
@@ -123,6 +133,8 @@ def parse_request(body: Any) -> ChatRequest:
         stop=_stops(body.get("stop")),
         seed=_seed(body.get("seed")),
         answer_schema=answer_schema(body.get("response_format")),
+        forced_tool=forced_tool,
+        parallel_tool_calls=body.get("parallel_tool_calls") is None or _optional_bool(body, "parallel_tool_calls"),
     )
 
 
@@ -179,16 +191,29 @@ def _seed(seed: Any) -> Optional[int]:
     return None if seed is None else int(seed) % (2**63)
 
 
-def _tool_choice(choice: Any) -> str:
-    if choice is None or choice == "auto":
-        return "auto"
-    if choice == "none":
-        return "none"
-    raise BadRequest(
-        f"tool_choice {choice!r} is not supported: this server cannot force a tool call; send 'auto' (the model "
-        "decides) or 'none' (no tools)",
-        "tool_choice",
+def _tool_choice(choice: Any, tools: List[Any]) -> Tuple[str, Optional[str]]:
+    """``(mode, forced function name)``: "required" and a named function are enforced by a grammar."""
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto", None
+    named = choice.get("function") if isinstance(choice, Mapping) and choice.get("type") == "function" else None
+    name = named.get("name") if isinstance(named, Mapping) else None
+    if choice != "required" and not isinstance(name, str):
+        raise BadRequest(
+            f"tool_choice {choice!r} is not supported: send 'auto', 'none', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
+    offered = [_tool_name(t) for t in tools]
+    _require(bool(tools), "tool_choice", f"tool_choice {choice!r} needs tools to call: send 'tools' too")
+    _require(
+        name is None or name in offered, "tool_choice", f"tool_choice names {name!r}, not one of the tools {offered}"
     )
+    return "required", name
+
+
+def _tool_name(tool: Any) -> Optional[str]:
+    function = tool.get("function") if isinstance(tool, Mapping) else None
+    return function.get("name") if isinstance(function, Mapping) else None
 
 
 # --- responses ---------------------------------------------------------------------------------------------

@@ -31,12 +31,12 @@ VERSION_FIELD = "agl_resources_version"
 
 # Accepted and ignored: they change nothing about the answer this server gives.
 _IGNORED = frozenset(
-    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
      "truncation", "reasoning", "include", "stream_options", "max_tool_calls", "background", "return_token_ids"}
 )
 _SUPPORTED = frozenset(
     {"model", "input", "instructions", "tools", "tool_choice", "stream", "temperature", "top_p", "max_output_tokens",
-     "top_logprobs", "text"}
+     "top_logprobs", "text", "parallel_tool_calls"}
 ) | _IGNORED
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 
@@ -179,12 +179,21 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
         "logprobs": LOGPROBS_INCLUDE in (body.get("include") or []) or bool(top_logprobs),
         "top_logprobs": top_logprobs,
     }
-    for key in ("tool_choice", "temperature", "top_p"):
+    for key in ("temperature", "top_p", "parallel_tool_calls"):
         if body.get(key) is not None:
             chat[key] = body[key]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
     if text and text.get("format") is not None:
         chat["response_format"] = _chat_response_format(text["format"])
     return chat
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    """A flat named-function ``tool_choice`` (``{"type": "function", "name": ...}``) in the chat form."""
+    if isinstance(choice, Mapping) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
 
 
 def _chat_response_format(text_format: Any) -> Any:

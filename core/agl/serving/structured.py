@@ -14,6 +14,9 @@ The answer then always parses and matches the schema, unless it is cut at ``max_
 - With tools offered, the answer is either that JSON or one or more tool calls in the server's tool call
   format (:mod:`agl.serving.chat_format`), each call naming an offered tool with arguments valid under its
   ``parameters``: an agent that has tools and an output type can still call its tools.
+- ``tool_choice`` ``"required"`` or a named function forces calls the same way: the answer is one or more
+  calls (to that function, when named), arguments valid under the tool's ``parameters``. Where a grammar
+  is in force, ``parallel_tool_calls: false`` allows one call only.
 - A schema llguidance cannot compile (an unknown ``type``, an unsupported keyword) is a 400 naming
   ``response_format`` with llguidance's reason.
 
@@ -58,21 +61,33 @@ def answer_schema(response_format: Any, param: str = "response_format") -> Optio
     )
 
 
-def response_grammar(schema: Optional[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> Optional[str]:
+def response_grammar(
+    schema: Optional[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] = (),
+    calls_only: bool = False,
+    one_call: bool = False,
+) -> Optional[str]:
     """The grammar (llguidance's Lark dialect) an answer must follow; ``None`` when it is free text.
 
     ``tools`` are the chat tools offered to the model: with them the answer may be tool calls instead.
+    ``calls_only`` (``tool_choice`` "required" or a named function): the answer is one or more calls to
+    ``tools``, whatever ``schema`` says. ``one_call`` (``parallel_tool_calls: false``): at most one call.
     """
+    if calls_only:
+        return "start: calls\n" + _calls_rules(tools, one_call)
     if schema is None:
         return None
     if not tools:
         return f"start: {_json(schema)}\n"
+    return f"start: answer | calls\nanswer: {_json(schema)}\n" + _calls_rules(tools, one_call)
+
+
+def _calls_rules(tools: Sequence[Mapping[str, Any]], one_call: bool) -> str:
+    """Tool calls, one per line, as the server renders them (chat_format.render_tool_call)."""
     calls = {"anyOf": [_call_schema(tool) for tool in tools]}
     return (
-        "start: answer | calls\n"
-        f"answer: {_json(schema)}\n"
-        'calls: call ("\\n" call)*\n'
-        f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} {_json(calls)} {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
+        ("calls: call\n" if one_call else 'calls: call ("\\n" call)*\n')
+        + f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} {_json(calls)} {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
     )
 
 
