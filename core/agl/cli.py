@@ -239,9 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     from agl.serving.cli import add_serve_command
 
     add_serve_command(sub, store_help)  # agl serve (the policy server)
-    from agl.train_cli import add_train_parser
+    from agl.train_cli import add_export_model_parser, add_train_parser
 
     add_train_parser(sub, store_help)  # agl train
+    add_export_model_parser(sub)  # agl export-model
     export_ = sub.add_parser("export", help="build a LightningRL batch from stored rollouts; write JSONL or Parquet")
     export_.add_argument("out", help="output file (.jsonl, or .parquet with pyarrow installed)")
     export_.add_argument("--format", choices=["jsonl", "parquet"], help="default: from the file suffix")
