@@ -133,6 +133,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         for step in result.steps:
             print(json.dumps({"step": step.step, **{k: v for k, v in step.metrics.items() if k.startswith("agl/")}}))
     print(f"agl train: done; the run is in {out}")
+    if args.algorithm == "grpo":
+        print(f"agl train: the trained model as a Hugging Face folder: agl export-model {out} --out {out / 'model'}")
     return 0
 
 

@@ -61,6 +61,7 @@ def test_train_runs_steps_stores_rollouts_and_resumes(files: Path, capsys: pytes
     assert main(_train(files, "--steps", "1")) == 0
     out = capsys.readouterr().out
     assert "4 training tasks, 2 held-out tasks" in out and "lora={'r': 4}" in out and f"the run is in {run}" in out
+    assert f"agl export-model {run} --out {run / 'model'}" in out
     assert _steps(run) == [1]
     store = open_store(str(run / "store.db"))
     train = store.query_rollouts(mode="train")
@@ -75,6 +76,9 @@ def test_train_runs_steps_stores_rollouts_and_resumes(files: Path, capsys: pytes
         main(_train(files, "--steps", "2"))
     assert main(_train(files, "--steps", "2", "--resume")) == 0
     assert _steps(run) == [1, 2]  # step 1 came from the checkpoint, only step 2 ran
+    # the hint printed at the end: the run's trained model as a Hugging Face folder
+    assert main(["export-model", str(run), "--out", str(run / "model")]) == 0
+    assert json.loads((run / "model" / "agl_export.json").read_text())["step"] == 2
 
 
 @pytest.mark.parametrize("agent_match, samples", [("^agent$", 4), ("^nobody$", 0)])
