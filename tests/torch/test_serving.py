@@ -661,6 +661,21 @@ def test_tool_choice_required_or_named_forces_one_valid_call(client, tool_choice
         assert names == {"vote"}
 
 
+def test_streamed_structured_answers_assemble_to_valid_output(client):
+    chunks = list(client.chat.completions.create(
+        model="policy", messages=MESSAGES, response_format=VERDICT_FORMAT, max_tokens=40, seed=1, stream=True
+    ))
+    verdict("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    chunks = list(client.chat.completions.create(
+        model="policy", messages=MESSAGES, tools=[ADD_TOOL, VOTE_TOOL], parallel_tool_calls=False, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "vote"}}, seed=1, stream=True,
+    ))
+    calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    assert [(call.function.name, json.loads(call.function.arguments)["choice"] in "ab") for call in calls] == [
+        ("vote", True)
+    ]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
 def test_responses_named_tool_choice_gives_a_function_call_to_it(client):
     flat_vote = {"type": "function", **VOTE_TOOL["function"]}
     response = client.responses.create(
