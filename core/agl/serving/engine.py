@@ -17,8 +17,8 @@ Sampling is per request: temperature, top-p, stop strings, seed (each request ha
 ``torch.Generator``), the number of top logprobs, and a grammar the answer must follow (structured output,
 :mod:`agl.serving.structured`). **Logprobs** are those of the distribution each token was actually drawn
 from: ``log_softmax(logits / temperature)`` over the tokens the grammar allows, restricted to the top-p
-nucleus and renormalized. With ``temperature == 0`` (greedy) that distribution is a point mass, so the engine reports
-the model's own distribution, ``log_softmax(logits)``, like OpenAI and vLLM do.
+nucleus and renormalized. With ``temperature == 0`` (greedy) that distribution is a point mass, so the
+engine reports the model's own distribution, ``log_softmax(logits)``, like OpenAI and vLLM do.
 
 The engine never changes weights. Whoever does (an in-process trainer, :meth:`PolicyServer.load_weights`)
 brackets the change with :meth:`GenerationEngine.paused`: waiting requests stay queued, the running batch
