@@ -361,8 +361,10 @@ def test_client_retries_consume_the_script(fake_openai: FakeOpenAIServer) -> Non
 def test_bad_requests_get_openai_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="m", messages=None)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.completions.create(model="m", prompt=[["nested"]])  # type: ignore[list-item]
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="m", prompt="hi")
+        client.embeddings.create(model="m", input="hi")
 
 
 def test_a_responses_input_item_it_cannot_map_is_a_400_and_uses_no_scripted_reply(

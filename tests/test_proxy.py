@@ -141,6 +141,33 @@ def test_responses_api_is_recorded_with_token_ids(
     assert final.output_text in span.attributes[semconv.OUTPUT_MESSAGES]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_api_asks_for_ids_and_logprobs_and_is_recorded(
+    proxy: LLMProxy, rollout: Rollout, store: InMemoryLightningStore, fake_openai: FakeOpenAIServer, stream: bool
+) -> None:
+    client = client_for(proxy, rollout)
+    prompt = [60, 124, 105, 109, 95]  # a token-in agent's own template, as ids
+    if stream:
+        chunks = list(client.completions.create(model="fake-model", prompt=prompt, stream=True))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        ids = [i for c in chunks if c.choices for i in extra(c.choices[0], "token_ids")]
+        logprobs = [p for c in chunks if c.choices for p in c.choices[0].logprobs.token_logprobs]
+    else:
+        resp = client.completions.create(model="fake-model", prompt=prompt)
+        text, ids, logprobs = resp.choices[0].text, extra(resp.choices[0], "token_ids"), resp.choices[0].logprobs.token_logprobs
+
+    sent = fake_openai.requests[-1]["body"]
+    assert sent["return_token_ids"] is True and sent["logprobs"] == 0
+    (span,) = llm_spans(store, rollout)
+    attrs = span.attributes
+    assert span.name == "text_completion fake-model" and attrs[semconv.LLM_API] == "completions"
+    assert attrs[semconv.LLM_PROMPT] == prompt == attrs[semconv.PROMPT_TOKEN_IDS]
+    assert attrs[semconv.RESPONSE_TOKEN_IDS] == ids and attrs[semconv.RESPONSE_LOGPROBS] == logprobs
+    assert len(ids) == len(logprobs) > 0
+    assert json.loads(attrs[semconv.OUTPUT_MESSAGES]) == [{"role": "assistant", "content": text}]
+    assert attrs[semconv.RESPONSE_FINISH_REASONS] == ["stop"]
+
+
 def test_proxy_span_matches_the_client_side_instrumentation_of_the_same_call(
     fake_openai: FakeOpenAIServer, store: InMemoryLightningStore, rollout: Rollout
 ) -> None:

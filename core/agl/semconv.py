@@ -37,8 +37,9 @@ USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 
 # --- LLM extras for training (agl) -----------------------------------------------------------------------
-LLM_API = "agl.llm.api"  # chat.completions | responses
+LLM_API = "agl.llm.api"  # chat.completions | responses | completions
 LLM_STREAM = "agl.llm.stream"  # bool
+LLM_PROMPT = "agl.llm.prompt"  # completions API: the prompt as sent, a string or a list of token ids
 PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"  # list[int], exactly as the server tokenized the prompt
 RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"  # list[int], exactly as sampled
 RESPONSE_LOGPROBS = "agl.llm.response_logprobs"  # list[float], one per response token

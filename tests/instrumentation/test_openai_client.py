@@ -435,7 +435,7 @@ def test_internal_error_after_the_call_still_returns_and_ends_the_span(client, f
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("bug in agl")
 
-    monkeypatch.setattr(openai_client, "chat_completion_attributes", broken)
+    monkeypatch.setattr(openai_client, "record_response", broken)
     before = internal_error_count()
     with rollout() as scope:
         completion = client.chat.completions.create(model="fake-model", messages=MESSAGES)

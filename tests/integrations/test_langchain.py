@@ -434,6 +434,39 @@ def test_structured_output_calls_are_llm_spans_of_their_node(fake_openai, instru
     assert len(generation_requests(fake_openai)) == 1
 
 
+@pytest.mark.parametrize("mode", ["invoke", "stream"])
+def test_text_completion_llm_calls_are_llm_spans_of_their_node(fake_openai, instrumented, sink, mode):
+    """LangChain's ``OpenAI`` LLM (not ``ChatOpenAI``) calls the legacy ``completions.create`` with a prompt."""
+    from langchain_openai import OpenAI
+
+    llm = OpenAI(base_url=fake_openai.base_url, api_key="x", model="fake-model", max_retries=0)
+
+    def draft(state: MessagesState) -> Dict[str, Any]:
+        prompt = f"Q: {state['messages'][-1].content}\nA:"
+        text = llm.invoke(prompt) if mode == "invoke" else "".join(llm.stream(prompt))
+        return {"messages": [HumanMessage(text)]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("draft", draft)
+    graph.add_edge(START, "draft")
+    graph.add_edge("draft", END)
+    fake_openai.script(FakeReply(content="forty two"))
+    rollout_id = f"ro-text-{uuid.uuid4().hex[:6]}"
+    with agl.rollout_scope(rollout_id, "at-1"), agl.operation("run"):
+        result = graph.compile().invoke({"messages": [HumanMessage("what is 6 x 7?")]})
+    assert result["messages"][-1].content == "forty two"
+    spans = sink.of(rollout_id)
+    (llm_span,) = of_kind(spans, "llm")
+    assert agent_of(llm_span, spans) == "draft"
+    assert llm_span.attributes[semconv.LLM_API] == "completions"
+    assert llm_span.attributes[semconv.LLM_PROMPT] == "Q: what is 6 x 7?\nA:"
+    assert llm_span.attributes[semconv.PROMPT_TOKEN_IDS] == list(b"Q: what is 6 x 7?\nA:")
+    assert llm_span.attributes[semconv.RESPONSE_TOKEN_IDS] == list(b"forty two")
+    assert llm_span.attributes[semconv.LLM_STREAM] is (mode == "stream")
+    (request,) = [r for r in fake_openai.requests if r["path"].endswith("/completions")]
+    assert request["body"]["return_token_ids"] is True
+
+
 def test_concurrent_rollouts_in_threads_keep_their_spans(fake_openai, instrumented, sink):
     fake_openai.script(*[FakeReply(delay=0.2) for _ in range(4)])  # the two rollouts overlap
     graph = fan_out_graph(fake_openai.base_url)

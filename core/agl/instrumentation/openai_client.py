@@ -1,8 +1,8 @@
 """The OpenAI client instrumentation: one ``llm`` span per ``create`` call, with the token ids to train on.
 
 Every framework agl supports reaches the model through the ``openai`` client, so this is where prompts,
-answers and (inside rollouts) the server's token ids are captured. ``chat.completions.create`` and
-``responses.create``, sync and async, are wrapped on their classes with ``wrapt``; everything built on them
+answers and (inside rollouts) the server's token ids are captured. ``chat.completions.create``,
+``responses.create`` and the legacy text API's ``completions.create``, sync and async, are wrapped on their classes with ``wrapt``; everything built on them
 goes through the wrapper too: ``with_raw_response``, ``with_streaming_response`` and the SDK's
 ``chat.completions.stream()`` / ``responses.stream()`` helpers.
 
@@ -34,22 +34,17 @@ from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.context_keys import SUPPRESS_LLM_SPAN, resolve_llm_parent
 from agl.instrumentation.openai_payloads import (
     CHAT,
+    COMPLETIONS,
     RESPONSES,
+    SPAN_PREFIX,
     add_request_payloads,
     ask_for_token_ids,
-    chat_completion_attributes,
     logprobs_requested,
     mark_client_traced,
+    record_response,
     request_attributes,
-    response_attributes,
 )
-from agl.instrumentation.openai_streams import (
-    Accumulator,
-    AsyncStreamProxy,
-    ChatStreamAccumulator,
-    ResponsesStreamAccumulator,
-    StreamProxy,
-)
+from agl.instrumentation.openai_streams import Accumulator, AsyncStreamProxy, StreamProxy, new_accumulator
 from agl.instrumentation.safety import report_internal_error
 from agl.tracer import get_tracer, record_exception
 
@@ -58,7 +53,8 @@ logger = logging.getLogger("agl.instrumentation")
 # (module, class, api, is_async): where ``create`` (and the structured-output ``parse``, which does not go
 # through ``create``) live in openai 1.60 up to 3.x. The Responses API appeared in openai 1.66; up to openai
 # 1.91 structured output was ``client.beta.chat.completions.parse``, a class of its own (1.92 made
-# ``beta.chat`` the plain ``Chat``). A class or method that is not there is skipped.
+# ``beta.chat`` the plain ``Chat``). The legacy Completions API (a prompt string or token ids in, text out) is
+# what token-in agents and LangChain's ``OpenAI`` LLM call. A class or method that is not there is skipped.
 _TARGETS: Tuple[Tuple[str, str, str, bool], ...] = (
     ("openai.resources.chat.completions", "Completions", CHAT, False),
     ("openai.resources.chat.completions", "AsyncCompletions", CHAT, True),
@@ -66,9 +62,10 @@ _TARGETS: Tuple[Tuple[str, str, str, bool], ...] = (
     ("openai.resources.beta.chat.completions", "AsyncCompletions", CHAT, True),
     ("openai.resources.responses", "Responses", RESPONSES, False),
     ("openai.resources.responses", "AsyncResponses", RESPONSES, True),
+    ("openai.resources.completions", "Completions", COMPLETIONS, False),
+    ("openai.resources.completions", "AsyncCompletions", COMPLETIONS, True),
 )
 _METHODS = ("create", "parse")
-_SPAN_PREFIX = {CHAT: "chat", RESPONSES: "responses"}
 _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"  # set by with_raw_response ("true") / with_streaming_response
 _MARK = "_agl_openai_wrapper"  # on our wrapper functions, to recognise a class another instance hooked
 
@@ -103,10 +100,8 @@ class LlmCall:
                 proxy = self._proxy_stream(result, is_async)
                 if proxy is not None:
                     return proxy
-            elif self.api == CHAT:
-                reasons = chat_completion_attributes(result, self.deferred, self.with_logprobs)
             else:
-                reasons = response_attributes(result, self.deferred, self.with_logprobs)
+                reasons = record_response(self.api, result, self.deferred, self.with_logprobs)
         except Exception as exc:  # noqa: BLE001 - the user gets the result whatever we failed to read
             report_internal_error("openai.response", exc)
         self._end(reasons, None, None)
@@ -127,9 +122,7 @@ class LlmCall:
         self._end(reasons, error, failure)
 
     def _proxy_stream(self, result: Any, is_async: bool) -> Any:
-        accumulator: Accumulator = (
-            ChatStreamAccumulator() if self.api == CHAT else ResponsesStreamAccumulator(self.with_logprobs)
-        )
+        accumulator = new_accumulator(self.api, self.with_logprobs)
         if is_async and hasattr(result, "__anext__"):
             return AsyncStreamProxy(result, self, accumulator)
         if not is_async and hasattr(result, "__next__"):
@@ -143,10 +136,7 @@ class LlmCall:
         """
         if self.raw != "true":
             return []
-        parsed = result.parse()
-        if self.api == CHAT:
-            return chat_completion_attributes(parsed, self.deferred, self.with_logprobs)
-        return response_attributes(parsed, self.deferred, self.with_logprobs)
+        return record_response(self.api, result.parse(), self.deferred, self.with_logprobs)
 
     def _end(
         self, reasons: Optional[List[str]], error: Optional[BaseException], failure: Optional[Tuple[str, str]]
@@ -234,7 +224,7 @@ def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) 
         if span.is_recording():
             return LlmCall(api, span, False, deferred, kwargs), call_kwargs
     model = deferred.get(semconv.REQUEST_MODEL)
-    prefix = _SPAN_PREFIX[api]
+    prefix = SPAN_PREFIX[api]
     parent = resolve_llm_parent()
     span = get_tracer().start_span(f"{prefix} {model}" if model else prefix, "llm", parent=parent)
     return LlmCall(api, span, True, deferred, kwargs), call_kwargs
@@ -333,7 +323,8 @@ def _unwrap(cls: type, method: str, handle: Any) -> None:
 
 
 class OpenAIInstrumentor(Instrumentor):
-    """Traces ``chat.completions.create`` and ``responses.create`` of every OpenAI client, sync and async.
+    """Traces ``chat.completions.create``, ``responses.create`` and ``completions.create`` of every OpenAI
+    client, sync and async.
 
     ``request_token_ids``: None (default) asks the server for token ids only inside rollouts whose scope
     wants them; True always asks (an agl or vLLM server outside rollouts); False never asks (a server that

@@ -10,8 +10,10 @@ because a deferred list of strings would be stored as a JSON string instead of a
 
 Token ids follow vLLM's ``return_token_ids``: ``prompt_token_ids`` on the response (chat: on the first
 stream chunk), ``token_ids`` on each chat choice (chat stream: per chunk, for its delta), and
-``prompt_token_ids``/``response_token_ids`` on a Responses API response. agl's policy server also puts the
-policy version that answered in a top-level ``agl_resources_version`` (chat streams: on every chunk).
+``prompt_token_ids``/``response_token_ids`` on a Responses API response, ``prompt_token_ids`` and
+``token_ids`` on each choice of a (legacy) Completions API response (streamed: ``prompt_token_ids`` on the
+first chunk's choice). agl's policy server also puts the policy version that answered in a top-level
+``agl_resources_version`` (chat streams: on every chunk).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from agl import semconv
 
 CHAT = "chat.completions"
 RESPONSES = "responses"
+COMPLETIONS = "completions"  # the legacy text API: a prompt string or prompt token ids in, text out
+
+SPAN_PREFIX = {CHAT: "chat", RESPONSES: "responses", COMPLETIONS: "text_completion"}  # span name: "<prefix> <model>"
+_OPERATION = {CHAT: "chat", RESPONSES: "chat", COMPLETIONS: "text_completion"}  # gen_ai.operation.name
 
 TOKEN_IDS_REQUEST = "return_token_ids"  # vLLM's request flag, sent in extra_body
 RESOURCES_VERSION_FIELD = "agl_resources_version"  # agl's policy server: the policy version that answered
@@ -33,7 +39,9 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"  # Responses API: ask for outp
 CLIENT_TRACED_HEADER = "x-agl-client-traced"
 
 _COMMON_NUMBERS = (("temperature", semconv.REQUEST_TEMPERATURE), ("top_p", semconv.REQUEST_TOP_P))
-_MAX_TOKENS = {CHAT: ("max_completion_tokens", "max_tokens"), RESPONSES: ("max_output_tokens",)}
+_MAX_TOKENS = {
+    CHAT: ("max_completion_tokens", "max_tokens"), RESPONSES: ("max_output_tokens",), COMPLETIONS: ("max_tokens",)
+}
 
 
 # --- requests ----------------------------------------------------------------------------------------------
@@ -42,7 +50,7 @@ _MAX_TOKENS = {CHAT: ("max_completion_tokens", "max_tokens"), RESPONSES: ("max_o
 def request_attributes(api: str, kwargs: Mapping[str, Any], stream: bool) -> Dict[str, Any]:
     """Attributes known before the call: provider, API, model and the sampling parameters given."""
     attrs: Dict[str, Any] = {
-        semconv.OPERATION_NAME: "chat",
+        semconv.OPERATION_NAME: _OPERATION[api],
         semconv.PROVIDER_NAME: "openai",
         semconv.LLM_API: api,
         semconv.LLM_STREAM: stream,
@@ -67,8 +75,16 @@ def add_request_payloads(api: str, call_kwargs: Dict[str, Any], deferred: Dict[s
 
     Agents append to their message list after the call returns; a shallow copy keeps what was sent. A
     one-shot iterable (generator) is materialized and the list sent instead, so the SDK still sees it all.
-    Responses API input is recorded as ``{"instructions", "input"}`` (see docs/semconv.md).
+    Responses API input is recorded as ``{"instructions", "input"}`` (see docs/semconv.md); a Completions
+    API prompt (text, or token ids: a tuple, which the garbage collector stops tracking) as ``agl.llm.prompt``.
     """
+    if api == COMPLETIONS:
+        prompt = one_prompt(call_kwargs.get("prompt"))
+        if isinstance(prompt, str):
+            deferred[semconv.LLM_PROMPT] = prompt
+        elif isinstance(prompt, (list, tuple)) and prompt and all(_is_int(t) for t in prompt):
+            deferred[semconv.LLM_PROMPT] = tuple(prompt)
+        return
     if api == CHAT:
         messages = _snapshot(call_kwargs, "messages")
         if messages is not None:
@@ -83,6 +99,14 @@ def add_request_payloads(api: str, call_kwargs: Dict[str, Any], deferred: Dict[s
     tools = _snapshot(call_kwargs, "tools")
     if tools:
         deferred[semconv.TOOL_DEFINITIONS] = tools
+
+
+def one_prompt(prompt: Any) -> Any:
+    """A Completions API prompt without the one-element batch around it (LangChain's ``OpenAI`` LLM sends
+    ``[text]``); several prompts stay a list (a batch: only choice 0's ids are recorded, like ``n > 1``)."""
+    if isinstance(prompt, (list, tuple)) and len(prompt) == 1 and isinstance(prompt[0], (str, list, tuple)):
+        return prompt[0]
+    return prompt
 
 
 def ask_for_token_ids(call_kwargs: Dict[str, Any]) -> None:
@@ -107,6 +131,8 @@ def logprobs_requested(api: str, kwargs: Mapping[str, Any]) -> bool:
     """Whether the response will carry logprobs worth recording (decided once, before the call)."""
     if api == CHAT:
         return kwargs.get("logprobs") is True
+    if api == COMPLETIONS:
+        return _is_int(kwargs.get("logprobs"))
     include = kwargs.get("include")
     return isinstance(include, (list, tuple)) and LOGPROBS_INCLUDE in include
 
@@ -124,6 +150,10 @@ def _snapshot(call_kwargs: Dict[str, Any], key: str) -> Optional[List[Any]]:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # --- responses ---------------------------------------------------------------------------------------------
@@ -146,6 +176,45 @@ def chat_completion_attributes(completion: Any, deferred: Dict[str, Any], with_l
     if with_logprobs and first is not None and first.logprobs is not None and first.logprobs.content:
         deferred[semconv.RESPONSE_LOGPROBS] = _chat_logprobs(first.logprobs.content)
     return [c.finish_reason for c in choices if c.finish_reason]
+
+
+def completion_attributes(completion: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
+    """Record a non-streamed (legacy) ``Completion``: choice texts as assistant messages, choice 0's token ids
+    and logprobs. A prompt sent as token ids is the prompt, whether or not the server echoes it back.
+
+    Returns the finish reasons.
+    """
+    record_response_ids(completion.id, completion.model, deferred)
+    usage = completion.usage
+    if usage is not None:
+        record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+    choices = completion.choices
+    deferred[semconv.OUTPUT_MESSAGES] = [{"role": "assistant", "content": choice.text} for choice in choices]
+    first = choices[0] if choices else None
+    record_completion_token_ids(_extra(first, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
+    record_resources_version(_extra(completion, RESOURCES_VERSION_FIELD), deferred)
+    if with_logprobs and first is not None and first.logprobs is not None and first.logprobs.token_logprobs:
+        deferred[semconv.RESPONSE_LOGPROBS] = list(first.logprobs.token_logprobs)
+    return [c.finish_reason for c in choices if c.finish_reason]
+
+
+def record_completion_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any]) -> None:
+    """``record_token_ids``, the request's own prompt ids standing in for those a server that sent the response
+    ids left out (the source then stays ``absent`` for a server that sends no ids at all)."""
+    if prompt_ids is None and response_ids is not None:
+        prompt = deferred.get(semconv.LLM_PROMPT)
+        if isinstance(prompt, tuple):
+            prompt_ids = prompt
+    record_token_ids(prompt_ids, response_ids, deferred)
+
+
+def record_response(api: str, response: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
+    """Record a parsed, non-streamed response of ``api``; returns the finish reasons."""
+    if api == CHAT:
+        return chat_completion_attributes(response, deferred, with_logprobs)
+    if api == COMPLETIONS:
+        return completion_attributes(response, deferred, with_logprobs)
+    return response_attributes(response, deferred, with_logprobs)
 
 
 def response_attributes(response: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:

@@ -18,7 +18,10 @@ import wrapt
 
 from agl import semconv
 from agl.instrumentation.openai_payloads import (
+    CHAT,
+    COMPLETIONS,
     RESOURCES_VERSION_FIELD,
+    record_completion_token_ids,
     record_resources_version,
     record_response_ids,
     record_token_ids,
@@ -176,6 +179,76 @@ def _messages(choices: List[_Choice]) -> List[Dict[str, Any]]:
     return [state.message() for state in choices]
 
 
+# --- completions (legacy text API) ------------------------------------------------------------------------
+
+
+class CompletionStreamAccumulator:
+    """Rebuilds a (legacy) ``Completion`` from its streamed chunks: text per choice, choice 0's ids and logprobs."""
+
+    __slots__ = ("response_id", "model", "usage", "prompt_ids", "response_ids", "logprobs", "texts", "reasons",
+                 "failure", "version")
+
+    def __init__(self) -> None:
+        self.response_id: Optional[str] = None
+        self.model: Optional[str] = None
+        self.usage: Any = None
+        self.prompt_ids: Optional[List[int]] = None
+        self.response_ids: Optional[List[int]] = None
+        self.logprobs: List[float] = []
+        self.texts: Dict[int, List[str]] = {}
+        self.reasons: Dict[int, str] = {}
+        self.failure: Optional[Failure] = None
+        self.version: Any = None
+
+    def add(self, chunk: Any) -> None:
+        if self.response_id is None:
+            self.response_id = chunk.id
+            self.model = chunk.model
+            extra = chunk.model_extra
+            self.version = extra.get(RESOURCES_VERSION_FIELD) if extra else None
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        for choice in chunk.choices:
+            index = choice.index
+            if choice.text:
+                self.texts.setdefault(index, []).append(choice.text)
+            if choice.finish_reason:
+                self.reasons[index] = choice.finish_reason
+            if index == 0:
+                self._add_tokens(choice)
+
+    def _add_tokens(self, choice: Any) -> None:
+        extra = choice.model_extra
+        if extra:
+            if self.prompt_ids is None:
+                self.prompt_ids = extra.get("prompt_token_ids")
+            ids = extra.get("token_ids")
+            if ids is not None:
+                if self.response_ids is None:
+                    self.response_ids = []
+                self.response_ids.extend(ids)
+        logprobs = choice.logprobs
+        if logprobs is not None and logprobs.token_logprobs:
+            self.logprobs.extend(logprobs.token_logprobs)
+
+    def record(self, deferred: Dict[str, Any]) -> List[str]:
+        record_response_ids(self.response_id, self.model, deferred)
+        usage = self.usage
+        if usage is not None:
+            record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+        indexes = sorted(set(self.texts) | set(self.reasons))
+        deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_completion_messages, [self.texts.get(i, []) for i in indexes])
+        record_completion_token_ids(self.prompt_ids, self.response_ids, deferred)
+        record_resources_version(self.version, deferred)
+        if self.logprobs:
+            deferred[semconv.RESPONSE_LOGPROBS] = self.logprobs
+        return [self.reasons[i] for i in indexes if i in self.reasons]
+
+
+def _completion_messages(texts: List[List[str]]) -> List[Dict[str, Any]]:
+    return [{"role": "assistant", "content": "".join(parts)} for parts in texts]
+
+
 # --- responses ---------------------------------------------------------------------------------------------
 
 _SNAPSHOT_EVENTS = frozenset(
@@ -215,6 +288,15 @@ class ResponsesStreamAccumulator:
             return response_attributes(self.response, deferred, self.with_logprobs)
         record_token_ids(None, None, deferred)
         return []
+
+
+def new_accumulator(api: str, with_logprobs: bool) -> Accumulator:
+    """The accumulator for a stream of ``api`` (``with_logprobs``: the request asked for logprobs)."""
+    if api == CHAT:
+        return ChatStreamAccumulator()
+    if api == COMPLETIONS:
+        return CompletionStreamAccumulator()
+    return ResponsesStreamAccumulator(with_logprobs)
 
 
 # --- proxies -----------------------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ What is encoded:
 Responses API input (``{"instructions", "input"}``) is turned into chat messages first: instructions as a
 system message, a string input as a user message, message items by role, function calls and their
 outputs as assistant tool calls and tool messages.
+
+A (legacy) Completions API call has no template: the prompt is ``agl.llm.prompt`` as sent (token ids as
+they are; text through the tokenizer with its special tokens, as vLLM does), the response the text, plus
+the tokenizer's end-of-sequence token when the call finished with ``stop`` (a stop string cannot be told
+from EOS afterwards; EOS is what a model that learns to stop must produce).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agl import semconv
+from agl.instrumentation.openai_payloads import COMPLETIONS
 from agl.lightningrl.links import output_message, tool_calls_of
 from agl.types import Span
 
@@ -51,6 +57,8 @@ class Retokenizer:
 
     def ids(self, span: Span) -> Tuple[List[int], List[int]]:
         """(prompt ids, response ids) of the llm span, from its recorded messages."""
+        if span.attributes.get(semconv.LLM_API) == COMPLETIONS:
+            return self._completion_ids(span)
         messages = chat_messages(span)
         tools = _json(span.attributes.get(semconv.TOOL_DEFINITIONS)) or None
         answer = output_message(span)
@@ -61,6 +69,20 @@ class Retokenizer:
             if full_text.startswith(prompt_text):
                 response_text = full_text[len(prompt_text):]
         return self._encode(prompt_text), self._encode(response_text)
+
+    def _completion_ids(self, span: Span) -> Tuple[List[int], List[int]]:
+        prompt = span.attributes.get(semconv.LLM_PROMPT)  # text as it is, token ids a list
+        if isinstance(prompt, list):
+            prompt_ids = [int(token) for token in prompt]
+        elif isinstance(prompt, str):
+            prompt_ids = list(self.tokenizer.encode(prompt))
+        else:
+            raise RetokenizeError(f"span {span.span_id} has no {semconv.LLM_PROMPT} to re-tokenize")
+        response_ids = self._encode(render_answer(output_message(span)))
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int) and "stop" in (span.attributes.get(semconv.RESPONSE_FINISH_REASONS) or ()):
+            response_ids.append(eos)
+        return prompt_ids, response_ids
 
     def _template(self, messages: List[Dict[str, Any]], tools: Optional[List[Any]], generation_prompt: bool) -> str:
         if self._hf_template:

@@ -3,10 +3,11 @@
 Agents reach the trained model through this proxy and need no agl code at all: the ``ProxyLLM`` resource
 gives each rollout a base URL ``http://proxy/rollout/{rollout_id}/attempt/{attempt_id}/v1`` (clients that
 cannot change their URL send the headers ``x-agl-rollout-id`` / ``x-agl-attempt-id`` to ``/v1`` instead).
-For every ``chat/completions`` and ``responses`` request the proxy
+For every ``chat/completions``, ``responses`` and (legacy) ``completions`` request the proxy
 
 - asks the server for what training needs: ``return_token_ids: true`` (vLLM's flag) and, for chat,
-  ``logprobs: true``; the response goes back to the agent as the server sent it;
+  ``logprobs: true`` (completions: ``logprobs: 0``, the sampled tokens' only); the response goes back to the
+  agent as the server sent it;
 - forwards streams chunk by chunk while reassembling them, holding back only the final ``[DONE]``;
 - writes one ``llm`` span per call to the store, in the same format and with the same attributes as agl's
   client-side OpenAI instrumentation (the same code builds them: :mod:`agl.instrumentation.openai_payloads`
@@ -49,16 +50,17 @@ from agl.http_thread import ThreadedServer
 from agl.instrumentation.openai_payloads import (
     CHAT,
     CLIENT_TRACED_HEADER,
+    COMPLETIONS,
     RESPONSES,
+    SPAN_PREFIX,
     TOKEN_IDS_REQUEST,
     add_request_payloads,
-    chat_completion_attributes,
     logprobs_requested,
+    record_response,
     record_token_ids,
     request_attributes,
-    response_attributes,
 )
-from agl.instrumentation.openai_streams import Accumulator, ChatStreamAccumulator, ResponsesStreamAccumulator
+from agl.instrumentation.openai_streams import Accumulator, new_accumulator
 from agl.tracer import encode_attribute
 from agl.types import ProxyLLM, Span
 
@@ -67,8 +69,7 @@ logger = logging.getLogger("agl.proxy")
 ROLLOUT_HEADER = "x-agl-rollout-id"
 ATTEMPT_HEADER = "x-agl-attempt-id"
 FRAMEWORK_NAME = "agl.proxy"
-_APIS = {"chat/completions": CHAT, "responses": RESPONSES}
-_SPAN_PREFIX = {CHAT: "chat", RESPONSES: "responses"}
+_APIS = {"chat/completions": CHAT, "responses": RESPONSES, "completions": COMPLETIONS}
 # Hop-by-hop and length headers are the proxy's own business on each side.
 _DROP_REQUEST_HEADERS = {
     "host", "content-length", "connection", "accept-encoding", ROLLOUT_HEADER, ATTEMPT_HEADER, CLIENT_TRACED_HEADER
@@ -412,6 +413,8 @@ class _Call:
         body[TOKEN_IDS_REQUEST] = True
         if api == CHAT and proxy.logprobs and not body.get("logprobs"):
             body["logprobs"] = True
+        elif api == COMPLETIONS and proxy.logprobs and body.get("logprobs") is None:
+            body["logprobs"] = 0
         self.body = body
         self.with_logprobs = logprobs_requested(api, body)
         self.deferred: Dict[str, Any] = {}
@@ -420,7 +423,7 @@ class _Call:
             add_request_payloads(api, body, self.deferred)
         self.accumulator: Optional[Accumulator] = None
         if stream and route is not None:
-            self.accumulator = ChatStreamAccumulator() if api == CHAT else ResponsesStreamAccumulator(self.with_logprobs)
+            self.accumulator = new_accumulator(api, self.with_logprobs)
         self.sse_event: Optional[str] = None
         self.trace_id, self.parent_id = _parse_traceparent(traceparent)
 
@@ -430,14 +433,7 @@ class _Call:
         reasons: List[str] = []
         try:
             data = json.loads(content)
-            if self.api == CHAT:
-                from openai.types.chat import ChatCompletion
-
-                reasons = chat_completion_attributes(ChatCompletion.construct(**data), self.deferred, self.with_logprobs)
-            else:
-                from openai.types.responses import Response as ResponsesResponse
-
-                reasons = response_attributes(ResponsesResponse.construct(**data), self.deferred, self.with_logprobs)
+            reasons = record_response(self.api, _sdk_response(self.api, data), self.deferred, self.with_logprobs)
         except Exception as exc:  # noqa: BLE001 - a reply we cannot read is still the agent's reply
             logger.warning("agl proxy could not read the model's reply: %s", exc)
             record_token_ids(None, None, self.deferred)
@@ -455,12 +451,10 @@ class _Call:
             return
         try:
             data = json.loads(line[5:].strip())
-            if self.api == CHAT:
-                from openai.types.chat import ChatCompletionChunk
-
-                self.accumulator.add(ChatCompletionChunk.construct(**data))
-            else:
+            if self.api == RESPONSES:
                 self.accumulator.add(_responses_event(data, self.sse_event))
+            else:
+                self.accumulator.add(_sdk_chunk(self.api, data))
         except Exception as exc:  # noqa: BLE001 - keep relaying; the span says what could not be read
             logger.warning("agl proxy could not read a streamed chunk: %s", exc)
             self.accumulator = None
@@ -495,7 +489,7 @@ class _Call:
         if failure is not None:
             attributes[semconv.ERROR_TYPE] = failure[0]
         model = self.body.get("model")
-        prefix = _SPAN_PREFIX[self.api]
+        prefix = SPAN_PREFIX[self.api]
         return Span(
             rollout_id=rollout_id,
             attempt_id=attempt_id,
@@ -511,6 +505,33 @@ class _Call:
             error=failure[1] if failure is not None else None,
             attributes=attributes,
         )
+
+
+def _sdk_response(api: str, data: Dict[str, Any]) -> Any:
+    """A non-streamed reply as the SDK object the instrumentation reads (built without validation: the reply
+    goes to the agent as sent, whatever the SDK would think of it)."""
+    if api == CHAT:
+        from openai.types.chat import ChatCompletion
+
+        return ChatCompletion.construct(**data)
+    if api == COMPLETIONS:
+        from openai.types import Completion
+
+        return Completion.construct(**data)
+    from openai.types.responses import Response as ResponsesResponse
+
+    return ResponsesResponse.construct(**data)
+
+
+def _sdk_chunk(api: str, data: Dict[str, Any]) -> Any:
+    """A chat or completions stream chunk as the SDK object the accumulator reads."""
+    if api == CHAT:
+        from openai.types.chat import ChatCompletionChunk
+
+        return ChatCompletionChunk.construct(**data)
+    from openai.types import Completion
+
+    return Completion.construct(**data)
 
 
 def _responses_event(data: Dict[str, Any], event: Optional[str]) -> Any:

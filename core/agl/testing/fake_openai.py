@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from agl.http_thread import ThreadedServer
 from agl.serving.chat_format import BadRequest
-from agl.testing import fake_chat, fake_responses
+from agl.testing import fake_chat, fake_completions, fake_responses
 from agl.testing.fake_policy import ChatTool, FakeReply, FakeTokenizer, Generation, ToolChoice, generate
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ _ERROR_TYPES = {
 
 
 class FakeOpenAIServer:
-    """Serves ``/v1/models``, ``/v1/chat/completions`` and ``/v1/responses`` from a daemon thread.
+    """Serves ``/v1/models``, ``/v1/chat/completions``, ``/v1/responses`` and the legacy ``/v1/completions``
+    from a daemon thread.
 
     Generation requests take replies from :meth:`script` in order, from either endpoint; when the script
     is empty the default policy answers (see :func:`agl.testing.fake_policy.default_policy`). Token ids are
@@ -150,7 +151,19 @@ def _create_app(server: FakeOpenAIServer) -> FastAPI:
     async def _responses(request: Request) -> Response:
         return await _generate(server, request, _RESPONSES)
 
+    @app.post("/v1/completions")
+    async def _completions(request: Request) -> Response:
+        return await _generate(server, request, _COMPLETIONS)
+
     return app
+
+
+Conversation = tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]
+
+
+def _chat_answer(reply: FakeReply | None, conversation: Conversation, body: Body, tokenizer: FakeTokenizer) -> Generation:
+    """Chat and Responses: the conversation through the chat template, answered by the script or the policy."""
+    return generate(reply, *conversation, tokenizer)
 
 
 @dataclass(frozen=True)
@@ -158,9 +171,10 @@ class _WireApi:
     """How one OpenAI API reads a request and writes a generation; the rest of serving is shared."""
 
     missing_field: Callable[[Body], str | None]
-    conversation: Callable[[Body], tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]]
+    conversation: Callable[[Body], Conversation]
     as_json: Callable[[Generation, Body, bool], dict[str, Any]]
     as_sse: Callable[[Generation, Body, bool], Iterator[str]]
+    answer: Callable[[FakeReply | None, Conversation, Body, FakeTokenizer], Generation] = _chat_answer
 
 
 _CHAT = _WireApi(fake_chat.missing_field, fake_chat.conversation, fake_chat.completion, fake_chat.sse_events)
@@ -169,6 +183,13 @@ _RESPONSES = _WireApi(
     fake_responses.conversation,
     fake_responses.response,
     fake_responses.sse_events,
+)
+_COMPLETIONS = _WireApi(
+    fake_completions.missing_field,
+    fake_completions.conversation,
+    fake_completions.completion,
+    fake_completions.sse_events,
+    fake_completions.answer,
 )
 
 
@@ -185,7 +206,7 @@ async def _generate(server: FakeOpenAIServer, request: Request, api: _WireApi) -
     if missing:
         return error_response(400, f"missing required parameter: '{missing}'")
     try:
-        messages, tools, tool_choice = api.conversation(body)
+        conversation = api.conversation(body)
     except BadRequest as exc:  # e.g. a Responses input item type agl does not map; no scripted reply is used
         return error_response(400, str(exc))
     reply = server._next_reply()
@@ -193,7 +214,7 @@ async def _generate(server: FakeOpenAIServer, request: Request, api: _WireApi) -
         await asyncio.sleep(reply.delay)
     if reply is not None and reply.is_error:
         return error_response(reply.status_code, reply.error_message or f"fake error {reply.status_code}")
-    gen = generate(reply, messages, tools, tool_choice, server.tokenizer)
+    gen = api.answer(reply, conversation, body, server.tokenizer)
     token_ids = server.always_token_ids or bool(body.get("return_token_ids"))
     if body.get("stream"):
         break_after = reply.break_stream_after if reply is not None else None

@@ -1,0 +1,139 @@
+"""Legacy Completions API wire format (``POST /v1/completions``) for the fake OpenAI server.
+
+Token-in agents send a raw prompt (text, or the token ids of a template they applied themselves) and get
+text back; there is no chat template and no tool-call parsing. The fake model answers the prompt text as
+if a user had said it (``FAKE: <prompt>`` by default); a scripted reply's tool calls come back as the text
+the model would have written for them. Token ids follow vLLM's ``return_token_ids`` for this API: both
+``prompt_token_ids`` and ``token_ids`` sit on the choice (streamed: the prompt ids on the first chunk's).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from agl.instrumentation.openai_payloads import one_prompt
+from agl.testing.fake_policy import (
+    ChatTool,
+    FakeReply,
+    FakeTokenizer,
+    Generation,
+    ToolChoice,
+    default_policy,
+    fake_logprob,
+    render_assistant,
+    tool_call_from_spec,
+)
+
+Body = Mapping[str, Any]
+
+
+def missing_field(body: Body) -> str | None:
+    """``prompt`` unless it is one prompt: text or token ids, bare or in a one-element list."""
+    prompt = one_prompt(body.get("prompt"))
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
+        return None
+    return "prompt"
+
+
+def conversation(body: Body) -> tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]:
+    """The prompt as the one user message the default policy answers (no tools: a text API)."""
+    return [{"role": "user", "content": _prompt_text(body)}], [], None
+
+
+def answer(
+    reply: FakeReply | None,
+    conversation: tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice],
+    body: Body,
+    tokenizer: FakeTokenizer,
+) -> Generation:
+    """The text answer, its prompt ids being the prompt's own (given ids, or the text's bytes)."""
+    if reply is not None and reply.chooses_message:
+        text = render_assistant(reply.content, [tool_call_from_spec(spec) for spec in reply.tool_calls or []])
+    else:
+        text = default_policy(conversation[0], [], None)[0] or ""
+    prompt = one_prompt(body["prompt"])
+    prompt_ids = list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
+    return Generation(
+        content=text, tool_calls=[], prompt_ids=prompt_ids, response_ids=tokenizer.encode(text), tokenizer=tokenizer
+    )
+
+
+def completion(gen: Generation, body: Body, token_ids: bool) -> dict[str, Any]:
+    """The non-streamed ``text_completion`` object."""
+    choice = _choice(gen, body, gen.content or "", gen.response_ids, (0, 0), "stop")
+    if token_ids:
+        choice["prompt_token_ids"] = gen.prompt_ids
+        choice["token_ids"] = gen.response_ids
+    return {**_header(body), "choices": [choice], "usage": _usage(gen)}
+
+
+def sse_events(gen: Generation, body: Body, token_ids: bool) -> Iterator[str]:
+    """One chunk per word (its ``token_ids`` the word's), the finish reason last, ``data: [DONE]`` at the end."""
+    header = _header(body)
+    pieces = gen.text_pieces() or [""]
+    tokens = characters = 0
+    for index, piece in enumerate(pieces):
+        ids = gen.tokenizer.encode(piece)
+        last = index == len(pieces) - 1
+        choice = _choice(gen, body, piece, ids, (tokens, characters), "stop" if last else None)
+        if token_ids:
+            if index == 0:
+                choice["prompt_token_ids"] = gen.prompt_ids
+            choice["token_ids"] = ids
+        tokens += len(ids)
+        characters += len(piece)
+        yield f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
+    if (body.get("stream_options") or {}).get("include_usage"):
+        yield f"data: {json.dumps({**header, 'choices': [], 'usage': _usage(gen)})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _prompt_text(body: Body) -> str:
+    prompt = one_prompt(body["prompt"])
+    return prompt if isinstance(prompt, str) else FakeTokenizer().decode(prompt)
+
+
+def _choice(
+    gen: Generation, body: Body, text: str, ids: list[int], start: tuple[int, int], finish_reason: str | None
+) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": _logprobs(gen, body, ids, start), "finish_reason": finish_reason}
+
+
+def _logprobs(gen: Generation, body: Body, ids: list[int], start: tuple[int, int]) -> dict[str, Any] | None:
+    """The legacy logprobs object when the request asked (``logprobs``: an int, 0 for the chosen tokens only).
+
+    ``start``: the response token and character positions ``ids`` begin at.
+    """
+    if body.get("logprobs") is None:
+        return None
+    first, offset = start
+    tokens = [gen.tokenizer.token_text(token_id) for token_id in ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [fake_logprob(first + i) for i in range(len(ids))],
+        "top_logprobs": [{token: fake_logprob(first + i)} for i, token in enumerate(tokens)],
+        "text_offset": offsets,
+    }
+
+
+def _header(body: Body) -> dict[str, Any]:
+    return {
+        "id": "cmpl-" + uuid.uuid4().hex,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model") or "fake-model",
+        "system_fingerprint": None,
+    }
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    prompt, completion_tokens = len(gen.prompt_ids), len(gen.response_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
