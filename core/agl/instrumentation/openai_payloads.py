@@ -164,11 +164,8 @@ def chat_completion_attributes(completion: Any, deferred: Dict[str, Any], with_l
 
     Returns the finish reasons.
     """
-    record_response_ids(completion.id, completion.model, deferred)
+    _record_header(completion, deferred)
     choices = completion.choices
-    usage = completion.usage
-    if usage is not None:
-        record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
     deferred[semconv.OUTPUT_MESSAGES] = [choice.message for choice in choices]
     first = choices[0] if choices else None
     record_token_ids(_extra(completion, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
@@ -184,10 +181,7 @@ def completion_attributes(completion: Any, deferred: Dict[str, Any], with_logpro
 
     Returns the finish reasons.
     """
-    record_response_ids(completion.id, completion.model, deferred)
-    usage = completion.usage
-    if usage is not None:
-        record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+    _record_header(completion, deferred)
     choices = completion.choices
     deferred[semconv.OUTPUT_MESSAGES] = [{"role": "assistant", "content": choice.text} for choice in choices]
     first = choices[0] if choices else None
@@ -196,6 +190,14 @@ def completion_attributes(completion: Any, deferred: Dict[str, Any], with_logpro
     if with_logprobs and first is not None and first.logprobs is not None and first.logprobs.token_logprobs:
         deferred[semconv.RESPONSE_LOGPROBS] = list(first.logprobs.token_logprobs)
     return [c.finish_reason for c in choices if c.finish_reason]
+
+
+def _record_header(completion: Any, deferred: Dict[str, Any]) -> None:
+    """Id, model and usage of a chat or text completion (the Responses API names its usage fields apart)."""
+    record_response_ids(completion.id, completion.model, deferred)
+    usage = completion.usage
+    if usage is not None:
+        record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
 
 
 def record_completion_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any]) -> None:

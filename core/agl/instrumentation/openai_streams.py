@@ -103,12 +103,11 @@ class _Choice:
         return message
 
 
-class ChatStreamAccumulator:
-    """Rebuilds a chat completion from ``ChatCompletionChunk`` objects (token ids of choice 0)."""
+class _TokenStream:
+    """What chat and completions streams share: the response's id, model and usage, the policy version, and
+    choice 0's token ids and logprobs (vLLM sends the ids of each chunk's delta)."""
 
-    __slots__ = (
-        "response_id", "model", "usage", "prompt_ids", "response_ids", "logprobs", "choices", "failure", "version"
-    )
+    __slots__ = ("response_id", "model", "usage", "prompt_ids", "response_ids", "logprobs", "failure", "version")
 
     def __init__(self) -> None:
         self.response_id: Optional[str] = None
@@ -117,22 +116,57 @@ class ChatStreamAccumulator:
         self.prompt_ids: Optional[List[int]] = None
         self.response_ids: Optional[List[int]] = None
         self.logprobs: List[float] = []
-        self.choices: Dict[int, _Choice] = {}
         self.failure: Optional[Failure] = None
         self.version: Any = None  # agl's policy server: the policy version that answered
 
-    def add(self, chunk: Any) -> None:
+    def _add_header(self, chunk: Any) -> None:
         if self.response_id is None:
             self.response_id = chunk.id
             self.model = chunk.model
             extra = chunk.model_extra
             self.version = extra.get(RESOURCES_VERSION_FIELD) if extra else None
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+    def _add_ids(self, source: Any) -> None:
+        """``prompt_token_ids`` (the first time a chunk or choice has them) and ``token_ids`` of ``source``."""
+        extra = source.model_extra
+        if not extra:
+            return
+        if self.prompt_ids is None:
+            self.prompt_ids = extra.get("prompt_token_ids")
+        ids = extra.get("token_ids")
+        if ids is not None:
+            if self.response_ids is None:
+                self.response_ids = []
+            self.response_ids.extend(ids)
+
+    def _record_header(self, deferred: Dict[str, Any]) -> None:
+        record_response_ids(self.response_id, self.model, deferred)
+        usage = self.usage
+        if usage is not None:
+            record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+        record_resources_version(self.version, deferred)
+        if self.logprobs:
+            deferred[semconv.RESPONSE_LOGPROBS] = self.logprobs
+
+
+class ChatStreamAccumulator(_TokenStream):
+    """Rebuilds a chat completion from ``ChatCompletionChunk`` objects (token ids of choice 0; the prompt ids
+    are on the first chunk)."""
+
+    __slots__ = ("choices",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.choices: Dict[int, _Choice] = {}
+
+    def add(self, chunk: Any) -> None:
+        self._add_header(chunk)
         if self.prompt_ids is None:
             extra = chunk.model_extra
             if extra:
                 self.prompt_ids = extra.get("prompt_token_ids")
-        if chunk.usage is not None:
-            self.usage = chunk.usage
         for choice in chunk.choices:
             index = choice.index
             state = self.choices.get(index)
@@ -147,31 +181,17 @@ class ChatStreamAccumulator:
             if choice.finish_reason:
                 state.finish_reason = choice.finish_reason
             if index == 0:
-                self._add_tokens(choice)
-
-    def _add_tokens(self, choice: Any) -> None:
-        extra = choice.model_extra
-        ids = extra.get("token_ids") if extra else None
-        if ids is not None:
-            if self.response_ids is None:
-                self.response_ids = []
-            self.response_ids.extend(ids)
-        logprobs = choice.logprobs
-        if logprobs is not None and logprobs.content:
-            self.logprobs.extend([token.logprob for token in logprobs.content])
+                self._add_ids(choice)
+                logprobs = choice.logprobs
+                if logprobs is not None and logprobs.content:
+                    self.logprobs.extend([token.logprob for token in logprobs.content])
 
     def record(self, deferred: Dict[str, Any]) -> List[str]:
-        record_response_ids(self.response_id, self.model, deferred)
-        usage = self.usage
-        if usage is not None:
-            record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+        self._record_header(deferred)
         choices = [state for _, state in sorted(self.choices.items())]
         if choices:
             deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_messages, choices)
         record_token_ids(self.prompt_ids, self.response_ids, deferred)
-        record_resources_version(self.version, deferred)
-        if self.logprobs:
-            deferred[semconv.RESPONSE_LOGPROBS] = self.logprobs
         return [state.finish_reason for state in choices if state.finish_reason]
 
 
@@ -182,32 +202,19 @@ def _messages(choices: List[_Choice]) -> List[Dict[str, Any]]:
 # --- completions (legacy text API) ------------------------------------------------------------------------
 
 
-class CompletionStreamAccumulator:
-    """Rebuilds a (legacy) ``Completion`` from its streamed chunks: text per choice, choice 0's ids and logprobs."""
+class CompletionStreamAccumulator(_TokenStream):
+    """Rebuilds a (legacy) ``Completion`` from its streamed chunks: text per choice, choice 0's ids (the
+    prompt ids are on the first chunk's choice) and logprobs."""
 
-    __slots__ = ("response_id", "model", "usage", "prompt_ids", "response_ids", "logprobs", "texts", "reasons",
-                 "failure", "version")
+    __slots__ = ("texts", "reasons")
 
     def __init__(self) -> None:
-        self.response_id: Optional[str] = None
-        self.model: Optional[str] = None
-        self.usage: Any = None
-        self.prompt_ids: Optional[List[int]] = None
-        self.response_ids: Optional[List[int]] = None
-        self.logprobs: List[float] = []
+        super().__init__()
         self.texts: Dict[int, List[str]] = {}
         self.reasons: Dict[int, str] = {}
-        self.failure: Optional[Failure] = None
-        self.version: Any = None
 
     def add(self, chunk: Any) -> None:
-        if self.response_id is None:
-            self.response_id = chunk.id
-            self.model = chunk.model
-            extra = chunk.model_extra
-            self.version = extra.get(RESOURCES_VERSION_FIELD) if extra else None
-        if chunk.usage is not None:
-            self.usage = chunk.usage
+        self._add_header(chunk)
         for choice in chunk.choices:
             index = choice.index
             if choice.text:
@@ -215,33 +222,16 @@ class CompletionStreamAccumulator:
             if choice.finish_reason:
                 self.reasons[index] = choice.finish_reason
             if index == 0:
-                self._add_tokens(choice)
-
-    def _add_tokens(self, choice: Any) -> None:
-        extra = choice.model_extra
-        if extra:
-            if self.prompt_ids is None:
-                self.prompt_ids = extra.get("prompt_token_ids")
-            ids = extra.get("token_ids")
-            if ids is not None:
-                if self.response_ids is None:
-                    self.response_ids = []
-                self.response_ids.extend(ids)
-        logprobs = choice.logprobs
-        if logprobs is not None and logprobs.token_logprobs:
-            self.logprobs.extend(logprobs.token_logprobs)
+                self._add_ids(choice)
+                logprobs = choice.logprobs
+                if logprobs is not None and logprobs.token_logprobs:
+                    self.logprobs.extend(logprobs.token_logprobs)
 
     def record(self, deferred: Dict[str, Any]) -> List[str]:
-        record_response_ids(self.response_id, self.model, deferred)
-        usage = self.usage
-        if usage is not None:
-            record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+        self._record_header(deferred)
         indexes = sorted(set(self.texts) | set(self.reasons))
         deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_completion_messages, [self.texts.get(i, []) for i in indexes])
         record_completion_token_ids(self.prompt_ids, self.response_ids, deferred)
-        record_resources_version(self.version, deferred)
-        if self.logprobs:
-            deferred[semconv.RESPONSE_LOGPROBS] = self.logprobs
         return [self.reasons[i] for i in indexes if i in self.reasons]
 
 
