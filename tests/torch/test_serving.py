@@ -697,7 +697,9 @@ def test_langchain_structured_output_is_served_and_recorded_with_token_ids(instr
         sure: bool
 
     llm = ChatOpenAI(base_url=server.base_url, api_key="x", model="policy", max_retries=0, max_tokens=40)
-    structured = llm.with_structured_output(Verdict, method=method)
+    # strict: the tool's schema gets additionalProperties false, as json_schema's has; without it the schema
+    # lets the random model add keys until max_tokens, and LangChain then has no object to parse.
+    structured = llm.with_structured_output(Verdict, method=method, strict=True)
     rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
     with tracer_writes_to(ListSink()) as sink, agl.rollout_scope(rollout_id, "at-1"):
         result = structured.invoke([{"role": "user", "content": "Is 2 + 3 = 5?"}])
