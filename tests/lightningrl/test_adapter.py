@@ -151,11 +151,14 @@ def test_aggregate_merges_the_tool_conversation(two_groups) -> None:
         assert 0 in s.response_mask  # the tool result and template tokens in between are masked out
 
 
-def test_failed_rollouts_are_dropped_or_filled(tmp_path, fake_openai, instrumented) -> None:
+def test_failed_rollouts_are_dropped_or_filled_and_said_why(tmp_path, fake_openai, instrumented, caplog) -> None:
     store, rollouts = run(tmp_path, fake_openai, [{"question": "1 plus 2?", "answer": 3},
                                                   {"question": "1 plus 1?", "answer": 2, "fail": True}], n_per_task=1)
     assert [r.status for r in rollouts] == ["succeeded", "failed"]
-    dropped = LightningRL().build_batch(store, rollouts, progress=False)
+    with caplog.at_level("WARNING", logger="agl.lightningrl"):
+        dropped = LightningRL().build_batch(store, rollouts, progress=False)
+    (warning,) = [r.getMessage() for r in caplog.records if "rollouts failed" in r.getMessage()]
+    assert "1 of 2 rollouts failed or gave no reward (dropped)" in warning and "the agent crashed" in warning
     assert (dropped.report.used, dropped.report.failed_dropped) == (1, 1)
     assert {s.rollout_id for s in dropped.samples} == {rollouts[0].rollout_id}
     filled = LightningRL(failed=-1.0).build_batch(store, rollouts, progress=False)

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Pattern, Sequence, Tuple, Union
 
@@ -267,6 +268,7 @@ class LightningRL:
         samples = self._advantages(self._samples(transitions, report))
         report.samples = len(samples)
         self._log(report)
+        _warn_failed(rollouts, resolution.n_filled > 0)
         return Batch(samples=samples, transitions=transitions, report=report)
 
     def _samples(self, transitions: List[Transition], report: BatchReport) -> List[Sample]:
@@ -331,6 +333,25 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _warn_failed(rollouts: Sequence[Rollout], filled: bool) -> None:
+    """Say how many rollouts of the batch failed and why (the most common reason): a step whose rollouts all
+    failed, e.g. on a request the server refuses, must not look like a step with no reward signal."""
+    failed = [r for r in rollouts if not (r.status == "succeeded" and r.final_reward is not None)]
+    if not failed:
+        return
+    reasons = Counter(_failure_reason(r) for r in failed)
+    reason, count = reasons.most_common(1)[0]
+    logger.warning(
+        "LightningRL: %d of %d rollouts failed or gave no reward (%s); most common reason (%d of them): %s",
+        len(failed), len(rollouts), "given the failed-rollout reward" if filled else "dropped", count, reason,
+    )
+
+
+def _failure_reason(rollout: Rollout) -> str:
+    lines = (rollout.error or "").strip().splitlines()
+    return lines[0][:300] if lines else f"{rollout.status}, without a reward"
 
 
 def _failed_policy(failed: Union[str, float, FailedRollouts]) -> FailedRolloutPolicy:
