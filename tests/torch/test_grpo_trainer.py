@@ -122,6 +122,54 @@ def test_served_token_ids_are_the_ids_the_trainer_feeds_the_model(tmp_path: Path
     assert algo.state.rows[0]["logprob_drift"] < 1e-4
 
 
+@agl.rollout
+def token_in_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
+    """Applies the chat template itself and sends the prompt as token ids to the legacy Completions API (as
+    rLLM- and verl-style agent loops do), with the trainer's sampling parameters as published."""
+    tokenizer = TOKENIZER["tokenizer"]
+    messages = [{"role": "user", "content": task["question"]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
+        completion = client.completions.create(model=llm.model, prompt=prompt, **llm.sampling_parameters)
+    choice = completion.choices[0]
+    with _lock:
+        SERVED.append({
+            "prompt": prompt,
+            "prompt_token_ids": choice.model_extra["prompt_token_ids"],
+            "token_ids": choice.model_extra["token_ids"],
+            "logprobs": choice.logprobs.token_logprobs,
+        })
+        RUNS[task["task_id"]] = RUNS.get(task["task_id"], 0) + 1
+        return float(RUNS[task["task_id"]] % 2 == 0)
+
+
+TOKENIZER: Dict[str, Any] = {}
+
+
+def test_a_token_in_agent_on_the_completions_api_trains_on_its_own_ids(tmp_path: Path) -> None:
+    model, tokenizer = load_policy("tiny", device="cpu", seed=0)
+    TOKENIZER["tokenizer"] = tokenizer
+    algo = _algo(tmp_path, model=(model, tokenizer), steps=1)
+    fed: List[Any] = []
+    update = algo.update
+
+    def recording_update(samples: Any) -> Dict[str, float]:
+        fed.extend(samples)
+        return update(samples)
+
+    algo.update = recording_update  # type: ignore[method-assign]
+    _trainer(tmp_path, algo).fit(token_in_agent, TASKS[:2])
+
+    assert len(fed) == len(SERVED) == 6 and algo.state.rows[0]["optimizer_steps"] == 1
+    by_response = {tuple(s["token_ids"]): s for s in SERVED}
+    for sample in fed:
+        served = by_response[tuple(sample.response_ids)]
+        assert sample.prompt_ids == served["prompt"] == served["prompt_token_ids"]  # the agent's own ids
+        assert sample.response_logprobs == pytest.approx(served["logprobs"])
+    assert algo.state.rows[0]["logprob_drift"] < 1e-4  # the served logprobs are the trainer's
+
+
 VERDICT_FORMAT = {
     "type": "json_schema",
     "json_schema": {

@@ -131,8 +131,9 @@ def logprobs_requested(api: str, kwargs: Mapping[str, Any]) -> bool:
     """Whether the response will carry logprobs worth recording (decided once, before the call)."""
     if api == CHAT:
         return kwargs.get("logprobs") is True
-    if api == COMPLETIONS:
-        return _is_int(kwargs.get("logprobs"))
+    if api == COMPLETIONS:  # an int (0: the sampled tokens only); true is how agl's server reads the chat spelling
+        logprobs = kwargs.get("logprobs")
+        return logprobs is True or _is_int(logprobs)
     include = kwargs.get("include")
     return isinstance(include, (list, tuple)) and LOGPROBS_INCLUDE in include
 

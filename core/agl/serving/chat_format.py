@@ -237,12 +237,12 @@ def streamable_prefix(text: str, tools_offered: bool, stops: Sequence[str] = ())
         opened = text.find(TOOL_CALL_OPEN)
         if opened >= 0:
             end = opened
-        end = min(end, _partial_suffix_start(text[:end], (TOOL_CALL_OPEN,)))
-    end = min(end, _partial_suffix_start(text[:end], stops))
+        end = min(end, partial_suffix_start(text[:end], (TOOL_CALL_OPEN,)))
+    end = min(end, partial_suffix_start(text[:end], stops))
     return text[:end].strip()
 
 
-def _partial_suffix_start(text: str, markers: Sequence[str]) -> int:
+def partial_suffix_start(text: str, markers: Sequence[str]) -> int:
     """Where the longest tail of ``text`` that is a proper prefix of one of ``markers`` starts."""
     start = len(text)
     for marker in markers:

@@ -97,33 +97,33 @@ def parse_request(body: Any) -> ChatRequest:
             f"{', '.join(sorted(_SUPPORTED - _IGNORED))}",
             unknown[0],
         )
-    _require(body.get("n") in (None, 1), "n", "only n=1 is supported: send one request per sample")
+    require(body.get("n") in (None, 1), "n", "only n=1 is supported: send one request per sample")
     for penalty in ("presence_penalty", "frequency_penalty"):
-        _require(body.get(penalty) in (None, 0, 0.0), penalty, f"{penalty} is not supported: leave it out or send 0")
-    _require(not body.get("logit_bias"), "logit_bias", "logit_bias is not supported: leave it out")
+        require(body.get(penalty) in (None, 0, 0.0), penalty, f"{penalty} is not supported: leave it out or send 0")
+    require(not body.get("logit_bias"), "logit_bias", "logit_bias is not supported: leave it out")
     model = body.get("model")
-    _require(isinstance(model, str) and model != "", "model", "'model' must be a non-empty string")
+    require(isinstance(model, str) and model != "", "model", "'model' must be a non-empty string")
     messages = body.get("messages")
-    _require(isinstance(messages, list) and bool(messages), "messages", "'messages' must be a non-empty list")
+    require(isinstance(messages, list) and bool(messages), "messages", "'messages' must be a non-empty list")
     tools = body.get("tools") or []
-    _require(isinstance(tools, list), "tools", "'tools' must be a list of function tools")
+    require(isinstance(tools, list), "tools", "'tools' must be a list of function tools")
     tool_choice, forced_tool = _tool_choice(body.get("tool_choice"), tools)
-    logprobs = _optional_bool(body, "logprobs")
+    logprobs = optional_bool(body, "logprobs")
     top_logprobs = body.get("top_logprobs") or 0
-    _require(
-        _is_int(top_logprobs) and 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
+    require(
+        is_int(top_logprobs) and 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
         "top_logprobs",
         f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}",
     )
-    _require(not top_logprobs or logprobs, "top_logprobs", "top_logprobs needs logprobs: true")
+    require(not top_logprobs or logprobs, "top_logprobs", "top_logprobs needs logprobs: true")
     stream_options = body.get("stream_options") or {}
-    _require(isinstance(stream_options, Mapping), "stream_options", "stream_options must be an object")
+    require(isinstance(stream_options, Mapping), "stream_options", "stream_options must be an object")
     return ChatRequest(
         model=model,
         messages=messages,
         tools=tools,
         tool_choice=tool_choice,
-        stream=_optional_bool(body, "stream"),
+        stream=optional_bool(body, "stream"),
         include_usage=bool(stream_options.get("include_usage")),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -134,22 +134,22 @@ def parse_request(body: Any) -> ChatRequest:
         seed=_seed(body.get("seed")),
         answer_schema=answer_schema(body.get("response_format")),
         forced_tool=forced_tool,
-        parallel_tool_calls=body.get("parallel_tool_calls") is None or _optional_bool(body, "parallel_tool_calls"),
+        parallel_tool_calls=body.get("parallel_tool_calls") is None or optional_bool(body, "parallel_tool_calls"),
     )
 
 
-def _require(condition: bool, param: str, message: str) -> None:
+def require(condition: bool, param: str, message: str) -> None:
     if not condition:
         raise BadRequest(message, param)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _optional_bool(body: Mapping[str, Any], key: str) -> bool:
+def optional_bool(body: Mapping[str, Any], key: str) -> bool:
     value = body.get(key)
-    _require(value is None or isinstance(value, bool), key, f"{key} must be true or false")
+    require(value is None or isinstance(value, bool), key, f"{key} must be true or false")
     return bool(value)
 
 
@@ -158,13 +158,13 @@ def _number(body: Mapping[str, Any], key: str, default: float, low: float, high:
     if value is None:
         return default
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
-    _require(ok, key, f"{key} must be a number from {low:g} to {high:g}")
+    require(ok, key, f"{key} must be a number from {low:g} to {high:g}")
     return float(value)
 
 
 def _top_p(body: Mapping[str, Any]) -> float:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    _require(top_p > 0, "top_p", "top_p must be greater than 0 (use temperature 0 for greedy decoding)")
+    require(top_p > 0, "top_p", "top_p must be greater than 0 (use temperature 0 for greedy decoding)")
     return top_p
 
 
@@ -172,7 +172,7 @@ def _max_tokens(body: Mapping[str, Any]) -> Optional[int]:
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
         if value is not None:
-            _require(_is_int(value) and value >= 1, key, f"{key} must be a positive integer")
+            require(is_int(value) and value >= 1, key, f"{key} must be a positive integer")
             return int(value)
     return None
 
@@ -182,12 +182,12 @@ def _stops(stop: Any) -> Tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     ok = isinstance(stops, list) and len(stops) <= MAX_STOPS and all(isinstance(s, str) and s for s in stops)
-    _require(ok, "stop", f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
+    require(ok, "stop", f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
     return tuple(stops)
 
 
 def _seed(seed: Any) -> Optional[int]:
-    _require(seed is None or _is_int(seed), "seed", "seed must be an integer")
+    require(seed is None or is_int(seed), "seed", "seed must be an integer")
     return None if seed is None else int(seed) % (2**63)
 
 
@@ -204,8 +204,8 @@ def _tool_choice(choice: Any, tools: List[Any]) -> Tuple[str, Optional[str]]:
             "tool_choice",
         )
     offered = [_tool_name(t) for t in tools]
-    _require(bool(tools), "tool_choice", f"tool_choice {choice!r} needs tools to call: send 'tools' too")
-    _require(
+    require(bool(tools), "tool_choice", f"tool_choice {choice!r} needs tools to call: send 'tools' too")
+    require(
         name is None or name in offered, "tool_choice", f"tool_choice names {name!r}, not one of the tools {offered}"
     )
     return "required", name

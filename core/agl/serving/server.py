@@ -7,25 +7,35 @@ in-process trainer can share the model object: it steps the optimizer inside ``w
 and then calls ``server.set_version(n)``. A server in another process (``agl serve``) gets new weights with
 :meth:`PolicyServer.load_weights`.
 
-Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/responses`` (plain and streamed; see
-:mod:`agl.serving.responses_api`), ``GET /v1/models``, ``GET /health``.
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/responses`` (see :mod:`agl.serving.responses_api`) and
+the legacy ``POST /v1/completions`` for agents that send their own prompt text or token ids (see
+:mod:`agl.serving.completions_api`), each plain and streamed; ``GET /v1/models``, ``GET /health``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from types import TracebackType
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agl.http_thread import ThreadedServer
 from agl.serving.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix
-from agl.serving.engine import EngineStats, Failed, Finished, GenerationEngine, Started, Step, Token
+from agl.serving.completions_api import (
+    DEFAULT_MAX_TOKENS as COMPLETIONS_DEFAULT_MAX_TOKENS,
+    CompletionRequest,
+    CompletionWriter,
+    parse_completion_request,
+    prompt_token_ids,
+    streamable_text,
+)
+from agl.serving.engine import EngineStats, Failed, Finished, GenerationEngine, SamplingParams, Started, Step, Token
 from agl.serving.openai_api import (
     VERSION_FIELD,
     VERSION_HEADER,
@@ -38,7 +48,6 @@ from agl.serving.responses_api import AnswerWriter, ResponsesWriter, in_response
 from agl.serving.weights import WeightLoader, WeightsSource
 
 logger = logging.getLogger(__name__)
-
 
 
 class PolicyServer:
@@ -75,6 +84,7 @@ class PolicyServer:
         self.engine = GenerationEngine(
             model, tokenizer, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s, version=version
         )
+        self._vocab_size = _prompt_vocabulary(model, tokenizer)
         self.app = _create_app(self)
         self._weights: Optional[WeightLoader] = None
         self._http = ThreadedServer(self.app, name="agl-policy-server", host=host, port=port)
@@ -151,29 +161,45 @@ class PolicyServer:
 
     # --- requests --------------------------------------------------------------------------------------------
 
-    def _prepare(self, body: Any) -> tuple[ChatRequest, List[int], Any]:
-        """Check and render a request: ``(request, prompt ids, sampling params)``. Raises BadRequest."""
+    def _prepare(self, body: Any) -> tuple[ChatRequest, List[int], SamplingParams]:
+        """Check and render a chat request: ``(request, prompt ids, sampling params)``. Raises BadRequest."""
         request = parse_request(body)
         prompt = render_prompt(self.tokenizer, request.messages, request.tools if request.tools_offered else None)
         prompt_ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        max_tokens = self._max_tokens(prompt_ids, request.max_tokens, self.default_max_tokens, "messages")
+        params = request.sampling(max_tokens)
+        if params.grammar is not None:
+            self.engine.grammars.check(params.grammar)
+        return request, prompt_ids, params
+
+    def _prepare_completion(self, body: Any) -> tuple[CompletionRequest, List[int], SamplingParams]:
+        """Check a ``/v1/completions`` request: ``(request, prompt ids, sampling params)``. Raises BadRequest."""
+        request = parse_completion_request(body)
+        prompt_ids = prompt_token_ids(self.tokenizer, request.prompt, self._vocab_size)
+        max_tokens = self._max_tokens(prompt_ids, request.chat.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+        return request, prompt_ids, request.chat.sampling(max_tokens)
+
+    def _max_tokens(self, prompt_ids: List[int], requested: Optional[int], default: int, prompt_param: str) -> int:
+        """The answer's token limit: ``requested``, else ``default`` as far as the model's context leaves room.
+
+        A prompt that fills the context gets a 400 naming ``prompt_param``; a requested limit beyond it one
+        naming ``max_tokens`` and the most that fits.
+        """
         context = self.engine.max_context
         room = context - len(prompt_ids) if context else None
         if room is not None and room < 1:
             raise BadRequest(
-                f"the prompt is {len(prompt_ids)} tokens, the model's context is {context}: shorten the conversation",
-                "messages",
+                f"the prompt is {len(prompt_ids)} tokens, the model's context is {context}: shorten it",
+                prompt_param,
             )
-        max_tokens = request.max_tokens or min(self.default_max_tokens, room or self.default_max_tokens)
+        max_tokens = requested or min(default, room or default)
         if room is not None and max_tokens > room:
             raise BadRequest(
                 f"max_tokens {max_tokens} plus the {len(prompt_ids)}-token prompt exceeds the model's context of "
                 f"{context} tokens: ask for at most {room}",
                 "max_tokens",
             )
-        params = request.sampling(max_tokens)
-        if params.grammar is not None:
-            self.engine.grammars.check(params.grammar)
-        return request, prompt_ids, params
+        return max_tokens
 
 
 def _create_app(server: PolicyServer) -> FastAPI:
@@ -193,35 +219,97 @@ def _create_app(server: PolicyServer) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request) -> Response:
-        return await _generate(server, request, responses_api=False)
+        return await _generate(server, request, _chat_job)
 
     @app.post("/v1/responses")
     async def _responses(request: Request) -> Response:
-        return await _generate(server, request, responses_api=True)
+        return await _generate(server, request, _responses_job)
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request) -> Response:
+        return await _generate(server, request, _completions_job)
 
     return app
 
 
-async def _generate(server: PolicyServer, http_request: Request, responses_api: bool) -> Response:
-    """One request of either API: both are checked, rendered and generated as the chat request they mean."""
+@dataclasses.dataclass
+class _Job:
+    """A checked request of any of the three APIs, as the generation loop runs it."""
+
+    prompt_ids: List[int]
+    params: SamplingParams
+    stream: bool
+    tools_offered: bool  # tool calls are parsed out of the answer
+    streamable: Callable[[str], str]  # how much of the text so far a stream may send (see ``_stream``)
+    writer: Callable[[int], AnswerWriter]  # the API's writer, given the version that answers
+
+
+def _chat_job(server: PolicyServer, body: Any) -> _Job:
+    request, prompt_ids, params = server._prepare(body)
+    return _as_chat(
+        request, prompt_ids, params,
+        lambda version: ResponseWriter(request, server.model_name, server.tokenizer, version),
+    )
+
+
+def _responses_job(server: PolicyServer, body: Any) -> _Job:
+    """Checked, rendered and generated as the chat request it stands for."""
+    chat_body = to_chat_body(body)
+    try:
+        request, prompt_ids, params = server._prepare(chat_body)
+    except BadRequest as exc:
+        raise in_responses_terms(exc) from None  # a chat-path check failed on what the Responses request meant
+    return _as_chat(
+        request, prompt_ids, params,
+        lambda version: ResponsesWriter(body, server.model_name, server.tokenizer, version, request.logprobs),
+    )
+
+
+def _as_chat(
+    request: ChatRequest, prompt_ids: List[int], params: SamplingParams, writer: Callable[[int], AnswerWriter]
+) -> _Job:
+    """A chat request's job: tool calls are parsed, and streamed content waits until it cannot become one."""
+    return _Job(
+        prompt_ids=prompt_ids,
+        params=params,
+        stream=request.stream,
+        tools_offered=request.tools_offered,
+        streamable=lambda text: streamable_prefix(text, request.tools_offered, request.stop),
+        writer=writer,
+    )
+
+
+def _completions_job(server: PolicyServer, body: Any) -> _Job:
+    """The request's own prompt; its text streams as the model writes it (no tool calls, nothing stripped)."""
+    request, prompt_ids, params = server._prepare_completion(body)
+    return _Job(
+        prompt_ids=prompt_ids,
+        params=params,
+        stream=request.chat.stream,
+        tools_offered=False,
+        streamable=lambda text: streamable_text(text, request.chat.stop),
+        writer=lambda version: CompletionWriter(request, server.model_name, server.tokenizer, version),
+    )
+
+
+async def _generate(
+    server: PolicyServer, http_request: Request, job_for: Callable[[PolicyServer, Any], _Job]
+) -> Response:
+    """One request of any API: ``job_for`` checks it (a 400 when it cannot be served), then it runs."""
     version = server.engine.version
     try:
         body = await http_request.json()
     except ValueError:
         return _error(400, "the request body is not valid JSON", None, version)
-    chat_body = None
     try:
-        chat_body = to_chat_body(body) if responses_api else body
-        request, prompt_ids, params = server._prepare(chat_body)
+        job = job_for(server, body)
     except BadRequest as exc:
-        if responses_api and chat_body is not None:
-            exc = in_responses_terms(exc)  # a chat-path check failed on what the Responses request meant
         return _error(400, str(exc), exc.param, version)
     loop = asyncio.get_running_loop()
     events: "asyncio.Queue[Any]" = asyncio.Queue()
     try:
         handle = server.engine.submit(
-            prompt_ids, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+            job.prompt_ids, job.params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
         )
     except RuntimeError as exc:
         return _error(503, f"{exc}; retry against a running server", None, version)
@@ -232,22 +320,18 @@ async def _generate(server: PolicyServer, http_request: Request, responses_api: 
             finished = True
             return _error(500, f"generation failed: {first.error}", None, version)
         assert isinstance(first, Started)
-        writer: AnswerWriter
-        if responses_api:
-            writer = ResponsesWriter(body, server.model_name, server.tokenizer, first.version, request.logprobs)
-        else:
-            writer = ResponseWriter(request, server.model_name, server.tokenizer, first.version)
+        writer = job.writer(first.version)
         headers = {VERSION_HEADER: str(first.version)}
-        if request.stream:
+        if job.stream:
             finished = True  # the stream owns the request from here
-            stream = _stream(events, handle, writer, request, prompt_ids)
+            stream = _stream(events, handle, writer, job)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         while True:
             event = await events.get()
             if isinstance(event, Finished):
                 finished = True
                 gen = event.generation
-                parsed = parse_output(gen.text, request.tools_offered)
+                parsed = parse_output(gen.text, job.tools_offered)
                 return _versioned(writer.final(gen, parsed), first.version)
             if isinstance(event, Failed):
                 finished = True
@@ -257,14 +341,13 @@ async def _generate(server: PolicyServer, http_request: Request, responses_api: 
             handle.cancel()  # the client went away: stop generating for it
 
 
-async def _stream(
-    events: "asyncio.Queue[Any]", handle: Any, writer: AnswerWriter, request: ChatRequest, prompt_ids: List[int]
-) -> AsyncIterator[str]:
-    """SSE as tokens arrive, for either API's writer; text is sent only once it can no longer turn into a
-    tool call (``streamable_prefix``), the rest with the parsed output at the end."""
+async def _stream(events: "asyncio.Queue[Any]", handle: Any, writer: AnswerWriter, job: _Job) -> AsyncIterator[str]:
+    """SSE as tokens arrive, for any API's writer; text is sent only once nothing the model writes next can
+    take it back (``job.streamable``: a stop string, or on the chat path a tool call), the rest with the
+    parsed output at the end."""
     finished = False
     try:
-        for line in writer.stream_start(prompt_ids):
+        for line in writer.stream_start(job.prompt_ids):
             yield line
         sent = ""
         pending: List[Token] = []
@@ -272,7 +355,7 @@ async def _stream(
             event = await events.get()
             if isinstance(event, Step):
                 pending.append(event.token)
-                safe = streamable_prefix(event.text, request.tools_offered, request.stop)
+                safe = job.streamable(event.text)
                 if len(safe) > len(sent):
                     for line in writer.stream_text(safe[len(sent) :], pending, first=not sent):
                         yield line
@@ -280,7 +363,7 @@ async def _stream(
             elif isinstance(event, Finished):
                 finished = True
                 gen = event.generation
-                for line in writer.stream_finish(gen, parse_output(gen.text, request.tools_offered), sent, pending):
+                for line in writer.stream_finish(gen, parse_output(gen.text, job.tools_offered), sent, pending):
                     yield line
                 return
             elif isinstance(event, Failed):
@@ -290,6 +373,11 @@ async def _stream(
     finally:
         if not finished:
             handle.cancel()
+
+
+def _prompt_vocabulary(model: Any, tokenizer: Any) -> int:
+    """How many token ids a prompt may use: the tokenizer's, within the rows of the model's embedding."""
+    return min(len(tokenizer), model.get_input_embeddings().num_embeddings)
 
 
 def _versioned(payload: Dict[str, Any], version: int, status: int = 200) -> JSONResponse:

@@ -108,7 +108,7 @@ def _logprobs(gen: Generation, body: Body, ids: list[int], start: tuple[int, int
 
     ``start``: the response token and character positions ``ids`` begin at.
     """
-    if body.get("logprobs") is None:
+    if body.get("logprobs") is None or body.get("logprobs") is False:
         return None
     first, offset = start
     tokens = [gen.tokenizer.token_text(token_id) for token_id in ids]
