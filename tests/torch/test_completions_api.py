@@ -8,35 +8,15 @@ never writes its end-of-sequence token: answers run to ``max_tokens``.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Tuple
+from typing import Any, List
 
 import httpx
 import openai
 import pytest
 import torch
 
-from agl.models import load_policy
-from agl.serving import PolicyServer
 
 PROMPT = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"  # a template the agent applied
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Tuple[Any, Any]:
-    return load_policy("tiny", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def server(tiny: Tuple[Any, Any]) -> Iterator[PolicyServer]:
-    model, tokenizer = tiny
-    with PolicyServer(model, tokenizer, model_name="policy", max_batch_size=8, version=1) as s:
-        yield s
-
-
-@pytest.fixture
-def client(server: PolicyServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as c:
-        yield c
 
 
 def greedy(model: Any, prompt: List[int], n: int) -> List[int]:

@@ -68,6 +68,19 @@ def _algo(tmp_path: Path, **overrides: Any) -> TorchGRPO:
     return TorchGRPO(**settings)
 
 
+def _record_updates(algo: TorchGRPO) -> List[Any]:
+    """The samples every update of ``algo`` is fed, in order (the update itself runs as usual)."""
+    fed: List[Any] = []
+    update = algo.update
+
+    def recording_update(samples: Any) -> Dict[str, float]:
+        fed.extend(samples)
+        return update(samples)
+
+    algo.update = recording_update  # type: ignore[method-assign]
+    return fed
+
+
 def test_fit_trains_evaluates_and_writes_metrics(tmp_path: Path) -> None:
     seen: List[Dict[str, Any]] = []
     algo = _algo(tmp_path, on_step=seen.append)
@@ -97,14 +110,7 @@ def test_served_token_ids_are_the_ids_the_trainer_feeds_the_model(tmp_path: Path
     = the ids the server sampled, and those exact ids are what the loss's forward pass sees."""
     model, tokenizer = load_policy("tiny", device="cpu", seed=0)
     algo = _algo(tmp_path, model=(model, tokenizer), steps=1)
-    fed: List[Any] = []
-    update = algo.update
-
-    def recording_update(samples: Any) -> Dict[str, float]:
-        fed.extend(samples)
-        return update(samples)
-
-    algo.update = recording_update  # type: ignore[method-assign]
+    fed = _record_updates(algo)
     _trainer(tmp_path, algo).fit(chat_agent, TASKS[:2])
 
     assert len(fed) == 6 and len(SERVED) == 6
@@ -151,14 +157,7 @@ def test_a_token_in_agent_on_the_completions_api_trains_on_its_own_ids(tmp_path:
     model, tokenizer = load_policy("tiny", device="cpu", seed=0)
     TOKENIZER["tokenizer"] = tokenizer
     algo = _algo(tmp_path, model=(model, tokenizer), steps=1)
-    fed: List[Any] = []
-    update = algo.update
-
-    def recording_update(samples: Any) -> Dict[str, float]:
-        fed.extend(samples)
-        return update(samples)
-
-    algo.update = recording_update  # type: ignore[method-assign]
+    fed = _record_updates(algo)
     _trainer(tmp_path, algo).fit(token_in_agent, TASKS[:2])
 
     assert len(fed) == len(SERVED) == 6 and algo.state.rows[0]["optimizer_steps"] == 1

@@ -45,24 +45,6 @@ TOOL_ANSWER = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Tuple[Any, Any]:
-    return load_policy("tiny", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def server(tiny: Tuple[Any, Any]) -> Iterator[PolicyServer]:
-    model, tokenizer = tiny
-    with PolicyServer(model, tokenizer, model_name="policy", max_batch_size=8, version=1) as s:
-        yield s
-
-
-@pytest.fixture
-def client(server: PolicyServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def tool_server() -> Iterator[PolicyServer]:
     """A tiny model taught to answer MESSAGES + [ADD_TOOL] with TOOL_ANSWER and its end-of-sequence token."""
     model, tokenizer = load_policy("tiny", seed=1, device="cpu")

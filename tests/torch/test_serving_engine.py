@@ -30,11 +30,6 @@ from agl.serving.weights import WeightLoader, WeightsError
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def tiny() -> Tuple[Any, Any]:
-    return load_policy("tiny", device="cpu")
-
-
 @pytest.fixture
 def engine(tiny: Tuple[Any, Any]) -> Any:
     model, tokenizer = tiny

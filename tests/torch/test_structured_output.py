@@ -10,7 +10,6 @@ from typing import Any, List, Tuple
 
 import pytest
 
-from agl.models import load_policy
 from agl.serving.chat_format import BadRequest
 from agl.serving.engine import Failed, Finished, GenerationEngine, SamplingParams
 from agl.serving.structured import GrammarError, Grammars, TokenMask, answer_schema, response_grammar
@@ -26,11 +25,6 @@ ADD = {
     "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
 }
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Tuple[Any, Any]:
-    return load_policy("tiny", device="cpu")
 
 
 def accepts(tiny: Tuple[Any, Any], grammar: str, text: str) -> bool:
