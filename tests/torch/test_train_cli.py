@@ -11,6 +11,7 @@ from typing import Dict, List
 
 import agl
 import pytest
+from agl import semconv
 from agl.cli import main
 from agl.store import open_store
 
@@ -85,6 +86,29 @@ def test_train_runs_steps_stores_rollouts_and_resumes(files: Path, capsys: pytes
 def test_agent_match_picks_the_calls_that_become_samples(files: Path, agent_match: str, samples: int) -> None:
     assert main(_train(files, "--steps", "1", "--agent-match", agent_match)) == 0
     assert [float(row["samples"]) for row in _rows(files / "run")] == [samples]  # one llm call per rollout
+
+
+def test_the_token_in_example_trains_on_the_ids_it_sent(tmp_path: Path) -> None:
+    """examples/token_in_agent.py: two Completions API calls a rollout, prompts sent as token ids."""
+    example = Path(__file__).resolve().parents[2] / "examples"
+    run = tmp_path / "run"
+    try:
+        assert main([
+            "train", f"{example}/token_in_agent.py:token_in_agent", "--data", str(example / "data" / "calc_tasks.jsonl"),
+            "--model", "tiny", "--steps", "1", "--group-size", "2", "--batch-tasks", "2", "--max-tokens", "4",
+            "--n-runners", "4", "--set", "seed=1", "--out", str(run),
+        ]) == 0
+    finally:
+        agl.uninstrument()
+    assert [float(row["samples"]) for row in _rows(run)] == [8.0]  # 2 tasks x 2 rollouts x 2 calls
+    store = open_store(str(run / "store.db"))
+    for rollout in store.query_rollouts(mode="train"):
+        llm = [s for s in store.query_spans(rollout.rollout_id, "latest") if s.kind == "llm"]
+        assert [s.attributes[semconv.LLM_API] for s in llm] == ["completions", "completions"]
+        for span in llm:
+            assert span.attributes[semconv.PROMPT_TOKEN_IDS] == span.attributes[semconv.LLM_PROMPT]
+            assert span.attributes[semconv.RESPONSE_TOKEN_IDS]
+    store.close()
 
 
 def test_unknown_grpo_setting_is_named(files: Path) -> None:
