@@ -78,17 +78,17 @@ def add_request_payloads(api: str, call_kwargs: Dict[str, Any], deferred: Dict[s
     Responses API input is recorded as ``{"instructions", "input"}`` (see docs/semconv.md); a Completions
     API prompt (text, or token ids: a tuple, which the garbage collector stops tracking) as ``agl.llm.prompt``.
     """
-    if api == COMPLETIONS:
-        prompt = one_prompt(call_kwargs.get("prompt"))
-        if isinstance(prompt, str):
-            deferred[semconv.LLM_PROMPT] = prompt
-        elif isinstance(prompt, (list, tuple)) and prompt and all(_is_int(t) for t in prompt):
-            deferred[semconv.LLM_PROMPT] = tuple(prompt)
-        return
     if api == CHAT:
         messages = _snapshot(call_kwargs, "messages")
         if messages is not None:
             deferred[semconv.INPUT_MESSAGES] = messages
+    elif api == COMPLETIONS:
+        prompt = one_prompt(call_kwargs.get("prompt"))
+        if isinstance(prompt, str):
+            deferred[semconv.LLM_PROMPT] = prompt
+        elif isinstance(prompt, (list, tuple)) and prompt and _is_int(prompt[0]) and _is_int(prompt[-1]):
+            deferred[semconv.LLM_PROMPT] = tuple(prompt)  # the ends stand for the whole (no per-id work here)
+        return
     else:
         source = call_kwargs.get("input")
         instructions = call_kwargs.get("instructions")
