@@ -50,6 +50,10 @@ def add_train_parser(sub: Any, store_help: str) -> None:
     train.add_argument("--data", required=True, help="training tasks: .jsonl (one per line) or .json (a list)")
     train.add_argument("--val-data", help="held-out tasks, evaluated before and after training")
     train.add_argument("--agent-match", help="regex on agent names: only their LLM calls are trained (default: all)")
+    train.add_argument("--adapter", dest="adapter_settings", action="append", default=[], metavar="KEY=VALUE",
+                       help="a LightningRL setting (repeatable; docs/lightningrl.md), the value read as JSON when it "
+                       "parses: --adapter credit=discounted --adapter gamma=0.9 --adapter aggregate=true "
+                       "--adapter 'air={\"tool_failure\": -0.5}'")
     train.add_argument("--algorithm", choices=["grpo", "verl", "apo"], default="grpo")
     train.add_argument("--config", help="algorithm settings: a JSON object or @file (.json; .yaml too for verl); "
                        "grpo: TorchGRPO keywords, verl: verl's config keys, apo: APO keywords")
@@ -101,6 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise SystemExit(f"agl: --agent-match {args.agent_match!r} is not a regular expression: {exc}") from None
     if args.n_runners < 0:
         raise SystemExit("agl: --n-runners must be >= 0 (0: only runners on other machines, `agl runner`)")
+    adapter = _adapter(args)
     agent = load_agent(args.agent)
     train_tasks = load_tasks(args.data)
     val_tasks = load_tasks(args.val_data) if args.val_data else None
@@ -120,7 +125,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = agl.Trainer(
         algorithm=algorithm,
         store=args.store or str(out / "store.db"),
-        adapter={"agent_match": args.agent_match} if args.agent_match else None,
+        adapter=adapter,
         n_runners=args.n_runners,
         runner_mode=args.runner_mode,
         rollout_timeout=args.rollout_timeout,
@@ -179,14 +184,32 @@ def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> 
     return algorithm
 
 
-def _keyword_sets(settings: Sequence[str]) -> Dict[str, Any]:
-    """``--set key=value`` for TorchGRPO or APO: the value as JSON when it parses (numbers, null, lists), else
-    text."""
+def _adapter(args: argparse.Namespace) -> Any:
+    """The Trainer's adapter settings from ``--agent-match`` and ``--adapter``, checked now (so ``--check``
+    catches a bad one) but handed over as a dict: the verl algorithm fills in its own estimator where the
+    settings name none. None for the defaults."""
+    from agl.lightningrl import LightningRL
+
+    settings = _keyword_sets(args.adapter_settings, "--adapter")
+    if args.agent_match:
+        settings["agent_match"] = args.agent_match
+    if not settings:
+        return None
+    try:
+        LightningRL.from_config(settings)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"agl: bad --adapter settings: {exc} (LightningRL's settings: docs/lightningrl.md)") from None
+    return settings
+
+
+def _keyword_sets(settings: Sequence[str], flag: str = "--set") -> Dict[str, Any]:
+    """``--set key=value`` for TorchGRPO or APO (and ``--adapter`` for LightningRL): the value as JSON when it
+    parses (numbers, null, lists), else text."""
     result: Dict[str, Any] = {}
     for item in settings:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise SystemExit(f"agl: --set {item!r} must look like KEY=VALUE")
+            raise SystemExit(f"agl: {flag} {item!r} must look like KEY=VALUE")
         try:
             result[key.strip()] = json.loads(raw)
         except ValueError:

@@ -88,27 +88,36 @@ def test_agent_match_picks_the_calls_that_become_samples(files: Path, agent_matc
     assert [float(row["samples"]) for row in _rows(files / "run")] == [samples]  # one llm call per rollout
 
 
-def test_the_token_in_example_trains_on_the_ids_it_sent(tmp_path: Path) -> None:
-    """examples/token_in_agent.py: two Completions API calls a rollout, prompts sent as token ids."""
+def test_the_token_in_example_trains_its_turns_as_one_trajectory(tmp_path: Path) -> None:
+    """examples/token_in_agent.py: two Completions API calls a rollout, the second prompt extending the first
+    prompt and its sampled ids; ``--adapter aggregate=true`` merges them into one sample per rollout."""
     example = Path(__file__).resolve().parents[2] / "examples"
     run = tmp_path / "run"
     try:
         assert main([
             "train", f"{example}/token_in_agent.py:token_in_agent", "--data", str(example / "data" / "calc_tasks.jsonl"),
             "--model", "tiny", "--steps", "1", "--group-size", "2", "--batch-tasks", "2", "--max-tokens", "4",
-            "--n-runners", "4", "--set", "seed=1", "--out", str(run),
+            "--n-runners", "4", "--set", "seed=1", "--adapter", "aggregate=true", "--out", str(run),
         ]) == 0
     finally:
         agl.uninstrument()
-    assert [float(row["samples"]) for row in _rows(run)] == [8.0]  # 2 tasks x 2 rollouts x 2 calls
+    assert [float(row["samples"]) for row in _rows(run)] == [4.0]  # 2 tasks x 2 rollouts, each 2 calls merged
     store = open_store(str(run / "store.db"))
     for rollout in store.query_rollouts(mode="train"):
-        llm = [s for s in store.query_spans(rollout.rollout_id, "latest") if s.kind == "llm"]
-        assert [s.attributes[semconv.LLM_API] for s in llm] == ["completions", "completions"]
-        for span in llm:
-            assert span.attributes[semconv.PROMPT_TOKEN_IDS] == span.attributes[semconv.LLM_PROMPT]
-            assert span.attributes[semconv.RESPONSE_TOKEN_IDS]
+        first, second = [s.attributes for s in store.query_spans(rollout.rollout_id, "latest") if s.kind == "llm"]
+        assert first[semconv.LLM_API] == second[semconv.LLM_API] == "completions"
+        assert first[semconv.PROMPT_TOKEN_IDS] == first[semconv.LLM_PROMPT]  # the ids the agent sent
+        start = first[semconv.PROMPT_TOKEN_IDS] + first[semconv.RESPONSE_TOKEN_IDS]
+        assert second[semconv.PROMPT_TOKEN_IDS][: len(start)] == start
     store.close()
+
+
+def test_bad_adapter_settings_are_named(files: Path) -> None:
+    with pytest.raises(SystemExit, match="bad --adapter settings: .*colour"):
+        main(_train(files, "--adapter", "colour=1", "--check"))
+    with pytest.raises(SystemExit, match="--adapter 'aggregate' must look like KEY=VALUE"):
+        main(_train(files, "--adapter", "aggregate", "--check"))
+    assert main(_train(files, "--adapter", "credit=discounted", "--adapter", "gamma=0.9", "--check")) == 0
 
 
 def test_unknown_grpo_setting_is_named(files: Path) -> None:
