@@ -436,3 +436,10 @@ def test_server_lifecycle() -> None:
         server.stop()
     with pytest.raises(RuntimeError, match="not running"):
         _ = server.base_url
+
+
+def test_completions_prompt_of_a_real_tokenizers_ids_is_answered(client: openai.OpenAI) -> None:
+    """Token-in agents send their own tokenizer's ids; the byte-level fake model reads the ids below 256."""
+    completion = client.completions.create(model="m", prompt=[500, 72, 105], extra_body={"return_token_ids": True})
+    assert completion.choices[0].text == "FAKE: Hi"
+    assert completion.choices[0].model_extra["prompt_token_ids"] == [500, 72, 105]

@@ -94,7 +94,9 @@ def sse_events(gen: Generation, body: Body, token_ids: bool) -> Iterator[str]:
 
 def _prompt_text(body: Body) -> str:
     prompt = one_prompt(body["prompt"])
-    return prompt if isinstance(prompt, str) else FakeTokenizer().decode(prompt)
+    if isinstance(prompt, str):
+        return prompt
+    return FakeTokenizer().decode([t for t in prompt if 0 <= t < 256])  # a real tokenizer's ids read as bytes
 
 
 def _choice(
