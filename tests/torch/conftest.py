@@ -3,10 +3,11 @@ test module, and the real ``openai`` client pointed at it."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Tuple
+from typing import Any, Callable, Iterator, List, Tuple
 
 import openai
 import pytest
+import torch
 
 from agl.models import load_policy
 from agl.serving import PolicyServer
@@ -28,3 +29,19 @@ def server(tiny: Tuple[Any, Any]) -> Iterator[PolicyServer]:
 def client(server: PolicyServer) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as c:
         yield c
+
+
+def _greedy(model: Any, prompt: List[int], n: int) -> List[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n, do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def greedy() -> Callable[[Any, List[int], int], List[int]]:
+    """``greedy(model, prompt_ids, n)``: transformers' own greedy ``generate``, the reference the server's
+    greedy answers are checked against."""
+    return _greedy

@@ -13,19 +13,10 @@ from typing import Any, List
 import httpx
 import openai
 import pytest
-import torch
 
 
 PROMPT = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"  # a template the agent applied
 
-
-def greedy(model: Any, prompt: List[int], n: int) -> List[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n, do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def extra(obj: Any, key: str) -> Any:
@@ -40,7 +31,7 @@ def answer_text(tokenizer: Any, ids: List[int]) -> str:
 # --- prompts in, ids out -------------------------------------------------------------------------------------
 
 
-def test_text_prompt_is_tokenized_with_special_tokens_and_the_answer_is_the_models(client, server, tiny):
+def test_text_prompt_is_tokenized_with_special_tokens_and_the_answer_is_the_models(greedy, client, server, tiny):
     model, tokenizer = tiny
     raw = client.completions.with_raw_response.create(model="policy", prompt=PROMPT, max_tokens=12, temperature=0)
     completion = raw.parse()
@@ -59,7 +50,7 @@ def test_text_prompt_is_tokenized_with_special_tokens_and_the_answer_is_the_mode
     assert raw.headers["x-agl-resources-version"] == "1"
 
 
-def test_token_id_prompt_is_used_exactly(client, tiny):
+def test_token_id_prompt_is_used_exactly(greedy, client, tiny):
     model, tokenizer = tiny
     # ids no tokenizer would produce from text: a prompt that was never text, such as a trajectory so far
     prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id, 17, 17, 4000]

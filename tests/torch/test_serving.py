@@ -95,14 +95,6 @@ def template_ids(tokenizer: Any, messages: List[Dict[str, Any]]) -> List[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def greedy(model: Any, prompt: List[int], n: int) -> List[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n, do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
-
 
 def teacher_forced_logprobs(
     model: Any, prompt: List[int], response: List[int], temperature: float = 1.0
@@ -120,7 +112,7 @@ def extra(obj: Any, key: str) -> Any:
 # --- plain and streamed answers ----------------------------------------------------------------------------
 
 
-def test_plain_completion_returns_exact_prompt_and_response_ids(client, server, tiny):
+def test_plain_completion_returns_exact_prompt_and_response_ids(greedy, client, server, tiny):
     model, tokenizer = tiny
     raw = client.chat.completions.with_raw_response.create(
         model="policy", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True
@@ -266,7 +258,7 @@ def test_stop_string_cuts_content_but_keeps_the_sampled_ids(tool_client, tool_se
 # --- batching, pausing, versions ---------------------------------------------------------------------------
 
 
-def test_concurrent_requests_run_as_one_batch(client, server, tiny):
+def test_concurrent_requests_run_as_one_batch(greedy, client, server, tiny):
     model, tokenizer = tiny
     questions = [f"What is {i} + {i}?" for i in range(6)]
     before = dict(vars(server.stats))
@@ -335,7 +327,7 @@ def test_pause_drains_running_requests_and_holds_new_ones(client, server):
     assert results["held"].usage.completion_tokens == 4
 
 
-def test_load_weights_swaps_the_policy_and_the_version(tiny):
+def test_load_weights_swaps_the_policy_and_the_version(greedy, tiny):
     _, tokenizer = tiny
     model, _ = load_policy("tiny", seed=0, device="cpu")
     other, _ = load_policy("tiny", seed=5, device="cpu")
@@ -423,7 +415,7 @@ def responses_args(**more: Any) -> Dict[str, Any]:
     return {"model": "policy", "instructions": MESSAGES[0]["content"], "input": MESSAGES[1]["content"], **more}
 
 
-def test_responses_answer_is_the_chat_answer_with_the_same_ids(client, server, tiny):
+def test_responses_answer_is_the_chat_answer_with_the_same_ids(greedy, client, server, tiny):
     model, tokenizer = tiny
     chat = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True)
     raw = client.responses.with_raw_response.create(**responses_args(max_output_tokens=12, temperature=0, include=LOGPROBS))
