@@ -53,7 +53,7 @@ def add_train_parser(sub: Any, store_help: str) -> None:
     train.add_argument("--adapter", dest="adapter_settings", action="append", default=[], metavar="KEY=VALUE",
                        help="a LightningRL setting (repeatable; docs/lightningrl.md), the value read as JSON when it "
                        "parses: --adapter credit=discounted --adapter gamma=0.9 --adapter aggregate=true "
-                       "--adapter 'air={\"tool_failure\": -0.5}'")
+                       "--adapter 'air={\"tool_error\": -0.5}'")
     train.add_argument("--algorithm", choices=["grpo", "verl", "apo"], default="grpo")
     train.add_argument("--config", help="algorithm settings: a JSON object or @file (.json; .yaml too for verl); "
                        "grpo: TorchGRPO keywords, verl: verl's config keys, apo: APO keywords")

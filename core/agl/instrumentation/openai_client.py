@@ -2,9 +2,9 @@
 
 Every framework agl supports reaches the model through the ``openai`` client, so this is where prompts,
 answers and (inside rollouts) the server's token ids are captured. ``chat.completions.create``,
-``responses.create`` and the legacy text API's ``completions.create``, sync and async, are wrapped on their classes with ``wrapt``; everything built on them
-goes through the wrapper too: ``with_raw_response``, ``with_streaming_response`` and the SDK's
-``chat.completions.stream()`` / ``responses.stream()`` helpers.
+``responses.create`` and the legacy text API's ``completions.create``, sync and async, are wrapped on their
+classes with ``wrapt``; everything built on them goes through the wrapper too: ``with_raw_response``,
+``with_streaming_response`` and the SDK's ``chat.completions.stream()`` / ``responses.stream()`` helpers.
 
 Guarantees to the user's program:
 - arguments, return values and exceptions pass through unchanged (same objects), except that inside a
