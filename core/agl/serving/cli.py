@@ -14,7 +14,8 @@ def add_serve_command(sub: Any, store_help: str) -> None:
     serve = sub.add_parser(
         "serve",
         help="serve a policy (SmolLM2, a tiny test model or any HF causal LM) as an OpenAI-compatible API",
-        description="Serve a policy over /v1/chat/completions and /v1/responses with exact token ids (docs/serving.md).",
+        description="Serve a policy over /v1/chat/completions, /v1/responses and /v1/completions with exact token "
+        "ids (docs/serving.md).",
     )
     serve.add_argument(
         "--model", default="smollm2", help="smollm2 (bundled), tiny (random, for tests) or an HF path/name"
