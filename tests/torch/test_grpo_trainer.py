@@ -33,13 +33,18 @@ def chat_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
     with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
         completion = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
     choice = completion.choices[0]
+    return _served(task, {
+        "messages": messages,
+        "prompt_token_ids": completion.model_extra["prompt_token_ids"],
+        "token_ids": choice.model_extra["token_ids"],
+        "logprobs": [t.logprob for t in choice.logprobs.content],
+    })
+
+
+def _served(task: Dict[str, Any], served: Dict[str, Any]) -> float:
+    """Keep what the server sent; the reward alternates over the task's rollouts (0, 1, 0, ...)."""
     with _lock:
-        SERVED.append({
-            "messages": messages,
-            "prompt_token_ids": completion.model_extra["prompt_token_ids"],
-            "token_ids": choice.model_extra["token_ids"],
-            "logprobs": [t.logprob for t in choice.logprobs.content],
-        })
+        SERVED.append(served)
         RUNS[task["task_id"]] = RUNS.get(task["task_id"], 0) + 1
         return float(RUNS[task["task_id"]] % 2 == 0)
 
@@ -139,15 +144,12 @@ def token_in_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
     with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
         completion = client.completions.create(model=llm.model, prompt=prompt, **llm.sampling_parameters)
     choice = completion.choices[0]
-    with _lock:
-        SERVED.append({
-            "prompt": prompt,
-            "prompt_token_ids": choice.model_extra["prompt_token_ids"],
-            "token_ids": choice.model_extra["token_ids"],
-            "logprobs": choice.logprobs.token_logprobs,
-        })
-        RUNS[task["task_id"]] = RUNS.get(task["task_id"], 0) + 1
-        return float(RUNS[task["task_id"]] % 2 == 0)
+    return _served(task, {
+        "prompt": prompt,
+        "prompt_token_ids": choice.model_extra["prompt_token_ids"],
+        "token_ids": choice.model_extra["token_ids"],
+        "logprobs": choice.logprobs.token_logprobs,
+    })
 
 
 TOKENIZER: Dict[str, Any] = {}
