@@ -14,7 +14,9 @@ list (the output says which). Every span is checked to be in the store.
    inside a rollout (a fresh one per round), which of the two goes first alternating too; the figure is
    the median of the paired per-round differences of wall time per call, the end-of-round ``flush()``
    included (every span stored), and the middle half of those differences shows how noisy the machine
-   was. Two transports:
+   was. Also printed: the flush's own share (the last, partial batch of the round, which the writer had
+   not yet taken) and the calling thread's CPU time alone (agl's code in a real call, the client's work on
+   the fields agl adds to the request). Two transports:
    - ``--latency`` ms (default 2) per answer, as a model server's answer takes time (the wait releases
      the GIL, as a socket read does): what an agent sees. The writer works during the waits.
    - 0 ms, a CPU-bound loop: the worst case for a GIL-bound language, where the writer's work (encoding
@@ -221,6 +223,7 @@ def end_to_end(
     speed (frequent on a shared VM) adds to as many pairs as it takes from."""
     wall_diff: List[float] = []
     cpu_diff: List[float] = []
+    flush_share: List[float] = []
     plain_wall: List[float] = []
     stored = 0
     for i in range(rounds):
@@ -231,8 +234,11 @@ def end_to_end(
         gcs.active = True
         start = time.perf_counter()
         traced = scoped(rollout_id, attempt_id, lambda: calls(client, n))
+        flushing = time.perf_counter()
         get_tracer().flush(120)  # the writer's work belongs to the overhead, also what it left for the flush
-        traced = (time.perf_counter() - start, traced[1])
+        end = time.perf_counter()
+        traced = (end - start, traced[1])
+        flush_share.append((end - flushing) / n * 1e6)
         gcs.active = False
         instrumentor.uninstrument()
         if i % 2 == 1:
@@ -246,6 +252,7 @@ def end_to_end(
         "wall": statistics.median(wall_diff),
         "wall_quartiles": statistics.quantiles(wall_diff, n=4)[::2],
         "cpu": statistics.median(cpu_diff),
+        "flush": statistics.median(flush_share),
         "stored": stored,
     }
 
@@ -342,11 +349,14 @@ def main() -> None:
         per_writer(f"overhead per call, {latency}, flush included (us)", lambda r: f"{r['latent']['wall']:.1f}",
                    per_call, lambda r: r["latent"]["wall"] <= CALL_TARGET_US),
         per_writer("  middle half of the rounds (us)", lambda r: quartiles(r["latent"])),
+        per_writer("  of which the end-of-round flush (us)", lambda r: f"{r['latent']['flush']:.1f}"),
+        per_writer("  calling thread CPU only (us)", lambda r: f"{r['latent']['cpu']:.1f}"),
         per_writer("  ratio", lambda r: ratio(r["latent"])),
         per_writer("uninstrumented call, CPU-bound, 0 ms (us)", lambda r: f"{r['cpu']['base']:.0f}"),
         per_writer("overhead per call, CPU-bound, writer and flush included (us)", lambda r: f"{r['cpu']['wall']:.1f}",
                    per_call, lambda r: r["cpu"]["wall"] <= CALL_TARGET_US),
         per_writer("  middle half of the rounds (us)", lambda r: quartiles(r["cpu"])),
+        per_writer("  of which the end-of-round flush (us)", lambda r: f"{r['cpu']['flush']:.1f}"),
         per_writer("  calling thread CPU only (us)", lambda r: f"{r['cpu']['cpu']:.1f}"),
         per_writer("  ratio", lambda r: ratio(r["cpu"])),
         per_writer("GC collections per 1,000 instrumented calls (gen0/1/2)",
