@@ -174,18 +174,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from agl.lightningrl import LightningRL
     from agl.lightningrl.export import export
     from agl.store import open_store
+    from agl.train_cli import adapter_settings
 
-    config = json_setting(args.config, "--config")
-    if args.agent_match is not None:
-        config["agent_match"] = args.agent_match
+    settings = adapter_settings(args.adapter_settings, args.agent_match, json_setting(args.config, "--config"))
+    adapter = LightningRL.from_config(settings)
     store = open_store(args.store)
     rollouts = store.query_rollouts(
         status=args.status or ["succeeded", "failed", "cancelled"], mode=args.mode, limit=args.limit
     )
-    try:
-        adapter = LightningRL.from_config(config)
-    except (TypeError, ValueError) as exc:
-        raise SystemExit(f"agl: bad LightningRL config: {exc}") from None
     batch = adapter.build_batch(store, rollouts)
     try:
         n = export(batch, args.out, args.format)
@@ -247,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     export_.add_argument("out", help="output file (.jsonl, or .parquet with pyarrow installed)")
     export_.add_argument("--format", choices=["jsonl", "parquet"], help="default: from the file suffix")
     export_.add_argument("--config", default="{}", help="LightningRL settings as JSON, or @file.json")
+    export_.add_argument("--adapter", dest="adapter_settings", action="append", default=[], metavar="KEY=VALUE",
+                         help="one LightningRL setting, as for agl train (over --config), e.g. --adapter aggregate=true")
     export_.add_argument("--agent-match", help="regex on agent names (overrides the config's agent_match)")
     export_.add_argument("--status", action="append", choices=["succeeded", "failed", "cancelled"],
                          help="rollouts to read (repeatable; default: every finished rollout)")

@@ -17,7 +17,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 _STARTED = time.monotonic()  # --minutes counts the whole command, imports included, as the main job does
 _SUMMARY_RESERVE_S = 15.0  # left of --minutes for the summary and shutting down
@@ -188,17 +188,25 @@ def _adapter(args: argparse.Namespace) -> Any:
     """The Trainer's adapter settings from ``--agent-match`` and ``--adapter``, checked now (so ``--check``
     catches a bad one) but handed over as a dict: the verl algorithm fills in its own estimator where the
     settings name none. None for the defaults."""
+    return adapter_settings(args.adapter_settings, args.agent_match) or None
+
+
+def adapter_settings(
+    items: Sequence[str], agent_match: Optional[str], base: Optional[Mapping[str, Any]] = None
+) -> Dict[str, Any]:
+    """LightningRL settings as ``agl train`` and ``agl export`` take them: ``base`` (``--config``), then each
+    ``--adapter KEY=VALUE``, then ``--agent-match``; checked by ``LightningRL.from_config``, a bad one exits
+    with its name."""
     from agl.lightningrl import LightningRL
 
-    settings = _keyword_sets(args.adapter_settings, "--adapter")
-    if args.agent_match:
-        settings["agent_match"] = args.agent_match
-    if not settings:
-        return None
-    try:
-        LightningRL.from_config(settings)
-    except (TypeError, ValueError) as exc:
-        raise SystemExit(f"agl: bad --adapter settings: {exc} (LightningRL's settings: docs/lightningrl.md)") from None
+    settings = {**(base or {}), **_keyword_sets(items, "--adapter")}
+    if agent_match:
+        settings["agent_match"] = agent_match
+    if settings:
+        try:
+            LightningRL.from_config(settings)
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"agl: bad LightningRL settings: {exc} (see docs/lightningrl.md)") from None
     return settings
 
 

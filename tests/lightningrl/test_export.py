@@ -71,7 +71,15 @@ def test_agl_export_cli(tmp_path, capsys) -> None:
     assert agl_main(["export", str(out), "--store", str(db), "--config", f"@{tmp_path / 'c.json'}", "--agent-match", "^checker$"]) == 0
     assert {s.policy for s in read_jsonl(out)} == {"default"}
 
-    with pytest.raises(SystemExit, match="bad LightningRL config: unknown LightningRL setting"):
+    # --adapter KEY=VALUE, as agl train takes it, goes over --config; --agent-match over both
+    assert agl_main(["export", str(out), "--store", str(db), "--config", config, "--adapter", 'agent_match={"checker": "critic"}']) == 0
+    assert {s.policy for s in read_jsonl(out)} == {"critic"}
+    assert agl_main(["export", str(out), "--store", str(db), "--adapter", "credit=step", "--agent-match", "^writer$"]) == 0
+    assert {s.policy for s in read_jsonl(out)} == {"default"}
+    with pytest.raises(SystemExit, match="bad LightningRL settings: .*gama"):
+        agl_main(["export", str(out), "--store", str(db), "--adapter", "gama=0.9"])
+
+    with pytest.raises(SystemExit, match="bad LightningRL settings: unknown LightningRL setting"):
         agl_main(["export", str(out), "--store", str(db), "--config", '{"gama": 1}'])
     with pytest.raises(SystemExit, match="cannot read --config"):
         agl_main(["export", str(out), "--store", str(db), "--config", "{nope"])

@@ -113,7 +113,7 @@ def test_the_token_in_example_trains_its_turns_as_one_trajectory(tmp_path: Path)
 
 
 def test_bad_adapter_settings_are_named(files: Path) -> None:
-    with pytest.raises(SystemExit, match="bad --adapter settings: .*colour"):
+    with pytest.raises(SystemExit, match="bad LightningRL settings: .*colour"):
         main(_train(files, "--adapter", "colour=1", "--check"))
     with pytest.raises(SystemExit, match="--adapter 'aggregate' must look like KEY=VALUE"):
         main(_train(files, "--adapter", "aggregate", "--check"))
