@@ -27,6 +27,7 @@ REQUEST_MODEL = "gen_ai.request.model"
 REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 REQUEST_TOP_P = "gen_ai.request.top_p"
 REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"  # n, when given: LightningRL trains choice 0 only
 INPUT_MESSAGES = "gen_ai.input.messages"  # JSON list of chat messages as sent
 TOOL_DEFINITIONS = "gen_ai.tool.definitions"  # JSON list of tools offered
 OUTPUT_MESSAGES = "gen_ai.output.messages"  # JSON list with the assistant message (content + tool calls)

@@ -167,6 +167,33 @@ def test_failed_rollouts_are_dropped_or_filled_and_said_why(tmp_path, fake_opena
     assert LightningRL(failed=FailedRollouts(reward=0.0)).failed == FailedRollouts(reward=0.0)
 
 
+@agl.rollout
+def best_of_two(task, llm):
+    """One call asking for two choices (n=2), as a best-of-n agent does, and one plain call."""
+    client = OpenAI(base_url=llm.get_base_url(), api_key="x")
+    messages = [{"role": "user", "content": task["question"]}]
+    client.chat.completions.create(model=llm.model, messages=messages, n=2)
+    client.chat.completions.create(model=llm.model, messages=messages)
+    return 1.0
+
+
+def test_calls_with_several_choices_are_counted_and_warned(tmp_path, fake_openai, instrumented, caplog) -> None:
+    fake_openai.script(*[FakeReply(content="3") for _ in range(4)])
+    store = SqliteLightningStore(tmp_path / "n.db")
+    trainer = agl.Trainer(store=store, runner_mode="thread", progress=False,
+                          initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
+    with trainer.runners(best_of_two):
+        rollouts = trainer.run_tasks([{"question": "1 plus 2?"}], n_per_task=2)
+    first, second = [s for s in store.query_spans(rollouts[0].rollout_id) if s.kind == "llm"]
+    assert first.attributes[semconv.REQUEST_CHOICE_COUNT] == 2 and semconv.REQUEST_CHOICE_COUNT not in second.attributes
+    with caplog.at_level("WARNING", logger="agl.lightningrl"):
+        batch = LightningRL().build_batch(store, rollouts, progress=False)
+    assert batch.report.several_choices == 2 and len(batch.samples) == 4  # still trained, as choice 0
+    assert "2 calls with n > 1 (choice 0 trained)" in str(batch.report)
+    (warning,) = [r.getMessage() for r in caplog.records if "several choices" in r.getMessage()]
+    assert warning.startswith("LightningRL: 2 llm call(s) asked for several choices (n > 1)")
+
+
 def test_missing_token_ids_error_and_retokenization(tmp_path, fake_openai) -> None:
     agl.instrument(request_token_ids=False)  # the server is not asked for ids, as with a plain endpoint
     try:

@@ -67,6 +67,9 @@ def request_attributes(api: str, kwargs: Mapping[str, Any], stream: bool) -> Dic
         if _is_number(value):
             attrs[semconv.REQUEST_MAX_TOKENS] = value
             break
+    n = kwargs.get("n")  # the Responses API has no n
+    if _is_int(n):
+        attrs[semconv.REQUEST_CHOICE_COUNT] = n
     return attrs
 
 

@@ -73,6 +73,7 @@ class BatchReport:
     prefix_mismatches: int = 0
     retokenized: int = 0
     logprobs_dropped: int = 0
+    several_choices: int = 0
     step_rewards_unattributed: int = 0
     tree_repairs: RepairReport = field(default_factory=RepairReport)
 
@@ -91,6 +92,7 @@ class BatchReport:
         self.transitions += len(extraction.transitions)
         self.retokenized += extraction.retokenized
         self.logprobs_dropped += extraction.logprobs_dropped
+        self.several_choices += extraction.several_choices
         self.step_rewards_unattributed += unattributed
         self.without_samples += not extraction.transitions
         for f in dataclasses.fields(RepairReport):
@@ -112,6 +114,7 @@ class BatchReport:
             (self.prefix_mismatches, "prefix mismatches"),
             (self.retokenized, "re-tokenized"),
             (self.logprobs_dropped, "logprobs dropped (length mismatch)"),
+            (self.several_choices, "calls with n > 1 (choice 0 trained)"),
             (self.step_rewards_unattributed, "step rewards without a call"),
             (self.without_samples, "rollouts without samples"),
         ):
@@ -302,6 +305,13 @@ class LightningRL:
                 "LightningRL re-tokenized %d llm call(s) whose server returned no token ids: their ids are "
                 "approximate; serve the model with agl serve or vLLM (return_token_ids) for exact ids",
                 report.retokenized,
+            )
+        if report.several_choices:
+            logger.warning(
+                "LightningRL: %d llm call(s) asked for several choices (n > 1); each trains as choice 0, whichever "
+                "choice the agent went on with (only choice 0's token ids are recorded). Ask for one choice per "
+                "call (n=1), or run n rollouts, to train what the agent did",
+                report.several_choices,
             )
         if report.step_rewards_unattributed:
             logger.warning(

@@ -18,7 +18,9 @@ its messages are re-tokenized (``agl.lightningrl.retokenize``) and the call is c
 
 ``step`` is the call's index among *all* llm calls of the attempt in call order, so a call keeps its step
 whatever ``agent_match`` selects. ``response_logprobs`` is kept only when there is exactly one per response
-token (else None, counted in ``logprobs_dropped``); re-tokenized calls have none.
+token (else None, counted in ``logprobs_dropped``); re-tokenized calls have none. A call that asked for
+several choices (``n > 1``) becomes one transition of choice 0, the only one whose ids are recorded,
+whichever choice the agent went on with: counted in ``several_choices``, so the batch report says so.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Extraction:
     skipped: Counter = field(default_factory=Counter)  # reason -> number of llm spans
     retokenized: int = 0
     logprobs_dropped: int = 0
+    several_choices: int = 0  # transitions of calls that asked for n > 1 choices (choice 0 trained)
 
     @property
     def accounted(self) -> bool:
@@ -126,6 +129,9 @@ def extract_transitions(
         if not prompt_ids:
             out.skipped[SKIP_EMPTY_PROMPT] += 1
             continue
+        choices = span.attributes.get(semconv.REQUEST_CHOICE_COUNT)
+        if type(choices) is int and choices > 1:
+            out.several_choices += 1
         out.transitions.append(
             Transition(
                 rollout_id=span.rollout_id,
