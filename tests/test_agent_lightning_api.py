@@ -88,3 +88,46 @@ def test_in_memory_store_refuses_process_runners():
     trainer = agl.Trainer(store="memory", progress=False)
     with pytest.raises(ValueError, match="runner_mode='thread'"):
         trainer.dev(agl.rollout(lambda task: 1), [1])
+
+
+class BatchOfTrainingRollouts(agl.Algorithm):
+    """Runs the training tasks and builds one LightningRL batch with the adapter the Trainer hands over."""
+
+    def run(self, train_dataset, val_dataset):
+        from agl.lightningrl import LightningRL
+
+        rollouts = self.trainer.run_tasks(train_dataset, mode="train")
+        return LightningRL.from_config(self.adapter).build_batch(self.store, rollouts, progress=False).report
+
+
+@pytest.mark.parametrize(
+    "adapter, trained_agents, transitions",
+    [
+        (None, "^LitQAAgent$", 1),  # trained_agents stands for the missing agent_match
+        (None, "^writer$", 0),
+        ({"credit": "broadcast"}, "^writer$", 0),  # added to settings that name no agent_match
+        ({"agent_match": "LitQA"}, "^writer$", 1),  # the adapter's own agent_match wins (warned)
+        ("instance", "^writer$", 0),  # a LightningRL object without agent_match gets it too
+        (None, None, 1),
+    ],
+)
+def test_trained_agents_is_the_agent_match_when_the_adapter_names_none(
+    tmp_path, fake_openai, instrumented, caplog, adapter, trained_agents, transitions
+):
+    from agl.lightningrl import LightningRL
+
+    agent = LitQAAgent(max_turns=1)
+    agl.LitAgent.__init__(agent, trained_agents=trained_agents)
+    given = LightningRL(credit="broadcast") if adapter == "instance" else adapter
+    trainer = agl.Trainer(
+        algorithm=BatchOfTrainingRollouts(), n_runners=1, runner_mode="thread", store=str(tmp_path / "s.db"),
+        adapter=given, initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+        progress=False,
+    )
+    with caplog.at_level("WARNING", logger="agl.trainer"):
+        report = trainer.fit(agent, train_dataset=[{"question": "a"}])
+    assert report.llm_spans == 1 and report.transitions == transitions
+    assert trainer.adapter is given  # the Trainer's own setting is left as it was
+    ignored = [r.getMessage() for r in caplog.records if "is ignored" in r.getMessage()]
+    assert ignored == (["the agent's trained_agents='^writer$' is ignored: the Trainer's adapter selects agent_match='LitQA'"]
+                       if adapter == {"agent_match": "LitQA"} else [])

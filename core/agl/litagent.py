@@ -23,8 +23,8 @@ class LitAgent(Generic[T]):
     behave differently on validation tasks (``rollout.mode == "val"``)."""
 
     def __init__(self, *, trained_agents: Optional[str] = None) -> None:
-        # ``trained_agents`` is Agent Lightning's old name for the adapter's agent_match; accepted for
-        # compatibility and used by the Trainer when no agent_match is given.
+        # ``trained_agents``: Agent Lightning's regex of the agents to train; ``Trainer.fit`` uses it as the
+        # adapter's agent_match when the adapter names none.
         self.trained_agents = trained_agents
 
     def rollout(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:

@@ -11,7 +11,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from agl.algorithm.base import Algorithm, Baseline
 from agl.dataset import as_tasks
@@ -181,11 +181,19 @@ class Trainer:
         *,
         val_dataset: Optional[Sequence[Any]] = None,
     ) -> Any:
-        """Train ``agent`` with the algorithm (``Baseline`` if none was given: runs the data, learns nothing)."""
+        """Train ``agent`` with the algorithm (``Baseline`` if none was given: runs the data, learns nothing).
+
+        An agent made with Agent Lightning's ``LitAgent(trained_agents=REGEX)`` trains those agents' calls
+        when the adapter names no ``agent_match`` (the adapter's own wins)."""
         algorithm = self.algorithm or Baseline()
         algorithm.bind(self)
-        with self.runners(agent):
-            return algorithm.run(train_dataset, val_dataset)
+        adapter = self.adapter
+        self.adapter = _with_trained_agents(adapter, getattr(agent, "trained_agents", None))
+        try:
+            with self.runners(agent):
+                return algorithm.run(train_dataset, val_dataset)
+        finally:
+            self.adapter = adapter
 
     def summarize(self, rollout: Rollout) -> RolloutSummary:
         spans = self.store.query_spans(rollout.rollout_id, "latest") if rollout.n_attempts else []
@@ -198,3 +206,21 @@ class Trainer:
             spans=len(spans),
             error=rollout.error,
         )
+
+
+def _with_trained_agents(adapter: Any, trained_agents: Optional[str]) -> Any:
+    """The adapter settings with ``trained_agents`` as their ``agent_match`` where they name none."""
+    if trained_agents is None:
+        return adapter
+    if adapter is None:
+        return {"agent_match": trained_agents}
+    current = adapter.get("agent_match") if isinstance(adapter, Mapping) else getattr(adapter, "agent_match", None)
+    if current is not None:
+        if current != trained_agents:
+            logger.warning(
+                "the agent's trained_agents=%r is ignored: the Trainer's adapter selects agent_match=%r", trained_agents, current
+            )
+        return adapter
+    if isinstance(adapter, Mapping):
+        return {**adapter, "agent_match": trained_agents}
+    return adapter.with_agent_match(trained_agents)

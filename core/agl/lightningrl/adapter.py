@@ -16,6 +16,7 @@ filled with a configured reward, never silently rewarded 0. See docs/lightningrl
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import logging
@@ -206,6 +207,13 @@ class LightningRL:
         if unknown:
             raise ValueError(f"unknown LightningRL setting(s) {unknown}; known: {sorted(known)}")
         return cls(**config)
+
+    def with_agent_match(self, agent_match: AgentMatch) -> "LightningRL":
+        """A copy that selects calls by ``agent_match``, every other setting the same."""
+        adapted = copy.copy(self)
+        adapted.agent_match = agent_match
+        adapted.selector = CallSelector(agent_match, self.llm_call_match)
+        return adapted
 
     # -- one attempt -----------------------------------------------------------------------------------------
     def attempt_transitions(
