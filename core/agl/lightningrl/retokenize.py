@@ -10,7 +10,10 @@ What is encoded:
   the generation prompt;
 - response, with a Hugging Face tokenizer (its ``apply_chat_template`` takes ``add_generation_prompt``):
   the text the template adds for the recorded assistant message, i.e. ``template(messages + [answer])``
-  minus the prompt text (so the end-of-turn token is included, as the model must learn to stop);
+  minus the prompt text, up to the template's end-of-turn token (its last special token): kept when the call
+  stopped, as the model must learn to stop and a server's ids end with it; dropped when the call was cut
+  at ``max_tokens`` (finish reason ``length``: the model did not stop there). What the template writes after
+  it (the newline between turns) is never sampled, so it is never a response token;
 - response, with any other tokenizer (only ``apply_chat_template(messages, tools)`` and ``encode(text)``,
   like :class:`agl.testing.FakeTokenizer`): the answer's content, then one line per tool call
   ``{"name": <name>, "arguments": <arguments as sent>}``.
@@ -53,6 +56,8 @@ class Retokenizer:
                 )
         self.tokenizer = tokenizer
         self._hf_template = "add_generation_prompt" in _parameters(tokenizer.apply_chat_template)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", None) or ()) | ({eos} if isinstance(eos, int) else set())
         self._encode_kwargs = {"add_special_tokens": False} if "add_special_tokens" in _parameters(tokenizer.encode) else {}
 
     def ids(self, span: Span) -> Tuple[List[int], List[int]]:
@@ -63,12 +68,22 @@ class Retokenizer:
         tools = _json(span.attributes.get(semconv.TOOL_DEFINITIONS)) or None
         answer = output_message(span)
         prompt_text = self._template(messages, tools, generation_prompt=True)
-        response_text = render_answer(answer)
         if self._hf_template and answer:
             full_text = self._template(messages + [answer], tools, generation_prompt=False)
             if full_text.startswith(prompt_text):
-                response_text = full_text[len(prompt_text):]
-        return self._encode(prompt_text), self._encode(response_text)
+                stopped = "length" not in (span.attributes.get(semconv.RESPONSE_FINISH_REASONS) or ())
+                return self._encode(prompt_text), self._end_of_turn(self._encode(full_text[len(prompt_text):]), stopped)
+        return self._encode(prompt_text), self._encode(render_answer(answer))
+
+    def _end_of_turn(self, ids: List[int], stopped: bool) -> List[int]:
+        """A templated answer's ids up to its end-of-turn token (the last special token, followed only by
+        whitespace): with it when the call stopped, without it when it was cut at max_tokens."""
+        for end in range(len(ids) - 1, -1, -1):
+            if ids[end] in self._special_ids:
+                if self.tokenizer.decode(ids[end + 1 :]).strip():
+                    return ids  # text after it: not an end of turn this rule knows
+                return ids[: end + 1] if stopped else ids[:end]
+        return ids
 
     def _completion_ids(self, span: Span) -> Tuple[List[int], List[int]]:
         prompt = span.attributes.get(semconv.LLM_PROMPT)  # text as it is, token ids a list
