@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
-import time
 
 import pytest
 
@@ -24,7 +24,7 @@ def store(tmp_path):
 
 def run_one(store, agent, task_input=None, **runner_kwargs):
     store.add_resources({"main_llm": agl.LLM(endpoint="http://127.0.0.1:9/v1", model="m")})
-    rollout = store.enqueue_rollout(task_input if task_input is not None else {"q": 1})
+    store.enqueue_rollout(task_input if task_input is not None else {"q": 1})
     runner = Runner(agent, store, **runner_kwargs)
     try:
         claimed = store.dequeue_rollout(runner.runner_id)
@@ -94,6 +94,64 @@ def test_step_rewards_inside_an_operation_are_not_episode_rewards(store):
     assert reward.attributes[semconv.REWARD_SCOPE] == "step"
     assert reward.parent_id == op.span_id
     assert op.attributes[semconv.OPERATION_OUTPUT] == "SELECT 1"  # strings stay strings
+
+
+class Planner:
+    @agl.operation
+    def plan(self, goal, *, depth=1):
+        agl.emit_reward(0.5)
+        return f"plan for {goal} ({depth})"
+
+    @agl.operation("act")
+    async def act(self, step):
+        await asyncio.sleep(0)
+        return step.upper()
+
+    @classmethod
+    @agl.operation
+    def describe(cls):
+        return cls.__name__
+
+
+@agl.operation
+def check(answer):
+    return answer == "OK"
+
+
+@agl.operation("fetch", source="cache")
+async def fetch(key):
+    return {"key": key}
+
+
+def test_operation_decorators_on_functions_methods_and_coroutines(store):
+    assert inspect.iscoroutinefunction(Planner.act) and inspect.iscoroutinefunction(fetch)
+    assert (check.__name__, Planner.plan.__name__) == ("check", "plan")  # functools.wraps
+
+    def agent(task):
+        planner = Planner()
+        text = planner.plan("dinner", depth=2)
+        done = asyncio.run(planner.act("ok"))
+        fetched = asyncio.run(fetch("k"))
+        return 1.0 if text.startswith("plan") and check(done) and fetched["key"] == "k" and Planner.describe() == "Planner" else 0.0
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.status == "succeeded" and done.final_reward == 1.0
+    spans = store.query_spans(done.rollout_id)
+    ops = {s.attributes[semconv.OPERATION]: s for s in spans if s.name == semconv.SPAN_OPERATION}
+    assert sorted(ops) == ["act", "check", "describe", "fetch", "plan"]
+
+    def recorded(name, key):
+        value = ops[name].attributes.get(key)
+        return json.loads(value) if isinstance(value, str) and value[:1] in "[{" else value
+
+    assert recorded("plan", semconv.OPERATION_INPUT) == {"args": ["dinner"], "depth": 2}  # self is not recorded
+    assert recorded("plan", semconv.OPERATION_OUTPUT) == "plan for dinner (2)"
+    assert (recorded("act", semconv.OPERATION_INPUT), recorded("act", semconv.OPERATION_OUTPUT)) == ("ok", "OK")
+    assert (recorded("check", semconv.OPERATION_INPUT), recorded("check", semconv.OPERATION_OUTPUT)) == ("OK", True)
+    assert recorded("fetch", semconv.OPERATION_OUTPUT) == {"key": "k"} and ops["fetch"].attributes["source"] == "cache"
+    assert recorded("describe", semconv.OPERATION_OUTPUT) == "Planner"
+    (reward,) = [s for s in spans if s.kind == "reward" and s.attributes[semconv.REWARD_SCOPE] == "step"]
+    assert reward.parent_id == ops["plan"].span_id  # a reward inside a decorated method is that step's
 
 
 @pytest.mark.parametrize(

@@ -168,15 +168,18 @@ def emit_exception(exc: BaseException, *, attributes: Optional[Mapping[str, Any]
 class operation:
     """A named step of the agent, as a context manager or a decorator (sync and async functions).
 
-    Rewards emitted inside are step rewards for the LLM calls made inside. As a decorator, the
-    function's arguments and return value are recorded as the operation's input and output.
+    Rewards emitted inside are step rewards for the LLM calls made inside. As a decorator (``@agl.operation``
+    or ``@agl.operation("name")``), the function's arguments (without ``self``/``cls``) and return value are
+    recorded as the operation's input and output; the decorated function stays a plain function, so it still
+    binds as a method and an ``async def`` still reads as a coroutine function to the frameworks that ask.
     """
 
-    def __init__(self, name: Union[str, Callable[..., Any], None] = None, **attributes: Any) -> None:
-        self._fn: Optional[Callable[..., Any]] = None
+    def __new__(cls, name: Union[str, Callable[..., Any], None] = None, **attributes: Any) -> Any:
         if callable(name):  # used bare: @agl.operation
-            self._fn, name = name, getattr(name, "__name__", "operation")
-            functools.update_wrapper(self, self._fn)
+            return _operation_wrapper(name, getattr(name, "__name__", "operation"), attributes)
+        return super().__new__(cls)
+
+    def __init__(self, name: Optional[str] = None, **attributes: Any) -> None:
         self.name = name or "operation"
         self.attributes = attributes
         self._cm: Any = None
@@ -208,26 +211,37 @@ class operation:
         get_tracer().set_deferred(self._span, {semconv.OPERATION_OUTPUT: value})
 
     # -- decorator -----------------------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fn is None:  # @agl.operation("name") -> decorate the function given now
-            fn = args[0]
-            return operation(fn, **self.attributes)._renamed(self.name)
-        fn = self._fn
-        if inspect.iscoroutinefunction(fn):
-            return self._call_async(fn, args, kwargs)
-        with operation(self.name, **self.attributes) as op:
-            op.set_input(*args, **kwargs)
+    def __call__(self, fn: F) -> F:
+        """``@agl.operation("name")``: decorate ``fn``."""
+        return _operation_wrapper(fn, self.name, self.attributes)
+
+
+def _operation_wrapper(fn: F, name: str, attributes: Dict[str, Any]) -> F:
+    """``fn`` run inside ``operation(name)``, its arguments and result recorded; sync or async like ``fn``."""
+    try:
+        first = next(iter(inspect.signature(fn).parameters), None)
+    except (TypeError, ValueError):  # a callable without a signature: record every argument
+        first = None
+    skip = 1 if first in ("self", "cls") else 0
+
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with operation(name, **attributes) as op:
+                op.set_input(*args[skip:], **kwargs)
+                result = await fn(*args, **kwargs)
+                op.set_output(result)
+                return result
+
+        return async_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with operation(name, **attributes) as op:
+            op.set_input(*args[skip:], **kwargs)
             result = fn(*args, **kwargs)
             op.set_output(result)
             return result
 
-    async def _call_async(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        with operation(self.name, **self.attributes) as op:
-            op.set_input(*args, **kwargs)
-            result = await fn(*args, **kwargs)
-            op.set_output(result)
-            return result
-
-    def _renamed(self, name: str) -> "operation":
-        self.name = name
-        return self
+    return wrapper  # type: ignore[return-value]
