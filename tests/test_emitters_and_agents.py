@@ -206,6 +206,33 @@ def test_tool_decorator_records_arguments_results_and_errors(store):
     assert tools[1].status == "error" and tools[1].attributes[semconv.ERROR_TYPE] == "ZeroDivisionError"
 
 
+class Calculator:
+    @agl.tool
+    def add(self, a, b):
+        return a + b
+
+    @agl.tool(name="multiply")
+    async def mul(self, a, b):
+        await asyncio.sleep(0)
+        return a * b
+
+
+def test_tool_decorator_on_methods_and_coroutines(store):
+    assert inspect.iscoroutinefunction(Calculator.mul) and Calculator.add.__name__ == "add"
+
+    def agent(task):
+        calc = Calculator()
+        return float(asyncio.run(calc.mul(calc.add(1, b=2), 3)) == 9)
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.final_reward == 1.0
+    tools = [s for s in store.query_spans(done.rollout_id) if s.kind == "tool"]
+    assert [t.attributes[semconv.TOOL_NAME] for t in tools] == ["add", "multiply"]
+    # arguments by name, without the method's self
+    assert [json.loads(t.attributes[semconv.TOOL_CALL_ARGUMENTS]) for t in tools] == [{"a": 1, "b": 2}, {"a": 3, "b": 3}]
+    assert [t.attributes[semconv.TOOL_CALL_RESULT] for t in tools] == [3, 9]
+
+
 def test_rollout_decorator_supplies_arguments_by_name(store):
     seen = {}
 

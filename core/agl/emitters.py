@@ -30,6 +30,7 @@ from opentelemetry import trace as otel_trace
 from agl import semconv
 from agl.context import _in_operation, current_scope, in_operation
 from agl.otel_span import AglSpan
+from agl.tool import receiver_count
 from agl.tracer import Tracer, get_tracer, record_exception
 
 logger = logging.getLogger("agl.emitters")
@@ -218,11 +219,7 @@ class operation:
 
 def _operation_wrapper(fn: F, name: str, attributes: Dict[str, Any]) -> F:
     """``fn`` run inside ``operation(name)``, its arguments and result recorded; sync or async like ``fn``."""
-    try:
-        first = next(iter(inspect.signature(fn).parameters), None)
-    except (TypeError, ValueError):  # a callable without a signature: record every argument
-        first = None
-    skip = 1 if first in ("self", "cls") else 0
+    skip = receiver_count(fn)
 
     if inspect.iscoroutinefunction(fn):
 

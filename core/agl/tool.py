@@ -16,12 +16,25 @@ from agl.tracer import get_tracer
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def receiver_count(fn: Callable[..., Any]) -> int:
+    """1 if ``fn``'s first parameter is a method's ``self`` or ``cls`` (not worth recording), else 0."""
+    try:
+        first = next(iter(inspect.signature(fn).parameters), None)
+    except (TypeError, ValueError):  # a callable without a signature
+        return 0
+    return 1 if first in ("self", "cls") else 0
+
+
 def _arguments(fn: Callable[..., Any], args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The call's arguments by parameter name, without a method's ``self``/``cls``."""
     try:
         bound = inspect.signature(fn).bind_partial(*args, **kwargs)
-        return dict(bound.arguments)
-    except TypeError:
-        return {"args": list(args), **kwargs}
+    except (TypeError, ValueError):
+        return {"args": list(args[receiver_count(fn):]), **kwargs}
+    arguments = dict(bound.arguments)
+    if receiver_count(fn):
+        arguments.pop(next(iter(arguments)), None)
+    return arguments
 
 
 @overload
