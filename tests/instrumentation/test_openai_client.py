@@ -384,6 +384,25 @@ def test_server_error_raises_what_the_plain_client_raises_and_marks_the_span(
     assert json.loads(span.attributes[semconv.INPUT_MESSAGES]) == MESSAGES
 
 
+async def test_async_server_error_raises_what_the_plain_client_raises_and_marks_the_span(
+    aclient, fake_openai, instrumentor, sink, rollout
+):
+    async def error_type() -> type:
+        fake_openai.script(FakeReply(status_code=500, error_message="the GPU caught fire"))
+        with pytest.raises(Exception) as info:
+            await aclient.chat.completions.create(model="fake-model", messages=MESSAGES)
+        return type(info.value)
+
+    instrumentor.uninstrument()
+    plain = await error_type()
+    instrumentor.instrument()
+    with rollout() as scope:
+        assert await error_type() is plain is openai.InternalServerError
+    (span,) = sink.of(scope.rollout_id)
+    assert span.status == "error" and "the GPU caught fire" in span.error
+    assert span.attributes[semconv.ERROR_TYPE] == "InternalServerError"
+
+
 def test_broken_stream_raises_what_the_plain_client_raises_and_marks_the_span(
     client, fake_openai, instrumentor, sink, rollout
 ):
