@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import json
 import threading
+import time
 
 import pytest
 
@@ -303,6 +304,41 @@ def test_a_hung_agent_times_out_and_the_runner_moves_on(store):
     assert first.status == "failed" and "timeout" in first.error
     assert runner.stuck
     assert second.status == "succeeded"
+
+
+def test_a_result_that_comes_after_the_store_gave_up_on_the_attempt_is_ignored_and_said_so(store, caplog):
+    """A runner presumed dead (no heartbeat within heartbeat_timeout: a paused process, a partition) comes
+    back with its result: the store's verdict and the retry stand, the late result changes nothing, the
+    spans the attempt made are kept, and the runner says why its result was not recorded."""
+    started, release = threading.Event(), threading.Event()
+
+    def agent(task):
+        agl.emit_reward(0.5)
+        started.set()
+        release.wait(10)
+        return 0.5
+
+    store.add_resources({})
+    store.enqueue_rollout({"q": 1}, config=agl.RolloutConfig(heartbeat_timeout_seconds=0.2, max_attempts=2))
+    runner = Runner(agl.rollout(agent), store, heartbeat_interval=30)  # no heartbeat in time
+    claimed = store.dequeue_rollout(runner.runner_id)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(done=runner.run_rollout(claimed)))
+    with caplog.at_level("WARNING", logger="agl.runner"):
+        worker.start()
+        assert started.wait(10)
+        assert runner.tracer.flush(10)  # the reward span is stored (a span batch counts as a heartbeat) ...
+        time.sleep(0.3)  # ... then nothing for longer than the attempt's heartbeat timeout
+        assert [r.status for r in store.reap_expired()] == ["queued"]  # the store's retry
+        release.set()
+        worker.join(10)
+    runner.close()
+    done = result["done"]
+    assert (done.status, done.final_reward, done.attempt.status) == ("queued", None, "unresponsive")
+    assert any("result not recorded" in r.getMessage() and "stop working on it" in r.getMessage() for r in caplog.records)
+    assert [s.kind for s in store.query_spans(done.rollout_id, claimed.attempt.attempt_id)].count("reward") == 1
+    retry = store.dequeue_rollout("another-runner")
+    assert retry.rollout_id == done.rollout_id and retry.attempt.sequence == 2
 
 
 def test_agent_sees_the_same_result_when_the_store_refuses_spans(store):

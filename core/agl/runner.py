@@ -60,7 +60,6 @@ class _Heartbeat:
 
     def __init__(self, store: LightningStore, rollout_id: str, attempt_id: str, interval: float) -> None:
         self._stop = threading.Event()
-        self.lost = False
         self._thread = threading.Thread(
             target=self._run, args=(store, rollout_id, attempt_id, interval), name="agl-heartbeat", daemon=True
         )
@@ -70,8 +69,7 @@ class _Heartbeat:
         while not self._stop.wait(interval):
             try:
                 store.heartbeat(rollout_id, attempt_id)
-            except StaleAttemptError:
-                self.lost = True
+            except StaleAttemptError:  # the store ended the attempt; the result will be refused too (said then)
                 logger.warning("attempt %s of %s was ended by the store (timed out?)", attempt_id, rollout_id)
                 return
             except Exception as exc:  # noqa: BLE001 - a flaky store must not kill the rollout
