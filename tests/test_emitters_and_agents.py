@@ -248,6 +248,27 @@ def test_rollout_decorator_supplies_arguments_by_name(store):
 def test_rollout_decorator_rejects_arguments_it_cannot_supply():
     with pytest.raises(TypeError, match="cannot supply"):
         agl.rollout(lambda task, database: 1)
+    with pytest.raises(TypeError, match="must take the task as its first argument"):
+        agl.rollout(lambda: 1)
+
+
+def test_agents_that_cannot_run_fail_their_rollout_and_say_what_to_do(tmp_path):
+    class Unfinished(agl.LitAgent):
+        pass
+
+    store = SqliteLightningStore(tmp_path / "s.db")
+    store.add_resources({"prompt": agl.PromptTemplate(template="{q}")})  # no LLM among the resources
+    failures = []
+    for agent in (agl.rollout(lambda task, llm: 1.0), Unfinished()):
+        store.enqueue_rollout({"q": 1})
+        runner = Runner(agent, store)
+        failures.append(runner.run_rollout(store.dequeue_rollout(runner.runner_id)))
+        runner.close()
+    store.close()
+    assert [f.status for f in failures] == ["failed", "failed"]
+    assert "takes 'llm' but the resources hold no LLM (have: ['prompt'])" in failures[0].error
+    assert "initial_resources={'main_llm': agl.LLM(...)}" in failures[0].error
+    assert "Unfinished must implement rollout(self, task, resources, rollout)" in failures[1].error
 
 
 def test_class_agent_validation_rollout_and_async(store):
