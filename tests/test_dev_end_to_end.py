@@ -138,6 +138,39 @@ def test_cli_dev_names_a_missing_data_file(tmp_path):
         agl_main(["dev", "examples/calc_agent.py:calc_agent", "--data", str(tmp_path / "nothing.jsonl")])
 
 
+def test_cli_loads_agents_in_every_form_and_names_what_is_wrong(tmp_path, monkeypatch):
+    from agl.cli import load_agent
+
+    (tmp_path / "agl_cli_test_file_agents.py").write_text(
+        "import agl\n"
+        "class Agent(agl.LitAgent):\n"
+        "    def rollout(self, task, resources, rollout):\n"
+        "        return 1.0\n"
+        "instance = Agent()\n"
+        "def plain(task):\n"
+        "    return 1.0\n"
+        "NUMBER = 3\n"
+        "def needs_a_database(task, database):\n"
+        "    return 1.0\n"
+    )
+    (tmp_path / "agl_cli_test_agents.py").write_text("def agent(task):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = str(tmp_path / "agl_cli_test_file_agents.py")
+    assert type(load_agent(f"{module}:Agent")).__name__ == "Agent"  # a class, built with no arguments
+    assert load_agent(f"{module}:instance").__class__.__name__ == "Agent"
+    assert isinstance(load_agent(f"{module}:plain"), agl.FunctionalLitAgent)
+    assert isinstance(load_agent("agl_cli_test_agents:agent"), agl.FunctionalLitAgent)  # MODULE:NAME, imported
+    for target, message in (
+        (module, "must look like MODULE:NAME"),
+        (f"{module}:missing", "has no attribute 'missing'"),
+        (f"{module}:NUMBER", "is a int, not a LitAgent or a rollout function"),
+        (f"{tmp_path / 'absent.py'}:agent", "does not exist"),
+        (f"{module}:needs_a_database", r"needs_a_database: @agl.rollout function .* \['database'\] that agl cannot supply"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            load_agent(target)
+
+
 def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai, instrumented):
     """Plain Python: the runner's root agent span is named after the function; nested agent spans
     (here made with the adapter kit, as framework adapters do) take over inside."""

@@ -45,7 +45,10 @@ def load_agent(target: str) -> LitAgent[Any]:
     if isinstance(obj, type) and issubclass(obj, LitAgent):
         return obj()
     if callable(obj):
-        return rollout(obj)
+        try:
+            return rollout(obj)
+        except TypeError as exc:  # arguments agl cannot supply
+            raise SystemExit(f"agl: {target}: {exc}") from None
     raise SystemExit(f"agl: {target} is a {type(obj).__name__}, not a LitAgent or a rollout function")
 
 
