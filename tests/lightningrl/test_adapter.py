@@ -21,7 +21,7 @@ from agl.lightningrl import Batch, BatchReport, LightningRL
 from agl.lightningrl.advantages import FailedRollouts
 from agl.lightningrl.synthetic import synthetic_rollouts
 from agl.store import SqliteLightningStore
-from agl.testing import FakeReply, FakeTokenizer
+from agl.testing import FakeReply, FakeTokenizer, without_token_ids
 from agl.types import Rollout
 
 TOOLS = [
@@ -213,20 +213,49 @@ def test_retokenized_ids_equal_the_servers_ids(two_groups) -> None:
     definitions included) with the server's tokenizer gives back exactly the server's ids."""
     store, rollouts = two_groups
     with_ids = LightningRL().build_batch(store, rollouts, progress=False)
-    stripped = []
-    for r in rollouts:
-        spans = []
-        for s in store.query_spans(r.rollout_id):
-            attrs = {k: v for k, v in s.attributes.items() if k not in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS)}
-            if s.kind == "llm":
-                attrs[semconv.TOKEN_IDS_SOURCE] = "absent"
-            spans.append(s.model_copy(update={"attributes": attrs}))
-        stripped.append((r, spans))
-    again = LightningRL(tokenizer=FakeTokenizer()).batch_from_spans(rollouts, stripped)
+    again = LightningRL(tokenizer=FakeTokenizer()).batch_from_spans(rollouts, without_token_ids(store, rollouts))
     assert again.report.retokenized == 12
     assert [(t.prompt_ids, t.response_ids) for t in again.transitions] == [
         (t.prompt_ids, t.response_ids) for t in with_ids.transitions
     ]
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "add", "description": "Add two numbers.",
+                    "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+@agl.rollout
+def parallel_adder(task, llm):
+    """A Responses API agent whose first turn is text and two function calls at once (as the Agents SDK
+    sends parallel tool calls), answered with two outputs."""
+    client = OpenAI(base_url=llm.get_base_url(), api_key="x")
+    items = [{"role": "user", "content": task["question"]}]
+    first = client.responses.create(model=llm.model, instructions="Use the tool.", input=items, tools=RESPONSES_TOOLS)
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    for call in [item for item in first.output if item.type == "function_call"]:
+        items.append({"type": "function_call_output", "call_id": call.call_id, "output": f"{add(**json.loads(call.arguments)):g}"})
+    client.responses.create(model=llm.model, instructions="Use the tool.", input=items, tools=RESPONSES_TOOLS)
+    return 1.0
+
+
+def test_retokenized_responses_calls_equal_the_servers_ids(tmp_path, fake_openai, instrumented) -> None:
+    """Re-tokenizing Responses API calls maps their input items and flat tools to chat the way the server
+    does: a turn of text and parallel function calls is one assistant message, tools are chat tools."""
+    fake_openai.script(
+        FakeReply(content="Adding.", tool_calls=[{"name": "add", "arguments": {"a": 1, "b": 2}},
+                                                  {"name": "add", "arguments": {"a": 3, "b": 4}}]),
+        FakeReply(content="3 and 7."),
+    )
+    store = SqliteLightningStore(tmp_path / "responses.db")
+    trainer = agl.Trainer(store=store, runner_mode="thread", progress=False,
+                          initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
+    with trainer.runners(parallel_adder):
+        rollouts = trainer.run_tasks([{"question": "1 plus 2, and 3 plus 4?"}])
+    assert [r.status for r in rollouts] == ["succeeded"]
+    with_ids = LightningRL().build_batch(store, rollouts, progress=False)
+    again = LightningRL(tokenizer=FakeTokenizer()).batch_from_spans(rollouts, without_token_ids(store, rollouts))
+    assert again.report.retokenized == 2
+    assert [t.prompt_ids for t in again.transitions] == [t.prompt_ids for t in with_ids.transitions]
 
 
 # --- configuration ----------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from agl.lightningrl.retokenize import Retokenizer
 from agl.lightningrl.synthetic import TraceBuilder
 from agl.serving import PolicyServer
 from agl.store import SqliteLightningStore
+from agl.testing import without_token_ids
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
 YES_OR_NO = {
@@ -81,16 +82,7 @@ def test_retokenized_calls_of_the_policy_server_end_like_its_ids(tiny: Tuple[Any
         agl.uninstrument()
     assert [r.status for r in rollouts] == ["succeeded", "succeeded"]
     exact = LightningRL().build_batch(store, rollouts, progress=False).transitions
-    stripped = []
-    for rollout in rollouts:
-        spans = []
-        for s in store.query_spans(rollout.rollout_id):
-            attrs = {k: v for k, v in s.attributes.items() if k not in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS)}
-            if s.kind == "llm":
-                attrs[semconv.TOKEN_IDS_SOURCE] = "absent"
-            spans.append(s.model_copy(update={"attributes": attrs}))
-        stripped.append((rollout, spans))
-    batch = LightningRL(tokenizer=tokenizer).batch_from_spans(rollouts, stripped)
+    batch = LightningRL(tokenizer=tokenizer).batch_from_spans(rollouts, without_token_ids(store, rollouts))
     assert batch.report.retokenized == 4
     finishes = []
     for server_ids, retokenized in zip(exact, batch.transitions):

@@ -18,9 +18,10 @@ What is encoded:
   like :class:`agl.testing.FakeTokenizer`): the answer's content, then one line per tool call
   ``{"name": <name>, "arguments": <arguments as sent>}``.
 
-Responses API input (``{"instructions", "input"}``) is turned into chat messages first: instructions as a
-system message, a string input as a user message, message items by role, function calls and their
-outputs as assistant tool calls and tool messages.
+Responses API input (``{"instructions", "input"}``) and its flat function tools become chat messages and
+chat tools by the policy server's own mapping (:mod:`agl.serving.responses_api`), so a conversation renders
+the same whichever API carried it: instructions as a system message, message items by role, a turn's
+function calls joined to its assistant message, their outputs as tool messages.
 
 A (legacy) Completions API call has no template: the prompt is ``agl.llm.prompt`` as sent (token ids as
 they are; text through the tokenizer with its special tokens, as vLLM does), the response the text, plus
@@ -35,8 +36,10 @@ import json
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agl import semconv
-from agl.instrumentation.openai_payloads import COMPLETIONS
+from agl.instrumentation.openai_payloads import COMPLETIONS, RESPONSES
 from agl.lightningrl.links import output_message, tool_calls_of
+from agl.serving import responses_api  # torch-free: the Responses -> chat mapping of agl's server
+from agl.serving.chat_format import BadRequest
 from agl.types import Span
 
 
@@ -66,6 +69,8 @@ class Retokenizer:
             return self._completion_ids(span)
         messages = chat_messages(span)
         tools = _json(span.attributes.get(semconv.TOOL_DEFINITIONS)) or None
+        if tools and span.attributes.get(semconv.LLM_API) == RESPONSES:
+            tools = responses_api.chat_tools(tools) or None
         answer = output_message(span)
         prompt_text = self._template(messages, tools, generation_prompt=True)
         if self._hf_template and answer:
@@ -131,34 +136,11 @@ def chat_messages(span: Span) -> List[Dict[str, Any]]:
     if isinstance(recorded, list):
         return [dict(m) for m in recorded if isinstance(m, Mapping)]
     if isinstance(recorded, Mapping) and "input" in recorded:
-        return _responses_to_chat(recorded)
+        try:
+            return responses_api.conversation(recorded)
+        except (BadRequest, KeyError, TypeError, AttributeError) as exc:
+            raise RetokenizeError(f"span {span.span_id}: its Responses API input has no chat form: {exc}") from None
     raise RetokenizeError(f"span {span.span_id} has no {semconv.INPUT_MESSAGES} to re-tokenize")
-
-
-def _responses_to_chat(recorded: Mapping[str, Any]) -> List[Dict[str, Any]]:
-    messages: List[Dict[str, Any]] = []
-    if recorded.get("instructions"):
-        messages.append({"role": "system", "content": recorded["instructions"]})
-    items = recorded.get("input")
-    if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
-    for item in items or ():
-        kind = item.get("type", "message")
-        if kind == "message" and "role" in item:
-            content = item.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-            messages.append({"role": item["role"], "content": content})
-        elif kind == "function_call":
-            function = {"name": item.get("name"), "arguments": item.get("arguments")}
-            messages.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": item.get("call_id"), "type": "function", "function": function}
-            ]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output"))})
-        else:
-            raise RetokenizeError(f"cannot turn a Responses API input item of type {kind!r} into a chat message")
-    return messages
 
 
 def _json(value: Any) -> Any:
