@@ -255,7 +255,9 @@ def test_retokenized_responses_calls_equal_the_servers_ids(tmp_path, fake_openai
     with_ids = LightningRL().build_batch(store, rollouts, progress=False)
     again = LightningRL(tokenizer=FakeTokenizer()).batch_from_spans(rollouts, without_token_ids(store, rollouts))
     assert again.report.retokenized == 2
-    assert [t.prompt_ids for t in again.transitions] == [t.prompt_ids for t in with_ids.transitions]
+    assert [(t.prompt_ids, t.response_ids) for t in again.transitions] == [
+        (t.prompt_ids, t.response_ids) for t in with_ids.transitions
+    ]
 
 
 # --- configuration ----------------------------------------------------------------------------------------
