@@ -25,16 +25,13 @@ def receiver_count(fn: Callable[..., Any]) -> int:
     return 1 if first in ("self", "cls") else 0
 
 
-def _arguments(fn: Callable[..., Any], args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """The call's arguments by parameter name, without a method's ``self``/``cls``."""
+def _arguments(fn: Callable[..., Any], skip: int, args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The call's arguments by parameter name, without the first ``skip`` (a method's ``self``/``cls``)."""
     try:
         bound = inspect.signature(fn).bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
-        return {"args": list(args[receiver_count(fn):]), **kwargs}
-    arguments = dict(bound.arguments)
-    if receiver_count(fn):
-        arguments.pop(next(iter(arguments)), None)
-    return arguments
+        return {"args": list(args[skip:]), **kwargs}
+    return dict(list(bound.arguments.items())[skip:])
 
 
 @overload
@@ -49,6 +46,7 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
     def decorate(func: F) -> F:
         tool_name = name or func.__name__
         span_name = f"execute_tool {tool_name}"
+        skip = receiver_count(func)
 
         def start() -> tuple[Any, Any]:
             tracer = get_tracer()
@@ -61,7 +59,7 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 tracer, cm = start()
                 with cm as span:
-                    tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: _arguments(func, args, kwargs)})
+                    tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: _arguments(func, skip, args, kwargs)})
                     result = await func(*args, **kwargs)
                     tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: result})
                     return result
@@ -72,7 +70,7 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             tracer, cm = start()
             with cm as span:
-                tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: _arguments(func, args, kwargs)})
+                tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: _arguments(func, skip, args, kwargs)})
                 result = func(*args, **kwargs)
                 tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: result})
                 return result
