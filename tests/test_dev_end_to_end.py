@@ -138,6 +138,17 @@ def test_cli_dev_names_a_missing_data_file(tmp_path):
         agl_main(["dev", "examples/calc_agent.py:calc_agent", "--data", str(tmp_path / "nothing.jsonl")])
 
 
+@pytest.mark.parametrize("command", [["store", "stats"], ["store", "rollouts"], ["inspect", "ro-1"], ["export", "out.jsonl"]])
+def test_reading_commands_refuse_a_store_that_does_not_exist_and_create_none(tmp_path, command):
+    """A mistyped --store must not read as an empty store (and leave a new empty file behind)."""
+    missing = tmp_path / "runs" / "typo.db"
+    with pytest.raises(SystemExit, match=f"no store at {missing}: the file does not exist"):
+        agl_main([*command, "--store", str(missing)])
+    assert not missing.exists() and not missing.parent.exists()
+    with pytest.raises(SystemExit, match="no store at"):
+        agl_main([*command, "--store", f"sqlite:///{missing}"])
+
+
 def test_cli_loads_agents_in_every_form_and_names_what_is_wrong(tmp_path, monkeypatch):
     from agl.cli import load_agent
 

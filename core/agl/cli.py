@@ -140,11 +140,20 @@ def cmd_dev(args: argparse.Namespace) -> int:
     return 0 if all(r.status == "succeeded" for r in rows) else 1
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from agl.inspection import render
+def _existing_store(target: Optional[str]) -> Any:
+    """The store a reading command looks at: never a new, empty SQLite file made by a mistyped path."""
+    from agl.errors import StoreNotFoundError
     from agl.store import open_store
 
-    store = open_store(args.store)
+    try:
+        return open_store(target, create=False)
+    except StoreNotFoundError as exc:
+        raise SystemExit(f"agl: {exc}") from None
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from agl.inspection import render
+    store = _existing_store(args.store)
     rollout_ = store.get_rollout(args.rollout_id)
     attempt: Optional[str] = None if args.attempt == "all" else args.attempt
     spans = store.query_spans(args.rollout_id, attempt)
@@ -159,9 +168,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_store(args: argparse.Namespace) -> int:
-    from agl.store import open_store
-
-    store = open_store(args.store)
+    store = _existing_store(args.store)
     if args.store_command == "stats":
         print(store.stats().model_dump_json(indent=2))
         return 0
@@ -176,12 +183,11 @@ def cmd_store(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from agl.lightningrl import LightningRL
     from agl.lightningrl.export import export
-    from agl.store import open_store
     from agl.train_cli import adapter_settings
 
     settings = adapter_settings(args.adapter_settings, args.agent_match, json_setting(args.config, "--config"))
     adapter = LightningRL.from_config(settings)
-    store = open_store(args.store)
+    store = _existing_store(args.store)
     rollouts = store.query_rollouts(
         status=args.status or ["succeeded", "failed", "cancelled"], mode=args.mode, limit=args.limit
     )

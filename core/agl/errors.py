@@ -74,6 +74,10 @@ class UnsupportedStoreError(AglError, NotImplementedError):
     """A store URL whose backend this version of agl does not provide."""
 
 
+class StoreNotFoundError(AglError, FileNotFoundError):
+    """A SQLite store file that does not exist, opened by something that only reads (``create=False``)."""
+
+
 class DuplicateRolloutError(AglError, ValueError):
     """``enqueue_many`` was given a ``rollout_id`` that is already stored (nothing of the batch was enqueued)."""
 

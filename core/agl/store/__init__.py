@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from agl.errors import UnsupportedStoreError
+from agl.errors import StoreNotFoundError, UnsupportedStoreError
 from agl.store.base import EnqueueRequest, LightningStore, StoreStats
 from agl.store.memory import InMemoryLightningStore
 from agl.store.sqlite import SqliteLightningStore
@@ -26,8 +26,9 @@ DEFAULT_STORE_PATH = os.path.join(".agl", "store.db")
 _SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 
 
-def open_store(url_or_path: Optional[str] = None) -> LightningStore:
-    """The store ``url_or_path`` names.
+def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> LightningStore:
+    """The store ``url_or_path`` names. ``create=False`` (what only reads, e.g. ``agl inspect``): a SQLite file
+    that does not exist raises :class:`~agl.errors.StoreNotFoundError` instead of becoming a new, empty store.
 
     - ``None``: ``$AGL_STORE`` if set (any form below), else the SQLite file ``./.agl/store.db``.
     - ``"memory"`` or ``"memory://"``: a new in-memory store (this process only).
@@ -52,7 +53,7 @@ def open_store(url_or_path: Optional[str] = None) -> LightningStore:
                 f"store URL {target!r} names no file: write sqlite:///relative/path.db or sqlite:////absolute/path.db "
                 "(for a store in memory use 'memory')"
             )
-        return SqliteLightningStore(path)
+        return _sqlite(path, create)
     if scheme in ("http", "https"):
         from agl.store.remote import RemoteLightningStore  # token from $AGL_STORE_TOKEN
 
@@ -64,8 +65,17 @@ def open_store(url_or_path: Optional[str] = None) -> LightningStore:
             raise UnsupportedStoreError(f"store URL {target!r}: {exc}") from exc
         return PostgresLightningStore(target)
     if not scheme and target.lower().endswith(_SQLITE_SUFFIXES):
-        return SqliteLightningStore(os.path.expanduser(target))
+        return _sqlite(os.path.expanduser(target), create)
     raise ValueError(
         f"cannot tell which store {target!r} names: use 'memory', 'sqlite:///path.db' or a path ending in "
         f"{', '.join(_SQLITE_SUFFIXES)}"
     )
+
+
+def _sqlite(path: str, create: bool) -> SqliteLightningStore:
+    if not create and not os.path.exists(path):
+        raise StoreNotFoundError(
+            f"no store at {path}: the file does not exist (the default is $AGL_STORE, else {DEFAULT_STORE_PATH} in "
+            "the current folder; pass --store with the path the run wrote, e.g. its OUT/store.db)"
+        )
+    return SqliteLightningStore(path)
