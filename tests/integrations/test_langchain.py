@@ -314,6 +314,38 @@ def test_interrupt_and_resume_are_not_errors(fake_openai, instrumented, sink, ca
     assert "AglCallbackHandler" not in caplog.text  # LangChain logs handler failures, e.g. a missing on_interrupt
 
 
+def test_agl_operation_decorated_nodes_run_as_langgraph_nodes(fake_openai, instrumented, sink):
+    """``@agl.operation`` keeps an async node a coroutine function (LangGraph awaits it; before, the graph
+    failed on the coroutine the node returned) and a sync node a plain one; the LLM call made in the draft
+    operation belongs to the draft node and carries the operation's id (how step rewards find it)."""
+
+    @agl.operation
+    async def draft(state: MessagesState) -> Dict[str, Any]:
+        reply = await model(fake_openai.base_url).ainvoke(state["messages"])
+        return {"messages": [reply]}
+
+    @agl.operation("polish")
+    def polish(state: MessagesState) -> Dict[str, Any]:
+        return {"messages": [HumanMessage(state["messages"][-1].content.upper())]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("draft", draft)
+    graph.add_node("polish", polish)
+    graph.add_edge(START, "draft")
+    graph.add_edge("draft", "polish")
+    graph.add_edge("polish", END)
+    fake_openai.script(FakeReply(content="a slogan"))
+    with agl.rollout_scope("ro-operations", "at-1"):
+        out = asyncio.run(graph.compile().ainvoke({"messages": [HumanMessage("write")]}))
+    assert out["messages"][-1].content == "A SLOGAN"
+    spans = sink.of("ro-operations")
+    operations = {s.attributes[semconv.OPERATION]: s for s in spans if s.name == semconv.SPAN_OPERATION}
+    assert sorted(operations) == ["draft", "polish"]
+    (llm,) = of_kind(spans, "llm")
+    assert agent_of(llm, spans) == "draft"
+    assert llm.attributes[semconv.OPERATION_SPAN_ID] == operations["draft"].span_id
+
+
 # -- named agents: create_agent(name=...) (LangChain 1.x) and AgentExecutor (LangChain 0.3) ----------------------
 def test_named_create_agents_own_their_llm_calls(tmp_path, fake_openai, instrumented):
     agents_module = pytest.importorskip("langchain.agents")
