@@ -36,6 +36,7 @@ from opentelemetry.trace import StatusCode
 
 from agl import semconv
 from agl.context import current_scope
+from agl.instrumentation.context_keys import resolve_parent
 from agl.otel_span import AglSpan, clean_attributes, new_id
 from agl.span_encoding import Finished, encode_attribute, finished, without_callables
 from agl.span_export import SpanExporter, TracerStats
@@ -381,14 +382,16 @@ class Tracer:
     ) -> otel_trace.Span:
         """Start a span without making it current (for callback-style integrations that end it later).
 
-        Its parent is ``parent``, else the current span (agl's or the user's own); without either it
-        starts a new trace. Started inside a rollout, it is stored when it ends.
+        Its parent is ``parent``, else the innermost of the current span (agl's or the user's own) and the
+        span of the framework run executing now, as a callback-style adapter reports it (a LangGraph node
+        never becomes current: see :mod:`agl.instrumentation.context_keys`); without either it starts a new
+        trace. Started inside a rollout, it is stored when it ends.
         """
         attrs: Dict[str, Any] = {semconv.SPAN_KIND: kind}
         if attributes:
             attrs.update(clean_attributes(attributes))
         if parent is None:
-            parent = otel_trace.get_current_span()
+            parent = _innermost(otel_trace.get_current_span(), resolve_parent())
         if type(parent) is AglSpan:
             trace_id, parent_id, trace_state = parent.trace_id, parent.span_id, parent.trace_state
         else:
@@ -422,6 +425,16 @@ class Tracer:
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every span that has ended is in the store. False if ``timeout`` passed first."""
         return self.processor.force_flush(int(timeout * 1000))
+
+
+def _innermost(current: otel_trace.Span, running: Optional[otel_trace.Span]) -> otel_trace.Span:
+    """The framework run's span, unless the current span started inside it (an operation opened in a node)."""
+    if running is None:
+        return current
+    started, run_started = getattr(current, "start_time", None), getattr(running, "start_time", None)
+    if current.get_span_context().is_valid and isinstance(started, int) and isinstance(run_started, int):
+        return current if started >= run_started else running
+    return running
 
 
 _tracer: Optional[Tracer] = None

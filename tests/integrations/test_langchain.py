@@ -35,6 +35,8 @@ from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
 from agl.instrumentation import context_keys  # noqa: E402
 from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
 from agl.instrumentation.safety import internal_error_count  # noqa: E402
+from agl.lightningrl.links import CallLinks  # noqa: E402
+from agl.lightningrl.tree import build_tree  # noqa: E402
 from agl.integrations.langchain import LangChainInstrumentor  # noqa: E402
 from agl.integrations.langchain._handler import AglCallbackHandler  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
@@ -316,12 +318,18 @@ def test_interrupt_and_resume_are_not_errors(fake_openai, instrumented, sink, ca
 
 def test_agl_operation_decorated_nodes_run_as_langgraph_nodes(fake_openai, instrumented, sink):
     """``@agl.operation`` keeps an async node a coroutine function (LangGraph awaits it; before, the graph
-    failed on the coroutine the node returned) and a sync node a plain one; the LLM call made in the draft
-    operation belongs to the draft node and carries the operation's id (how step rewards find it)."""
+    failed on the coroutine the node returned) and a sync node a plain one. The spans agl opens inside a
+    node (the operation, an ``@agl.tool`` call) nest under that node, though LangGraph never makes it
+    current; the LLM call carries the operation's id, and the tool is credited to the call before it."""
+
+    @agl.tool
+    def count_words(text: str) -> int:
+        return len(text.split())
 
     @agl.operation
     async def draft(state: MessagesState) -> Dict[str, Any]:
         reply = await model(fake_openai.base_url).ainvoke(state["messages"])
+        count_words(reply.content)
         return {"messages": [reply]}
 
     @agl.operation("polish")
@@ -341,9 +349,14 @@ def test_agl_operation_decorated_nodes_run_as_langgraph_nodes(fake_openai, instr
     spans = sink.of("ro-operations")
     operations = {s.attributes[semconv.OPERATION]: s for s in spans if s.name == semconv.SPAN_OPERATION}
     assert sorted(operations) == ["draft", "polish"]
+    assert {name: agent_of(span, spans) for name, span in operations.items()} == {"draft": "draft", "polish": "polish"}
     (llm,) = of_kind(spans, "llm")
-    assert agent_of(llm, spans) == "draft"
+    (tool_span,) = of_kind(spans, "tool")
+    assert agent_of(llm, spans) == agent_of(tool_span, spans) == "draft"
+    assert tool_span.parent_id == operations["draft"].span_id
     assert llm.attributes[semconv.OPERATION_SPAN_ID] == operations["draft"].span_id
+    assert CallLinks(build_tree(spans)).caller_of_tool(tool_span) == llm.span_id
+    assert_one_tree(spans)
 
 
 # -- named agents: create_agent(name=...) (LangChain 1.x) and AgentExecutor (LangChain 0.3) ----------------------

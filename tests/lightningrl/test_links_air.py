@@ -14,6 +14,7 @@ from agl.lightningrl.air import AIRConfig, air_rewards
 from agl.lightningrl.links import CallLinks
 from agl.lightningrl.synthetic import TraceBuilder
 from agl.lightningrl.tree import build_tree
+from agl.tracer import get_tracer
 
 
 @pytest.fixture
@@ -31,14 +32,23 @@ def links_of(spans) -> CallLinks:
 
 
 def test_operation_rewards_reach_calls_parented_elsewhere(fake_openai, sink, instrumented) -> None:
-    """LangGraph-style: the node's agent span is never current and the llm span is parented to it by a
-    resolver, so the call is not below the operation in the tree; the operation id links them."""
+    """LangGraph-style: the node's agent span is never current; the model run the framework opens for each
+    call is a child of the node (not of the operation around the call), and a resolver reports it, so the
+    llm span is under the model run, not below the operation in the tree; the operation id links them."""
     client = OpenAI(base_url=fake_openai.base_url, api_key="x")
-    ask = lambda text: client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}])  # noqa: E731
+    running = []
+
+    def ask(text):
+        running.append(get_tracer().start_span("chat_model", "chain", parent=node))  # opened by the framework
+        try:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}])
+        finally:
+            running.pop().end()
+
     with agl.rollout_scope("ro-link", "at-1"):
         with agent_span("team", "test"):
             node = start_agent_span("writer", "test")
-            resolver = lambda: node  # noqa: E731
+            resolver = lambda: running[-1] if running else node  # noqa: E731
             register_parent_resolver(resolver)
             try:
                 with agl.operation("draft"):
@@ -55,7 +65,9 @@ def test_operation_rewards_reach_calls_parented_elsewhere(fake_openai, sink, ins
     spans = sink.of("ro-link")
     llm = [s for s in spans if s.kind == "llm"]
     operations = [s for s in spans if s.name == semconv.SPAN_OPERATION]
-    assert all(s.parent_id == format(node.get_span_context().span_id, "016x") for s in llm)
+    model_runs = {s.span_id: s for s in spans if s.name == "chat_model"}
+    assert all(model_runs[s.parent_id].parent_id == format(node.get_span_context().span_id, "016x") for s in llm)
+    assert all(o.parent_id == format(node.get_span_context().span_id, "016x") for o in operations)  # in the node
     assert [s.attributes[semconv.OPERATION_SPAN_ID] for s in llm] == [
         operations[0].span_id, operations[1].span_id, operations[1].span_id
     ]

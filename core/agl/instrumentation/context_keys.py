@@ -33,9 +33,11 @@ def llm_span_already_open() -> Iterator[None]:
 
 # -- parent resolvers ----------------------------------------------------------------------------------------
 # Callback-style frameworks (LangChain) never make their run spans *current* (a missed detach in a callback
-# would leave a context attached forever), so the OpenAI client layer would parent its llm span to whatever
-# is current. Such an adapter registers a resolver instead: called when an llm span starts, it returns the
-# span that should be its parent (e.g. the span of the LangChain run that is calling the model), or None.
+# would leave a context attached forever), so a span agl starts inside a run (the llm span of the OpenAI
+# client layer, an agl.operation or @agl.tool in a LangGraph node) would be parented to whatever is current.
+# Such an adapter registers a resolver instead: called when an agl span starts, it returns the span of the
+# framework run executing now (e.g. the LangChain run calling the model, or the node running), or None. The
+# tracer parents the new span to the innermost of that span and the current one (Tracer.start_span).
 
 ParentResolver = Callable[[], Optional[Span]]
 _resolvers: List[ParentResolver] = []
@@ -51,8 +53,8 @@ def unregister_parent_resolver(resolver: ParentResolver) -> None:
         _resolvers.remove(resolver)
 
 
-def resolve_llm_parent() -> Optional[Span]:
-    """The parent an adapter asks for, or None (use the current context). Never raises."""
+def resolve_parent() -> Optional[Span]:
+    """The span of the framework run executing now, as an adapter reports it, or None. Never raises."""
     for resolver in _resolvers:
         try:
             parent = resolver()

@@ -31,7 +31,7 @@ from opentelemetry.trace import StatusCode
 from agl import semconv
 from agl.context import RolloutScope, current_scope
 from agl.instrumentation.base import Instrumentor
-from agl.instrumentation.context_keys import SUPPRESS_LLM_SPAN, resolve_llm_parent
+from agl.instrumentation.context_keys import SUPPRESS_LLM_SPAN
 from agl.instrumentation.openai_payloads import (
     CHAT,
     COMPLETIONS,
@@ -225,8 +225,7 @@ def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) 
             return LlmCall(api, span, False, deferred, kwargs), call_kwargs
     model = deferred.get(semconv.REQUEST_MODEL)
     prefix = SPAN_PREFIX[api]
-    parent = resolve_llm_parent()
-    span = get_tracer().start_span(f"{prefix} {model}" if model else prefix, "llm", parent=parent)
+    span = get_tracer().start_span(f"{prefix} {model}" if model else prefix, "llm")  # parent: see start_span
     return LlmCall(api, span, True, deferred, kwargs), call_kwargs
 
 
