@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from opentelemetry import trace as otel_trace
 
 import agl
 from agl import semconv
@@ -232,6 +233,30 @@ def test_tool_decorator_on_methods_and_coroutines(store):
     # arguments by name, without the method's self
     assert [json.loads(t.attributes[semconv.TOOL_CALL_ARGUMENTS]) for t in tools] == [{"a": 1, "b": 2}, {"a": 3, "b": 3}]
     assert [t.attributes[semconv.TOOL_CALL_RESULT] for t in tools] == [3, 9]
+
+
+def test_a_reward_inside_a_frameworks_own_span_within_a_tool_is_a_step_reward(store):
+    """Frameworks that trace with OpenTelemetry themselves (AutoGen) open their own span inside agl's tool
+    span: a no-op one sharing its context (no SDK installed) or a recorded one (the user's SDK)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    frameworks_tracers = {"no SDK": otel_trace.NoOpTracer(), "the user's SDK": TracerProvider().get_tracer("framework")}
+
+    @agl.tool
+    def graded(name):
+        with frameworks_tracers[name].start_as_current_span("framework's own tool span"):
+            agl.emit_reward(0.5)
+        return name
+
+    def agent(task):
+        for name in frameworks_tracers:
+            graded(name)
+        agl.emit_reward(1.0)  # the episode's
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.final_reward == 1.0
+    rewards = [s for s in store.query_spans(done.rollout_id) if s.kind == "reward"]
+    assert [r.attributes[semconv.REWARD_SCOPE] for r in rewards] == ["step", "step", "episode"]
 
 
 def test_rollout_decorator_supplies_arguments_by_name(store):

@@ -31,7 +31,7 @@ from agl import semconv
 from agl.context import _in_operation, current_scope, in_operation
 from agl.otel_span import AglSpan
 from agl.tool import receiver_count
-from agl.tracer import Tracer, get_tracer, record_exception
+from agl.tracer import STEP_SPAN_KINDS, Tracer, get_tracer, record_exception
 
 logger = logging.getLogger("agl.emitters")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -40,24 +40,18 @@ _warned_outside = False
 
 # The span id (hex, as stored) of the innermost agl.operation the current code runs in.
 _current_operation: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("agl_operation", default=None)
-_STEP_SPAN_KINDS = ("llm", "tool")  # a reward emitted while one of these is current is a step reward
 
 
 def _link_to_operation(span: AglSpan) -> None:
     """Marks llm and tool spans started inside an ``agl.operation`` with the operation's span id."""
     operation_id = _current_operation.get()
-    if operation_id is not None and span.attributes.get(semconv.SPAN_KIND) in _STEP_SPAN_KINDS:
+    if operation_id is not None and span.attributes.get(semconv.SPAN_KIND) in STEP_SPAN_KINDS:
         span.set_attribute(semconv.OPERATION_SPAN_ID, operation_id)
 
 
 def _link_operations(tracer: Tracer) -> None:
     """Add the operation linker to ``tracer`` (on the first operation, so plain tracing pays nothing)."""
     tracer.add_start_hook(_link_to_operation)
-
-
-def _current_span_kind() -> Optional[str]:
-    attributes = getattr(otel_trace.get_current_span(), "attributes", None)
-    return attributes.get(semconv.SPAN_KIND) if attributes else None
 
 
 def _warn_outside_rollout(what: str) -> None:
@@ -110,7 +104,7 @@ def emit_reward(
     """Record a reward (scalar, or named dimensions with one ``primary``); returns the primary value."""
     reward, name, dims = normalize_reward(value, primary)
     _warn_outside_rollout("emit_reward")
-    step = in_operation() or _current_span_kind() in _STEP_SPAN_KINDS
+    step = in_operation() or get_tracer().open_step_kind(otel_trace.get_current_span()) is not None
     scope_kind = "step" if step else "episode"
     attrs: Dict[str, Any] = {
         semconv.REWARD_VALUE: reward,

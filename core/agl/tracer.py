@@ -51,6 +51,7 @@ logger = logging.getLogger("agl.tracer")
 WRITER_MODES = ("thread", "process")
 WRITER_ENV = "AGL_SPAN_WRITER"
 _SHIP_HERE = 4  # batches queued before the agent's own thread ships one to the writer process
+STEP_SPAN_KINDS = ("llm", "tool")  # a reward emitted inside one of these is a step reward (agl.emitters)
 
 
 class StoreSpanProcessor:
@@ -81,6 +82,7 @@ class StoreSpanProcessor:
         self._process = None
         self._process_failed = False  # a writer process died: stay on the thread from then on
         self._queue: collections.deque[Finished] = collections.deque()
+        self.open_steps: Dict[int, str] = {}  # span id -> kind, for llm and tool spans of rollouts not yet ended
         self._in_flight: collections.deque[List[Finished]] = collections.deque()  # shipped, not acknowledged
         self._ship_lock = threading.Lock()
         self._wake = threading.Event()
@@ -149,6 +151,7 @@ class StoreSpanProcessor:
             span.deferred.update(attributes)
 
     def on_end(self, span: AglSpan) -> None:
+        self.open_steps.pop(span.span_id, None)
         if span.rollout_id is None or span.generation != self.generation:
             self.stats.unscoped += 1
             if not self._warned_unscoped:
@@ -410,9 +413,26 @@ class Tracer:
             span.attempt_id = scope.attempt_id
             span.sequence_id = scope.next_sequence_id()
             span.generation = self.processor.generation
+            if kind in STEP_SPAN_KINDS:
+                self.processor.open_steps[span.span_id] = kind
         for hook in self._start_hooks:
             hook(span)
         return span
+
+    def open_step_kind(self, span: otel_trace.Span) -> Optional[str]:
+        """``"llm"`` or ``"tool"`` if ``span`` is, or directly stands inside, an llm or tool span of a rollout
+        that has not ended, else None. Frameworks with OpenTelemetry tracing of their own (AutoGen) open
+        their spans inside agl's: without an SDK those share agl's span context (a ``NonRecordingSpan``),
+        with one they name it as their parent."""
+        if type(span) is AglSpan:
+            kind = span.attributes.get(semconv.SPAN_KIND)
+            return kind if kind in STEP_SPAN_KINDS and span.end_time is None else None
+        open_steps = self.processor.open_steps
+        kind = open_steps.get(span.get_span_context().span_id)
+        parent = getattr(span, "parent", None)  # an SDK span's parent SpanContext
+        if kind is None and parent is not None:
+            kind = open_steps.get(getattr(parent, "span_id", None))
+        return kind
 
     def set_deferred(self, span: otel_trace.Span, attributes: Mapping[str, Any]) -> None:
         """Attach attributes encoded off the hot path (messages, token ids, raw objects): containers when the
