@@ -25,7 +25,6 @@ import math
 import traceback
 from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
 
-from opentelemetry import trace as otel_trace
 
 from agl import semconv
 from agl.context import _in_operation, current_scope, in_operation
@@ -104,7 +103,9 @@ def emit_reward(
     """Record a reward (scalar, or named dimensions with one ``primary``); returns the primary value."""
     reward, name, dims = normalize_reward(value, primary)
     _warn_outside_rollout("emit_reward")
-    step = in_operation() or get_tracer().open_step_kind(otel_trace.get_current_span()) is not None
+    tracer = get_tracer()
+    parent = tracer.default_parent()  # also a LangChain tool's span, which is never current
+    step = in_operation() or tracer.open_step_kind(parent) is not None
     scope_kind = "step" if step else "episode"
     attrs: Dict[str, Any] = {
         semconv.REWARD_VALUE: reward,
@@ -119,7 +120,7 @@ def emit_reward(
         attrs[semconv.REWARD_DIMENSIONS] = json.dumps(dims)
     if attributes:
         attrs.update(attributes)
-    with get_tracer().span(semconv.SPAN_REWARD, "reward", attrs):
+    with tracer.span(semconv.SPAN_REWARD, "reward", attrs, parent=parent):
         pass
     scope = current_scope()
     if scope is not None and scope_kind == "episode":

@@ -394,7 +394,7 @@ class Tracer:
         if attributes:
             attrs.update(clean_attributes(attributes))
         if parent is None:
-            parent = _innermost(otel_trace.get_current_span(), resolve_parent())
+            parent = self.default_parent()
         if type(parent) is AglSpan:
             trace_id, parent_id, trace_state = parent.trace_id, parent.span_id, parent.trace_state
         else:
@@ -418,6 +418,12 @@ class Tracer:
         for hook in self._start_hooks:
             hook(span)
         return span
+
+    @staticmethod
+    def default_parent() -> otel_trace.Span:
+        """The parent of a span started without one: the innermost of the current span and the framework run
+        executing now (see :meth:`start_span`)."""
+        return _innermost(otel_trace.get_current_span(), resolve_parent())
 
     def open_step_kind(self, span: otel_trace.Span) -> Optional[str]:
         """``"llm"`` or ``"tool"`` if ``span`` is, or directly stands inside, an llm or tool span of a rollout

@@ -275,6 +275,34 @@ def test_tool_error_marks_the_tool_span(tmp_path, fake_openai, instrumented):
     assert len(of_kind(spans, "llm")) == 2  # the agent went on after the failed tool
 
 
+@tool
+def graded_add(a: float, b: float) -> float:
+    """Add two numbers (and grade the call)."""
+    agl.emit_reward(0.5)
+    return a + b
+
+
+def test_a_reward_emitted_in_a_langchain_tool_is_a_step_reward_for_the_call_that_asked_for_it(
+    tmp_path, fake_openai, instrumented
+):
+    """LangChain's tool run is never current: the emitter asks the adapter's resolver, as the tracer does."""
+    fake_openai.script(FakeReply(tool_calls=[{"name": "graded_add", "arguments": {"a": 1, "b": 2}}]), FakeReply(content="3"))
+
+    @agl.rollout
+    def grader(task, llm):
+        create_react_agent(model(llm.get_base_url()), [graded_add]).invoke({"messages": [HumanMessage(task["question"])]})
+        return 1.0
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, grader, [{"question": "What is 1 plus 2?"}])
+    assert row.status == "succeeded" and row.reward == 1.0  # the returned reward is the episode's
+    (tool_span,) = of_kind(spans, "tool")
+    (reward,) = [s for s in of_kind(spans, "reward") if s.attributes[semconv.REWARD_SOURCE] == "emitted"]
+    assert reward.parent_id == tool_span.span_id and reward.attributes[semconv.REWARD_SCOPE] == "step"
+    first_call = of_kind(spans, "llm")[0]
+    step = CallLinks(build_tree(spans)).step_rewards()
+    assert step.by_call == {first_call.span_id: {"primary": 0.5}} and step.unattributed == 0
+
+
 def test_node_error_marks_the_node_span(tmp_path, fake_openai, instrumented):
     def broken(state: MessagesState) -> Dict[str, Any]:
         raise RuntimeError("node failed")
