@@ -25,7 +25,6 @@ import math
 import traceback
 from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
 
-
 from agl import semconv
 from agl.context import _in_operation, current_scope, in_operation
 from agl.otel_span import AglSpan
