@@ -273,26 +273,29 @@ def test_model_override_replaces_the_requested_name(
 # --- failures ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stream", [False, True])
 def test_upstream_error_reaches_the_client_and_is_recorded_as_a_failed_call(
-    proxy: LLMProxy, rollout: Rollout, store: InMemoryLightningStore, fake_openai: FakeOpenAIServer
+    proxy: LLMProxy, rollout: Rollout, store: InMemoryLightningStore, fake_openai: FakeOpenAIServer, stream: bool
 ) -> None:
     fake_openai.script(FakeReply(status_code=429, error_message="slow down"))
     with pytest.raises(openai.RateLimitError, match="slow down"):
-        client_for(proxy, rollout).chat.completions.create(model="fake-model", messages=QUESTION)
+        client_for(proxy, rollout).chat.completions.create(model="fake-model", messages=QUESTION, stream=stream)
+    assert proxy.in_flight == 0 and proxy.stats.upstream_errors == 1
     (span,) = llm_spans(store, rollout)
     assert span.status == "error" and span.error == "slow down"
     assert span.attributes[semconv.ERROR_TYPE] == "HTTP 429"
     assert span.attributes[semconv.TOKEN_IDS_SOURCE] == "absent"
 
 
-def test_unreachable_upstream_is_a_clear_502(store: InMemoryLightningStore, rollout: Rollout) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_unreachable_upstream_is_a_clear_502(store: InMemoryLightningStore, rollout: Rollout, stream: bool) -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
     with LLMProxy(dead, store) as proxy:
         with pytest.raises(openai.InternalServerError, match="could not reach the model server"):
-            client_for(proxy, rollout).chat.completions.create(model="fake-model", messages=QUESTION)
-        assert proxy.stats.upstream_errors == 1
+            client_for(proxy, rollout).chat.completions.create(model="fake-model", messages=QUESTION, stream=stream)
+        assert proxy.stats.upstream_errors == 1 and proxy.in_flight == 0
     (span,) = llm_spans(store, rollout)
     assert span.status == "error" and span.attributes[semconv.ERROR_TYPE] == "UpstreamUnreachable"
 
