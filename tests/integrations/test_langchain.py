@@ -597,6 +597,58 @@ def test_agent_spans_opened_inside_a_node_own_their_calls(fake_openai, instrumen
     assert [last_input_text(s) for s in select_llm_calls(spans, "^critic$")] == ["critique it"]
 
 
+def test_retriever_failed_call_and_direct_tool_runs_stay_in_their_node(fake_openai, instrumented, sink):
+    """Runs that make no span of their own still keep the node's calls together: a retriever that calls a
+    model (query rewriting), a model call the server refuses (the node catches the error) and a tool invoked
+    directly (no tool call: its output is the raw value, not a ToolMessage). Every llm span belongs to the
+    node, the refused one is an error, the tool's result is recorded, and no run is left in the handler's
+    table once the graph is done."""
+    from langchain_core.documents import Document
+    from langchain_core.retrievers import BaseRetriever
+
+    llm = model(fake_openai.base_url)
+
+    class RewritingRetriever(BaseRetriever):
+        def _get_relevant_documents(self, query: str, *, run_manager: Any) -> List[Document]:
+            rewritten = llm.invoke(f"rewrite: {query}", config={"callbacks": run_manager.get_child()})
+            return [Document(page_content=rewritten.content)]
+
+    refused: List[BaseException] = []
+
+    def research(state: MessagesState) -> Dict[str, Any]:
+        (doc,) = RewritingRetriever().invoke(state["messages"][-1].content)
+        try:
+            llm.invoke("this call fails")
+        except openai.InternalServerError as exc:
+            refused.append(exc)
+        total = add.invoke({"a": 1, "b": 2})
+        return {"messages": [llm.invoke(f"answer from {doc.page_content} and {total}")]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("research", research)
+    graph.add_edge(START, "research")
+    fake_openai.script(
+        FakeReply(content="better query"), FakeReply(status_code=500, error_message="overloaded"), FakeReply(content="3")
+    )
+    with agl.rollout_scope("ro-retriever", "at-1"):
+        result = graph.compile().invoke({"messages": [HumanMessage("one plus two?")]})
+    assert result["messages"][-1].content == "3" and len(refused) == 1
+    spans = sink.of("ro-retriever")
+    assert_one_tree(spans)
+    calls = of_kind(spans, "llm")
+    assert [last_input_text(s) for s in calls] == [
+        "rewrite: one plus two?", "this call fails", "answer from better query and 3.0",
+    ]
+    assert [agent_of(s, spans) for s in calls] == ["research"] * 3
+    assert [s.status == "error" for s in calls] == [False, True, False]
+    (tool_span,) = of_kind(spans, "tool")
+    assert tool_span.attributes[semconv.TOOL_NAME] == "add"
+    assert tool_span.attributes[semconv.TOOL_CALL_RESULT] == 3.0  # a number stays a number (docs/semconv.md)
+    assert semconv.TOOL_CALL_ID not in tool_span.attributes
+    assert agent_of(tool_span, spans) == "research"
+    assert instrumented._handler is not None and instrumented._handler._runs == {}
+
+
 # -- instrumentor contract: idempotent, exact uninstrument, never raises ----------------------------------------
 class Recorder(BaseCallbackHandler):
     """A user's own handler: must see every run whether agl is on or off."""
