@@ -244,6 +244,24 @@ def test_a_tool_that_raises_gets_error_status_and_the_model_sees_the_error(fake_
     assert agent.status != "error"
 
 
+def test_a_call_of_a_tool_the_agent_lacks_is_an_error_tool_span_without_exception(fake_openai, instrumented, sink):
+    """The model names a tool the agent was not given: AutoGen answers an error result without running
+    anything (no exception exists). The tool span still fails, with AutoGen's text as the error."""
+    fake_openai.script(FakeReply(tool_calls=[{"name": "multiply", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="6"))
+
+    async def main() -> None:
+        agent = AssistantAgent("calc", model_client=model_client(fake_openai.base_url), tools=[add])
+        await agent.run(task="What is 2 times 3?")
+
+    spans = sink.of(run_in_rollout(main()))
+    assert_llm_spans_complete(spans, fake_openai.requests)
+    (tool,) = of_kind(spans, "tool")
+    assert tool.attributes[semconv.TOOL_NAME] == "multiply"
+    assert tool.status == "error" and tool.attributes[semconv.ERROR_TYPE] == "_OTHER"  # OTel: no type known
+    assert "multiply" in tool.error and tool.error == tool.attributes[semconv.TOOL_CALL_RESULT]
+    assert tool.parent_id == of_kind(spans, "agent")[0].span_id
+
+
 def scored_add(a: float, b: float) -> float:
     """Add two numbers (and grade the call)."""
     agl.emit_reward(0.5)
