@@ -116,6 +116,26 @@ def failing_add(a: float, b: float) -> float:
     raise ValueError("the adder is broken")
 
 
+def graded_add(a: float, b: float) -> float:
+    """Add two numbers (and grade the call)."""
+    agl.emit_reward(0.5)
+    return a + b
+
+
+def assert_step_reward_of_the_asking_call(spans: List[Span]) -> None:
+    """The reward ``graded_add`` emitted is a step reward under its tool span, credited to the model call
+    that asked for the tool (the first one)."""
+    from agl.lightningrl.links import CallLinks
+    from agl.lightningrl.tree import build_tree
+
+    (tool,) = of_kind(spans, "tool")
+    (reward,) = of_kind(spans, "reward")
+    assert reward.parent_id == tool.span_id and reward.attributes[semconv.REWARD_SCOPE] == "step"
+    first_call = sorted(of_kind(spans, "llm"), key=lambda s: s.sequence_id)[0]
+    step = CallLinks(build_tree(spans)).step_rewards()
+    assert step.by_call == {first_call.span_id: {"primary": 0.5}} and step.unattributed == 0
+
+
 def run_concurrent_rollouts(
     questions: Dict[str, str], sync_run: Callable[[str], Any], async_run: Callable[[str], Awaitable[Any]]
 ) -> None:
@@ -204,6 +224,15 @@ if not CLASSIC:
             assert "the adder is broken" in (tool.error or "")
             assert semconv.TOOL_CALL_RESULT not in tool.attributes
             assert len(of_kind(spans, "llm")) == 2
+
+        def test_a_reward_emitted_in_a_tool_is_a_step_reward(self, fake_openai, ag2_instrumentor, sink):
+            fake_openai.script(
+                FakeReply(tool_calls=[{"name": "graded_add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5")
+            )
+            agent = Agent("calculator", config=make_config(fake_openai.base_url), tools=[graded_add])
+            with rollout_scope("ro-ag2-reward", "at-1"):
+                asyncio.run(agent.ask(QUESTION))
+            assert_step_reward_of_the_asking_call(sink.of("ro-ag2-reward"))
 
         def test_agent_match_selects_the_calls_of_one_of_two_agents(self, fake_openai, ag2_instrumentor, tmp_path):
             """THE KEY ONE: a planner (no tools) hands over to a calculator (one tool) in one rollout."""
@@ -435,6 +464,15 @@ if CLASSIC:
             assert "the adder is broken" in (tool.error or "")
             assert tool.attributes[semconv.ERROR_TYPE] == "ToolExecutionError"
             assert semconv.TOOL_CALL_RESULT not in tool.attributes
+
+        def test_a_reward_emitted_in_a_tool_is_a_step_reward(self, fake_openai, ag2_instrumentor, sink):
+            fake_openai.script(
+                FakeReply(tool_calls=[{"name": "add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5")
+            )
+            assistant, user = calculator_pair(fake_openai.base_url, tool=graded_add)
+            with rollout_scope("ro-classic-reward", "at-1"):
+                user.initiate_chat(assistant, message=QUESTION, max_turns=2, silent=True)
+            assert_step_reward_of_the_asking_call(sink.of("ro-classic-reward"))
 
         def test_agent_match_selects_the_calls_of_one_of_two_agents(self, fake_openai, ag2_instrumentor, tmp_path):
             """THE KEY ONE: a solver (calls the tool) and a reviewer (runs it, then comments) both use the model."""

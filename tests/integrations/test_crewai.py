@@ -223,6 +223,33 @@ def test_a_tool_that_raises_gets_an_error_status(
     assert_llm_spans_complete(spans, len(fake_openai.requests))
 
 
+@tool("graded_add")
+def graded_add(a: int, b: int) -> int:
+    """Add two integers (and grade the call)."""
+    agl.emit_reward(0.5)
+    return a + b
+
+
+def test_a_reward_emitted_in_a_tool_is_a_step_reward_for_the_call_that_asked_for_it(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any
+) -> None:
+    from agl.lightningrl.links import CallLinks
+    from agl.lightningrl.tree import build_tree
+
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "graded_add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5")
+    )
+    with rollout_scope("ro-tool-reward", "at-1"):
+        solo_crew(fake_llm(fake_openai.base_url), "Solver", "What is 2 + 3?", tools=[graded_add]).kickoff()
+    spans = sink.of("ro-tool-reward")
+    (tool_span,) = kind(spans, "tool")
+    (reward,) = kind(spans, "reward")
+    assert reward.parent_id == tool_span.span_id and reward.attributes[semconv.REWARD_SCOPE] == "step"
+    first_call = kind(spans, "llm")[0]
+    step = CallLinks(build_tree(spans)).step_rewards()
+    assert step.by_call == {first_call.span_id: {"primary": 0.5}} and step.unattributed == 0
+
+
 def test_direct_and_structured_tool_calls_make_one_span_each(instrumented: None, sink: Any) -> None:
     with rollout_scope("ro-tools", "at-1"):
         assert add.run(a=1, b=2) == 3
