@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import json
 import threading
+from fractions import Fraction
 import time
 
 import pytest
@@ -329,6 +330,25 @@ def test_a_nan_reward_fails_the_rollout_and_says_so(store):
     done = run_one(store, agl.rollout(lambda task: float("nan")))
     assert done.status == "failed" and done.final_reward is None
     assert "the reward rollout() returned must be a finite number, got nan" in done.error
+
+
+def test_a_returned_dict_without_a_reward_key_fails_the_rollout_and_says_so(store):
+    # {"accuracy": ...} is not the episode reward: counting it as "no reward" would lose it without a word
+    done = run_one(store, agl.rollout(lambda task: {"accuracy": 0.5}))
+    assert done.status == "failed" and done.final_reward is None
+    assert "returned a dict without a 'reward' key (keys: ['accuracy'])" in done.error
+
+
+@pytest.mark.parametrize("returned", [Fraction(1, 4), {"reward": Fraction(1, 4), "answer": "x"}])
+def test_any_real_number_is_a_reward(store, returned):
+    done = run_one(store, agl.rollout(lambda task: returned))
+    assert done.status == "succeeded" and done.final_reward == 0.25
+
+
+def test_a_string_reward_fails_the_rollout_and_says_so(store):
+    done = run_one(store, agl.rollout(lambda task: "0.5"))
+    assert done.status == "failed"
+    assert "the reward rollout() returned must be a number, None, or a dict with a 'reward' key, got str '0.5'" in done.error
 
 
 def test_a_hung_agent_times_out_and_the_runner_moves_on(store):

@@ -22,6 +22,7 @@ import inspect
 import json
 import logging
 import math
+import numbers
 import traceback
 from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
 
@@ -63,10 +64,27 @@ def _warn_outside_rollout(what: str) -> None:
         )
 
 
-def finite_reward(value: Union[int, float], what: str) -> float:
-    """``value`` as a float; a NaN or infinite reward raises here, where it was made, rather than reach the store
-    (SQLite would keep it as "no reward") or the advantages (where it would spoil a whole task group)."""
-    reward = float(value)
+def reward_number(value: Any, what: str, expected: str = "a number") -> float:
+    """``value`` as a finite float, or an error that says what was wrong, where the reward was made.
+
+    Rewards are often computed with NumPy or torch: their scalars (``np.float32``, ``np.int64``: registered
+    as ``numbers.Real``) and one-element arrays or tensors (``.item()``) count as numbers. Strings do not
+    (``"0.5"`` is more likely a bug than a reward). A NaN or infinite reward raises here rather than reach
+    the store (SQLite would keep it as "no reward") or the advantages (it would spoil a whole task group).
+    """
+    number = value
+    if not isinstance(number, numbers.Real):
+        item = getattr(value, "item", None)
+        try:
+            number = item() if callable(item) and not isinstance(value, (str, bytes)) else None
+        except (ValueError, RuntimeError) as exc:  # NumPy / torch: more than one element
+            raise TypeError(
+                f"{what} must be one number, got {type(value).__name__} of shape {getattr(value, 'shape', '?')}: "
+                "reduce it first (e.g. .mean())"
+            ) from exc
+        if not isinstance(number, numbers.Real):
+            raise TypeError(f"{what} must be {expected}, got {type(value).__name__} {value!r:.60}")
+    reward = float(number)
     if not math.isfinite(reward):
         raise ValueError(f"{what} must be a finite number, got {reward}: check how the reward is computed")
     return reward
@@ -77,7 +95,7 @@ def normalize_reward(value: Union[float, int, bool, Mapping[str, Any]], primary:
     if isinstance(value, Mapping):
         if not value:
             raise ValueError("emit_reward got an empty dict: give at least one {name: value}")
-        dims = {str(k): finite_reward(v, f"reward {k!r}") for k, v in value.items()}
+        dims = {str(k): reward_number(v, f"reward {k!r}") for k, v in value.items()}
         if primary is None:
             if len(dims) > 1:
                 raise ValueError(
@@ -88,9 +106,7 @@ def normalize_reward(value: Union[float, int, bool, Mapping[str, Any]], primary:
         if primary not in dims:
             raise ValueError(f"primary={primary!r} is not one of the reward dimensions {sorted(dims)}")
         return dims[primary], primary, dims
-    if isinstance(value, (int, float)):  # bool is an int
-        return finite_reward(value, "a reward"), primary or "primary", None
-    raise TypeError(f"a reward must be a number or a dict of numbers, got {type(value).__name__}")
+    return reward_number(value, "a reward", "a number or a dict of numbers"), primary or "primary", None
 
 
 def emit_reward(

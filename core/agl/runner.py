@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from agl import semconv
 from agl.context import RolloutScope, enter_scope, exit_scope
-from agl.emitters import finite_reward
+from agl.emitters import reward_number
 from agl.errors import AglError, StaleAttemptError, StoreUnavailableError
 from agl.litagent import LitAgent
 from agl.store.base import LightningStore
@@ -38,17 +38,17 @@ def rollout_agent_name(agent: Any) -> str:
 
 
 def reward_from_result(result: Any) -> Optional[float]:
-    """The episode reward a rollout returned: a number, ``{"reward": number}``, or None."""
+    """The episode reward a rollout returned: a number, ``{"reward": number}``, or None (see docs/rewards.md)."""
     if isinstance(result, dict):
-        result = result.get("reward")
+        if "reward" not in result:
+            raise TypeError(
+                f"rollout() returned a dict without a 'reward' key (keys: {sorted(map(str, result))[:8]}): put the "
+                "episode reward under 'reward', or return a number, or None and emit rewards with agl.emit_reward"
+            )
+        result = result["reward"]
     if result is None:
         return None
-    if isinstance(result, (int, float)):
-        return finite_reward(result, "the reward rollout() returned")
-    raise TypeError(
-        f"rollout() returned {type(result).__name__}; return a number (the reward), None, "
-        "or a dict with a 'reward' key"
-    )
+    return reward_number(result, "the reward rollout() returned", "a number, None, or a dict with a 'reward' key")
 
 
 class RolloutTimeout(AglError, TimeoutError):
