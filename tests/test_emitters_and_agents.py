@@ -6,8 +6,8 @@ import asyncio
 import inspect
 import json
 import threading
-from fractions import Fraction
 import time
+from fractions import Fraction
 
 import pytest
 from opentelemetry import trace as otel_trace
