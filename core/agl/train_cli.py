@@ -47,7 +47,7 @@ def add_train_parser(sub: Any, store_help: str) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("agent", help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
-    train.add_argument("--data", required=True, help="training tasks: .jsonl (one per line) or .json (a list)")
+    train.add_argument("--data", required=True, help="training tasks: .jsonl (one per line), .json (a list), .parquet or .csv")
     train.add_argument("--val-data", help="held-out tasks, evaluated before and after training")
     train.add_argument("--agent-match", help="regex on agent names: only their LLM calls are trained (default: all)")
     train.add_argument("--adapter", dest="adapter_settings", action="append", default=[], metavar="KEY=VALUE",
