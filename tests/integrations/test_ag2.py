@@ -32,8 +32,7 @@ from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
 from agl.instrumentation.safety import internal_error_count  # noqa: E402
 from agl.integrations.ag2 import AG2Instrumentor  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeReply  # noqa: E402
-from agl.tracer import get_tracer  # noqa: E402
+from agl.testing import FakeReply, assert_tool_reward_credited  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 pytestmark = pytest.mark.framework("ag2")
@@ -120,20 +119,6 @@ def graded_add(a: float, b: float) -> float:
     """Add two numbers (and grade the call)."""
     agl.emit_reward(0.5)
     return a + b
-
-
-def assert_step_reward_of_the_asking_call(spans: List[Span]) -> None:
-    """The reward ``graded_add`` emitted is a step reward under its tool span, credited to the model call
-    that asked for the tool (the first one)."""
-    from agl.lightningrl.links import CallLinks
-    from agl.lightningrl.tree import build_tree
-
-    (tool,) = of_kind(spans, "tool")
-    (reward,) = of_kind(spans, "reward")
-    assert reward.parent_id == tool.span_id and reward.attributes[semconv.REWARD_SCOPE] == "step"
-    first_call = sorted(of_kind(spans, "llm"), key=lambda s: s.sequence_id)[0]
-    step = CallLinks(build_tree(spans)).step_rewards()
-    assert step.by_call == {first_call.span_id: {"primary": 0.5}} and step.unattributed == 0
 
 
 def run_concurrent_rollouts(
@@ -232,7 +217,7 @@ if not CLASSIC:
             agent = Agent("calculator", config=make_config(fake_openai.base_url), tools=[graded_add])
             with rollout_scope("ro-ag2-reward", "at-1"):
                 asyncio.run(agent.ask(QUESTION))
-            assert_step_reward_of_the_asking_call(sink.of("ro-ag2-reward"))
+            assert_tool_reward_credited(sink.of("ro-ag2-reward"), 0.5)
 
         def test_agent_match_selects_the_calls_of_one_of_two_agents(self, fake_openai, ag2_instrumentor, tmp_path):
             """THE KEY ONE: a planner (no tools) hands over to a calculator (one tool) in one rollout."""
@@ -472,7 +457,7 @@ if CLASSIC:
             assistant, user = calculator_pair(fake_openai.base_url, tool=graded_add)
             with rollout_scope("ro-classic-reward", "at-1"):
                 user.initiate_chat(assistant, message=QUESTION, max_turns=2, silent=True)
-            assert_step_reward_of_the_asking_call(sink.of("ro-classic-reward"))
+            assert_tool_reward_credited(sink.of("ro-classic-reward"), 0.5)
 
         def test_agent_match_selects_the_calls_of_one_of_two_agents(self, fake_openai, ag2_instrumentor, tmp_path):
             """THE KEY ONE: a solver (calls the tool) and a reviewer (runs it, then comments) both use the model."""

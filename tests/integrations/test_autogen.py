@@ -36,10 +36,8 @@ import agl.instrumentation  # noqa: E402
 from agl import semconv  # noqa: E402
 from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
 from agl.integrations.autogen import AutoGenInstrumentor  # noqa: E402
-from agl.lightningrl.links import CallLinks  # noqa: E402
-from agl.lightningrl.tree import build_tree  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeReply  # noqa: E402
+from agl.testing import FakeReply, assert_tool_reward_credited  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -277,13 +275,7 @@ def test_a_reward_emitted_in_a_tool_is_a_step_reward_for_the_call_that_asked_for
         agent = AssistantAgent("calc", model_client=model_client(fake_openai.base_url), tools=[scored_add])
         await agent.run(task="What is 2 plus 3?")
 
-    spans = sink.of(run_in_rollout(main()))
-    (tool,) = of_kind(spans, "tool")
-    (reward,) = of_kind(spans, "reward")
-    assert reward.parent_id == tool.span_id and reward.attributes[semconv.REWARD_SCOPE] == "step"
-    first_call = of_kind(spans, "llm")[0]
-    step = CallLinks(build_tree(spans)).step_rewards()
-    assert step.by_call == {first_call.span_id: {"primary": 0.5}} and step.unattributed == 0
+    assert_tool_reward_credited(sink.of(run_in_rollout(main())), 0.5)
 
 
 def test_sync_functions_autogen_runs_in_its_thread_pool_stay_in_the_rollout(fake_openai, instrumented, sink):

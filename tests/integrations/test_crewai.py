@@ -34,8 +34,7 @@ from agl.instrumentation.safety import internal_error_count  # noqa: E402
 from agl.integrations.crewai import _THREAD_HOPS, _TARGETS, CrewAIInstrumentor, resolve_target  # noqa: E402
 from agl.integrations.crewai import _wrappers  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeOpenAIServer, FakeReply  # noqa: E402
-from agl.tracer import get_tracer  # noqa: E402
+from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 pytestmark = [
@@ -233,21 +232,12 @@ def graded_add(a: int, b: int) -> int:
 def test_a_reward_emitted_in_a_tool_is_a_step_reward_for_the_call_that_asked_for_it(
     fake_openai: FakeOpenAIServer, instrumented: None, sink: Any
 ) -> None:
-    from agl.lightningrl.links import CallLinks
-    from agl.lightningrl.tree import build_tree
-
     fake_openai.script(
         FakeReply(tool_calls=[{"name": "graded_add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5")
     )
     with rollout_scope("ro-tool-reward", "at-1"):
         solo_crew(fake_llm(fake_openai.base_url), "Solver", "What is 2 + 3?", tools=[graded_add]).kickoff()
-    spans = sink.of("ro-tool-reward")
-    (tool_span,) = kind(spans, "tool")
-    (reward,) = kind(spans, "reward")
-    assert reward.parent_id == tool_span.span_id and reward.attributes[semconv.REWARD_SCOPE] == "step"
-    first_call = kind(spans, "llm")[0]
-    step = CallLinks(build_tree(spans)).step_rewards()
-    assert step.by_call == {first_call.span_id: {"primary": 0.5}} and step.unattributed == 0
+    assert_tool_reward_credited(sink.of("ro-tool-reward"), 0.5)
 
 
 def test_direct_and_structured_tool_calls_make_one_span_each(instrumented: None, sink: Any) -> None:

@@ -40,7 +40,7 @@ from agl.lightningrl.tree import build_tree  # noqa: E402
 from agl.integrations.langchain import LangChainInstrumentor  # noqa: E402
 from agl.integrations.langchain._handler import AglCallbackHandler  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeOpenAIServer, FakeReply  # noqa: E402
+from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 with warnings.catch_warnings():  # LangGraph 1.x deprecates it in favour of langchain.agents.create_agent
@@ -295,12 +295,7 @@ def test_a_reward_emitted_in_a_langchain_tool_is_a_step_reward_for_the_call_that
 
     ((row, spans),) = run_dev(tmp_path, fake_openai, grader, [{"question": "What is 1 plus 2?"}])
     assert row.status == "succeeded" and row.reward == 1.0  # the returned reward is the episode's
-    (tool_span,) = of_kind(spans, "tool")
-    (reward,) = [s for s in of_kind(spans, "reward") if s.attributes[semconv.REWARD_SOURCE] == "emitted"]
-    assert reward.parent_id == tool_span.span_id and reward.attributes[semconv.REWARD_SCOPE] == "step"
-    first_call = of_kind(spans, "llm")[0]
-    step = CallLinks(build_tree(spans)).step_rewards()
-    assert step.by_call == {first_call.span_id: {"primary": 0.5}} and step.unattributed == 0
+    assert_tool_reward_credited(spans, 0.5)
 
 
 def test_node_error_marks_the_node_span(tmp_path, fake_openai, instrumented):

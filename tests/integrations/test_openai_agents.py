@@ -39,8 +39,7 @@ from agl.instrumentation.safety import internal_error_count  # noqa: E402
 from agl.integrations.openai_agents import OpenAIAgentsInstrumentor  # noqa: E402
 from agl.integrations.openai_agents._processor import AglTracingProcessor  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeOpenAIServer, FakeReply  # noqa: E402
-from agl.tracer import get_tracer  # noqa: E402
+from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 pytestmark = pytest.mark.framework("openai_agents")
@@ -323,20 +322,11 @@ def graded_add(a: float, b: float) -> float:
 def test_a_reward_emitted_in_a_tool_is_a_step_reward_for_the_call_that_asked_for_it(
     mode: str, fake_openai, instrumented, sink
 ) -> None:
-    from agl.lightningrl.links import CallLinks
-    from agl.lightningrl.tree import build_tree
-
     fake_openai.script(FakeReply(tool_calls=[{"name": "graded_add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5"))
     rollout_id = _rollout_id()
     with rollout_scope(rollout_id, "at-1"):
         assert _run(Agent(name="calculator", tools=[graded_add]), QUESTION, mode) == "5"
-    spans = sink.of(rollout_id)
-    (tool,) = _of_kind(spans, "tool")
-    (reward,) = _of_kind(spans, "reward")
-    assert reward.parent_id == tool.span_id and reward.attributes[semconv.REWARD_SCOPE] == "step"
-    first_call = _of_kind(spans, "llm")[0]
-    step = CallLinks(build_tree(spans)).step_rewards()
-    assert step.by_call == {first_call.span_id: {"primary": 0.5}} and step.unattributed == 0
+    assert_tool_reward_credited(sink.of(rollout_id), 0.5)
 
 
 def test_a_tool_that_raises_is_an_error_span_and_the_run_goes_on(fake_openai, instrumented, sink) -> None:

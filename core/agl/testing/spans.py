@@ -1,4 +1,5 @@
-"""Stored spans as another server would have left them, for tests of what LightningRL makes of them."""
+"""Helpers for tests of stored spans: spans as another server would have left them, and the credit a reward
+emitted in a framework's tool must get (every adapter's suite checks the same contract)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,18 @@ def without_token_ids(store: Any, rollouts: Sequence[Rollout]) -> List[Tuple[Rol
             spans.append(span.model_copy(update={"attributes": attributes}))
         stripped.append((rollout, spans))
     return stripped
+
+
+def assert_tool_reward_credited(spans: Sequence[Span], value: float) -> None:
+    """The reward ``value`` emitted inside the rollout's one tool is a step reward under that tool's span,
+    credited to the first LLM call (the call that asked for the tool) alone."""
+    from agl.lightningrl.links import CallLinks
+    from agl.lightningrl.tree import build_tree
+
+    (tool,) = [s for s in spans if s.kind == "tool"]
+    (reward,) = [s for s in spans if s.kind == "reward" and s.attributes.get(semconv.REWARD_SOURCE) == "emitted"]
+    assert reward.parent_id == tool.span_id, "the reward is not under the tool's span"
+    assert reward.attributes[semconv.REWARD_SCOPE] == "step", reward.attributes[semconv.REWARD_SCOPE]
+    first_call = min((s for s in spans if s.kind == "llm"), key=lambda s: s.sequence_id)
+    step = CallLinks(build_tree(spans)).step_rewards()
+    assert step.by_call == {first_call.span_id: {"primary": value}} and step.unattributed == 0, step
