@@ -9,6 +9,7 @@ import math
 from collections import defaultdict
 from typing import Dict, List, Tuple
 
+import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -192,6 +193,34 @@ def test_calls_with_several_choices_are_counted_and_warned(tmp_path, fake_openai
     assert "2 calls with n > 1 (choice 0 trained)" in str(batch.report)
     (warning,) = [r.getMessage() for r in caplog.records if "several choices" in r.getMessage()]
     assert warning.startswith("LightningRL: 2 llm call(s) asked for several choices (n > 1)")
+
+
+@agl.rollout
+def retrier(task, llm):
+    """Asks again after the server refuses its first call: the refused call stays in the trace, failed."""
+    client = OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": task["question"]}]
+    try:
+        client.chat.completions.create(model=llm.model, messages=messages)
+    except openai.InternalServerError:
+        pass
+    return 1.0 if "3" in client.chat.completions.create(model=llm.model, messages=messages).choices[0].message.content else 0.0
+
+
+def test_a_failed_call_is_skipped_and_the_report_says_so(tmp_path, fake_openai, instrumented) -> None:
+    fake_openai.script(FakeReply(status_code=500, error_message="overloaded"), FakeReply(content="3"))
+    store = SqliteLightningStore(tmp_path / "f.db")
+    trainer = agl.Trainer(store=store, runner_mode="thread", progress=False,
+                          initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
+    with trainer.runners(retrier):
+        rollouts = trainer.run_tasks([{"question": "1 plus 2?"}], n_per_task=1)
+    assert [r.final_reward for r in rollouts] == [1.0]
+    batch = LightningRL().build_batch(store, rollouts, progress=False)
+    report = batch.report
+    assert (report.llm_spans, report.transitions, report.skipped) == (2, 1, {"llm call failed": 1})
+    assert report.accounted and "skipped 1 llm call failed" in str(report)
+    (sample,) = batch.samples  # only the answered call: a refused request has no response to train on
+    assert sample.reward == 1.0
 
 
 def test_missing_token_ids_error_and_retokenization(tmp_path, fake_openai) -> None:
