@@ -70,6 +70,22 @@ def test_token_id_prompt_is_recorded_as_the_ids_sent(client, fake_openai, sink, 
     assert output_text(span) == completion.choices[0].text
 
 
+@pytest.mark.parametrize("n", [None, 2])
+def test_a_batch_of_prompts_counts_its_choices_and_records_choice_0(client, fake_openai, sink, rollout, n):
+    """LangChain's ``OpenAI`` LLM sends several prompts in one request for ``generate``/``batch``: only
+    choice 0's ids are recorded, and the choice count (prompts x n) lets LightningRL say so."""
+    fake_openai.script(FakeReply(content="4"))
+    options = {} if n is None else {"n": n}
+    with rollout() as scope:
+        completion = client.completions.create(model="fake-model", prompt=["Q: 2+2", "Q: 3+3"], **options)
+    assert [c.index for c in completion.choices] == [0, 1]  # the fake answers one choice per prompt
+    (span,) = sink.of(scope.rollout_id)
+    a = span.attributes
+    assert a[semconv.REQUEST_CHOICE_COUNT] == 2 * (n or 1)
+    assert a[semconv.PROMPT_TOKEN_IDS] == TOKENIZER.encode("Q: 2+2") and a[semconv.RESPONSE_TOKEN_IDS] == TOKENIZER.encode("4")
+    assert [m["content"] for m in json.loads(a[semconv.OUTPUT_MESSAGES])] == ["4", completion.choices[1].text]
+
+
 @pytest.mark.parametrize("prompt", [["Q: hi"], [[81, 58, 32]]], ids=["text", "token-ids"])
 def test_a_one_prompt_batch_is_recorded_as_that_prompt(client, sink, rollout, prompt):
     """LangChain's ``OpenAI`` LLM sends ``prompt=[text]``."""

@@ -192,7 +192,7 @@ def test_calls_with_several_choices_are_counted_and_warned(tmp_path, fake_openai
     assert batch.report.several_choices == 2 and len(batch.samples) == 4  # still trained, as choice 0
     assert "2 calls with n > 1 (choice 0 trained)" in str(batch.report)
     (warning,) = [r.getMessage() for r in caplog.records if "several choices" in r.getMessage()]
-    assert warning.startswith("LightningRL: 2 llm call(s) asked for several choices (n > 1)")
+    assert warning.startswith("LightningRL: 2 llm call(s) asked for several choices (n > 1, or a Completions batch")
 
 
 @agl.rollout

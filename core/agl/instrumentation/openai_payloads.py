@@ -68,9 +68,21 @@ def request_attributes(api: str, kwargs: Mapping[str, Any], stream: bool) -> Dic
             attrs[semconv.REQUEST_MAX_TOKENS] = value
             break
     n = kwargs.get("n")  # the Responses API has no n
-    if _is_int(n):
-        attrs[semconv.REQUEST_CHOICE_COUNT] = n
+    choices = n if _is_int(n) else None
+    if api == COMPLETIONS:
+        prompts = prompt_count(kwargs.get("prompt"))
+        if prompts > 1:  # a batch (LangChain's OpenAI LLM sends one for generate/batch): n choices per prompt
+            choices = prompts * (choices or 1)
+    if choices is not None:
+        attrs[semconv.REQUEST_CHOICE_COUNT] = choices
     return attrs
+
+
+def prompt_count(prompt: Any) -> int:
+    """How many prompts a Completions API request holds: text or token ids are one, a list of them several."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple)):
+        return len(prompt)
+    return 1
 
 
 def add_request_payloads(api: str, call_kwargs: Dict[str, Any], deferred: Dict[str, Any]) -> None:
@@ -106,7 +118,8 @@ def add_request_payloads(api: str, call_kwargs: Dict[str, Any], deferred: Dict[s
 
 def one_prompt(prompt: Any) -> Any:
     """A Completions API prompt without the one-element batch around it (LangChain's ``OpenAI`` LLM sends
-    ``[text]``); several prompts stay a list (a batch: only choice 0's ids are recorded, like ``n > 1``)."""
+    ``[text]``); several prompts stay a list (a batch: only choice 0's ids are recorded, and the request's
+    choice count says so, as for ``n > 1``)."""
     if isinstance(prompt, (list, tuple)) and len(prompt) == 1 and isinstance(prompt[0], (str, list, tuple)):
         return prompt[0]
     return prompt

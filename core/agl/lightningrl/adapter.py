@@ -316,9 +316,10 @@ class LightningRL:
             )
         if report.several_choices:
             logger.warning(
-                "LightningRL: %d llm call(s) asked for several choices (n > 1); each trains as choice 0, whichever "
-                "choice the agent went on with (only choice 0's token ids are recorded). Ask for one choice per "
-                "call (n=1), or run n rollouts, to train what the agent did",
+                "LightningRL: %d llm call(s) asked for several choices (n > 1, or a Completions batch of prompts); "
+                "each trains as choice 0, whichever choice the agent went on with (only choice 0's token ids are "
+                "recorded). Ask for one choice of one prompt per call (n=1), or run n rollouts, to train what the "
+                "agent did",
                 report.several_choices,
             )
         if report.step_rewards_unattributed:

@@ -5,6 +5,9 @@ text back; there is no chat template and no tool-call parsing. The fake model an
 if a user had said it (``FAKE: <prompt>`` by default); a scripted reply's tool calls come back as the text
 the model would have written for them. Token ids follow vLLM's ``return_token_ids`` for this API: both
 ``prompt_token_ids`` and ``token_ids`` sit on the choice (streamed: the prompt ids on the first chunk's).
+
+A batch of prompts (a list of texts or of id lists; not streamed) is answered as vLLM does, one choice per
+prompt in order: the first by the script (or the default policy), the others by the default policy.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from agl.instrumentation.openai_payloads import one_prompt
 from agl.testing.fake_policy import (
     ChatTool,
     FakeReply,
@@ -32,16 +34,29 @@ Body = Mapping[str, Any]
 
 
 def missing_field(body: Body) -> str | None:
-    """``prompt`` unless it is one prompt: text or token ids, bare or in a one-element list."""
-    prompt = one_prompt(body.get("prompt"))
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
-        return None
-    return "prompt"
+    """``prompt`` unless it holds prompts: text or token ids, bare or in a list (a batch is not streamed)."""
+    prompts = _prompts(body.get("prompt"))
+    if not prompts or (len(prompts) > 1 and body.get("stream")):
+        return "prompt"
+    return None
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """The request's prompts (each text or a list of ids); empty if it holds none."""
+    if _is_one_prompt(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(_is_one_prompt(p) for p in prompt):
+        return list(prompt)
+    return []
+
+
+def _is_one_prompt(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt))
 
 
 def conversation(body: Body) -> tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]:
-    """The prompt as the one user message the default policy answers (no tools: a text API)."""
-    return [{"role": "user", "content": _prompt_text(body)}], [], None
+    """The (first) prompt as the one user message the default policy answers (no tools: a text API)."""
+    return [{"role": "user", "content": _prompt_text(_prompts(body["prompt"])[0])}], [], None
 
 
 def answer(
@@ -50,12 +65,16 @@ def answer(
     body: Body,
     tokenizer: FakeTokenizer,
 ) -> Generation:
-    """The text answer, its prompt ids being the prompt's own (given ids, or the text's bytes)."""
+    """The text answer to the (first) prompt, its prompt ids being the prompt's own (given ids, or the
+    text's bytes)."""
     if reply is not None and reply.chooses_message:
         text = render_assistant(reply.content, [tool_call_from_spec(spec) for spec in reply.tool_calls or []])
     else:
         text = default_policy(conversation[0], [], None)[0] or ""
-    prompt = one_prompt(body["prompt"])
+    return _generation(_prompts(body["prompt"])[0], text, tokenizer)
+
+
+def _generation(prompt: Any, text: str, tokenizer: FakeTokenizer) -> Generation:
     prompt_ids = list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
     return Generation(
         content=text, tool_calls=[], prompt_ids=prompt_ids, response_ids=tokenizer.encode(text), tokenizer=tokenizer
@@ -63,12 +82,20 @@ def answer(
 
 
 def completion(gen: Generation, body: Body, token_ids: bool) -> dict[str, Any]:
-    """The non-streamed ``text_completion`` object."""
-    choice = _choice(gen, body, gen.content or "", gen.response_ids, (0, 0), "stop")
-    if token_ids:
-        choice["prompt_token_ids"] = gen.prompt_ids
-        choice["token_ids"] = gen.response_ids
-    return {**_header(body), "choices": [choice], "usage": _usage(gen)}
+    """The non-streamed ``text_completion`` object: one choice per prompt, ``gen`` the first prompt's."""
+    gens = [gen] + [
+        _generation(prompt, default_policy([{"role": "user", "content": _prompt_text(prompt)}], [], None)[0] or "",
+                    gen.tokenizer)
+        for prompt in _prompts(body["prompt"])[1:]
+    ]
+    choices = []
+    for index, one in enumerate(gens):
+        choice = {**_choice(one, body, one.content or "", one.response_ids, (0, 0), "stop"), "index": index}
+        if token_ids:
+            choice["prompt_token_ids"] = one.prompt_ids
+            choice["token_ids"] = one.response_ids
+        choices.append(choice)
+    return {**_header(body), "choices": choices, "usage": _usage(*gens)}
 
 
 def sse_events(gen: Generation, body: Body, token_ids: bool) -> Iterator[str]:
@@ -92,8 +119,7 @@ def sse_events(gen: Generation, body: Body, token_ids: bool) -> Iterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def _prompt_text(body: Body) -> str:
-    prompt = one_prompt(body["prompt"])
+def _prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     return FakeTokenizer().decode([t for t in prompt if 0 <= t < 256])  # a real tokenizer's ids read as bytes
@@ -136,6 +162,7 @@ def _header(body: Body) -> dict[str, Any]:
     }
 
 
-def _usage(gen: Generation) -> dict[str, Any]:
-    prompt, completion_tokens = len(gen.prompt_ids), len(gen.response_ids)
+def _usage(*gens: Generation) -> dict[str, Any]:
+    prompt = sum(len(gen.prompt_ids) for gen in gens)
+    completion_tokens = sum(len(gen.response_ids) for gen in gens)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
