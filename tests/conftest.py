@@ -1,11 +1,18 @@
-"""Shared fixtures: one fake OpenAI server per test session, reset for every test that uses it."""
+"""Shared fixtures: one fake OpenAI server per test session, reset for every test that uses it; the bundled
+examples run as their docstrings say."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import List
+
 import pytest
 
 from agl.testing import FakeOpenAIServer, ListSink, tracer_writes_to
+from agl.types import Rollout
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,3 +43,37 @@ def sink() -> Iterator[ListSink]:
     """The global tracer writes to a fresh ListSink during the test."""
     with tracer_writes_to(ListSink()) as list_sink:
         yield list_sink
+
+
+@pytest.fixture
+def dev_example(tmp_path: Path) -> Callable[[str, str], List[Rollout]]:
+    """Runs ``agl dev examples/TARGET --data examples/data/calc_tasks.jsonl --fake-model`` (the command each
+    example's docstring gives) in this process, into a temporary store, and checks what it must show: every
+    task succeeds, the fake model (it calls the first tool, ``add``) is right on exactly the additions, and
+    the ``agent_match`` the docstring names selects every LLM call of the agent (at least one per task).
+    Returns the rollouts."""
+
+    def run(target: str, agent_match: str) -> List[Rollout]:
+        from agl.agent_match import select_llm_calls
+        from agl.cli import main
+        from agl.store import SqliteLightningStore
+
+        db = tmp_path / "example.db"
+        command = ["dev", str(EXAMPLES / target), "--data", str(EXAMPLES / "data" / "calc_tasks.jsonl"), "--fake-model"]
+        assert main(command + ["--store", str(db), "--runner-mode", "thread"]) == 0
+        store = SqliteLightningStore(db)
+        try:
+            rollouts = store.query_rollouts()
+            for rollout in rollouts:
+                spans = store.query_spans(rollout.rollout_id)
+                calls = [s.span_id for s in spans if s.kind == "llm"]
+                assert calls and [s.span_id for s in select_llm_calls(spans, agent_match)] == calls
+        finally:
+            store.close()
+        assert len(rollouts) == 20 and {r.status for r in rollouts} == {"succeeded"}
+        assert {r.input["question"]: r.final_reward for r in rollouts} == {
+            r.input["question"]: float(" plus " in r.input["question"]) for r in rollouts
+        }
+        return rollouts
+
+    return run

@@ -108,6 +108,24 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     assert final.choices[0].finish_reason == "stop"
 
 
+def test_policy_answers_from_the_tool_after_a_frameworks_nudge_but_not_a_new_question(client: openai.OpenAI) -> None:
+    """CrewAI follows each tool result with a user message ("Analyze the tool result..."): in a tool loop, a
+    user message without numbers after a tool's answer is a nudge, and the answer stands; a new question
+    (numbers) calls the tool again; without tools, the message is answered as text."""
+    answered = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
+    ]}, {"role": "tool", "tool_call_id": "call_1", "content": "7"}]
+    nudge = {"role": "user", "content": "Analyze the tool result. If requirements are met, provide the Final Answer."}
+
+    def reply(messages: list, tools: list) -> Any:
+        return client.chat.completions.create(model="m", messages=messages, **({"tools": tools} if tools else {}))
+
+    assert reply([*answered, nudge], [ADD_TOOL]).choices[0].message.content == "The answer is 7."
+    again = reply([*answered, {"role": "user", "content": "And 5 + 6?"}], [ADD_TOOL]).choices[0].message
+    assert json.loads(again.tool_calls[0].function.arguments) == {"a": 5, "b": 6}
+    assert reply([*answered, nudge], []).choices[0].message.content == "FAKE: " + nudge["content"]
+
+
 def test_policy_fills_strings_with_the_user_text_and_honours_tool_choice(client: openai.OpenAI) -> None:
     search = {
         "type": "function",

@@ -544,3 +544,8 @@ if CLASSIC:
                 assert "5" in chat(fake_openai.base_url).summary
             assert internal_error_count() == errors + 4  # 3 replies, 1 tool
             assert counts(sink.of("ro-classic-bug")) == {"chain": 1, "llm": 2}
+
+
+@pytest.mark.skipif(CLASSIC, reason="the example is written for AG2 1.x (import ag2)")
+def test_the_example_runs_as_its_docstring_says(dev_example) -> None:
+    dev_example("ag2_agent.py:ag2_calc_agent", "^calculator$")

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib.util
 import json
 import logging
 import uuid
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence
 
 import pytest
@@ -40,7 +38,6 @@ from agl.store import SqliteLightningStore  # noqa: E402
 from agl.testing import FakeReply, assert_tool_reward_credited  # noqa: E402
 from agl.types import Span  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MODEL_INFO = {
     "vision": False,
     "function_calling": True,
@@ -368,19 +365,6 @@ def test_a_failing_model_call_marks_the_agent_span(fake_openai, instrumented, si
     assert agent.status == llm.status == "error" and agent.attributes[semconv.ERROR_TYPE] == "BadRequestError"
 
 
-def test_the_example_agent_runs_under_agl_dev(fake_openai, instrumented, tmp_path):
-    spec = importlib.util.spec_from_file_location("autogen_agent_example", EXAMPLES / "autogen_agent.py")
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)  # its agl.instrument() adds nothing to the fixture's
-    lines = (EXAMPLES / "data" / "calc_tasks.jsonl").read_text().splitlines()
-    task = json.loads(lines[0])  # an addition: the fake model's first tool is ``add``
-    (spans,) = dev(example.autogen_calc_agent, fake_openai, tmp_path, [task])
-    assert len(select_llm_calls(spans, "^calculator$")) == len(fake_openai.requests) == 2
-    (reward,) = of_kind(spans, "reward")
-    assert reward.attributes[semconv.REWARD_VALUE] == 1.0
-
-
 # -- teams: agent_match selects one agent's calls ----------------------------------------------------------
 
 
@@ -567,3 +551,7 @@ def test_outside_the_supported_range_it_warns_once_and_patches_nothing(caplog):
         assert instrumentor.instrument() is False
     assert len([r for r in caplog.records if "autogen-agentchat" in r.getMessage()]) == 1
     assert AssistantAgent.__dict__["on_messages_stream"] is original
+
+
+def test_the_example_runs_as_its_docstring_says(dev_example) -> None:
+    dev_example("autogen_agent.py:autogen_calc_agent", "^calculator$")

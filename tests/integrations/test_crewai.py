@@ -540,3 +540,7 @@ def test_an_adapter_bug_never_reaches_the_user(
     spans = sink.of("ro-bug")
     assert crewai_agent_names(spans) == [] and len(kind(spans, "tool")) == 1
     assert_llm_spans_complete(spans, len(fake_openai.requests))
+
+
+def test_the_example_runs_as_its_docstring_says(dev_example: Any) -> None:
+    dev_example("crewai_agent.py:crewai_calc_agent", "^Calculator$")

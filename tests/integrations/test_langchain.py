@@ -748,3 +748,7 @@ def test_an_error_inside_the_adapter_never_reaches_the_agent(fake_openai, instru
     assert out["messages"][-1].content == "FAKE: rewrite the query"
     assert internal_error_count("langchain.on_chain_start") - before == 4  # one per node run
     assert len(of_kind(sink.of("ro-broken"), "llm")) == 3  # the calls are still traced
+
+
+def test_the_example_runs_as_its_docstring_says(dev_example) -> None:
+    dev_example("langgraph_agent.py:langgraph_calc_agent", "^(solve|check)$")

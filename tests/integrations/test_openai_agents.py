@@ -535,3 +535,7 @@ def test_disabled_sdk_tracing_is_reported(caplog) -> None:
         instrumentor.uninstrument()
         set_tracing_disabled(False)
     assert any("tracing is disabled" in r.getMessage() for r in caplog.records)
+
+
+def test_the_example_runs_as_its_docstring_says(dev_example) -> None:
+    dev_example("openai_agents_agent.py:openai_agents_calc_agent", "^calculator$")

@@ -206,13 +206,18 @@ def default_policy(
     tools: Sequence[ChatTool],
     tool_choice: ToolChoice,
 ) -> tuple[str | None, list[GeneratedToolCall]]:
-    """Call a tool until one has answered since the last user message, then answer from its result.
+    """Call a tool until one has answered the question, then answer from its result.
 
-    The tool is the one ``tool_choice`` names, else the first offered; ``tool_choice="none"`` never calls.
+    The question is the last user message; in a tool loop (tools offered), one without numbers that follows
+    a tool's answer is the framework's nudge (CrewAI's "Analyze the tool result..."), not a new question, so
+    that answer still counts. The tool is the one ``tool_choice`` names, else the first offered;
+    ``tool_choice="none"`` never calls.
     """
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
     user_text = message_text(messages[last_user].get("content")) if last_user >= 0 else ""
-    tool_results = [m for m in messages[last_user + 1 :] if m.get("role") == "tool"]
+    nudge = bool(tools) and not _NUMBER.search(user_text)
+    answered_from = 0 if nudge else last_user + 1
+    tool_results = [m for m in messages[answered_from:] if m.get("role") == "tool"]
     if tool_results:
         return f"The answer is {message_text(tool_results[-1].get('content'))}.", []
     tool = _chosen_tool(tools, tool_choice)
