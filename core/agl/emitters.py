@@ -115,7 +115,8 @@ def emit_reward(
     primary: Optional[str] = None,
     attributes: Optional[Mapping[str, Any]] = None,
 ) -> float:
-    """Record a reward (scalar, or named dimensions with one ``primary``); returns the primary value."""
+    """Record a reward (a number: also a NumPy scalar or one-element array or tensor; or named dimensions with
+    one ``primary``); returns the primary value as a float."""
     reward, name, dims = normalize_reward(value, primary)
     _warn_outside_rollout("emit_reward")
     tracer = get_tracer()
