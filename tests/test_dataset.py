@@ -37,6 +37,15 @@ def test_csv_rows_are_tasks_with_text_values(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_a_byte_order_mark_is_not_part_of_the_first_task(tmp_path, suffix):
+    # Excel and Windows editors start UTF-8 files with one: it must neither break JSON nor rename a column
+    path = tmp_path / f"tasks{suffix}"
+    body = {".jsonl": '{"id": "a", "q": "1"}\n', ".json": '[{"id": "a", "q": "1"}]', ".csv": "id,q\na,1\n"}[suffix]
+    path.write_text(body, encoding="utf-8-sig")
+    assert load_dataset(path) == [{"id": "a", "q": "1"}]
+
+
 @pytest.mark.parametrize(
     "name, text, message",
     [

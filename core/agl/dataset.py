@@ -58,7 +58,7 @@ def load_dataset(path: Union[str, Path]) -> List[Any]:
         return _read_jsonl(path)
     if suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(data, list):
@@ -67,14 +67,14 @@ def load_dataset(path: Union[str, Path]) -> List[Any]:
     if suffix == ".parquet":
         return _read_parquet(path)
     if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:
             return list(csv.DictReader(f))
     raise ValueError(f"unknown dataset format {path.suffix or '(no suffix)'!r}: use {FORMATS}")
 
 
 def _read_jsonl(path: Path) -> List[Any]:
     items = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         if line.strip():
             try:
                 items.append(json.loads(line))
