@@ -372,6 +372,56 @@ def test_a_hung_agent_times_out_and_the_runner_moves_on(store):
     assert second.status == "succeeded"
 
 
+def test_a_hung_async_agent_is_cancelled_and_its_thread_goes_on(store):
+    """A coroutine past its timeout is cancelled: its spans end and are kept, and the runner is not stuck
+    (no abandoned thread, no process restart); the next rollout runs on the same agent thread."""
+    threads = []
+
+    async def agent(task):
+        threads.append(threading.get_ident())
+        if task["q"] == "hang":
+            with agl.operation("waiting"):
+                await asyncio.sleep(60)
+        return 1
+
+    store.add_resources({})
+    store.enqueue_rollout({"q": "hang"})
+    store.enqueue_rollout({"q": "fine"})
+    runner = Runner(agl.rollout(agent), store, rollout_timeout=0.3)
+    try:
+        first = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+        second = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+    finally:
+        runner.close()
+    assert first.status == "failed" and "ran past its timeout of 0.3 s" in first.error
+    assert not runner.stuck and second.status == "succeeded" and threads[0] == threads[1]
+    spans = {s.name: s for s in store.query_spans(first.rollout_id)}
+    assert spans["agl.operation"].status == "error" and spans["agl.rollout"].status == "error"
+    assert spans["agl.operation"].attributes[semconv.ERROR_TYPE] == "CancelledError"
+
+
+def test_an_async_agent_that_ignores_its_cancellation_is_abandoned(store, monkeypatch):
+    monkeypatch.setattr(agl.runner, "CANCEL_GRACE_S", 0.2)
+    release = threading.Event()
+
+    async def agent(task):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            release.wait(10)  # blocks its event loop: cancellation cannot get through
+        return 1
+
+    store.add_resources({})
+    store.enqueue_rollout({"q": "hang"})
+    runner = Runner(agl.rollout(agent), store, rollout_timeout=0.2)
+    try:
+        first = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+        assert runner.stuck and first.status == "failed" and "timeout" in first.error
+    finally:
+        release.set()
+        runner.close()
+
+
 def test_a_result_that_comes_after_the_store_gave_up_on_the_attempt_is_ignored_and_said_so(store, caplog):
     """A runner presumed dead (no heartbeat within heartbeat_timeout: a paused process, a partition) comes
     back with its result: the store's verdict and the retry stand, the late result changes nothing, the

@@ -1,9 +1,11 @@
 """Runner: takes rollouts from the store, runs the agent under the tracer, reports the outcome.
 
 One runner runs one rollout at a time. The agent runs on a worker thread so the runner can enforce a
-per-rollout timeout even on a sync agent that hangs: the attempt is then reported as ``timeout`` and the
-runner marks itself *stuck* (a process runner exits so its pool starts a fresh one). Heartbeats go to the
-store from a small thread while the agent runs.
+per-rollout timeout even on a sync agent that hangs: the attempt is then reported as ``timeout``. An async
+agent is cancelled (``CancelledError`` in its coroutine, so its open spans end and are kept) and its thread
+goes on to the next rollout; a sync agent, or a coroutine that does not stop within
+``CANCEL_GRACE_S``, cannot be stopped: the runner marks itself *stuck* (a process runner exits so its pool
+starts a fresh one). Heartbeats go to the store from a small thread while the agent runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from agl.types import NamedResources, Rollout, new_id
 logger = logging.getLogger("agl.runner")
 
 StopSignal = Union[threading.Event, Any, Callable[[], bool]]  # Any: a multiprocessing Event
+CANCEL_GRACE_S = 5.0  # how long a timed-out async rollout gets to unwind after its cancellation
 
 
 def rollout_agent_name(agent: Any) -> str:
@@ -106,6 +109,7 @@ class Runner:
         self.agent_name = rollout_agent_name(agent)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-agent")
         self._thread_state = threading.local()
+        self._running_task: Optional[Tuple[asyncio.AbstractEventLoop, "asyncio.Task[Any]"]] = None  # an async rollout
         self.tracer.set_store(store)
 
     # -- one rollout ---------------------------------------------------------------------------------------
@@ -133,7 +137,8 @@ class Runner:
                 raise RolloutTimeout(f"rollout {rollout.rollout_id} ran past its timeout of {timeout} s") from None
         except RolloutTimeout as exc:
             status, error = "timeout", str(exc)
-            self._abandon_stuck_agent()
+            if not self._cancelled(future):
+                self._abandon_stuck_agent()
         except Exception as exc:  # noqa: BLE001 - the agent's failure is data, not a runner crash
             status, error = "failed", "".join(traceback.format_exception_only(type(exc), exc)).strip()
             logger.info("rollout %s failed: %s", rollout.rollout_id, error)
@@ -171,7 +176,13 @@ class Runner:
             with self.tracer.span("agl.rollout", "agent", attrs):
                 result = self.agent.run(rollout.input, resources, rollout)
                 if inspect.isawaitable(result):
-                    result = self._event_loop().run_until_complete(_await(result))
+                    loop = self._event_loop()
+                    task = loop.create_task(_await(result))
+                    self._running_task = (loop, task)
+                    try:
+                        result = loop.run_until_complete(task)
+                    finally:
+                        self._running_task = None
                 returned = reward_from_result(result)
                 return self._episode_reward(returned, scope)
         finally:
@@ -205,6 +216,21 @@ class Runner:
             with self.tracer.span(semconv.SPAN_REWARD, "reward", attrs):
                 pass
         return returned
+
+    def _cancelled(self, future: "concurrent.futures.Future[Any]") -> bool:
+        """Cancel the timed-out rollout if it is a coroutine; True once its thread is free again."""
+        running = self._running_task
+        if running is None:
+            return False
+        loop, task = running
+        loop.call_soon_threadsafe(task.cancel)
+        try:
+            future.result(timeout=CANCEL_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            return False
+        except BaseException:  # noqa: BLE001 - CancelledError, or what the agent raised while unwinding
+            pass
+        return True
 
     def _abandon_stuck_agent(self) -> None:
         # The agent thread cannot be killed; leave it and take a fresh one. A process runner exits after
