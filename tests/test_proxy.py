@@ -321,6 +321,69 @@ def test_broken_upstream_stream_is_recorded_as_an_error(
     assert proxy.in_flight == 0
 
 
+class _GarbageUpstream:
+    """A real HTTP server on 127.0.0.1 that answers every POST 200 with a body that is not a completion (a
+    misconfigured gateway's page, a stream of unreadable events): what the proxy must relay untouched."""
+
+    def __init__(self, content_type: str, body: bytes) -> None:
+        import http.server
+
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.send_response(200)
+                self.send_header("content-type", outer.content_type)
+                self.send_header("content-length", str(len(outer.body)))
+                self.end_headers()
+                self.wfile.write(outer.body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.content_type, self.body = content_type, body
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize(
+    "stream, content_type, body, error_type",
+    [
+        (False, "text/html", b"<html>502 from the gateway</html>", "UnreadableResponse"),
+        (True, "text/event-stream", b"data: {not json\n\ndata: [DONE]\n\n", "UnreadableStream"),
+    ],
+    ids=["plain", "stream"],
+)
+def test_a_reply_the_proxy_cannot_read_reaches_the_agent_untouched_and_is_recorded_as_such(
+    store: InMemoryLightningStore, rollout: Rollout, stream: bool, content_type: str, body: bytes, error_type: str
+) -> None:
+    upstream = _GarbageUpstream(content_type, body)
+    try:
+        with LLMProxy(upstream.base_url, store) as proxy:
+            assert rollout.attempt is not None
+            url = proxy.as_resource("m").get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+            request = {"model": "m", "messages": QUESTION, "stream": stream}
+            reply = httpx.post(f"{url}/chat/completions", json=request,
+                               headers={"traceparent": "00-not-a-valid-header-01"}, timeout=10)
+            assert (reply.status_code, reply.content) == (200, body)  # what the agent gets: the model server's
+            deadline = time.monotonic() + 5
+            while not llm_spans(store, rollout) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert proxy.in_flight == 0
+    finally:
+        upstream.close()
+    (span,) = llm_spans(store, rollout)
+    assert span.status == "error" and span.attributes[semconv.ERROR_TYPE] == error_type
+    assert span.attributes[semconv.TOKEN_IDS_SOURCE] == "absent"
+    assert span.parent_id is None  # a malformed traceparent is ignored, not half-read
+
+
 def test_bad_json_body_is_a_400(proxy: LLMProxy) -> None:
     reply = httpx.post(f"{proxy.base_url}/chat/completions", content=b"not json")
     assert reply.status_code == 400 and "JSON object" in reply.json()["error"]["message"]

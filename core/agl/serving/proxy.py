@@ -349,12 +349,12 @@ class LLMProxy:
             return _relay(upstream, content), True
 
         async def relay() -> AsyncIterator[bytes]:
-            held: List[bytes] = []  # the final "data: [DONE]": sent after the span is stored
+            held: List[bytes] = []  # "data: [DONE]" and the lines after it: sent after the span is stored
             error: Optional[BaseException] = None
             try:
                 async for line in upstream.aiter_lines():
-                    if line.strip() == "data: [DONE]":
-                        held.append(f"{line}\n".encode())
+                    if held or line.strip() == "data: [DONE]":
+                        held.append(f"{line}\n".encode())  # with its blank line, or the event never ends
                         continue
                     call.add_sse_line(line)
                     yield f"{line}\n".encode()
