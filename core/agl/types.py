@@ -127,7 +127,16 @@ class Rollout(BaseModel):
         return self.status in TERMINAL_ROLLOUT_STATUSES
 
 
+# Attribute values are kept as they were made, non-finite floats included (a -inf logprob is data): their JSON
+# uses the constants NaN/Infinity that Python and pydantic read back, as the SQLite and PostgreSQL stores'
+# encoding always did, so that every backend and the HTTP wire return the same span. A model that holds
+# spans takes this config too: pydantic serializes nested values by the outermost model's setting.
+SPAN_JSON = ConfigDict(ser_json_inf_nan="constants")
+
+
 class SpanEvent(BaseModel):
+    model_config = SPAN_JSON
+
     name: str
     timestamp: int
     attributes: Dict[str, Any] = Field(default_factory=dict)
@@ -140,7 +149,7 @@ class Span(BaseModel):
     spans of one attempt by their start, independent of clocks on different machines.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", **SPAN_JSON)
 
     rollout_id: str
     attempt_id: str

@@ -110,11 +110,13 @@ def test_skips_have_reasons_and_never_make_empty_samples() -> None:
     b.llm([1], [])
     b.llm([], [2])
     b.llm([1, 2], [3], logprobs=[-1.0, -2.0])  # logprobs not one per token: dropped
+    b.llm([1, 2], [3, 4], logprobs=[-1.0, float("-inf")])  # not finite: the PPO ratio would be infinite
+    b.llm([1, 2], [3, 4], logprobs=[-1.0, -0.5])  # kept
     b.finish()
     out = extract(b)
     assert dict(out.skipped) == {SKIP_CALL_FAILED: 1, SKIP_EMPTY_RESPONSE: 1, SKIP_EMPTY_PROMPT: 1}
-    [t] = out.transitions
-    assert t.response_logprobs is None and out.logprobs_dropped == 1
+    assert [t.response_logprobs for t in out.transitions] == [None, None, [-1.0, -0.5]]
+    assert out.logprobs_dropped == 2
     assert out.accounted
 
 

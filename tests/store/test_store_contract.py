@@ -5,6 +5,7 @@ Timeouts are tiny (0.05 s) and the tests sleep a little past them, then assert o
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any, Callable, Dict, List
@@ -461,6 +462,18 @@ def test_spans_are_returned_by_sequence_id(store: LightningStore, make_span: Mak
     assert store.query_spans(rollout.rollout_id) == sorted(spans, key=lambda s: s.sequence_id)
     assert store.query_spans(rollout.rollout_id, aid(rollout)) == sorted(spans, key=lambda s: s.sequence_id)
     assert store.add_spans([]) == 0
+
+
+def test_non_finite_attribute_values_come_back_as_they_were_made(store: LightningStore, make_span: MakeSpan) -> None:
+    """A -inf logprob is data: every backend (and the HTTP wire both ways) returns it, and NaN, unchanged.
+    Before, SQLite and PostgreSQL kept them while the in-memory store and the HTTP client turned them to null."""
+    store.enqueue_rollout("x")
+    rollout = claim(store)
+    values = {"logprobs": [-0.5, float("-inf")], "nan": float("nan"), "inf": float("inf")}
+    assert store.add_spans([make_span(rollout, 0, attributes=values)]) == 1
+    (stored,) = store.query_spans(rollout.rollout_id)
+    got = stored.attributes
+    assert got["logprobs"] == [-0.5, float("-inf")] and got["inf"] == float("inf") and math.isnan(got["nan"])
 
 
 def test_query_spans_of_a_rollout_never_dequeued_is_empty(store: LightningStore) -> None:

@@ -114,7 +114,7 @@ class BatchReport:
             (self.merged_calls, "merged calls"),
             (self.prefix_mismatches, "prefix mismatches"),
             (self.retokenized, "re-tokenized"),
-            (self.logprobs_dropped, "logprobs dropped (length mismatch)"),
+            (self.logprobs_dropped, "logprobs dropped (length mismatch or not finite)"),
             (self.several_choices, "calls with n > 1 (choice 0 trained)"),
             (self.step_rewards_unattributed, "step rewards without a call"),
             (self.without_samples, "rollouts without samples"),

@@ -18,14 +18,16 @@ its messages are re-tokenized (``agl.lightningrl.retokenize``) and the call is c
 
 ``step`` is the call's index among *all* llm calls of the attempt in call order, so a call keeps its step
 whatever ``agent_match`` selects. ``response_logprobs`` is kept only when there is exactly one per response
-token (else None, counted in ``logprobs_dropped``); re-tokenized calls have none. A call that asked for
-several choices (``n > 1``) becomes one transition of choice 0, the only one whose ids are recorded,
-whichever choice the agent went on with: counted in ``several_choices``, so the batch report says so.
+token, all finite (else None, counted in ``logprobs_dropped``); re-tokenized calls have none. A call that
+asked for several choices (``n > 1``) becomes one transition of choice 0, the only one whose ids are
+recorded, whichever choice the agent went on with: counted in ``several_choices``, so the batch report says
+so.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -120,8 +122,8 @@ def extract_transitions(
             out.retokenized += 1
         else:
             logprobs = _floats(span.attributes.get(semconv.RESPONSE_LOGPROBS))
-            if logprobs is not None and len(logprobs) != len(response_ids):
-                logprobs = None
+            if logprobs is not None and (len(logprobs) != len(response_ids) or not all(map(math.isfinite, logprobs))):
+                logprobs = None  # a -inf or NaN old logprob would make the PPO ratio infinite
                 out.logprobs_dropped += 1
         if not response_ids:
             out.skipped[SKIP_EMPTY_RESPONSE] += 1

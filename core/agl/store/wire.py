@@ -26,7 +26,7 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store.base import EnqueueRequest
-from agl.types import Attempt, AttemptStatus, ResourcesUpdate, Rollout, RolloutMode, RolloutStatus, Span
+from agl.types import SPAN_JSON, Attempt, AttemptStatus, ResourcesUpdate, Rollout, RolloutMode, RolloutStatus, Span
 
 #: Header of a client-chosen key that makes a retried request return the first one's answer.
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -126,6 +126,8 @@ class AttemptList(BaseModel):
 
 
 class SpanList(BaseModel):
+    model_config = SPAN_JSON
+
     spans: List[Span]
 
 
