@@ -7,6 +7,7 @@ import inspect
 import json
 import threading
 import time
+from decimal import Decimal
 from fractions import Fraction
 
 import pytest
@@ -339,7 +340,7 @@ def test_a_returned_dict_without_a_reward_key_fails_the_rollout_and_says_so(stor
     assert "returned a dict without a 'reward' key (keys: ['accuracy'])" in done.error
 
 
-@pytest.mark.parametrize("returned", [Fraction(1, 4), {"reward": Fraction(1, 4), "answer": "x"}])
+@pytest.mark.parametrize("returned", [Fraction(1, 4), Decimal("0.25"), {"reward": Fraction(1, 4), "answer": "x"}])
 def test_any_real_number_is_a_reward(store, returned):
     done = run_one(store, agl.rollout(lambda task: returned))
     assert done.status == "succeeded" and done.final_reward == 0.25

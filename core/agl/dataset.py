@@ -38,7 +38,7 @@ def as_tasks(dataset: Iterable[Any], *, prefix: str = "task") -> List[Task]:
             continue
         task_id = str(task_id)
         seen = first.setdefault(task_id, (index, item))
-        if seen[1] != item:
+        if seen[1] is not item and not _same_task(seen[1], item):
             raise ValueError(
                 f"dataset items {seen[0]} and {index} have the same id {task_id!r} but differ: rollouts are "
                 "grouped by task id for the advantages, so each id must name one task (make the ids unique, "
@@ -46,6 +46,14 @@ def as_tasks(dataset: Iterable[Any], *, prefix: str = "task") -> List[Task]:
             )
         tasks.append(Task(task_id=task_id, input=item))
     return tasks
+
+
+def _same_task(a: Any, b: Any) -> bool:
+    """``a == b``; for rows whose values compare element-wise (NumPy arrays), their reprs."""
+    try:
+        return bool(a == b)
+    except (ValueError, TypeError):  # "the truth value of an array ... is ambiguous"
+        return repr(a) == repr(b)
 
 
 def load_dataset(path: Union[str, Path]) -> List[Any]:

@@ -17,6 +17,7 @@ tool and reward span started inside an operation therefore carries the operation
 from __future__ import annotations
 
 import contextvars
+import decimal
 import functools
 import inspect
 import json
@@ -68,12 +69,13 @@ def reward_number(value: Any, what: str, expected: str = "a number") -> float:
     """``value`` as a finite float, or an error that says what was wrong, where the reward was made.
 
     Rewards are often computed with NumPy or torch: their scalars (``np.float32``, ``np.int64``: registered
-    as ``numbers.Real``) and one-element arrays or tensors (``.item()``) count as numbers. Strings do not
+    as ``numbers.Real``) and one-element arrays or tensors (``.item()``) count as numbers, as do ``Fraction``
+    and ``Decimal``. Strings do not
     (``"0.5"`` is more likely a bug than a reward). A NaN or infinite reward raises here rather than reach
     the store (SQLite would keep it as "no reward") or the advantages (it would spoil a whole task group).
     """
     number = value
-    if not isinstance(number, numbers.Real):
+    if not isinstance(number, (numbers.Real, decimal.Decimal)):
         item = getattr(value, "item", None)
         try:
             number = item() if callable(item) and not isinstance(value, (str, bytes)) else None
