@@ -11,6 +11,7 @@
   has). Each runs ``tests/integrations/test_<framework>.py`` with the real framework against agl's local
   fake OpenAI-compatible server. Frameworks get separate venvs because their pins conflict (CrewAI needs
   ``openai<3``, the OpenAI Agents SDK ``openai>=3``).
+- ``pythons``: the core suite on Python 3.10, 3.12 and 3.13 (``nox -t pythons``; those found on PATH).
 - ``benchmarks``: prints the speed figures of benchmarks/ (figures, not pass/fail).
 
 `nox -t ci` runs what CI runs: the core suite and every framework's latest line(s).
@@ -24,6 +25,7 @@ from pathlib import Path
 import nox
 
 PYTHON = "3.11"
+OTHER_PYTHONS = ["3.10", "3.12", "3.13"]  # `nox -t pythons`: the core suite on each
 ROOT = Path(__file__).parent
 nox.options.sessions = ["tests"]
 # torch is pinned to the CPU build that pip finds locally; a framework that pulls torch must not get CUDA.
@@ -36,14 +38,26 @@ def _constraints(session: nox.Session) -> str:
     return str(path)
 
 
-@nox.session(python=PYTHON, tags=["ci"])
-def tests(session: nox.Session) -> None:
+def _core_suite(session: nox.Session) -> None:
     session.install("-e", ".[dev,postgres,parquet]")  # the store suite runs on a real PostgreSQL too (see .ci/run)
     session.run(
         "python", "-m", "pytest", "-q",
         "--ignore=tests/integrations", "--ignore=tests/torch", "--ignore=tests/verl",
         *session.posargs,
     )
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def tests(session: nox.Session) -> None:
+    """The core suite (no framework, no torch)."""
+    _core_suite(session)
+
+
+@nox.session(python=OTHER_PYTHONS, tags=["pythons"])
+def pythons(session: nox.Session) -> None:
+    """The core suite on the other Pythons agl supports (requires-python >= 3.10)."""
+    # stdlib behaviour that differs by version shows here: 3.10's statistics.stdev underflows where 3.11's is exact
+    _core_suite(session)
 
 
 @nox.session(python=PYTHON, tags=["ci"])

@@ -228,5 +228,7 @@ def test_grpo_group_advantages_are_standardised(rewards: List[float], samples_pe
     std = statistics.stdev(rewards)
     if std > 1e-3:
         assert statistics.stdev(adv) == pytest.approx(1.0, rel=1e-2)
-    elif std == 0.0:
+    elif len(set(rewards)) == 1:  # not std == 0.0: Python 3.10's stdev underflows to 0 for [0.0, 2e-194]
         assert adv == [0.0] * len(rewards)
+    else:  # a tiny spread: standardised, so never beyond (n - 1) / sqrt(n) (eps only shrinks them)
+        assert all(abs(a) <= (len(rewards) - 1) / math.sqrt(len(rewards)) + 1e-9 for a in adv)
