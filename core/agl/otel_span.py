@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags, TraceState
 
-from agl.types import random_bits
+from agl.types import array_as_json, random_bits
 
 logger = logging.getLogger("agl.tracer")
 
@@ -46,7 +46,7 @@ def new_id(bits: int) -> int:
 
 def clean_value(value: Any) -> Any:
     """An attribute value as the SDK would store it: primitives as they are, sequences as tuples,
-    mappings as dicts, anything else as its ``str``."""
+    mappings as dicts, NumPy and torch values as their numbers, anything else as its ``str``."""
     kind = type(value)
     if kind in _PLAIN_TYPES or isinstance(value, (str, bool, int, float, bytes)):
         return value
@@ -59,7 +59,10 @@ def clean_value(value: Any) -> Any:
         return {str(k): clean_value(v) for k, v in value.items()}
     if isinstance(value, AbcSequence):
         return tuple(clean_value(v) for v in value)
-    return str(value)
+    try:
+        return clean_value(array_as_json(value))  # NumPy / torch values: the numbers they hold
+    except Exception:  # noqa: BLE001 - an attribute is never refused
+        return str(value)
 
 
 def clean_attributes(attributes: Optional[Mapping[str, Any]]) -> Dict[str, Any]:

@@ -15,7 +15,7 @@ from pydantic_core import to_json
 
 from agl import semconv
 from agl.otel_span import AglSpan
-from agl.types import Span, SpanEvent, trusted
+from agl.types import Span, SpanEvent, array_as_json, trusted
 
 logger = logging.getLogger("agl.tracer")
 
@@ -30,9 +30,17 @@ def encode_attribute(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and _is_number_list(value):
         return value if isinstance(value, list) else list(value)
     try:
-        return to_json(value, exclude_none=True, fallback=str).decode()
+        return to_json(value, exclude_none=True, fallback=_json_or_str).decode()
     except Exception:  # noqa: BLE001 - e.g. SDK models whose pydantic serializer is not built yet
-        return to_json(_dumped(value), fallback=str).decode()
+        return to_json(_dumped(value), fallback=_json_or_str).decode()
+
+
+def _json_or_str(value: Any) -> Any:
+    """NumPy / torch values as their numbers and lists; any other unknown object as its ``str``."""
+    try:
+        return array_as_json(value)
+    except Exception:  # noqa: BLE001 - a failing tolist() too: a span attribute is never refused
+        return str(value)
 
 
 def _dumped(value: Any) -> Any:

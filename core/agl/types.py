@@ -134,6 +134,20 @@ class Rollout(BaseModel):
 SPAN_JSON = ConfigDict(ser_json_inf_nan="constants")
 
 
+def array_as_json(value: Any) -> Any:
+    """The JSON fallback for values JSON does not know: NumPy and torch values (``np.int64``, arrays,
+    tensors) become the plain numbers and lists they hold (``.tolist()``); anything else is refused.
+
+    Task rows are often NumPy (a Hugging Face data set in NumPy format, a Parquet list column read with
+    pandas), as are computed sampling parameters and logged objects: they are stored as their values, the
+    same on every backend, and an agent reads them back as lists.
+    """
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist) and not isinstance(value, (str, bytes)):
+        return tolist()
+    raise TypeError(f"Unable to serialize unknown type: {type(value)}")
+
+
 class SpanEvent(BaseModel):
     model_config = SPAN_JSON
 

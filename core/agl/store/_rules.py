@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Set, Tuple
 from pydantic_core import PydanticSerializationError, to_json
 
 from agl.errors import DuplicateRolloutError, IllegalTransitionError, InvalidSpanError, StaleAttemptError
+from agl.types import array_as_json
 
 ROLLOUT_STATUSES: Tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 
@@ -43,7 +44,7 @@ def check_completion(status: str, reward: Optional[float]) -> Optional[float]:
 def encode_json(value: Any, what: str) -> str:
     """JSON text of a rollout's input or metadata; every backend stores these as JSON, so all refuse alike."""
     try:
-        return to_json(value).decode()
+        return to_json(value, fallback=array_as_json).decode()
     except PydanticSerializationError as exc:
         raise TypeError(
             f"{what} must be JSON-serialisable (dicts, lists, str, numbers, pydantic models): {exc}"

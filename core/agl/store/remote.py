@@ -30,7 +30,6 @@ from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequ
 from urllib.parse import quote
 
 from pydantic import BaseModel
-from pydantic_core import PydanticSerializationError, to_json
 
 from agl.errors import (
     DuplicateResourcesError,
@@ -232,11 +231,7 @@ class RemoteLightningStore(LightningStore):
         if not requests:
             return []
         named = [r if r.rollout_id else r.model_copy(update={"rollout_id": new_id("ro")}) for r in requests]
-        try:
-            body = EnqueueBody(requests=named).model_dump_json().encode()
-        except PydanticSerializationError as exc:
-            raise TypeError(f"rollout input and metadata must be JSON-serialisable (dicts, lists, str, numbers, "
-                            f"pydantic models): {exc}") from exc
+        body = _rules.encode_json(EnqueueBody(requests=named), "rollout input and metadata").encode()
         ids = [r.rollout_id for r in named]
 
         def already_enqueued(exc: Exception) -> RolloutList:
@@ -403,7 +398,7 @@ class RemoteLightningStore(LightningStore):
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
         parsed = parse_resources(dict(resources))  # bad resources are refused here, as by every store
         chosen = resources_id or new_id("res")
-        body = to_json({"resources": parsed, "resources_id": chosen})
+        body = _rules.encode_json({"resources": parsed, "resources_id": chosen}, "resources").encode()
 
         def already_added(exc: Exception) -> ResourcesUpdate:
             if isinstance(exc, DuplicateResourcesError) and resources_id is None:
