@@ -458,6 +458,79 @@ def test_a_result_that_comes_after_the_store_gave_up_on_the_attempt_is_ignored_a
     assert retry.rollout_id == done.rollout_id and retry.attempt.sequence == 2
 
 
+def _run_in_thread(runner, claimed):
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(done=runner.run_rollout(claimed)))
+    worker.start()
+    return worker, result
+
+
+def test_the_runner_heartbeats_a_long_quiet_rollout_so_the_store_keeps_it(store):
+    """An agent that makes no span for longer than the attempt's heartbeat timeout (a long tool, a slow model)
+    is kept alive by the runner's own heartbeats: the store never takes it for a dead runner."""
+    store.enqueue_rollout({"q": 1}, config=agl.RolloutConfig(heartbeat_timeout_seconds=0.5))
+    runner = Runner(agl.rollout(lambda task: time.sleep(1.2) or 1.0), store, heartbeat_interval=0.05)
+    claimed = store.dequeue_rollout(runner.runner_id)
+    worker, result = _run_in_thread(runner, claimed)
+    reaped = []
+    while worker.is_alive():
+        reaped += store.reap_expired()
+        time.sleep(0.05)
+    runner.close()
+    assert reaped == []
+    assert (result["done"].status, result["done"].final_reward) == ("succeeded", 1.0)
+    assert store.query_attempts(claimed.rollout_id)[0].last_heartbeat > claimed.attempt.start_time + 0.6
+
+
+class FlakyHeartbeats(SqliteLightningStore):
+    """A real SQLite store whose heartbeat calls fail for a while (a store server restarting)."""
+
+    failures = 2
+    calls = 0
+
+    def heartbeat(self, rollout_id, attempt_id):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ConnectionError("store server restarting")
+        return super().heartbeat(rollout_id, attempt_id)
+
+
+def test_failing_heartbeats_are_logged_and_retried_without_failing_the_rollout(tmp_path, caplog):
+    store = FlakyHeartbeats(tmp_path / "flaky.db")
+    store.enqueue_rollout({"q": 1})
+    runner = Runner(agl.rollout(lambda task: time.sleep(0.5) or 1.0), store, heartbeat_interval=0.05)
+    try:
+        with caplog.at_level("WARNING", logger="agl.runner"):
+            done = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+    finally:
+        runner.close()
+        store.close()
+    assert (done.status, done.final_reward) == ("succeeded", 1.0)
+    failed = [r.getMessage() for r in caplog.records if "heartbeat for" in r.getMessage()]
+    assert len(failed) == 2 and "store server restarting" in failed[0]
+    assert store.calls > 3  # it went on heartbeating after the failures
+
+
+def test_a_heartbeat_the_store_refuses_as_stale_stops_the_heartbeats_and_says_why(store, caplog):
+    """The store gave the attempt up (here: no heartbeat within 0.1 s); the next heartbeat is refused, and the
+    runner says so once and stops heartbeating, instead of warning every interval until the agent ends."""
+    store.enqueue_rollout({"q": 1}, config=agl.RolloutConfig(heartbeat_timeout_seconds=0.1, max_attempts=2))
+    runner = Runner(agl.rollout(lambda task: time.sleep(1.2) or 1.0), store, heartbeat_interval=0.6)
+    claimed = store.dequeue_rollout(runner.runner_id)
+    with caplog.at_level("WARNING", logger="agl.runner"):
+        worker, result = _run_in_thread(runner, claimed)
+        time.sleep(0.2)
+        assert [r.status for r in store.reap_expired()] == ["queued"]
+        worker.join(10)
+    runner.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "was ended by the store" in m] == [
+        f"attempt {claimed.attempt.attempt_id} of {claimed.rollout_id} was ended by the store (timed out?)"
+    ]
+    assert not any("heartbeat for" in m for m in messages)
+    assert result["done"].attempt.status == "unresponsive"
+
+
 def test_agent_sees_the_same_result_when_the_store_refuses_spans(store):
     """A broken store must never change what the agent's own code sees or returns."""
 
