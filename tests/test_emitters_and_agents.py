@@ -279,6 +279,33 @@ def test_rollout_decorator_rejects_arguments_it_cannot_supply():
         agl.rollout(lambda: 1)
 
 
+def test_of_several_llm_resources_the_llm_argument_gets_main_llm_else_the_first_with_one_warning(
+    store, caplog, monkeypatch
+):
+    """``main_llm`` is the resource the trainers update: a judge LLM listed before it must not be the one the
+    agent runs (and is trained) through. Without a ``main_llm``, the first, said once, not once per rollout."""
+    from agl import litagent
+
+    monkeypatch.setattr(litagent, "_warned_several", set())
+    judge = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="judge")
+    policy = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="policy")
+    got = []
+    agent = agl.rollout(lambda task, llm: got.append(llm.model) or 1.0)
+    with caplog.at_level("WARNING", logger="agl.litagent"):
+        for resources in ({"judge": judge, "main_llm": policy}, {"judge": judge, "other": policy}, {"judge": judge, "other": policy}):
+            store.add_resources(resources)
+            store.enqueue_rollout({"q": 1})
+            runner = Runner(agent, store)
+            assert runner.run_rollout(store.dequeue_rollout(runner.runner_id)).status == "succeeded"
+            runner.close()
+    assert got == ["policy", "judge", "judge"]
+    warnings = [r.getMessage() for r in caplog.records if "several LLM" in r.getMessage()]
+    assert warnings == [
+        "the resources hold several LLM (judge, other) and none is named 'main_llm': the rollout function's 'llm' "
+        "argument gets 'judge'. Name the one to train 'main_llm', or take `resources` and pick"
+    ]
+
+
 def test_agents_that_cannot_run_fail_their_rollout_and_say_what_to_do(tmp_path):
     class Unfinished(agl.LitAgent):
         pass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable, Dict, Generic, Optional, TypeVar, Union
+from typing import Any, Callable, Dict, Generic, Optional, Set, TypeVar, Union
 
 from agl.types import LLM, NamedResources, PromptTemplate, Rollout
 
@@ -52,21 +52,38 @@ class LitAgent(Generic[T]):
         return get_tracer()
 
 
+# The resource an ``llm`` / ``prompt_template`` argument gets when there are several of its kind: the name the
+# trainers publish and update (``main_llm``; APO's ``prompt_template``), so a second LLM resource (a judge, a
+# tool's model) listed first is not the one the agent is trained through.
+_PREFERRED_RESOURCE = {"llm": "main_llm", "prompt_template": "prompt_template"}
+_warned_several: Set[str] = set()
+
+
 def _first_resource(resources: NamedResources, kind: type, what: str) -> Any:
-    found = [r for r in resources.values() if isinstance(r, kind)]
+    found = {name: r for name, r in resources.items() if isinstance(r, kind)}
     if not found:
         raise ValueError(
             f"this rollout function takes {what!r} but the resources hold no {kind.__name__} "
             f"(have: {sorted(resources)}); pass initial_resources={{'main_llm': agl.LLM(...)}} to the Trainer"
         )
-    if len(found) > 1:
-        logger.warning("several %s resources; passing the first to the rollout function", kind.__name__)
-    return found[0]
+    preferred = _PREFERRED_RESOURCE[what]
+    if len(found) == 1 or preferred in found:
+        return found[preferred] if preferred in found else next(iter(found.values()))
+    name = next(iter(found))
+    if what not in _warned_several:  # once per process, not once per rollout
+        _warned_several.add(what)
+        logger.warning(
+            "the resources hold several %s (%s) and none is named %r: the rollout function's %r argument gets %r. "
+            "Name the one to train %r, or take `resources` and pick", kind.__name__, ", ".join(found), preferred,
+            what, name, preferred,
+        )
+    return found[name]
 
 
 class FunctionalLitAgent(LitAgent[Any]):
     """A LitAgent built from a plain function by ``@agl.rollout``; its arguments are matched by name:
-    ``task`` (first), ``resources``, ``rollout``, ``llm`` (the first LLM) and ``prompt_template``."""
+    ``task`` (first), ``resources``, ``rollout``, ``llm`` and ``prompt_template`` (the resource of that kind:
+    of several, the one named ``main_llm`` / ``prompt_template``, else the first, with a warning)."""
 
     _SUPPLIERS: Dict[str, Callable[[NamedResources, Rollout], Any]] = {
         "resources": lambda res, ro: res,
