@@ -656,3 +656,23 @@ def test_a_stop_during_a_rollout_claims_nothing_more(tmp_path):
         runner.close()
     assert [r.status for r in store.query_rollouts()] == ["succeeded"] * 2 + ["queued"] * 2
     store.close()
+
+
+def test_emitting_outside_a_rollout_stores_nothing_and_says_so_once(monkeypatch, caplog):
+    """An agent tried in a plain script (no Trainer, no Runner): its emits neither raise nor go anywhere,
+    and one warning says how to run it so that they are stored."""
+    from agl import emitters
+
+    monkeypatch.setattr(emitters, "_warned_outside", False)
+    before = agl.get_tracer().stats().enqueued
+    with caplog.at_level("WARNING", logger="agl.emitters"):
+        agl.emit_reward(1.0)
+        agl.emit_message("hi")
+        agl.emit_object({"a": 1})
+        agl.emit_exception(ValueError("x"))
+    warnings = [r.getMessage() for r in caplog.records if "outside a rollout" in r.getMessage()]
+    assert warnings == [
+        "agl.emit_reward was called outside a rollout: nothing is stored. Run the agent through Trainer.dev/fit "
+        "or a Runner, or wrap the call in agl.rollout_scope(...)."
+    ]
+    assert agl.get_tracer().stats().enqueued == before
