@@ -243,3 +243,12 @@ def test_cli_dev_gives_the_agent_a_prompt_from_a_file(tmp_path, fake_openai, ins
     store.close()
     with pytest.raises(SystemExit, match=r"cannot read --prompt .*missing\.txt"):
         agl_main([*base, "--prompt", "@" + str(tmp_path / "missing.txt")])
+
+
+def test_version_is_the_installed_distributions(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exit_:
+        agl_main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"agl {metadata.version('agl')}" == f"agl {agl.__version__}"

@@ -30,7 +30,19 @@ from agl.types import (
     Task,
 )
 
-__version__ = "0.1.0"
+
+
+def _installed_version() -> str:
+    """The installed distribution's version: pyproject.toml is the one place it is written."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("agl")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 
 def __getattr__(name: str) -> object:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
+from agl import __version__
 from agl.litagent import LitAgent, rollout
 
 
@@ -204,6 +205,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agl", description="Train any AI agent with reinforcement learning.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"agl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     store_help = "store location: a .db file, sqlite:///path or memory (default: $AGL_STORE or .agl/store.db)"
 
