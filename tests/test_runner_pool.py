@@ -35,3 +35,85 @@ def test_stop_bounds_the_whole_stop_not_each_stuck_runner(tmp_path: Path, caplog
     assert caplog.text.count("did not stop within 1.0 s; killing it") == 3
     assert not pool._workers  # all joined and forgotten
     store.close()
+
+
+# --- spawned runner processes (macOS, or $AGL_START_METHOD=spawn) -------------------------------------------
+
+SPAWNED_AGENT = '''
+import agl
+from openai import OpenAI
+
+# no agl.instrument() here: the script that trains calls it (under its main guard)
+
+@agl.rollout
+def ask(task, llm):
+    client = OpenAI(base_url=llm.endpoint, api_key="x")
+    reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}])
+    return float(reply.choices[0].message.content is not None)
+'''
+
+
+@pytest.fixture
+def spawned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    monkeypatch.setenv("AGL_START_METHOD", "spawn")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned children get the parent's sys.path
+    return tmp_path
+
+
+def test_spawned_runners_run_a_module_level_agent_and_hook_what_the_parent_hooked(spawned: Path, fake_openai) -> None:
+    """Before: a module-level ``@agl.rollout`` agent did not pickle ("it's not the same object as
+    agl_spawned_agent.ask"), so process runners could not start where they are spawned."""
+    from agl.instrumentation import instrumented
+
+    (spawned / "agl_spawned_agent.py").write_text(SPAWNED_AGENT)
+    import agl_spawned_agent
+
+    fake_openai.always_token_ids = True
+    was_hooked = instrumented() is not None
+    agl.instrument(frameworks=[])
+    store = SqliteLightningStore(spawned / "store.db")
+    try:
+        trainer = agl.Trainer(
+            n_runners=2, store=store, progress=False,
+            initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake")},
+        )
+        rows = trainer.dev(agl_spawned_agent.ask, [{"q": "What is 2 plus 3?"}, {"q": "What is 4 plus 4?"}], print_table=False)
+        assert [(r.status, r.reward, r.llm_calls) for r in rows] == [("succeeded", 1.0, 1)] * 2
+        for row in rows:
+            (llm,) = [s for s in store.query_spans(row.rollout_id) if s.kind == "llm"]
+            assert llm.attributes[agl.semconv.RESPONSE_TOKEN_IDS]  # traced in the spawned process
+    finally:
+        store.close()
+        if not was_hooked:
+            agl.uninstrument()
+
+
+def test_an_agent_that_cannot_be_pickled_for_a_spawned_runner_is_refused_with_what_to_do(spawned: Path) -> None:
+    @agl.rollout
+    def local_agent(task: dict) -> float:
+        return 1.0
+
+    store = SqliteLightningStore(spawned / "store.db")
+    try:
+        with pytest.raises(RuntimeError, match="runner processes start with 'spawn' here.*Define it at module level.*"
+                                               "runner_mode='thread'"):
+            RunnerPool(local_agent, store, n_runners=1).start()
+    finally:
+        store.close()
+
+
+def test_the_start_method_is_fork_on_linux_spawn_on_macos_and_agl_start_method_chooses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agl import runner_pool
+
+    monkeypatch.delenv("AGL_START_METHOD", raising=False)
+    monkeypatch.setattr(runner_pool.sys, "platform", "linux")
+    assert runner_pool._mp_context().get_start_method() == "fork"
+    monkeypatch.setattr(runner_pool.sys, "platform", "darwin")
+    assert runner_pool._mp_context().get_start_method() == "spawn"
+    monkeypatch.setenv("AGL_START_METHOD", "forkserver")
+    assert runner_pool._mp_context().get_start_method() == "forkserver"
+    monkeypatch.setenv("AGL_START_METHOD", "clone")
+    with pytest.raises(ValueError, match="AGL_START_METHOD='clone' is not a start method here; use one of"):
+        runner_pool._mp_context()

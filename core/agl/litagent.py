@@ -7,8 +7,10 @@ with ``import agl``. A rollout may be sync or async; it returns the episode rewa
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
+import sys
 from typing import Any, Callable, Dict, Generic, Optional, Set, TypeVar, Union
 
 from agl.types import LLM, NamedResources, PromptTemplate, Rollout
@@ -115,6 +117,28 @@ class FunctionalLitAgent(LitAgent[Any]):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calling the decorated function directly still runs the plain function."""
         return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        """Pickled by name where ``@agl.rollout`` decorated a module-level function, as runner processes that
+        are spawned, not forked, need: the module's attribute is then this agent, so pickle cannot find the
+        plain function under its own name."""
+        module, name = getattr(self.fn, "__module__", None), getattr(self.fn, "__qualname__", "")
+        if module and _module_attribute(module, name, load=False) is self:
+            return (_module_attribute, (module, name))
+        return (_rebuilt, (self.fn, self.trained_agents))
+
+
+def _module_attribute(module: str, qualname: str, load: bool = True) -> Any:
+    target: Any = importlib.import_module(module) if load else sys.modules.get(module)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return target
+
+
+def _rebuilt(fn: Callable[..., Any], trained_agents: Optional[str]) -> "FunctionalLitAgent":
+    agent = FunctionalLitAgent(fn)
+    agent.trained_agents = trained_agents
+    return agent
 
 
 def rollout(fn: Callable[..., Any]) -> FunctionalLitAgent:

@@ -1,7 +1,8 @@
 """A pool of runners: ``n_runners`` worker processes (default) or threads, respawned if they die.
 
-Processes are forked so the agent object needs no pickling and start in milliseconds; where fork is not
-available (macOS/Windows defaults) ``spawn`` is used and the agent must be importable/picklable.
+Processes are forked on Linux, so the agent object needs no pickling and they start in milliseconds; on
+macOS (and with ``$AGL_START_METHOD=spawn``) they are spawned: the agent is pickled (a module-level agent
+pickles by name) and each process hooks what ``agl.instrument()`` hooked in the parent.
 Idle workers sleep inside the store's dequeue and are woken when work arrives. On stop, an idle worker
 process exits at once (SIGTERM); a busy one finishes its rollout first.
 """
@@ -11,11 +12,14 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Literal, Optional, Union
 
+from agl.instrumentation import instrumented
 from agl.litagent import LitAgent
 from agl.runner import Runner
 from agl.store.base import LightningStore
@@ -28,12 +32,34 @@ _STUCK_EXIT_CODE = 75  # a worker whose agent hung past its timeout exits with t
 _CRASH_LOOP = 3  # workers that die this many times in a row within a second of starting: give up
 
 
+START_METHOD_ENV = "AGL_START_METHOD"
+
+
 def _mp_context() -> Any:
+    """``fork`` on Linux; ``spawn`` on macOS (Python's own default there: macOS system libraries, which the
+    HTTP clients reach through the proxy settings, abort a forked child of a threaded process) and where
+    there is no fork. ``$AGL_START_METHOD`` chooses (e.g. ``spawn`` when the parent has initialised CUDA)."""
     methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    method = os.environ.get(START_METHOD_ENV)
+    if method and method not in methods:
+        raise ValueError(f"{START_METHOD_ENV}={method!r} is not a start method here; use one of {methods}")
+    if not method:
+        method = "fork" if "fork" in methods and sys.platform != "darwin" else "spawn"
+    return multiprocessing.get_context(method)
 
 
-def _process_main(agent: LitAgent[Any], store: LightningStore, runner_id: str, stop: Any, kwargs: Dict[str, Any]) -> None:
+def _process_main(
+    agent: LitAgent[Any],
+    store: LightningStore,
+    runner_id: str,
+    stop: Any,
+    kwargs: Dict[str, Any],
+    instrumentation: Optional[Dict[str, Any]] = None,
+) -> None:
+    if instrumentation is not None:  # a spawned process: hook what the parent hooked
+        from agl.instrumentation import instrument
+
+        instrument(**instrumentation)
     busy = {"now": False}
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -97,13 +123,23 @@ class RunnerPool:
             # Let the span writer go idle first: the fork waits for this process's store operations in flight
             # (agl.fork_safety), and an idle writer has none.
             get_tracer().flush(1.0)
+            forked = self._ctx.get_start_method() == "fork"
             proc = self._ctx.Process(
                 target=_process_main,
-                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs),
+                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs, None if forked else instrumented()),
                 name=f"agl-{runner_id}",
                 daemon=True,
             )
-            proc.start()
+            try:
+                proc.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                if forked:
+                    raise
+                raise RuntimeError(
+                    f"runner processes start with {self._ctx.get_start_method()!r} here, so the agent and the store "
+                    f"are pickled for them, and the agent did not pickle: {exc}. Define it at module level (an "
+                    "importable module or the main script), or use runner_mode='thread'"
+                ) from exc
             return proc
         runner = Runner(self.agent, self.store, runner_id=runner_id, **self.runner_kwargs)
         self._runners.append(runner)

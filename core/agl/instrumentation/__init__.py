@@ -71,6 +71,24 @@ def instrument(frameworks: Optional[Iterable[str]] = None, *, request_token_ids:
         return hooked
 
 
+def instrumented() -> Optional[Dict[str, Any]]:
+    """What ``instrument()`` hooked in this process, as its keyword arguments (None: nothing is hooked).
+
+    A spawned runner process starts from a fresh interpreter: it calls ``instrument(**instrumented())`` of its
+    parent, so an agent that calls ``agl.instrument()`` under ``if __name__ == "__main__":`` is traced there
+    too (a forked one inherits the hooks).
+    """
+    with _lock:
+        hooked = [name for name, inst in _instances.items() if inst.is_instrumented]
+        if not hooked:
+            return None
+        openai_inst = _instances.get("openai")
+        return {
+            "frameworks": [name for name in hooked if name != "openai"],
+            "request_token_ids": getattr(openai_inst, "request_token_ids", None),
+        }
+
+
 def uninstrument(frameworks: Optional[Iterable[str]] = None) -> None:
     """Undo ``instrument()``: every hooked function and handler is restored exactly."""
     with _lock:
