@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import threading
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, TypeVar
@@ -57,6 +58,29 @@ def exit_scope(token: contextvars.Token) -> None:
     _current_scope.reset(token)
 
 
+_running = 0  # rollouts this process runs now (Runner attempts and rollout_scope blocks)
+_running_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def running() -> Iterator[None]:
+    """Count a rollout as running in this process for as long as the block lasts."""
+    global _running
+    with _running_lock:
+        _running += 1
+    try:
+        yield
+    finally:
+        with _running_lock:
+            _running -= 1
+
+
+def rollouts_running() -> int:
+    """How many rollouts run in this process now: an LLM call made outside every rollout's context while
+    some run is most likely an agent's own, made in a thread that did not inherit the context."""
+    return _running
+
+
 def propagate(fn: Callable[..., T]) -> Callable[..., T]:
     """Bind ``fn`` to a copy of the caller's context (rollout and parent span), for use in another thread."""
     ctx = contextvars.copy_context()
@@ -82,6 +106,7 @@ def rollout_scope(
     scope = RolloutScope(rollout_id, attempt_id, mode, request_token_ids)
     token = enter_scope(scope)
     try:
-        yield scope
+        with running():
+            yield scope
     finally:
         exit_scope(token)

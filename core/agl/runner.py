@@ -20,7 +20,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from agl import semconv
-from agl.context import RolloutScope, enter_scope, exit_scope
+from agl.context import RolloutScope, enter_scope, exit_scope, running
 from agl.emitters import reward_number
 from agl.errors import AglError, StaleAttemptError, StoreUnavailableError
 from agl.litagent import LitAgent
@@ -173,7 +173,7 @@ class Runner:
                 "agl.task_id": rollout.task_id,
                 "agl.mode": rollout.mode,
             }
-            with self.tracer.span("agl.rollout", "agent", attrs):
+            with running(), self.tracer.span("agl.rollout", "agent", attrs):
                 result = self.agent.run(rollout.input, resources, rollout)
                 if inspect.isawaitable(result):
                     loop = self._event_loop()

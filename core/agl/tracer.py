@@ -35,7 +35,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.context import current_scope
+from agl.context import current_scope, rollouts_running
 from agl.instrumentation.context_keys import resolve_parent
 from agl.otel_span import AglSpan, clean_attributes, new_id
 from agl.span_encoding import Finished, encode_attribute, finished, without_callables
@@ -92,6 +92,7 @@ class StoreSpanProcessor:
         self._stopped = False
         self._warned_drop = False
         self._warned_unscoped = False
+        self._warned_stray_call = False
         self.stats = TracerStats()
 
     # -- configuration --------------------------------------------------------------------------------------
@@ -157,6 +158,15 @@ class StoreSpanProcessor:
             if not self._warned_unscoped:
                 self._warned_unscoped = True
                 logger.debug("span %r ended outside any rollout; agl stores spans of rollouts only", span.name)
+            if not self._warned_stray_call and rollouts_running() and span.attributes.get(semconv.SPAN_KIND) == "llm":
+                self._warned_stray_call = True
+                logger.warning(
+                    "an LLM call (span %r) ended outside every rollout while rollouts run in this process, so it is "
+                    "not stored or trained on. If the agent made it in a thread of its own (ThreadPoolExecutor, "
+                    "threading.Thread), that thread did not inherit the rollout's context: submit with "
+                    "agl.submit(executor, fn, ...) or wrap the function with agl.propagate(fn). Said once; "
+                    "tracer stats().unscoped counts such spans.", span.name,
+                )
             return
         if len(self._queue) >= self.max_queue:
             self.stats.dropped += 1

@@ -594,6 +594,25 @@ def test_concurrent_rollouts_in_threads_land_in_their_own_rollouts(client, fake_
         assert sorted(s.sequence_id for s in spans) == [0, 1, 2]
 
 
+def test_a_call_made_in_a_thread_without_the_rollouts_context_is_said_once(client, fake_openai, sink, caplog, monkeypatch):
+    """The agent's own thread pool does not copy contextvars: its calls are outside the rollout and lost.
+    Before, only a debug line said so (users saw 'no llm calls' and empty triplets); now a warning says how
+    to carry the context, once. agl.submit's calls land in the rollout."""
+    from agl import tracer as tracer_module
+
+    monkeypatch.setattr(tracer_module.get_tracer().processor, "_warned_stray_call", False)
+    ask = lambda: client.chat.completions.create(model="fake-model", messages=MESSAGES)  # noqa: E731
+    with caplog.at_level("WARNING", logger="agl.tracer"):
+        with agl.rollout_scope("ro-stray", "at-1"), ThreadPoolExecutor(2) as pool:
+            for future in [pool.submit(ask) for _ in range(2)] + [agl.submit(pool, ask)]:
+                future.result()
+        ask()  # no rollout running: an ordinary call outside training, nothing said
+    assert len(sink.of("ro-stray")) == 1  # only agl.submit's call
+    warnings = [r.getMessage() for r in caplog.records if "outside every rollout" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "agl.submit(executor, fn, ...) or wrap the function with agl.propagate(fn)" in warnings[0]
+
+
 async def test_concurrent_rollouts_in_asyncio_tasks_land_in_their_own_rollouts(aclient, fake_openai, sink, rollout):
     async def run(rollout_id: str) -> None:
         with rollout(rollout_id):
