@@ -11,10 +11,11 @@
   has). Each runs ``tests/integrations/test_<framework>.py`` with the real framework against agl's local
   fake OpenAI-compatible server. Frameworks get separate venvs because their pins conflict (CrewAI needs
   ``openai<3``, the OpenAI Agents SDK ``openai>=3``).
+- ``lowest``: the core suite with agl's own requirements at their lower bounds (pyproject.toml's ``>=``).
 - ``pythons``: the core suite on Python 3.10, 3.12 and 3.13 (``nox -t pythons``; those found on PATH).
 - ``benchmarks``: prints the speed figures of benchmarks/ (figures, not pass/fail).
 
-`nox -t ci` runs what CI runs: the core suite and every framework's latest line(s).
+`nox -t ci` runs what CI runs: the core suite (also at the lowest versions), torch, verl and every framework's latest line(s).
 `nox -t matrix` runs every framework session (oldest and latest); see docs/integrations.md.
 """
 
@@ -38,8 +39,8 @@ def _constraints(session: nox.Session) -> str:
     return str(path)
 
 
-def _core_suite(session: nox.Session) -> None:
-    session.install("-e", ".[dev,postgres,parquet]")  # the store suite runs on a real PostgreSQL too (see .ci/run)
+def _core_suite(session: nox.Session, *constraints: str) -> None:
+    session.install(*constraints, "-e", ".[dev,postgres,parquet]")  # the store suite runs on a real PostgreSQL too
     session.run(
         "python", "-m", "pytest", "-q",
         "--ignore=tests/integrations", "--ignore=tests/torch", "--ignore=tests/verl",
@@ -51,6 +52,34 @@ def _core_suite(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The core suite (no framework, no torch)."""
     _core_suite(session)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def lowest(session: nox.Session) -> None:
+    """The core suite with agl's own dependencies at the lowest versions pyproject.toml allows."""
+    # The loose requirements (what lets agl install beside CrewAI and beside the Agents SDK) hold only if
+    # agl works at their lower bounds; the test tools themselves stay at their latest.
+    _core_suite(session, "-c", _lowest_constraints(session))
+
+
+def _lowest_constraints(session: nox.Session) -> str:
+    """``name==low`` for every ``>=low`` of the runtime, postgres and parquet requirements."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    pins = []
+    for text in project["dependencies"] + extras["postgres"] + extras["parquet"]:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        pins += [f"{requirement.name}=={spec.version}" for spec in requirement.specifier if spec.operator == ">="]
+    session.log("lowest versions: " + ", ".join(pins))
+    path = Path(session.create_tmp()) / "lowest.txt"
+    path.write_text("\n".join(pins) + "\n")
+    return str(path)
 
 
 @nox.session(python=OTHER_PYTHONS, tags=["pythons"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import List
+from typing import Any, List
 
 import pytest
 
@@ -36,6 +36,13 @@ def fake_openai(_fake_openai_server: FakeOpenAIServer) -> Iterator[FakeOpenAISer
     _fake_openai_server.reset()
     yield _fake_openai_server
     _fake_openai_server.always_token_ids = False
+
+
+@pytest.fixture
+def chat_helpers(client: Any) -> Any:
+    """The SDK's chat helpers (``parse``, ``stream``) of the test's ``client``: ``client.chat.completions``
+    on openai >= 1.92, ``client.beta.chat.completions`` on the older releases agl supports (``nox -s lowest``)."""
+    return client.chat.completions if hasattr(client.chat.completions, "parse") else client.beta.chat.completions
 
 
 @pytest.fixture

@@ -207,8 +207,8 @@ def test_streamed_tool_call_with_token_ids(fake_openai: FakeOpenAIServer, client
     assert all("prompt_token_ids" not in (c.model_extra or {}) for c in chunks[1:])
 
 
-def test_chat_stream_helper_accumulates(client: openai.OpenAI) -> None:
-    with client.chat.completions.stream(model="m", messages=QUESTION, tools=[ADD_TOOL]) as stream:
+def test_chat_stream_helper_accumulates(chat_helpers: Any) -> None:
+    with chat_helpers.stream(model="m", messages=QUESTION, tools=[ADD_TOOL]) as stream:
         final = stream.get_final_completion()
 
     [call] = final.choices[0].message.tool_calls or []

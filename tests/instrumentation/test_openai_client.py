@@ -204,10 +204,10 @@ async def test_async_stream(aclient, fake_openai, sink, rollout):
     assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, "Let me add.", [CALL])
 
 
-def test_stream_helpers_of_the_sdk_are_traced(client, fake_openai, sink, rollout):
+def test_stream_helpers_of_the_sdk_are_traced(client, chat_helpers, fake_openai, sink, rollout):
     fake_openai.script(FakeReply(content="helped"), FakeReply(content="helped"))
     with rollout() as scope:
-        with client.chat.completions.stream(model="fake-model", messages=MESSAGES) as stream:
+        with chat_helpers.stream(model="fake-model", messages=MESSAGES) as stream:
             for _ in stream:
                 pass
             final = stream.get_final_completion()
@@ -652,7 +652,7 @@ def test_a_failure_reported_inside_a_responses_stream_marks_the_span(sink, rollo
     assert span.attributes[semconv.RESPONSE_ID] == "resp_1"
 
 
-def test_structured_output_parse_is_one_llm_span(client, fake_openai, sink, rollout):
+def test_structured_output_parse_is_one_llm_span(chat_helpers, fake_openai, sink, rollout):
     """`chat.completions.parse` does not go through `create`; it must still be traced, once."""
     from pydantic import BaseModel
 
@@ -661,7 +661,7 @@ def test_structured_output_parse_is_one_llm_span(client, fake_openai, sink, roll
 
     fake_openai.script(FakeReply(content='{"value": 42}'))
     with rollout() as scope:
-        parsed = client.chat.completions.parse(model="fake-model", messages=MESSAGES, response_format=Answer)
+        parsed = chat_helpers.parse(model="fake-model", messages=MESSAGES, response_format=Answer)
     assert parsed.choices[0].message.parsed == Answer(value=42)
     (span,) = sink.of(scope.rollout_id)
     assert span.kind == "llm" and span.attributes[semconv.RESPONSE_TOKEN_IDS]

@@ -329,7 +329,12 @@ def _responses_logprobs(output: Sequence[Any]) -> Callable[[], List[float]]:
             if getattr(item, "type", None) != "message":
                 continue
             for part in item.content:
-                values.extend(lp.logprob for lp in getattr(part, "logprobs", None) or ())
+                values.extend(_logprob(lp) for lp in getattr(part, "logprobs", None) or ())
         return values
 
     return fill
+
+
+def _logprob(entry: Any) -> float:
+    """A Responses output-text logprob: a model on current SDKs, a plain dict on openai < 1.91."""
+    return entry["logprob"] if isinstance(entry, dict) else entry.logprob
