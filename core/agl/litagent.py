@@ -61,7 +61,7 @@ _PREFERRED_RESOURCE = {"llm": "main_llm", "prompt_template": "prompt_template"}
 _warned_several: Set[str] = set()
 
 
-def _first_resource(resources: NamedResources, kind: type, what: str) -> Any:
+def _resource_for(resources: NamedResources, kind: type, what: str) -> Any:
     found = {name: r for name, r in resources.items() if isinstance(r, kind)}
     if not found:
         raise ValueError(
@@ -69,10 +69,10 @@ def _first_resource(resources: NamedResources, kind: type, what: str) -> Any:
             f"(have: {sorted(resources)}); pass initial_resources={{'main_llm': agl.LLM(...)}} to the Trainer"
         )
     preferred = _PREFERRED_RESOURCE[what]
-    if len(found) == 1 or preferred in found:
-        return found[preferred] if preferred in found else next(iter(found.values()))
+    if preferred in found:
+        return found[preferred]
     name = next(iter(found))
-    if what not in _warned_several:  # once per process, not once per rollout
+    if len(found) > 1 and what not in _warned_several:  # once per process, not once per rollout
         _warned_several.add(what)
         logger.warning(
             "the resources hold several %s (%s) and none is named %r: the rollout function's %r argument gets %r. "
@@ -90,8 +90,8 @@ class FunctionalLitAgent(LitAgent[Any]):
     _SUPPLIERS: Dict[str, Callable[[NamedResources, Rollout], Any]] = {
         "resources": lambda res, ro: res,
         "rollout": lambda res, ro: ro,
-        "llm": lambda res, ro: _first_resource(res, LLM, "llm"),
-        "prompt_template": lambda res, ro: _first_resource(res, PromptTemplate, "prompt_template"),
+        "llm": lambda res, ro: _resource_for(res, LLM, "llm"),
+        "prompt_template": lambda res, ro: _resource_for(res, PromptTemplate, "prompt_template"),
     }
 
     def __init__(self, fn: Callable[..., Any]) -> None:
