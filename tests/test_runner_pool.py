@@ -95,7 +95,7 @@ def test_an_agent_that_cannot_be_pickled_for_a_spawned_runner_is_refused_with_wh
 
     store = SqliteLightningStore(spawned / "store.db")
     try:
-        with pytest.raises(RuntimeError, match="runner processes start with 'spawn' here.*Define it at module level.*"
+        with pytest.raises(RuntimeError, match="runner processes start with 'spawn' here.*Define the agent at module level.*"
                                                "runner_mode='thread'"):
             RunnerPool(local_agent, store, n_runners=1).start()
     finally:

@@ -123,22 +123,23 @@ class RunnerPool:
             # Let the span writer go idle first: the fork waits for this process's store operations in flight
             # (agl.fork_safety), and an idle writer has none.
             get_tracer().flush(1.0)
-            forked = self._ctx.get_start_method() == "fork"
+            method = self._ctx.get_start_method()
+            hooks = None if method == "fork" else instrumented()  # a forked child inherits the hooks
             proc = self._ctx.Process(
                 target=_process_main,
-                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs, None if forked else instrumented()),
+                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs, hooks),
                 name=f"agl-{runner_id}",
                 daemon=True,
             )
             try:
                 proc.start()
             except (pickle.PicklingError, AttributeError, TypeError) as exc:
-                if forked:
+                if method == "fork":
                     raise
                 raise RuntimeError(
-                    f"runner processes start with {self._ctx.get_start_method()!r} here, so the agent and the store "
-                    f"are pickled for them, and the agent did not pickle: {exc}. Define it at module level (an "
-                    "importable module or the main script), or use runner_mode='thread'"
+                    f"runner processes start with {method!r} here, so the agent, the store and the runner options "
+                    f"are pickled for them, and that failed: {exc}. Define the agent at module level (an importable "
+                    "module or the main script), or use runner_mode='thread'"
                 ) from exc
             return proc
         runner = Runner(self.agent, self.store, runner_id=runner_id, **self.runner_kwargs)
