@@ -82,13 +82,21 @@ def add_runner_parser(sub: Any) -> None:
 
 
 def open_runner_store(url: str, token: Optional[str]) -> Any:
-    """The store a runner uses: the HTTP client (with ``token``) for a URL, else whatever open_store opens."""
+    """The store a runner uses: the HTTP client (with ``token``) for a URL, else whatever open_store opens. A
+    SQLite file that does not exist yet is made (runner and trainer may start in either order), and said so:
+    with a mistyped path the runners would otherwise wait for work that never comes, without a word."""
+    from agl.errors import StoreNotFoundError
     from agl.store import open_store
     from agl.store.remote import RemoteLightningStore
 
     if url.split("://", 1)[0].lower() in ("http", "https"):
         return RemoteLightningStore(url, token=token)
-    return open_store(url)
+    try:
+        return open_store(url, create=False)
+    except StoreNotFoundError:
+        logger.warning("no store at %s yet: made a new, empty one; the runners wait for a trainer to enqueue rollouts "
+                       "into this file (check the path if the trainer already runs)", url)
+        return open_store(url)
 
 
 def cmd_runner(args: argparse.Namespace) -> int:

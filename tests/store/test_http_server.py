@@ -553,6 +553,25 @@ def test_runner_fails_fast_on_a_wrong_token(served: Served, tmp_path: Path, caps
     assert code == 2 and "token not accepted" in capsys.readouterr().err
 
 
+def test_a_runner_on_a_sqlite_file_that_does_not_exist_makes_it_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Runner and trainer may start in either order, so the file is made; but a mistyped path would leave
+    the runners waiting for nothing without a word."""
+    from agl.remote_cli import open_runner_store
+
+    path = tmp_path / "typo.db"
+    with caplog.at_level("WARNING", logger="agl.remote_cli"):
+        store = open_runner_store(str(path), None)
+        store.close()
+        open_runner_store(str(path), None).close()  # it exists now: nothing to say
+    assert path.exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"no store at {path} yet: made a new, empty one; the runners wait for a trainer to enqueue rollouts into "
+        "this file (check the path if the trainer already runs)"
+    ]
+
+
 class _ClaimsFail:
     """A store whose claims fail (its database went away just then); everything else works."""
 
