@@ -16,6 +16,8 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
+from opentelemetry import context as otel_context
+
 T = TypeVar("T")
 
 
@@ -91,6 +93,29 @@ def propagate(fn: Callable[..., T]) -> Callable[..., T]:
         return ctx.copy().run(fn, *args, **kwargs)
 
     return run_in_context
+
+
+def carry_scope(fn: Callable[..., T]) -> Callable[..., T]:
+    """Bind ``fn`` to the caller's rollout scope and OpenTelemetry context, and nothing else.
+
+    Unlike :func:`propagate`, the worker's other contextvars stay as its starter set them (a framework that
+    runs ``fn`` in a context of its own keeps it). Used for the agent's thread pools (``agl.instrument()``
+    hooks ``ThreadPoolExecutor.submit``) and CrewAI's threads.
+    """
+    scope = current_scope()
+    span_context = otel_context.get_current()
+
+    @functools.wraps(fn)
+    def run_with_scope(*args: Any, **kwargs: Any) -> T:
+        scope_token = enter_scope(scope)
+        otel_token = otel_context.attach(span_context)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            otel_context.detach(otel_token)
+            exit_scope(scope_token)
+
+    return run_with_scope
 
 
 def submit(executor: Executor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> "Future[T]":

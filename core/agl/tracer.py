@@ -162,10 +162,10 @@ class StoreSpanProcessor:
                 self._warned_stray_call = True
                 logger.warning(
                     "an LLM call (span %r) ended outside every rollout while rollouts run in this process, so it is "
-                    "not stored or trained on. If the agent made it in a thread of its own (ThreadPoolExecutor, "
-                    "threading.Thread), that thread did not inherit the rollout's context: submit with "
-                    "agl.submit(executor, fn, ...) or wrap the function with agl.propagate(fn). Said once; "
-                    "tracer stats().unscoped counts such spans.", span.name,
+                    "not stored or trained on. If the agent made it in a thread of its own (a threading.Thread, "
+                    "or a thread pool without agl.instrument()), that thread did not inherit the rollout's context: "
+                    "wrap the function with agl.propagate(fn), or submit with agl.submit(executor, fn, ...). Said "
+                    "once; tracer stats().unscoped counts such spans.", span.name,
                 )
             return
         if len(self._queue) >= self.max_queue:

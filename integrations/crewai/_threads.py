@@ -19,9 +19,7 @@ import importlib
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from opentelemetry import context as otel_context
-
-from agl.context import current_scope, enter_scope, exit_scope
+from agl.context import carry_scope
 from agl.instrumentation.framework import PatchSet
 
 
@@ -100,32 +98,10 @@ def bind_run_func_to_caller(
     the rollout and nests the crew's work under that kickoff's span.
     """
     if "run_func" in kwargs:
-        kwargs = {**kwargs, "run_func": carry_agl_context(kwargs["run_func"])}
+        kwargs = {**kwargs, "run_func": carry_scope(kwargs["run_func"])}
     elif len(args) > 1:
-        args = (args[0], carry_agl_context(args[1]), *args[2:])
+        args = (args[0], carry_scope(args[1]), *args[2:])
     return wrapped(*args, **kwargs)
-
-
-def carry_agl_context(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Bind ``fn`` to the caller's rollout scope and OpenTelemetry context, and nothing else.
-
-    Unlike :func:`agl.propagate`, the thread's other contextvars stay as its starter set them: newer
-    CrewAI runs ``fn`` in a context of its own that carries the stream's id, which chunks are routed by.
-    """
-    scope = current_scope()
-    span_context = otel_context.get_current()
-
-    @functools.wraps(fn)
-    def run_with_agl_context(*args: Any, **kwargs: Any) -> Any:
-        scope_token = enter_scope(scope)
-        otel_token = otel_context.attach(span_context)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            otel_context.detach(otel_token)
-            exit_scope(scope_token)
-
-    return run_with_agl_context
 
 
 def in_running_loop() -> bool:
@@ -155,7 +131,6 @@ def kickoff_outside_loop(
 __all__ = [
     "ContextCopyingMethod",
     "bind_run_func_to_caller",
-    "carry_agl_context",
     "copy_context_on_access",
     "in_running_loop",
     "kickoff_outside_loop",

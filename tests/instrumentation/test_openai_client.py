@@ -595,22 +595,57 @@ def test_concurrent_rollouts_in_threads_land_in_their_own_rollouts(client, fake_
 
 
 def test_a_call_made_in_a_thread_without_the_rollouts_context_is_said_once(client, fake_openai, sink, caplog, monkeypatch):
-    """The agent's own thread pool does not copy contextvars: its calls are outside the rollout and lost.
+    """A thread of the agent's own does not inherit contextvars: its calls are outside the rollout and lost.
     Before, only a debug line said so (users saw 'no llm calls' and empty triplets); now a warning says how
-    to carry the context, once. agl.submit's calls land in the rollout."""
+    to carry the context, once. agl.propagate's call lands in the rollout."""
     from agl import tracer as tracer_module
 
     monkeypatch.setattr(tracer_module.get_tracer().processor, "_warned_stray_call", False)
     ask = lambda: client.chat.completions.create(model="fake-model", messages=MESSAGES)  # noqa: E731
+
+    def in_thread(fn) -> None:
+        thread = threading.Thread(target=fn)
+        thread.start()
+        thread.join()
+
     with caplog.at_level("WARNING", logger="agl.tracer"):
-        with agl.rollout_scope("ro-stray", "at-1"), ThreadPoolExecutor(2) as pool:
-            for future in [pool.submit(ask) for _ in range(2)] + [agl.submit(pool, ask)]:
-                future.result()
+        with agl.rollout_scope("ro-stray", "at-1"):
+            in_thread(ask)
+            in_thread(ask)
+            in_thread(agl.propagate(ask))
         ask()  # no rollout running: an ordinary call outside training, nothing said
-    assert len(sink.of("ro-stray")) == 1  # only agl.submit's call
+    assert len(sink.of("ro-stray")) == 1  # only agl.propagate's call
     warnings = [r.getMessage() for r in caplog.records if "outside every rollout" in r.getMessage()]
     assert len(warnings) == 1
-    assert "agl.submit(executor, fn, ...) or wrap the function with agl.propagate(fn)" in warnings[0]
+    assert "wrap the function with agl.propagate(fn), or submit with agl.submit(executor, fn, ...)" in warnings[0]
+
+
+def test_thread_pool_tasks_submitted_in_a_rollout_stay_in_it(client, fake_openai, sink):
+    """agl.instrument() hooks ThreadPoolExecutor.submit: a task carries the rollout of the code that submitted
+    it (the pool's workers inherit nothing), captured per submit, so one pool serves two rollouts correctly;
+    loop.run_in_executor goes through submit too. uninstrument() puts submit back."""
+    import asyncio
+
+    ask = lambda: client.chat.completions.create(model="fake-model", messages=MESSAGES)  # noqa: E731
+    agl.instrument(frameworks=[])
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for rollout_id in ("ro-pool-a", "ro-pool-b"):
+                with agl.rollout_scope(rollout_id, "at-1"):
+                    for future in [pool.submit(ask) for _ in range(2)] + [pool.submit(ask)]:
+                        future.result()
+                    list(pool.map(lambda _: ask(), range(2)))
+
+            async def in_executor() -> None:
+                await asyncio.get_running_loop().run_in_executor(pool, ask)
+
+            with agl.rollout_scope("ro-pool-c", "at-1"):
+                asyncio.run(in_executor())
+            pool.submit(ask).result()  # outside rollouts: unchanged, stored nowhere
+    finally:
+        agl.uninstrument()
+    assert [len(sink.of(r)) for r in ("ro-pool-a", "ro-pool-b", "ro-pool-c")] == [5, 5, 1]
+    assert not hasattr(ThreadPoolExecutor.submit, "__wrapped__")
 
 
 async def test_concurrent_rollouts_in_asyncio_tasks_land_in_their_own_rollouts(aclient, fake_openai, sink, rollout):

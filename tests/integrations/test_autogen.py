@@ -87,7 +87,7 @@ class Summarizer(BaseChatAgent):
 @pytest.fixture
 def instrumented() -> Iterator[None]:
     agl.instrumentation.uninstrument()  # another test may have left agl.instrument() on
-    assert agl.instrument(frameworks=["autogen"]) == ["openai", "autogen"]
+    assert agl.instrument(frameworks=["autogen"]) == ["openai", "thread_pools", "autogen"]
     yield
     agl.instrumentation.uninstrument()
 
@@ -518,7 +518,7 @@ def test_uninstrument_restores_autogen_exactly_and_keeps_the_users_own_wrappers(
     wrapt.wrap_function_wrapper(AssistantAgent, "on_messages", users_wrapper)  # e.g. another tracer's
     try:
         originals = {(cls, attr): cls.__dict__[attr] for cls, attr in PATCHED}
-        assert agl.instrument(frameworks=["autogen"]) == ["openai", "autogen"]
+        assert agl.instrument(frameworks=["autogen"]) == ["openai", "thread_pools", "autogen"]
         assert all(cls.__dict__[attr] is not originals[cls, attr] for cls, attr in PATCHED)
         assert span_kinds(sink.of(run_in_rollout(one_tool_turn(fake_openai.base_url)))) == ["agent", "llm", "tool"]
 
@@ -536,7 +536,7 @@ def test_instrumenting_twice_equals_once(fake_openai, instrumented, sink):
     once = sink.of(run_in_rollout(one_tool_turn(fake_openai.base_url)))
     assert span_kinds(once) == ["agent", "llm", "tool"]
     wrapped_once = {(cls, attr): cls.__dict__[attr] for cls, attr in PATCHED}
-    assert agl.instrument(frameworks=["autogen"]) == ["openai", "autogen"]
+    assert agl.instrument(frameworks=["autogen"]) == ["openai", "thread_pools", "autogen"]
     assert all(cls.__dict__[attr] is wrapped_once[cls, attr] for cls, attr in PATCHED)  # no wrapper on a wrapper
     twice = sink.of(run_in_rollout(one_tool_turn(fake_openai.base_url)))
     assert span_kinds(twice) == span_kinds(once)

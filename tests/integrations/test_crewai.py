@@ -112,7 +112,7 @@ def _crewai_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
 @pytest.fixture
 def instrumented() -> Iterator[None]:
     agl.uninstrument()  # another test module may have left something on
-    assert agl.instrument(["crewai"]) == ["openai", "crewai"]
+    assert agl.instrument(["crewai"]) == ["openai", "thread_pools", "crewai"]
     yield
     agl.uninstrument()
 
@@ -498,7 +498,7 @@ def test_instrumenting_twice_equals_once(fake_openai: FakeOpenAIServer, instrume
     with rollout_scope("ro-once", "at-1"):
         solo_crew(llm, "Solver", "What is 1 plus 1?").kickoff()
     second = CrewAIInstrumentor()
-    assert agl.instrument(["crewai"]) == ["openai", "crewai"] and second.instrument()
+    assert agl.instrument(["crewai"]) == ["openai", "thread_pools", "crewai"] and second.instrument()
     script_add(fake_openai, 1, 1)
     with rollout_scope("ro-twice", "at-1"):
         solo_crew(llm, "Solver", "What is 1 plus 1?").kickoff()

@@ -120,7 +120,7 @@ def sdk(fake_openai: FakeOpenAIServer) -> Iterator[UserProcessor]:
 @pytest.fixture
 def instrumented() -> Iterator[None]:
     agl.uninstrument()
-    assert agl.instrument(frameworks=["openai_agents"]) == ["openai", "openai_agents"]
+    assert agl.instrument(frameworks=["openai_agents"]) == ["openai", "thread_pools", "openai_agents"]
     yield
     agl.uninstrument()
 
@@ -484,7 +484,7 @@ def test_uninstrument_restores_the_sdk_exactly(sdk: UserProcessor, fake_openai, 
 
 
 def test_instrumenting_twice_equals_once(fake_openai, instrumented, sink) -> None:
-    assert agl.instrument(frameworks=["openai_agents"]) == ["openai", "openai_agents"]
+    assert agl.instrument(frameworks=["openai_agents"]) == ["openai", "thread_pools", "openai_agents"]
     second = OpenAIAgentsInstrumentor()  # e.g. the user's own, beside agl.instrument()'s
     assert second.instrument()
     assert sum(isinstance(p, AglTracingProcessor) for p in _processors()) == 1

@@ -1,8 +1,10 @@
 """``agl.instrument()``: hook the OpenAI client and every installed agent framework, in one call.
 
 The OpenAI client is always hooked (every framework's LLM calls go through it, so token ids are captured
-in one place). Framework adapters are found through the entry-point group ``agl.integrations``; a
-third-party package adds its own adapter by registering an ``Instrumentor`` subclass there.
+in one place), and so is ``ThreadPoolExecutor.submit`` (tasks submitted inside a rollout stay in it:
+:mod:`agl.instrumentation.thread_pools`). Framework adapters are found through the entry-point group
+``agl.integrations``; a third-party package adds its own adapter by registering an ``Instrumentor``
+subclass there.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ logger = logging.getLogger("agl.instrumentation")
 ENTRY_POINT_GROUP = "agl.integrations"
 _lock = threading.Lock()
 _instances: Dict[str, Instrumentor] = {}
+_ALWAYS = ("openai", "thread_pools")  # hooked by every instrument(), whatever the frameworks
 
 
 def _discover() -> Dict[str, Any]:
@@ -52,16 +55,20 @@ def instrument(frameworks: Optional[Iterable[str]] = None, *, request_token_ids:
     by default they are asked for inside training rollouts only. Idempotent; returns what is hooked.
     """
     from agl.instrumentation.openai_client import OpenAIInstrumentor
+    from agl.instrumentation.thread_pools import ThreadPoolInstrumentor
 
     with _lock:
         hooked: List[str] = []
         openai_inst = _instance("openai", lambda: OpenAIInstrumentor)
         if openai_inst is not None and openai_inst.instrument(request_token_ids=request_token_ids):
             hooked.append("openai")
+        pools_inst = _instance(ThreadPoolInstrumentor.name, lambda: ThreadPoolInstrumentor)
+        if pools_inst is not None and pools_inst.instrument():
+            hooked.append(ThreadPoolInstrumentor.name)
         registered = _discover()
         wanted = list(registered) if frameworks is None else list(frameworks)
         for name in wanted:
-            if name == "openai":
+            if name in _ALWAYS:
                 continue
             if name not in registered:
                 raise ValueError(f"unknown framework {name!r}: agl has adapters for {sorted(registered)}")
@@ -84,7 +91,7 @@ def instrumented() -> Optional[Dict[str, Any]]:
             return None
         openai_inst = _instances.get("openai")
         return {
-            "frameworks": [name for name in hooked if name != "openai"],
+            "frameworks": [name for name in hooked if name not in _ALWAYS],
             "request_token_ids": getattr(openai_inst, "request_token_ids", None),
         }
 

@@ -331,7 +331,7 @@ class OpenAIInstrumentor(Instrumentor):
     """
 
     name = "openai"
-    instruments = ("openai>=1.60",)
+    instruments = ("openai>=1.66",)
 
     def __init__(self) -> None:
         super().__init__()
