@@ -136,6 +136,21 @@ _ROLLED_BACK = (pg_errors.TransactionRollback, pg_errors.DeadlockDetected, pg_er
 # The server ended the session (shutdown, pg_terminate_backend) and said so: a statement it was running was
 # aborted, not committed (a commit that completed was answered before the session ended).
 _SESSION_ENDED = (pg_errors.AdminShutdown, pg_errors.CrashShutdown, pg_errors.CannotConnectNow)
+# libpq before 17 (psycopg-binary < 3.2.4, or an older system libpq) reports that goodbye as a plain
+# OperationalError without its SQLSTATE ("consuming input failed: terminating connection due to ..."); the
+# server's words are still there (in English; a server in another language falls back to "commit unknown").
+_SESSION_ENDED_WORDS = (
+    "terminating connection due to administrator command",  # 57P01
+    "terminating connection because of crash of another server process",  # 57P02
+    "the database system is shutting down",  # 57P03
+)
+
+
+def _session_ended(exc: BaseException) -> bool:
+    """Whether the server said it ended the session (so a statement it was running did not commit)."""
+    if isinstance(exc, _SESSION_ENDED):
+        return True
+    return type(exc) is psycopg.OperationalError and any(words in str(exc) for words in _SESSION_ENDED_WORDS)
 
 # Batches of up to this many spans go in with one statement (ADD_SPANS); bigger ones with COPY, which takes
 # more round trips but less time per span.
@@ -373,7 +388,7 @@ def _raise_failure(exc: BaseException, conn: Any, committing: bool) -> NoReturn:
     """What a statement that failed with ``exc`` on ``conn`` means for the caller, raised: ``exc`` itself when
     nothing was committed and it may be retried, ``_CommitUnknown`` when the connection died while it may
     have been committing, else an AglError (the server refused the operation)."""
-    if committing and (conn.closed or conn.broken) and not isinstance(exc, _SESSION_ENDED):
+    if committing and (conn.closed or conn.broken) and not _session_ended(exc):
         raise _CommitUnknown() from exc
     if isinstance(exc, _ROLLED_BACK) or conn.closed or conn.broken:
         raise exc  # nothing was committed: the caller retries

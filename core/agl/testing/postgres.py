@@ -184,6 +184,13 @@ class PostgresServer:
         )
         return int(row[0]) if row else 0
 
+    def sessions(self, dbname: str) -> int:
+        """How many sessions are open on ``dbname`` (ended ones are gone once their backend has exited)."""
+        row = self._admin(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,)
+        )
+        return int(row[0]) if row else 0
+
     def _admin(self, sql: str, params: Tuple[Any, ...] = ()) -> Optional[Tuple[Any, ...]]:
         """Run one statement on the ``postgres`` database (one connection, kept open); its first row."""
         with self._admin_lock:
