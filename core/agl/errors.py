@@ -110,7 +110,8 @@ class MissingTokenIdsError(AglError, ValueError):
             f"LLM call span {span_id} (agent {agent_name!r}) of rollout {rollout_id} attempt {attempt_id} has no "
             f"token ids: {reason}. Serve the model with `agl serve` or vLLM (agl asks for return_token_ids), or "
             "pass tokenizer=... to LightningRL to re-tokenize the recorded messages (approximate: the ids may "
-            "differ from what the model sampled), or leave this agent's calls out with agent_match"
+            "differ from what the model sampled), or leave such calls out: by agent with agent_match, by model "
+            "with llm_call_match (a regex on the call's model, e.g. to leave out an LLM judge's calls)"
         )
         self.rollout_id = rollout_id
         self.attempt_id = attempt_id

@@ -44,7 +44,7 @@ LLM_PROMPT = "agl.llm.prompt"  # completions API: the prompt as sent, a string o
 PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"  # list[int], exactly as the server tokenized the prompt
 RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"  # list[int], exactly as sampled
 RESPONSE_LOGPROBS = "agl.llm.response_logprobs"  # list[float], one per response token
-TOKEN_IDS_SOURCE = "agl.llm.token_ids_source"  # server | absent
+TOKEN_IDS_SOURCE = "agl.llm.token_ids_source"  # server | absent | refused (the server rejects the request for them)
 RESOURCES_VERSION = "agl.llm.resources_version"  # the policy version that answered (agl server)
 
 # --- tools (OTel GenAI) ----------------------------------------------------------------------------------

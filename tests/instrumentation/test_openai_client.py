@@ -677,7 +677,7 @@ def test_a_failure_reported_inside_a_responses_stream_marks_the_span(sink, rollo
         error=SimpleNamespace(code="server_error", message="the model crashed"),
     )
     with rollout() as scope:
-        call, _ = openai_client._begin("responses", {"model": "fake-model", "input": "hi", "stream": True}, None)
+        call, _ = openai_client._begin("responses", None, {"model": "fake-model", "input": "hi", "stream": True}, None)
         accumulator = openai_streams.ResponsesStreamAccumulator(with_logprobs=False)
         accumulator.add(SimpleNamespace(type="response.failed", response=failed))
         call.end_stream(accumulator, None)

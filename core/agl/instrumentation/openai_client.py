@@ -8,7 +8,9 @@ classes with ``wrapt``; everything built on them goes through the wrapper too: `
 
 Guarantees to the user's program:
 - arguments, return values and exceptions pass through unchanged (same objects), except that inside a
-  rollout ``extra_body`` gains ``return_token_ids`` (in a new dict, the user's own value winning);
+  rollout ``extra_body`` gains ``return_token_ids`` (in a new dict, the user's own value winning); a server
+  that rejects that parameter gets the call again as the user wrote it
+  (:mod:`agl.instrumentation.token_id_refusals`);
 - an error in agl's code is reported through :mod:`agl.instrumentation.safety` and the call goes on;
 - the caller's thread only reads a few fields; JSON and per-token work happen on the tracer's writer.
 
@@ -46,6 +48,7 @@ from agl.instrumentation.openai_payloads import (
 )
 from agl.instrumentation.openai_streams import Accumulator, AsyncStreamProxy, StreamProxy, new_accumulator
 from agl.instrumentation.safety import report_internal_error
+from agl.instrumentation.token_id_refusals import is_refusal, refuses, remember, server_of
 from agl.tracer import get_tracer, record_exception
 
 logger = logging.getLogger("agl.instrumentation")
@@ -73,7 +76,10 @@ _MARK = "_agl_openai_wrapper"  # on our wrapper functions, to recognise a class 
 class LlmCall:
     """One instrumented request: its span (own, or the adapter's when suppressed) and what to record."""
 
-    __slots__ = ("api", "span", "owned", "context", "deferred", "stream", "raw", "with_logprobs", "ended")
+    __slots__ = (
+        "api", "span", "owned", "context", "deferred", "stream", "raw", "with_logprobs", "ended", "resource", "retry",
+        "refused",
+    )
 
     def __init__(self, api: str, span: Any, owned: bool, deferred: Dict[str, Any], kwargs: Dict[str, Any]) -> None:
         self.api = api
@@ -87,6 +93,22 @@ class LlmCall:
         self.raw = headers.get(_RAW_RESPONSE_HEADER) if headers else None
         self.with_logprobs = logprobs_requested(api, kwargs)
         self.ended = False
+        self.resource: Any = None  # the SDK resource called (its client's base_url names the server)
+        self.retry: Optional[Dict[str, Any]] = None  # the call as sent without agl's token id flag
+        self.refused = False  # the server refused return_token_ids (this call, or earlier in the process)
+
+    def refused_by(self, error: BaseException) -> bool:
+        """Whether ``error`` is the server refusing the token id flag agl added: then the call goes again
+        with ``self.retry``, and the server is remembered."""
+        try:
+            if self.retry is None or not is_refusal(error):
+                return False
+            remember(server_of(self.resource))
+            self.refused = True
+            return True
+        except Exception as exc:  # noqa: BLE001
+            report_internal_error("openai.refusal", exc)
+            return False
 
     def succeed(self, result: Any, is_async: bool) -> Any:
         """The call returned: record the response and end the span, or hand back a proxied stream."""
@@ -148,6 +170,8 @@ class LlmCall:
         try:
             if reasons:
                 span.set_attribute(semconv.RESPONSE_FINISH_REASONS, reasons)
+            if self.refused and self.deferred.get(semconv.TOKEN_IDS_SOURCE) != "server":
+                self.deferred[semconv.TOKEN_IDS_SOURCE] = "refused"
             if error is not None:
                 if self.owned:
                     record_exception(span, error)
@@ -205,7 +229,9 @@ class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
         return result
 
 
-def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) -> Tuple[LlmCall, Dict[str, Any]]:
+def _begin(
+    api: str, resource: Any, kwargs: Dict[str, Any], request_token_ids: Optional[bool]
+) -> Tuple[LlmCall, Dict[str, Any]]:
     """Everything before the request: attributes, payload snapshots, the token id flag, then the span.
 
     The span starts last: if anything here fails, nothing is left open and the wrapper sends the user's
@@ -215,18 +241,30 @@ def _begin(api: str, kwargs: Dict[str, Any], request_token_ids: Optional[bool]) 
     deferred = request_attributes(api, kwargs, bool(kwargs.get("stream")))
     add_request_payloads(api, call_kwargs, deferred)
     scope = current_scope()
-    if _wants_token_ids(request_token_ids, scope):
-        ask_for_token_ids(call_kwargs)
     if scope is not None:  # this call's span will be stored: a proxy must not record it again
         mark_client_traced(call_kwargs)
+    retry: Optional[Dict[str, Any]] = None
+    refused = False
+    if _wants_token_ids(request_token_ids, scope):
+        if refuses(resource):
+            refused = True
+        else:
+            retry = dict(call_kwargs)  # the call as the user wrote it (and marked), should the server refuse
+            if not ask_for_token_ids(call_kwargs):
+                retry = None
+    span = None
+    owned = True
     if otel_context.get_value(SUPPRESS_LLM_SPAN):
-        span = otel_trace.get_current_span()
-        if span.is_recording():
-            return LlmCall(api, span, False, deferred, kwargs), call_kwargs
-    model = deferred.get(semconv.REQUEST_MODEL)
-    prefix = SPAN_PREFIX[api]
-    span = get_tracer().start_span(f"{prefix} {model}" if model else prefix, "llm")  # parent: see start_span
-    return LlmCall(api, span, True, deferred, kwargs), call_kwargs
+        current = otel_trace.get_current_span()
+        if current.is_recording():
+            span, owned = current, False
+    if span is None:
+        model = deferred.get(semconv.REQUEST_MODEL)
+        prefix = SPAN_PREFIX[api]
+        span = get_tracer().start_span(f"{prefix} {model}" if model else prefix, "llm")  # parent: see start_span
+    call = LlmCall(api, span, owned, deferred, kwargs)
+    call.resource, call.retry, call.refused = resource, retry, refused
+    return call, call_kwargs
 
 
 def _wants_token_ids(request_token_ids: Optional[bool], scope: Optional[RolloutScope]) -> bool:
@@ -239,13 +277,13 @@ def _wants_token_ids(request_token_ids: Optional[bool], scope: Optional[RolloutS
 def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
-            call, call_kwargs = _begin(api, kwargs, instrumentor.request_token_ids)
+            call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids)
         except Exception as exc:  # noqa: BLE001
             report_internal_error("openai.request", exc)
             return wrapped(*args, **kwargs)
         token = otel_context.attach(call.context) if call.context is not None else None
         try:
-            result = wrapped(*args, **call_kwargs)
+            result = _send(wrapped, args, call_kwargs, call)
         except BaseException as exc:
             call.fail(exc)
             raise
@@ -263,7 +301,7 @@ def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
-            call, call_kwargs = _begin(api, kwargs, instrumentor.request_token_ids)
+            call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids)
         except Exception as exc:  # noqa: BLE001
             report_internal_error("openai.request", exc)
             return wrapped(*args, **kwargs)
@@ -272,16 +310,36 @@ def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...
         except BaseException as exc:
             call.fail(exc)
             raise
-        return _finish_async(coroutine, call)
+        return _finish_async(coroutine, call, wrapped, args)
 
     setattr(wrapper, _MARK, True)
     return wrapper
 
 
-async def _finish_async(coroutine: Any, call: LlmCall) -> Any:
+def _send(wrapped: Callable[..., Any], args: Tuple[Any, ...], call_kwargs: Dict[str, Any], call: LlmCall) -> Any:
+    """The request; again without agl's token id flag if the server refused it (outside the ``except``, so
+    an error of the second request is not chained to the refusal)."""
+    try:
+        return wrapped(*args, **call_kwargs)
+    except Exception as exc:
+        if not call.refused_by(exc):
+            raise
+    return wrapped(*args, **call.retry)
+
+
+async def _send_async(coroutine: Any, call: LlmCall, wrapped: Callable[..., Any], args: Tuple[Any, ...]) -> Any:
+    try:
+        return await coroutine
+    except Exception as exc:
+        if not call.refused_by(exc):
+            raise
+    return await wrapped(*args, **call.retry)
+
+
+async def _finish_async(coroutine: Any, call: LlmCall, wrapped: Callable[..., Any], args: Tuple[Any, ...]) -> Any:
     token = otel_context.attach(call.context) if call.context is not None else None
     try:
-        result = await coroutine
+        result = await _send_async(coroutine, call, wrapped, args)
     except BaseException as exc:
         call.fail(exc)
         raise
@@ -326,8 +384,9 @@ class OpenAIInstrumentor(Instrumentor):
     client, sync and async.
 
     ``request_token_ids``: None (default) asks the server for token ids only inside rollouts whose scope
-    wants them; True always asks (an agl or vLLM server outside rollouts); False never asks (a server that
-    rejects unknown parameters, like api.openai.com, even in rollouts).
+    wants them; True always asks (an agl or vLLM server outside rollouts); False never asks. A server that
+    rejects the parameter (api.openai.com, an LLM judge's) gets the call again without it and is not asked
+    again (:mod:`agl.instrumentation.token_id_refusals`).
     """
 
     name = "openai"

@@ -125,13 +125,19 @@ def one_prompt(prompt: Any) -> Any:
     return prompt
 
 
-def ask_for_token_ids(call_kwargs: Dict[str, Any]) -> None:
-    """Add ``return_token_ids`` to the call's ``extra_body``, in a new dict; the user's own value wins."""
+def ask_for_token_ids(call_kwargs: Dict[str, Any]) -> bool:
+    """Add ``return_token_ids`` to the call's ``extra_body``, in a new dict; the user's own value wins.
+
+    Returns whether agl added it (False: the user set it themselves, or ``extra_body`` is not a mapping).
+    """
     extra = call_kwargs.get("extra_body")
     if extra is None:
         call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True}
-    elif isinstance(extra, collections.abc.Mapping):
+        return True
+    if isinstance(extra, collections.abc.Mapping) and TOKEN_IDS_REQUEST not in extra:
         call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True, **extra}
+        return True
+    return False
 
 
 def mark_client_traced(call_kwargs: Dict[str, Any]) -> None:

@@ -9,12 +9,16 @@ Every llm span of the attempt ends up in exactly one of four places, so the coun
 - **filtered_by_call**: ``llm_call_match`` (a regex, ``re.search``) matches neither the span's name
   (``chat {model}``) nor its ``gen_ai.request.model``;
 - **skipped**, by reason: the request failed (``llm call failed``), or the call has no response tokens
-  (``empty response``) or no prompt tokens (``empty prompt``): never an empty sample;
+  (``empty response``) or no prompt tokens (``empty prompt``): never an empty sample; or its server refused
+  to return token ids (``server refuses token ids``, below);
 - a **transition**.
 
 A selected call without token ids (``agl.llm.token_ids_source == "absent"``: the server did not return
 them) raises :class:`agl.errors.MissingTokenIdsError`, naming the call, unless a tokenizer was given: then
 its messages are re-tokenized (``agl.lightningrl.retokenize``) and the call is counted in ``retokenized``.
+A call whose server rejected the ``return_token_ids`` request (``"refused"``: api.openai.com and the like,
+see ``agl.instrumentation.token_id_refusals``) went to a model that no agl trainer serves, such as an LLM
+judge: without a tokenizer it is skipped, not an error.
 
 ``step`` is the call's index among *all* llm calls of the attempt in call order, so a call keeps its step
 whatever ``agent_match`` selects. ``response_logprobs`` is kept only when there is exactly one per response
@@ -44,6 +48,7 @@ from agl.types import Span
 SKIP_CALL_FAILED = "llm call failed"
 SKIP_EMPTY_RESPONSE = "empty response"
 SKIP_EMPTY_PROMPT = "empty prompt"
+SKIP_REFUSED = "server refuses token ids"
 
 
 class CallSelector:
@@ -116,6 +121,9 @@ def extract_transitions(
         response_ids = _ids(span.attributes.get(semconv.RESPONSE_TOKEN_IDS))
         logprobs: Optional[List[float]] = None
         if prompt_ids is None or response_ids is None:
+            if retokenizer is None and span.attributes.get(semconv.TOKEN_IDS_SOURCE) == "refused":
+                out.skipped[SKIP_REFUSED] += 1
+                continue
             if retokenizer is None:
                 raise MissingTokenIdsError(span.rollout_id, span.attempt_id, span.span_id, agent_name, _why_missing(span))
             prompt_ids, response_ids = retokenizer.ids(span)
@@ -153,10 +161,12 @@ def extract_transitions(
 
 def _why_missing(span: Span) -> str:
     source = span.attributes.get(semconv.TOKEN_IDS_SOURCE)
+    model = span.attributes.get(semconv.REQUEST_MODEL)
+    call = f"the call to model {model!r}" if model else "the call"
     if source == "absent":
-        return f"the server did not return token ids ({semconv.TOKEN_IDS_SOURCE} = 'absent')"
+        return f"the server did not return token ids for {call} ({semconv.TOKEN_IDS_SOURCE} = 'absent')"
     missing = [a for a in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS) if _ids(span.attributes.get(a)) is None]
-    return f"the span has no {' and no '.join(missing)} ({semconv.TOKEN_IDS_SOURCE} = {source!r})"
+    return f"the span of {call} has no {' and no '.join(missing)} ({semconv.TOKEN_IDS_SOURCE} = {source!r})"
 
 
 def _ids(value: Any) -> Optional[List[int]]:

@@ -48,11 +48,14 @@ class FakeOpenAIServer:
     Generation requests take replies from :meth:`script` in order, from either endpoint; when the script
     is empty the default policy answers (see :func:`agl.testing.fake_policy.default_policy`). Token ids are
     returned when a request asks with ``"return_token_ids": true`` (vLLM's convention) or always when
-    ``always_token_ids`` is set, to stand in for an agl-managed vLLM server.
+    ``always_token_ids`` is set, to stand in for an agl-managed vLLM server. With ``reject_token_ids`` it
+    stands in for api.openai.com instead, which answers a request carrying ``return_token_ids`` with the
+    400 it gives any unknown parameter.
     """
 
-    def __init__(self, always_token_ids: bool = False) -> None:
+    def __init__(self, always_token_ids: bool = False, reject_token_ids: bool = False) -> None:
         self.always_token_ids = always_token_ids
+        self.reject_token_ids = reject_token_ids
         self.tokenizer = FakeTokenizer()
         self._lock = threading.Lock()
         self._script: collections.deque[FakeReply] = collections.deque()
@@ -205,6 +208,10 @@ async def _generate(server: FakeOpenAIServer, request: Request, api: _WireApi) -
     missing = api.missing_field(body)
     if missing:
         return error_response(400, f"missing required parameter: '{missing}'")
+    if server.reject_token_ids and "return_token_ids" in body:  # api.openai.com's words
+        if api is _RESPONSES:
+            return error_response(400, "Unknown parameter: 'return_token_ids'.", "return_token_ids", "unknown_parameter")
+        return error_response(400, "Unrecognized request argument supplied: return_token_ids", code=None)
     try:
         conversation = api.conversation(body)
     except BadRequest as exc:  # e.g. a Responses input item type agl does not map; no scripted reply is used
@@ -230,10 +237,11 @@ async def _stream(events: Iterator[str], break_after: int | None) -> AsyncIterat
         yield event
 
 
-def error_response(status_code: int, message: str) -> JSONResponse:
-    """An OpenAI-style error, which the ``openai`` client turns into the matching ``APIStatusError``."""
+def error_response(status_code: int, message: str, param: str | None = None, code: Any = "") -> JSONResponse:
+    """An OpenAI-style error, which the ``openai`` client turns into the matching ``APIStatusError``
+    (``code``: default the error type)."""
     error_type = _ERROR_TYPES.get(
         status_code, "server_error" if status_code >= 500 else "invalid_request_error"
     )
-    error = {"message": message, "type": error_type, "param": None, "code": error_type}
+    error = {"message": message, "type": error_type, "param": param, "code": error_type if code == "" else code}
     return JSONResponse({"error": error}, status_code=status_code)
