@@ -84,6 +84,12 @@ def test_streams_and_the_responses_api_are_sent_again_too(client, judge, sink, r
     with rollout():
         answer = judge_client.responses.create(model="judge", input="Is 5 the sum of 2 and 3?")
     assert answer.output_text == "via responses" and flags(judge) == [True, None]
+    token_id_refusals.forget_all()
+    judge.reset()
+    judge.script(FakeReply(content=" yes"))
+    with rollout():
+        text_answer = judge_client.completions.create(model="judge", prompt="Is 5 the sum of 2 and 3?")
+    assert text_answer.choices[0].text == " yes" and flags(judge) == [True, None]
     spans = sink.of(scope.rollout_id)
     assert [s.attributes[semconv.TOKEN_IDS_SOURCE] for s in spans] == ["refused"]
 
