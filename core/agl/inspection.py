@@ -40,8 +40,8 @@ def describe(span: Span) -> str:
         response = a.get(semconv.RESPONSE_TOKEN_IDS)
         if prompt is not None or response is not None:
             parts.append(f"tokens={len(prompt or [])}+{len(response or [])}")
-        else:
-            parts.append("tokens=absent")
+        else:  # "absent", or "refused": the server rejects the request for token ids (an LLM judge's)
+            parts.append(f"tokens={'refused' if a.get(semconv.TOKEN_IDS_SOURCE) == 'refused' else 'absent'}")
         if a.get(semconv.LLM_STREAM):
             parts.append("stream")
     if semconv.TOOL_NAME in a:

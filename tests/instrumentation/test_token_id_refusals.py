@@ -13,6 +13,7 @@ import pytest
 
 import agl
 from agl import semconv
+from agl.inspection import describe
 from agl.instrumentation import token_id_refusals
 from agl.lightningrl import LightningRL
 from agl.store import SqliteLightningStore
@@ -69,6 +70,7 @@ def test_a_judge_that_refuses_token_ids_answers_inside_a_rollout(client, fake_op
         assert span.status != "error" and span.attributes[semconv.TOKEN_IDS_SOURCE] == "refused"
         assert span.attributes[semconv.REQUEST_MODEL] == "judge"
     assert '"yes"' in judged.attributes[semconv.OUTPUT_MESSAGES]
+    assert "tokens=refused" in describe(judged) and "tokens=refused" not in describe(policy)
 
 
 def test_streams_and_the_responses_api_are_sent_again_too(client, judge, sink, rollout) -> None:
