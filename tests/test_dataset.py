@@ -29,6 +29,25 @@ def test_every_format_reads_the_same_tasks(tmp_path, suffix):
     assert [(t.task_id, t.input) for t in as_tasks(load_dataset(path))] == [("a", ROWS[0]), ("b", ROWS[1])]
 
 
+def test_a_task_file_path_is_a_dataset_and_any_other_string_is_refused(tmp_path):
+    """``trainer.dev(agent, "tasks.jsonl")`` reads the file; iterated, the string gave one task per character."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS))
+    assert [t.task_id for t in as_tasks(str(path))] == [t.task_id for t in as_tasks(path)] == ["a", "b"]
+    trainer = agl.Trainer(store="memory", runner_mode="thread", progress=False)
+    summaries = trainer.dev(agl.rollout(lambda task: float(task["answer"])), str(path))
+    assert [(s.task_id, s.reward) for s in summaries] == [("a", 2.0), ("b", 5.0)]
+    with pytest.raises(ValueError, match="the dataset 'spider_sql_tasks' is a string, not a list of tasks"):
+        trainer.dev(agl.rollout(lambda task: 1.0), "spider_sql_tasks")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
+        as_tasks(tmp_path / "missing.jsonl")
+
+
+def test_an_algorithm_given_by_name_is_refused_with_what_to_pass():
+    with pytest.raises(TypeError, match="algorithm must be an algorithm object, got 'verl_grpo': agl.TorchGRPO"):
+        agl.Trainer(algorithm="verl_grpo", store="memory")
+
+
 def test_csv_rows_are_tasks_with_text_values(tmp_path):
     path = tmp_path / "tasks.csv"
     path.write_text("id,question,answer\na,1+1,2\nb,\"2, plus 3\",5\n")

@@ -367,6 +367,20 @@ def test_a_returned_dict_without_a_reward_key_fails_the_rollout_and_says_so(stor
     assert "returned a dict without a 'reward' key (keys: ['accuracy'])" in done.error
 
 
+@pytest.mark.parametrize("output", [{"output": "SELECT 1", "intermediate_steps": []}, "SELECT 1", ["a", "b"]])
+def test_a_rollout_that_emitted_its_reward_may_return_the_agents_output(store, output):
+    """The seeds' SQL agent: ``agl.emit_reward(reward); return result`` (the LangChain executor's dict)."""
+
+    def agent(task):
+        agl.emit_reward(0.75)
+        return output
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.status == "succeeded" and done.final_reward == 0.75
+    rewards = [s for s in store.query_spans(done.rollout_id) if s.kind == "reward"]
+    assert len(rewards) == 1  # the emitted one; the output adds none
+
+
 @pytest.mark.parametrize("returned", [Fraction(1, 4), Decimal("0.25"), {"reward": Fraction(1, 4), "answer": "x"}])
 def test_any_real_number_is_a_reward(store, returned):
     done = run_one(store, agl.rollout(lambda task: returned))

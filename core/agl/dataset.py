@@ -1,15 +1,17 @@
-"""Datasets are plain sequences (a list of dicts works); this turns their items into Tasks."""
+"""Datasets are plain sequences (a list of dicts works) or task files; this turns their items into Tasks."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Tuple, Union
 
 from agl.types import Task
 
 FORMATS = ".jsonl (one JSON value per line), .json (a list), .parquet (needs pyarrow) or .csv (values as text)"
+_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 def as_tasks(dataset: Iterable[Any], *, prefix: str = "task") -> List[Task]:
@@ -18,7 +20,12 @@ def as_tasks(dataset: Iterable[Any], *, prefix: str = "task") -> List[Task]:
 
     Rollouts are grouped by task id for the advantages, so one id must name one task: two different items
     with the same id raise (the same item repeated is fine: it is the same task).
+
+    A string or path names a task file (:func:`load_dataset`): iterated, a string would give one task per
+    character.
     """
+    if isinstance(dataset, (str, os.PathLike)):
+        dataset = _load_named(dataset)
     if hasattr(dataset, "columns") and not isinstance(dataset, (list, tuple)):  # pandas, pyarrow, polars tables
         raise TypeError(
             f"a {type(dataset).__name__} is not a list of tasks (iterating it gives its columns): pass its rows, "
@@ -54,6 +61,16 @@ def _same_task(a: Any, b: Any) -> bool:
         return bool(a == b)
     except (ValueError, TypeError):  # "the truth value of an array ... is ambiguous"
         return repr(a) == repr(b)
+
+
+def _load_named(name: Union[str, "os.PathLike[str]"]) -> List[Any]:
+    path = Path(name)
+    if not path.exists() and path.suffix.lower() not in _SUFFIXES:
+        raise ValueError(
+            f"the dataset {str(name)!r} is a string, not a list of tasks, and no such task file exists: pass a list "
+            f"(e.g. of dicts), or the path of a task file: {FORMATS}"
+        )
+    return load_dataset(path)
 
 
 def load_dataset(path: Union[str, Path]) -> List[Any]:

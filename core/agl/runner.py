@@ -183,8 +183,7 @@ class Runner:
                         result = loop.run_until_complete(task)
                     finally:
                         self._running_task = None
-                returned = reward_from_result(result)
-                return self._episode_reward(returned, scope)
+                return self._episode_reward(self._returned_reward(result, scope), scope)
         finally:
             exit_scope(token)
 
@@ -196,6 +195,17 @@ class Runner:
             loop = self._thread_state.loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)  # for libraries that call get_event_loop() in the agent thread
         return loop
+
+    @staticmethod
+    def _returned_reward(result: Any, scope: RolloutScope) -> Optional[float]:
+        """The reward ``rollout()`` returned. A rollout that emitted its episode reward may return anything
+        else that is not a reward (the agent's own output, e.g. a LangChain result dict): ignored."""
+        try:
+            return reward_from_result(result)
+        except TypeError:
+            if scope.episode_rewards:
+                return None
+            raise
 
     def _episode_reward(self, returned: Optional[float], scope: RolloutScope) -> Optional[float]:
         """Apply the reward rule of agl.emitters: the returned value wins; emitted ones are not added."""

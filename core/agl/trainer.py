@@ -61,6 +61,12 @@ class Trainer:
             n_runners = n_workers
         if n_runners < 0:
             raise ValueError(f"n_runners must be >= 0 (0: only runners on other machines), got {n_runners}")
+        if algorithm is not None and not callable(getattr(algorithm, "run", None)):
+            raise TypeError(
+                f"algorithm must be an algorithm object, got {algorithm!r}: agl.TorchGRPO(...) (CPU or one GPU), "
+                "agl.VERL(config) (VERL's GRPO on GPUs), agl.APO(...) (prompt optimization), or a subclass of "
+                "agl.Algorithm"
+            )
         self.algorithm = algorithm
         self.n_runners = n_runners
         self.store = store if isinstance(store, LightningStore) else open_store(store)
