@@ -60,6 +60,49 @@ def test_seed_style_fit_with_the_deprecated_n_workers(tmp_path, fake_openai, ins
     assert all(r.status == "succeeded" for r in result["train"] + result["val"])
 
 
+@pytest.mark.parametrize("runner_mode", ["process", "thread"])
+def test_agent_lightning_code_needs_no_instrument_line(tmp_path, fake_openai, runner_mode):
+    """Agent Lightning's Trainer sets up tracing itself, so its users' code never calls agl.instrument():
+    the Trainer instruments for the run (and only for it) when nothing else did."""
+    agl.uninstrument()
+    assert agl.instrumentation.instrumented() is None
+    store = agl.SqliteLightningStore(tmp_path / "s.db")
+    trainer = agl.Trainer(
+        n_runners=2,
+        store=store,
+        runner_mode=runner_mode,
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+        progress=False,
+    )
+    rows = trainer.dev(LitQAAgent(max_turns=1), dev_dataset=[{"question": "q1"}, {"question": "q2"}], print_table=False)
+    assert [(r.status, r.llm_calls) for r in rows] == [("succeeded", 1), ("succeeded", 1)]
+    for row in rows:
+        (llm,) = [s for s in store.query_spans(row.rollout_id) if s.kind == "llm"]
+        assert llm.attributes[agl.semconv.TOKEN_IDS_SOURCE] == "server"  # asked for, as in training
+    assert agl.instrumentation.instrumented() is None  # the hooks were the run's only
+
+
+def test_an_instrumentor_of_ones_own_is_not_doubled(tmp_path, fake_openai):
+    from agl.instrumentation.openai_client import OpenAIInstrumentor
+
+    agl.uninstrument()
+    mine = OpenAIInstrumentor()
+    assert mine.instrument()
+    try:
+        store = agl.SqliteLightningStore(tmp_path / "s.db")
+        trainer = agl.Trainer(
+            store=store,
+            runner_mode="thread",
+            initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+            progress=False,
+        )
+        (row,) = trainer.dev(LitQAAgent(max_turns=1), dev_dataset=[{"question": "q1"}], print_table=False)
+        assert row.llm_calls == 1 and len(fake_openai.requests) == 1
+        assert mine.is_instrumented and agl.instrumentation.instrumented() is None
+    finally:
+        mine.uninstrument()
+
+
 def test_proxy_llm_routes_by_rollout_and_plain_llm_does_not():
     proxy = agl.ProxyLLM(endpoint="http://host:9999/v1", model="m")
     assert proxy.get_base_url("ro-1", "at-1") == "http://host:9999/rollout/ro-1/attempt/at-1/v1"

@@ -15,6 +15,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from agl.algorithm.base import Algorithm, Baseline
 from agl.dataset import as_tasks
+from agl.instrumentation import instrument, uninstrument
+from agl.instrumentation.base import any_instrumented
 from agl.litagent import LitAgent
 from agl.runner_pool import RunnerMode, RunnerPool
 from agl.store import LightningStore, open_store
@@ -143,6 +145,10 @@ class Trainer:
         """The runner pool for ``agent``: started on enter, stopped on exit (also on errors and Ctrl-C).
 
         With ``n_runners=0`` there is no local pool (None): rollouts wait for remote runners.
+
+        If nothing is instrumented in this process (no ``agl.instrument()``, no instrumentor of one's own),
+        the pool's runs are instrumented (and the hooks removed after): code written for Agent Lightning, whose Trainer sets up tracing itself, has no
+        such line, and its LLM calls would otherwise go unrecorded (the ``agl`` CLI instruments too).
         """
         if self.n_runners == 0:  # the work is done by runners elsewhere (agl runner --store URL)
             self._remote_runners_only = True
@@ -151,13 +157,20 @@ class Trainer:
             finally:
                 self._remote_runners_only = False
             return
-        pool = RunnerPool(agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs)
-        self._pool = pool.start()
+        hooked_here = not any_instrumented()
+        if hooked_here:
+            logger.info("agl.instrument() was not called: instrumenting %s for this run", ", ".join(instrument()))
         try:
-            yield pool
+            pool = RunnerPool(agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs)
+            self._pool = pool.start()
+            try:
+                yield pool
+            finally:
+                self._pool = None
+                pool.stop()
         finally:
-            self._pool = None
-            pool.stop()
+            if hooked_here:
+                uninstrument()
 
     # -- public entry points -------------------------------------------------------------------------------
     def dev(

@@ -20,6 +20,20 @@ logger = logging.getLogger("agl.instrumentation")
 
 _REQ = re.compile(r"^\s*([A-Za-z0-9_.\-\[\]]+)\s*(.*)$")
 
+_active_lock = threading.Lock()
+_active_count = 0  # instrumentors hooked now, however made (agl.instrument() or an Instrumentor of one's own)
+
+
+def any_instrumented() -> bool:
+    """Whether any agl instrumentor is hooked in this process (see ``Trainer.runners``)."""
+    return _active_count > 0
+
+
+def _count_active(delta: int) -> None:
+    global _active_count
+    with _active_lock:
+        _active_count += delta
+
 
 def _version_tuple(version: str) -> Tuple[int, ...]:
     parts = []
@@ -104,6 +118,7 @@ class Instrumentor(abc.ABC):
                     self._uninstrument()
                 return False
             self._active = True
+            _count_active(1)
             return True
 
     def uninstrument(self) -> None:
@@ -112,6 +127,7 @@ class Instrumentor(abc.ABC):
                 return
             self._uninstrument()
             self._active = False
+            _count_active(-1)
 
     @abc.abstractmethod
     def _instrument(self, **kwargs: Any) -> None:
