@@ -70,7 +70,7 @@ def test_dev_with_two_runner_processes_leaves_complete_spans_in_sqlite(tmp_path,
     )
     rows = trainer.dev(adder, tasks)
     out = capsys.readouterr().out
-    assert "agl dev: rollouts" in out
+    assert "agl dev: rollouts" in out and "No rollout recorded an LLM call" not in out
 
     assert [r.task_id for r in rows] == [f"t{i}" for i in range(5)]
     assert all(r.status == "succeeded" and r.reward == 1.0 for r in rows)
@@ -114,6 +114,24 @@ def test_dev_with_two_runner_processes_leaves_complete_spans_in_sqlite(tmp_path,
     assert "[agent] agl.rollout" in tree and "[llm] chat fake-model" in tree
     assert "[tool] execute_tool add" in tree and "reward=1" in tree and "tokens=" in tree
     store.close()
+
+
+def test_dev_says_when_no_rollout_recorded_an_llm_call(tmp_path, capsys):
+    """An agent that reaches its model without the openai client: the table's zeros come with what to do."""
+    import urllib.request
+
+    def http_agent(task):
+        try:  # a model server reached with plain HTTP: nothing agl hooks
+            urllib.request.urlopen("http://127.0.0.1:9/v1/models", timeout=0.5)
+        except OSError:
+            pass
+        return 1.0
+
+    trainer = agl.Trainer(store="memory", runner_mode="thread", progress=False)
+    rows = trainer.dev(agl.rollout(http_agent), [{"q": 1}, {"q": 2}])
+    assert [(r.status, r.llm_calls) for r in rows] == [("succeeded", 0), ("succeeded", 0)]
+    out = " ".join(capsys.readouterr().out.split())
+    assert "No rollout recorded an LLM call, so there is nothing to train on" in out and "/v1/traces" in out
 
 
 def test_cli_store_listing(tmp_path, fake_openai, instrumented, capsys):

@@ -25,6 +25,15 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
         yield lambda n: progress.advance(task, n)
 
 
+NO_LLM_CALLS = (
+    "No rollout recorded an LLM call, so there is nothing to train on. agl records the calls an agent makes "
+    "through the openai client (which every supported framework uses) and the frameworks' own steps; an agent "
+    "that reaches its model another way (plain HTTP, another SDK) can send OpenTelemetry GenAI spans to the "
+    "store server's /v1/traces (docs/store-server.md, OTLP). In a thread of its own (threading.Thread), a "
+    "call needs agl.propagate (README)."
+)
+
+
 def print_rollout_table(rows: "Sequence[RolloutSummary]") -> None:
     from rich.console import Console
     from rich.table import Table
@@ -41,3 +50,5 @@ def print_rollout_table(rows: "Sequence[RolloutSummary]") -> None:
     for row in rows:
         if row.error:
             console.print(f"[red]{row.task_id}[/red] {row.rollout_id}: {row.error}")
+    if any(row.status == "succeeded" for row in rows) and not any(row.llm_calls for row in rows):
+        console.print(NO_LLM_CALLS)
