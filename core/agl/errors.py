@@ -102,6 +102,11 @@ class StoreRequestError(AglError, ValueError):
     """The store server refused a malformed or oversize request (4xx); nothing was changed."""
 
 
+class NoTrainableSamples(AglError, ValueError):
+    """Training steps had nothing to train on (every rollout failed, no LLM call recorded or selected, every
+    sample dropped); the message says why and what to check."""
+
+
 class MissingTokenIdsError(AglError, ValueError):
     """An LLM call selected for training has no token ids (the server did not return them)."""
 

@@ -56,6 +56,7 @@ class Trainer:
         heartbeat_timeout: Optional[float] = 120.0,
         heartbeat_interval: float = 5.0,
         progress: bool = True,
+        instrument: bool = True,
         n_workers: Optional[int] = None,
     ) -> None:
         if n_workers is not None:
@@ -79,6 +80,7 @@ class Trainer:
         )
         self.runner_kwargs = {"heartbeat_interval": heartbeat_interval, "rollout_timeout": rollout_timeout}
         self.progress = progress
+        self.instrument = instrument
         self.resources_id: Optional[str] = None
         if initial_resources:
             self.resources_id = self.store.add_resources(parse_resources(dict(initial_resources))).resources_id
@@ -147,8 +149,10 @@ class Trainer:
         With ``n_runners=0`` there is no local pool (None): rollouts wait for remote runners.
 
         If nothing is instrumented in this process (no ``agl.instrument()``, no instrumentor of one's own),
-        the pool's runs are instrumented (and the hooks removed after): code written for Agent Lightning, whose Trainer sets up tracing itself, has no
-        such line, and its LLM calls would otherwise go unrecorded (the ``agl`` CLI instruments too).
+        the pool's runs are instrumented (and the hooks removed after) unless ``Trainer(instrument=False)``:
+        code written for Agent Lightning, whose Trainer sets up tracing itself, has no such line, and its LLM
+        calls would otherwise go unrecorded (the ``agl`` CLI instruments too). ``instrument=False`` leaves the
+        recording to agl's LLM proxy (VERL) or to spans the agent sends itself (OTLP).
         """
         if self.n_runners == 0:  # the work is done by runners elsewhere (agl runner --store URL)
             self._remote_runners_only = True
@@ -157,7 +161,7 @@ class Trainer:
             finally:
                 self._remote_runners_only = False
             return
-        hooked_here = not any_instrumented()
+        hooked_here = self.instrument and not any_instrumented()
         if hooked_here:
             logger.info("agl.instrument() was not called: instrumenting %s for this run", ", ".join(instrument()))
         try:

@@ -351,3 +351,15 @@ def test_batch_accounting(n, statuses, failed, agent_match, credit, aggregate) -
         assert s.response_ids and len(s.response_mask) == len(s.response_ids)
         weights[(s.rollout_id, s.policy)] += s.loss_weight
     assert all(w == pytest.approx(1.0) for w in weights.values())
+
+
+def test_an_empty_batch_says_which_agents_agent_match_left_out(two_groups) -> None:
+    store, rollouts = two_groups
+    batch = LightningRL.from_config({"agent_match": "^solver$"}).build_batch(store, rollouts, progress=False)
+    report = batch.report
+    assert batch.samples == [] and report.filtered_by_agent == report.llm_spans == 12 and report.accounted
+    assert sum(report.filtered_agents.values()) == 12 and "adder" in report.filtered_agents
+    names = ", ".join(f"{name} {n}" for name, n in sorted(report.filtered_agents.items()))
+    assert f"filtered 12 by agent_match ({names}), 0 by llm_call_match" in str(report)
+    why = report.why_empty("^solver$")
+    assert why.startswith("agent_match '^solver$' left out every LLM call; the calls' agents: ") and "'adder' (" in why

@@ -257,3 +257,18 @@ def test_an_on_step_callback_that_raises_stops_training(tmp_path: Path) -> None:
     assert len((tmp_path / "run" / "metrics.csv").read_text().splitlines()) == 2
     checkpoint = latest_checkpoint(tmp_path / "ckpt")  # and saved: a resume starts at step 2
     assert checkpoint is not None and json.loads((checkpoint / "state.json").read_text())["step"] == 1
+
+
+def test_steps_with_nothing_to_train_stop_the_run_and_say_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A typo in agent_match left every call out: training ran to the end, training nothing, without a word."""
+    algo = _algo(tmp_path, steps=5, eval_every=0)
+    trainer = agl.Trainer(
+        algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False,
+        adapter={"agent_match": "^chat$"},
+    )
+    with pytest.raises(agl.errors.NoTrainableSamples, match="3 steps in a row had nothing to train on") as error:
+        trainer.fit(chat_agent, TASKS)
+    assert "agent_match '^chat$' left out every LLM call; the calls' agents: 'chat_agent' (6)" in str(error.value)
+    assert algo.state.step == 2  # steps 1 and 2 were logged and skipped, step 3 stopped the run
+    skipped = [r.getMessage() for r in caplog.records if "trains nothing and is skipped" in r.getMessage()]
+    assert [m.split(" trains")[0] for m in skipped] == ["step 1", "step 2", "step 3"]

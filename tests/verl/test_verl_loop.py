@@ -1,7 +1,7 @@
 """The ``agl.VERL`` loop on CPU: real Trainer, runners, store, proxy and fake vLLM-style server, real verl
 DataProto; only the GPU update is replaced, by a backend that records what it was handed.
 
-Agents here are not instrumented (no ``agl.instrument()``): every llm span and token id comes from the
+Agents here are not instrumented (``Trainer(instrument=False)``): every llm span and token id comes from the
 proxy, as with an agent that knows nothing about agl except its base URL.
 """
 
@@ -96,7 +96,7 @@ def train(fake: FakeOpenAIServer, tasks: List[Dict[str, Any]], overrides: List[s
     backend = RecordingBackend(fake)
     algorithm = VERL(overrides, backend=backend, wait_timeout=60, **options)
     backend.algorithm = algorithm
-    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False)
+    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False)
     summary = trainer.fit(qa_agent, train_dataset=tasks, val_dataset=tasks[:2])
     return trainer, algorithm, backend, summary
 
@@ -181,14 +181,14 @@ def test_verl_advantage_mode_leaves_advantages_to_verl(fake_openai: FakeOpenAISe
 def test_too_few_tasks_for_a_batch_is_refused_before_anything_starts(fake_openai: FakeOpenAIServer) -> None:
     backend = RecordingBackend(fake_openai)
     algorithm = VERL(config(**{"data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8}), backend=backend)
-    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=1, runner_mode="thread", progress=False)
+    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=1, runner_mode="thread", progress=False, instrument=False)
     with pytest.raises(agl.algorithm.verl.VERLConfigError, match="fewer than data.train_batch_size=8"):
         trainer.fit(qa_agent, train_dataset=TASKS)
     assert backend.calls == []
 
 
 def test_without_a_backend_a_cpu_machine_gets_the_gpu_error(fake_openai: FakeOpenAIServer) -> None:
-    trainer = agl.Trainer(algorithm=VERL(config()), store="memory", n_runners=1, runner_mode="thread", progress=False)
+    trainer = agl.Trainer(algorithm=VERL(config()), store="memory", n_runners=1, runner_mode="thread", progress=False, instrument=False)
     with pytest.raises(agl.algorithm.verl.VERLConfigError, match="cannot run here"):
         trainer.fit(qa_agent, train_dataset=TASKS)
 
@@ -204,7 +204,7 @@ def test_steps_with_nothing_to_train_are_skipped_then_training_stops(fake_openai
     backend = RecordingBackend(fake_openai)
     algorithm = VERL(config(**{"trainer.val_before_train": "false"}), backend=backend, wait_timeout=60)
     backend.algorithm = algorithm
-    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False)
+    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False)
     with pytest.raises(NoTrainableSamples, match="3 steps in a row had nothing to train on"):
         trainer.fit(failing_agent, train_dataset=TASKS)
     assert backend.updates == [] and backend.calls == ["start 4", "stop"]

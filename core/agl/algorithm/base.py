@@ -7,7 +7,10 @@ only decides what to run and what to learn from it (``self.trainer.run_tasks`` d
 from __future__ import annotations
 
 import abc
+import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from agl.errors import NoTrainableSamples
 
 if TYPE_CHECKING:
     from agl.store.base import LightningStore
@@ -33,6 +36,30 @@ class Algorithm(abc.ABC):
     @abc.abstractmethod
     def run(self, train_dataset: Optional[Sequence[Any]], val_dataset: Optional[Sequence[Any]]) -> Any:
         """Train (or evaluate); may run for a long time. Return whatever summary is useful."""
+
+
+logger = logging.getLogger("agl.algorithm")
+
+
+class EmptySteps:
+    """Training steps in a row that had nothing to train on: each is logged and skipped, and ``limit`` in a
+    row stop training with :class:`~agl.errors.NoTrainableSamples`. A mistake in the setup (an agent_match
+    that selects no call, an agent that records none) would otherwise run to the last step training nothing,
+    while a step or two emptied by chance (every rollout of a batch failed) does not end a run."""
+
+    def __init__(self, limit: int = 3) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+
+    def trained(self) -> None:
+        self.in_a_row = 0
+
+    def nothing(self, step: int, why: str) -> None:
+        """Step ``step`` had nothing to train on, because ``why``; raises on the ``limit``-th in a row."""
+        self.in_a_row += 1
+        logger.error("step %d trains nothing and is skipped: %s", step, why)
+        if self.in_a_row >= self.limit:
+            raise NoTrainableSamples(f"{self.in_a_row} steps in a row had nothing to train on; last: {why}")
 
 
 class Baseline(Algorithm):

@@ -49,7 +49,7 @@ from typing import (
 
 import torch
 
-from agl.algorithm.base import Algorithm
+from agl.algorithm.base import Algorithm, EmptySteps
 from agl.algorithm.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -401,6 +401,7 @@ class TorchGRPO(Algorithm):
         started: float,
     ) -> Optional[Evaluation]:
         last_eval: Optional[Evaluation] = None
+        empty_steps = EmptySteps(limit=3)
         resources_id = self._publish(self._train_sampling())
         while self.state.step < total_steps:
             if self.time_budget_s is not None and time.monotonic() - started + self._still_needed_s() > self.time_budget_s:
@@ -414,6 +415,10 @@ class TorchGRPO(Algorithm):
             )
             generated = time.monotonic()
             batch = adapter.build_batch(self.store, rollouts, progress=False)
+            if batch.samples:
+                empty_steps.trained()
+            else:  # the step still counts: its rollouts ran, and a resumed run must not repeat it
+                empty_steps.nothing(self.state.step + 1, batch.report.why_empty(adapter.agent_match))
             with self.server.paused():
                 stats = self.update(batch.samples)
             resources_id = self._publish(self._train_sampling())

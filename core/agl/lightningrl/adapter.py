@@ -66,6 +66,7 @@ class BatchReport:
     without_samples: int = 0  # used rollouts none of whose calls became a transition
     llm_spans: int = 0
     filtered_by_agent: int = 0
+    filtered_agents: Dict[str, int] = field(default_factory=dict)  # agent name -> calls agent_match left out
     filtered_by_call: int = 0
     skipped: Dict[str, int] = field(default_factory=dict)  # reason -> llm spans
     transitions: int = 0
@@ -87,6 +88,8 @@ class BatchReport:
         """Add one attempt's counts."""
         self.llm_spans += extraction.llm_spans
         self.filtered_by_agent += extraction.filtered_by_agent
+        for agent, n in extraction.filtered_agents.items():
+            self.filtered_agents[agent] = self.filtered_agents.get(agent, 0) + n
         self.filtered_by_call += extraction.filtered_by_call
         for reason, n in extraction.skipped.items():
             self.skipped[reason] = self.skipped.get(reason, 0) + n
@@ -107,7 +110,11 @@ class BatchReport:
         ]
         filtered = self.filtered_by_agent + self.filtered_by_call
         if filtered:
-            parts.append(f"filtered {self.filtered_by_agent} by agent_match, {self.filtered_by_call} by llm_call_match")
+            agents = ", ".join(f"{name} {n}" for name, n in sorted(self.filtered_agents.items()))
+            parts.append(
+                f"filtered {self.filtered_by_agent} by agent_match{f' ({agents})' if agents else ''}, "
+                f"{self.filtered_by_call} by llm_call_match"
+            )
         if self.skipped:
             parts.append("skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())))
         for n, what in (
@@ -124,6 +131,23 @@ class BatchReport:
         if self.tree_repairs.total:
             parts.append(f"tree repairs: {self.tree_repairs}")
         return "; ".join(parts)
+
+    def why_empty(self, agent_match: Any = None) -> str:
+        """Why a batch with no sample has none, and what to check (for the error a trainer raises)."""
+        if not self.used:
+            return f"every rollout failed ({self.failed_dropped} dropped): see their errors (agl store rollouts --status failed)"
+        if not self.llm_spans:
+            return (
+                "no rollout recorded an LLM call: agl records calls made through the openai client (every supported "
+                "framework uses it) while instrumented; check that the agent calls the LLM resource it is given"
+            )
+        if self.filtered_by_agent == self.llm_spans:
+            agents = ", ".join(f"{name!r} ({n})" for name, n in sorted(self.filtered_agents.items()))
+            return (
+                f"agent_match {agent_match!r} left out every LLM call; the calls' agents: {agents}. "
+                "agent_match is a regex (re.search) on those names"
+            )
+        return f"no call became a sample ({self})"
 
 
 @dataclass

@@ -80,6 +80,7 @@ class Extraction:
     transitions: List[Transition] = field(default_factory=list)
     llm_spans: int = 0
     filtered_by_agent: int = 0
+    filtered_agents: Counter = field(default_factory=Counter)  # agent name -> calls agent_match left out
     filtered_by_call: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> number of llm spans
     retokenized: int = 0
@@ -110,6 +111,7 @@ def extract_transitions(
         policy = selector.policies.policy_for(agent_name)
         if policy is None:
             out.filtered_by_agent += 1
+            out.filtered_agents[str(agent_name)] += 1
             continue
         if not selector.call_matches(span):
             out.filtered_by_call += 1

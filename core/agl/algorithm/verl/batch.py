@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, 
 import numpy as np
 import torch
 
+from agl.errors import NoTrainableSamples
 from agl.lightningrl.types import Sample
 
 if TYPE_CHECKING:
@@ -84,10 +85,6 @@ class ConversionReport:
             if n:
                 parts.append(f"{n} {label}")
         return ", ".join(parts)
-
-
-class NoTrainableSamples(ValueError):
-    """Every sample of a batch was dropped (or there was none); the message says why."""
 
 
 @dataclass

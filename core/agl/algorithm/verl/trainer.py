@@ -27,9 +27,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Literal, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
-from agl.algorithm.base import Algorithm
+from agl.algorithm.base import Algorithm, EmptySteps
 from agl.algorithm.verl.config import ConfigInput, VERLConfig, VERLConfigError, as_verl_config
 from agl.dataset import as_tasks
+from agl.errors import NoTrainableSamples
 from agl.store.base import EnqueueRequest
 from agl.types import ProxyLLM, Rollout, Task
 
@@ -157,7 +158,7 @@ class VERL(Algorithm):
         self.backend = backend
         self.proxy: Any = None
         self.policy_version = 0  # weight updates done so far
-        self.max_skipped_steps = 3  # consecutive steps without a trainable sample before giving up
+        self.empty_steps = EmptySteps(limit=3)  # consecutive steps without a trainable sample before giving up
         self.summary = TrainingSummary()
 
     # -- the adapter -------------------------------------------------------------------------------------------
@@ -216,14 +217,11 @@ class VERL(Algorithm):
     def _train(
         self, tasks: List[Task], total_steps: int, adapter: Any, serving: Serving, val_dataset: Optional[Sequence[Any]]
     ) -> None:
-        from agl.algorithm.verl.batch import NoTrainableSamples  # needs torch: imported once training runs
-
         stream = self._task_stream(tasks)
         in_flight: "OrderedDict[str, _Group]" = OrderedDict()
         batch_size = self.config.train_batch_size
         test_freq = int(self.config.get("trainer.test_freq") or -1)
         save_freq = int(self.config.get("trainer.save_freq") or -1)
-        skipped = 0
         for step in range(1, total_steps + 1):
             steps_left = total_steps - step + 1
             wanted = min(batch_size + self.async_groups, batch_size * steps_left)
@@ -236,12 +234,9 @@ class VERL(Algorithm):
             rollouts = [r for g in groups for r in (g.done[i] for i in g.rollout_ids)]
             try:
                 metrics = self._update(step, rollouts, adapter, serving)
-                skipped = 0
+                self.empty_steps.trained()
             except NoTrainableSamples as exc:
-                skipped += 1
-                logger.error("step %d trains nothing and is skipped: %s", step, exc)
-                if skipped >= self.max_skipped_steps:
-                    raise NoTrainableSamples(f"{skipped} steps in a row had nothing to train on; last: {exc}") from exc
+                self.empty_steps.nothing(step, str(exc))
                 metrics = {"agl/step_skipped": 1.0}
             metrics["agl/timing/wait_s"] = waited
             metrics["agl/async/carried_over_groups"] = float(len(in_flight))
@@ -324,6 +319,8 @@ class VERL(Algorithm):
 
 
         batch = adapter.build_batch(self.store, rollouts, progress=self.trainer.progress)
+        if not batch.samples:
+            raise NoTrainableSamples(batch.report.why_empty(adapter.agent_match))
         data, report = samples_to_dataproto(
             batch.samples,
             max_prompt_length=self.config.max_prompt_length,
