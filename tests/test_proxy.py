@@ -248,6 +248,9 @@ def test_an_instrumented_agent_behind_the_proxy_is_recorded_once_by_its_own_trac
         instrumentor.uninstrument()
     assert [s.kind for s in sink.spans] == ["llm"]  # the agent's own record, with its token ids
     assert sink.spans[0].attributes[semconv.PROMPT_TOKEN_IDS]
+    # and with the logprobs the proxy asked for (the agent did not): verl's rollout_log_probs
+    logprobs = sink.spans[0].attributes[semconv.RESPONSE_LOGPROBS]
+    assert len(logprobs) == len(sink.spans[0].attributes[semconv.RESPONSE_TOKEN_IDS]) > 0
     assert llm_spans(store, rollout) == [] and proxy.stats.client_traced == 1
 
 

@@ -182,10 +182,12 @@ def _is_int(value: Any) -> bool:
 # --- responses ---------------------------------------------------------------------------------------------
 
 
-def chat_completion_attributes(completion: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
+def chat_completion_attributes(completion: Any, deferred: Dict[str, Any]) -> List[str]:
     """Record a non-streamed ``ChatCompletion`` (token ids and logprobs of its first choice).
 
-    Returns the finish reasons.
+    Logprobs are recorded whenever the response has them, as from a stream: also when a proxy asked for them
+    rather than the agent (agl's LLM proxy in front of vLLM does), so the trainer gets the server's logprobs
+    whichever side records the call. Returns the finish reasons.
     """
     _record_header(completion, deferred)
     choices = completion.choices
@@ -193,14 +195,15 @@ def chat_completion_attributes(completion: Any, deferred: Dict[str, Any], with_l
     first = choices[0] if choices else None
     record_token_ids(_extra(completion, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
     record_resources_version(_extra(completion, RESOURCES_VERSION_FIELD), deferred)
-    if with_logprobs and first is not None and first.logprobs is not None and first.logprobs.content:
+    if first is not None and first.logprobs is not None and first.logprobs.content:
         deferred[semconv.RESPONSE_LOGPROBS] = _chat_logprobs(first.logprobs.content)
     return [c.finish_reason for c in choices if c.finish_reason]
 
 
-def completion_attributes(completion: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
+def completion_attributes(completion: Any, deferred: Dict[str, Any]) -> List[str]:
     """Record a non-streamed (legacy) ``Completion``: choice texts as assistant messages, choice 0's token ids
-    and logprobs. A prompt sent as token ids is the prompt, whether or not the server echoes it back.
+    and logprobs (whenever it has them, as for chat). A prompt sent as token ids is the prompt, whether or not
+    the server echoes it back.
 
     Returns the finish reasons.
     """
@@ -210,7 +213,7 @@ def completion_attributes(completion: Any, deferred: Dict[str, Any], with_logpro
     first = choices[0] if choices else None
     record_completion_token_ids(_extra(first, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
     record_resources_version(_extra(completion, RESOURCES_VERSION_FIELD), deferred)
-    if with_logprobs and first is not None and first.logprobs is not None and first.logprobs.token_logprobs:
+    if first is not None and first.logprobs is not None and first.logprobs.token_logprobs:
         deferred[semconv.RESPONSE_LOGPROBS] = list(first.logprobs.token_logprobs)
     return [c.finish_reason for c in choices if c.finish_reason]
 
@@ -236,9 +239,9 @@ def record_completion_token_ids(prompt_ids: Any, response_ids: Any, deferred: Di
 def record_response(api: str, response: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
     """Record a parsed, non-streamed response of ``api``; returns the finish reasons."""
     if api == CHAT:
-        return chat_completion_attributes(response, deferred, with_logprobs)
+        return chat_completion_attributes(response, deferred)
     if api == COMPLETIONS:
-        return completion_attributes(response, deferred, with_logprobs)
+        return completion_attributes(response, deferred)
     return response_attributes(response, deferred, with_logprobs)
 
 
