@@ -103,6 +103,23 @@ def test_an_instrumentor_of_ones_own_is_not_doubled(tmp_path, fake_openai):
         mine.uninstrument()
 
 
+def my_sql_agent(task_input):
+    """The seeds' (003) plain function: emits its reward, returns the agent's result, no @agl.rollout."""
+    result = {"output": "SELECT 1", "output_is_correct": task_input["question"] == "q1"}
+    agl.emit_reward(1.0 if result["output_is_correct"] else 0.0)
+    return result
+
+
+def test_a_plain_function_is_an_agent_as_on_the_command_line(tmp_path):
+    trainer = agl.Trainer(store=str(tmp_path / "s.db"), n_runners=2, progress=False)  # process runners
+    rows = trainer.dev(my_sql_agent, [{"question": "q1"}, {"question": "q2"}], print_table=False)
+    assert [(r.status, r.reward) for r in rows] == [("succeeded", 1.0), ("succeeded", 0.0)]
+    result = trainer.fit(my_sql_agent, [{"question": "q1"}])
+    assert [(r.status, r.final_reward) for r in result["train"]] == [("succeeded", 1.0)]
+    with pytest.raises(TypeError, match="the agent is a str, not a LitAgent or a rollout function"):
+        trainer.dev("my_sql_agent", [{"question": "q1"}])
+
+
 def test_proxy_llm_routes_by_rollout_and_plain_llm_does_not():
     proxy = agl.ProxyLLM(endpoint="http://host:9999/v1", model="m")
     assert proxy.get_base_url("ro-1", "at-1") == "http://host:9999/rollout/ro-1/attempt/at-1/v1"

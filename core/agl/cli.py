@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from agl import __version__
-from agl.litagent import LitAgent, rollout
+from agl.litagent import LitAgent, as_agent
 
 
 def load_agent(target: str) -> LitAgent[Any]:
@@ -41,16 +41,10 @@ def load_agent(target: str) -> LitAgent[Any]:
         obj = getattr(module, attr)
     except AttributeError:
         raise SystemExit(f"agl: {module_part} has no attribute {attr!r}") from None
-    if isinstance(obj, LitAgent):
-        return obj
-    if isinstance(obj, type) and issubclass(obj, LitAgent):
-        return obj()
-    if callable(obj):
-        try:
-            return rollout(obj)
-        except TypeError as exc:  # arguments agl cannot supply
-            raise SystemExit(f"agl: {target}: {exc}") from None
-    raise SystemExit(f"agl: {target} is a {type(obj).__name__}, not a LitAgent or a rollout function")
+    try:
+        return as_agent(obj)
+    except TypeError as exc:  # not an agent, or a function taking arguments agl cannot supply
+        raise SystemExit(f"agl: {target}: {exc}") from None
 
 
 def load_tasks(path: str) -> List[Any]:

@@ -144,3 +144,16 @@ def _rebuilt(fn: Callable[..., Any], trained_agents: Optional[str]) -> "Function
 def rollout(fn: Callable[..., Any]) -> FunctionalLitAgent:
     """Turn ``def agent(task, llm)`` (or any of task/resources/rollout/llm/prompt_template) into a LitAgent."""
     return FunctionalLitAgent(fn)
+
+
+def as_agent(obj: Any) -> LitAgent[Any]:
+    """What the Trainer and the CLI run: a LitAgent as it is, a LitAgent subclass built with no arguments, or
+    a plain rollout function wrapped as ``@agl.rollout`` would (a TypeError names arguments agl cannot
+    supply). Anything else is a TypeError that says what an agent is."""
+    if isinstance(obj, LitAgent):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, LitAgent):
+        return obj()
+    if callable(obj):
+        return rollout(obj)
+    raise TypeError(f"the agent is a {type(obj).__name__}, not a LitAgent or a rollout function (def agent(task, llm))")

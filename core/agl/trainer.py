@@ -11,19 +11,21 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from agl.algorithm.base import Algorithm, Baseline
 from agl.dataset import as_tasks
 from agl.instrumentation import instrument, uninstrument
 from agl.instrumentation.base import any_instrumented
-from agl.litagent import LitAgent
+from agl.litagent import LitAgent, as_agent
 from agl.runner_pool import RunnerMode, RunnerPool
 from agl.store import LightningStore, open_store
 from agl.store.base import EnqueueRequest
 from agl.types import Resource, Rollout, RolloutConfig, RolloutMode, parse_resources
 
 logger = logging.getLogger("agl.trainer")
+
+AgentLike = Union[LitAgent[Any], Callable[..., Any]]  # a plain rollout function is wrapped (agl.litagent.as_agent)
 
 
 @dataclass
@@ -143,7 +145,7 @@ class Trainer:
         return [finished[i] for i in ids]
 
     @contextlib.contextmanager
-    def runners(self, agent: LitAgent[Any]) -> Iterator[Optional[RunnerPool]]:
+    def runners(self, agent: AgentLike) -> Iterator[Optional[RunnerPool]]:
         """The runner pool for ``agent``: started on enter, stopped on exit (also on errors and Ctrl-C).
 
         With ``n_runners=0`` there is no local pool (None): rollouts wait for remote runners.
@@ -161,6 +163,7 @@ class Trainer:
             finally:
                 self._remote_runners_only = False
             return
+        agent = as_agent(agent)
         hooked_here = self.instrument and not any_instrumented()
         if hooked_here:
             logger.info("agl.instrument() was not called: instrumenting %s for this run", ", ".join(instrument()))
@@ -179,7 +182,7 @@ class Trainer:
     # -- public entry points -------------------------------------------------------------------------------
     def dev(
         self,
-        agent: LitAgent[Any],
+        agent: AgentLike,
         dev_dataset: Optional[Sequence[Any]] = None,
         *,
         mode: RolloutMode = "train",
@@ -199,7 +202,7 @@ class Trainer:
 
     def fit(
         self,
-        agent: LitAgent[Any],
+        agent: AgentLike,
         train_dataset: Optional[Sequence[Any]] = None,
         *,
         val_dataset: Optional[Sequence[Any]] = None,
@@ -208,6 +211,7 @@ class Trainer:
 
         An agent made with Agent Lightning's ``LitAgent(trained_agents=REGEX)`` trains those agents' calls
         when the adapter names no ``agent_match`` (the adapter's own wins)."""
+        agent = as_agent(agent)
         algorithm = self.algorithm or Baseline()
         algorithm.bind(self)
         adapter = self.adapter
