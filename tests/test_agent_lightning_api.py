@@ -103,6 +103,33 @@ def test_an_instrumentor_of_ones_own_is_not_doubled(tmp_path, fake_openai):
         mine.uninstrument()
 
 
+def test_the_seeds_dry_run_against_a_hosted_api(tmp_path, instrumented):
+    """The seeds' dry run: trainer.dev with main_llm on api.openai.com (gpt-4.1-nano). Inside a rollout agl
+    asks every call for token ids, which that API refuses with a 400: every rollout failed before."""
+    from agl.instrumentation import token_id_refusals
+    from agl.testing import FakeOpenAIServer
+
+    token_id_refusals.forget_all()
+    try:
+        with FakeOpenAIServer(reject_token_ids=True) as hosted:  # answers as api.openai.com does
+            with pytest.warns(DeprecationWarning, match="n_runners"):
+                trainer = agl.Trainer(
+                    n_workers=1,
+                    store=str(tmp_path / "s.db"),
+                    initial_resources={
+                        "main_llm": agl.LLM(endpoint=hosted.base_url, model="gpt-4.1-nano", sampling_parameters={"temperature": 0.7})
+                    },
+                    progress=False,
+                )
+            rows = trainer.dev(LitQAAgent(max_turns=3), dev_dataset=[{"question": "q1"}, {"question": "q2"}])
+        assert [(r.status, r.reward, r.llm_calls) for r in rows] == [("succeeded", 1.0, 1), ("succeeded", 1.0, 1)]
+        for row in rows:
+            (llm,) = [s for s in trainer.store.query_spans(row.rollout_id) if s.kind == "llm"]
+            assert llm.attributes[agl.semconv.TOKEN_IDS_SOURCE] == "refused"
+    finally:
+        token_id_refusals.forget_all()
+
+
 def my_sql_agent(task_input):
     """The seeds' (003) plain function: emits its reward, returns the agent's result, no @agl.rollout."""
     result = {"output": "SELECT 1", "output_is_correct": task_input["question"] == "q1"}
