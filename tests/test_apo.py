@@ -114,6 +114,25 @@ def test_beam_search_finds_the_better_prompt_and_publishes_it(tmp_path, fake_ope
                for r in optimizer.requests if r["path"].endswith("/chat/completions"))
 
 
+def test_prompt_optimization_of_an_agent_on_a_hosted_model(tmp_path, optimizer) -> None:
+    """APO's usual setting: the agent's model on api.openai.com, which refuses the token ids agl asks for in
+    rollouts. Every rollout failed before; now the calls are sent again without the flag."""
+    from agl.instrumentation import token_id_refusals
+
+    token_id_refusals.forget_all()
+    optimizer.script(FakeReply(content="It never asks for concision."), FakeReply(content=f"<prompt>{GOOD}</prompt>"))
+    try:
+        with FakeOpenAIServer(reject_token_ids=True) as hosted:
+            algorithm = APO(_optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=1,
+                            gradient_batch_size=2, val_batch_size=2)
+            trainer = _trainer(tmp_path, hosted, algorithm)
+            result = trainer.fit(agent, TASKS, val_dataset=TASKS[:2])
+    finally:
+        token_id_refusals.forget_all()
+    assert [c.score for c in result.history] == [0.25, 1.0] and result.best.template == GOOD
+    assert {r.status for r in trainer.store.query_rollouts()} == {"succeeded"}
+
+
 def test_a_trainer_without_a_prompt_template_is_told_how_to_add_one(tmp_path, fake_openai, optimizer) -> None:
     trainer = agl.Trainer(
         algorithm=APO(_optimizer_llm(optimizer)), store=str(tmp_path / "store.db"), n_runners=1,
