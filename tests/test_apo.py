@@ -41,8 +41,11 @@ def instrumented() -> Iterator[None]:
     agl.uninstrument()
 
 
-def _trainer(tmp_path: Path, fake_openai: FakeOpenAIServer, algorithm: Any, prompt: str = SEED) -> agl.Trainer:
+def _trainer(
+    tmp_path: Path, fake_openai: FakeOpenAIServer, algorithm: Any, prompt: str = SEED, **options: Any
+) -> agl.Trainer:
     return agl.Trainer(
+        **options,
         algorithm=algorithm,
         store=str(tmp_path / "store.db"),
         n_runners=3,
@@ -131,6 +134,20 @@ def test_prompt_optimization_of_an_agent_on_a_hosted_model(tmp_path, optimizer) 
         token_id_refusals.forget_all()
     assert [c.score for c in result.history] == [0.25, 1.0] and result.best.template == GOOD
     assert {r.status for r in trainer.store.query_rollouts()} == {"succeeded"}
+
+
+def test_span_retention_deletes_critiqued_rollouts_spans_after_the_critique(tmp_path, fake_openai, optimizer) -> None:
+    optimizer.script(FakeReply(content="It never asks for concision."), FakeReply(content=f"<prompt>{GOOD}</prompt>"))
+    algorithm = APO(_optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=1,
+                    gradient_batch_size=2, val_batch_size=2)
+    trainer = _trainer(tmp_path, fake_openai, algorithm, span_retention_steps=0)
+    result = trainer.fit(agent, TASKS, val_dataset=TASKS[:2])
+    assert result.best.template == GOOD
+    assert "[system] Answer the question: What is" in _contents(optimizer)[0], "the critique read the spans first"
+    store = trainer.store
+    train = store.query_rollouts(mode="train")
+    assert len(train) == 2 and all(store.query_spans(r.rollout_id) == [] for r in train)
+    assert all(store.query_spans(r.rollout_id) for r in store.query_rollouts(mode="val"))
 
 
 def test_a_trainer_without_a_prompt_template_is_told_how_to_add_one(tmp_path, fake_openai, optimizer) -> None:

@@ -156,7 +156,10 @@ def test_cli_dev_names_a_missing_data_file(tmp_path):
         agl_main(["dev", "examples/calc_agent.py:calc_agent", "--data", str(tmp_path / "nothing.jsonl")])
 
 
-@pytest.mark.parametrize("command", [["store", "stats"], ["store", "rollouts"], ["inspect", "ro-1"], ["export", "out.jsonl"]])
+@pytest.mark.parametrize("command", [
+    ["store", "stats"], ["store", "rollouts"], ["store", "prune", "--keep-last", "0"], ["inspect", "ro-1"],
+    ["export", "out.jsonl"],
+])
 def test_reading_commands_refuse_a_store_that_does_not_exist_and_create_none(tmp_path, command):
     """A mistyped --store must not read as an empty store (and leave a new empty file behind)."""
     missing = tmp_path / "runs" / "typo.db"

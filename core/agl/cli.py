@@ -15,6 +15,8 @@ from typing import Any, Dict, Iterator, List, Optional
 from agl import __version__
 from agl.litagent import LitAgent, as_agent
 
+PRUNE_BATCH = 1000  # rollouts per delete_spans call of `agl store prune`
+
 
 def load_agent(target: str) -> LitAgent[Any]:
     """``path/to/file.py:name`` or ``package.module:name`` -> a LitAgent.
@@ -158,7 +160,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     if rollout_.error:
         print(f"error: {rollout_.error}")
-    print(render(spans) if spans else "(no spans)")
+    if spans:
+        print(render(spans))
+    elif rollout_.is_terminal and rollout_.n_attempts:
+        print("(no spans: the agent recorded none, or they were deleted afterwards by span retention, "
+              "Trainer(span_retention_steps=...), or by `agl store prune`)")
+    else:
+        print("(no spans yet)" if rollout_.status in ("queued", "running") else "(no spans)")
     return 0
 
 
@@ -172,6 +180,29 @@ def cmd_store(args: argparse.Namespace) -> int:
     for r in rollouts:
         reward = "-" if r.final_reward is None else f"{r.final_reward:g}"
         print(f"{r.rollout_id:18} {r.task_id[:16]:16} {r.mode:5} {r.status:10} {r.n_attempts:<8} {reward}")
+    return 0
+
+
+def cmd_store_prune(args: argparse.Namespace) -> int:
+    """Delete the spans of all finished rollouts but the last ``--keep-last`` (in enqueue order)."""
+    from agl.store import SqliteLightningStore
+
+    if args.keep_last < 0:
+        raise SystemExit("agl: --keep-last must be >= 0 (the number of latest finished rollouts whose spans stay)")
+    store = _existing_store(args.store)
+    finished = store.query_rollouts(status=["succeeded", "failed", "cancelled"], mode=args.mode)
+    doomed = [r.rollout_id for r in finished[: max(len(finished) - args.keep_last, 0)]]
+    deleted = 0
+    for start in range(0, len(doomed), PRUNE_BATCH):  # bounded transactions (and HTTP bodies)
+        deleted += store.delete_spans(doomed[start : start + PRUNE_BATCH])
+    print(f"deleted {deleted} spans of {len(doomed)} finished rollouts; the rollouts, their rewards and "
+          f"the spans of the last {len(finished) - len(doomed)} finished and of every unfinished rollout stay")
+    if args.vacuum:
+        if not isinstance(store, SqliteLightningStore):
+            raise SystemExit("agl: --vacuum is for a SQLite store file (PostgreSQL: run VACUUM FULL on the database)")
+        before = store.file_size()
+        store.vacuum()
+        print(f"vacuumed {store.path}: {before / 1e6:.1f} MB -> {store.file_size() / 1e6:.1f} MB")
     return 0
 
 
@@ -233,6 +264,21 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (listing, stats):
         p.add_argument("--store", default=None, help=store_help)
         p.set_defaults(func=cmd_store)
+    prune = store_sub.add_parser(
+        "prune", help="delete the spans of older finished rollouts (the rollouts and rewards stay)",
+        description="Spans (prompts, responses, token ids) are nearly all of a store's volume. This deletes the "
+        "spans of every finished rollout but the latest --keep-last; rollouts, attempts and rewards stay, and so "
+        "do the spans of queued and running rollouts. Export what you want to keep first (agl export). During "
+        "training, Trainer(span_retention_steps=N) / agl train --span-retention-steps N does this step by step.",
+    )
+    prune.add_argument("--keep-last", type=int, required=True, metavar="N",
+                       help="how many of the latest finished rollouts keep their spans")
+    prune.add_argument("--mode", choices=["train", "val"], help="only rollouts of this mode (default: both)")
+    prune.add_argument("--vacuum", action="store_true",
+                       help="SQLite: give the freed space back to the file system (rewrites the file; without "
+                       "this the file keeps its size and new spans reuse the space)")
+    prune.add_argument("--store", default=None, help=store_help)
+    prune.set_defaults(func=cmd_store_prune)
     from agl.remote_cli import add_runner_parser, add_serve_parser
 
     add_serve_parser(store_sub)  # agl store serve

@@ -87,6 +87,9 @@ def add_train_parser(sub: Any, store_help: str) -> None:
     train.add_argument("--runner-mode", choices=["thread", "process"], default="thread",
                        help="thread (default: agents mostly wait on the model's HTTP endpoint) or process")
     train.add_argument("--rollout-timeout", type=float, default=600.0, help="seconds before a rollout is retried")
+    train.add_argument("--span-retention-steps", type=int, default=None, metavar="N",
+                       help="keep the spans of the last N training steps only, deleting older ones (rollouts "
+                       "and rewards stay): bounds a long run's store (default: keep every span)")
     train.add_argument("--check", action="store_true", help="check the agent, data and settings (and for verl "
                        "whether this machine can train them), then exit without training")
     train.set_defaults(func=cmd_train)
@@ -130,6 +133,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         runner_mode=args.runner_mode,
         rollout_timeout=args.rollout_timeout,
         initial_resources=resources,
+        span_retention_steps=args.span_retention_steps,
     )
     result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
     if args.algorithm == "apo":

@@ -19,6 +19,7 @@ from agl.instrumentation import instrument, uninstrument
 from agl.instrumentation.base import any_instrumented
 from agl.litagent import LitAgent, as_agent
 from agl.runner_pool import RunnerMode, RunnerPool
+from agl.span_retention import SpanRetention
 from agl.store import LightningStore, open_store
 from agl.store.base import EnqueueRequest
 from agl.types import Resource, Rollout, RolloutConfig, RolloutMode, parse_resources
@@ -59,8 +60,11 @@ class Trainer:
         heartbeat_interval: float = 5.0,
         progress: bool = True,
         instrument: bool = True,
+        span_retention_steps: Optional[int] = None,
         n_workers: Optional[int] = None,
     ) -> None:
+        """``span_retention_steps``: keep the spans of the last N training steps and delete older ones (their
+        rollouts and rewards stay, validation spans stay); None keeps every span. See agl.span_retention."""
         if n_workers is not None:
             warnings.warn("Trainer(n_workers=) is now n_runners=", DeprecationWarning, stacklevel=2)
             n_runners = n_workers
@@ -83,6 +87,7 @@ class Trainer:
         self.runner_kwargs = {"heartbeat_interval": heartbeat_interval, "rollout_timeout": rollout_timeout}
         self.progress = progress
         self.instrument = instrument
+        self.span_retention = SpanRetention(self.store, span_retention_steps)
         self.resources_id: Optional[str] = None
         if initial_resources:
             self.resources_id = self.store.add_resources(parse_resources(dict(initial_resources))).resources_id
@@ -143,6 +148,11 @@ class Trainer:
                 if self._pool is not None:
                     self._pool.check()
         return [finished[i] for i in ids]
+
+    def learned_from(self, rollouts: Sequence[Rollout]) -> None:
+        """Algorithms call this once a training step's update has learnt from ``rollouts``: the spans of steps
+        older than ``span_retention_steps`` are deleted then (nothing happens without that setting)."""
+        self.span_retention.learned_from(rollouts)
 
     @contextlib.contextmanager
     def runners(self, agent: AgentLike) -> Iterator[Optional[RunnerPool]]:

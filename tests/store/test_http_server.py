@@ -110,6 +110,7 @@ def test_no_token_no_access_and_nothing_changes(served: Served) -> None:
         ("GET", f"/v1/rollouts/{rollout.rollout_id}"),
         ("POST", f"/v1/rollouts/{rollout.rollout_id}/cancel"),
         ("POST", "/v1/spans"),
+        ("POST", "/v1/spans/delete"),
         ("POST", "/v1/traces"),
         ("GET", "/v1/no-such-endpoint"),  # which paths exist is not told without a token either
     ]:
@@ -308,6 +309,7 @@ def test_openapi_documents_every_endpoint(served: Served) -> None:
         "/v1/rollouts/{rollout_id}/attempts/{attempt_id}/complete-and-dequeue",
         "/v1/rollouts/{rollout_id}/spans",
         "/v1/spans",
+        "/v1/spans/delete",
         "/v1/traces",
         "/v1/resources",
         "/v1/stats",

@@ -542,6 +542,48 @@ def test_spans_of_failed_attempt_are_kept_apart_from_the_retry(store: LightningS
     assert store.query_spans(first.rollout_id, None) == first_spans + [late] + second_spans
 
 
+def test_delete_spans_of_finished_rollouts_keeps_the_rollouts(store: LightningStore, make_span: MakeSpan) -> None:
+    store.enqueue_many([EnqueueRequest(input=i, config=RolloutConfig(max_attempts=2)) for i in range(4)])
+    retried, done, kept, cancelled = store.dequeue_many("runner-1", 4)
+    store.add_spans([make_span(retried, 0), make_span(done, 0), make_span(done, 1), make_span(kept, 0)])
+    fail(store, retried)
+    again = claim(store)
+    store.add_spans([make_span(again, 0)])
+    store.complete_attempt(again.rollout_id, aid(again), "failed", error="twice")
+    store.complete_attempt(done.rollout_id, aid(done), "succeeded", reward=1.0)
+    store.complete_attempt(kept.rollout_id, aid(kept), "succeeded", reward=0.5)
+    store.cancel_rollout(cancelled.rollout_id)
+    before = {r.rollout_id: r for r in store.query_rollouts()}
+
+    ids = [retried.rollout_id, done.rollout_id, cancelled.rollout_id, done.rollout_id]
+    assert store.delete_spans(ids) == 4, "every attempt's spans (the failed first attempt's too), each id once"
+    assert store.query_spans(retried.rollout_id, None) == []
+    assert store.query_spans(done.rollout_id) == []
+    assert len(store.query_spans(kept.rollout_id)) == 1, "other rollouts keep theirs"
+    assert {r.rollout_id: r for r in store.query_rollouts()} == before, "rollouts, rewards, attempts stay as they were"
+    assert store.stats().spans == 1
+    assert store.delete_spans(ids) == 0, "deleting again deletes nothing"
+    assert store.delete_spans([]) == 0
+
+
+def test_delete_spans_refuses_live_or_unknown_rollouts_and_deletes_nothing(
+    store: LightningStore, make_span: MakeSpan
+) -> None:
+    store.enqueue_many([EnqueueRequest(input=i) for i in range(3)])
+    done, running = store.dequeue_many("runner-1", 2)
+    store.add_spans([make_span(done, 0), make_span(running, 0)])
+    store.complete_attempt(done.rollout_id, aid(done), "succeeded")
+    (queued,) = store.query_rollouts(status=["queued"])
+    for live, status in ((running, "running"), (queued, "queued")):
+        with pytest.raises(IllegalTransitionError, match=f"it is {status}.*finished rollouts only"):
+            store.delete_spans([done.rollout_id, live.rollout_id])
+    with pytest.raises(UnknownRolloutError, match="nope"):
+        store.delete_spans([done.rollout_id, "nope"])
+    assert len(store.query_spans(done.rollout_id)) == 1, "a refused call deletes nothing of its list"
+    assert len(store.query_spans(running.rollout_id)) == 1
+    assert store.stats().spans == 2
+
+
 # -- resources ---------------------------------------------------------------------------------------------
 
 

@@ -272,3 +272,23 @@ def test_steps_with_nothing_to_train_stop_the_run_and_say_why(tmp_path: Path, ca
     assert algo.state.step == 2  # steps 1 and 2 were logged and skipped, step 3 stopped the run
     skipped = [r.getMessage() for r in caplog.records if "trains nothing and is skipped" in r.getMessage()]
     assert [m.split(" trains")[0] for m in skipped] == ["step 1", "step 2", "step 3"]
+
+
+def test_span_retention_keeps_the_last_steps_spans_and_every_rollout(tmp_path: Path) -> None:
+    """Spans are nearly all of a store's volume; a long run keeps only its last steps' (Trainer setting)."""
+    algo = _algo(tmp_path, steps=3, checkpoint_dir=None)
+    trainer = agl.Trainer(
+        algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False,
+        span_retention_steps=1,
+    )
+    result = trainer.fit(chat_agent, TASKS, val_dataset=VAL)
+    assert [r["samples"] for r in result.rows] == [6, 6, 6], "each step learnt from its spans before they went"
+
+    store = trainer.store
+    train = store.query_rollouts(mode="train")
+    assert len(train) == 18 and all(r.status == "succeeded" and r.final_reward is not None for r in train)
+    spans = [len(store.query_spans(r.rollout_id)) for r in train]
+    assert spans[:12] == [0] * 12, "steps 1 and 2 are out of the window of 1 step"
+    assert all(n >= 2 for n in spans[12:]), "the last step keeps its spans (agent and llm spans at least)"
+    val = store.query_rollouts(mode="val")
+    assert len(val) == 6 and all(store.query_spans(r.rollout_id) for r in val), "validation spans stay"

@@ -8,7 +8,7 @@ proxy, as with an agent that knows nothing about agl except its base URL.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -92,11 +92,20 @@ class RecordingBackend:
         self.calls.append("stop")
 
 
-def train(fake: FakeOpenAIServer, tasks: List[Dict[str, Any]], overrides: List[str], **options: Any):
+def train(
+    fake: FakeOpenAIServer,
+    tasks: List[Dict[str, Any]],
+    overrides: List[str],
+    span_retention_steps: Optional[int] = None,
+    **options: Any,
+):
     backend = RecordingBackend(fake)
     algorithm = VERL(overrides, backend=backend, wait_timeout=60, **options)
     backend.algorithm = algorithm
-    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False)
+    trainer = agl.Trainer(
+        algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False,
+        span_retention_steps=span_retention_steps,
+    )
     summary = trainer.fit(qa_agent, train_dataset=tasks, val_dataset=tasks[:2])
     return trainer, algorithm, backend, summary
 
@@ -155,6 +164,21 @@ def test_synchronous_steps_hand_verl_exactly_the_recorded_calls(fake_openai: Fak
     assert store.get_resources(val[0].resources_id).resources["main_llm"].sampling_parameters == {"temperature": 0.0}
     sent = [r["body"] for r in fake_openai.requests if r["path"].endswith("/chat/completions")]
     assert all(body["return_token_ids"] and body["logprobs"] for body in sent)
+
+
+def test_span_retention_deletes_the_spans_of_steps_verl_has_learnt_from(fake_openai: FakeOpenAIServer) -> None:
+    trainer, _, backend, _ = train(fake_openai, TASKS, config(), span_retention_steps=1)
+    store = trainer.store
+    trained = []
+    for update in backend.updates:
+        data = update["batch"]
+        real = ~data.non_tensor_batch["agl_padding"].astype(bool)
+        trained.append(sorted(set(data.non_tensor_batch["rollout_id"][real])))
+    assert [len(ids) for ids in trained] == [4, 4, 4, 4], "every step trained on its recorded calls"
+    spans = [[len(store.query_spans(r)) for r in ids] for ids in trained]
+    assert spans[:3] == [[0] * 4] * 3 and all(n >= 1 for n in spans[3]), spans
+    assert all(store.query_spans(r.rollout_id) for r in store.query_rollouts(mode="val")), "validation spans stay"
+    assert all(store.get_rollout(r).final_reward is not None for ids in trained for r in ids)
 
 
 def test_async_groups_carry_unfinished_groups_over_to_the_next_step(fake_openai: FakeOpenAIServer) -> None:

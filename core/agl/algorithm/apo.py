@@ -244,6 +244,7 @@ class APO(Algorithm):
             f'<run reward="{_reward(r):g}">\n{transcript(self.store.query_spans(r.rollout_id), r)}\n</run>'
             for r in worst
         )
+        self.trainer.learned_from(rollouts)
         return self._ask(CRITIQUE_PROMPT.format(prompt=candidate.template, runs=runs), n=1)[0]
 
     def _edits(self, template: str, critique: str) -> List[str]:

@@ -421,6 +421,7 @@ class TorchGRPO(Algorithm):
                 empty_steps.nothing(self.state.step + 1, batch.report.why_empty(adapter.agent_match))
             with self.server.paused():
                 stats = self.update(batch.samples)
+            self.trainer.learned_from(rollouts)
             resources_id = self._publish(self._train_sampling())
             self.state.policy_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
             self.server.set_version(self.state.policy_version)

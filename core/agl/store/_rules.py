@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Set, Tuple
 from pydantic_core import PydanticSerializationError, to_json
 
 from agl.errors import DuplicateRolloutError, IllegalTransitionError, InvalidSpanError, StaleAttemptError
-from agl.types import array_as_json
+from agl.types import TERMINAL_ROLLOUT_STATUSES, array_as_json
 
 ROLLOUT_STATUSES: Tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 
@@ -154,3 +154,12 @@ def cancel_error(rollout_id: str, status: str) -> IllegalTransitionError:
     return IllegalTransitionError(
         f"rollout {rollout_id!r} is already {status!r}; only queued or running rollouts can be cancelled"
     )
+
+
+def check_spans_deletable(rollout_id: str, status: str) -> None:
+    """``delete_spans`` takes finished rollouts only: a live one may still be writing its spans."""
+    if status not in TERMINAL_ROLLOUT_STATUSES:
+        raise IllegalTransitionError(
+            f"cannot delete the spans of rollout {rollout_id!r}: it is {status}, and its spans may still be "
+            "written or read by its runner; delete spans of finished rollouts only (succeeded, failed, cancelled)"
+        )

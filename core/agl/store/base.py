@@ -205,6 +205,17 @@ class LightningStore(abc.ABC):
     def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
         """Spans of one attempt (``"latest"``: the newest attempt; ``None``: every attempt), by sequence id."""
 
+    @abc.abstractmethod
+    def delete_spans(self, rollout_ids: Sequence[str]) -> int:
+        """Delete every span of the listed rollouts (all attempts) in one transaction; returns how many.
+
+        The way to bound a long training run's store: spans (prompts, responses, token ids) are nearly all of
+        its volume, and once an update has learnt from a rollout nothing reads them again except a person
+        inspecting it. The rollouts themselves (status, reward, attempts) stay. Only finished rollouts
+        (succeeded, failed, cancelled) qualify: a queued or running one raises IllegalTransitionError, an
+        unknown id UnknownRolloutError, and in either case nothing is deleted. Deleting twice deletes 0.
+        """
+
     # -- resources -----------------------------------------------------------------------------------------
     @abc.abstractmethod
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:

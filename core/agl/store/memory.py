@@ -344,6 +344,18 @@ class InMemoryLightningStore(LightningStore):
             rows = [sorted(record.spans.get(a.attempt_id, {}).values(), key=lambda item: item[0]) for a in chosen]
         return [Span.model_validate_json(data) for per_attempt in rows for _, data in per_attempt]
 
+    def delete_spans(self, rollout_ids: Sequence[str]) -> int:
+        with self._cond:
+            records = [self._record(rollout_id) for rollout_id in dict.fromkeys(rollout_ids)]
+            for record in records:
+                _rules.check_spans_deletable(record.rollout.rollout_id, record.rollout.status)
+            deleted = 0
+            for record in records:
+                deleted += sum(len(by_id) for by_id in record.spans.values())
+                record.spans = {}
+            self._n_spans -= deleted
+            return deleted
+
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
         parsed = _json_copy(parse_resources(dict(resources)), "resources")

@@ -1085,6 +1085,23 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
 
         return self._run(work, write=False)
 
+    def delete_spans(self, rollout_ids: Sequence[str]) -> int:
+        ids = list(dict.fromkeys(rollout_ids))
+
+        def work(c: Any) -> int:
+            # FOR SHARE: a finished rollout stays finished, but an unfinished one must not finish in between
+            sql = "SELECT rollout_id, status FROM agl_rollouts WHERE rollout_id = ANY(%s) FOR SHARE"
+            status = dict(c.execute(sql, (ids,)).fetchall())
+            for rollout_id in ids:  # every id is checked before anything is deleted: all or nothing
+                if rollout_id not in status:
+                    raise UnknownRolloutError(rollout_id)
+                _rules.check_spans_deletable(rollout_id, status[rollout_id])
+            return c.execute(
+                "DELETE FROM agl_spans WHERE aid IN (SELECT aid FROM agl_attempts WHERE rollout_id = ANY(%s))", (ids,)
+            ).rowcount
+
+        return self._run(work) if ids else 0
+
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
         encoded = _rules.encode_json(parse_resources(dict(resources)), "resources")

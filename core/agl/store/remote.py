@@ -52,6 +52,8 @@ from agl.store.wire import (
     CompleteAndDequeueBody,
     CompleteBody,
     CompletedAndClaimed,
+    Deleted,
+    DeleteSpansBody,
     DequeueBody,
     EnqueueBody,
     MaybeResources,
@@ -393,6 +395,10 @@ class RemoteLightningStore(LightningStore):
         which = "all" if attempt_id is None else attempt_id
         result = self._call("GET", self._rollout_path(rollout_id) + "/spans", SpanList, params={"attempt_id": which})
         return result.spans
+
+    def delete_spans(self, rollout_ids: Sequence[str]) -> int:
+        body = DeleteSpansBody(rollout_ids=list(rollout_ids)).model_dump_json().encode()
+        return self._call("POST", "/v1/spans/delete", Deleted, body=body, idempotent_key=True).deleted
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:

@@ -56,6 +56,8 @@ from agl.store.wire import (
     CompleteAndDequeueBody,
     CompleteBody,
     CompletedAndClaimed,
+    Deleted,
+    DeleteSpansBody,
     DequeueBody,
     EnqueueBody,
     ErrorBody,
@@ -698,6 +700,17 @@ def create_app(
 
             return await once_async(request, add_here)
         return await run(lambda: once(request, lambda: _json(Stored(stored=store.add_spans(body.spans)))))
+
+    @api.post(
+        "/spans/delete",
+        body=DeleteSpansBody,
+        response_model=Deleted,
+        tags=["spans"],
+        summary="delete the spans of finished rollouts (the rollouts stay)",
+    )
+    async def delete_spans(request: Request) -> Response:
+        body = await _parse(request, DeleteSpansBody)
+        return await run(lambda: once(request, lambda: _json(Deleted(deleted=store.delete_spans(body.rollout_ids)))))
 
     @api.get("/rollouts/{rollout_id}/spans", response_model=SpanList, tags=["spans"])
     async def query_spans(

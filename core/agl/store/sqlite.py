@@ -326,6 +326,18 @@ class SqliteLightningStore(LightningStore):
         if not idle:
             logger.warning("%r closed while operations were still running in other threads", self)
 
+    def file_size(self) -> int:
+        """Bytes the store takes on disk: the database file and its write-ahead log."""
+        return sum(os.path.getsize(p) for p in (self.path, f"{self.path}-wal") if os.path.exists(p))
+
+    def vacuum(self) -> None:
+        """Give the space of deleted rows back to the file system. Without this SQLite keeps the file's size
+        and reuses the space for new rows, which is enough to stop a pruned store from growing. Rewrites the
+        whole file (seconds per GB) while every writer waits; meant for ``agl store prune --vacuum``."""
+        with self._session as conn:
+            conn.execute("VACUUM")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
     # -- shared steps --------------------------------------------------------------------------------------
     @staticmethod
     def _select_one(c: sqlite3.Connection, rollout_id: str) -> Rollout:
@@ -684,6 +696,24 @@ class SqliteLightningStore(LightningStore):
                     if conn.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
                         raise UnknownAttemptError(rollout_id, attempt_id)  # type: ignore[arg-type]
             return [span_from_row(row) for row in rows]
+
+    def delete_spans(self, rollout_ids: Sequence[str]) -> int:
+        ids = list(dict.fromkeys(rollout_ids))
+        listed = (json_list(ids),)
+        with self._write() as c:
+            sql = "SELECT rollout_id, status FROM rollouts WHERE rollout_id IN (SELECT value FROM json_each(?))"
+            status = dict(c.execute(sql, listed).fetchall())
+            for rollout_id in ids:  # every id is checked before anything is deleted: all or nothing
+                if rollout_id not in status:
+                    raise UnknownRolloutError(rollout_id)
+                _rules.check_spans_deletable(rollout_id, status[rollout_id])
+            before = c.total_changes
+            c.execute(
+                "DELETE FROM spans WHERE aid IN "
+                "(SELECT aid FROM attempts WHERE rollout_id IN (SELECT value FROM json_each(?)))",
+                listed,
+            )
+            return c.total_changes - before
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:

@@ -112,6 +112,14 @@ class SpansBody(BaseModel):
         return self
 
 
+class DeleteSpansBody(BaseModel):
+    rollout_ids: List[str] = Field(description="finished rollouts whose spans (every attempt's) are deleted")
+
+
+class Deleted(BaseModel):
+    deleted: int = Field(description="spans deleted")
+
+
 class ResourcesBody(BaseModel):
     resources: Dict[str, Dict[str, Any]] = Field(description="name -> LLM / ProxyLLM / PromptTemplate fields")
     resources_id: Optional[str] = Field(default=None, min_length=1, max_length=256)

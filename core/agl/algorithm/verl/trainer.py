@@ -238,6 +238,7 @@ class VERL(Algorithm):
             except NoTrainableSamples as exc:
                 self.empty_steps.nothing(step, str(exc))
                 metrics = {"agl/step_skipped": 1.0}
+            self.trainer.learned_from(rollouts)
             metrics["agl/timing/wait_s"] = waited
             metrics["agl/async/carried_over_groups"] = float(len(in_flight))
             metrics["agl/async/max_staleness"] = float(staleness)
