@@ -133,6 +133,7 @@ def test_apo_from_the_command_line_saves_the_best_prompt(files: Path, fake_opena
                 "--optimizer-endpoint", optimizer.base_url, "--optimizer-model", "optimizer-model",
                 "--set", "rounds=1", "--set", "beam_width=1", "--set", "branch_factor=1",
                 "--set", "gradient_batch_size=2", "--set", "val_batch_size=3", "--n-runners", "2",
+                "--span-retention-steps", "0",
             ])
         finally:
             agl.uninstrument()
@@ -142,3 +143,7 @@ def test_apo_from_the_command_line_saves_the_best_prompt(files: Path, fake_opena
     assert [(h["template"], h["score"], h["critique"]) for h in history] == [
         ("Answer {q}", 0.5, None), ("Be concise: {q}", 1.0, "Ask for brevity.")
     ]
+    store = agl.open_store(str(files / "run" / "store.db"))
+    critiqued = store.query_rollouts(mode="train")  # --span-retention-steps 0: spans deleted once critiqued
+    assert len(critiqued) == 2 and all(store.query_spans(r.rollout_id) == [] for r in critiqued)
+    assert all(store.query_spans(r.rollout_id) for r in store.query_rollouts(mode="val"))
