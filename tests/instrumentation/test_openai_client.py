@@ -535,6 +535,74 @@ def test_uninstrument_restores_the_exact_original_functions(fake_openai, sink, r
     assert sink.of(scope.rollout_id) == [] and sent_token_id_flags(fake_openai) == [None]
 
 
+def _warm_up(client: Any) -> None:
+    """What LangChain's ChatOpenAI and LiteLLM do for every request: call through ``with_raw_response``."""
+    client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES).parse()
+    with client.chat.completions.with_streaming_response.create(model="fake-model", messages=MESSAGES) as r:
+        r.read()
+    client.responses.with_raw_response.create(model="fake-model", input="hi").parse()
+
+
+def test_a_client_used_before_instrumenting_is_traced_after(fake_openai, sink, rollout):
+    """The SDK caches its raw-response views per resource, binding ``create`` at first use: a client that
+    made a warm-up call before agl.instrument() (then trainer.dev) had every later call go unrecorded."""
+    agl.instrumentation.uninstrument()
+    client = openai.OpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=0)
+    _warm_up(client)
+    inst = OpenAIInstrumentor()
+    inst.instrument()
+    try:
+        with rollout() as scope:
+            _warm_up(client)
+        assert [s.attributes[semconv.REQUEST_MODEL] for s in sink.of(scope.rollout_id)] == ["fake-model"] * 3
+        assert sent_token_id_flags(fake_openai)[3:] == [True] * 3
+    finally:
+        inst.uninstrument()
+    with rollout() as scope:  # and after uninstrumenting, the views it had before are back
+        _warm_up(client)
+    assert sink.of(scope.rollout_id) == [] and sent_token_id_flags(fake_openai)[6:] == [None] * 3
+
+
+async def test_an_async_client_used_before_instrumenting_is_traced_after(fake_openai, sink, rollout):
+    agl.instrumentation.uninstrument()
+    async with openai.AsyncOpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=0) as client:
+        await client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES)
+        inst = OpenAIInstrumentor()
+        inst.instrument()
+        try:
+            with rollout() as scope:
+                raw = await client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES)
+                completion = raw.parse()
+        finally:
+            inst.uninstrument()
+    (span,) = sink.of(scope.rollout_id)
+    assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == completion.choices[0].model_extra["token_ids"]
+
+
+def test_methods_bound_while_instrumented_record_nothing_after_uninstrumenting(fake_openai, sink, rollout):
+    agl.instrumentation.uninstrument()
+    inst = OpenAIInstrumentor()
+    inst.instrument()
+    client = openai.OpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=0)
+    create = client.chat.completions.create  # bound (and a raw view built) while hooked
+    raw = client.chat.completions.with_raw_response
+    inst.uninstrument()
+    with rollout() as scope:
+        create(model="fake-model", messages=MESSAGES)
+        raw.create(model="fake-model", messages=MESSAGES)
+        client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES)
+    assert sink.of(scope.rollout_id) == [] and sent_token_id_flags(fake_openai) == [None] * 3
+    inst.instrument()  # hooked again: each call is recorded once, whichever way it was bound
+    try:
+        with rollout() as scope:
+            create(model="fake-model", messages=MESSAGES)
+            raw.create(model="fake-model", messages=MESSAGES)
+            client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES)
+        assert len(sink.of(scope.rollout_id)) == 3
+    finally:
+        inst.uninstrument()
+
+
 async def test_exactly_one_llm_span_per_http_request(client, aclient, fake_openai, sink, rollout):
     with rollout() as scope:
         for _ in range(3):

@@ -715,6 +715,27 @@ def test_uninstrument_restores_langchain_exactly(fake_openai, sink):
         openai_inst.uninstrument()
 
 
+def test_a_model_called_before_instrumenting_is_traced_once_the_trainer_instruments(tmp_path, fake_openai):
+    """A notebook's order: build the model, try it once, then trainer.dev (which instruments: no
+    agl.instrument() line, as in Agent Lightning code). ChatOpenAI calls through the SDK's cached
+    with_raw_response view, bound at the warm-up to the unhooked create: every call went unrecorded."""
+    agl.instrumentation.uninstrument()
+    llm = model(fake_openai.base_url)
+    llm.invoke("warm up")
+
+    @agl.rollout
+    def agent(task: Dict[str, Any]) -> None:
+        llm.invoke(task["question"])
+        agl.emit_reward(1.0)
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, agent, [{"question": "What is 2 + 3?"}])
+    assert row.llm_calls == 1
+    (span,) = of_kind(spans, "llm")
+    assert span.attributes[semconv.PROMPT_TOKEN_IDS] and span.attributes[semconv.RESPONSE_TOKEN_IDS]
+    llm.invoke("after the run")  # the Trainer unhooked after dev: no token ids asked for outside it
+    assert [r["body"].get("return_token_ids") for r in generation_requests(fake_openai)] == [None, True, None]
+
+
 def test_out_of_range_version_warns_and_does_nothing(caplog):
     class Future(LangChainInstrumentor):
         instruments = ("langchain-core>=99",)

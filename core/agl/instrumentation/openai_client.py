@@ -4,7 +4,9 @@ Every framework agl supports reaches the model through the ``openai`` client, so
 answers and (inside rollouts) the server's token ids are captured. ``chat.completions.create``,
 ``responses.create`` and the legacy text API's ``completions.create``, sync and async, are wrapped on their
 classes with ``wrapt``; everything built on them goes through the wrapper too: ``with_raw_response``,
-``with_streaming_response`` and the SDK's ``chat.completions.stream()`` / ``responses.stream()`` helpers.
+``with_streaming_response`` (also of a client used before instrumenting: :mod:`agl.instrumentation.
+openai_views`) and the SDK's ``chat.completions.stream()`` / ``responses.stream()`` helpers. After
+uninstrumenting, a method bound while hooked passes its calls through unrecorded.
 
 Guarantees to the user's program:
 - arguments, return values and exceptions pass through unchanged (same objects), except that inside a
@@ -47,6 +49,7 @@ from agl.instrumentation.openai_payloads import (
     request_attributes,
 )
 from agl.instrumentation.openai_streams import Accumulator, AsyncStreamProxy, StreamProxy, new_accumulator
+from agl.instrumentation.openai_views import CurrentView, hook_views, unhook_views
 from agl.instrumentation.safety import report_internal_error
 from agl.instrumentation.token_id_refusals import is_refusal, refuses, remember, server_of
 from agl.tracer import get_tracer, record_exception
@@ -276,6 +279,8 @@ def _wants_token_ids(request_token_ids: Optional[bool], scope: Optional[RolloutS
 
 def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if not instrumentor.is_instrumented:  # a method bound while hooked, called after agl.uninstrument()
+            return wrapped(*args, **kwargs)
         try:
             call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids)
         except Exception as exc:  # noqa: BLE001
@@ -300,6 +305,8 @@ def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...
     """Returns the coroutine at once, like the SDK: argument errors still raise at call time, not at await."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if not instrumentor.is_instrumented:  # a method bound while hooked, called after agl.uninstrument()
+            return wrapped(*args, **kwargs)
         try:
             call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids)
         except Exception as exc:  # noqa: BLE001
@@ -396,6 +403,7 @@ class OpenAIInstrumentor(Instrumentor):
         super().__init__()
         self.request_token_ids: Optional[bool] = None
         self._hooks: List[Tuple[type, str, Any]] = []
+        self._views: List[Tuple[type, str, CurrentView]] = []
 
     def _instrument(self, *, request_token_ids: Optional[bool] = None) -> None:
         self.request_token_ids = request_token_ids
@@ -410,8 +418,15 @@ class OpenAIInstrumentor(Instrumentor):
                 make = _async_wrapper if is_async else _sync_wrapper
                 handle = wrapt.wrap_function_wrapper(cls, method, make(api, self))
                 self._hooks.append((cls, method, handle))
+            if cls is not None:
+                self._views.extend(hook_views(cls))  # after the methods: views built from now on bind the hooks
 
     def _uninstrument(self) -> None:
+        views, self._views = self._views, []
+        try:
+            unhook_views(views)
+        except Exception as exc:  # noqa: BLE001 - unhooking must not raise into the user's shutdown
+            report_internal_error("openai.uninstrument", exc)
         while self._hooks:
             cls, method, handle = self._hooks.pop()
             try:
