@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 from agl.algorithm.base import Algorithm, Baseline
 from agl.dataset import as_tasks
 from agl.instrumentation import instrument, uninstrument
-from agl.instrumentation.base import any_instrumented
+from agl.instrumentation.base import any_instrumented, is_hooked
 from agl.litagent import LitAgent, as_agent
 from agl.runner_pool import RunnerMode, RunnerPool
 from agl.span_retention import SpanRetention
@@ -163,7 +163,8 @@ class Trainer:
         If nothing is instrumented in this process (no ``agl.instrument()``, no instrumentor of one's own),
         the pool's runs are instrumented (and the hooks removed after) unless ``Trainer(instrument=False)``:
         code written for Agent Lightning, whose Trainer sets up tracing itself, has no such line, and its LLM
-        calls would otherwise go unrecorded (the ``agl`` CLI instruments too). ``instrument=False`` leaves the
+        calls would otherwise go unrecorded (the ``agl`` CLI instruments too). If only a framework adapter is
+        hooked, the OpenAI-client layer (which records the LLM calls) is hooked for the run. ``instrument=False`` leaves the
         recording to agl's LLM proxy (VERL) or to spans the agent sends itself (OTLP).
         """
         if self.n_runners == 0:  # the work is done by runners elsewhere (agl runner --store URL)
@@ -174,9 +175,7 @@ class Trainer:
                 self._remote_runners_only = False
             return
         agent = as_agent(agent)
-        hooked_here = self.instrument and not any_instrumented()
-        if hooked_here:
-            logger.info("agl.instrument() was not called: instrumenting %s for this run", ", ".join(instrument()))
+        hooked_here = self._hook_for_run()
         try:
             pool = RunnerPool(agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs)
             self._pool = pool.start()
@@ -187,7 +186,28 @@ class Trainer:
                 pool.stop()
         finally:
             if hooked_here:
-                uninstrument()
+                uninstrument(hooked_here)
+
+    def _hook_for_run(self) -> List[str]:
+        """Hook what recording this run needs and nothing hooks yet; returns the names to unhook after it.
+
+        Nothing hooked (no ``agl.instrument()``): everything ``instrument()`` finds. A framework adapter hooked
+        on its own (``OpenAIAgentsInstrumentor().instrument()``, OpenInference-style) but not the OpenAI-client
+        layer, which is what records LLM calls and their token ids: that layer, else the run would record
+        agent and tool spans and no LLM call, so nothing to train on."""
+        if not self.instrument:
+            return []
+        if not any_instrumented():
+            hooked = instrument()
+            logger.info("agl.instrument() was not called: instrumenting %s for this run", ", ".join(hooked))
+            return hooked
+        if is_hooked("openai"):
+            return []
+        before = {name for name in ("openai", "thread_pools") if is_hooked(name)}
+        hooked = [name for name in instrument(frameworks=[]) if name not in before]
+        logger.info("the OpenAI client is not instrumented (only a framework adapter is): instrumenting %s for "
+                    "this run, which records the LLM calls", ", ".join(hooked))
+        return hooked
 
     # -- public entry points -------------------------------------------------------------------------------
     def dev(

@@ -267,6 +267,39 @@ def test_agent_match_selects_exactly_the_chosen_agents_calls(tmp_path, fake_open
     store.close()
 
 
+def test_the_adapter_hooked_on_its_own_still_gets_its_llm_calls_recorded_by_the_trainer(tmp_path, fake_openai) -> None:
+    """OpenInference-style, the user hooks only the adapter class the docs name. It records agent and tool
+    spans; the LLM calls come from the OpenAI-client layer, which nothing hooked, and the Trainer, seeing
+    something instrumented, did not step in: 0 llm calls, nothing to train on, without a word."""
+    from agl.instrumentation.base import is_hooked
+
+    agl.uninstrument()
+    adapter = OpenAIAgentsInstrumentor()
+    assert adapter.instrument()
+
+    @agl.rollout
+    async def calculator(task: Dict[str, Any], llm: agl.LLM) -> float:
+        result = await Runner.run(_calculator(model=_own_model(llm.get_base_url())), task["question"])
+        return 1.0 if "5" in result.final_output else 0.0
+
+    fake_openai.script(FakeReply(tool_calls=[{"name": "add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5"))
+    db = tmp_path / "x.db"
+    trainer = agl.Trainer(
+        store=str(db), runner_mode="thread", progress=False,
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
+    )
+    try:
+        (row,) = trainer.dev(calculator, [{"question": "What is 2 plus 3?"}], print_table=False)
+        assert row.llm_calls == 2 and row.reward == 1.0
+        with SqliteLightningStore(db) as store:
+            spans = store.query_spans(row.rollout_id)
+        assert [_instructions(s) for s in select_llm_calls(spans, "^calculator$")] == ["Use the tools."] * 2
+        assert all(s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in _of_kind(spans, "llm"))
+        assert not is_hooked("openai") and adapter.is_instrumented, "the run unhooked only what it hooked"
+    finally:
+        adapter.uninstrument()
+
+
 def test_an_agent_used_as_a_tool_nests_under_the_tool_span(fake_openai, instrumented, sink) -> None:
     math_agent = Agent(name="math_agent", instructions="Add with the tool.", tools=[add])
     orchestrator = Agent(

@@ -14,25 +14,30 @@ import importlib.metadata
 import logging
 import re
 import threading
-from typing import Any, ClassVar, Optional, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 logger = logging.getLogger("agl.instrumentation")
 
 _REQ = re.compile(r"^\s*([A-Za-z0-9_.\-\[\]]+)\s*(.*)$")
 
 _active_lock = threading.Lock()
-_active_count = 0  # instrumentors hooked now, however made (agl.instrument() or an Instrumentor of one's own)
+# instrumentors hooked now, by name, however made (agl.instrument() or an Instrumentor of one's own)
+_active: Dict[str, int] = {}
 
 
 def any_instrumented() -> bool:
     """Whether any agl instrumentor is hooked in this process (see ``Trainer.runners``)."""
-    return _active_count > 0
+    return any(_active.values())
 
 
-def _count_active(delta: int) -> None:
-    global _active_count
+def is_hooked(name: str) -> bool:
+    """Whether an instrumentor named ``name`` (e.g. ``"openai"``, the layer that records LLM calls) is hooked."""
+    return _active.get(name, 0) > 0
+
+
+def _count_active(name: str, delta: int) -> None:
     with _active_lock:
-        _active_count += delta
+        _active[name] = _active.get(name, 0) + delta
 
 
 def _version_tuple(version: str) -> Tuple[int, ...]:
@@ -118,7 +123,7 @@ class Instrumentor(abc.ABC):
                     self._uninstrument()
                 return False
             self._active = True
-            _count_active(1)
+            _count_active(self.name, 1)
             return True
 
     def uninstrument(self) -> None:
@@ -127,7 +132,7 @@ class Instrumentor(abc.ABC):
                 return
             self._uninstrument()
             self._active = False
-            _count_active(-1)
+            _count_active(self.name, -1)
 
     @abc.abstractmethod
     def _instrument(self, **kwargs: Any) -> None:
