@@ -228,3 +228,44 @@ def test_a_trainer_without_local_runners_uses_runners_started_elsewhere(tmp_path
     with pytest.raises(ValueError, match="n_runners must be >= 0"):
         agl.Trainer(n_runners=-1, store=backing)
     backing.close()
+
+
+def test_a_training_run_rides_out_a_store_server_outage_longer_than_the_clients_retries(
+    tmp_path: Path, server_process: ServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trainer and its runners on a store server that is down for a while (a restart, a network blip):
+    a call that ran out of retries ended the run (the trainer's wait) or crashed the runner and threw away a
+    finished rollout's result (its completion). Trainer(store_outage_timeout=) keeps them trying."""
+    import threading
+
+    import agl
+
+    @agl.rollout
+    def slow(task):
+        time.sleep(0.4)
+        agl.emit_message(f"task {task['n']}")
+        return 1.0
+
+    # retries=1: the client alone gives up after ~0.1 s, so the 3 s outage is far beyond it
+    store = RemoteLightningStore(server_process.url, token=TOKEN, retries=1)
+    trainer = agl.Trainer(store=store, n_runners=2, runner_mode="thread", progress=False, store_outage_timeout=60)
+    assert store.outage_timeout == 60
+    result: List[object] = []
+    run = threading.Thread(
+        target=lambda: result.append(trainer.dev(slow, [{"n": i} for i in range(8)], print_table=False))
+    )
+    run.start()
+    probe = RemoteLightningStore(server_process.url, token=TOKEN, retries=0)
+    eventually(lambda: probe.stats().rollouts.get("succeeded", 0) >= 1, 60, "a first rollout")
+    server_process.kill()
+    time.sleep(3.0)
+    server_process.start()
+    run.join(120)
+    assert not run.is_alive() and result, "the run ended with an error (see the log)"
+    (summaries,) = result
+    assert [s.status for s in summaries] == ["succeeded"] * 8  # type: ignore[attr-defined]
+    assert probe.stats().rollouts == {"queued": 0, "running": 0, "succeeded": 8, "failed": 0, "cancelled": 0}
+    assert all(s.spans >= 2 for s in summaries), "every rollout's spans are stored"  # type: ignore[attr-defined]
+    assert "has not answered" in caplog.text and "still trying, up to 60 s" in caplog.text
+    store.close()
+    probe.close()

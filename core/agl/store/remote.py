@@ -20,6 +20,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -101,10 +102,17 @@ class RemoteLightningStore(LightningStore):
         max_backoff: float = 5.0,
         max_poll: float = 20.0,
         max_connections: int = 32,
+        outage_timeout: Optional[float] = None,
     ) -> None:
         """``token`` defaults to ``$AGL_STORE_TOKEN``. ``timeout`` bounds one request (plus the poll time of a
         long poll); ``retries`` more tries follow a failed one, ``backoff`` seconds apart, doubling up to
-        ``max_backoff`` (with jitter). With the defaults a call rides out roughly 15 s of server downtime."""
+        ``max_backoff`` (with jitter). With the defaults a call rides out roughly 15 s of server downtime.
+
+        ``outage_timeout``: a call whose ``retries`` ran out keeps trying, every ``max_backoff`` seconds, until
+        this many seconds after it began (a warning says so once per outage). The Trainer and ``agl runner``
+        set it (``Trainer(store_outage_timeout=)``, default 600 s), so that a store server restart or a network
+        blip does not end a training run or throw away a finished rollout's result; interactive commands
+        keep the short default and fail fast."""
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"store server URL {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
@@ -115,11 +123,14 @@ class RemoteLightningStore(LightningStore):
         self.max_backoff = max_backoff
         self.max_poll = max_poll
         self.max_connections = max_connections
+        self.outage_timeout = outage_timeout
         self._closed = False
         self._versions: Dict[str, ResourcesUpdate] = {}  # resources versions read so far (immutable)
         self._reset_process_state()
 
-    _SETTINGS = ("url", "token", "timeout", "retries", "backoff", "max_backoff", "max_poll", "max_connections")
+    _SETTINGS = (
+        "url", "token", "timeout", "retries", "backoff", "max_backoff", "max_poll", "max_connections", "outage_timeout"
+    )
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -176,8 +187,10 @@ class RemoteLightningStore(LightningStore):
         timeout = self.timeout + poll
         started = time.monotonic()
         last_problem = ""
-        for attempt in range(self.retries + 1):
+        for attempt in itertools.count():
             if attempt:
+                if not self._keep_trying(attempt, started, method, path, last_problem):
+                    break
                 self._sleep_before(attempt)
             try:
                 response = self._http().request(method, path, body=body, params=params, headers=headers, timeout=timeout)
@@ -197,13 +210,27 @@ class RemoteLightningStore(LightningStore):
                     raise
             return model.model_validate_json(response.content)
         raise StoreUnavailableError(
-            f"store server {self.url} did not answer {method} {path} after {self.retries + 1} tries over "
+            f"store server {self.url} did not answer {method} {path} after {attempt} tries over "
             f"{time.monotonic() - started:.1f} s (last: {last_problem}): is `agl store serve` running there and "
             "reachable? The call is safe to repeat"
         )
 
+    def _keep_trying(self, attempt: int, started: float, method: str, path: str, problem: str) -> bool:
+        """Whether try number ``attempt`` (0: the first) may go: within ``retries``, or within ``outage_timeout``."""
+        if attempt <= self.retries:
+            return True
+        waited = time.monotonic() - started
+        if self.outage_timeout is None or waited >= self.outage_timeout:
+            return False
+        if attempt == self.retries + 1:
+            logger.warning(
+                "store server %s has not answered %s %s for %.0f s (%s); still trying, up to %.0f s",
+                self.url, method, path, waited, problem, self.outage_timeout,
+            )
+        return True
+
     def _sleep_before(self, attempt: int) -> None:
-        delay = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+        delay = min(self.max_backoff, self.backoff * 2 ** min(attempt - 1, 30))
         time.sleep(delay / 2 + random.uniform(0, delay / 2))  # jitter: clients that failed together spread out
 
     @staticmethod
