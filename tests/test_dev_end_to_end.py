@@ -13,7 +13,7 @@ from openai import OpenAI
 import agl
 from agl import semconv
 from agl.cli import main as agl_main
-from agl.store import SqliteLightningStore
+from agl.store import EnqueueRequest, SqliteLightningStore
 
 TOOLS = [
     {
@@ -147,6 +147,13 @@ def test_cli_store_listing(tmp_path, fake_openai, instrumented, capsys):
     assert agl_main(["store", "rollouts", "--store", str(db)]) == 0
     listing = capsys.readouterr().out
     assert rows[0].rollout_id in listing and "succeeded" in listing
+    header, row = listing.splitlines()[:2]
+    assert row.index("succeeded") == header.index("status"), "columns line up with 23-character rollout ids"
+    more = trainer.store.enqueue_many([EnqueueRequest(input={"n": i}) for i in range(3)])
+    assert agl_main(["store", "rollouts", "--limit", "2", "--store", str(db)]) == 0
+    listing = capsys.readouterr().out
+    assert [r.rollout_id in listing for r in more] == [False, True, True] and rows[0].rollout_id not in listing
+    assert "(the latest 2 of 4; --limit 0 lists all)" in listing
     assert agl_main(["inspect", "ro-doesnotexist", "--store", str(db)]) == 2
     assert "unknown rollout id" in capsys.readouterr().err
 

@@ -12,7 +12,8 @@ import agl
 import pytest
 from agl.errors import StoreUnavailableError
 from agl.store import SqliteLightningStore
-from agl.types import Rollout
+from agl.store.server import ServerThread, TokenSet, create_app
+from agl.types import Rollout, Span
 
 
 @agl.rollout
@@ -134,5 +135,23 @@ def test_cli_prune_deletes_older_spans_and_vacuum_shrinks_the_file(tmp_path: Pat
     assert "no spans: the agent recorded none, or they were deleted afterwards" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--keep-last must be >= 0"):
         agl_main(["store", "prune", "--keep-last", "-1", "--store", str(db)])
-    with pytest.raises(SystemExit, match="--vacuum is for a SQLite store file"):
-        agl_main(["store", "prune", "--keep-last", "0", "--vacuum", "--store", "memory"])
+
+    served = SqliteLightningStore(tmp_path / "served.db")
+    served.enqueue_rollout({"n": 1})
+    (claimed,) = served.dequeue_many("r", 1)
+    served.add_spans([Span(rollout_id=claimed.rollout_id, attempt_id=claimed.attempt.attempt_id, sequence_id=0,
+                           trace_id="t" * 32, span_id="s" * 16, name="x", kind="annotation", start_time=0, end_time=1)])
+    served.complete_attempt(claimed.rollout_id, claimed.attempt.attempt_id, "succeeded")
+    server = ServerThread(create_app(served, tokens=TokenSet({"t": "tok"}))).start()
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("AGL_STORE_TOKEN", "tok")
+            with pytest.raises(SystemExit, match="--vacuum is for a SQLite store file opened directly, not "
+                               "RemoteLightningStore"):
+                agl_main(["store", "prune", "--keep-last", "0", "--vacuum", "--store", server.url])
+            assert served.stats().spans == 1, "refused before anything was deleted"
+            assert agl_main(["store", "prune", "--keep-last", "0", "--store", server.url]) == 0
+        assert served.stats().spans == 0 and served.stats().rollouts["succeeded"] == 1
+    finally:
+        server.stop()
+        served.close()

@@ -175,11 +175,17 @@ def cmd_store(args: argparse.Namespace) -> int:
     if args.store_command == "stats":
         print(store.stats().model_dump_json(indent=2))
         return 0
-    rollouts = store.query_rollouts(status=[args.status] if args.status else None, limit=args.limit)
-    print(f"{'rollout':18} {'task':16} {'mode':5} {'status':10} {'attempts':8} reward")
+    counts = store.stats().rollouts
+    total = counts.get(args.status, 0) if args.status else sum(counts.values())
+    limit = args.limit if args.limit > 0 else None
+    offset = max(total - limit, 0) if limit else 0  # the latest, in enqueue order
+    rollouts = store.query_rollouts(status=[args.status] if args.status else None, limit=limit, offset=offset)
+    print(f"{'rollout':24} {'task':16} {'mode':5} {'status':10} {'attempts':8} reward")
     for r in rollouts:
         reward = "-" if r.final_reward is None else f"{r.final_reward:g}"
-        print(f"{r.rollout_id:18} {r.task_id[:16]:16} {r.mode:5} {r.status:10} {r.n_attempts:<8} {reward}")
+        print(f"{r.rollout_id:24} {r.task_id[:16]:16} {r.mode:5} {r.status:10} {r.n_attempts:<8} {reward}")
+    if offset:
+        print(f"(the latest {len(rollouts)} of {total}; --limit 0 lists all)")
     return 0
 
 
@@ -190,6 +196,11 @@ def cmd_store_prune(args: argparse.Namespace) -> int:
     if args.keep_last < 0:
         raise SystemExit("agl: --keep-last must be >= 0 (the number of latest finished rollouts whose spans stay)")
     store = _existing_store(args.store)
+    if args.vacuum and not isinstance(store, SqliteLightningStore):  # checked before anything is deleted
+        raise SystemExit(
+            f"agl: --vacuum is for a SQLite store file opened directly, not {store!r}: run `agl store prune "
+            "--vacuum --store FILE.db` on the server's machine (PostgreSQL: VACUUM FULL on the database)"
+        )
     finished = store.query_rollouts(status=["succeeded", "failed", "cancelled"], mode=args.mode)
     doomed = [r.rollout_id for r in finished[: max(len(finished) - args.keep_last, 0)]]
     deleted = 0
@@ -197,9 +208,7 @@ def cmd_store_prune(args: argparse.Namespace) -> int:
         deleted += store.delete_spans(doomed[start : start + PRUNE_BATCH])
     print(f"deleted {deleted} spans of {len(doomed)} finished rollouts; the rollouts, their rewards and "
           f"the spans of the last {len(finished) - len(doomed)} finished and of every unfinished rollout stay")
-    if args.vacuum:
-        if not isinstance(store, SqliteLightningStore):
-            raise SystemExit("agl: --vacuum is for a SQLite store file (PostgreSQL: run VACUUM FULL on the database)")
+    if isinstance(store, SqliteLightningStore) and args.vacuum:
         before = store.file_size()
         store.vacuum()
         print(f"vacuumed {store.path}: {before / 1e6:.1f} MB -> {store.file_size() / 1e6:.1f} MB")
@@ -224,6 +233,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise SystemExit(f"agl: {exc}") from None
     print(batch.report)
     print(f"wrote {n} samples to {args.out}")
+    if n == 0:  # a script that exports then trains must not go on with an empty file
+        raise SystemExit(f"agl: no samples to export from {len(rollouts)} rollouts; the report above says why")
     return 0
 
 
@@ -232,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     parser.add_argument("--version", action="version", version=f"agl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    store_help = "store location: a .db file, sqlite:///path or memory (default: $AGL_STORE or .agl/store.db)"
+    store_help = ("store location: a .db file, sqlite:///path, memory, postgresql://... or a store server's "
+                  "http://HOST:PORT (default: $AGL_STORE or .agl/store.db)")
 
     dev = sub.add_parser("dev", help="run an agent on a dataset with the current model, no training")
     dev.add_argument("agent", help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
@@ -259,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     store_sub = store.add_subparsers(dest="store_command", required=True)
     listing = store_sub.add_parser("rollouts", help="list rollouts")
     listing.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
-    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--limit", type=int, default=50, help="list the latest N (default 50; 0: all)")
     stats = store_sub.add_parser("stats", help="counts of rollouts, attempts, spans")
     for p in (listing, stats):
         p.add_argument("--store", default=None, help=store_help)

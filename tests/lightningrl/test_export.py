@@ -88,6 +88,10 @@ def test_agl_export_cli(tmp_path, capsys) -> None:
     assert {s.policy for s in read_jsonl(out)} == {"default"}
     with pytest.raises(SystemExit, match="bad LightningRL settings: .*gama"):
         agl_main(["export", str(out), "--store", str(db), "--adapter", "gama=0.9"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="no samples to export from 4 rollouts; the report above says why"):
+        agl_main(["export", str(out), "--store", str(db), "--agent-match", "^writr$"])  # a typo selects nothing
+    assert "filtered" in capsys.readouterr().out  # the report names the agents agent_match left out
 
     with pytest.raises(SystemExit, match="bad LightningRL settings: unknown LightningRL setting"):
         agl_main(["export", str(out), "--store", str(db), "--config", '{"gama": 1}'])

@@ -66,6 +66,9 @@ class InMemoryLightningStore(LightningStore):
         self._n_spans = 0
         self._closed = False
 
+    def __repr__(self) -> str:
+        return "InMemoryLightningStore()"
+
     # -- helpers (call with the lock held) -----------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
