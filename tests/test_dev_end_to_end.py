@@ -280,3 +280,17 @@ def test_version_is_the_installed_distributions(capsys):
         agl_main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"agl {metadata.version('agl')}" == f"agl {agl.__version__}"
+
+
+def test_a_trainer_waiting_on_runners_that_do_not_exist_says_so(monkeypatch, caplog):
+    """n_runners=0 (runners elsewhere) and none started: the wait went on forever without a word."""
+    from agl import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "QUIET_WAIT_S", 0.3)
+    trainer = agl.Trainer(n_runners=0, store="memory", progress=False)
+    with trainer.runners(agl.rollout(lambda task: 1.0)):
+        with pytest.raises(TimeoutError, match="2 of 2 rollouts did not finish within 1.5 s"):
+            trainer.run_tasks([{"n": 1}, {"n": 2}], description="dev", timeout=1.5)
+    said = [r.getMessage() for r in caplog.records if "no rollout finished" in r.getMessage()]
+    assert said and said[0].startswith("dev: no rollout finished in the last 0 s; waiting for 2 (2 queued, 0 running")
+    assert "n_runners=0: are runners started against this store (agl runner --store URL" in said[0]

@@ -26,6 +26,8 @@ from agl.types import Resource, Rollout, RolloutConfig, RolloutMode, parse_resou
 
 logger = logging.getLogger("agl.trainer")
 
+QUIET_WAIT_S = 60.0  # a wait in which no rollout finished for this long says what it waits for
+
 AgentLike = Union[LitAgent[Any], Callable[..., Any]]  # a plain rollout function is wrapped (agl.litagent.as_agent)
 
 
@@ -143,6 +145,7 @@ class Trainer:
         pending = set(ids)
         finished: Dict[str, Rollout] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
+        quiet_since = time.monotonic()
         with progress_bar(description, total=len(ids), enabled=self.progress) as advance:
             while pending:
                 if deadline is not None and time.monotonic() > deadline:
@@ -152,9 +155,24 @@ class Trainer:
                         pending.discard(rollout.rollout_id)
                         finished[rollout.rollout_id] = rollout
                         advance(1)
+                        quiet_since = time.monotonic()
                 if self._pool is not None:
                     self._pool.check()
+                if pending and time.monotonic() - quiet_since >= QUIET_WAIT_S:
+                    self._say_what_is_waited_for(len(pending), description)
+                    quiet_since = time.monotonic()
         return [finished[i] for i in ids]
+
+    def _say_what_is_waited_for(self, n_pending: int, description: str) -> None:
+        """No rollout finished for a while: say where the waited-for ones are (a trainer with ``n_runners=0``
+        and no runner anywhere would otherwise wait forever without a word)."""
+        counts = self.store.stats().rollouts
+        where = f"{counts.get('queued', 0)} queued, {counts.get('running', 0)} running in the store"
+        if self._remote_runners_only and not counts.get("running"):
+            where += ("; this Trainer has n_runners=0: are runners started against this store (agl runner "
+                      "--store URL --agent MODULE:AGENT)?")
+        logger.warning("%s: no rollout finished in the last %.0f s; waiting for %d (%s)",
+                       description, QUIET_WAIT_S, n_pending, where)
 
     def learned_from(self, rollouts: Sequence[Rollout]) -> None:
         """Algorithms call this once a training step's update has learnt from ``rollouts``: the spans of steps
