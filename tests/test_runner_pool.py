@@ -117,3 +117,27 @@ def test_the_start_method_is_fork_on_linux_spawn_on_macos_and_agl_start_method_c
     monkeypatch.setenv("AGL_START_METHOD", "clone")
     with pytest.raises(ValueError, match="AGL_START_METHOD='clone' is not a start method here; use one of"):
         runner_pool._mp_context()
+
+
+def test_runners_the_store_refuses_stop_the_pool_with_what_to_do(tmp_path: Path) -> None:
+    """A token revoked on the store server (or the wrong one): every runner process died on its first call
+    and was respawned, forever, each printing a traceback; the crash-loop guard never fired, since the pool
+    looks at its workers once a second and it counted deaths within a second of the start."""
+    from agl.errors import StoreAuthError
+    from agl.store.remote import RemoteLightningStore
+    from agl.store.server import ServerThread, TokenSet, create_app
+
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    server = ServerThread(create_app(backing, tokens=TokenSet({"trainer": "good"}))).start()
+    pool = RunnerPool(agl.rollout(lambda task: 1.0), RemoteLightningStore(server.url, token="revoked"), 2).start()
+    try:
+        deadline = time.monotonic() + 30
+        with pytest.raises(StoreAuthError, match="the store refused its token .* a token the store server accepts"):
+            while time.monotonic() < deadline:
+                pool.check()
+                time.sleep(0.2)
+        assert pool.respawned == 0, "no runner was respawned"
+    finally:
+        pool.stop()
+        server.stop()
+        backing.close()

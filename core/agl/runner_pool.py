@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Dict, List, Literal, Optional, Union
 
+from agl.errors import StoreAuthError
 from agl.instrumentation import instrumented
 from agl.litagent import LitAgent
 from agl.runner import Runner
@@ -29,7 +30,9 @@ logger = logging.getLogger("agl.runner_pool")
 
 RunnerMode = Literal["process", "thread"]
 _STUCK_EXIT_CODE = 75  # a worker whose agent hung past its timeout exits with this to be replaced
-_CRASH_LOOP = 3  # workers that die this many times in a row within a second of starting: give up
+_REFUSED_EXIT_CODE = 77  # a worker the store refused (its token): respawning cannot help
+_CRASH_LOOP = 3  # workers that die this many times in a row soon after starting: give up
+_QUICK_DEATH_S = 5.0  # "soon": longer than the one-second interval at which agl runner checks its workers
 
 
 START_METHOD_ENV = "AGL_START_METHOD"
@@ -74,7 +77,11 @@ def _process_main(
     def set_busy(value: bool) -> None:
         busy["now"] = value
 
-    runner.run_forever(stop, exit_when_stuck=True, on_busy=set_busy)
+    try:
+        runner.run_forever(stop, exit_when_stuck=True, on_busy=set_busy)
+    except StoreAuthError as exc:  # a revoked or wrong token: say it once, and tell the pool not to respawn
+        logger.error("runner %s: the store refused it: %s", runner_id, exc)
+        os._exit(_REFUSED_EXIT_CODE)
     runner.tracer.flush(5.0)
     os._exit(_STUCK_EXIT_CODE if runner.stuck else 0)
 
@@ -163,11 +170,17 @@ class RunnerPool:
             if worker.is_alive():
                 continue
             code = getattr(worker, "exitcode", None)
+            if code == _REFUSED_EXIT_CODE:  # an AglError: `agl runner` exits 2 with this message
+                raise StoreAuthError(
+                    f"runner {worker.name} stopped: the store refused its token (revoked, or not the server's; the "
+                    f"error is logged above). Start the runners with a token the store server accepts "
+                    f"(--token or $AGL_STORE_TOKEN)"
+                )
             if code == _STUCK_EXIT_CODE:
                 logger.info("runner %s left after a stuck rollout; starting a fresh one", worker.name)
             else:
                 logger.warning("runner %s died (exit code %s); starting a fresh one", worker.name, code)
-                quick = time.monotonic() - self._started_at[i] < 1.0
+                quick = time.monotonic() - self._started_at[i] < _QUICK_DEATH_S
                 self._quick_deaths = self._quick_deaths + 1 if quick else 0
                 if self._quick_deaths >= _CRASH_LOOP:
                     raise RuntimeError(
