@@ -377,6 +377,30 @@ def test_a_tool_that_raises_is_an_error_span_and_the_run_goes_on(fake_openai, in
     assert agent.status != "error"  # the SDK handled the failure: the agent went on
 
 
+def test_a_tool_call_with_broken_arguments_costs_one_air_penalty(fake_openai, instrumented, sink) -> None:
+    """The SDK runs (and fails) a tool whose arguments do not parse; LangGraph does not run it. AIR counted
+    the SDK's failed tool as a second penalty for the same mistake (args_invalid and tool_error)."""
+    from agl.lightningrl.air import AIRConfig, air_rewards
+    from agl.lightningrl.links import CallLinks
+    from agl.lightningrl.tree import build_tree
+
+    fake_openai.script(
+        FakeReply(tool_calls=[{"id": "c1", "name": "add", "arguments": '{"a": 1, "b":'}]),
+        FakeReply(tool_calls=[{"id": "c2", "name": "divide", "arguments": {"a": 4, "b": 0}}]),
+        FakeReply(content="I could not."),
+    )
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        Runner.run_sync(Agent(name="calculator", tools=[add, divide]), QUESTION)
+
+    spans = sink.of(rollout_id)
+    assert [t.status for t in _of_kind(spans, "tool")] == ["error", "error"]  # the SDK ran both, both failed
+    first, second, _ = sorted(_of_kind(spans, "llm"), key=lambda s: s.sequence_id)
+    out = air_rewards(CallLinks(build_tree(spans)), [s.span_id for s in _of_kind(spans, "llm")], AIRConfig())
+    assert out[first.span_id] == pytest.approx({"air.args_invalid": -0.1})
+    assert out[second.span_id] == pytest.approx({"air.tool_error": -0.1})  # a tool that raised on good arguments
+
+
 def test_a_tool_error_that_ends_the_run_still_ends_every_span(fake_openai, instrumented, sink) -> None:
     rollout_id = _rollout_id()
     agent = Agent(name="divider", instructions="Divide.", tools=[divide_strict])

@@ -174,11 +174,13 @@ def air_trace():
             {"id": "ok", "name": "t", "arguments": '{"a": 1}'},
             {"id": "bad", "name": "t", "arguments": '{"a": '},
             {"id": "list", "name": "t", "arguments": "[1]"},
+            {"id": "boom", "name": "t", "arguments": '{"a": 0}'},
         ],
     )
     b.tool("t", call_id="ok")
-    b.tool("t", call_id="bad", error=True)
-    b.tool("t", call_id="list", error=True)
+    b.tool("t", call_id="bad", error=True)  # run on arguments that did not parse (the Agents SDK does): counted
+    b.tool("t", call_id="list", error=True)  # once, as args_invalid, not also as tool_error
+    b.tool("t", call_id="boom", error=True)
     calls["answer"] = b.llm([1], [3], content="ANSWER: 42")
     calls["chat"] = b.llm([1], [4], content="I think it is 42")
     return b.finish(), calls
@@ -190,7 +192,7 @@ def test_air_signals_and_weights() -> None:
                        format_ok=1.0, format_miss=-1.0)
     out = air_rewards(links_of(spans), [c.span_id for c in calls.values()], config)
     assert out[calls["tools"].span_id] == pytest.approx(
-        {"air.tool_ok": 0.2, "air.tool_error": -1.0, "air.args_valid": 0.1, "air.args_invalid": -0.6}
+        {"air.tool_ok": 0.2, "air.tool_error": -0.5, "air.args_valid": 0.2, "air.args_invalid": -0.6}
     )  # no text content: no format check
     assert out[calls["answer"].span_id] == {"air.format_ok": 1.0}
     assert out[calls["chat"].span_id] == {"air.format_miss": -1.0}
@@ -199,7 +201,7 @@ def test_air_signals_and_weights() -> None:
 def test_air_defaults_only_penalise_and_only_selected_calls_get_rewards() -> None:
     spans, calls = air_trace()
     out = air_rewards(links_of(spans), [calls["tools"].span_id], AIRConfig())
-    assert out == {calls["tools"].span_id: pytest.approx({"air.tool_error": -0.2, "air.args_invalid": -0.2})}
+    assert out == {calls["tools"].span_id: pytest.approx({"air.tool_error": -0.1, "air.args_invalid": -0.2})}
 
 
 def test_air_config_validation() -> None:

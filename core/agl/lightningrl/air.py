@@ -4,7 +4,9 @@ The trace already says whether what a call asked for worked; AIR turns that into
 weights from :class:`AIRConfig`, recorded in ``Transition.step_rewards`` under these names:
 
 - ``air.tool_ok`` / ``air.tool_error``: per tool span that ended without error / with error status (the
-  tool raised), credited to the call that caused the tool (see :mod:`agl.lightningrl.links`);
+  tool raised), credited to the call that caused the tool (see :mod:`agl.lightningrl.links`); a tool that
+  failed on arguments that did not parse is not also a ``tool_error`` (one mistake, one penalty, whether
+  the framework runs such a tool, as the OpenAI Agents SDK does, or not, as LangGraph);
 - ``air.args_valid`` / ``air.args_invalid``: per tool call in the call's output message whose arguments
   do / do not parse as a JSON object;
 - ``air.format_ok`` / ``air.format_miss``: the call's text content does / does not match
@@ -23,6 +25,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Iterable, Mapping, Optional, Pattern, Union
 
+from agl import semconv
 from agl.lightningrl.links import CallLinks, output_message, tool_calls_of
 
 
@@ -76,10 +79,21 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
             named = out.setdefault(call, {})
             named[name] = named.get(name, 0.0) + weight
 
+    # Tool calls whose arguments did not parse: some frameworks still run (and fail) the tool, others do not;
+    # that failure is the same mistake, already counted once as air.args_invalid.
+    unparsed = {
+        call.get("id")
+        for span in links.ordered
+        if span.kind == "llm" and span.span_id in wanted
+        for call in tool_calls_of(output_message(span))
+        if not _arguments_parse((call.get("function") or {}).get("arguments"))
+    }
     for span in links.ordered:
         if span.kind == "tool":
             caller = links.caller_of_tool(span)
             if caller in wanted:
+                if span.status == "error" and span.attributes.get(semconv.TOOL_CALL_ID) in unparsed - {None}:
+                    continue
                 if span.status == "error":
                     add(caller, "air.tool_error", config.tool_error)
                 else:
