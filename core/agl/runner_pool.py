@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 from agl.errors import StoreAuthError
 from agl.instrumentation import instrumented
@@ -35,6 +35,7 @@ _CRASH_LOOP = 3  # workers that die this many times in a row soon after starting
 _QUICK_DEATH_S = 5.0  # "soon": longer than the one-second interval at which agl runner checks its workers
 
 
+PARENT_CHECK_S = 1.0  # how often a runner process checks that its pool process is alive
 START_METHOD_ENV = "AGL_START_METHOD"
 
 
@@ -72,6 +73,7 @@ def _process_main(
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us cleanly
+    threading.Thread(target=_leave_with_parent, args=(os.getppid(), stop, on_sigterm), daemon=True).start()
     runner = Runner(agent, store, runner_id=runner_id, **kwargs)
 
     def set_busy(value: bool) -> None:
@@ -84,6 +86,17 @@ def _process_main(
         os._exit(_REFUSED_EXIT_CODE)
     runner.tracer.flush(5.0)
     os._exit(_STUCK_EXIT_CODE if runner.stuck else 0)
+
+
+def _leave_with_parent(parent: int, stop: Any, leave: Callable[[int, Any], None]) -> None:
+    """A runner process whose pool process died (``kill -9`` of ``agl runner``) leaves as on SIGTERM: idle at
+    once, busy after its rollout. Else orphans go on claiming work that nobody watches, and a restarted
+    ``agl runner`` doubles the runners."""
+    while not stop.wait(PARENT_CHECK_S):
+        if os.getppid() != parent:
+            logger.warning("runner process %d: its pool process %d is gone; leaving", os.getpid(), parent)
+            leave(signal.SIGTERM, None)
+            return
 
 
 class RunnerPool:

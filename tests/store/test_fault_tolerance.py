@@ -269,3 +269,34 @@ def test_a_training_run_rides_out_a_store_server_outage_longer_than_the_clients_
     assert "has not answered" in caplog.text and "still trying, up to 60 s" in caplog.text
     store.close()
     probe.close()
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie (an orphan's zombie waits for a reaper that a container may not have)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child pids from Linux's /proc")
+def test_runner_processes_leave_when_agl_runner_is_killed(tmp_path: Path, agent_file: Path) -> None:
+    """kill -9 of `agl runner` left its runner processes running as orphans, claiming work nobody watched;
+    a restarted `agl runner` then doubled the runners."""
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    server = ServerThread(create_app(backing, tokens=TokenSet({"t": TOKEN}))).start()
+    log = tmp_path / "runner.log"
+    runners = start_runners(agent_file, server.url, 2, log)
+    try:
+        children_file = Path(f"/proc/{runners.pid}/task/{runners.pid}/children")
+        eventually(lambda: len(children_file.read_text().split()) == 2, 60, f"two runner processes\n{log.read_text()}")
+        children = [int(pid) for pid in children_file.read_text().split()]
+        runners.kill()
+        runners.wait(10)
+        eventually(lambda: not any(_alive(pid) for pid in children), 15, "the orphaned runner processes to leave")
+        assert "its pool process" in log.read_text() and "is gone; leaving" in log.read_text()
+    finally:
+        if runners.poll() is None:
+            runners.kill()
+        server.stop()
+        backing.close()
