@@ -7,7 +7,11 @@ Why it looks like this:
   explicitly (``start_*_span(parent=...)``) and never made current.
 - The OpenAI-client layer makes the one ``llm`` span per request. To nest it under the right node it asks
   :meth:`AglCallbackHandler.llm_parent` (a parent resolver): LangChain keeps the config of the Runnable that
-  is calling the model in ``var_child_runnable_config``, whose callback manager names that run.
+  is calling the model in ``var_child_runnable_config``, whose callback manager names that run. That is not
+  always set: LangGraph runs the steps after the first of a node that is a chain (``prompt | model``) outside
+  it, so the model run's own start event (called inline, in the caller's context) also notes the run in a
+  context variable of ours, which the resolver prefers while the Runnable config is still the one the model
+  run started under. Only the resolver reads it; no span is made current.
 - Every run is recorded, spanned or not, with its *anchor* (its own span or its nearest ancestor's), so a
   run under a transparent one (a prompt, a sequence, a routing function) still finds its parent in O(1).
 - ``run_inline``: LangChain then calls it in the caller's thread and context, in event order, even from
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 from uuid import UUID
@@ -54,6 +59,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 # LangGraph raises these to pause or redirect a graph (interrupt(), Command(graph=PARENT)): control
 # flow, not failures, so the runs they unwind are not marked as errors.
 _CONTROL_FLOW_ERRORS = frozenset({"GraphBubbleUp", "GraphInterrupt", "ParentCommand", "NodeInterrupt"})
+
+# The model (or retriever) run started last in this context, and the run that LangChain's Runnable config named
+# then: see AglCallbackHandler.llm_parent. Set by the run's start event, cleared by its end.
+_leaf_run: ContextVar[Optional[Tuple[UUID, Optional[UUID]]]] = ContextVar("agl_langchain_leaf_run", default=None)
 
 
 @dataclass(frozen=True)
@@ -107,13 +116,21 @@ class AglCallbackHandler(BaseCallbackHandler):
                     run.span.end()
 
     def llm_parent(self) -> Optional[otel_trace.Span]:
-        """Parent resolver for the OpenAI-client layer: the span of the LangChain run calling the model."""
+        """Parent resolver for the OpenAI-client layer: the span of the LangChain run calling the model.
+
+        That is the model run started in this context, while the Runnable config is still the one it started
+        under (LangGraph runs the model of a ``prompt | model`` node with no config of its own, or with an
+        enclosing node's when the graph runs inside another graph's node function); else the run the Runnable
+        config names (a node function calling the OpenAI client directly, code entered since the model run).
+        """
         if not self.enabled:
             return None
-        config = var_child_runnable_config.get()
-        manager = config.get("callbacks") if config else None
-        run_id = getattr(manager, "parent_run_id", None)
-        run = self._get(run_id)
+        config_run_id = _config_run_id()
+        leaf, run = _leaf_run.get(), None
+        if leaf is not None and leaf[1] == config_run_id:
+            run = self._get(leaf[0])
+        if run is None:
+            run = self._get(config_run_id)
         return _innermost(run.anchor) if run is not None else None
 
     # -- chains (graphs, nodes, agents, sequences...) --------------------------------------------------------
@@ -226,19 +243,19 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     @_callback
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        self._pop(run_id)
+        self._end_pass_through(run_id)
 
     @_callback
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
-        self._pop(run_id)
+        self._end_pass_through(run_id)
 
     @_callback
     def on_retriever_end(self, documents: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        self._pop(run_id)
+        self._end_pass_through(run_id)
 
     @_callback
     def on_retriever_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
-        self._pop(run_id)
+        self._end_pass_through(run_id)
 
     # -- LangGraph graph lifecycle: dispatched to every handler of its graph callback managers ----------------
     def on_interrupt(self, event: Any) -> None:
@@ -255,6 +272,13 @@ class AglCallbackHandler(BaseCallbackHandler):
     def _pass_through(self, run_id: UUID, parent_run_id: Optional[UUID]) -> None:
         parent = self._get(parent_run_id)
         self._put(run_id, None, parent, ParentInfo(parent.info.agent_name if parent else None, False))
+        _leaf_run.set((run_id, _config_run_id()))
+
+    def _end_pass_through(self, run_id: UUID) -> None:
+        self._pop(run_id)
+        leaf = _leaf_run.get()
+        if leaf is not None and leaf[0] == run_id:  # an end in another context cannot clear it there: the id
+            _leaf_run.set(None)  # left behind is then in no table, so the resolver ignores it
 
     def _put(
         self,
@@ -278,6 +302,13 @@ class AglCallbackHandler(BaseCallbackHandler):
     def _pop(self, run_id: UUID) -> Optional[_Run]:
         with self._lock:
             return self._runs.pop(run_id, None)
+
+
+def _config_run_id() -> Optional[UUID]:
+    """The run that LangChain's current Runnable config names as the parent of what runs in it."""
+    config = var_child_runnable_config.get()
+    manager = config.get("callbacks") if config else None
+    return getattr(manager, "parent_run_id", None)
 
 
 def _parent_of(parent: Optional[_Run]) -> Optional[otel_trace.Span]:

@@ -437,6 +437,66 @@ def test_agent_executor_is_an_agent_named_by_its_run_name(tmp_path, fake_openai,
     assert agent_of(tool_span, spans) == "solver" and tool_span.attributes[semconv.TOOL_CALL_RESULT] == 6.0
 
 
+# -- nodes that are chains: LangGraph runs the steps after the first outside the node's Runnable config ----------
+def chain_nodes_graph(base_url: str) -> Any:
+    """``writer`` is ``prompt | model``, ``critic`` is ``prompt | model | lambda``: LangGraph flattens either
+    chain into the node's own sequence, so the model is a step of the node's run, not of a chain of its own."""
+    from langchain_core.prompts import ChatPromptTemplate
+
+    llm = model(base_url)
+
+    def prompt(system: str) -> Any:
+        return ChatPromptTemplate.from_messages([("system", system), ("placeholder", "{messages}")])
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("writer", prompt("write") | llm)
+    graph.add_node("critic", prompt("critique") | llm | (lambda message: {"messages": [message]}))
+    graph.add_edge(START, "writer")
+    graph.add_edge("writer", "critic")
+    graph.add_edge("critic", END)
+    return graph.compile()
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["top", "in_a_node_function"])
+@pytest.mark.parametrize("mode", ["invoke", "ainvoke", "stream"])
+def test_the_model_of_a_chain_node_is_the_nodes_call(fake_openai, instrumented, sink, mode, nested):
+    """The model inside ``add_node("writer", prompt | model)`` runs with no Runnable config naming the node
+    (or, when the graph runs inside another graph's node function, with that outer node's): its llm span
+    must still nest under the node's agent span, or ``agent_match="^writer$"`` selects nothing."""
+    app = inner = chain_nodes_graph(fake_openai.base_url)
+    if nested:
+
+        def run_inner(state: MessagesState) -> Any:
+            return inner.invoke(state)
+
+        async def arun_inner(state: MessagesState) -> Any:
+            return await inner.ainvoke(state)
+
+        outer = StateGraph(MessagesState)
+        outer.add_node("outer", RunnableLambda(run_inner, afunc=arun_inner))
+        outer.add_edge(START, "outer")
+        outer.add_edge("outer", END)
+        app = outer.compile()
+    state = {"messages": [HumanMessage("a haiku about spans")]}
+    rollout_id = f"ro-chain-node-{uuid.uuid4().hex[:6]}"
+    with agl.rollout_scope(rollout_id, "at-1"), agl.operation("run"):
+        if mode == "invoke":
+            app.invoke(state)
+        elif mode == "ainvoke":
+            asyncio.run(app.ainvoke(state))
+        else:
+            assert list(app.stream(state, stream_mode="messages"))
+    spans = sink.of(rollout_id)
+    calls = of_kind(spans, "llm")
+    assert len(calls) == len(generation_requests(fake_openai)) == 2
+    assert [agent_of(s, spans) for s in calls] == ["writer", "critic"]
+    assert [json.loads(s.attributes[semconv.INPUT_MESSAGES])[0]["content"] for s in calls] == ["write", "critique"]
+    assert [s.attributes[semconv.LLM_STREAM] for s in calls] == [mode == "stream"] * 2
+    assert [last_input_text(s) for s in select_llm_calls(spans, "^writer$")] == ["a haiku about spans"]
+    assert_one_tree(spans)
+    assert instrumented._handler is not None and instrumented._handler._runs == {}
+
+
 # -- concurrency: rollouts in threads and asyncio tasks, LangGraph's own thread pool ----------------------------
 def fan_out_graph(base_url: str) -> Any:
     """Two LLM nodes in the same step: sync LangGraph runs them on its own thread pool."""
