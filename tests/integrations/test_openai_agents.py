@@ -401,6 +401,36 @@ def test_a_tool_call_with_broken_arguments_costs_one_air_penalty(fake_openai, in
     assert out[second.span_id] == pytest.approx({"air.tool_error": -0.1})  # a tool that raised on good arguments
 
 
+@function_tool
+@agl.tool
+def recorded_twice_divide(a: float, b: float) -> float:
+    """Divide a by b."""
+    return a / b
+
+
+def test_a_tool_recorded_by_both_agl_tool_and_function_tool_costs_one_air_penalty(fake_openai, instrumented, sink) -> None:
+    """@function_tool over @agl.tool (the README advertises @agl.tool) makes two nested tool spans for one
+    call; AIR counted a failure of it twice."""
+    from agl.lightningrl.air import AIRConfig, air_rewards
+    from agl.lightningrl.links import CallLinks
+    from agl.lightningrl.tree import build_tree
+
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "recorded_twice_divide", "arguments": {"a": 4, "b": 0}}]),
+        FakeReply(content="I could not."),
+    )
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        Runner.run_sync(Agent(name="calculator", tools=[recorded_twice_divide]), QUESTION)
+
+    spans = sink.of(rollout_id)
+    outer, inner = sorted(_of_kind(spans, "tool"), key=lambda s: s.start_time)
+    assert inner.parent_id == outer.span_id and outer.status == inner.status == "error"
+    first = min(_of_kind(spans, "llm"), key=lambda s: s.sequence_id)
+    out = air_rewards(CallLinks(build_tree(spans)), [s.span_id for s in _of_kind(spans, "llm")], AIRConfig())
+    assert out == {first.span_id: pytest.approx({"air.tool_error": -0.1})}
+
+
 def test_a_tool_error_that_ends_the_run_still_ends_every_span(fake_openai, instrumented, sink) -> None:
     rollout_id = _rollout_id()
     agent = Agent(name="divider", instructions="Divide.", tools=[divide_strict])

@@ -6,7 +6,8 @@ weights from :class:`AIRConfig`, recorded in ``Transition.step_rewards`` under t
 - ``air.tool_ok`` / ``air.tool_error``: per tool span that ended without error / with error status (the
   tool raised), credited to the call that caused the tool (see :mod:`agl.lightningrl.links`); a tool that
   failed on arguments that did not parse is not also a ``tool_error`` (one mistake, one penalty, whether
-  the framework runs such a tool, as the OpenAI Agents SDK does, or not, as LangGraph);
+  the framework runs such a tool, as the OpenAI Agents SDK does, or not, as LangGraph), and a tool span
+  right under a tool span of the same name (``@agl.tool`` under ``@function_tool``) is the same call;
 - ``air.args_valid`` / ``air.args_invalid``: per tool call in the call's output message whose arguments
   do / do not parse as a JSON object;
 - ``air.format_ok`` / ``air.format_miss``: the call's text content does / does not match
@@ -27,6 +28,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Pattern, Union
 
 from agl import semconv
 from agl.lightningrl.links import CallLinks, output_message, tool_calls_of
+from agl.types import Span
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
     }
     for span in links.ordered:
         if span.kind == "tool":
+            if _inner_record_of_its_parent(links, span):
+                continue
             caller = links.caller_of_tool(span)
             if caller in wanted:
                 if span.status == "error" and span.attributes.get(semconv.TOOL_CALL_ID) in unparsed - {None}:
@@ -112,6 +116,17 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
                 else:
                     add(span.span_id, "air.format_miss", config.format_miss)
     return out
+
+
+def _inner_record_of_its_parent(links: CallLinks, tool: Span) -> bool:
+    """A tool span right under a tool span of the same name is one call recorded twice (``@agl.tool`` under
+    a framework's own tool decorator, e.g. ``@function_tool``): counted once, at the outer one."""
+    parent = links.tree.parent(tool.span_id)
+    return (
+        parent is not None
+        and parent.kind == "tool"
+        and parent.attributes.get(semconv.TOOL_NAME) == tool.attributes.get(semconv.TOOL_NAME)
+    )
 
 
 def _arguments_parse(arguments: Any) -> bool:
