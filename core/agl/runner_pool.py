@@ -73,7 +73,7 @@ def _process_main(
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us cleanly
-    threading.Thread(target=_leave_with_parent, args=(os.getppid(), stop, on_sigterm), daemon=True).start()
+    threading.Thread(target=_leave_with_parent, args=(os.getppid(), on_sigterm), daemon=True).start()
     runner = Runner(agent, store, runner_id=runner_id, **kwargs)
 
     def set_busy(value: bool) -> None:
@@ -88,11 +88,15 @@ def _process_main(
     os._exit(_STUCK_EXIT_CODE if runner.stuck else 0)
 
 
-def _leave_with_parent(parent: int, stop: Any, leave: Callable[[int, Any], None]) -> None:
+def _leave_with_parent(parent: int, leave: Callable[[int, Any], None]) -> None:
     """A runner process whose pool process died (``kill -9`` of ``agl runner``) leaves as on SIGTERM: idle at
     once, busy after its rollout. Else orphans go on claiming work that nobody watches, and a restarted
-    ``agl runner`` doubles the runners."""
-    while not stop.wait(PARENT_CHECK_S):
+    ``agl runner`` doubles the runners.
+
+    A plain sleep, not the pool's stop event: a process killed while it waits on a multiprocessing Event
+    leaves the Event's ``set()`` in every other process waiting forever for it to wake."""
+    while True:
+        time.sleep(PARENT_CHECK_S)
         if os.getppid() != parent:
             logger.warning("runner process %d: its pool process %d is gone; leaving", os.getpid(), parent)
             leave(signal.SIGTERM, None)
