@@ -7,6 +7,7 @@ server on 127.0.0.1 serves a SQLite file; requests go through httpx (raw) or Rem
 from __future__ import annotations
 
 import gzip
+import json
 import multiprocessing
 import pickle
 import socket
@@ -26,6 +27,7 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import EnqueueRequest, LightningStore, SqliteLightningStore, open_store
+from agl.store.memory import InMemoryLightningStore
 from agl.store.postgres import PostgresLightningStore
 from agl.store.remote import RemoteLightningStore
 from agl.store.server import ServerLimits, ServerThread, TokenSet, create_app
@@ -362,6 +364,55 @@ def test_a_runner_that_left_mid_poll_claims_nothing(tmp_path: Path) -> None:
         queued = served.backing.enqueue_rollout("for a live runner")
         time.sleep(0.3)
         assert served.backing.get_rollout(queued.rollout_id).status == "queued"
+    finally:
+        served.close()
+
+
+def _poll_and_leave(url: str, runner_id: str) -> None:
+    """A runner that asks for work and is gone (killed) while the server waits for some: a raw socket that sends
+    a long-poll dequeue, sees that it is waiting, and closes."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    body = json.dumps({"runner_id": runner_id, "timeout": 60}).encode()
+    head = (
+        f"POST /v1/rollouts/dequeue HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head.encode() + body)
+        sock.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            sock.recv(1)  # no answer: the poll waits inside the store
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "memory", "postgres"])
+def test_work_that_arrives_after_a_polling_runner_left_goes_to_a_live_runner(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The server's poll for a runner that has gone still waits inside the store (for up to a slice: a second
+    by default, long enough for a scaled-down pool's runners to be handed the next batch; longer here). Work
+    enqueued after the server saw the disconnect is not claimed for that runner or, by a store whose wait
+    cannot give up (in memory), is handed back at once instead of running until the heartbeat timeout."""
+    backing: LightningStore
+    if backend == "sqlite":
+        backing = SqliteLightningStore(tmp_path / "store.db")
+    elif backend == "memory":
+        backing = InMemoryLightningStore()
+    else:
+        backing = PostgresLightningStore(request.getfixturevalue("postgres_dsn"))
+    served = Served(backing, limits=ServerLimits(poll_slice_seconds=30))
+    try:
+        _poll_and_leave(served.url, "ghost")
+        time.sleep(1.0)  # the server reads the closed connection (on loopback, within milliseconds)
+        queued = served.backing.enqueue_rollout("for a live runner", config=RolloutConfig(max_attempts=2))
+        time.sleep(0.5)  # the poll of the runner that left would claim it now (before the live runner asks)
+        rollout = served.client.dequeue_rollout("live", timeout=5)
+        assert rollout is not None and rollout.rollout_id == queued.rollout_id, "claimed for the runner that left"
+        attempts = served.backing.query_attempts(queued.rollout_id)
+        assert [(a.runner_id, a.status) for a in attempts if a.status == "running"] == [("live", "running")]
+        if backend == "memory":
+            assert [(a.runner_id, a.status) for a in attempts] == [("ghost", "unresponsive"), ("live", "running")]
+        else:  # SQLite and PostgreSQL give up the wait: no attempt at all for the runner that left
+            assert [a.runner_id for a in attempts] == ["live"]
     finally:
         served.close()
 

@@ -8,10 +8,30 @@ the next attempt expiry) is decided here once.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 import time
-from typing import Callable, ContextManager, Optional, Protocol, Tuple, TypeVar
+from typing import Callable, ContextManager, Iterator, Optional, Protocol, Tuple, TypeVar
 
 T = TypeVar("T")
+
+_GIVE_UP: "contextvars.ContextVar[Optional[threading.Event]]" = contextvars.ContextVar("agl_give_up", default=None)
+
+
+@contextlib.contextmanager
+def give_up_when(event: threading.Event) -> Iterator[None]:
+    """Within this block, :func:`wait_until` (so a SQLite or PostgreSQL ``dequeue_many``) makes no further
+    ``attempt`` once ``event`` is set and returns None, claiming nothing.
+
+    Why: the store server's long poll sets ``event`` when its client disconnects; work that arrives after that
+    must stay queued for a live runner, not be claimed for one that has gone (its attempt would run until the
+    heartbeat timeout). A context variable, not a parameter, so that no store method grows an argument.
+    """
+    token = _GIVE_UP.set(event)
+    try:
+        yield
+    finally:
+        _GIVE_UP.reset(token)
 
 
 class Waiter(Protocol):
@@ -29,12 +49,16 @@ def wait_until(
     ``attempt`` returns ``(result or None, next attempt expiry)``; a sleep also ends at that expiry so
     that the expired attempt gets reaped. The subscription is made only once a first try found nothing,
     and ``attempt`` runs once more before the first sleep: a commit it misses wakes a subscription that
-    exists, so no wake-up is lost.
+    exists, so no wake-up is lost. Inside :func:`give_up_when`, it returns None without another attempt
+    once the event is set (a sleep going on then still ends when woken or timed out).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
+    give_up = _GIVE_UP.get()
     with contextlib.ExitStack() as stack:
         waiter: Optional[Waiter] = None
         while True:
+            if give_up is not None and give_up.is_set():
+                return None  # checked right before each attempt: nothing is claimed once it is set
             result, next_expiry = attempt()
             if result is not None:
                 return result

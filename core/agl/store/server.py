@@ -45,6 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agl.errors import AglError
 from agl.http_thread import ThreadedServer
 from agl.store import otlp
+from agl.store._waiting import give_up_when
 from agl.store.base import AsyncRolloutCalls, LightningStore, StoreStats
 from agl.store.memory import InMemoryLightningStore
 from agl.store.sqlite import SqliteLightningStore
@@ -543,13 +544,20 @@ def create_app(
             watcher.cancel()
 
     def sliced(timeout: float, gone: threading.Event, step: Callable[[float], Any]) -> Any:
-        """Call ``step(wait)`` in slices until it returns something, the time is up or the client left."""
+        """Call ``step(wait)`` in slices until it returns something or the time is up; None once the client left.
+
+        ``gone`` is checked before each slice and, by a store that waits in ``wait_until`` (SQLite,
+        PostgreSQL), before each claim within a slice: work that arrives after the disconnect is not claimed
+        for a client that will never get it. A slice bounds how long the thread stays after that.
+        """
         deadline = time.monotonic() + min(timeout, limits.max_poll_seconds)
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            result = step(min(left, limits.poll_slice_seconds))
-            if result or left <= limits.poll_slice_seconds or gone.is_set():
-                return result
+        with give_up_when(gone):
+            while not gone.is_set():
+                left = max(0.0, deadline - time.monotonic())
+                result = step(min(left, limits.poll_slice_seconds))
+                if result or left <= limits.poll_slice_seconds:
+                    return result
+        return None
 
     app = FastAPI(
         title="agl store server",
@@ -589,7 +597,10 @@ def create_app(
 
         def waited(gone: threading.Event) -> Response:
             step = lambda t: store.dequeue_many(body.runner_id, body.limit, timeout=t)  # noqa: E731
-            return _rollouts(sliced(body.timeout, gone, step))
+            claimed = sliced(body.timeout, gone, step) or []
+            if claimed and gone.is_set():  # claimed as the client left (or by a store whose wait cannot give up)
+                claimed = _give_back(store, claimed, body.runner_id)
+            return _rollouts(claimed)
 
         if native is not None:
             async def claim_or_wait() -> Response:  # the claim on the loop; only an empty queue costs a thread
@@ -850,6 +861,26 @@ def _otlp_error(media: str, status: int, exc: BaseException) -> Response:
     name = type(exc).__name__ if error_status(exc) else "StoreRequestError"
     body = error_body(exc).model_copy(update={"error": name})
     return Response(body.model_dump_json(exclude_none=True), status_code=status, media_type=otlp.JSON)
+
+
+def _give_back(store: LightningStore, claimed: List[Rollout], runner_id: str) -> List[Rollout]:
+    """End the attempts of rollouts claimed for a poll whose client has disconnected (the answer cannot reach it),
+    as the reaper would after the heartbeat timeout, but now: the rollouts are retried while attempts are left.
+    Returns no rollouts: the answer a retry of the same request (Idempotency-Key) gets, so nobody runs them."""
+    error = (f"runner {runner_id!r} disconnected before the store server could hand it this rollout "
+             "(the runner left): attempt ended by the server")
+    for rollout in claimed:
+        if rollout.attempt is None:  # a dequeued rollout always has one
+            continue
+        try:
+            after = store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "unresponsive", error=error)
+        except Exception as exc:  # noqa: BLE001 - the reaper ends it after the heartbeat timeout instead
+            logger.warning("rollout %s claimed for runner %s, which left: could not end the attempt: %s",
+                           rollout.rollout_id, runner_id, exc)
+            continue
+        logger.info("rollout %s claimed for runner %s, which left: attempt ended, rollout is now %s",
+                    rollout.rollout_id, runner_id, after.status)
+    return []
 
 
 def _reap_forever(store: LightningStore, stop: threading.Event, interval: float) -> None:
