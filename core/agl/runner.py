@@ -54,6 +54,19 @@ def reward_from_result(result: Any) -> Optional[float]:
     return reward_number(result, "the reward rollout() returned", "a number, None, or a dict with a 'reward' key")
 
 
+ERROR_CHARS = 16_384  # an agent's error kept with its rollout: head and tail of longer ones
+
+
+def _bounded(error: str) -> str:
+    """The error text, cut in the middle if longer than ``ERROR_CHARS``: an exception can carry megabytes (a
+    whole document in a ValueError), which a store server refuses as a body over its limit, so the runner
+    could not report the failure at all and the rollout ended as "runner presumed dead" instead."""
+    if len(error) <= ERROR_CHARS:
+        return error
+    half = ERROR_CHARS // 2
+    return f"{error[:half]}\n... [{len(error) - 2 * half} characters cut] ...\n{error[-half:]}"
+
+
 class RolloutTimeout(AglError, TimeoutError):
     pass
 
@@ -140,7 +153,7 @@ class Runner:
             if not self._cancelled(future):
                 self._abandon_stuck_agent()
         except Exception as exc:  # noqa: BLE001 - the agent's failure is data, not a runner crash
-            status, error = "failed", "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            status, error = "failed", _bounded("".join(traceback.format_exception_only(type(exc), exc)).strip())
             logger.info("rollout %s failed: %s", rollout.rollout_id, error)
         finally:
             heartbeat.stop()

@@ -300,3 +300,53 @@ def test_runner_processes_leave_when_agl_runner_is_killed(tmp_path: Path, agent_
             runners.kill()
         server.stop()
         backing.close()
+
+
+def test_agl_runner_reports_a_rollout_that_ended_while_the_store_server_was_down(
+    tmp_path: Path, agent_file: Path, server_process: ServerProcess
+) -> None:
+    """The rollout finishes during an outage longer than the client's retries (8-16 s): the runner crashed on
+    its completion, the pool respawned it, and the finished result was thrown away (the attempt then ran out
+    its heartbeat timeout and failed). `agl runner --outage-timeout` keeps the completion trying."""
+    trainer = RemoteLightningStore(server_process.url, token=TOKEN)
+    (rollout,) = trainer.enqueue_many([EnqueueRequest(input={"pause": 1.0})])
+    log = tmp_path / "runner.log"
+    runners = start_runners(agent_file, server_process.url, 1, log)
+    try:
+        eventually(lambda: span_names(trainer, rollout.rollout_id)["agl.message"] >= 1, 60, f"the rollout to start\n{log.read_text()}")
+        server_process.kill()
+        time.sleep(18.0)  # the rollout ends (2 s) and its completion outlasts the client's own retries
+        server_process.start()
+        (done,) = trainer.wait_for_rollouts([rollout.rollout_id], timeout=60)
+        assert done.status == "succeeded" and done.n_attempts == 1, log.read_text()
+        assert span_names(trainer, rollout.rollout_id) == FULL_ATTEMPT, "spans queued during the outage were stored"
+        assert "still trying" in log.read_text() and "Traceback" not in log.read_text()
+    finally:
+        stop(runners, log)
+        trainer.close()
+
+
+def test_an_agent_error_larger_than_the_servers_body_limit_is_reported_cut(tmp_path: Path) -> None:
+    """An exception carrying megabytes (a whole document in a ValueError): the completion was over the store
+    server's body limit, the runner crashed on it, and the rollout ended as "runner presumed dead", its real
+    error lost. The runner keeps the head and tail of a long error."""
+    import agl
+    from agl.store.server import ServerLimits
+
+    @agl.rollout
+    def parser(task):
+        raise ValueError("cannot parse: " + "x" * 2_000_000 + " (end of document)")
+
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    limits = ServerLimits(max_body_bytes=1024 * 1024)
+    server = ServerThread(create_app(backing, tokens=TokenSet({"t": TOKEN}), limits=limits)).start()
+    try:
+        trainer = agl.Trainer(store=RemoteLightningStore(server.url, token=TOKEN), runner_mode="thread", progress=False,
+                              heartbeat_timeout=5.0)
+        (row,) = trainer.dev(parser, [{"doc": 1}], print_table=False)
+    finally:
+        server.stop()
+    assert row.status == "failed" and row.error is not None
+    assert row.error.startswith("ValueError: cannot parse: xxx") and row.error.endswith("x (end of document)")
+    assert "characters cut" in row.error and len(row.error) < 20_000
+    backing.close()
