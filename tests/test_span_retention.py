@@ -115,12 +115,13 @@ def test_cli_prune_deletes_older_spans_and_vacuum_shrinks_the_file(tmp_path: Pat
     db = tmp_path / "s.db"
     trainer = agl.Trainer(store=str(db), n_runners=2, runner_mode="thread", progress=False)
     trainer.dev(wordy_agent, [{"n": i} for i in range(40)], print_table=False)
-    trainer.store.enqueue_rollout({"n": "later"}, mode="train")  # queued: its spans (none yet) are not touched
-    ids = [r.rollout_id for r in trainer.store.query_rollouts(status=["succeeded"])]
-    counts = [len(trainer.store.query_spans(i)) for i in ids]
-    assert min(counts) >= 2  # the message and the reward at least
-    size_before = trainer.store.file_size()
     trainer.store.close()
+    with SqliteLightningStore(db) as store:
+        store.enqueue_rollout({"n": "later"}, mode="train")  # queued: its spans (none yet) are not touched
+        ids = [r.rollout_id for r in store.query_rollouts(status=["succeeded"])]
+        counts = [len(store.query_spans(i)) for i in ids]
+        size_before = store.file_size()
+    assert min(counts) >= 2  # the message and the reward at least
 
     assert agl_main(["store", "prune", "--keep-last", "5", "--vacuum", "--store", str(db)]) == 0
     out = capsys.readouterr().out
