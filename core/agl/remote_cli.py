@@ -79,7 +79,7 @@ def add_runner_parser(sub: Any) -> None:
     runner.add_argument("--rollout-timeout", type=float, default=None, help="seconds a rollout may run (default: none)")
     runner.add_argument("--stop-timeout", type=float, default=30.0, help="seconds busy runners get to finish on stop")
     runner.add_argument("--outage-timeout", type=float, default=600.0,
-                        help="seconds each call to a store server keeps trying through an outage once the runners "
+                        help="seconds each call to a store server (or PostgreSQL) keeps trying through an outage once the runners "
                         "run (a server restart); the check at start still fails fast (default 600)")
     runner.set_defaults(func=cmd_runner)
 
@@ -112,8 +112,7 @@ def cmd_runner(args: argparse.Namespace) -> int:
     agent = load_agent(args.agent)
     store = open_runner_store(args.store, args.token)
     stats = store.stats()  # fails fast, with the server's message, on a wrong URL or token
-    if getattr(store, "outage_timeout", False) is None:  # a store server: from now on, ride out its restarts
-        store.outage_timeout = args.outage_timeout
+    store.ride_out_outages(args.outage_timeout)  # from now on, ride out restarts of a store server or database
     queued = stats.rollouts.get("queued", 0)
     agl.instrument()
     stop = threading.Event()

@@ -69,9 +69,9 @@ class Trainer:
         """``span_retention_steps``: keep the spans of the last N training steps and delete older ones (their
         rollouts and rewards stay, validation spans stay); None keeps every span. See agl.span_retention.
 
-        ``store_outage_timeout``: with a store server (``store="http://..."``), how long each store call of the
-        trainer and its runners keeps trying through an outage (a server restart) before the run fails; a
-        ``RemoteLightningStore`` passed in with its own ``outage_timeout`` keeps it."""
+        ``store_outage_timeout``: with a store server (``store="http://..."``) or PostgreSQL, how long each
+        store call of the trainer and its runners keeps trying through an outage (a server restart) before the
+        run fails; a store passed in with its own setting (``outage_timeout``, ``reconnect_timeout``) keeps it."""
         if n_workers is not None:
             warnings.warn("Trainer(n_workers=) is now n_runners=", DeprecationWarning, stacklevel=2)
             n_runners = n_workers
@@ -86,8 +86,7 @@ class Trainer:
         self.algorithm = algorithm
         self.n_runners = n_runners
         self.store = store if isinstance(store, LightningStore) else open_store(store)
-        if getattr(self.store, "outage_timeout", False) is None:  # a RemoteLightningStore without a setting
-            self.store.outage_timeout = store_outage_timeout  # type: ignore[attr-defined]
+        self.store.ride_out_outages(store_outage_timeout)
         self.adapter = adapter
         self.runner_mode: RunnerMode = runner_mode
         self.rollout_config = RolloutConfig(

@@ -259,3 +259,15 @@ def test_https_verifies_the_server_against_ssl_cert_file(monkeypatch: pytest.Mon
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_trainer_sets_the_outage_timeout_of_a_store_server_client_unless_it_has_its_own() -> None:
+    import agl
+    from agl.store.remote import RemoteLightningStore
+
+    default = RemoteLightningStore("http://127.0.0.1:9")  # nothing is sent until a call
+    own = RemoteLightningStore("http://127.0.0.1:9", outage_timeout=5.0)
+    agl.Trainer(store=default, progress=False, store_outage_timeout=42)
+    agl.Trainer(store=own, progress=False)
+    assert (default.outage_timeout, own.outage_timeout) == (42, 5.0)
+    assert RemoteLightningStore("http://127.0.0.1:9").outage_timeout is None, "interactive use fails fast"

@@ -360,6 +360,28 @@ def test_server_restart_loses_nothing_committed(make_span: MakeSpan) -> None:
         store.close()
 
 
+def test_a_trainer_sets_how_long_calls_ride_out_a_database_outage_unless_the_store_has_its_own() -> None:
+    """A Trainer on postgresql:// rode out only 10 s of database downtime (a restart), then ended the run."""
+    import agl
+
+    with TemporaryPostgres() as server:
+        default = PostgresLightningStore(server.create_database())
+        own = PostgresLightningStore(server.create_database(), reconnect_timeout=0.3)
+        trainer = agl.Trainer(store=default, progress=False, store_outage_timeout=0.4)
+        agl.Trainer(store=own, progress=False, store_outage_timeout=600)
+        assert trainer.store is default and default.reconnect_timeout == 0.4 and own.reconnect_timeout == 0.3
+        server.kill()
+        for store, seconds in ((default, "0.4"), (own, "0.3")):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match=f"cannot reach PostgreSQL .* for {seconds} s"):
+                store.stats()
+            assert time.monotonic() - started < 5, "not the 10 s default"
+        server.restart()
+        assert default.stats().rollouts["queued"] == 0
+        default.close()
+        own.close()
+
+
 def test_unreachable_server_is_a_clear_error() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

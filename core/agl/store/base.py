@@ -230,6 +230,11 @@ class LightningStore(abc.ABC):
     def stats(self) -> StoreStats:
         ...
 
+    def ride_out_outages(self, seconds: float) -> None:
+        """Keep each call trying for up to ``seconds`` while the server behind this store is unreachable,
+        unless the store was given its own setting. For long-lived users (a Trainer, ``agl runner``) of a store
+        that reaches a server; the in-process stores have no outages and ignore it."""
+
     def close(self) -> None:
         """Release connections. Safe to call twice."""
 

@@ -434,23 +434,28 @@ def _data_error(exc: BaseException) -> ValueError:
     )
 
 
+RECONNECT_TIMEOUT_S = 10.0  # how long an operation retries an unreachable server, unless told otherwise
+
+
 class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
     """A LightningStore in a PostgreSQL database, shared by every process on every machine that opens it."""
 
     multiprocess_safe: ClassVar[bool] = True
 
-    def __init__(self, dsn: str, *, max_connections: int = 8, reconnect_timeout: float = 10.0) -> None:
+    def __init__(self, dsn: str, *, max_connections: int = 8, reconnect_timeout: Optional[float] = None) -> None:
         """Open (creating the schema if needed) the store in the database ``dsn`` names.
 
         ``dsn``: a libpq URL (``postgresql://user:password@host:5432/database``) or ``key=value`` string.
         ``max_connections``: connections per store object and process (one more listens once a thread
-        waits). ``reconnect_timeout``: how long an operation keeps retrying a server it cannot reach.
+        waits). ``reconnect_timeout``: how long an operation keeps retrying a server it cannot reach (None:
+        ``RECONNECT_TIMEOUT_S``, or what a Trainer or ``agl runner`` asks for with :meth:`ride_out_outages`).
         """
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self.dsn = dsn
         self.max_connections = max_connections
-        self.reconnect_timeout = reconnect_timeout
+        self._own_reconnect_timeout = reconnect_timeout is not None
+        self.reconnect_timeout = RECONNECT_TIMEOUT_S if reconnect_timeout is None else reconnect_timeout
         self._closed = False
         self._clock_offset = 0.0
         self._reset_process_state()
@@ -496,6 +501,10 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
 
     def __repr__(self) -> str:
         return f"PostgresLightningStore({redacted(self.dsn)!r})"
+
+    def ride_out_outages(self, seconds: float) -> None:
+        if not self._own_reconnect_timeout:
+            self.reconnect_timeout = seconds
 
     # -- connections and transactions ----------------------------------------------------------------------
     def _connect(self) -> Any:

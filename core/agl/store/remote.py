@@ -110,7 +110,7 @@ class RemoteLightningStore(LightningStore):
 
         ``outage_timeout``: a call whose ``retries`` ran out keeps trying, every ``max_backoff`` seconds, until
         this many seconds after it began (a warning says so once per outage). The Trainer and ``agl runner``
-        set it (``Trainer(store_outage_timeout=)``, default 600 s), so that a store server restart or a network
+        set it through :meth:`ride_out_outages` (``Trainer(store_outage_timeout=)``, default 600 s), so that a store server restart or a network
         blip does not end a training run or throw away a finished rollout's result; interactive commands
         keep the short default and fail fast."""
         if not url.startswith(("http://", "https://")):
@@ -214,6 +214,10 @@ class RemoteLightningStore(LightningStore):
             f"{time.monotonic() - started:.1f} s (last: {last_problem}): is `agl store serve` running there and "
             "reachable? The call is safe to repeat"
         )
+
+    def ride_out_outages(self, seconds: float) -> None:
+        if self.outage_timeout is None:
+            self.outage_timeout = seconds
 
     def _keep_trying(self, attempt: int, started: float, method: str, path: str, problem: str) -> bool:
         """Whether try number ``attempt`` (0: the first) may go: within ``retries``, or within ``outage_timeout``."""
