@@ -188,8 +188,9 @@ class Trainer:
         the pool's runs are instrumented (and the hooks removed after) unless ``Trainer(instrument=False)``:
         code written for Agent Lightning, whose Trainer sets up tracing itself, has no such line, and its LLM
         calls would otherwise go unrecorded (the ``agl`` CLI instruments too). If only a framework adapter is
-        hooked, the OpenAI-client layer (which records the LLM calls) is hooked for the run. ``instrument=False`` leaves the
-        recording to agl's LLM proxy (VERL) or to spans the agent sends itself (OTLP).
+        hooked, the OpenAI-client layer (which records the LLM calls) is hooked for the run.
+        ``instrument=False`` leaves the recording to agl's LLM proxy (VERL) or to spans the agent sends itself
+        (OTLP).
         """
         if self.n_runners == 0:  # the work is done by runners elsewhere (agl runner --store URL)
             self._remote_runners_only = True
