@@ -79,8 +79,8 @@ def add_runner_parser(sub: Any) -> None:
     runner.add_argument("--rollout-timeout", type=float, default=None, help="seconds a rollout may run (default: none)")
     runner.add_argument("--stop-timeout", type=float, default=30.0, help="seconds busy runners get to finish on stop")
     runner.add_argument("--outage-timeout", type=float, default=600.0,
-                        help="seconds each call to a store server (or PostgreSQL) keeps trying through an outage once the runners "
-                        "run (a server restart); the check at start still fails fast (default 600)")
+                        help="seconds each call to a store server (or PostgreSQL) keeps trying through an outage "
+                        "once the runners run (a server restart); the check at start still fails fast (default 600)")
     runner.set_defaults(func=cmd_runner)
 
 

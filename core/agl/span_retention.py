@@ -49,4 +49,6 @@ class SpanRetention:
             try:
                 self.deleted += self.store.delete_spans(ids)
             except Exception as exc:  # noqa: BLE001 - see the docstring
-                logger.warning("could not delete the spans of %d rollouts of an old step (they stay): %s", len(ids), exc)
+                logger.warning(
+                    "could not delete the spans of %d rollouts of an old step (they stay): %s", len(ids), exc
+                )

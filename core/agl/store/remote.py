@@ -110,9 +110,9 @@ class RemoteLightningStore(LightningStore):
 
         ``outage_timeout``: a call whose ``retries`` ran out keeps trying, every ``max_backoff`` seconds, until
         this many seconds after it began (a warning says so once per outage). The Trainer and ``agl runner``
-        set it through :meth:`ride_out_outages` (``Trainer(store_outage_timeout=)``, default 600 s), so that a store server restart or a network
-        blip does not end a training run or throw away a finished rollout's result; interactive commands
-        keep the short default and fail fast."""
+        set it through :meth:`ride_out_outages` (``Trainer(store_outage_timeout=)``, default 600 s), so that
+        a store server restart or a network blip does not end a training run or throw away a finished
+        rollout's result; interactive commands keep the short default and fail fast."""
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"store server URL {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
