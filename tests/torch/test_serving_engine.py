@@ -311,11 +311,14 @@ def test_a_model_left_in_training_mode_generates_in_eval_mode_and_gets_its_mode_
     enable()  # in training mode this would turn the KV cache off
     try:
         gen = engine.generate(encode(tokenizer, "hello"), GREEDY, timeout=60)
-        assert model.training
+        # the mode comes back once the batch drained (the reply may arrive a moment before); a trainer
+        # touches the model only inside paused(), which waits for exactly that
+        with engine.paused():
+            assert model.training
     finally:
+        engine.close()  # joins the worker first, so it cannot flip the mode back after the lines below
         disable()
         model.eval()
-        engine.close()
     with torch.no_grad():
         expected = model.generate(torch.tensor([gen.prompt_ids]), max_new_tokens=12, do_sample=False)
     assert gen.response_ids == expected[0, len(gen.prompt_ids):].tolist()
