@@ -525,6 +525,31 @@ def test_retries_after_a_lost_answer_apply_once(restarted: Callable[[], Any], re
     assert backing.stats().resources_versions == 1 and backing.get_resources() == update
 
 
+def test_a_server_down_for_longer_than_the_heartbeat_timeout_does_not_end_the_running_attempts(tmp_path: Path) -> None:
+    """Runners cannot send heartbeats while the server is down: a restarted server's reaper ended every
+    running attempt at once as unresponsive, though the runners were alive and riding the outage out (a
+    Trainer's default heartbeat timeout is 120 s, its outage timeout 600 s). The server renews them as it
+    starts; a runner that stays silent is ended one heartbeat timeout later."""
+    first = Served(tmp_path / "store.db")
+    config = RolloutConfig(heartbeat_timeout_seconds=1.0)
+    first.client.enqueue_many([EnqueueRequest(input=i, config=config) for i in range(2)])
+    alive, silent = first.client.dequeue_many("runner-1", 2)
+    first.close()
+    time.sleep(1.3)  # longer than the heartbeat timeout
+    second = Served(tmp_path / "store.db", limits=ServerLimits(reap_interval=0.05))
+    try:
+        time.sleep(0.3)  # the reaper's timer has run
+        assert second.client.get_rollout(alive.rollout_id).status == "running"
+        assert alive.attempt is not None
+        second.client.heartbeat(alive.rollout_id, alive.attempt.attempt_id)
+        done = second.client.complete_attempt(alive.rollout_id, alive.attempt.attempt_id, "succeeded", reward=1.0)
+        assert done.status == "succeeded"
+        time.sleep(1.0)
+        assert [a.status for a in second.client.query_attempts(silent.rollout_id)] == ["unresponsive"]
+    finally:
+        second.close()
+
+
 def test_retried_calls_apply_once_when_postgresql_calls_run_on_the_event_loop(postgres_dsn: str, make_span: Any) -> None:
     """The server makes PostgreSQL's claim, span insert and completion as coroutines (AsyncRolloutCalls):
     a retry after a lost answer still gets the first answer, from the Idempotency-Key cache."""

@@ -360,6 +360,30 @@ def test_server_restart_loses_nothing_committed(make_span: MakeSpan) -> None:
         store.close()
 
 
+def test_a_database_down_for_longer_than_the_heartbeat_timeout_does_not_end_the_running_attempts() -> None:
+    """No runner can send a heartbeat while the database is down: the first reap after a restart ended every
+    running attempt as unresponsive (failing rollouts with no attempt left), though their runners were alive
+    and riding the outage out. Heartbeats older than the server's start now count from its start."""
+    with TemporaryPostgres() as server:
+        store = PostgresLightningStore(server.create_database(), reconnect_timeout=30)
+        config = RolloutConfig(heartbeat_timeout_seconds=1.5)
+        rollout_id = store.enqueue_rollout("x", config=config).rollout_id
+        claimed = store.dequeue_rollout("runner-1")
+        assert claimed is not None and claimed.attempt is not None
+        server.kill()
+        time.sleep(2.0)  # longer than the heartbeat timeout
+        server.restart()
+        assert store.reap_expired() == [] and store.get_rollout(rollout_id).status == "running"
+        store.heartbeat(rollout_id, claimed.attempt.attempt_id)  # the runner is back: its attempt goes on
+        assert store.complete_attempt(rollout_id, claimed.attempt.attempt_id, "succeeded").status == "succeeded"
+        silent = store.enqueue_rollout("y", config=config).rollout_id
+        assert store.dequeue_rollout("runner-2") is not None
+        time.sleep(1.7)  # a silent runner after the restart is still ended
+        store.reap_expired()
+        assert [a.status for a in store.query_attempts(silent)] == ["unresponsive"]
+        store.close()
+
+
 def test_a_trainer_sets_how_long_calls_ride_out_a_database_outage_unless_the_store_has_its_own() -> None:
     """A Trainer on postgresql:// rode out only 10 s of database downtime (a restart), then ended the run."""
     import agl

@@ -381,6 +381,31 @@ def test_heartbeats_keep_an_attempt_alive(store: LightningStore, make_span: Make
     assert store.get_rollout(rollout.rollout_id).status == "running"
 
 
+def test_renew_heartbeats_gives_running_attempts_a_new_heartbeat_deadline_only(store: LightningStore) -> None:
+    """What the store server does when it starts (its runners could not beat while it was down): every running
+    attempt with a heartbeat timeout counts as having just beaten; a wall-time timeout is not extended, and a
+    runner that stays silent is still ended, one heartbeat timeout later."""
+    silent = store.enqueue_rollout("silent", config=RolloutConfig(heartbeat_timeout_seconds=1.0))
+    walled = store.enqueue_rollout("walled", config=RolloutConfig(heartbeat_timeout_seconds=30, timeout_seconds=1.0))
+    store.enqueue_rollout("forever")  # no heartbeat timeout: nothing to renew
+    queued = store.enqueue_rollout("queued", config=RolloutConfig(heartbeat_timeout_seconds=1.0))
+    claimed = store.dequeue_many("runner-1", 3)
+    assert len(claimed) == 3
+    time.sleep(0.6)
+    assert store.renew_heartbeats() == 2
+    (beaten,) = [a for a in store.query_attempts(silent.rollout_id)]
+    assert beaten.last_heartbeat >= beaten.start_time + 0.5
+    time.sleep(0.6)  # past the silent attempt's first deadline, before its renewed one
+    store.reap_expired()  # (a store server's timer may have reaped first: the outcome is what counts)
+    assert [a.status for a in store.query_attempts(walled.rollout_id)] == ["timeout"]
+    assert store.get_rollout(silent.rollout_id).status == "running"
+    time.sleep(0.5)
+    store.reap_expired()
+    assert [a.status for a in store.query_attempts(silent.rollout_id)] == ["unresponsive"]
+    assert store.get_rollout(queued.rollout_id).status == "queued"
+    assert store.renew_heartbeats() == 0
+
+
 def test_dequeue_reaps_expired_attempts_itself(store: LightningStore) -> None:
     store.enqueue_rollout("x", config=RolloutConfig(max_attempts=2, timeout_seconds=0.05))
     first = claim(store)

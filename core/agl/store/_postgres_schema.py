@@ -211,6 +211,18 @@ EXPIRED = (
     "WHERE a.status = 'running' AND a.deadline <= %s ORDER BY a.aid FOR UPDATE OF r, a SKIP LOCKED"
 )
 
+# Running attempts (with a heartbeat timeout) whose last heartbeat is older than %(t)s count as having sent
+# one at %(t)s: ``_rules.attempt_deadline(start, t, ...)``, where ``least`` skips a NULL bound as it does.
+RENEW_HEARTBEATS = (
+    "UPDATE agl_attempts a SET last_heartbeat = %(t)s, "
+    "deadline = least(a.start_time + r.timeout_seconds, %(t)s + r.heartbeat_timeout_seconds) "
+    "FROM agl_rollouts r WHERE r.rollout_id = a.rollout_id AND a.status = 'running' AND a.deadline IS NOT NULL "
+    "AND r.heartbeat_timeout_seconds IS NOT NULL AND a.last_heartbeat < %(t)s"
+)
+
+# When the database server started (its clock, as _now() is): no heartbeat could arrive while it was down.
+SERVER_START = "SELECT extract(epoch FROM pg_postmaster_start_time())::float8"
+
 SPAN_COLUMNS = (
     "aid, rollout_id, attempt_id, span_id, sequence_id, trace_id, parent_id, name, kind, start_time, end_time, "
     "status, error, attributes, events"

@@ -192,6 +192,19 @@ class LightningStore(abc.ABC):
         Returns the rollouts that changed.
         """
 
+    @abc.abstractmethod
+    def renew_heartbeats(self) -> int:
+        """Count every running attempt that has a heartbeat timeout as having sent a heartbeat now; returns
+        how many it renewed.
+
+        For after the store was unreachable: no runner could send a heartbeat meanwhile, so an outage longer
+        than the heartbeat timeout would otherwise end every running attempt as unresponsive (failing the
+        rollouts that have no attempt left) the moment the store is back, runners alive or not. The store
+        server calls this when it starts; a PostgreSQL store does the same by itself for attempts whose last
+        heartbeat predates the database server's start. A runner that really died is still ended, one
+        heartbeat timeout later. ``timeout_seconds`` (an attempt's wall time) is not extended.
+        """
+
     # -- spans ---------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def add_spans(self, spans: Sequence[Span]) -> int:

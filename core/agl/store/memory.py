@@ -312,6 +312,15 @@ class InMemoryLightningStore(LightningStore):
             self._check_open()
             return self._reap()[0]
 
+    def renew_heartbeats(self) -> int:
+        with self._cond:
+            self._check_open()
+            now = time.time()
+            live = [r for r in self._live.values() if r.rollout.config.heartbeat_timeout_seconds is not None]
+            for record in live:
+                self._beat(record, record.attempts[-1], now)
+            return len(live)
+
     # -- spans ---------------------------------------------------------------------------------------------
     def add_spans(self, spans: Sequence[Span]) -> int:
         encoded: List[Tuple[Span, bytes]] = [(span, _rules.encode_span(span)) for span in spans]

@@ -88,6 +88,7 @@ from agl.store._postgres_schema import (
     LIVE_ATTEMPT,
     NEXT_DEADLINE,
     QUEUE_CHANNEL,
+    RENEW_HEARTBEATS,
     ROLLOUT_FAILED,
     ROLLOUT_REQUEUED,
     ROLLOUT_SUCCEEDED,
@@ -95,6 +96,7 @@ from agl.store._postgres_schema import (
     SCHEMA_LOCK_KEY,
     SCHEMA_VERSION,
     SELECT_ROLLOUTS,
+    SERVER_START,
     SPAN_ATTEMPTS,
     SPAN_COLS,
 )
@@ -730,6 +732,8 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
             return [], next_deadline  # the common case: one indexed read, no transaction
 
         def work(c: Any) -> Tuple[List[Rollout], Optional[float]]:
+            # a restarted database: its runners could not beat while it was down (see renew_heartbeats)
+            c.execute(RENEW_HEARTBEATS, {"t": c.execute(SERVER_START).fetchone()[0]})
             changed: List[Rollout] = []
             for aid, rollout_id, start, timeout, hb_timeout, n_attempts, max_attempts in c.execute(
                 EXPIRED, (now,)
@@ -994,6 +998,9 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
 
     def reap_expired(self) -> List[Rollout]:
         return self._reap()[0]
+
+    def renew_heartbeats(self) -> int:
+        return self._run(lambda c: c.execute(RENEW_HEARTBEATS, {"t": self._now()}).rowcount)
 
     # -- spans ---------------------------------------------------------------------------------------------
     def add_spans(self, spans: Sequence[Span]) -> int:

@@ -59,6 +59,7 @@ from agl.store.wire import (
     EnqueueBody,
     MaybeResources,
     QueryBody,
+    Renewed,
     RolloutList,
     SpanList,
     Stored,
@@ -402,6 +403,9 @@ class RemoteLightningStore(LightningStore):
 
     def reap_expired(self) -> List[Rollout]:
         return self._call("POST", "/v1/rollouts/reap", RolloutList).rollouts
+
+    def renew_heartbeats(self) -> int:
+        return self._call("POST", "/v1/attempts/renew-heartbeats", Renewed).renewed
 
     # -- spans ---------------------------------------------------------------------------------------------
     def add_spans(self, spans: Sequence[Span]) -> int:

@@ -64,6 +64,7 @@ from agl.store.wire import (
     ErrorBody,
     MaybeResources,
     QueryBody,
+    Renewed,
     ResourcesBody,
     RolloutList,
     SpanList,
@@ -503,6 +504,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         anyio.to_thread.current_default_thread_limiter().total_tokens = limits.max_workers
         pollers["limiter"] = anyio.CapacityLimiter(limits.max_pollers)
+        # Runners could not send heartbeats while this server was down: without this, a restart after more
+        # than the heartbeat timeout would end all their attempts as unresponsive at once.
+        renewed = await anyio.to_thread.run_sync(store.renew_heartbeats)
+        if renewed:
+            logger.info("renewed the heartbeat deadline of %d running attempt(s) for their runners to reconnect", renewed)
         stop = threading.Event()
         reaper = threading.Thread(target=_reap_forever, args=(store, stop, limits.reap_interval), daemon=True)
         reaper.start()
@@ -639,6 +645,15 @@ def create_app(
     @api.post("/rollouts/reap", response_model=RolloutList, tags=["rollouts"], summary="end expired attempts now")
     async def reap() -> Response:
         return await run(lambda: _rollouts(store.reap_expired()))
+
+    @api.post(
+        "/attempts/renew-heartbeats",
+        response_model=Renewed,
+        tags=["rollouts"],
+        summary="count every running attempt as having sent a heartbeat now",
+    )
+    async def renew_heartbeats() -> Response:
+        return await run(lambda: _json(Renewed(renewed=store.renew_heartbeats())))
 
     @api.get("/rollouts/{rollout_id}", response_model=Rollout, tags=["rollouts"])
     async def get_rollout(rollout_id: str) -> Response:

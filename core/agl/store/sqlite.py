@@ -639,6 +639,20 @@ class SqliteLightningStore(LightningStore):
     def reap_expired(self) -> List[Rollout]:
         return self._reap()[0]
 
+    def renew_heartbeats(self) -> int:
+        now = time.time()
+        with self._write() as c:
+            running = c.execute(
+                "SELECT a.aid, a.start_time, r.timeout_seconds, r.heartbeat_timeout_seconds FROM attempts a "
+                "JOIN rollouts r ON r.rollout_id = a.rollout_id "
+                "WHERE a.status = 'running' AND a.deadline IS NOT NULL AND r.heartbeat_timeout_seconds IS NOT NULL"
+            ).fetchall()
+            c.executemany(
+                "UPDATE attempts SET last_heartbeat = ?, deadline = ? WHERE aid = ?",
+                [(now, _rules.attempt_deadline(start, now, timeout, hb), aid) for aid, start, timeout, hb in running],
+            )
+        return len(running)
+
     # -- spans ---------------------------------------------------------------------------------------------
     def add_spans(self, spans: Sequence[Span]) -> int:
         if not spans:

@@ -120,6 +120,10 @@ class Deleted(BaseModel):
     deleted: int = Field(description="spans deleted")
 
 
+class Renewed(BaseModel):
+    renewed: int = Field(description="running attempts whose heartbeat was renewed")
+
+
 class ResourcesBody(BaseModel):
     resources: Dict[str, Dict[str, Any]] = Field(description="name -> LLM / ProxyLLM / PromptTemplate fields")
     resources_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
