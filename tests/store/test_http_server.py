@@ -207,7 +207,7 @@ def test_malformed_requests_get_422_naming_the_field_and_change_nothing(served: 
 def test_unknown_ids_get_404_naming_the_id_and_change_nothing(served: Served) -> None:
     rollout = running_rollout(served)
     before = snapshot(served.backing)
-    rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+    rid = rollout.rollout_id
     cases = [
         ("GET", "/v1/rollouts/ro-ghost", None, "ro-ghost"),
         ("POST", "/v1/rollouts/ro-ghost/cancel", None, "ro-ghost"),
