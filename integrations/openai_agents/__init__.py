@@ -1,10 +1,12 @@
 """agl adapter for the OpenAI Agents SDK (``openai-agents``, imported as ``agents``).
 
 ``agl.instrument()`` adds one ``agents.tracing.TracingProcessor`` beside the user's own (and the SDK's
-exporter) and mirrors the SDK's spans as agl spans: each ``Agent`` run becomes an ``agent`` span named
-``Agent.name`` under which the model requests of that agent nest, function tools become ``tool`` spans,
-handoffs and guardrails ``chain`` spans. The model requests themselves are the OpenAI-client layer's
-``llm`` spans (one per HTTP request, with token ids). No SDK function is patched.
+exporter), which stays there when the user replaces the list (``set_trace_processors([])``, to keep
+traces away from api.openai.com), and mirrors the SDK's spans as agl spans: each ``Agent`` run becomes an
+``agent`` span named ``Agent.name`` under which the model requests of that agent nest, function tools
+become ``tool`` spans, handoffs and guardrails ``chain`` spans. The model requests themselves are the OpenAI-client layer's
+``llm`` spans (one per HTTP request, with token ids). The one SDK function patched is the processor
+list's ``set_processors``, to put agl's processor back after a replacement.
 
 Nothing from the SDK is imported here, so ``agl.instrument()`` works without it installed.
 See docs/integrations/openai_agents.md.
@@ -16,6 +18,7 @@ import logging
 from typing import Any, Tuple
 
 from agl.instrumentation.base import Instrumentor
+from agl.instrumentation.framework import PatchSet
 from agl.instrumentation.safety import guard
 
 logger = logging.getLogger("agl.instrumentation")
@@ -31,10 +34,16 @@ class OpenAIAgentsInstrumentor(Instrumentor):
         super().__init__()
         self._processor: Any = None
         self._provider: Any = None
+        self._patches = PatchSet()
 
     def _instrument(self, **kwargs: Any) -> None:
         from agl.integrations.openai_agents._processor import AglTracingProcessor
-        from agl.integrations.openai_agents._registration import add_processor, tracing_disabled
+        from agl.integrations.openai_agents._registration import (
+            add_processor,
+            keep_after_replace,
+            tracing_disabled,
+            watch_untraced,
+        )
 
         processor = AglTracingProcessor()
         provider = add_processor(processor)
@@ -42,18 +51,21 @@ class OpenAIAgentsInstrumentor(Instrumentor):
             logger.debug("agl: another OpenAIAgentsInstrumentor already traces the Agents SDK")
             return
         self._processor, self._provider = processor, provider
+        keep_after_replace(self._patches, processor, provider)
+        watch_untraced(processor)
         if tracing_disabled(provider):
             # The SDK's switch silences every processor, agl's too: agents would go unnamed in the spans.
             logger.warning(
                 "agl: the OpenAI Agents SDK's tracing is disabled (OPENAI_AGENTS_DISABLE_TRACING or "
                 "set_tracing_disabled), which also hides its agents and tools from agl; LLM calls are still "
-                "recorded, without their agent. Enable it with agents.set_tracing_disabled(False) and choose "
-                "exporters with agents.set_trace_processors([...]) before agl.instrument()."
+                "recorded, without their agent. To keep traces away from api.openai.com, call "
+                "agents.set_trace_processors([]) and agents.set_tracing_disabled(False) instead."
             )
 
     def _uninstrument(self) -> None:
         from agl.integrations.openai_agents._registration import remove_processor
 
+        self._patches.restore()
         if self._processor is not None:
             with guard("openai_agents.uninstrument"):
                 remove_processor(self._processor, self._provider)

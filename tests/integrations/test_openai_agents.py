@@ -624,5 +624,54 @@ def test_disabled_sdk_tracing_is_reported(caplog) -> None:
     assert any("tracing is disabled" in r.getMessage() for r in caplog.records)
 
 
+def test_set_trace_processors_after_instrument_leaves_agl_recording(fake_openai, instrumented, sink, sdk) -> None:
+    """``set_trace_processors([])`` keeps traces away from api.openai.com; done at import time, after
+    ``agl.instrument()``, it dropped agl's processor too and the agents' spans went missing silently."""
+    set_trace_processors([])
+    assert [type(p) for p in _processors()] == [AglTracingProcessor]
+    set_trace_processors([sdk])
+    assert [type(p) for p in _processors()] == [UserProcessor, AglTracingProcessor]
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        assert _run(_calculator(), QUESTION, "run") == "The answer is 5.0."
+    spans = sink.of(rollout_id)
+    assert [s.attributes[semconv.AGENT_NAME] for s in _of_kind(spans, "agent")] == ["calculator"]
+    assert len(_of_kind(spans, "tool")) == 1 and sdk.agents_seen == ["calculator"]
+    agl.uninstrument()  # the patch goes with agl: a replacement is the user's alone again
+    assert not any(isinstance(p, AglTracingProcessor) for p in _processors())
+    set_trace_processors([sdk])
+    assert _processors() == (sdk,)
+
+
+@pytest.mark.parametrize("how", ["set_tracing_disabled", "run_config"])
+def test_an_llm_call_in_a_run_with_tracing_disabled_warns_once(how: str, fake_openai, instrumented, sink, caplog) -> None:
+    """Disabling the SDK's tracing after ``agl.instrument()`` (or for one run) left agl blind to the agents
+    with no word: the LLM calls still came, belonging to no SDK agent, so agent_match found nothing."""
+    from agents import RunConfig
+
+    from agl.integrations.openai_agents import _registration
+
+    _registration._Untraced.warned = False
+    config = RunConfig(tracing_disabled=True) if how == "run_config" else None
+    if how == "set_tracing_disabled":
+        set_tracing_disabled(True)
+    rollout_id = _rollout_id()
+    try:
+        with caplog.at_level(logging.WARNING, "agl.instrumentation"), rollout_scope(rollout_id, "at-1"):
+            for _ in range(2):  # (a client per event loop)
+                asyncio.run(Runner.run(_calculator(model=_own_model(fake_openai.base_url)), QUESTION, run_config=config))
+    finally:
+        set_tracing_disabled(False)
+    warnings = [r.getMessage() for r in caplog.records if "tracing is disabled" in r.getMessage()]
+    assert len(warnings) == 1 and "set_trace_processors([])" in warnings[0]
+    spans = sink.of(rollout_id)
+    assert len(_of_kind(spans, "llm")) == 4 and not _of_kind(spans, "agent")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "agl.instrumentation"), rollout_scope(_rollout_id(), "at-1"):
+        _registration._Untraced.warned = False
+        asyncio.run(Runner.run(_calculator(model=_own_model(fake_openai.base_url)), QUESTION))  # traced: no warning
+    assert not [r for r in caplog.records if "tracing is disabled" in r.getMessage()]
+
+
 def test_the_example_runs_as_its_docstring_says(dev_example) -> None:
     dev_example("openai_agents_agent.py:openai_agents_calc_agent", "^calculator$")
