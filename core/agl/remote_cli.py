@@ -10,7 +10,8 @@ import argparse
 import logging
 import signal
 import threading
-from typing import Any, Optional
+import time
+from typing import Any, Optional, Tuple
 
 logger = logging.getLogger("agl.remote_cli")
 
@@ -80,7 +81,11 @@ def add_runner_parser(sub: Any) -> None:
     runner.add_argument("--stop-timeout", type=float, default=30.0, help="seconds busy runners get to finish on stop")
     runner.add_argument("--outage-timeout", type=float, default=600.0,
                         help="seconds each call to a store server (or PostgreSQL) keeps trying through an outage "
-                        "once the runners run (a server restart); the check at start still fails fast (default 600)")
+                        "once the runners run (a server restart; at start, --wait-for-store applies) (default 600)")
+    runner.add_argument("--wait-for-store", type=float, default=120.0, metavar="SECONDS",
+                        help="at start, how long to wait for a store server (or PostgreSQL) that does not answer "
+                        "yet, e.g. one starting beside the runners; a wrong token or URL still fails at once "
+                        "(default 120)")
     runner.set_defaults(func=cmd_runner)
 
 
@@ -102,6 +107,44 @@ def open_runner_store(url: str, token: Optional[str]) -> Any:
         return open_store(url)
 
 
+def first_contact(url: str, token: Optional[str], wait_s: float) -> Tuple[Any, Any]:
+    """The runner's store and its stats, once it answers: a store server or database that cannot be reached
+    yet (started beside the runners, by docker compose or a Job) is waited for up to ``wait_s`` seconds,
+    saying so every 10 s; any other problem (a wrong token, a URL that is no agl store) raises at once.
+
+    Each try is one quick call (no retries), so the wait ends close to ``wait_s``; a PostgreSQL store
+    retries its connection by itself for its own ``reconnect_timeout`` per try."""
+    from agl.errors import StoreUnavailableError
+    from agl.store.remote import RemoteLightningStore
+
+    started = time.monotonic()
+    said = 0.0
+    while True:
+        store = None
+        try:
+            store = open_runner_store(url, token)
+            if isinstance(store, RemoteLightningStore):
+                retries, store.retries = store.retries, 0
+                try:
+                    return store, store.stats()
+                finally:
+                    store.retries = retries
+            return store, store.stats()
+        except StoreUnavailableError as exc:
+            if store is not None:
+                store.close()
+            waited = time.monotonic() - started
+            if waited >= wait_s:
+                raise StoreUnavailableError(
+                    f"the store at {url} did not answer within {wait_s:g} s (--wait-for-store): {exc}"
+                ) from exc
+            if waited >= said:
+                logger.warning("the store at %s does not answer yet (%s); waiting for it, up to %g s (--wait-for-store)",
+                               url, exc, wait_s)
+                said = waited + 10.0
+            time.sleep(min(1.0, max(0.0, wait_s - waited)))
+
+
 def cmd_runner(args: argparse.Namespace) -> int:
     import agl
     from agl.cli import load_agent
@@ -110,8 +153,7 @@ def cmd_runner(args: argparse.Namespace) -> int:
     if args.n_runners < 1:
         raise SystemExit("agl: --n-runners must be at least 1")
     agent = load_agent(args.agent)
-    store = open_runner_store(args.store, args.token)
-    stats = store.stats()  # fails fast, with the server's message, on a wrong URL or token
+    store, stats = first_contact(args.store, args.token, args.wait_for_store)
     store.ride_out_outages(args.outage_timeout)  # from now on, ride out restarts of a store server or database
     queued = stats.rollouts.get("queued", 0)
     agl.instrument()

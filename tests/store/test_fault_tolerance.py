@@ -271,6 +271,36 @@ def test_a_training_run_rides_out_a_store_server_outage_longer_than_the_clients_
     probe.close()
 
 
+def test_agl_runner_started_before_its_store_server_waits_for_it(tmp_path: Path, agent_file: Path) -> None:
+    """docker compose or a Job starts the runners and the store server together: `agl runner` gave up when
+    the server took longer than its client's retries (8-16 s) to come up. It now waits (--wait-for-store)."""
+    server = ServerProcess(tmp_path / "store.db", tmp_path / "server.log")  # not started yet
+    log = tmp_path / "runner.log"
+    runners = start_runners(agent_file, server.url, 1, log)
+    try:
+        eventually(lambda: "does not answer yet" in log.read_text(), 60, f"the runner to say it waits\n{log.read_text()}")
+        assert runners.poll() is None, log.read_text()
+        server.start()
+        trainer = RemoteLightningStore(server.url, token=TOKEN)
+        ids = [r.rollout_id for r in trainer.enqueue_many([EnqueueRequest(input={}) for _ in range(2)])]
+        done = trainer.wait_for_rollouts(ids, timeout=60)
+        assert [r.status for r in done] == ["succeeded", "succeeded"], log.read_text()
+        trainer.close()
+    finally:
+        stop(runners, log)
+        server.stop()
+
+
+def test_agl_runner_gives_up_on_a_store_that_never_answers_after_wait_for_store(agent_file: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    cmd = [sys.executable, "-m", "agl.cli", "runner", "--store", url, "--agent", f"{agent_file}:agent", "--token", TOKEN,
+           "--wait-for-store", "2"]
+    env = {**os.environ, "AGL_FT_MARKS": str(agent_file.parent / "marks")}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stderr
+    assert f"the store at {url} did not answer within 2 s (--wait-for-store)" in result.stderr
+
+
 def _alive(pid: int) -> bool:
     """Running, and not a zombie (an orphan's zombie waits for a reaper that a container may not have)."""
     try:
