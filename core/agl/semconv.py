@@ -46,6 +46,8 @@ RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"  # list[int], exactly as sampl
 RESPONSE_LOGPROBS = "agl.llm.response_logprobs"  # list[float], one per response token
 TOKEN_IDS_SOURCE = "agl.llm.token_ids_source"  # server | absent | refused (the server rejects the request for them)
 RESOURCES_VERSION = "agl.llm.resources_version"  # the policy version that answered (agl server)
+# structured output (``parse``): the answer arrived but did not parse (``ValidationError: ...``); still a sample
+PARSE_ERROR = "agl.llm.parse_error"
 
 # --- tools (OTel GenAI) ----------------------------------------------------------------------------------
 TOOL_NAME = "gen_ai.tool.name"

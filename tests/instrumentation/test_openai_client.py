@@ -771,6 +771,62 @@ def test_structured_output_parse_is_one_llm_span(chat_helpers, fake_openai, sink
     assert len([r for r in fake_openai.requests if r["path"].endswith("/chat/completions")]) == 1
 
 
+def _assert_recorded_unparsed(span: Any, fake_openai: Any, content: str) -> None:
+    assert span.status != "error" and span.attributes[semconv.PARSE_ERROR].startswith("ValidationError: ")
+    assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, content)
+    assert output_message(span)["content"] == content
+
+
+def test_structured_output_that_does_not_parse_raises_as_before_and_is_recorded(chat_helpers, client, fake_openai,
+                                                                                 sink, rollout):
+    """A structured answer that is not valid JSON raised inside the SDK's ``parse`` and took the completion
+    with it: the span had no response and no token ids (`agl export` refused the rollout, the AutoGen path
+    even marked the call failed), though that is exactly a sample an RL run must learn from (CrewAI retries
+    such answers; a small model writes them). Both ``parse`` and ``with_raw_response...parse()``."""
+    from pydantic import BaseModel, ValidationError
+
+    class Answer(BaseModel):
+        value: int
+
+    bad = "The value is seven"
+    errors = internal_error_count()
+    with rollout() as scope:
+        fake_openai.script(FakeReply(content=bad))
+        with pytest.raises(ValidationError):
+            chat_helpers.parse(model="fake-model", messages=MESSAGES, response_format=Answer)
+        fake_openai.script(FakeReply(content=bad))
+        raw = chat_helpers.with_raw_response.parse(model="fake-model", messages=MESSAGES, response_format=Answer)
+        with pytest.raises(ValidationError):
+            raw.parse()
+        fake_openai.script(FakeReply(content='{"value": 7}'))
+        parsed = chat_helpers.parse(model="fake-model", messages=MESSAGES, response_format=Answer)
+    assert parsed.choices[0].message.parsed == Answer(value=7)
+    first, second, third = sink.of(scope.rollout_id)
+    for span in (first, second):
+        _assert_recorded_unparsed(span, fake_openai, bad)
+    assert semconv.PARSE_ERROR not in third.attributes and third.attributes[semconv.RESPONSE_TOKEN_IDS]
+    assert len(fake_openai.requests) == 3 and internal_error_count() == errors
+
+
+def test_async_structured_output_that_does_not_parse_is_recorded(fake_openai, instrumentor, sink, rollout):
+    from pydantic import BaseModel, ValidationError
+
+    class Answer(BaseModel):
+        value: int
+
+    async def main() -> None:
+        async with openai.AsyncOpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=0) as aclient:
+            helpers = aclient.chat.completions if hasattr(aclient.chat.completions, "parse") else aclient.beta.chat.completions
+            with pytest.raises(ValidationError):
+                await helpers.parse(model="fake-model", messages=MESSAGES, response_format=Answer)
+
+    fake_openai.script(FakeReply(content="seven"))
+    with rollout() as scope:
+        asyncio.run(main())
+    (span,) = sink.of(scope.rollout_id)
+    _assert_recorded_unparsed(span, fake_openai, "seven")
+
+
 def test_streamed_raw_responses_are_reassembled_when_parsed(client, fake_openai, sink, rollout):
     """The Agents SDK streams the Responses API with with_streaming_response.create(stream=True) + parse()."""
     with rollout() as scope:

@@ -81,7 +81,7 @@ class LlmCall:
 
     __slots__ = (
         "api", "span", "owned", "context", "deferred", "stream", "raw", "with_logprobs", "ended", "resource", "retry",
-        "refused",
+        "refused", "raw_for_parse",
     )
 
     def __init__(self, api: str, span: Any, owned: bool, deferred: Dict[str, Any], kwargs: Dict[str, Any]) -> None:
@@ -99,6 +99,7 @@ class LlmCall:
         self.resource: Any = None  # the SDK resource called (its client's base_url names the server)
         self.retry: Optional[Dict[str, Any]] = None  # the call as sent without agl's token id flag
         self.refused = False  # the server refused return_token_ids (this call, or earlier in the process)
+        self.raw_for_parse = False  # a structured-output call agl made raw (see _ask_raw_for_parse)
 
     def refused_by(self, error: BaseException) -> bool:
         """Whether ``error`` is the server refusing the token id flag agl added: then the call goes again
@@ -115,6 +116,8 @@ class LlmCall:
 
     def succeed(self, result: Any, is_async: bool) -> Any:
         """The call returned: record the response and end the span, or hand back a proxied stream."""
+        if self.raw_for_parse:
+            return self._parse_for_user(result)
         reasons: List[str] = []
         try:
             if self.raw is not None and self.stream:
@@ -155,13 +158,46 @@ class LlmCall:
         return None
 
     def _record_raw(self, result: Any) -> List[str]:
-        """``with_raw_response``: its ``parse()`` caches, so parsing here costs the user nothing later.
+        """``with_raw_response``: its ``parse()`` caches, so parsing here costs the user nothing later. An
+        answer that does not parse is recorded all the same; the user's own ``parse()`` raises as before.
 
         A ``with_streaming_response`` body is the user's to read: nothing is recorded from it.
         """
         if self.raw != "true":
             return []
-        return record_response(self.api, result.parse(), self.deferred, self.with_logprobs)
+        try:
+            parsed = result.parse()
+        except Exception as exc:  # noqa: BLE001 - the user's parse() raises it again
+            return self._record_unparsed(result, exc)
+        return record_response(self.api, parsed, self.deferred, self.with_logprobs)
+
+    def _parse_for_user(self, raw: Any) -> Any:
+        """What the SDK's ``parse`` would have returned, from the raw response agl asked for instead. The
+        span is ended first; an answer that does not parse is recorded, and the SDK's error raised."""
+        try:
+            parsed = raw.parse()
+        except BaseException as exc:
+            reasons: List[str] = []
+            try:
+                reasons = self._record_unparsed(raw, exc)
+            except Exception as internal:  # noqa: BLE001
+                report_internal_error("openai.response", internal)
+            self._end(reasons, None, None)
+            raise
+        try:
+            reasons = record_response(self.api, parsed, self.deferred, self.with_logprobs)
+        except Exception as exc:  # noqa: BLE001 - the user gets the result whatever we failed to read
+            report_internal_error("openai.response", exc)
+            reasons = []
+        self._end(reasons, None, None)
+        return parsed
+
+    def _record_unparsed(self, raw: Any, error: BaseException) -> List[str]:
+        """Structured output whose answer did not parse (invalid JSON, a truncated answer): the model did
+        answer, and an RL run needs exactly those samples, so the completion is read without the SDK's
+        post-parser (``_parse``, present since openai 1.0) and the span says why the call raised."""
+        self.span.set_attribute(semconv.PARSE_ERROR, f"{type(error).__name__}: {error}"[:2000])
+        return record_response(self.api, raw._parse(), self.deferred, self.with_logprobs)
 
     def _end(
         self, reasons: Optional[List[str]], error: Optional[BaseException], failure: Optional[Tuple[str, str]]
@@ -232,8 +268,18 @@ class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
         return result
 
 
+def _ask_raw_for_parse(call_kwargs: Dict[str, Any]) -> None:
+    """Structured output (``parse``) validates the answer inside the SDK, after the response arrived: an
+    answer that does not parse raises there, and the completion is lost with it. Asking for the raw
+    response (what ``with_raw_response`` does) lets agl read the completion whatever ``parse()`` then says;
+    :meth:`LlmCall._parse_for_user` hands the user exactly what the SDK's ``parse`` returns or raises."""
+    headers = dict(call_kwargs.get("extra_headers") or {})
+    headers[_RAW_RESPONSE_HEADER] = "true"
+    call_kwargs["extra_headers"] = headers
+
+
 def _begin(
-    api: str, resource: Any, kwargs: Dict[str, Any], request_token_ids: Optional[bool]
+    api: str, resource: Any, kwargs: Dict[str, Any], request_token_ids: Optional[bool], parse: bool = False
 ) -> Tuple[LlmCall, Dict[str, Any]]:
     """Everything before the request: attributes, payload snapshots, the token id flag, then the span.
 
@@ -246,6 +292,9 @@ def _begin(
     scope = current_scope()
     if scope is not None:  # this call's span will be stored: a proxy must not record it again
         mark_client_traced(call_kwargs)
+    raw_for_parse = parse and not kwargs.get("stream") and _RAW_RESPONSE_HEADER not in (kwargs.get("extra_headers") or {})
+    if raw_for_parse:
+        _ask_raw_for_parse(call_kwargs)
     retry: Optional[Dict[str, Any]] = None
     refused = False
     if _wants_token_ids(request_token_ids, scope):
@@ -266,8 +315,12 @@ def _begin(
         prefix = SPAN_PREFIX[api]
         span = get_tracer().start_span(f"{prefix} {model}" if model else prefix, "llm")  # parent: see start_span
     call = LlmCall(api, span, owned, deferred, kwargs)
-    call.resource, call.retry, call.refused = resource, retry, refused
+    call.resource, call.retry, call.refused, call.raw_for_parse = resource, retry, refused, raw_for_parse
     return call, call_kwargs
+
+
+def _is_parse(wrapped: Callable[..., Any]) -> bool:
+    return getattr(wrapped, "__name__", "") == "parse"
 
 
 def _wants_token_ids(request_token_ids: Optional[bool], scope: Optional[RolloutScope]) -> bool:
@@ -282,7 +335,7 @@ def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...,
         if not instrumentor.is_instrumented:  # a method bound while hooked, called after agl.uninstrument()
             return wrapped(*args, **kwargs)
         try:
-            call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids)
+            call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
         except Exception as exc:  # noqa: BLE001
             report_internal_error("openai.request", exc)
             return wrapped(*args, **kwargs)
@@ -308,7 +361,7 @@ def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...
         if not instrumentor.is_instrumented:  # a method bound while hooked, called after agl.uninstrument()
             return wrapped(*args, **kwargs)
         try:
-            call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids)
+            call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
         except Exception as exc:  # noqa: BLE001
             report_internal_error("openai.request", exc)
             return wrapped(*args, **kwargs)
