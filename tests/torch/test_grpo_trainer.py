@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import agl
 import openai
@@ -257,6 +257,32 @@ def test_an_on_step_callback_that_raises_stops_training(tmp_path: Path) -> None:
     assert len((tmp_path / "run" / "metrics.csv").read_text().splitlines()) == 2
     checkpoint = latest_checkpoint(tmp_path / "ckpt")  # and saved: a resume starts at step 2
     assert checkpoint is not None and json.loads((checkpoint / "state.json").read_text())["step"] == 1
+
+
+def _checkpointed_step(directory: Path) -> Optional[int]:
+    checkpoint = latest_checkpoint(directory)
+    return None if checkpoint is None else json.loads((checkpoint / "state.json").read_text())["step"]
+
+
+def test_a_run_that_stops_between_checkpoints_still_saves_its_last_step(tmp_path: Path) -> None:
+    """checkpoint_every=5 and a time budget (the README's main job) or a failing tracker stopping the run
+    earlier: the steps since the last checkpoint were lost, and `agl export-model` found nothing to export."""
+
+    def budget_runs_out(row: Dict[str, Any]) -> None:
+        algo.time_budget_s = 0.0  # as if the budget ran out during step 1
+
+    algo = _algo(tmp_path, steps=4, checkpoint_every=5, eval_every=0, on_step=budget_runs_out)
+    _trainer(tmp_path, algo).fit(chat_agent, TASKS)
+    assert algo.state.step == 1 and _checkpointed_step(tmp_path / "ckpt") == 1
+
+    def broken_tracker(row: Dict[str, Any]) -> None:
+        if row["step"] == 2:
+            raise ValueError("tracker down")
+
+    resumed = _algo(tmp_path, steps=4, checkpoint_every=5, eval_every=0, on_step=broken_tracker)
+    with pytest.raises(ValueError, match="tracker down"):
+        _trainer(tmp_path, resumed).fit(chat_agent, TASKS)
+    assert resumed.state.step == 2 and _checkpointed_step(tmp_path / "ckpt") == 2
 
 
 def test_steps_with_nothing_to_train_stop_the_run_and_say_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -245,6 +245,7 @@ class TorchGRPO(Algorithm):
         self.server: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.state = TrainerState()
+        self._saved_step = 0  # the step of the newest checkpoint (made or resumed from)
 
     # ------------------------------------------------------------------------------------------------------
     # run
@@ -327,12 +328,14 @@ class TorchGRPO(Algorithm):
         assert self.policy is not None and self.optimizer is not None
         fingerprint = self.policy.fingerprint(self._model_label())
         self.state = TrainerState(fingerprint=fingerprint)
+        self._saved_step = 0
         path = latest_checkpoint(self.checkpoint_dir) if self.resume else None
         if path is None:
             return False
         self.state = load_checkpoint(
             path, self.policy.module, self.optimizer, lora=self.policy.is_lora, fingerprint=fingerprint
         )
+        self._saved_step = self.state.step
         self.server.set_version(self.state.policy_version)
         logger.info("resumed from %s (step %d)", path, self.state.step)
         return True
@@ -432,12 +435,15 @@ class TorchGRPO(Algorithm):
                 row["val_success"] = last_eval.success
             _console(metrics.log(row, total_steps=total_steps))
             self.state.rows = metrics.rows
-            if self.checkpoint_dir is not None and (
-                self.state.step % self.checkpoint_every == 0 or self.state.step == total_steps
-            ):
+            if self.state.step % self.checkpoint_every == 0 or self.state.step == total_steps:
                 self._save()
             if self.on_step is not None:  # after the checkpoint: a failing tracker loses no training
-                self.on_step(dict(row))
+                try:
+                    self.on_step(dict(row))
+                except BaseException:
+                    self._save_if_behind()
+                    raise
+        self._save_if_behind()  # a time budget stops between checkpoints: its last steps are kept too
         return last_eval
 
     def _still_needed_s(self) -> float:
@@ -461,9 +467,18 @@ class TorchGRPO(Algorithm):
         return chosen
 
     def _save(self) -> None:
+        if self.checkpoint_dir is None:
+            return
         assert self.policy is not None and self.optimizer is not None
-        path = save_checkpoint(self.checkpoint_dir, self.policy.module, self.optimizer, self.state, lora=self.policy.is_lora)  # type: ignore[arg-type]
+        path = save_checkpoint(self.checkpoint_dir, self.policy.module, self.optimizer, self.state, lora=self.policy.is_lora)
+        self._saved_step = self.state.step
         logger.info("checkpoint %s", path)
+
+    def _save_if_behind(self) -> None:
+        """Checkpoint the last finished step unless it is saved already: a run that stops between
+        ``checkpoint_every`` steps (its time budget, a failing ``on_step``) would lose those steps."""
+        if self.state.step > self._saved_step:
+            self._save()
 
     # ------------------------------------------------------------------------------------------------------
     # one update
