@@ -13,6 +13,7 @@ from opentelemetry import trace as otel_trace
 import agl
 from agl import semconv
 from agl.context import rollout_scope
+from agl.span_encoding import Computed
 from agl.tracer import Tracer
 
 
@@ -278,14 +279,37 @@ def test_a_value_that_cannot_be_encoded_is_marked_and_the_writer_goes_on(tracer)
 
     with rollout_scope("ro-1", "at-1"):
         with t.span("bad", "llm") as span:
-            t.set_deferred(span, {semconv.OUTPUT_MESSAGES: broken})
+            t.set_deferred(span, {semconv.OUTPUT_MESSAGES: Computed(broken)})
         with t.span("good", "llm") as span:
-            t.set_deferred(span, {semconv.OUTPUT_MESSAGES: lambda: [{"role": "assistant"}], "x": {1, 2}})
+            t.set_deferred(span, {semconv.OUTPUT_MESSAGES: Computed(lambda: [{"role": "assistant"}]), "x": {1, 2}})
     assert t.flush(5)
     bad, good = sink.spans
     assert bad.attributes[semconv.OUTPUT_MESSAGES] == "agl-encode-error: RuntimeError: payload builder failed"
     assert json.loads(good.attributes[semconv.OUTPUT_MESSAGES]) == [{"role": "assistant"}]
     assert json.loads(good.attributes["x"]) == [1, 2]
+
+
+def test_a_callable_value_is_stored_as_a_value_and_never_called(tracer):
+    """A tool that returns a function or a callable object (a pending order, a handle): the writer called it,
+    on its own thread, with whatever side effects it had, and stored what it returned instead."""
+    t, sink = tracer
+    calls = []
+
+    class Pending:
+        def __call__(self) -> str:
+            calls.append(threading.current_thread().name)
+            return "called!"
+
+        def __str__(self) -> str:
+            return "<pending order>"
+
+    with rollout_scope("ro-1", "at-1"):
+        with t.span("tool", "tool") as span:
+            t.set_deferred(span, {semconv.TOOL_CALL_RESULT: Pending(), "fn": len})
+    assert t.flush(5)
+    (span,) = sink.spans
+    assert calls == [] and json.loads(span.attributes[semconv.TOOL_CALL_RESULT]) == "<pending order>"
+    assert json.loads(span.attributes["fn"]) == str(len)  # an unknown object is stored as its str()
 
 
 def test_a_span_the_store_refuses_is_dropped_alone_and_its_batch_is_kept(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 
 from agl import semconv
 from agl.context import rollout_scope
+from agl.span_encoding import Computed
 from agl.store import InMemoryLightningStore, SqliteLightningStore
 from agl.tracer import Tracer
 
@@ -36,7 +37,7 @@ def make_spans(tracer, rollout_id, attempt_id, n, prefix="s"):
                 tracer.set_deferred(span, {
                     semconv.RESPONSE_TOKEN_IDS: (i, i + 1),
                     semconv.INPUT_MESSAGES: [{"role": "user", "content": f"q{i}"}],
-                    semconv.RESPONSE_LOGPROBS: lambda i=i: [-0.5 * i],  # called before the span is pickled
+                    semconv.RESPONSE_LOGPROBS: Computed(lambda i=i: [-0.5 * i]),  # computed before it is pickled
                 })
 
 

@@ -8,7 +8,7 @@ thread, or the writer process of :mod:`agl.writer_process`) turns them into :cla
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from opentelemetry.trace import StatusCode
 from pydantic_core import to_json
@@ -20,11 +20,22 @@ from agl.types import Span, SpanEvent, array_as_json, trusted
 logger = logging.getLogger("agl.tracer")
 
 
+class Computed:
+    """A deferred attribute that agl computes on the writer (larger work moved off the caller's thread, e.g.
+    a response's logprobs). Only these are called: a value of the user's that happens to be callable (a tool
+    returning a function or a callable object) is stored as a value, never called by agl."""
+
+    __slots__ = ("compute",)
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self.compute = compute
+
+
 def encode_attribute(value: Any) -> Any:
-    """How a deferred value is stored: callables are called first (work moved off the caller's thread);
-    scalars and lists of numbers stay as they are; everything else becomes a JSON string."""
-    if callable(value):
-        value = value()
+    """How a deferred value is stored: :class:`Computed` ones are computed first; scalars and lists of
+    numbers stay as they are; everything else becomes a JSON string."""
+    if type(value) is Computed:
+        value = value.compute()
     if isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, (list, tuple)) and _is_number_list(value):
@@ -112,11 +123,11 @@ def settled(deferred: Dict[str, Any]) -> Dict[str, Any]:
     Containers (message lists, SDK objects) become their JSON text now, a few microseconds: a queued list of
     dicts survives collections and is promoted, and every full collection then walks it on the agent's
     thread, which costs more than encoding it. Token ids stay tuples (untracked once seen by the collector),
-    callables stay for the writer (they exist to move larger work off this thread).
+    :class:`Computed` values stay for the writer (they exist to move larger work off this thread).
     """
     for key, value in deferred.items():
         kind = type(value)
-        if kind in _PLAIN_TYPES or kind is tuple or callable(value):
+        if kind in _PLAIN_TYPES or kind is tuple or kind is Computed:
             continue
         try:
             deferred[key] = encode_attribute(value)
@@ -172,11 +183,12 @@ def _encoded_or_error(key: str, value: Any, span_name: str) -> Any:
 
 
 def without_callables(item: Finished) -> Finished:
-    """``item`` with its deferred callables called and encoded, so that it can be pickled to another process."""
+    """``item`` with its deferred :class:`Computed` values computed and encoded, so that it can be pickled to
+    another process; a user's callable value (a lambda pickles badly) is encoded as a value, not called."""
     deferred = item[13]
-    if deferred and any(callable(v) for v in deferred.values()):
+    if deferred and any(callable(v) or type(v) is Computed for v in deferred.values()):
         for key, value in deferred.items():
-            if callable(value):
+            if callable(value) or type(value) is Computed:
                 deferred[key] = _encoded_or_error(key, value, item[0])
     return item
 

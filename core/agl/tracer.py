@@ -10,7 +10,7 @@ Why this shape:
   ids, SDK objects) are attached with :meth:`Tracer.set_deferred`. Message lists and SDK objects become
   JSON text when the span ends (a few microseconds): queued containers would be promoted by the garbage
   collector and walked by every full collection on the agent's thread, which costs more. Token ids stay
-  tuples, and callables (larger work, e.g. logprobs) run on the writer.
+  tuples, and ``Computed`` values (larger work, e.g. logprobs) are computed on the writer.
 - The writer is a thread by default, or a child process (``set_writer("process")`` / ``AGL_SPAN_WRITER``):
   a CPU-bound agent shares its GIL with a writer thread and pays for every span's encoding and insert,
   while a process works on another core (:mod:`agl.writer_process`). Conversion lives in
@@ -452,7 +452,7 @@ class Tracer:
 
     def set_deferred(self, span: otel_trace.Span, attributes: Mapping[str, Any]) -> None:
         """Attach attributes encoded off the hot path (messages, token ids, raw objects): containers when the
-        span ends, callables on the writer thread (see the module docstring).
+        span ends, ``Computed`` values on the writer thread (a callable value is a value: never called) (see the module docstring).
 
         Values must not be mutated by the caller afterwards: pass snapshots (e.g. ``list(messages)``).
         """

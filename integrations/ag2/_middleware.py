@@ -20,6 +20,7 @@ from pydantic_core import to_json
 from agl.instrumentation.framework import PatchSet, agent_span, set_tool_result, tool_span
 from agl.instrumentation.safety import guard, report_internal_error
 from agl.integrations.ag2._context import enter_guarded
+from agl.span_encoding import Computed
 from agl.tracer import record_exception
 
 FRAMEWORK = "ag2"
@@ -56,7 +57,7 @@ def _record_outcome(span: Any, outcome: Any) -> None:
         record_exception(span, outcome.error)
     elif isinstance(outcome, ToolResultEvent):
         parts = list(outcome.result.parts)
-        set_tool_result(span, lambda: _render(parts))
+        set_tool_result(span, Computed(lambda: _render(parts)))
     # a ClientToolCallEvent has no result: the client runs the tool
 
 

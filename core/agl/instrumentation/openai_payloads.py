@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import collections.abc
 import functools
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from agl import semconv
+from agl.span_encoding import Computed
 
 CHAT = "chat.completions"
 RESPONSES = "responses"
@@ -256,7 +257,7 @@ def response_attributes(response: Any, deferred: Dict[str, Any], with_logprobs: 
     if usage is not None:
         record_usage(usage.input_tokens, usage.output_tokens, deferred)
     output = response.output
-    deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_responses_output_messages, output)
+    deferred[semconv.OUTPUT_MESSAGES] = Computed(functools.partial(_responses_output_messages, output))
     record_token_ids(_extra(response, "prompt_token_ids"), _extra(response, "response_token_ids"), deferred)
     record_resources_version(_extra(response, RESOURCES_VERSION_FIELD), deferred)
     if with_logprobs:
@@ -307,8 +308,8 @@ def record_resources_version(version: Any, deferred: Dict[str, Any]) -> None:
         deferred[semconv.RESOURCES_VERSION] = version
 
 
-def _chat_logprobs(content: Sequence[Any]) -> Callable[[], List[float]]:
-    return lambda: [token.logprob for token in content]
+def _chat_logprobs(content: Sequence[Any]) -> Computed:
+    return Computed(lambda: [token.logprob for token in content])
 
 
 def _responses_output_messages(output: Sequence[Any]) -> List[Dict[str, Any]]:
@@ -331,7 +332,7 @@ def _responses_output_messages(output: Sequence[Any]) -> List[Dict[str, Any]]:
     return [message]
 
 
-def _responses_logprobs(output: Sequence[Any]) -> Callable[[], List[float]]:
+def _responses_logprobs(output: Sequence[Any]) -> Computed:
     def fill() -> List[float]:
         values: List[float] = []
         for item in output or ():
@@ -341,7 +342,7 @@ def _responses_logprobs(output: Sequence[Any]) -> Callable[[], List[float]]:
                 values.extend(_logprob(lp) for lp in getattr(part, "logprobs", None) or ())
         return values
 
-    return fill
+    return Computed(fill)
 
 
 def _logprob(entry: Any) -> float:

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Protocol, Tuple
 import wrapt
 
 from agl import semconv
+from agl.span_encoding import Computed
 from agl.instrumentation.openai_payloads import (
     CHAT,
     COMPLETIONS,
@@ -190,7 +191,7 @@ class ChatStreamAccumulator(_TokenStream):
         self._record_header(deferred)
         choices = [state for _, state in sorted(self.choices.items())]
         if choices:
-            deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_messages, choices)
+            deferred[semconv.OUTPUT_MESSAGES] = Computed(functools.partial(_messages, choices))
         record_token_ids(self.prompt_ids, self.response_ids, deferred)
         return [state.finish_reason for state in choices if state.finish_reason]
 
@@ -230,7 +231,9 @@ class CompletionStreamAccumulator(_TokenStream):
     def record(self, deferred: Dict[str, Any]) -> List[str]:
         self._record_header(deferred)
         indexes = sorted(set(self.texts) | set(self.reasons))
-        deferred[semconv.OUTPUT_MESSAGES] = functools.partial(_completion_messages, [self.texts.get(i, []) for i in indexes])
+        deferred[semconv.OUTPUT_MESSAGES] = Computed(
+            functools.partial(_completion_messages, [self.texts.get(i, []) for i in indexes])
+        )
         record_completion_token_ids(self.prompt_ids, self.response_ids, deferred)
         return [self.reasons[i] for i in indexes if i in self.reasons]
 
