@@ -500,6 +500,20 @@ def test_open_store_opens_postgresql_urls(postgres_dsn: str, scheme: str) -> Non
         assert again.get_rollout(rollout.rollout_id) == rollout
 
 
+def test_open_store_opens_libpq_key_value_strings(postgres_dsn: str) -> None:
+    """The docs promise "any libpq URL or key=value string"; open_store (so --store and $AGL_STORE) refused
+    the key=value form as an unknown store."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    key_value = make_conninfo(**conninfo_to_dict(postgres_dsn))
+    assert "://" not in key_value and "dbname=" in key_value
+    with open_store(key_value) as store:
+        assert isinstance(store, PostgresLightningStore)
+        rollout = store.enqueue_rollout("x")
+    with PostgresLightningStore(postgres_dsn) as again:
+        assert again.get_rollout(rollout.rollout_id) == rollout
+
+
 def test_folders_of_killed_temporary_servers_are_removed_by_the_next_start(tmp_path: Path) -> None:
     # a folder per TemporaryPostgres names its owner; a folder whose owner died before stop() is ~40 MB of junk
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

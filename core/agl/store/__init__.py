@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 from agl.errors import StoreNotFoundError, UnsupportedStoreError
@@ -24,6 +25,8 @@ __all__ = [
 DEFAULT_STORE_PATH = os.path.join(".agl", "store.db")
 
 _SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+#: libpq's key=value connection strings ("host=db dbname=agl user=agl"): a known keyword, then '='
+_LIBPQ_KEY_VALUE = re.compile(r"^(host|hostaddr|port|dbname|user|password|service|sslmode|options)\s*=", re.I)
 
 
 def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> LightningStore:
@@ -37,8 +40,9 @@ def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> Lig
     - ``"http://host:port"`` (or https): a store server (``agl store serve``), through
       :class:`~agl.store.remote.RemoteLightningStore`; the token comes from ``$AGL_STORE_TOKEN``.
 
-    - ``"postgresql://user:password@host:5432/database"`` (or ``postgres://``): a PostgreSQL database,
-      through :class:`~agl.store.postgres.PostgresLightningStore` (the ``postgres`` extra).
+    - ``"postgresql://user:password@host:5432/database"`` (or ``postgres://``), or a libpq ``key=value``
+      string (``"host=db port=5432 dbname=agl user=agl"``): a PostgreSQL database, through
+      :class:`~agl.store.postgres.PostgresLightningStore` (the ``postgres`` extra).
     """
     if url_or_path is None:
         url_or_path = os.environ.get("AGL_STORE") or DEFAULT_STORE_PATH
@@ -58,17 +62,18 @@ def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> Lig
         from agl.store.remote import RemoteLightningStore  # token from $AGL_STORE_TOKEN
 
         return RemoteLightningStore(target)
-    if scheme in ("postgresql", "postgres"):
+    if not scheme and target.lower().endswith(_SQLITE_SUFFIXES):
+        return _sqlite(os.path.expanduser(target), create)
+    if scheme in ("postgresql", "postgres") or (not scheme and _LIBPQ_KEY_VALUE.match(target)):
         try:
             from agl.store.postgres import PostgresLightningStore  # psycopg is the `postgres` extra
         except ImportError as exc:
             raise UnsupportedStoreError(f"store URL {target!r}: {exc}") from exc
         return PostgresLightningStore(target)
-    if not scheme and target.lower().endswith(_SQLITE_SUFFIXES):
-        return _sqlite(os.path.expanduser(target), create)
     raise ValueError(
         f"cannot tell which store {target!r} names: use 'memory', 'sqlite:///path.db' or a path ending in "
-        f"{', '.join(_SQLITE_SUFFIXES)}"
+        f"{', '.join(_SQLITE_SUFFIXES)}, http://host:port (agl store serve), or postgresql://user@host/database "
+        "(or libpq's 'host=... dbname=...')"
     )
 
 
