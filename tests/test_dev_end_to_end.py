@@ -158,6 +158,23 @@ def test_cli_store_listing(tmp_path, fake_openai, instrumented, capsys):
     assert "unknown rollout id" in capsys.readouterr().err
 
 
+def test_cli_output_piped_into_head_ends_quietly(tmp_path):
+    """`agl store rollouts --limit 0 | head` printed a BrokenPipeError traceback once head had its lines."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "many.db"
+    with SqliteLightningStore(db) as store:
+        store.enqueue_many([EnqueueRequest(input={"n": i}) for i in range(3000)])  # ~200 KB: past a pipe's buffer
+    cmd = [sys.executable, "-m", "agl.cli", "store", "rollouts", "--limit", "0", "--store", str(db)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"rollout")
+    proc.stdout.close()  # what head does once it has its lines
+    assert proc.wait(60) == 141
+    assert proc.stderr.read() == b""
+
+
 def test_cli_dev_names_a_missing_data_file(tmp_path):
     with pytest.raises(SystemExit, match=r"cannot read tasks from .*nothing\.jsonl: dataset file .* does not exist"):
         agl_main(["dev", "examples/calc_agent.py:calc_agent", "--data", str(tmp_path / "nothing.jsonl")])

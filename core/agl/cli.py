@@ -8,6 +8,8 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -330,6 +332,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except AglError as exc:
         print(f"agl: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `agl store rollouts | head`: the reader left; say nothing more, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush too
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
