@@ -69,6 +69,12 @@ def test_returned_reward_wins_over_a_different_emitted_one(store, caplog):
     done = run_one(store, agl.rollout(agent))
     assert done.final_reward == 0.9
     assert "using the returned value" in caplog.text
+    # the spans show both, the one that counts last (agl inspect showed only the emitted 0.2 under 0.9)
+    spans = rewards_of(store, done.rollout_id)
+    assert [(s.attributes[semconv.REWARD_VALUE], s.attributes.get(semconv.REWARD_SOURCE)) for s in spans][-1] == (
+        0.9, "returned"
+    )
+    assert len(spans) == 2
 
 
 def test_emitted_reward_alone_is_the_episode_reward(store):

@@ -141,3 +141,40 @@ def test_runners_the_store_refuses_stop_the_pool_with_what_to_do(tmp_path: Path)
         pool.stop()
         server.stop()
         backing.close()
+
+
+_CLOSED: list = []
+
+
+async def _numbers():
+    try:
+        yield 1
+        yield 2
+    finally:
+        _CLOSED.append("closed")
+
+
+@agl.rollout
+async def _abandons_a_stream(task):
+    numbers = _numbers()
+    await numbers.__anext__()  # and never closed, as an agent that breaks out of a model stream
+    return 1.0
+
+
+def test_async_work_an_agent_left_behind_is_finished_when_the_runners_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A runner kept its agent thread's event loop open to the end: an abandoned async generator's ``aclose``
+    never ran (its ``finally`` neither: an abandoned model stream's span never ended), and asyncio logged
+    "Task was destroyed but it is pending!" when the loop was collected. (Runner processes close theirs the
+    same way before they exit.)"""
+    import gc
+
+    _CLOSED.clear()
+    trainer = agl.Trainer(store=SqliteLightningStore(tmp_path / "s.db"), n_runners=1, runner_mode="thread", progress=False)
+    with caplog.at_level(logging.ERROR, "asyncio"):
+        rows = trainer.dev(_abandons_a_stream, [{"n": 1}, {"n": 2}], print_table=False)
+        gc.collect()
+    assert [r.status for r in rows] == ["succeeded", "succeeded"]
+    assert _CLOSED == ["closed", "closed"]
+    assert not [r for r in caplog.records if "was destroyed but it is pending" in r.getMessage()]

@@ -32,6 +32,7 @@ logger = logging.getLogger("agl.runner")
 
 StopSignal = Union[threading.Event, Any, Callable[[], bool]]  # Any: a multiprocessing Event
 CANCEL_GRACE_S = 5.0  # how long a timed-out async rollout gets to unwind after its cancellation
+CLOSE_LOOP_S = 10.0  # how long a closing runner lets its agent thread finish the async work agents left behind
 
 
 def rollout_agent_name(agent: Any) -> str:
@@ -229,7 +230,7 @@ class Runner:
             logger.warning(
                 "rollout %s returned reward %s but emitted %s: using the returned value", scope.rollout_id, returned, emitted
             )
-        if emitted is None:
+        if emitted != returned:  # the stored reward spans end with the value that counts (agl inspect shows it)
             attrs = {
                 semconv.REWARD_VALUE: returned,
                 semconv.REWARD_PRIMARY: "primary",
@@ -313,7 +314,32 @@ class Runner:
         return done
 
     def close(self) -> None:
+        if not self.stuck:
+            try:
+                self._executor.submit(self._close_event_loop).result(timeout=CLOSE_LOOP_S)
+            except Exception as exc:  # noqa: BLE001 - an agent's cleanup must not fail the run that is ending
+                logger.warning("runner %s: closing the agent's event loop: %s", self.runner_id, exc)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _close_event_loop(self) -> None:
+        """On the agent thread: end its event loop as ``asyncio.run`` ends its own. Left open, what agents left
+        behind (an async generator abandoned mid-stream, whose ``aclose()`` was scheduled but never ran) was
+        destroyed pending at exit, with asyncio's "Task was destroyed but it is pending!" and the generator's
+        ``finally`` never run."""
+        loop = getattr(self._thread_state, "loop", None)
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.run_until_complete(asyncio.sleep(0))  # callbacks already scheduled (aclose of collected generators)
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
 
 
 async def _await(awaitable: Any) -> Any:

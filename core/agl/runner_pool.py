@@ -84,6 +84,7 @@ def _process_main(
     except StoreAuthError as exc:  # a revoked or wrong token: say it once, and tell the pool not to respawn
         logger.error("runner %s: the store refused it: %s", runner_id, exc)
         os._exit(_REFUSED_EXIT_CODE)
+    runner.close()  # ends what agents left on its event loop (their spans, e.g. an abandoned stream's, too)
     runner.tracer.flush(5.0)
     os._exit(_STUCK_EXIT_CODE if runner.stuck else 0)
 
