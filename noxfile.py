@@ -106,7 +106,7 @@ def verl(session: nox.Session) -> None:
 
 def _framework_session(framework: str, requirements: Path) -> None:
     def run(session: nox.Session) -> None:
-        session.env["CREWAI_DISABLE_TELEMETRY"] = "true"  # not OTEL_SDK_DISABLED: that would silence agl too
+        session.env["CREWAI_DISABLE_TELEMETRY"] = "true"  # (OTEL_SDK_DISABLED would do too: agl uses no SDK)
         session.env["XDG_DATA_HOME"] = session.create_tmp()  # CrewAI keeps SQLite files there
         session.install("-c", _constraints(session), "-e", ".[dev]", "-r", str(requirements.relative_to(ROOT)))
         session.run("python", "-m", "pip", "check")

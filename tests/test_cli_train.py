@@ -83,7 +83,9 @@ def test_grpo_without_torch_says_which_extra_to_install(files: Path, monkeypatch
 
 def test_grpo_flags_with_verl_point_to_verl_keys(files: Path) -> None:
     message = _fails([*_base(files), "--algorithm", "verl", "--steps", "3", "--group-size", "4"])
-    assert "--steps, --group-size set TorchGRPO" in message and "trainer.total_training_steps" in message
+    assert "--steps, --group-size set TorchGRPO" in message
+    # each flag's own verl key, with its value (it gave the same two generic examples whatever was set)
+    assert "--set trainer.total_training_steps=3; --set actor_rollout_ref.rollout.n=4" in message
 
 
 def test_a_bad_agent_match_regex_is_named_before_anything_runs(files: Path) -> None:

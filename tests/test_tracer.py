@@ -289,6 +289,26 @@ def test_a_value_that_cannot_be_encoded_is_marked_and_the_writer_goes_on(tracer)
     assert json.loads(good.attributes["x"]) == [1, 2]
 
 
+def test_agl_records_with_the_opentelemetry_sdk_disabled(tmp_path):
+    """OTEL_SDK_DISABLED=true (which CrewAI honours for its telemetry) switches off OpenTelemetry SDK
+    providers; agl implements the API itself, so its spans are still recorded (docs/integrations/crewai.md)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import agl\n"
+        "from agl.store import SqliteLightningStore\n"
+        f"store = SqliteLightningStore({str(tmp_path / 's.db')!r})\n"
+        "done = agl.Trainer(store=store, n_runners=1, runner_mode='thread', progress=False).dev("
+        "agl.rollout(lambda task: agl.emit_message('hi') or 1.0), [{'n': 1}], print_table=False)\n"
+        "print(done[0].spans)\n"
+    )
+    env = {**os.environ, "OTEL_SDK_DISABLED": "true"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.split()[-1]) >= 3  # the rollout, the message and the reward
+
+
 def test_a_callable_value_is_stored_as_a_value_and_never_called(tracer):
     """A tool that returns a function or a callable object (a pending order, a handle): the writer called it,
     on its own thread, with whatever side effects it had, and stored what it returned instead."""

@@ -24,6 +24,16 @@ _SUMMARY_RESERVE_S = 15.0  # left of --minutes for the summary and shutting down
 
 # TorchGRPO keywords that have their own flag (dest name == keyword)
 _GRPO_FLAGS = ("model", "steps", "group_size", "batch_tasks", "lr", "temperature", "max_tokens")
+#: the verl key each TorchGRPO flag corresponds to (``--minutes`` has none: verl counts steps or epochs)
+_VERL_KEYS = {
+    "model": "actor_rollout_ref.model.path",
+    "steps": "trainer.total_training_steps",
+    "group_size": "actor_rollout_ref.rollout.n",
+    "batch_tasks": "data.train_batch_size",
+    "lr": "actor_rollout_ref.actor.optim.lr",
+    "temperature": "actor_rollout_ref.rollout.temperature",
+    "max_tokens": "data.max_response_length",
+}
 
 
 def add_train_parser(sub: Any, store_help: str) -> None:
@@ -275,9 +285,14 @@ def _save_apo(result: Any, out: Path) -> None:
 def _verl(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
     grpo_only = _grpo_only(args)
     if grpo_only:
+        instead = [
+            f"--set {_VERL_KEYS[name]}={getattr(args, name)}" if name in _VERL_KEYS else "trainer.total_epochs or "
+            "trainer.total_training_steps instead of --minutes"
+            for name in (*_GRPO_FLAGS, "minutes") if getattr(args, name) is not None
+        ]
         raise SystemExit(
-            f"agl: {', '.join(grpo_only)} set TorchGRPO; with --algorithm verl use verl's keys instead, e.g. "
-            "--set trainer.total_training_steps=N --set actor_rollout_ref.model.path=MODEL"
+            f"agl: {', '.join(grpo_only)} set TorchGRPO; with --algorithm verl use verl's keys instead: "
+            + "; ".join(instead)
         )
     from agl.algorithm.verl import VERL, VERLConfig, VERLConfigError
 

@@ -163,7 +163,7 @@ def start_crew(crew: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> otel
 
 def start_task(task: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> otel_trace.Span:
     description = _text(getattr(task, "description", None))
-    name = _text(getattr(task, "name", None)) or description[:_TASK_NAME_CHARS]
+    name = _text(getattr(task, "name", None)) or " ".join(description.split())[:_TASK_NAME_CHARS]  # one line
     agent = args[0] if args else kwargs.get("agent")
     attrs = {semconv.FRAMEWORK: FRAMEWORK, "crewai.task.name": name, "crewai.task.description": description}
     role = _text(getattr(agent or getattr(task, "agent", None), "role", None))

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
-os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")  # not OTEL_SDK_DISABLED: that would silence agl too
+os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")  # CrewAI's telemetry stays offline
 crewai = pytest.importorskip("crewai")
 
 from crewai import LLM, Agent, Crew, Flow, Task  # noqa: E402
@@ -352,7 +352,8 @@ def test_crewais_worker_threads_stay_in_the_rollout(
     fake_openai.script(FakeReply(tool_calls=parallel), FakeReply(content="3 and 7"))
     llm = fake_llm(fake_openai.base_url)
     agent = Agent(role="Timed", goal="Add.", backstory="Quick.", llm=llm, tools=[add], max_execution_time=30)
-    task = Task(description="Add 1 and 2, and 3 and 4.", expected_output="sums", agent=agent, async_execution=True)
+    # a YAML "|" description spans lines; the task span's name is one line (it used to keep the newlines)
+    task = Task(description="Add 1 and 2,\n  and 3 and 4.\n", expected_output="sums", agent=agent, async_execution=True)
     with rollout_scope("ro-pools", "at-1"):
         Crew(agents=[agent], tasks=[task]).kickoff()
     spans = sink.of("ro-pools")
