@@ -158,6 +158,34 @@ def test_cli_store_listing(tmp_path, fake_openai, instrumented, capsys):
     assert "unknown rollout id" in capsys.readouterr().err
 
 
+_KEPT_STREAMS: list = []
+
+
+def test_a_stream_the_agent_stops_reading_is_stored_with_its_rollout(tmp_path, fake_openai, instrumented):
+    """An agent that breaks out of a model stream and keeps it (frameworks hold such objects): its llm span
+    ended when the stream was collected, after the attempt was reported, so a batch built at once missed
+    the call, and one collected during a later rollout was refused by the store."""
+    from agl.testing import FakeReply
+
+    @agl.rollout
+    def peeks(task, llm: agl.LLM):
+        client = OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0)
+        stream = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hi"}],
+                                                stream=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)  # the first words are enough for this agent
+        _KEPT_STREAMS.append(stream)
+        return 1.0
+
+    fake_openai.script(FakeReply(content="a long answer the agent does not wait for"))
+    trainer = agl.Trainer(n_runners=1, store=str(tmp_path / "s.db"), runner_mode="thread", progress=False,
+                          initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")})
+    (row,) = trainer.dev(peeks, [{"n": 1}], print_table=False)
+    (llm,) = [s for s in trainer.store.query_spans(row.rollout_id) if s.kind == "llm"]  # stored with the attempt
+    assert llm.attributes[semconv.STREAM_ABANDONED] is True and llm.attributes[semconv.RESPONSE_TOKEN_IDS]
+    _KEPT_STREAMS.clear()
+
+
 def test_cli_output_piped_into_head_ends_quietly(tmp_path):
     """`agl store rollouts --limit 0 | head` printed a BrokenPipeError traceback once head had its lines."""
     import subprocess

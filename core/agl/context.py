@@ -14,7 +14,7 @@ import itertools
 import threading
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
 from opentelemetry import context as otel_context
 
@@ -31,10 +31,29 @@ class RolloutScope:
     request_token_ids: bool = True
     episode_rewards: List[float] = field(default_factory=list)  # primary values of emit_reward at top level
     _sequence: Iterator[int] = field(default_factory=itertools.count, repr=False)
+    # what must end with the attempt (an LLM stream the agent stopped reading), by id: see end_open_work
+    _open: Dict[int, Callable[[], None]] = field(default_factory=dict, repr=False)
 
     def next_sequence_id(self) -> int:
         # itertools.count.__next__ is atomic under the GIL: safe from several threads of one attempt.
         return next(self._sequence)
+
+    def open_work(self, key: int, end: Callable[[], None]) -> None:
+        """Register ``end`` to be called when the attempt ends, unless :meth:`work_done` says ``key`` ended."""
+        self._open[key] = end
+
+    def work_done(self, key: int) -> None:
+        self._open.pop(key, None)
+
+    def end_open_work(self) -> int:
+        """End what is still open as the attempt ends (before its spans are flushed): an abandoned stream
+        otherwise ended its span when the garbage collector found it, after the attempt was reported (a
+        batch built at once missed it) or during a later one (the store refused it). Returns how many."""
+        ends = list(self._open.values())
+        self._open.clear()
+        for end in ends:
+            end()
+        return len(ends)
 
 
 _current_scope: contextvars.ContextVar[Optional[RolloutScope]] = contextvars.ContextVar("agl_rollout", default=None)
@@ -135,3 +154,4 @@ def rollout_scope(
             yield scope
     finally:
         exit_scope(token)
+        scope.end_open_work()

@@ -188,15 +188,18 @@ class Runner:
                 "agl.mode": rollout.mode,
             }
             with running(), self.tracer.span("agl.rollout", "agent", attrs):
-                result = self.agent.run(rollout.input, resources, rollout)
-                if inspect.isawaitable(result):
-                    loop = self._event_loop()
-                    task = loop.create_task(_await(result))
-                    self._running_task = (loop, task)
-                    try:
-                        result = loop.run_until_complete(task)
-                    finally:
-                        self._running_task = None
+                try:
+                    result = self.agent.run(rollout.input, resources, rollout)
+                    if inspect.isawaitable(result):
+                        loop = self._event_loop()
+                        task = loop.create_task(_await(result))
+                        self._running_task = (loop, task)
+                        try:
+                            result = loop.run_until_complete(task)
+                        finally:
+                            self._running_task = None
+                finally:
+                    scope.end_open_work()  # streams the agent stopped reading end inside its rollout
                 return self._episode_reward(self._returned_reward(result, scope), scope)
         finally:
             exit_scope(token)

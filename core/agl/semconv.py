@@ -40,6 +40,7 @@ USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 # --- LLM extras for training (agl) -----------------------------------------------------------------------
 LLM_API = "agl.llm.api"  # chat.completions | responses | completions
 LLM_STREAM = "agl.llm.stream"  # bool
+STREAM_ABANDONED = "agl.llm.stream_abandoned"  # True: the agent stopped reading the stream before it ended
 LLM_PROMPT = "agl.llm.prompt"  # completions API: the prompt as sent, a string or a list of token ids
 PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"  # list[int], exactly as the server tokenized the prompt
 RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"  # list[int], exactly as sampled

@@ -58,6 +58,7 @@ def _rollout(rollout_id: str = "", attempt_id: str = "at-1", **options: Any) -> 
         yield scope
     finally:
         exit_scope(token)
+        scope.end_open_work()  # as agl.context.rollout_scope and the runner do
 
 
 @pytest.fixture

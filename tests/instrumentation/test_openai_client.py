@@ -189,6 +189,35 @@ def test_abandoned_stream_still_ends_its_span(client, fake_openai, sink, rollout
         gc.collect()
     (span,) = sink.of(scope.rollout_id)
     assert span.attributes[semconv.LLM_STREAM] is True
+    assert span.attributes[semconv.STREAM_ABANDONED] is True
+
+
+def test_a_stream_still_referenced_when_its_rollout_ends_ends_with_it(client, fake_openai, sink, rollout):
+    """A stream the agent broke out of but still holds (a framework's object, a list) ended its span only when
+    collected, after the attempt was reported (a batch built at once missed the call) or in a later attempt
+    (the store refused it). It now ends with its rollout, marked abandoned, with what had arrived."""
+    fake_openai.script(FakeReply(content="one two three four"))
+    kept = []
+    with rollout() as scope:
+        stream = client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True)
+        for _ in stream:
+            break
+        kept.append(stream)
+        assert sink.of(scope.rollout_id) == []  # still open
+    assert get_tracer().flush(5)
+    (span,) = sink.of(scope.rollout_id)
+    assert span.attributes[semconv.STREAM_ABANDONED] is True and semconv.RESPONSE_FINISH_REASONS not in span.attributes
+    full = response_ids(fake_openai, "one two three four")
+    assert full[: len(span.attributes[semconv.RESPONSE_TOKEN_IDS])] == span.attributes[semconv.RESPONSE_TOKEN_IDS]
+    assert len(span.attributes[semconv.RESPONSE_TOKEN_IDS]) < len(full)
+    del kept[:]
+    gc.collect()
+    assert len(sink.of(scope.rollout_id)) == 1  # ended once
+    with rollout() as scope:  # a stream read to its end is not abandoned
+        for _ in client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True):
+            pass
+    (span,) = sink.of(scope.rollout_id)
+    assert semconv.STREAM_ABANDONED not in span.attributes
 
 
 async def test_async_stream(aclient, fake_openai, sink, rollout):

@@ -138,9 +138,11 @@ class LlmCall:
     def fail(self, error: BaseException) -> None:
         self._end(None, error, None)
 
-    def end_stream(self, accumulator: Optional[Accumulator], error: Optional[BaseException]) -> None:
+    def end_stream(self, accumulator: Optional[Accumulator], error: Optional[BaseException], abandoned: bool = False) -> None:
         reasons: List[str] = []
         failure = None
+        if abandoned:
+            self.deferred[semconv.STREAM_ABANDONED] = True
         if accumulator is not None:
             try:
                 reasons = accumulator.record(self.deferred)

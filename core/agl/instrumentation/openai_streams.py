@@ -12,12 +12,13 @@ waits for the writer thread (a callable deferred attribute).
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import wrapt
 
 from agl import semconv
-from agl.span_encoding import Computed
+from agl.context import current_scope
 from agl.instrumentation.openai_payloads import (
     CHAT,
     COMPLETIONS,
@@ -30,6 +31,7 @@ from agl.instrumentation.openai_payloads import (
     response_attributes,
 )
 from agl.instrumentation.safety import report_internal_error
+from agl.span_encoding import Computed
 
 Failure = Tuple[str, str]  # (error.type, message) of a failure the server reported inside the stream
 
@@ -48,7 +50,7 @@ class Accumulator(Protocol):
 class StreamOwner(Protocol):
     """The instrumented call a stream belongs to (``LlmCall``); ending it twice does nothing."""
 
-    def end_stream(self, accumulator: Optional[Accumulator], error: Optional[BaseException]) -> None:
+    def end_stream(self, accumulator: Optional[Accumulator], error: Optional[BaseException], abandoned: bool = False) -> None:
         ...
 
 
@@ -302,6 +304,9 @@ class _StreamProxyBase(wrapt.ObjectProxy):  # type: ignore[misc]
         super().__init__(stream)
         self._self_owner: Optional[StreamOwner] = owner
         self._self_accumulator: Optional[Accumulator] = accumulator
+        self._self_scope = current_scope()
+        if self._self_scope is not None:  # a stream the agent stops reading ends with its attempt
+            self._self_scope.open_work(id(self), _abandon_later(weakref.ref(self)))
 
     def _self_add(self, item: Any) -> None:
         accumulator = self._self_accumulator
@@ -313,18 +318,40 @@ class _StreamProxyBase(wrapt.ObjectProxy):  # type: ignore[misc]
             report_internal_error("openai.stream_item", exc)
             self._self_accumulator = None
 
-    def _self_end(self, error: Optional[BaseException]) -> None:
+    def _self_end(self, error: Optional[BaseException], abandoned: bool = False) -> None:
         owner = self._self_owner
         if owner is not None:
             self._self_owner = None
-            owner.end_stream(self._self_accumulator, error)
+            if self._self_scope is not None:
+                self._self_scope.work_done(id(self))
+            owner.end_stream(self._self_accumulator, error, abandoned)
+
+    def _self_abandon(self) -> None:
+        """The stream's attempt ended while the stream was still open: the agent stopped reading it (it
+        broke out of its loop). Its span ends with what had arrived, marked ``agl.llm.stream_abandoned``."""
+        try:
+            self._self_end(None, abandoned=True)
+        except Exception as exc:  # noqa: BLE001
+            report_internal_error("openai.stream_abandoned", exc)
 
     def __del__(self) -> None:
-        # An abandoned stream (the agent broke out of its loop) still ends its span with what it saw.
+        # Collected before its attempt ended (or outside any attempt): it still ends its span with what it saw.
         try:
-            self._self_end(None)
+            self._self_end(None, abandoned=self._self_owner is not None)
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+def _abandon_later(proxy: "weakref.ReferenceType[_StreamProxyBase]") -> Callable[[], None]:
+    """What the attempt's end calls; a weak reference, so a stream the agent drops is still collected (and
+    ended) at once, not kept until the attempt ends."""
+
+    def abandon() -> None:
+        stream = proxy()
+        if stream is not None:
+            stream._self_abandon()
+
+    return abandon
 
 
 class StreamProxy(_StreamProxyBase):
