@@ -339,3 +339,25 @@ def test_a_trainer_waiting_on_runners_that_do_not_exist_says_so(monkeypatch, cap
     said = [r.getMessage() for r in caplog.records if "no rollout finished" in r.getMessage()]
     assert said and said[0].startswith("dev: no rollout finished in the last 0 s; waiting for 2 (2 queued, 0 running")
     assert "n_runners=0: are runners started against this store (agl runner --store URL" in said[0]
+
+
+def test_inspect_shows_an_error_as_one_line_of_the_tree():
+    """A failed AutoGen team put its whole traceback (~40 lines) on the rollout, team and agent lines of the
+    tree, three times over; and the marks of abandoned streams and unparsed answers were not shown."""
+    from agl.inspection import describe
+    from agl.types import Span
+
+    traceback_text = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\nValueError: boom"
+
+    def span(kind, error=None, **attributes):
+        return Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=0, trace_id="0" * 32, span_id="1" * 16,
+                    name="s", kind=kind, start_time=0, end_time=1_000_000, status="error" if error else "ok",
+                    error=error, attributes=attributes)
+
+    assert describe(span("agent", traceback_text)).endswith("ERROR ValueError: boom (+3 lines)")
+    assert describe(span("chain", "first line\nsecond")).endswith("ERROR first line (+1 lines)")
+    assert describe(span("chain", "x" * 500)).endswith("ERROR " + "x" * 157 + "...")
+    line = describe(span("llm", **{semconv.LLM_STREAM: True, semconv.STREAM_ABANDONED: True,
+                                   semconv.PARSE_ERROR: "ValidationError: 1 validation error\n  Invalid JSON"}))
+    assert "stream (abandoned)" in line and "parse error: ValidationError: 1 validation error (+1 lines)" in line
+    assert "\n" not in line

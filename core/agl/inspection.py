@@ -43,7 +43,9 @@ def describe(span: Span) -> str:
         else:  # "absent", or "refused": the server rejects the request for token ids (an LLM judge's)
             parts.append(f"tokens={'refused' if a.get(semconv.TOKEN_IDS_SOURCE) == 'refused' else 'absent'}")
         if a.get(semconv.LLM_STREAM):
-            parts.append("stream")
+            parts.append("stream (abandoned)" if a.get(semconv.STREAM_ABANDONED) else "stream")
+        if semconv.PARSE_ERROR in a:
+            parts.append(f"parse error: {one_line(str(a[semconv.PARSE_ERROR]))}")
     if semconv.TOOL_NAME in a:
         parts.append(f"tool={a[semconv.TOOL_NAME]}")
     if semconv.REWARD_VALUE in a:
@@ -53,8 +55,20 @@ def describe(span: Span) -> str:
     duration_ms = (span.end_time - span.start_time) / 1e6
     parts.append(f"{duration_ms:.1f}ms")
     if span.status == "error":
-        parts.append(f"ERROR {span.error or ''}".rstrip())
+        parts.append(f"ERROR {one_line(span.error or '')}".rstrip())
     return "  ".join(parts)
+
+
+def one_line(text: str, width: int = 160) -> str:
+    """An error as one line of the tree: a traceback's last line (the exception), else the first line, cut
+    at ``width``; the full text is the rollout's error (printed once above the tree) or the span's own."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[-1] if lines[0].startswith("Traceback") else lines[0]
+    if len(line) > width:
+        line = line[: width - 3] + "..."
+    return line + (f" (+{len(lines) - 1} lines)" if len(lines) > 1 else "")
 
 
 def render(spans: Sequence[Span]) -> str:
