@@ -59,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     store = open_store(args.store)
     print(f"agl: serving {store!r} on http://{args.host}:{args.port} ({len(tokens)} token(s)); API docs at /docs", flush=True)
     serve(store, args.host, args.port, tokens=tokens, allow_anonymous=args.insecure_no_auth, limits=limits)
+    print(f"agl: store server stopped; {store!r} closed", flush=True)
     return 0
 
 

@@ -301,6 +301,17 @@ def test_agl_runner_gives_up_on_a_store_that_never_answers_after_wait_for_store(
     assert f"the store at {url} did not answer within 2 s (--wait-for-store)" in result.stderr
 
 
+def test_agl_store_serve_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """uvicorn re-raised SIGTERM after its graceful shutdown: the process died of it (exit 143, a failure
+    to systemd and Kubernetes) before the store was closed."""
+    server = ServerProcess(tmp_path / "store.db", tmp_path / "server.log")
+    server.start()
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0, server.log.read_text()
+    assert "agl: store server stopped; SqliteLightningStore(" in server.log.read_text()
+
+
 def _alive(pid: int) -> bool:
     """Running, and not a zombie (an orphan's zombie waits for a reaper that a container may not have)."""
     try:

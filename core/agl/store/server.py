@@ -27,6 +27,7 @@ import contextlib
 import hmac
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -937,12 +938,21 @@ def serve(
     limits: Optional[ServerLimits] = None,
     log_level: str = "info",
 ) -> None:
-    """Serve ``store`` until SIGINT/SIGTERM (uvicorn stops gracefully on both), then close it."""
+    """Serve ``store`` until SIGINT/SIGTERM (uvicorn stops gracefully on both), then close it and return.
+
+    uvicorn raises the signal again once it has shut down, so that the process dies of it: ``store.close()``
+    then never ran, and a clean stop exited 143, which process managers report as a failure. A handler of
+    our own is what uvicorn restores before raising it: the signal then does nothing more, and this returns."""
     import uvicorn
 
     app = create_app(store, tokens=tokens, allow_anonymous=allow_anonymous, limits=limits)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         # no access log: a line per request costs more than some requests (errors are still logged)
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         store.close()
