@@ -312,6 +312,25 @@ def test_of_several_llm_resources_the_llm_argument_gets_main_llm_else_the_first_
     ]
 
 
+def test_of_several_prompt_templates_the_argument_gets_the_one_apo_optimizes(store, monkeypatch):
+    """APO's docs and `agl train --algorithm apo` name the optimized template ``prompt``; the
+    ``prompt_template`` argument preferred only a resource named ``prompt_template``, so with a second
+    template listed first (a tool's prompt) the agent ran with that one, and APO's edits changed nothing."""
+    from agl import litagent
+
+    monkeypatch.setattr(litagent, "_warned_several", set())
+    got = []
+    agent = agl.rollout(lambda task, prompt_template: got.append(prompt_template.template) or 1.0)
+    tool_prompt, optimized = agl.PromptTemplate(template="tool: {x}"), agl.PromptTemplate(template="solve: {x}")
+    for resources in ({"tool": tool_prompt, "prompt": optimized}, {"prompt": tool_prompt, "prompt_template": optimized}):
+        store.add_resources(resources)
+        store.enqueue_rollout({"q": 1})
+        runner = Runner(agent, store)
+        assert runner.run_rollout(store.dequeue_rollout(runner.runner_id)).status == "succeeded"
+        runner.close()
+    assert got == ["solve: {x}", "solve: {x}"]
+
+
 def test_agents_that_cannot_run_fail_their_rollout_and_say_what_to_do(tmp_path):
     class Unfinished(agl.LitAgent):
         pass

@@ -54,10 +54,11 @@ class LitAgent(Generic[T]):
         return get_tracer()
 
 
-# The resource an ``llm`` / ``prompt_template`` argument gets when there are several of its kind: the name the
-# trainers publish and update (``main_llm``; APO's ``prompt_template``), so a second LLM resource (a judge, a
-# tool's model) listed first is not the one the agent is trained through.
-_PREFERRED_RESOURCE = {"llm": "main_llm", "prompt_template": "prompt_template"}
+# The resource an ``llm`` / ``prompt_template`` argument gets when there are several of its kind: the names the
+# trainers publish and update (``main_llm``; the prompt APO optimizes, ``prompt`` in agl's docs and `agl train
+# --algorithm apo`, or ``prompt_template``), so a second one listed first (a judge's model, a tool's prompt) is
+# not the one the agent is trained through.
+_PREFERRED_RESOURCE = {"llm": ("main_llm",), "prompt_template": ("prompt_template", "prompt")}
 _warned_several: Set[str] = set()
 
 
@@ -68,15 +69,16 @@ def _resource_for(resources: NamedResources, kind: type, what: str) -> Any:
             f"this rollout function takes {what!r} but the resources hold no {kind.__name__} "
             f"(have: {sorted(resources)}); pass initial_resources={{'main_llm': agl.LLM(...)}} to the Trainer"
         )
-    preferred = _PREFERRED_RESOURCE[what]
-    if preferred in found:
-        return found[preferred]
+    for preferred in _PREFERRED_RESOURCE[what]:
+        if preferred in found:
+            return found[preferred]
+    preferred = " or ".join(repr(p) for p in _PREFERRED_RESOURCE[what])
     name = next(iter(found))
     if len(found) > 1 and what not in _warned_several:  # once per process, not once per rollout
         _warned_several.add(what)
         logger.warning(
-            "the resources hold several %s (%s) and none is named %r: the rollout function's %r argument gets %r. "
-            "Name the one to train %r, or take `resources` and pick", kind.__name__, ", ".join(found), preferred,
+            "the resources hold several %s (%s) and none is named %s: the rollout function's %r argument gets %r. "
+            "Name the one to train %s, or take `resources` and pick", kind.__name__, ", ".join(found), preferred,
             what, name, preferred,
         )
     return found[name]
@@ -85,7 +87,7 @@ def _resource_for(resources: NamedResources, kind: type, what: str) -> Any:
 class FunctionalLitAgent(LitAgent[Any]):
     """A LitAgent built from a plain function by ``@agl.rollout``; its arguments are matched by name:
     ``task`` (first), ``resources``, ``rollout``, ``llm`` and ``prompt_template`` (the resource of that kind:
-    of several, the one named ``main_llm`` / ``prompt_template``, else the first, with a warning)."""
+    of several, the one named ``main_llm`` / ``prompt_template`` or ``prompt``, else the first, with a warning)."""
 
     _SUPPLIERS: Dict[str, Callable[[NamedResources, Rollout], Any]] = {
         "resources": lambda res, ro: res,
