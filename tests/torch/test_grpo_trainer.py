@@ -318,3 +318,29 @@ def test_span_retention_keeps_the_last_steps_spans_and_every_rollout(tmp_path: P
     assert all(n >= 2 for n in spans[12:]), "the last step keeps its spans (agent and llm spans at least)"
     val = store.query_rollouts(mode="val")
     assert len(val) == 6 and all(store.query_spans(r.rollout_id) for r in val), "validation spans stay"
+
+
+def test_a_resumed_run_with_span_retention_deletes_the_earlier_runs_spans_in_turn(tmp_path: Path) -> None:
+    """The retention window lived in the process: after a crash and --resume, the spans of the steps before
+    the crash (up to the whole window) stayed in the store for good."""
+
+    def crash_after_step_2(row: Dict[str, Any]) -> None:
+        if row["step"] == 2:
+            raise RuntimeError("the machine went down")
+
+    def trainer_of(algo: TorchGRPO) -> agl.Trainer:
+        return agl.Trainer(algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread",
+                           progress=False, span_retention_steps=1)
+
+    first = trainer_of(_algo(tmp_path, steps=4, eval_every=0, on_step=crash_after_step_2))
+    with pytest.raises(RuntimeError, match="went down"):
+        first.fit(chat_agent, TASKS)
+    store = first.store
+    with_spans = [r for r in store.query_rollouts(mode="train") if store.query_spans(r.rollout_id)]
+    assert len(with_spans) == 6, "the crashed run kept its last step's spans"
+    resumed = trainer_of(_algo(tmp_path, steps=4, eval_every=0))
+    resumed.fit(chat_agent, TASKS)
+    train = resumed.store.query_rollouts(mode="train")
+    assert len(train) == 24
+    spans = [len(resumed.store.query_spans(r.rollout_id)) for r in train]
+    assert spans[:18] == [0] * 18 and all(n >= 2 for n in spans[18:]), "only the last step's spans are left"

@@ -261,6 +261,8 @@ class TorchGRPO(Algorithm):
         output = self.output_dir or self.checkpoint_dir or Path(".agl") / "runs" / time.strftime("grpo-%Y%m%d-%H%M%S")
         with self._session() as adapter:
             resumed = self._maybe_resume()
+            if resumed:
+                self._retain_earlier_runs()
             metrics = MetricsLog(output, rows=self.state.rows)
             try:
                 metrics.note(
@@ -339,6 +341,16 @@ class TorchGRPO(Algorithm):
         self.server.set_version(self.state.policy_version)
         logger.info("resumed from %s (step %d)", path, self.state.step)
         return True
+
+    def _retain_earlier_runs(self) -> None:
+        """A resumed run's store holds the training rollouts of the runs before it, whose span retention
+        window ended with their process (their spans stayed for good). They count as one step older than
+        this run's first, so the window deletes them in turn (with ``span_retention_steps`` set)."""
+        if self.trainer.span_retention.steps is None:
+            return
+        earlier = self.store.query_rollouts(mode="train", status=["succeeded", "failed", "cancelled"])
+        if earlier:
+            self.trainer.learned_from(earlier)
 
     def _model_label(self) -> str:
         return self.model_spec if isinstance(self.model_spec, str) else type(self.model_spec[0]).__name__
