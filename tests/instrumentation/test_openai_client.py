@@ -837,6 +837,23 @@ def test_structured_output_that_does_not_parse_raises_as_before_and_is_recorded(
     assert len(fake_openai.requests) == 3 and internal_error_count() == errors
 
 
+def test_responses_structured_output_that_does_not_parse_is_recorded(client, fake_openai, sink, rollout):
+    from pydantic import BaseModel, ValidationError
+
+    class Answer(BaseModel):
+        value: int
+
+    fake_openai.script(FakeReply(content="seven"), FakeReply(content='{"value": 7}'))
+    with rollout() as scope:
+        with pytest.raises(ValidationError):
+            client.responses.parse(model="fake-model", input="hi", text_format=Answer)
+        assert client.responses.parse(model="fake-model", input="hi", text_format=Answer).output_parsed == Answer(value=7)
+    bad, good = sink.of(scope.rollout_id)
+    assert bad.attributes[semconv.PARSE_ERROR].startswith("ValidationError: ") and bad.status != "error"
+    assert bad.attributes[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, "seven")
+    assert semconv.PARSE_ERROR not in good.attributes and good.attributes[semconv.RESPONSE_TOKEN_IDS]
+
+
 def test_async_structured_output_that_does_not_parse_is_recorded(fake_openai, instrumentor, sink, rollout):
     from pydantic import BaseModel, ValidationError
 
