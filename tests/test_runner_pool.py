@@ -37,6 +37,28 @@ def test_stop_bounds_the_whole_stop_not_each_stuck_runner(tmp_path: Path, caplog
     store.close()
 
 
+@agl.rollout
+def slow(task: dict) -> float:
+    time.sleep(4)
+    return 1.0
+
+
+def test_stopping_thread_runners_does_not_wait_for_a_busy_agent(tmp_path: Path) -> None:
+    """Closing a runner ends its agent thread's event loop on that thread: with the agent still busy past the
+    stop timeout, that must be skipped, not waited for."""
+    store = SqliteLightningStore(tmp_path / "store.db")
+    store.enqueue_many([EnqueueRequest(input={"i": 0})])
+    pool = RunnerPool(slow, store, n_runners=1, mode="thread").start()
+    deadline = time.monotonic() + 30
+    while store.stats().rollouts.get("running", 0) < 1:
+        assert time.monotonic() < deadline, "the runner never started its rollout"
+        time.sleep(0.05)
+    started = time.monotonic()
+    pool.stop(timeout=0.5)
+    assert time.monotonic() - started < 2.5, "stop waited for the busy agent thread"
+    # (the store stays open: the abandoned agent still reports its rollout when it wakes)
+
+
 # --- spawned runner processes (macOS, or $AGL_START_METHOD=spawn) -------------------------------------------
 
 SPAWNED_AGENT = '''

@@ -120,6 +120,7 @@ class Runner:
         self.request_token_ids = request_token_ids
         self.flush_timeout = flush_timeout
         self.stuck = False
+        self._agent_busy = False  # the agent thread runs a rollout (set and cleared on that thread)
         self.agent_name = rollout_agent_name(agent)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-agent")
         self._thread_state = threading.local()
@@ -181,6 +182,7 @@ class Runner:
     def _execute(self, rollout: Rollout, resources: NamedResources, scope: RolloutScope) -> Optional[float]:
         """Runs on the agent thread: the whole rollout under one root span of kind ``agent``."""
         token = enter_scope(scope)
+        self._agent_busy = True
         try:
             attrs = {
                 semconv.AGENT_NAME: self.agent_name,
@@ -202,6 +204,7 @@ class Runner:
                     scope.end_open_work()  # streams the agent stopped reading end inside its rollout
                 return self._episode_reward(self._returned_reward(result, scope), scope)
         finally:
+            self._agent_busy = False
             exit_scope(token)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -317,7 +320,7 @@ class Runner:
         return done
 
     def close(self) -> None:
-        if not self.stuck:
+        if not self.stuck and not self._agent_busy:  # (a busy agent thread would make close wait for it)
             try:
                 self._executor.submit(self._close_event_loop).result(timeout=CLOSE_LOOP_S)
             except Exception as exc:  # noqa: BLE001 - an agent's cleanup must not fail the run that is ending
