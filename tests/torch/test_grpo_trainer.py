@@ -259,6 +259,24 @@ def test_an_on_step_callback_that_raises_stops_training(tmp_path: Path) -> None:
     assert checkpoint is not None and json.loads((checkpoint / "state.json").read_text())["step"] == 1
 
 
+@agl.rollout
+def plain_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
+    """The README's agent: it does not pass llm.sampling_parameters on."""
+    messages = [{"role": "user", "content": task["question"]}]
+    with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
+        completion = client.chat.completions.create(model=llm.model, messages=messages)
+    choice = completion.choices[0]
+    return _served(task, {"token_ids": choice.model_extra["token_ids"], "logprobs": choice.logprobs})
+
+
+def test_an_agent_that_does_not_pass_the_sampling_parameters_is_sampled_as_the_trainer_says(tmp_path: Path) -> None:
+    """max_tokens and temperature went unapplied (512-token answers at temperature 1 whatever TorchGRPO was
+    told) and no logprobs were recorded, silently: the loss was computed for another distribution."""
+    algo = _algo(tmp_path, steps=1, max_tokens=4, eval_every=0, checkpoint_dir=None)
+    _trainer(tmp_path, algo).fit(plain_agent, TASKS[:2])
+    assert SERVED and all(len(s["token_ids"]) <= 4 and s["logprobs"] is not None for s in SERVED)
+
+
 def _checkpointed_step(directory: Path) -> Optional[int]:
     checkpoint = latest_checkpoint(directory)
     return None if checkpoint is None else json.loads((checkpoint / "state.json").read_text())["step"]

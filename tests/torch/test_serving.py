@@ -783,3 +783,26 @@ def _wait_for(condition: Any, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.005)
+
+
+def test_request_defaults_fill_what_a_request_leaves_out(client, server):
+    """A trainer publishes its sampling settings in the LLM resource, but an agent that does not pass
+    llm.sampling_parameters on (the README's does not) was sampled at the server's own defaults: 512 tokens,
+    temperature 1, no logprobs, whatever the trainer computed its loss with. The server now fills in the
+    trainer's settings for what a request leaves out; what it sets itself is kept."""
+    messages = [{"role": "user", "content": "hello"}]
+    server.request_defaults = {"max_tokens": 3, "logprobs": True, "temperature": 0.0}
+    try:
+        plain = client.chat.completions.create(model="policy", messages=messages)
+        assert plain.usage.completion_tokens <= 3 and plain.choices[0].logprobs is not None
+        again = client.chat.completions.create(model="policy", messages=messages)
+        assert again.choices[0].message.content == plain.choices[0].message.content  # temperature 0: greedy
+        own = client.chat.completions.create(model="policy", messages=messages, max_completion_tokens=5, logprobs=False)
+        assert own.usage.completion_tokens == 5 and own.choices[0].logprobs is None
+        response = client.responses.create(model="policy", input="hello")
+        assert response.usage.output_tokens <= 3
+        completion = client.completions.create(model="policy", prompt="hello")
+        assert completion.usage.completion_tokens <= 3 and completion.choices[0].logprobs is None
+    finally:
+        server.request_defaults = {}
+    assert client.chat.completions.create(model="policy", messages=messages, max_tokens=4).usage.completion_tokens <= 4

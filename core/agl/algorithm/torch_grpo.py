@@ -359,7 +359,11 @@ class TorchGRPO(Algorithm):
     # resources
     # ------------------------------------------------------------------------------------------------------
     def _publish(self, sampling: Mapping[str, Any]) -> str:
-        """Store an LLM resource pointing at the server; returns its resources id."""
+        """Store an LLM resource pointing at the server; returns its resources id. The server applies the same
+        settings to requests that leave them out: an agent that does not pass ``llm.sampling_parameters`` on
+        (the README's does not) was sampled at the server's defaults (temperature 1, 512 tokens, no logprobs)
+        whatever the trainer was told."""
+        self.server.request_defaults = dict(sampling)
         llm = LLM(endpoint=self.server.base_url, model=self.model_name, sampling_parameters=dict(sampling))
         return self.store.add_resources({self.resource_name: llm}).resources_id
 
@@ -573,10 +577,12 @@ class TorchGRPO(Algorithm):
         self._drift_warned = True
         logger.warning(
             "served logprobs differ from the trainer's by %.3f per token on average (first pass, before any "
-            "update). Either the served model is not the trained one, or the agent samples from a restricted "
-            "distribution (top_p < 1, a response_format): the server reports logprobs of what it drew from, "
-            "the trainer computes the unrestricted policy's. PPO ratios are then off from the start; use "
-            "TorchGRPO(old_logprobs=\"recompute\") to take the old logprobs from the trainer's own forward pass.",
+            "update). Either the agent sets its own temperature in its requests (the trainer computes at "
+            "TorchGRPO(temperature=...): leave it to llm.sampling_parameters, or set the same value there), or "
+            "the served model is not the trained one, or the agent samples from a restricted distribution "
+            "(top_p < 1, a response_format): the server reports logprobs of what it drew from, the trainer "
+            "computes the unrestricted policy's. PPO ratios are then off from the start; for the last two, "
+            "TorchGRPO(old_logprobs=\"recompute\") takes the old logprobs from the trainer's own forward pass.",
             drift,
         )
 

@@ -175,10 +175,12 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
         "messages": messages,
         "tools": chat_tools(tools),
         "stream": body.get("stream"),
-        "max_tokens": max_tokens,
-        "logprobs": LOGPROBS_INCLUDE in (body.get("include") or []) or bool(top_logprobs),
         "top_logprobs": top_logprobs,
     }
+    if max_tokens is not None:  # (left out, the server's default for requests that leave it out applies)
+        chat["max_tokens"] = max_tokens
+    if LOGPROBS_INCLUDE in (body.get("include") or []) or top_logprobs:
+        chat["logprobs"] = True
     for key in ("temperature", "top_p", "parallel_tool_calls"):
         if body.get(key) is not None:
             chat[key] = body[key]

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import time
 from types import TracebackType
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -81,6 +81,9 @@ class PolicyServer:
         self.host = host
         self.port = port
         self.default_max_tokens = default_max_tokens
+        # Sampling settings for requests that leave them out: a trainer sets its published ones here, so an
+        # agent that does not pass llm.sampling_parameters on is still sampled as the trainer computes.
+        self.request_defaults: Dict[str, Any] = {}
         self.engine = GenerationEngine(
             model, tokenizer, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s, version=version
         )
@@ -163,7 +166,7 @@ class PolicyServer:
 
     def _prepare(self, body: Any) -> tuple[ChatRequest, List[int], SamplingParams]:
         """Check and render a chat request: ``(request, prompt ids, sampling params)``. Raises BadRequest."""
-        request = parse_request(body)
+        request = parse_request(self._with_defaults(body, ("temperature", "top_p", "max_tokens", "logprobs")))
         prompt = render_prompt(self.tokenizer, request.messages, request.tools if request.tools_offered else None)
         prompt_ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         max_tokens = self._max_tokens(prompt_ids, request.max_tokens, self.default_max_tokens, "messages")
@@ -174,10 +177,20 @@ class PolicyServer:
 
     def _prepare_completion(self, body: Any) -> tuple[CompletionRequest, List[int], SamplingParams]:
         """Check a ``/v1/completions`` request: ``(request, prompt ids, sampling params)``. Raises BadRequest."""
-        request = parse_completion_request(body)
+        request = parse_completion_request(self._with_defaults(body, ("temperature", "top_p", "max_tokens")))
         prompt_ids = prompt_token_ids(self.tokenizer, request.prompt, self._vocab_size)
         max_tokens = self._max_tokens(prompt_ids, request.chat.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
         return request, prompt_ids, request.chat.sampling(max_tokens)
+
+    def _with_defaults(self, body: Any, keys: Sequence[str]) -> Any:
+        """``body`` with :attr:`request_defaults` for those of ``keys`` it leaves out (a token limit of any
+        name counts as given; the Completions API's ``logprobs`` is a number, so it gets none)."""
+        if not self.request_defaults or not isinstance(body, dict):
+            return body
+        given = {k for k, v in body.items() if v is not None}
+        given |= {"max_tokens"} if "max_completion_tokens" in given else set()
+        missing = {k: v for k, v in self.request_defaults.items() if k in keys and k not in given and v is not None}
+        return {**body, **missing} if missing else body
 
     def _max_tokens(self, prompt_ids: List[int], requested: Optional[int], default: int, prompt_param: str) -> int:
         """The answer's token limit: ``requested``, else ``default`` as far as the model's context leaves room.
