@@ -193,7 +193,8 @@ def test_tools_are_appended_to_the_system_message(tiny):
         (BROKEN, BROKEN, []),  # a bad block: everything stays content
         ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
         ('<tool_call>["add"]</tool_call>', '<tool_call>["add"]</tool_call>', []),
-        ("  just text  ", "just text", []),
+        ("  just text  ", "  just text  ", []),  # as written (vLLM does not strip): the agent sends it back
+        ("  Let me add.\n<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>", "  Let me add.", [("a", {})]),
     ],
 )
 def test_tool_call_parsing_is_all_or_nothing(text, content, calls):

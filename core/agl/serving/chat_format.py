@@ -200,7 +200,7 @@ def parse_output(text: str, tools_offered: bool) -> ParsedOutput:
         if any(call is None for call in block):
             return ParsedOutput(_content(text), [])
         calls.extend(c for c in block if c is not None)
-    return ParsedOutput(_content(_BLOCK.sub("", text)), calls)
+    return ParsedOutput(_content(_BLOCK.sub("", text).rstrip()), calls)  # (the blank before a call goes)
 
 
 def _parse_call(value: Any) -> Optional[ToolCall]:
@@ -219,14 +219,17 @@ def _parse_call(value: Any) -> Optional[ToolCall]:
 
 
 def _content(text: str) -> Optional[str]:
-    stripped = text.strip()
-    return stripped or None
+    """The answer's text as the model wrote it (None if there is none), as vLLM returns it: an agent sends it
+    back in its next prompt, which re-tokenizes to the sampled ids only if nothing was stripped (a stripped
+    leading or trailing blank broke LightningRL's merging of consecutive calls, ``aggregate=true``)."""
+    return text or None
 
 
 def streamable_prefix(text: str, tools_offered: bool, stops: Sequence[str] = ()) -> str:
     """How much of the text generated so far a stream may send as content without taking anything back.
 
-    Held back: leading and trailing whitespace (content is stripped), a trailing partial character
+    Held back: trailing whitespace (a tool call may follow, and the blank before it is dropped), a trailing
+    partial character
     (``\\ufffd``), a tail that could still grow into a stop string, and, when tools were offered,
     everything from ``<tool_call>`` (or a tail that could become it) on. What is returned is always a
     prefix of the final content, whatever the model writes next.
@@ -239,7 +242,7 @@ def streamable_prefix(text: str, tools_offered: bool, stops: Sequence[str] = ())
             end = opened
         end = min(end, partial_suffix_start(text[:end], (TOOL_CALL_OPEN,)))
     end = min(end, partial_suffix_start(text[:end], stops))
-    return text[:end].strip()
+    return text[:end].rstrip()
 
 
 def partial_suffix_start(text: str, markers: Sequence[str]) -> int:
