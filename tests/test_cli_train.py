@@ -57,6 +57,31 @@ def test_an_out_folder_holding_a_run_is_neither_overwritten_nor_silently_resumed
     assert (run / "metrics.csv").read_text() == "step\n1\n" and (run / "checkpoints").is_dir()
 
 
+def test_duplicate_task_ids_are_found_by_check_and_end_the_run_with_a_message(files: Path) -> None:
+    """Two different tasks with one id passed --check, then ended the real run in a traceback (and left its
+    store behind, so the folder refused the next try)."""
+    (files / "dup.jsonl").write_text('{"id": "a", "q": 1}\n{"id": "a", "q": 2}\n')
+    args = [f"{files}/agent.py:agent", "--data", str(files / "dup.jsonl"), "--out", str(files / "run")]
+    for extra in (["--check"], []):
+        message = _fails([*args, *extra, "--algorithm", "verl"])  # (any algorithm: the tasks are checked first)
+        assert "dup.jsonl" in message and "same id 'a'" in message
+    assert not (files / "run").exists()
+
+
+def test_a_start_that_failed_before_its_first_step_does_not_lock_the_folder(files: Path) -> None:
+    """A wrong model name (or any failure before the first rollout) left run/store.db, empty: the next try
+    with the right name was refused as "already holds a training run"."""
+    from agl.store import SqliteLightningStore
+
+    (files / "run").mkdir()
+    SqliteLightningStore(files / "run" / "store.db").close()  # what the failed start left
+    message = _fails([*_base(files), "--algorithm", "verl", "--steps", "1"])  # fails later, on a TorchGRPO flag
+    assert "already holds" not in message and "set TorchGRPO" in message
+    with SqliteLightningStore(files / "run" / "store.db") as store:
+        store.enqueue_rollout({"q": 1})  # a run that got as far as its first rollouts is one
+    assert "already holds a training run" in _fails(_base(files))
+
+
 def test_resume_needs_a_run_to_continue(files: Path) -> None:
     message = _fails([*_base(files), "--resume"])
     assert "holds no run to continue" in message

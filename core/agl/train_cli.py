@@ -122,6 +122,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     agent = load_agent(args.agent)
     train_tasks = load_tasks(args.data)
     val_tasks = load_tasks(args.val_data) if args.val_data else None
+    _check_task_ids(args.data, train_tasks)
+    if args.val_data and val_tasks:
+        _check_task_ids(args.val_data, val_tasks)
     config = json_setting(args.config, "--config", yaml_ok=args.algorithm == "verl") if args.config else {}
     resources = None
     if args.algorithm == "grpo":
@@ -157,12 +160,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_task_ids(path: str, tasks: Sequence[Any]) -> None:
+    """What the trainer checks of the tasks before its first step (one id, one task), checked here too, so
+    that --check finds it and the run does not end in a traceback after its setup."""
+    from agl.dataset import as_tasks
+
+    try:
+        as_tasks(tasks)
+    except ValueError as exc:
+        raise SystemExit(f"agl: {path}: {exc}") from None
+
+
 def _check_out(out: Path, resume: bool, check: bool) -> None:
     """Refuse to start a fresh run in a folder that holds one: its checkpoints would be resumed, its metrics
-    and rollouts mixed with the new run's. Nothing is deleted here; the user decides."""
+    and rollouts mixed with the new run's. Nothing is deleted here; the user decides. A store with no rollout
+    is no run (a start that failed before its first step, e.g. on a model name that does not exist)."""
     if check:  # --check writes nothing
         return
-    holds_run = out.is_dir() and any((out / name).exists() for name in ("checkpoints", "metrics.csv", "store.db"))
+    holds_run = out.is_dir() and (
+        any((out / name).exists() for name in ("checkpoints", "metrics.csv")) or _has_rollouts(out / "store.db")
+    )
     if resume and not holds_run:
         raise SystemExit(f"agl: --resume: {out} holds no run to continue (no checkpoints, metrics or store there)")
     if holds_run and not resume:
@@ -170,6 +187,15 @@ def _check_out(out: Path, resume: bool, check: bool) -> None:
             f"agl: {out} already holds a training run: pass --resume to continue it, or choose another --out "
             "(or delete the folder)"
         )
+
+
+def _has_rollouts(db: Path) -> bool:
+    if not db.exists():
+        return False
+    from agl.store import SqliteLightningStore
+
+    with SqliteLightningStore(db) as store:
+        return sum(store.stats().rollouts.values()) > 0
 
 
 def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> Any:
