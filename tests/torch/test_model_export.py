@@ -96,3 +96,12 @@ def test_cli_exports_and_reports_errors(tmp_path, capsys):
     assert f"agl serve --model {tmp_path / 'export'}" in capsys.readouterr().out
     assert agl_main(["export-model", str(tmp_path / "nothing"), "--out", str(tmp_path / "e2")]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_agl_serve_of_a_training_folder_says_to_export_it_first(tmp_path: Path) -> None:
+    """`agl serve --model RUN_DIR` ended in a transformers traceback about converting a slow tokenizer."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.csv").write_text("step\n")
+    with pytest.raises(SystemExit, match=r"is an agl training run or checkpoint.*agl export-model"):
+        agl_main(["serve", "--model", str(run)])

@@ -36,11 +36,27 @@ def add_serve_command(sub: Any, store_help: str) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
+def _refuse_training_folders(model: str) -> None:
+    """An `agl train --out` folder or a checkpoint is not a model folder (transformers failed on it with a
+    traceback about tokenizer converters): say how to make one."""
+    from pathlib import Path
+
+    path = Path(model)
+    if not path.is_dir() or (path / "config.json").exists():
+        return
+    if any((path / name).exists() for name in ("state.json", "latest", "checkpoints", "metrics.csv")):
+        raise SystemExit(
+            f"agl serve: {path} is an agl training run or checkpoint, not a model folder: export the trained "
+            f"model first (agl export-model {path} --out {path / 'model'}), then agl serve --model {path / 'model'}"
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from agl.models import load_policy
     from agl.serving.server import PolicyServer
     from agl.serving.store_watch import StoreWatcher
 
+    _refuse_training_folders(args.model)
     print(f"agl serve: loading {args.model} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_policy(args.model, dtype=args.dtype, device=args.device)
     server = PolicyServer(
