@@ -105,6 +105,10 @@ def test_fit_trains_evaluates_and_writes_metrics(tmp_path: Path) -> None:
     assert algo.server.version == rows[1]["policy_version"]
     csv_lines = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert csv_lines[0].startswith("step,") and len(csv_lines) == 3
+    header = csv_lines[0].split(",")
+    first = dict(zip(header, csv_lines[1].split(",")))
+    assert first["samples"] == "6" and first["optimizer_steps"] == "1"  # counts as counts, not "6.0"
+    assert all(len(v.replace("-", "").replace(".", "").lstrip("0")) <= 10 for k, v in first.items() if "e" not in v)
     assert result.curve_png is not None and result.curve_png.stat().st_size > 1000
     log = (tmp_path / "run" / "train.log").read_text()
     assert "eval at step 0" in log and "eval at step 2" in log and "step 2/2" in log

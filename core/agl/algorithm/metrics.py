@@ -63,7 +63,7 @@ class MetricsLog:
             self._rewrite_csv()
         else:
             with self.csv_path.open("a", newline="", encoding="utf-8") as f:
-                csv.DictWriter(f, fieldnames=self._columns).writerow(row)
+                csv.DictWriter(f, fieldnames=self._columns).writerow(_cells(row))
         if self._tb is not None:
             step = int(row.get("step", len(self.rows)))
             for key, value in row.items():
@@ -95,7 +95,18 @@ class MetricsLog:
         with self.csv_path.open("w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=self._columns)
             writer.writeheader()
-            writer.writerows(self.rows)
+            writer.writerows(_cells(row) for row in self.rows)
+
+
+def _cells(row: Dict[str, Any]) -> Dict[str, Any]:
+    """A row as metrics.csv shows it: whole numbers without ".0" (counts: ``samples 4``), other floats to 8
+    significant digits (not 17); the rows themselves (``on_step``, tensorboard, checkpoints) keep full values."""
+    out: Dict[str, Any] = {}
+    for key, value in row.items():
+        if isinstance(value, float) and math.isfinite(value):
+            value = int(value) if value.is_integer() else float(f"{value:.8g}")
+        out[key] = value
+    return out
 
 
 def format_line(row: Dict[str, float], total_steps: Optional[int] = None) -> str:
