@@ -51,7 +51,6 @@ from agl.integrations.langchain._runs import (
     plan_chain_run,
     run_name,
 )
-from agl.tracer import get_tracer
 
 FRAMEWORK = "langchain"
 F = TypeVar("F", bound=Callable[..., Any])
