@@ -200,3 +200,13 @@ def test_async_work_an_agent_left_behind_is_finished_when_the_runners_stop(
     assert [r.status for r in rows] == ["succeeded", "succeeded"]
     assert _CLOSED == ["closed", "closed"]
     assert not [r for r in caplog.records if "was destroyed but it is pending" in r.getMessage()]
+
+
+def test_closing_a_runner_twice_is_quiet(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from agl.runner import Runner
+
+    runner = Runner(_abandons_a_stream, SqliteLightningStore(tmp_path / "s.db"))
+    with caplog.at_level(logging.WARNING, "agl.runner"):
+        runner.close()
+        runner.close()  # (the second found its executor shut down and logged that it could not schedule)
+    assert not caplog.records

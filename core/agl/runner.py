@@ -121,6 +121,7 @@ class Runner:
         self.flush_timeout = flush_timeout
         self.stuck = False
         self._agent_busy = False  # the agent thread runs a rollout (set and cleared on that thread)
+        self._closed = False
         self.agent_name = rollout_agent_name(agent)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-agent")
         self._thread_state = threading.local()
@@ -320,6 +321,10 @@ class Runner:
         return done
 
     def close(self) -> None:
+        """End the agent thread's event loop and let the thread go. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
         if not self.stuck and not self._agent_busy:  # (a busy agent thread would make close wait for it)
             try:
                 self._executor.submit(self._close_event_loop).result(timeout=CLOSE_LOOP_S)
