@@ -117,11 +117,18 @@ def format_line(row: Dict[str, float], total_steps: Optional[int] = None) -> str
         done = min(20, round(20 * step / total_steps))
         head = f"step {step}/{total_steps} [{'#' * done}{'-' * (20 - done)}]"
     parts = [head]
+    no_reward = not _finite(row.get("reward_mean"))  # no rollout of the step has a reward (all failed)
     for key, fmt in _CONSOLE:
         value = row.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value):
+        if key == "reward_mean" and no_reward:
+            parts.append("reward -")
+        elif _finite(value) and not (key == "reward_std" and no_reward):  # (no lone "±0.000")
             parts.append(fmt.format(value))
     return " ".join(parts)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _tensorboard_writer(path: Path) -> Any:
