@@ -16,6 +16,7 @@ from agl.algorithm.checkpoint import CheckpointError, latest_checkpoint
 from agl.algorithm.grpo_loss import collate
 from agl.algorithm.torch_grpo import TorchGRPO
 from agl.models import load_policy
+from agl.store.base import EnqueueRequest
 
 TASKS = [{"task_id": f"t{i}", "question": f"Say something about the number {i}."} for i in range(6)]
 VAL = [{"task_id": f"v{i}", "question": f"Count to {i}."} for i in range(3)]
@@ -241,6 +242,32 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
     assert trained.keys() == seen_at_start.keys() and len(trained) > 0
     assert all(torch.equal(trained[k], seen_at_start[k]) for k in trained)
     assert latest_checkpoint(tmp_path / "ckpt").name == "step-000003"  # type: ignore[union-attr]
+
+
+def test_a_resumed_run_cancels_the_rollouts_its_killed_predecessor_left_behind(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run killed mid-step leaves that step's rollouts queued or running, bound to resources whose policy
+    server died with it: the resumed run's runners took them first and failed them against a dead address.
+    Rollouts of another trainer sharing the store are left alone."""
+    first = _algo(tmp_path, steps=1, eval_every=0)
+    _trainer(tmp_path, first).fit(chat_agent, TASKS)
+    store = first.store
+    step_2 = store.get_resources().resources_id  # published after step 1, for step 2's rollouts
+    # what a SIGKILL during step 2 leaves: the step's rollouts, queued, one of them running
+    left = store.enqueue_many([EnqueueRequest(input=TASKS[0], task_id="t0", mode="train", resources_id=step_2)] * 3)
+    running = store.dequeue_rollout("killed-runner")
+    assert running is not None and running.rollout_id == left[0].rollout_id
+    dead = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="policy")
+    theirs = store.enqueue_rollout(input=TASKS[1], mode="train", resources_id=store.add_resources({"main_llm": dead}).resources_id)
+
+    resumed = _algo(tmp_path, steps=2, eval_every=0)
+    with caplog.at_level("WARNING", logger="agl.train"):
+        result = _trainer(tmp_path, resumed).fit(chat_agent, TASKS)
+    assert result.steps == 2
+    assert [store.get_rollout(r.rollout_id).status for r in left] == ["cancelled"] * 3
+    assert store.get_rollout(theirs.rollout_id).status != "cancelled", "another trainer's rollout was cancelled"
+    assert "cancelled 3 rollouts that an earlier run" in caplog.text
 
 
 def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ Layout under ``checkpoint_dir``::
         optimizer.pt
         state.json          step, policy version, data cursor (epoch, position), metric rows, evaluations
     latest                  the name of the newest complete checkpoint folder
+    published_resources.txt every resources id the run published, one a line (see :func:`record_published`)
 
 A checkpoint is written to a temporary folder and renamed into place, and ``latest`` is replaced
 atomically, so a run killed mid-save leaves the previous checkpoint usable.
@@ -21,7 +22,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
@@ -43,6 +44,29 @@ class TrainerState:
     rows: List[Dict[str, float]] = field(default_factory=list)
     evaluations: List[Dict[str, Any]] = field(default_factory=list)
     fingerprint: Dict[str, Any] = field(default_factory=dict)  # model + LoRA settings, checked on resume
+
+
+PUBLISHED_FILE = "published_resources.txt"
+
+
+def record_published(directory: Optional[Path], resources_id: str) -> None:
+    """Note that the run of ``directory`` published ``resources_id`` (before any rollout uses it), so that a
+    resumed run can tell the rollouts its killed predecessor left behind from other trainers' in a shared
+    store. Appended, not rewritten: a kill between two writes loses at most the id being written."""
+    if directory is None:
+        return
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / PUBLISHED_FILE, "a", encoding="utf-8") as out:
+        out.write(resources_id + "\n")
+
+
+def published_resources(directory: Optional[Path]) -> Set[str]:
+    """The resources ids that earlier runs of ``directory`` published (:func:`record_published`)."""
+    path = Path(directory) / PUBLISHED_FILE if directory is not None else None
+    if path is None or not path.exists():
+        return set()
+    return {line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
 
 
 def save_checkpoint(

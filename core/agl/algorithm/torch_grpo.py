@@ -54,6 +54,8 @@ from agl.algorithm.checkpoint import (
     TrainerState,
     latest_checkpoint,
     load_checkpoint,
+    published_resources,
+    record_published,
     save_checkpoint,
 )
 from agl.algorithm.grpo_loss import (
@@ -65,6 +67,7 @@ from agl.algorithm.grpo_loss import (
 from agl.algorithm.metrics import MetricsLog, ascii_curve, plot_reward_curve
 from agl.algorithm.trainable import DEFAULT_LORA, LoraSpec, TrainablePolicy
 from agl.dataset import as_tasks
+from agl.errors import IllegalTransitionError
 from agl.lightningrl.types import Sample
 from agl.models import attention_kernels, load_policy
 from agl.types import LLM, Rollout, Task
@@ -250,6 +253,33 @@ class TorchGRPO(Algorithm):
     # ------------------------------------------------------------------------------------------------------
     # run
     # ------------------------------------------------------------------------------------------------------
+    def bind(self, trainer: Any) -> None:
+        super().bind(trainer)
+        if self.resume:  # before the trainer starts its runners, which would take the leftovers first
+            self._cancel_leftovers()
+
+    def _cancel_leftovers(self) -> None:
+        """Cancel the rollouts that an earlier run of this checkpoint folder left queued or running when it
+        was killed mid-step: its policy server died with it, so runners would only fail them (queued ones
+        first, ahead of this run's) against an address another process may serve by now. Only rollouts of
+        resources that run published are touched: a store shared with other trainers keeps theirs."""
+        ours = published_resources(self.checkpoint_dir)
+        if not ours:
+            return
+        left = [r for r in self.store.query_rollouts(status=["queued", "running"]) if r.resources_id in ours]
+        cancelled = 0
+        for rollout in left:
+            try:
+                self.store.cancel_rollout(rollout.rollout_id)
+                cancelled += 1
+            except IllegalTransitionError:  # it ended meanwhile (an orphaned runner finished it): nothing to cancel
+                pass
+        if cancelled:
+            logger.warning(
+                "cancelled %d rollouts that an earlier run in %s left queued or running (it stopped mid-step; "
+                "their policy server is gone)", cancelled, self.checkpoint_dir,
+            )
+
     def run(self, train_dataset: Optional[Sequence[Any]], val_dataset: Optional[Sequence[Any]]) -> TrainResult:
         """Evaluate, train for the configured steps, evaluate again; see the class and module docs."""
         if not train_dataset:
@@ -365,7 +395,9 @@ class TorchGRPO(Algorithm):
         whatever the trainer was told."""
         self.server.request_defaults = dict(sampling)
         llm = LLM(endpoint=self.server.base_url, model=self.model_name, sampling_parameters=dict(sampling))
-        return self.store.add_resources({self.resource_name: llm}).resources_id
+        resources_id = self.store.add_resources({self.resource_name: llm}).resources_id
+        record_published(self.checkpoint_dir, resources_id)
+        return resources_id
 
     def _train_sampling(self) -> Dict[str, Any]:
         # logprobs: the server returns each token's logprob, the exact "old" logprobs of the PPO ratio.
