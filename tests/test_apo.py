@@ -187,9 +187,64 @@ def test_an_optimizer_failing_mid_search_keeps_the_best_so_far(tmp_path, fake_op
     assert trainer.store.get_resources(trainer.resources_id).resources["prompt"].template == GOOD
 
 
+def test_agent_lightning_apo_code_runs_unchanged(tmp_path, fake_openai, optimizer) -> None:
+    """Agent Lightning's APO takes an AsyncOpenAI client, ``beam_rounds``, its two model names and
+    ``adapter=agl.TraceToMessages()``: each raised a TypeError or AttributeError."""
+    optimizer.script(FakeReply(content="Ask for concision."), FakeReply(content=f"<prompt>{GOOD}</prompt>"))
+    algo = agl.APO(
+        openai.AsyncOpenAI(base_url=optimizer.base_url, api_key="sk-test"),
+        val_batch_size=2, gradient_batch_size=1, beam_width=1, branch_factor=1, beam_rounds=1,
+        diversity_temperature=0.7,
+    )
+    trainer = agl.Trainer(
+        algorithm=algo, n_runners=2, store=str(tmp_path / "store.db"), runner_mode="thread", progress=False,
+        adapter=agl.TraceToMessages(),
+        initial_resources={
+            "main_llm": agl.LLM(endpoint=fake_openai.base_url, model="agent-model"),
+            "prompt_template": agl.PromptTemplate(template=SEED, engine="f-string"),
+        },
+    )
+    trainer.fit(agent=agent, train_dataset=TASKS, val_dataset=TASKS[:2])
+    assert algo.rounds == 1
+    asked = [r for r in optimizer.requests if r["path"].endswith("/chat/completions")]
+    assert [r["body"]["model"] for r in asked] == ["gpt-5-mini", "gpt-4.1-mini"]  # Agent Lightning's defaults
+    assert all(r["body"]["temperature"] == 0.7 for r in asked)
+    assert all(r["headers"].get("authorization") == "Bearer sk-test" for r in asked)
+    assert trainer.store.get_resources(trainer.resources_id).resources["prompt_template"].template == GOOD
+    with pytest.raises(TypeError, match="optimizer must be agl.LLM"):
+        APO(object())
+
+
+def test_replies_without_a_prompt_are_refused_and_a_prompt_without_placeholders_keeps_none(
+    tmp_path, fake_openai, optimizer
+) -> None:
+    """An empty reply, empty tags or untagged chatter became the agent's prompt (and could win); the edit
+    request asked a prompt without placeholders to keep "{question}"; vLLM sampling settings of the
+    optimizer (top_k) raised a TypeError in the openai client."""
+    seed = "Answer the question."
+    optimizer.script(
+        FakeReply(content="It never asks for concision."),
+        FakeReply(content=""),
+        FakeReply(content="<prompt>  </prompt>"),
+        FakeReply(content="Sure! Here is an improved version. Let me know if you need more."),
+        FakeReply(content="<prompt>Be concise. Answer the question."),  # never closed: the rest is the prompt
+    )
+    llm = agl.LLM(endpoint=optimizer.base_url, model="optimizer-model", sampling_parameters={"top_k": 20, "temperature": 0.5})
+    algorithm = APO(llm, beam_width=1, branch_factor=4, rounds=1, gradient_batch_size=1, val_batch_size=2)
+    result = _trainer(tmp_path, fake_openai, algorithm, prompt=seed).fit(agent, TASKS)
+    assert [c.template for c in result.history] == [seed, "Be concise. Answer the question."]
+    assert result.refused == 3 and result.best.template == "Be concise. Answer the question."
+    edit = _contents(optimizer)[1]
+    assert "{question}" not in edit and "no placeholders" in edit
+    assert all(r["body"]["top_k"] == 20 and r["body"]["temperature"] == 0.5
+               for r in optimizer.requests if r["path"].endswith("/chat/completions"))
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="beam_width must be at least 1"):
         APO({"endpoint": "http://x/v1", "model": "m"}, beam_width=0)
+    with pytest.raises(ValueError, match="rounds=3 and beam_rounds=1 disagree"):
+        APO({"endpoint": "http://x/v1", "model": "m"}, rounds=3, beam_rounds=1)
     with pytest.raises(APOError, match="needs training tasks"):
         APO({"endpoint": "http://x/v1", "model": "m"}).run([], None)
 

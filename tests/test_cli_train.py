@@ -174,3 +174,34 @@ def test_apo_from_the_command_line_saves_the_best_prompt(files: Path, fake_opena
     critiqued = store.query_rollouts(mode="train")  # --span-retention-steps 0: spans deleted once critiqued
     assert len(critiqued) == 2 and all(store.query_spans(r.rollout_id) == [] for r in critiqued)
     assert all(store.query_spans(r.rollout_id) for r in store.query_rollouts(mode="val"))
+
+
+def test_apo_whose_optimizer_fails_mid_search_still_saves_the_best_prompt_so_far(
+    files: Path, fake_openai, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The search so far was lost: no best_prompt.txt, and the --out folder refused a rerun."""
+    import agl
+    from agl.testing.fake_openai import FakeOpenAIServer
+    from agl.testing.fake_policy import FakeReply
+
+    (files / "apo_agent.py").write_text(APO_AGENT)
+    failure = FakeReply(status_code=500, error_message="overloaded")
+    with FakeOpenAIServer() as optimizer:
+        optimizer.script(FakeReply(content="Ask for brevity."), FakeReply(content="<prompt>Be concise: {q}</prompt>"),
+                         failure, failure, failure)  # round 2's critique, and the client's two retries
+        try:
+            code = main([
+                "train", f"{files}/apo_agent.py:agent", "--data", str(files / "train.jsonl"), "--out", str(files / "run"),
+                "--algorithm", "apo", "--prompt", "Answer {q}",
+                "--llm-endpoint", fake_openai.base_url, "--llm-model", "agent-model",
+                "--optimizer-endpoint", optimizer.base_url, "--optimizer-model", "optimizer-model",
+                "--set", "rounds=2", "--set", "beam_width=1", "--set", "branch_factor=1",
+                "--set", "gradient_batch_size=1", "--set", "val_batch_size=3", "--n-runners", "2",
+            ])
+        finally:
+            agl.uninstrument()
+    assert code == 1
+    assert (files / "run" / "best_prompt.txt").read_text() == "Be concise: {q}"
+    assert len(json.loads((files / "run" / "apo_history.json").read_text())) == 2
+    err = capsys.readouterr().err
+    assert "APO stopped early" in err and "optimizer-model" in err and "best prompt so far is saved" in err

@@ -6,7 +6,7 @@
 Then run the agent through ``agl.Trainer(...).dev(...)`` or ``.fit(...)``; see README.md.
 """
 
-from agl.algorithm import APO, Algorithm, Baseline
+from agl.algorithm import APO, Algorithm, Baseline, TraceToMessages
 from agl.context import RolloutScope, propagate, rollout_scope, submit
 from agl.emitters import emit_exception, emit_message, emit_object, emit_reward, operation
 from agl.instrumentation import instrument, uninstrument
@@ -81,6 +81,7 @@ __all__ = [
     "SqliteLightningStore",
     "Task",
     "TorchGRPO",
+    "TraceToMessages",
     "Trainer",
     "VERL",
     "emit_exception",

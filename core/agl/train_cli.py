@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
@@ -148,9 +149,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         initial_resources=resources,
         span_retention_steps=args.span_retention_steps,
     )
-    result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
     if args.algorithm == "apo":
-        _save_apo(result, out)
+        return _fit_apo(trainer, agent, train_tasks, val_tasks, out)
+    result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
     if args.algorithm == "verl":  # TorchGRPO prints its own summary and curve
         for step in result.steps:
             print(json.dumps({"step": step.step, **{k: v for k, v in step.metrics.items() if k.startswith("agl/")}}))
@@ -296,6 +297,24 @@ def _apo(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
     }
     print("agl train: APO(" + ", ".join(f"{k}={v!r}" for k, v in settings.items()) + ")")
     return algorithm, resources
+
+
+def _fit_apo(trainer: Any, agent: Any, train_tasks: Any, val_tasks: Any, out: Path) -> int:
+    """Run APO and save its prompts; an optimizer that fails mid-search still leaves the best so far."""
+    from agl.algorithm.apo import APOError
+
+    try:
+        result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
+    except APOError as exc:
+        if exc.result is None:
+            raise
+        _save_apo(exc.result, out)
+        print(f"agl train: APO stopped early: {exc}. The best prompt so far is saved; run again with a new --out "
+              "to search further", file=sys.stderr)
+        return 1
+    _save_apo(result, out)
+    print(f"agl train: done; the run is in {out}")
+    return 0
 
 
 def _save_apo(result: Any, out: Path) -> None:

@@ -52,10 +52,18 @@ EDIT_PROMPT = """You improve the prompt of an AI agent. The current prompt is:
 A review of the agent's runs with it says:
 {critique}
 
-Write an improved prompt that fixes these problems. Keep every placeholder in braces, such as {placeholders},
-exactly as it is. Reply with the new prompt only, between <prompt> and </prompt>."""
+Write an improved prompt that fixes these problems.{keep} Reply with the new prompt only, between <prompt> and
+</prompt>."""
 
-_PROMPT_TAGS = re.compile(r"<prompt>\s*(.*?)\s*</prompt>", re.DOTALL)
+KEEP_PLACEHOLDERS = " Keep every placeholder in braces ({placeholders}) exactly as it is."
+NO_PLACEHOLDERS = " The prompt has no placeholders in braces: do not add any."
+
+# Agent Lightning's APO takes an AsyncOpenAI client and these model names for its two requests.
+AL_GRADIENT_MODEL = "gpt-5-mini"
+AL_APPLY_EDIT_MODEL = "gpt-4.1-mini"
+
+_PROMPT_OPEN = re.compile(r"<prompt>\s*", re.IGNORECASE)
+_PROMPT_CLOSE = re.compile(r"\s*</prompt>", re.IGNORECASE)
 
 
 class APOError(AglError):
@@ -85,7 +93,7 @@ class APOResult:
 
     history: List[Candidate] = field(default_factory=list)
     best_index: int = 0
-    refused: int = 0  # edits refused because they changed the prompt's placeholders
+    refused: int = 0  # optimizer replies refused: no tagged prompt, an empty one, or changed placeholders
 
     @property
     def best(self) -> Candidate:
@@ -96,20 +104,31 @@ class APOResult:
         return self.history[0]
 
 
+class TraceToMessages:
+    """Agent Lightning's APO needs ``Trainer(adapter=agl.TraceToMessages())`` to turn spans into chat messages.
+    agl's APO reads the rollouts' spans itself (:func:`transcript`), so this class only lets such code run
+    unchanged; a training algorithm (LightningRL) refuses it as an adapter."""
+
+
 class APO(Algorithm):
     """Textual-gradient beam search over one ``PromptTemplate`` of the trainer's initial resources.
 
-    ``optimizer``: the model that critiques and edits (``agl.LLM`` or its fields as a dict).
+    ``optimizer``: the model that critiques and edits: ``agl.LLM`` (or its fields as a dict), or, as in
+    Agent Lightning, an ``openai.OpenAI`` / ``AsyncOpenAI`` client, whose base URL and key are used with the
+    models ``gradient_model`` (critiques) and ``apply_edit_model`` (edits), Agent Lightning's defaults when
+    not given. With an ``agl.LLM`` they default to its model. ``diversity_temperature``: the optimizer's
+    sampling temperature (default: the LLM's own sampling parameters).
     ``prompt``: the name of the resource to optimize (default: the only, or first, ``PromptTemplate``).
-    ``beam_width`` prompts survive each of ``rounds`` rounds; each spawns ``branch_factor`` edits from one
-    critique of ``gradient_batch_size`` training rollouts (the ``max_transcripts`` worst are shown).
-    Candidates are scored on ``val_batch_size`` validation tasks (the validation set, else the training
-    set), the same for every candidate. Failed rollouts and rollouts without a reward count as 0.
+    ``beam_width`` prompts survive each of ``rounds`` rounds (``beam_rounds``, Agent Lightning's name, is
+    the same); each spawns ``branch_factor`` edits from one critique of ``gradient_batch_size`` training
+    rollouts (the ``max_transcripts`` worst are shown). Candidates are scored on ``val_batch_size``
+    validation tasks (the validation set, else the training set), the same for every candidate. Failed
+    rollouts and rollouts without a reward count as 0.
     """
 
     def __init__(
         self,
-        optimizer: Union[LLM, Mapping[str, Any]],
+        optimizer: Union[LLM, Mapping[str, Any], Any],
         *,
         prompt: Optional[str] = None,
         beam_width: int = 2,
@@ -120,13 +139,27 @@ class APO(Algorithm):
         max_transcripts: int = 3,
         request_timeout: float = 120.0,
         seed: int = 0,
+        gradient_model: Optional[str] = None,
+        apply_edit_model: Optional[str] = None,
+        diversity_temperature: Optional[float] = None,
+        beam_rounds: Optional[int] = None,
     ) -> None:
+        if beam_rounds is not None:
+            if rounds != 2 and rounds != beam_rounds:
+                raise ValueError(f"rounds={rounds} and beam_rounds={beam_rounds} disagree: give one of them")
+            rounds = beam_rounds
         for name, value in (("beam_width", beam_width), ("branch_factor", branch_factor), ("rounds", rounds),
                             ("gradient_batch_size", gradient_batch_size), ("val_batch_size", val_batch_size),
                             ("max_transcripts", max_transcripts)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
-        self.optimizer = optimizer if isinstance(optimizer, LLM) else LLM(**dict(optimizer))
+        self.optimizer = _optimizer_llm(optimizer, gradient_model)
+        is_client = not isinstance(optimizer, (LLM, Mapping))
+        self.gradient_model = gradient_model or self.optimizer.model
+        self.apply_edit_model = apply_edit_model or (AL_APPLY_EDIT_MODEL if is_client else self.optimizer.model)
+        self.sampling = dict(self.optimizer.sampling_parameters)
+        if diversity_temperature is not None:
+            self.sampling["temperature"] = diversity_temperature
         self.prompt_name = prompt
         self.beam_width = beam_width
         self.branch_factor = branch_factor
@@ -175,6 +208,9 @@ class APO(Algorithm):
             for parent in beam:
                 critique = self._critique(result.history[parent], train)
                 for edited in self._edits(result.history[parent].template, critique):
+                    if edited is None:
+                        result.refused += 1
+                        continue
                     if edited in seen:
                         continue
                     if _fields(edited) != self._fields:
@@ -245,30 +281,42 @@ class APO(Algorithm):
             for r in worst
         )
         self.trainer.learned_from(rollouts)
-        return self._ask(CRITIQUE_PROMPT.format(prompt=candidate.template, runs=runs), n=1)[0]
+        return self._ask(CRITIQUE_PROMPT.format(prompt=candidate.template, runs=runs), 1, self.gradient_model)[0]
 
-    def _edits(self, template: str, critique: str) -> List[str]:
-        placeholders = ", ".join("{" + f + "}" for f in sorted(self._fields)) or "{question}"
-        request = EDIT_PROMPT.format(prompt=template, critique=critique, placeholders=placeholders)
-        return [_extract_prompt(reply) for reply in self._ask(request, n=self.branch_factor)]
+    def _edits(self, template: str, critique: str) -> List[Optional[str]]:
+        """The edited prompts of ``branch_factor`` replies; None for a reply that holds no prompt."""
+        if self._fields:
+            keep = KEEP_PLACEHOLDERS.format(placeholders=", ".join("{" + f + "}" for f in sorted(self._fields)))
+        else:
+            keep = NO_PLACEHOLDERS
+        request = EDIT_PROMPT.format(prompt=template, critique=critique, keep=keep)
+        edits: List[Optional[str]] = []
+        for reply in self._ask(request, self.branch_factor, self.apply_edit_model):
+            edited = _extract_prompt(reply)
+            if edited is None:
+                logger.warning("APO: refused an optimizer reply with no prompt between <prompt> tags (or an empty "
+                               "one): %r", _cut(reply, 200))
+            edits.append(edited)
+        return edits
 
-    def _ask(self, content: str, n: int) -> List[str]:
-        """``n`` replies of the optimizer model to one user message (one request each: not every server
+    def _ask(self, content: str, n: int, model: str) -> List[str]:
+        """``n`` replies of the optimizer ``model`` to one user message (one request each: not every server
         honours ``n``)."""
         import openai
 
         llm = self.optimizer
         replies = []
+        known, extra = _request_settings(self.sampling)
         with openai.OpenAI(base_url=llm.get_base_url(), api_key=llm.api_key or "agl",
                            timeout=self.request_timeout, max_retries=2) as client:
             for _ in range(n):
                 try:
                     completion = client.chat.completions.create(
-                        model=llm.model, messages=[{"role": "user", "content": content}],
-                        **llm.sampling_parameters,
+                        model=model, messages=[{"role": "user", "content": content}], **known,
+                        **({"extra_body": extra} if extra else {}),
                     )
                 except openai.OpenAIError as exc:
-                    raise APOError(f"the optimizer model {llm.model!r} at {llm.get_base_url()} failed: {exc}") from exc
+                    raise APOError(f"the optimizer model {model!r} at {llm.get_base_url()} failed: {exc}") from exc
                 replies.append(completion.choices[0].message.content or "")
         return replies
 
@@ -315,9 +363,43 @@ def _fields(template: str) -> Set[str]:
         return {"<unbalanced braces>"}
 
 
-def _extract_prompt(reply: str) -> str:
-    found = _PROMPT_TAGS.search(reply)
-    return (found.group(1) if found else reply).strip()
+def _extract_prompt(reply: str) -> Optional[str]:
+    """The prompt between ``<prompt>`` and ``</prompt>`` (to the end of the reply when it is never closed);
+    None when the reply has no ``<prompt>`` tag or an empty prompt. An untagged reply is not taken as it is:
+    its chatter ("Sure! Here is an improved version...") would become the agent's prompt."""
+    opened = _PROMPT_OPEN.search(reply)
+    if opened is None:
+        return None
+    rest = reply[opened.end():]
+    closed = _PROMPT_CLOSE.search(rest)
+    prompt = (rest[: closed.start()] if closed else rest).strip()
+    return prompt or None
+
+
+def _optimizer_llm(optimizer: Any, gradient_model: Optional[str]) -> LLM:
+    """The optimizer as an ``agl.LLM``: given as one, as its fields, or as an OpenAI client (Agent Lightning)."""
+    if isinstance(optimizer, LLM):
+        return optimizer
+    if isinstance(optimizer, Mapping):
+        return LLM(**dict(optimizer))
+    base_url, api_key = getattr(optimizer, "base_url", None), getattr(optimizer, "api_key", None)
+    if base_url is None or not hasattr(optimizer, "chat"):
+        raise TypeError(
+            f"APO's optimizer must be agl.LLM(endpoint=..., model=...), a dict of its fields, or an openai client "
+            f"(OpenAI() / AsyncOpenAI()); got {type(optimizer).__name__}"
+        )
+    return LLM(endpoint=str(base_url).rstrip("/"), model=gradient_model or AL_GRADIENT_MODEL, api_key=api_key)
+
+
+def _request_settings(sampling: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Sampling settings split into the chat API's own arguments and the rest, which a server such as vLLM
+    takes in the request body (``top_k``, ``min_p``...): the openai client refuses unknown keywords."""
+    import inspect
+
+    from openai.resources.chat.completions import Completions
+
+    own = set(inspect.signature(Completions.create).parameters) - {"self", "messages", "model", "extra_body"}
+    return ({k: v for k, v in sampling.items() if k in own}, {k: v for k, v in sampling.items() if k not in own})
 
 
 def _json_list(value: Any) -> List[Dict[str, Any]]:
