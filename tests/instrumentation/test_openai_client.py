@@ -178,6 +178,44 @@ def test_stream_as_context_manager_and_early_close_end_the_span(client, fake_ope
     whole, closed = sink.of(scope.rollout_id)
     assert output_message(whole)["content"] == "one two three four"
     assert closed.status == "unset" and output_message(closed)["content"] == "one "
+    assert semconv.STREAM_ABANDONED not in whole.attributes
+    assert closed.attributes[semconv.STREAM_ABANDONED] is True  # was stored as a complete answer
+
+
+def test_a_stream_closed_before_its_end_is_marked_abandoned_every_way_it_can_be_closed(
+    client, fake_openai, sink, rollout
+):
+    """Breaking out of a ``with`` block, ``close()``, or a Responses stream closed mid-answer ended the span
+    as if the answer were complete (no flag): inspect and export showed a cut answer as a whole one."""
+    fake_openai.script(*[FakeReply(content="one two three four")] * 4)
+    with rollout() as scope:
+        with client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True) as stream:
+            for _ in stream:
+                break
+        with client.responses.create(model="fake-model", input="hi", stream=True) as events:
+            next(iter(events))
+        finished = client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True)
+        chunks = iter(finished)
+        while not (chunk := next(chunks)).choices or not chunk.choices[0].finish_reason:
+            pass  # read up to the finish reason, then stop before the end of the stream
+        finished.close()
+        whole = list(client.responses.create(model="fake-model", input="hi", stream=True))
+    assert whole[-1].type == "response.completed"
+    spans = sink.of(scope.rollout_id)
+    assert [s.attributes.get(semconv.STREAM_ABANDONED) for s in spans] == [True, True, None, None]
+
+
+async def test_an_async_stream_closed_before_its_end_is_marked_abandoned(aclient, fake_openai, sink, rollout):
+    fake_openai.script(FakeReply(content="one two three four"), FakeReply(content="one two three four"))
+    with rollout() as scope:
+        stream = await aclient.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True)
+        async with stream as s:
+            async for _ in s:
+                break
+        stream = await aclient.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True)
+        await stream.__anext__()
+        await stream.close()
+    assert [s.attributes.get(semconv.STREAM_ABANDONED) for s in sink.of(scope.rollout_id)] == [True, True]
 
 
 def test_abandoned_stream_still_ends_its_span(client, fake_openai, sink, rollout):

@@ -42,6 +42,11 @@ class Accumulator(Protocol):
     def add(self, item: Any) -> None:
         ...
 
+    def finished(self) -> bool:
+        """Whether the server said the response is complete (every choice has its finish reason, or the
+        Responses API's last snapshot is final): a stream closed before that was abandoned by the agent."""
+        ...
+
     def record(self, deferred: Dict[str, Any]) -> List[str]:
         """Put what the stream carried into the span's deferred attributes; return the finish reasons."""
         ...
@@ -189,6 +194,9 @@ class ChatStreamAccumulator(_TokenStream):
                 if logprobs is not None and logprobs.content:
                     self.logprobs.extend([token.logprob for token in logprobs.content])
 
+    def finished(self) -> bool:
+        return bool(self.choices) and all(state.finish_reason for state in self.choices.values())
+
     def record(self, deferred: Dict[str, Any]) -> List[str]:
         self._record_header(deferred)
         choices = [state for _, state in sorted(self.choices.items())]
@@ -230,6 +238,9 @@ class CompletionStreamAccumulator(_TokenStream):
                 if logprobs is not None and logprobs.token_logprobs:
                     self.logprobs.extend(logprobs.token_logprobs)
 
+    def finished(self) -> bool:
+        return bool(self.reasons) and set(self.texts) <= set(self.reasons)
+
     def record(self, deferred: Dict[str, Any]) -> List[str]:
         self._record_header(deferred)
         indexes = sorted(set(self.texts) | set(self.reasons))
@@ -258,6 +269,9 @@ _SNAPSHOT_EVENTS = frozenset(
 )
 
 
+_FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
+
+
 class ResponsesStreamAccumulator:
     """Keeps the latest ``response`` snapshot of a Responses stream; ``response.completed`` has it all."""
 
@@ -277,6 +291,9 @@ class ResponsesStreamAccumulator:
                 self.failure = (getattr(error, "code", None) or kind, getattr(error, "message", None) or kind)
         elif kind == "error":
             self.failure = (getattr(event, "code", None) or kind, getattr(event, "message", None) or kind)
+
+    def finished(self) -> bool:
+        return self.response is not None and getattr(self.response, "status", None) in _FINAL_STATUSES
 
     def record(self, deferred: Dict[str, Any]) -> List[str]:
         if self.response is not None:
@@ -326,18 +343,25 @@ class _StreamProxyBase(wrapt.ObjectProxy):  # type: ignore[misc]
                 self._self_scope.work_done(id(self))
             owner.end_stream(self._self_accumulator, error, abandoned)
 
+    def _self_close(self) -> None:
+        """The stream is closed, or dropped, before it ran out: its span ends with what had arrived, marked
+        ``agl.llm.stream_abandoned`` unless the server had already said the response was complete (the
+        agent broke out of its loop, left its ``with`` block, or stopped reading mid-answer)."""
+        accumulator = self._self_accumulator
+        self._self_end(None, abandoned=accumulator is not None and not accumulator.finished())
+
     def _self_abandon(self) -> None:
-        """The stream's attempt ended while the stream was still open: the agent stopped reading it (it
-        broke out of its loop). Its span ends with what had arrived, marked ``agl.llm.stream_abandoned``."""
+        """The stream's attempt ended while the stream was still open: the agent stopped reading it."""
         try:
-            self._self_end(None, abandoned=True)
+            self._self_close()
         except Exception as exc:  # noqa: BLE001
             report_internal_error("openai.stream_abandoned", exc)
 
     def __del__(self) -> None:
         # Collected before its attempt ended (or outside any attempt): it still ends its span with what it saw.
         try:
-            self._self_end(None, abandoned=self._self_owner is not None)
+            if self._self_owner is not None:
+                self._self_close()
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 
@@ -380,13 +404,13 @@ class StreamProxy(_StreamProxyBase):
         try:
             return self.__wrapped__.__exit__(*exc_info)
         finally:
-            self._self_end(None)
+            self._self_close()
 
     def close(self) -> Any:
         try:
             return self.__wrapped__.close()
         finally:
-            self._self_end(None)
+            self._self_close()
 
 
 class AsyncStreamProxy(_StreamProxyBase):
@@ -415,16 +439,16 @@ class AsyncStreamProxy(_StreamProxyBase):
         try:
             return await self.__wrapped__.__aexit__(*exc_info)
         finally:
-            self._self_end(None)
+            self._self_close()
 
     async def close(self) -> Any:
         try:
             return await self.__wrapped__.close()
         finally:
-            self._self_end(None)
+            self._self_close()
 
     async def aclose(self) -> Any:
         try:
             return await self.__wrapped__.aclose()
         finally:
-            self._self_end(None)
+            self._self_close()
