@@ -177,6 +177,23 @@ def test_over_long_samples_follow_the_policy_and_are_counted() -> None:
     assert report.metrics()["agl/batch/dropped_response_too_long"] == 1.0
 
 
+def test_a_rollout_that_lost_a_sample_still_weighs_one() -> None:
+    """Rollout "a" made two calls; its second is dropped (prompt too long): its remaining sample must weigh
+    1, like rollout "b"'s single sample, not the 1/2 LightningRL gave it before the drop."""
+    samples = grpo_advantages(
+        [
+            sample("a", "t", [11, 12], [21], 1.0),
+            sample("a", "t", list(range(11, 11 + P + 1)), [22], 1.0),
+            sample("b", "t", [11, 12], [23], 0.0),
+        ]
+    )
+    assert [s.loss_weight for s in samples] == [0.5, 0.5, 1.0]
+    data, report = samples_to_dataproto(samples, max_prompt_length=P, max_response_length=R)
+    assert report.dropped_prompt_too_long == 1
+    assert list(data.non_tensor_batch["rollout_id"]) == ["a", "b"]
+    assert data.batch["loss_weights"].tolist() == [1.0, 1.0]
+
+
 def test_no_trainable_sample_is_an_error_that_says_why() -> None:
     with pytest.raises(ValueError, match="no sample can be trained on .*1 dropped: prompt too long"):
         samples_to_dataproto([sample("p", "t", list(range(1, P + 3)), [21], 1.0)], max_prompt_length=P, max_response_length=R)

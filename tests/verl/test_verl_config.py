@@ -136,6 +136,28 @@ def test_new_keys_only_in_free_form_sections_or_with_plus() -> None:
     assert c.get("trainer.agl_note") == "hello"
 
 
+def test_keys_agls_loop_does_not_use_are_warned_about_one_line_each(caplog) -> None:
+    overrides = [
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.rollout_is=token",
+        "actor_rollout_ref.rollout.val_kwargs.n=4",
+        "actor_rollout_ref.rollout.top_k=20",  # used: filled into requests by the proxy
+    ]
+    with caplog.at_level("WARNING", logger="agl.verl"):
+        VERLConfig(SEED, overrides)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all("\n" not in line and "agl's VERL loop does not use it" in line for line in lines)
+    assert [line.split("=")[0] for line in lines] == [
+        "actor_rollout_ref.rollout.val_kwargs.n",
+        "algorithm.rollout_correction.bypass_mode",
+        "algorithm.rollout_correction.rollout_is",
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="agl.verl"):
+        VERLConfig(SEED)
+    assert caplog.records == []
+
+
 def test_deprecated_micro_batch_key_replaces_agls_per_gpu_default() -> None:
     c = VERLConfig(SEED, ["actor_rollout_ref.actor.ppo_micro_batch_size=8"])
     assert c.get("actor_rollout_ref.actor.ppo_micro_batch_size") == 8

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional
 
+import httpx
 import pytest
 import torch
 from openai import OpenAI
@@ -158,12 +159,79 @@ def test_synchronous_steps_hand_verl_exactly_the_recorded_calls(fake_openai: Fak
     # agents got the proxy through a resources version; validation used rollout.val_kwargs (temperature 0)
     llm = store.get_resources().resources["main_llm"]
     assert isinstance(llm, ProxyLLM) and llm.endpoint.startswith("http://127.0.0.1:") and llm.model == "fake-model"
-    assert llm.sampling_parameters == {"temperature": 1.0}
+    assert llm.sampling_parameters == {"temperature": 1.0, "max_tokens": 64}
     val = [r for r in store.query_rollouts(mode="val")]
     assert len(val) == 6
-    assert store.get_resources(val[0].resources_id).resources["main_llm"].sampling_parameters == {"temperature": 0.0}
+    val_llm = store.get_resources(val[0].resources_id).resources["main_llm"]
+    assert val_llm.sampling_parameters == {"temperature": 0.0, "max_tokens": 64}
     sent = [r["body"] for r in fake_openai.requests if r["path"].endswith("/chat/completions")]
     assert all(body["return_token_ids"] and body["logprobs"] for body in sent)
+
+
+def test_total_training_steps_sets_the_run_length_and_the_schedule_as_in_verl(fake_openai: FakeOpenAIServer) -> None:
+    """verl's RayPPOTrainer: trainer.total_training_steps replaces the epochs' count (4 here) for the run
+    and for the LR schedule; the data still ends a run that asks for more than total_epochs give."""
+    quiet = {"trainer.val_before_train": "false", "trainer.save_freq": -1}
+    _, _, backend, _ = train(fake_openai, TASKS, config(**quiet, **{"trainer.total_training_steps": 1}))
+    assert backend.calls == ["start 1", "stop"] and [u["step"] for u in backend.updates] == [1]
+
+    _, _, backend, _ = train(fake_openai, TASKS, config(**quiet, **{"trainer.total_training_steps": 6}))
+    assert backend.calls == ["start 6", "stop"] and [u["step"] for u in backend.updates] == [1, 2, 3, 4]
+
+    with pytest.raises(agl.algorithm.verl.VERLConfigError, match="total_training_steps must be a positive integer"):
+        VERL(config(**{"trainer.total_training_steps": 0}))
+
+
+@agl.rollout
+def own_sampling_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
+    """Two calls: one passes ``llm.sampling_parameters`` on, one samples its own way (temperature 0.2,
+    1000 tokens) and sends no top_k."""
+    client = OpenAI(base_url=llm.get_base_url(), api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": task["question"]}]
+    client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
+    client.chat.completions.create(model=llm.model, messages=messages, temperature=0.2, max_tokens=1000)
+    return 1.0
+
+
+def test_requests_are_sampled_as_verls_agent_loop_samples(fake_openai: FakeOpenAIServer, caplog) -> None:
+    """verl's agent loop samples at rollout.temperature / top_p / top_k and caps each response at
+    data.max_response_length: the published resource says so, and the proxy holds agents to it (a larger
+    max_tokens is lowered, top_k filled in); an agent at its own temperature is warned about, once."""
+    backend = RecordingBackend(fake_openai)
+    overrides = config(**{
+        "trainer.val_before_train": "false", "trainer.total_training_steps": 1, "actor_rollout_ref.rollout.top_k": 20
+    })
+    algorithm = VERL(overrides, backend=backend, wait_timeout=60)
+    backend.algorithm = algorithm
+    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False)
+    with caplog.at_level("WARNING"):
+        trainer.fit(own_sampling_agent, train_dataset=TASKS)
+
+    llm = trainer.store.get_resources().resources["main_llm"]
+    assert llm.sampling_parameters == {"temperature": 1.0, "max_tokens": 64}  # top_k: no OpenAI SDK argument
+    sent = [r["body"] for r in fake_openai.requests if r["path"].endswith("/chat/completions")]
+    assert len(sent) == 8  # 2 tasks x n=2 x 2 calls
+    assert all(body["top_k"] == 20 and body["max_tokens"] == 64 for body in sent)
+    assert sorted(body["temperature"] for body in sent) == [0.2] * 4 + [1.0] * 4  # warned, not overridden
+    warnings = [r.getMessage() for r in caplog.records if "temperature=0.2" in r.getMessage()]
+    assert len(warnings) == 1 and "actor_rollout_ref.rollout.temperature=1.0" in warnings[0], warnings
+
+
+def test_the_proxy_caps_a_token_limit_of_any_name(fake_openai: FakeOpenAIServer) -> None:
+    from agl.serving.proxy import LLMProxy
+
+    with LLMProxy(fake_openai.base_url) as proxy:
+        proxy.set_sampling({"temperature": 1.0, "max_tokens": 64})
+        for path, body in [
+            ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100}),
+            ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}),
+            ("responses", {"input": "hi", "max_output_tokens": 500}),
+            ("completions", {"prompt": "hi"}),
+        ]:
+            httpx.post(f"{proxy.base_url}/{path}", json={"model": "m", **body}, timeout=30).raise_for_status()
+    sent = [r["body"] for r in fake_openai.requests]
+    assert [sent[0]["max_completion_tokens"], sent[1]["max_tokens"], sent[2]["max_output_tokens"], sent[3]["max_tokens"]] == [64, 8, 64, 64]
+    assert "max_tokens" not in sent[0] and "max_tokens" not in sent[2] and all(b["temperature"] == 1.0 for b in sent)
 
 
 def test_span_retention_deletes_the_spans_of_steps_verl_has_learnt_from(fake_openai: FakeOpenAIServer) -> None:

@@ -18,6 +18,10 @@ For every ``chat/completions``, ``responses`` and (legacy) ``completions`` reque
 
 Other paths (``/v1/models``...) are forwarded unchanged and not recorded.
 
+``set_sampling()`` makes the proxy hold requests to a trainer's sampling contract: what a request leaves
+out is filled in, a larger token limit is lowered, and a request at another temperature than the one the
+trainer computes log-probs at is warned about (once).
+
 ``pause()`` is for weight updates: new requests wait (they are not refused) while requests in flight
 finish; ``resume()`` lets the waiting ones through, to the updated model.
 
@@ -38,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import anyio
 import httpx
@@ -61,6 +65,7 @@ from agl.instrumentation.openai_payloads import (
     request_attributes,
 )
 from agl.instrumentation.openai_streams import Accumulator, new_accumulator
+from agl.serving.sampling import with_defaults
 from agl.tracer import encode_attribute
 from agl.types import ProxyLLM, Span
 
@@ -152,6 +157,9 @@ class LLMProxy:
         self._upstreams: List[str] = []
         self._next_upstream = itertools.count()
         self.set_upstreams(upstream)
+        self.sampling: Dict[str, Any] = {}
+        self._temperature_from: Optional[str] = None
+        self._temperature_warned = False
         self._sequences: Dict[Tuple[str, str], Iterator[int]] = {}
         self._sequence_lock = threading.Lock()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -202,6 +210,47 @@ class LLMProxy:
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"upstream must be one or more http(s) base URLs such as http://host:8000/v1, got {upstream!r}")
         self._upstreams = [u.rstrip("/") for u in urls]
+
+    def set_sampling(self, sampling: Mapping[str, Any], temperature_from: Optional[str] = None) -> None:
+        """Hold generation requests to a trainer's sampling from now on (``{}``: forward them as sent).
+
+        A request that leaves out one of ``sampling`` 's keys gets its value (e.g. ``top_k``, which the
+        OpenAI SDK cannot send but vLLM reads from the body); ``max_tokens`` is also a cap, since the trainer
+        keeps only that many response tokens: a larger limit (``max_tokens``, ``max_completion_tokens``, the
+        Responses API's ``max_output_tokens``) is lowered to it. ``temperature_from`` names the setting the
+        trainer computes log-probs at (``None``: no such trainer, e.g. during validation); a request at
+        another temperature is then warned about, once, since training on it is silently off-policy.
+        """
+        self.sampling = dict(sampling)
+        self._temperature_from = temperature_from
+
+    def _apply_sampling(self, api: str, body: Dict[str, Any]) -> Dict[str, Any]:
+        sampling = self.sampling
+        if not sampling:
+            return body
+        body = with_defaults(body, sampling, [k for k in sampling if k != "max_tokens"])
+        cap = sampling.get("max_tokens")
+        if isinstance(cap, int):
+            names = ("max_output_tokens",) if api == RESPONSES else ("max_tokens", "max_completion_tokens")
+            given = [n for n in names if isinstance(body.get(n), int) and not isinstance(body.get(n), bool)]
+            body = {**body, **{n: min(body[n], cap) for n in given}} if given else {**body, names[0]: cap}
+        expected, asked = sampling.get("temperature"), body.get("temperature")
+        if (
+            self._temperature_from
+            and not self._temperature_warned
+            and isinstance(expected, (int, float))
+            and isinstance(asked, (int, float))
+            and float(asked) != float(expected)
+        ):
+            self._temperature_warned = True
+            logger.warning(
+                "an agent samples at temperature=%s, but the trainer computes the old log-probs at %s=%s: its "
+                "samples are trained on as if drawn at %s (off-policy). Leave the temperature out of the agent's "
+                "requests (the proxy fills it in) or pass llm.sampling_parameters on, or set %s to the agent's "
+                "temperature. (Warned once.)",
+                asked, self._temperature_from, expected, expected, self._temperature_from,
+            )
+        return body
 
     # -- weight updates ----------------------------------------------------------------------------------------
     def pause(self, timeout: Optional[float] = None) -> None:
@@ -280,7 +329,7 @@ class LLMProxy:
             elif request.headers.get(CLIENT_TRACED_HEADER):
                 self.stats.client_traced += 1
                 route = None
-            call = _Call(self, api, body, route, request.headers.get("traceparent"))
+            call = _Call(self, api, self._apply_sampling(api, body), route, request.headers.get("traceparent"))
             if body.get("stream"):
                 response, release = await self._stream(request, path, call, gate)
                 return response  # a relayed stream leaves the gate itself, when it ends

@@ -45,6 +45,7 @@ from agl.serving.openai_api import (
     parse_request,
 )
 from agl.serving.responses_api import AnswerWriter, ResponsesWriter, in_responses_terms, to_chat_body
+from agl.serving.sampling import with_defaults
 from agl.serving.weights import WeightLoader, WeightsSource
 
 logger = logging.getLogger(__name__)
@@ -187,10 +188,7 @@ class PolicyServer:
         name counts as given; the Completions API's ``logprobs`` is a number, so it gets none)."""
         if not self.request_defaults or not isinstance(body, dict):
             return body
-        given = {k for k, v in body.items() if v is not None}
-        given |= {"max_tokens"} if "max_completion_tokens" in given else set()
-        missing = {k: v for k, v in self.request_defaults.items() if k in keys and k not in given and v is not None}
-        return {**body, **missing} if missing else body
+        return with_defaults(body, self.request_defaults, keys)
 
     def _max_tokens(self, prompt_ids: List[int], requested: Optional[int], default: int, prompt_param: str) -> int:
         """The answer's token limit: ``requested``, else ``default`` as far as the model's context leaves room.

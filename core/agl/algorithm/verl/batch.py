@@ -19,7 +19,8 @@ key                    shape/dtype  content
 ``token_level_rewards``             managers place it), 0 elsewhere
 ``advantages``         (B, R) f32   with ``precomputed_advantages``: the sample's advantage on every token
 ``returns``                         of ``response_mask``, 0 elsewhere (verl's GRPO writes the same shape)
-``loss_weights``       (B,) f32     LightningRL's per-sample weight (1 / samples of its rollout)
+``loss_weights``       (B,) f32     LightningRL's per-sample weight (1 / samples of its rollout), rescaled
+                                    after over-long drops so each rollout's kept samples weigh as it did
 ``rollout_log_probs``  (B, R) f32   the server's logprobs, when every sample has them
 =====================  ===========  =====================================================================
 
@@ -31,11 +32,14 @@ cutting its start would train the policy on a context it never saw; ``"truncate"
 tokens instead. A response longer than ``R`` is cut to its first ``R`` tokens by default
 (``overlong_response="truncate"``: what remains is exactly what the model generated, and the reward moves
 to the last kept token); ``"drop"`` drops the sample. A sample with an empty prompt or no trainable
-response token is dropped. Every case is counted in :class:`ConversionReport`.
+response token is dropped. Every case is counted in :class:`ConversionReport`. The loss weights of a
+rollout that lost samples are rescaled so that its kept samples weigh in total what all of them did
+(LightningRL's ``1 / T`` becomes ``1 / kept``): every rollout still weighs the same.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple
 
@@ -128,6 +132,26 @@ def _fit(
     return _Row(sample, list(prompt), list(response), list(mask), None if logprobs is None else list(logprobs))
 
 
+def _kept_loss_weights(samples: Sequence[Sample], rows: Sequence[_Row]) -> List[float]:
+    """The kept rows' loss weights, each rollout's rescaled to the total its samples had before dropping.
+
+    LightningRL gives a rollout of ``T`` samples ``1 / T`` each so that every rollout weighs 1; a rollout
+    whose second turn was dropped (prompt too long) would otherwise weigh 1/2.
+    """
+    before: Dict[str, float] = defaultdict(float)
+    kept: Dict[str, float] = defaultdict(float)
+    for s in samples:
+        before[s.rollout_id] += s.loss_weight
+    for row in rows:
+        kept[row.sample.rollout_id] += row.sample.loss_weight
+    return [
+        row.sample.loss_weight * before[row.sample.rollout_id] / kept[row.sample.rollout_id]
+        if kept[row.sample.rollout_id]
+        else row.sample.loss_weight
+        for row in rows
+    ]
+
+
 def samples_to_dataproto(
     samples: Sequence[Sample],
     *,
@@ -196,7 +220,7 @@ def samples_to_dataproto(
         "response_mask": response_mask,
         "token_level_scores": scores,
         "token_level_rewards": scores.clone(),
-        "loss_weights": torch.tensor([row.sample.loss_weight for row in rows], dtype=torch.float32),
+        "loss_weights": torch.tensor(_kept_loss_weights(samples, rows), dtype=torch.float32),
     }
     if precomputed_advantages:
         tensors["advantages"] = advantages

@@ -13,6 +13,9 @@ Checks, in order (each failure is a :class:`VERLConfigError` naming the key and 
 3. agl's own rules: required keys, positive sizes, batch sizes that divide, GRPO groups of 2 or more;
 4. verl's own ``validate_config`` (micro batch sizes, LoRA ranks...), its errors re-raised with the key.
 
+A valid key that verl's trainer reads but agl's loop does not (:data:`IGNORED_KEYS`, e.g.
+``algorithm.rollout_correction.*``) is accepted with a warning naming it.
+
 :meth:`VERLConfig.check_runtime` is separate: whether *this machine* can run the config (a vLLM rollout
 needs CUDA GPUs and the ``vllm`` package), checked when training starts, not when the config is built.
 """
@@ -21,8 +24,11 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+logger = logging.getLogger("agl.verl")
 
 ConfigInput = Union[Mapping[str, Any], Sequence[str], None]
 
@@ -55,6 +61,20 @@ _POSITIVE_INTS = (
     "trainer.nnodes",
     "trainer.total_epochs",
 )
+# verl keys its own trainer reads but agl's loop (which drives the steps itself) does not; a user who sets
+# one is warned when the config is built, instead of getting a run that silently differs from verl's.
+IGNORED_KEYS: Dict[str, str] = {
+    "algorithm.rollout_correction": "no rollout correction (importance weights, rejection, bypass_mode) is applied",
+    "actor_rollout_ref.rollout.val_kwargs.n": "validation runs each task of val_dataset once",
+    "data.train_files": "the tasks are fit()'s train_dataset",
+    "data.val_files": "the validation tasks are fit()'s val_dataset",
+    "trainer.resume_mode": "a run starts from actor_rollout_ref.model.path, not from a verl checkpoint",
+    "trainer.resume_from_path": "a run starts from actor_rollout_ref.model.path, not from a verl checkpoint",
+    "trainer.val_only": "fit() trains; run validation alone with agl.Trainer(...).dev or run_tasks",
+    "trainer.rollout_data_dir": "the rollouts and their spans are in agl's store",
+    "trainer.validation_data_dir": "the validation rollouts and their spans are in agl's store",
+    "trainer.log_val_generations": "the validation rollouts and their spans are in agl's store",
+}
 _GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "grpo_vectorized", "rloo_vectorized", "opo", "gdpo")
 
 
@@ -311,6 +331,7 @@ class VERLConfig:
         self._check_agl_rules()
         if verl_checks:
             self._check_with_verl()
+        self._warn_ignored()
 
     # -- values agl reads ----------------------------------------------------------------------------------
     def get(self, path: str, default: Any = None) -> Any:
@@ -351,6 +372,12 @@ class VERLConfig:
         return int(self.get("trainer.total_epochs"))
 
     @property
+    def total_training_steps(self) -> Optional[int]:
+        """``trainer.total_training_steps``: when set, the step count instead of the epochs' (as in verl)."""
+        value = self.get("trainer.total_training_steps")
+        return None if value is None else int(value)
+
+    @property
     def model_path(self) -> str:
         return str(self.get("actor_rollout_ref.model.path"))
 
@@ -376,6 +403,9 @@ class VERLConfig:
             value = self.get(path)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise VERLConfigError(f"{path} must be a positive integer, got {value!r}")
+        steps = self.get("trainer.total_training_steps")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise VERLConfigError(f"trainer.total_training_steps must be a positive integer or null, got {steps!r}")
         lr = self.get("actor_rollout_ref.actor.optim.lr")
         if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
             raise VERLConfigError(f"actor_rollout_ref.actor.optim.lr must be a positive number, got {lr!r}")
@@ -406,6 +436,15 @@ class VERLConfig:
                 "agl's VERL loop trains without a critic: use algorithm.adv_estimator=grpo (or rloo, "
                 "reinforce_plus_plus...) and leave critic.enable unset"
             )
+
+    def _warn_ignored(self) -> None:
+        """One warning per key the user set that verl would use but agl's loop does not (:data:`IGNORED_KEYS`)."""
+        for path in sorted(self.user_keys):
+            prefix = next((k for k in IGNORED_KEYS if path == k or path.startswith(k + ".")), None)
+            if prefix is not None:
+                logger.warning(
+                    "%s=%r is set, but agl's VERL loop does not use it: %s", path, self.get(path), IGNORED_KEYS[prefix]
+                )
 
     def _check_with_verl(self) -> None:
         """verl's own validation (imports verl: seconds), with its errors turned into ours."""
@@ -479,4 +518,4 @@ def as_verl_config(config: Union["VERLConfig", ConfigInput], overrides: Sequence
     return VERLConfig(config, overrides)
 
 
-__all__ = ["AGL_DEFAULTS", "VERLConfig", "VERLConfigError", "VERLNotInstalledError", "build_verl_config"]
+__all__ = ["AGL_DEFAULTS", "IGNORED_KEYS", "VERLConfig", "VERLConfigError", "VERLNotInstalledError", "build_verl_config"]

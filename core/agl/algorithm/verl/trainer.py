@@ -38,6 +38,7 @@ logger = logging.getLogger("agl.verl")
 
 AdvantageSource = Literal["lightningrl", "verl"]
 _LIGHTNINGRL_ESTIMATORS = ("grpo", "rloo")
+_ROLLOUT = "actor_rollout_ref.rollout"
 
 
 @dataclass
@@ -196,12 +197,12 @@ class VERL(Algorithm):
 
             self.backend = VerlRayBackend(self.config, self.advantages)
         adapter = self.lightningrl()  # fail on a bad adapter before the GPUs start
-        total_steps = len(tasks) // batch_size * self.config.total_epochs
         if len(tasks) % batch_size:
             logger.info("each epoch leaves out %d task(s) that do not fill a batch", len(tasks) % batch_size)
+        schedule_steps, total_steps = self.step_counts(len(tasks))
         host, port = self.proxy_address
         try:
-            serving = self.backend.start(total_steps)
+            serving = self.backend.start(schedule_steps)
             store = self.store if self.proxy_spans else None
             self.proxy = LLMProxy(serving.upstreams, store, host=host, port=port, model=serving.model).start()
             self._publish(serving.model)
@@ -213,6 +214,24 @@ class VERL(Algorithm):
                 self.proxy.stop()
             self.backend.stop()
         return self.summary
+
+    def step_counts(self, n_tasks: int) -> Tuple[int, int]:
+        """The steps the LR schedule is sized for, and the steps that run, as verl's ``RayPPOTrainer`` counts
+        them: ``trainer.total_training_steps`` when set, else whole batches times ``trainer.total_epochs``
+        (verl's default is 30 epochs, so ``total_training_steps`` is the way to bound a run). The data ends
+        the run after ``total_epochs`` passes even when ``total_training_steps`` asks for more; the schedule
+        is still sized for ``total_training_steps``, as in verl."""
+        epoch_steps = n_tasks // self.config.train_batch_size * self.config.total_epochs
+        wanted = self.config.total_training_steps
+        if wanted is None:
+            return epoch_steps, epoch_steps
+        if wanted > epoch_steps:
+            logger.warning(
+                "trainer.total_training_steps=%d but trainer.total_epochs=%d passes over the data make only %d "
+                "steps: the run ends after %d (raise trainer.total_epochs to run them all)",
+                wanted, self.config.total_epochs, epoch_steps, epoch_steps,
+            )
+        return wanted, min(wanted, epoch_steps)
 
     def _train(
         self, tasks: List[Task], total_steps: int, adapter: Any, serving: Serving, val_dataset: Optional[Sequence[Any]]
@@ -365,24 +384,37 @@ class VERL(Algorithm):
         count = max(1, round(rows / target))
         return count, count * self.backend.data_parallel_size()  # type: ignore[union-attr]
 
-    def _publish(self, model: str, sampling: Optional[Dict[str, Any]] = None) -> str:
-        """A new resources version with the proxy as ``llm_resource`` (other resources are kept)."""
+    def _publish(self, model: str, section: str = _ROLLOUT) -> str:
+        """A new resources version with the proxy as ``llm_resource`` (other resources are kept), sampling
+        as ``section`` says; the proxy fills the same settings into requests that leave them out."""
+        sampling = self._sampling(section)
+        self.proxy.set_sampling(sampling, f"{_ROLLOUT}.temperature" if section == _ROLLOUT else None)
+        # top_k is no OpenAI SDK argument: an agent passing llm.sampling_parameters to create() or to a
+        # framework's model class would fail on it. The proxy fills it into every request instead.
+        params = {k: v for k, v in sampling.items() if k != "top_k"}
         latest = self.store.get_resources()
         resources = dict(latest.resources) if latest is not None else {}
-        params = sampling if sampling is not None else self._sampling("actor_rollout_ref.rollout")
         resources[self.llm_resource] = ProxyLLM(endpoint=self.proxy.base_url, model=model, sampling_parameters=params)
         return self.store.add_resources(resources).resources_id
 
     def _sampling(self, section: str) -> Dict[str, Any]:
-        params = {"temperature": float(self.config.get(f"{section}.temperature", 1.0))}
-        top_p = self.config.get(f"{section}.top_p")
+        """What verl's agent loop samples with: the section's temperature, top_p and top_k (left out when
+        they do not restrict), and at most ``data.max_response_length`` tokens (verl's vLLM server caps at
+        the response length; a longer response would be cut for training yet keep its full reward)."""
+        params: Dict[str, Any] = {
+            "temperature": float(self.config.get(f"{section}.temperature", 1.0)),
+            "max_tokens": self.config.max_response_length,
+        }
+        top_p, top_k = self.config.get(f"{section}.top_p"), self.config.get(f"{section}.top_k")
         if top_p is not None and float(top_p) < 1.0:
             params["top_p"] = float(top_p)
+        if top_k is not None and int(top_k) > 0:
+            params["top_k"] = int(top_k)
         return params
 
     def _validate(self, val_dataset: Sequence[Any], step: int) -> Dict[str, float]:
         """Run the validation tasks once with ``rollout.val_kwargs`` sampling; mean reward and success rate."""
-        resources_id = self._publish(self.proxy.model, self._sampling("actor_rollout_ref.rollout.val_kwargs"))
+        resources_id = self._publish(self.proxy.model, f"{_ROLLOUT}.val_kwargs")
         rollouts = self.trainer.run_tasks(val_dataset, mode="val", resources_id=resources_id, description="validation")
         self._publish(self.proxy.model)  # training sampling again for the next rollouts
         rewards = [r.final_reward if r.final_reward is not None else 0.0 for r in rollouts]

@@ -1,0 +1,27 @@
+"""The sampling settings a trainer imposes on requests it did not write (shared by ``PolicyServer`` and
+``LLMProxy``).
+
+A trainer publishes its sampling parameters in the LLM resource, but an agent may not pass them on (the
+README's agent does not): the serving side then fills them into each request that leaves them out, so the
+agent is sampled the way the trainer computes log-probs whatever its code does. Light: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Dict, Mapping
+
+# The names a request may give its token limit: chat (both), completions, Responses API.
+TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def with_defaults(body: Dict[str, Any], defaults: Mapping[str, Any], keys: Collection[str]) -> Dict[str, Any]:
+    """``body`` with ``defaults`` for those of ``keys`` it leaves out (a ``None`` value counts as left out;
+    a token limit of any name counts as ``max_tokens`` given). A new dict when anything is added."""
+    given = {k for k, v in body.items() if v is not None}
+    if given.intersection(TOKEN_LIMITS):
+        given.add("max_tokens")
+    missing = {k: v for k, v in defaults.items() if k in keys and k not in given and v is not None}
+    return {**body, **missing} if missing else body
+
+
+__all__ = ["TOKEN_LIMITS", "with_defaults"]
