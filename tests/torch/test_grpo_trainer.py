@@ -270,6 +270,15 @@ def test_a_resumed_run_cancels_the_rollouts_its_killed_predecessor_left_behind(
     assert "cancelled 3 rollouts that an earlier run" in caplog.text
 
 
+def test_sampling_settings_the_policy_server_cannot_apply_fail_at_once() -> None:
+    """sampling={"top_k": 50} (a vLLM setting) loaded the model, then every rollout failed with a 400."""
+    with pytest.raises(ValueError, match=r"sampling has 'top_k', which agl's policy server does not support"):
+        TorchGRPO(model=("m", "t"), sampling={"top_k": 50})
+    with pytest.raises(ValueError, match=r"extra_evals\['greedy'\] has 'min_p'"):
+        TorchGRPO(model=("m", "t"), extra_evals={"greedy": {"temperature": 0.0, "min_p": 0.1}})
+    TorchGRPO(model=("m", "t"), sampling={"top_p": 0.9, "stop": ["\n"]}, val_sampling={"temperature": 0.0})
+
+
 def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path: Path) -> None:
     _trainer(tmp_path, _algo(tmp_path, steps=1)).fit(chat_agent, TASKS)
     other = _algo(tmp_path, steps=2, lora={"r": 4})

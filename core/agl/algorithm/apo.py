@@ -30,6 +30,7 @@ from agl import semconv
 from agl.algorithm.base import Algorithm
 from agl.dataset import as_tasks
 from agl.errors import AglError
+from agl.serving.sampling import openai_arguments
 from agl.types import LLM, PromptTemplate, Rollout, Span, Task
 
 logger = logging.getLogger("agl.apo")
@@ -306,7 +307,7 @@ class APO(Algorithm):
 
         llm = self.optimizer
         replies = []
-        known, extra = _request_settings(self.sampling)
+        known, extra = openai_arguments(self.sampling)
         with openai.OpenAI(base_url=llm.get_base_url(), api_key=llm.api_key or "agl",
                            timeout=self.request_timeout, max_retries=2) as client:
             for _ in range(n):
@@ -389,17 +390,6 @@ def _optimizer_llm(optimizer: Any, gradient_model: Optional[str]) -> LLM:
             f"(OpenAI() / AsyncOpenAI()); got {type(optimizer).__name__}"
         )
     return LLM(endpoint=str(base_url).rstrip("/"), model=gradient_model or AL_GRADIENT_MODEL, api_key=api_key)
-
-
-def _request_settings(sampling: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """Sampling settings split into the chat API's own arguments and the rest, which a server such as vLLM
-    takes in the request body (``top_k``, ``min_p``...): the openai client refuses unknown keywords."""
-    import inspect
-
-    from openai.resources.chat.completions import Completions
-
-    own = set(inspect.signature(Completions.create).parameters) - {"self", "messages", "model", "extra_body"}
-    return ({k: v for k, v in sampling.items() if k in own}, {k: v for k, v in sampling.items() if k not in own})
 
 
 def _json_list(value: Any) -> List[Dict[str, Any]]:

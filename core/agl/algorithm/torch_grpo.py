@@ -70,6 +70,7 @@ from agl.dataset import as_tasks
 from agl.errors import IllegalTransitionError
 from agl.lightningrl.types import Sample
 from agl.models import attention_kernels, load_policy
+from agl.serving.openai_api import SAMPLING_PARAMETERS
 from agl.types import LLM, Rollout, Task
 
 logger = logging.getLogger("agl.train")
@@ -225,6 +226,8 @@ class TorchGRPO(Algorithm):
         self.sampling = dict(sampling or {})
         self.val_sampling = dict(val_sampling) if val_sampling is not None else None
         self.extra_evals = {name: dict(v) for name, v in (extra_evals or {}).items()}
+        _check_sampling(sampling=self.sampling, val_sampling=self.val_sampling or {},
+                        **{f"extra_evals[{name!r}]": v for name, v in self.extra_evals.items()})
         if "val" in self.extra_evals:
             raise ValueError('extra_evals cannot use the name "val": it is the main evaluation (val_sampling)')
         self.success_threshold = success_threshold
@@ -676,6 +679,18 @@ class TorchGRPO(Algorithm):
         if result.curve_png is not None:
             lines.append(f"  curve: {result.curve_png}")
         _console("\n".join(lines))
+
+
+def _check_sampling(**settings: Mapping[str, Any]) -> None:
+    """Sampling settings agl's policy server cannot apply (e.g. vLLM's ``top_k``) fail here, not as a 400 on
+    every rollout once the model is loaded."""
+    for name, values in settings.items():
+        unknown = sorted(set(values) - SAMPLING_PARAMETERS)
+        if unknown:
+            raise ValueError(
+                f"{name} has {', '.join(map(repr, unknown))}, which agl's policy server does not support; it "
+                f"samples with {', '.join(sorted(SAMPLING_PARAMETERS))}"
+            )
 
 
 def _check_positive(**values: int) -> None:

@@ -33,11 +33,14 @@ MAX_STOPS = 4
 _IGNORED = frozenset(
     {"user", "metadata", "store", "service_tier", "return_token_ids", "prompt_cache_key", "safety_identifier"}
 )
+# The sampling settings of a chat request (what a trainer may publish and the server fill in).
+SAMPLING_PARAMETERS = frozenset(
+    {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "n",
+     "presence_penalty", "frequency_penalty", "logit_bias"}
+)
 _SUPPORTED = frozenset(
-    {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "temperature", "top_p", "max_tokens",
-     "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "n", "presence_penalty",
-     "frequency_penalty", "response_format", "logit_bias", "parallel_tool_calls"}
-) | _IGNORED
+    {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "response_format", "parallel_tool_calls"}
+) | SAMPLING_PARAMETERS | _IGNORED
 
 
 @dataclasses.dataclass

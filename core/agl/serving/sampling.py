@@ -8,7 +8,9 @@ agent is sampled the way the trainer computes log-probs whatever its code does. 
 
 from __future__ import annotations
 
-from typing import Any, Collection, Dict, Mapping
+import functools
+import inspect
+from typing import Any, Collection, Dict, FrozenSet, Mapping, Tuple
 
 # The names a request may give its token limit: chat (both), completions, Responses API.
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -24,4 +26,20 @@ def with_defaults(body: Dict[str, Any], defaults: Mapping[str, Any], keys: Colle
     return {**body, **missing} if missing else body
 
 
-__all__ = ["TOKEN_LIMITS", "with_defaults"]
+def openai_arguments(sampling: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``sampling`` split into what the OpenAI SDK's ``chat.completions.create`` takes as arguments and the
+    rest (vLLM's ``top_k``, ``min_p``...), which the SDK refuses as keywords: a trainer publishes only the
+    first in ``llm.sampling_parameters`` (agents pass them to ``create()`` or a framework's model class) and
+    has its server fill in the rest; a client of its own sends the rest in ``extra_body``."""
+    own = _chat_arguments()
+    return ({k: v for k, v in sampling.items() if k in own}, {k: v for k, v in sampling.items() if k not in own})
+
+
+@functools.lru_cache(maxsize=1)
+def _chat_arguments() -> FrozenSet[str]:
+    from openai.resources.chat.completions import Completions
+
+    return frozenset(inspect.signature(Completions.create).parameters) - {"self", "messages", "model", "extra_body"}
+
+
+__all__ = ["TOKEN_LIMITS", "openai_arguments", "with_defaults"]

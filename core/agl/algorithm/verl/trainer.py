@@ -31,6 +31,7 @@ from agl.algorithm.base import Algorithm, EmptySteps
 from agl.algorithm.verl.config import ConfigInput, VERLConfig, VERLConfigError, as_verl_config
 from agl.dataset import as_tasks
 from agl.errors import NoTrainableSamples
+from agl.serving.sampling import openai_arguments
 from agl.store.base import EnqueueRequest
 from agl.types import ProxyLLM, Rollout, Task
 
@@ -389,9 +390,7 @@ class VERL(Algorithm):
         as ``section`` says; the proxy fills the same settings into requests that leave them out."""
         sampling = self._sampling(section)
         self.proxy.set_sampling(sampling, f"{_ROLLOUT}.temperature" if section == _ROLLOUT else None)
-        # top_k is no OpenAI SDK argument: an agent passing llm.sampling_parameters to create() or to a
-        # framework's model class would fail on it. The proxy fills it into every request instead.
-        params = {k: v for k, v in sampling.items() if k != "top_k"}
+        params, _ = openai_arguments(sampling)  # top_k is not one: the proxy fills it in
         latest = self.store.get_resources()
         resources = dict(latest.resources) if latest is not None else {}
         resources[self.llm_resource] = ProxyLLM(endpoint=self.proxy.base_url, model=model, sampling_parameters=params)
