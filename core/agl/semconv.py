@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # --- span kind (agl) ----------------------------------------------------------------------------------
 SPAN_KIND = "agl.span.kind"  # agent | llm | tool | chain | reward | annotation
+SPAN_STOPPED = "agl.span.stopped"  # True: the caller stopped the run (left its stream, cancelled it): no error
 # Rollout id, attempt id and sequence id are fields of agl.types.Span, not attributes. Spans that arrive
 # over OTLP (the store server's /v1/traces) carry them as attributes of the span or of its resource:
 OTLP_ROLLOUT_ID = "agl.rollout.id"  # str: the rollout the span belongs to

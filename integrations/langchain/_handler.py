@@ -18,27 +18,37 @@ Why it looks like this:
   async code (otherwise async managers run sync handlers in an executor thread).
 - Disabled by :meth:`disable` on uninstrument: callback managers built before keep a reference to it, so
   it must become inert rather than be removed from every manager.
+- What the model was told decides a tool span's status, since AIR rewards the call that asked for the tool
+  by it: a tool that handles its own failure still ends "successfully" with a ``ToolMessage`` whose status
+  is ``error``; and ``ToolNode(handle_tool_errors=...)`` writes the error text only after the tool's run
+  failed, so that span waits for the end of the run it ran in, whose output holds the text.
+- Not failures: LangGraph's control flow (``interrupt()``), and a caller that stops a run (breaks out of a
+  graph stream, cancels its task): those spans end without error status.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import threading
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables.config import var_child_runnable_config
 from opentelemetry import trace as otel_trace
+from opentelemetry.trace import StatusCode
 
 from agl import semconv
 from agl.instrumentation.framework import (
     finish_span,
     finish_tool,
     mark_as_agent,
+    set_tool_result,
     start_agent_span,
     start_chain_span,
     start_tool_span,
@@ -47,10 +57,11 @@ from agl.instrumentation.safety import report_internal_error
 from agl.integrations.langchain._runs import (
     ParentInfo,
     SpanPlan,
-    agent_name_in_effect,
+    parent_info,
     plan_chain_run,
     run_name,
 )
+from agl.tracer import record_exception
 
 FRAMEWORK = "langchain"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -58,6 +69,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 # LangGraph raises these to pause or redirect a graph (interrupt(), Command(graph=PARENT)): control
 # flow, not failures, so the runs they unwind are not marked as errors.
 _CONTROL_FLOW_ERRORS = frozenset({"GraphBubbleUp", "GraphInterrupt", "ParentCommand", "NodeInterrupt"})
+# Raised into a run when its caller stops it: a generator closed early (a graph stream the consumer broke
+# out of), a cancelled task (astream's and astream_events' running nodes when the consumer leaves).
+_STOPPED_BY_CALLER = (GeneratorExit, asyncio.CancelledError)
+# error.type of a failure LangChain reports with no exception (a tool's handled error): OTel's "other" value
+_NO_EXCEPTION = "_OTHER"
 
 # The model (or retriever) run started last in this context, and the run that LangChain's Runnable config named
 # then: see AglCallbackHandler.llm_parent. Set by the run's start event, cleared by its end.
@@ -73,6 +89,15 @@ class _Run:
     info: ParentInfo  # what its child runs' naming decisions need
     name: str = ""  # the run's name, for a chain span that turns out to be an agent
     is_agent: bool = False
+
+
+@dataclass(frozen=True)
+class _FailedTool:
+    """A tool span that failed, waiting for the end of the run it ran in (see :meth:`AglCallbackHandler._settle`)."""
+
+    span: otel_trace.Span
+    call_id: str
+    end_time: int  # when the tool's run failed
 
 
 def _callback(fn: F) -> F:
@@ -102,6 +127,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         self.enabled = True
         self._lock = threading.Lock()
         self._runs: Dict[UUID, _Run] = {}
+        self._failed_tools: Dict[UUID, List[_FailedTool]] = {}  # by the run the tools ran in
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def disable(self) -> None:
@@ -109,6 +135,10 @@ class AglCallbackHandler(BaseCallbackHandler):
         self.enabled = False
         with self._lock:
             runs, self._runs = list(self._runs.values()), {}
+            failed, self._failed_tools = [t for tools in self._failed_tools.values() for t in tools], {}
+        for tool in failed:
+            with contextlib.suppress(Exception):
+                tool.span.end(end_time=tool.end_time)
         for run in runs:
             if run.span is not None:
                 with contextlib.suppress(Exception):
@@ -149,20 +179,20 @@ class AglCallbackHandler(BaseCallbackHandler):
         name = run_name(kwargs.get("name"), serialized, "chain")
         plan = plan_chain_run(name, serialized, tags, metadata, parent.info if parent else None)
         span = self._start_planned(plan, parent) if plan is not None else None
-        info = ParentInfo(agent_name_in_effect(metadata), plan is not None and plan.named_agent)
+        info = parent_info(metadata, plan is not None and plan.named_agent)
         self._put(run_id, span, parent, info, name, plan is not None and plan.kind == "agent")
 
     @_callback
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        run = self._pop(run_id)
+        run = self._end(run_id, outputs)
         if run is not None and run.span is not None:
             finish_span(run.span)
 
     @_callback
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
-        run = self._pop(run_id)
+        run = self._end(run_id)
         if run is not None and run.span is not None:
-            finish_span(run.span, None if _is_control_flow(error) else error)
+            finish_span(run.span, _failure(run.span, error))
 
     @_callback
     def on_agent_action(self, action: Any, *, run_id: UUID, **kwargs: Any) -> None:
@@ -202,23 +232,62 @@ class AglCallbackHandler(BaseCallbackHandler):
         span = start_tool_span(
             name, FRAMEWORK, arguments, call_id=kwargs.get("tool_call_id"), parent=_parent_of(parent)
         )
-        self._put(run_id, span, parent, ParentInfo(agent_name_in_effect(metadata), False))
+        self._put(run_id, span, parent, parent_info(metadata))
 
     @_callback
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        run = self._pop(run_id)
+        run = self._end(run_id, output)
         if run is None or run.span is None:
             return
         result, call_id = _tool_output(output)
         if call_id:  # langchain-core before langchain-ai/langchain#34235 gives none at start; the ToolMessage has it
             run.span.set_attribute(semconv.TOOL_CALL_ID, call_id)
+        if _is_error_message(output):  # handle_tool_error / handle_validation_error: the model reads the error
+            _fail_with_text(run.span, result)
         finish_tool(run.span, result)
 
     @_callback
-    def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
-        run = self._pop(run_id)
-        if run is not None and run.span is not None:
-            finish_tool(run.span, error=error)
+    def on_tool_error(
+        self, error: BaseException, *, run_id: UUID, parent_run_id: Optional[UUID] = None, **kwargs: Any
+    ) -> None:
+        run = self._end(run_id)
+        if run is None or run.span is None:
+            return
+        failure = _failure(run.span, error)
+        if failure is None:
+            finish_tool(run.span)
+            return
+        record_exception(run.span, failure)
+        if not self._await_error_text(run.span, kwargs.get("tool_call_id"), parent_run_id):
+            run.span.end()
+
+    def _await_error_text(self, span: otel_trace.Span, call_id: Any, parent_run_id: Optional[UUID]) -> bool:
+        """Leave a failed tool's span to end with the run it ran in (:meth:`_settle`), whose outputs may hold
+        the error text the model is given; False (end it now) without a call id to find it by, or that run."""
+        if not isinstance(call_id, str) or parent_run_id is None:
+            return False
+        with self._lock:
+            if parent_run_id not in self._runs:
+                return False
+            self._failed_tools.setdefault(parent_run_id, []).append(_FailedTool(span, call_id, time.time_ns()))
+        return True
+
+    def _settle(self, run_id: UUID, outputs: Any) -> None:
+        """End the failed tools that ran in this run, with the error text its outputs give the model, if any.
+
+        ``ToolNode(handle_tool_errors=True)`` catches the tool's exception after the tool's run ended, and
+        answers the model with a ``ToolMessage`` (status ``error``, e.g. "Error: ZeroDivisionError(...)
+        Please fix your mistakes.") that only the node's outputs hold.
+        """
+        with self._lock:
+            failed = self._failed_tools.pop(run_id, None)
+        if not failed:
+            return
+        texts = {message.tool_call_id: message.content for message in _error_messages(outputs)}
+        for tool in failed:
+            if tool.call_id in texts:
+                set_tool_result(tool.span, texts[tool.call_id])
+            tool.span.end(end_time=tool.end_time)
 
     # -- model and retriever runs: no span (the OpenAI layer makes the llm span), but kept in the run table
     # so anything a custom model or retriever runs inside still finds its parent ------------------------------
@@ -270,11 +339,11 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     def _pass_through(self, run_id: UUID, parent_run_id: Optional[UUID]) -> None:
         parent = self._get(parent_run_id)
-        self._put(run_id, None, parent, ParentInfo(parent.info.agent_name if parent else None, False))
+        self._put(run_id, None, parent, replace(parent.info, named_agent=False) if parent else ParentInfo(None, False))
         _leaf_run.set((run_id, _config_run_id()))
 
     def _end_pass_through(self, run_id: UUID) -> None:
-        self._pop(run_id)
+        self._end(run_id)
         leaf = _leaf_run.get()
         if leaf is not None and leaf[0] == run_id:  # an end in another context cannot clear it there: the id
             _leaf_run.set(None)  # left behind is then in no table, so the resolver ignores it
@@ -298,7 +367,9 @@ class AglCallbackHandler(BaseCallbackHandler):
         with self._lock:
             return self._runs.get(run_id)
 
-    def _pop(self, run_id: UUID) -> Optional[_Run]:
+    def _end(self, run_id: UUID, outputs: Any = None) -> Optional[_Run]:
+        """Take an ended run out of the table, after ending the failed tools that ran in it."""
+        self._settle(run_id, outputs)
         with self._lock:
             return self._runs.pop(run_id, None)
 
@@ -336,6 +407,37 @@ def _innermost(anchor: Optional[otel_trace.Span]) -> Optional[otel_trace.Span]:
 
 def _is_control_flow(error: BaseException) -> bool:
     return any(cls.__name__ in _CONTROL_FLOW_ERRORS for cls in type(error).__mro__)
+
+
+def _failure(span: otel_trace.Span, error: BaseException) -> Optional[BaseException]:
+    """The error to record on a run's span, or None when ``error`` is no failure of the run: LangGraph's
+    control flow, or the caller stopping the run (then marked ``agl.span.stopped``)."""
+    if isinstance(error, _STOPPED_BY_CALLER):
+        span.set_attribute(semconv.SPAN_STOPPED, True)
+        return None
+    return None if _is_control_flow(error) else error
+
+
+def _fail_with_text(span: otel_trace.Span, text: Any) -> None:
+    """Error status for a failure that LangChain reports as a message (no exception): its text is the status
+    description, as the model read it."""
+    span.set_attribute(semconv.ERROR_TYPE, _NO_EXCEPTION)
+    span.set_status(StatusCode.ERROR, text if isinstance(text, str) else str(text))
+
+
+def _is_error_message(output: Any) -> bool:
+    """A ``ToolMessage`` that tells the model its tool call failed."""
+    return getattr(output, "type", None) == "tool" and getattr(output, "status", None) == "error"
+
+
+def _error_messages(outputs: Any, depth: int = 3) -> Iterator[Any]:
+    """The error ``ToolMessage``s with a call id in a run's outputs (a state update: a dict of lists of
+    messages, or a list of them), looked for a few levels deep."""
+    if _is_error_message(outputs) and isinstance(getattr(outputs, "tool_call_id", None), str):
+        yield outputs
+    elif depth > 0 and isinstance(outputs, (dict, list, tuple)):
+        for item in outputs.values() if isinstance(outputs, dict) else outputs:
+            yield from _error_messages(item, depth - 1)
 
 
 def _tool_output(output: Any) -> Tuple[Any, Optional[str]]:

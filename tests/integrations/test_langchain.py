@@ -23,7 +23,7 @@ from langchain_core.callbacks import BaseCallbackHandler, CallbackManager  # noq
 from langchain_core.callbacks.base import BaseCallbackManager  # noqa: E402
 from langchain_core.messages import HumanMessage  # noqa: E402
 from langchain_core.runnables import RunnableLambda  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
+from langchain_core.tools import StructuredTool, ToolException, tool  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
 from langgraph.prebuilt import ToolNode  # noqa: E402
@@ -35,6 +35,7 @@ from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
 from agl.instrumentation import context_keys  # noqa: E402
 from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
 from agl.instrumentation.safety import internal_error_count  # noqa: E402
+from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
 from agl.lightningrl.links import CallLinks  # noqa: E402
 from agl.lightningrl.tree import build_tree  # noqa: E402
 from agl.integrations.langchain import LangChainInstrumentor  # noqa: E402
@@ -123,6 +124,13 @@ def last_input_text(span: Span) -> str:
     messages = sent["input"] if isinstance(sent, dict) else sent
     content = messages[-1].get("content") or messages[-1].get("output") or ""
     return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def air_per_call(spans: Sequence[Span]) -> List[Dict[str, float]]:
+    """AIR's rewards (default weights) for each llm span, in order: what LightningRL would add to each call."""
+    calls = [s.span_id for s in of_kind(spans, "llm")]
+    rewards = air_rewards(CallLinks(build_tree(spans)), calls, AIRConfig())
+    return [rewards.get(call, {}) for call in calls]
 
 
 def assert_one_tree(spans: Sequence[Span]) -> None:
@@ -257,7 +265,8 @@ def test_react_agent_spans(tmp_path, fake_openai, instrumented, api, mode):
     assert_one_tree(spans)
 
 
-def test_tool_error_marks_the_tool_span(tmp_path, fake_openai, instrumented):
+def test_tool_error_marks_the_tool_span_with_the_text_the_model_was_given(tmp_path, fake_openai, instrumented):
+    """ToolNode builds the error message only after the tool's run failed: the span still records it."""
     fake_openai.script(FakeReply(tool_calls=[{"name": "divide", "arguments": {"a": 1, "b": 0}}]))
 
     @agl.rollout
@@ -271,8 +280,51 @@ def test_tool_error_marks_the_tool_span(tmp_path, fake_openai, instrumented):
     assert tool_span.status == "error"
     assert tool_span.attributes[semconv.ERROR_TYPE] == "ZeroDivisionError"
     assert json.loads(tool_span.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 1, "b": 0}
-    assert semconv.TOOL_CALL_RESULT not in tool_span.attributes
-    assert len(of_kind(spans, "llm")) == 2  # the agent went on after the failed tool
+    told = "Error: ZeroDivisionError('float division by zero')\n Please fix your mistakes."
+    assert tool_span.attributes[semconv.TOOL_CALL_RESULT] == told
+    first, second = of_kind(spans, "llm")  # the agent went on after the failed tool, and was told this
+    assert last_input_text(second) == told
+    assert tool_span.end_time <= second.start_time  # ended when the tool failed, not when its node did
+
+
+def _no_weather(city: str) -> str:
+    """Weather for a city."""
+    raise ToolException(f"no weather service for {city}")
+
+
+def _weather(city: str, days: int) -> str:
+    """Weather for a city over some days."""
+    return f"sunny in {city} for {days} days"
+
+
+HANDLED_TOOL_ERRORS = {  # the tool, the arguments the model sends, the text LangChain answers the model with
+    "handle_tool_error": (
+        StructuredTool.from_function(_no_weather, name="weather", handle_tool_error=True),
+        {"city": "Paris"},
+        "no weather service for Paris",
+    ),
+    "handle_validation_error": (
+        StructuredTool.from_function(_weather, name="weather", handle_validation_error="days must be a number"),
+        {"city": "Paris", "days": "many"},
+        "days must be a number",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HANDLED_TOOL_ERRORS))
+def test_a_tool_that_handles_its_own_error_is_a_failed_tool(fake_openai, instrumented, sink, case):
+    """LangChain reports a handled failure through ``on_tool_end``, as a ToolMessage with status "error": the
+    span is still an error, with the text the model read, so AIR penalises the call that asked for it."""
+    weather, arguments, told = HANDLED_TOOL_ERRORS[case]
+    fake_openai.script(FakeReply(tool_calls=[{"name": "weather", "arguments": arguments}]), FakeReply(content="sorry"))
+    with agl.rollout_scope(f"ro-handled-{case}", "at-1"):
+        create_react_agent(model(fake_openai.base_url), [weather]).invoke({"messages": [HumanMessage("weather?")]})
+    spans = sink.of(f"ro-handled-{case}")
+    (tool_span,) = of_kind(spans, "tool")
+    assert tool_span.status == "error" and tool_span.attributes[semconv.ERROR_TYPE] == "_OTHER"
+    assert tool_span.attributes[semconv.TOOL_CALL_RESULT] == told
+    assert last_input_text(of_kind(spans, "llm")[1]) == told
+    assert air_per_call(spans) == [{"air.tool_error": -0.1}, {}]
 
 
 @tool
@@ -337,6 +389,37 @@ def test_interrupt_and_resume_are_not_errors(fake_openai, instrumented, sink, ca
     assert len(asks) == 2 and all(s.status != "error" for s in asks)  # paused, then resumed
     assert internal_error_count() == errors_before
     assert "AglCallbackHandler" not in caplog.text  # LangChain logs handler failures, e.g. a missing on_interrupt
+
+
+@tool
+def book_hotel(city: str) -> str:
+    """Book a hotel (a human approves it first)."""
+    from langgraph.types import interrupt
+
+    return f"booked in {city}" if interrupt(f"book a hotel in {city}?") == "yes" else "cancelled"
+
+
+def test_an_interrupt_in_a_tool_is_not_a_failed_tool(fake_openai, instrumented, sink):
+    """LangGraph's human-approval pattern: ``interrupt()`` inside a tool pauses the graph, and the tool runs
+    again on resume. The paused run is control flow, not a tool failure that AIR would penalise."""
+    from langgraph.checkpoint.memory import MemorySaver
+    from langgraph.types import Command
+
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "book_hotel", "arguments": {"city": "Paris"}}]), FakeReply(content="done")
+    )
+    app = create_react_agent(model(fake_openai.base_url), [book_hotel], checkpointer=MemorySaver())
+    config = {"configurable": {"thread_id": "t1"}}
+    with agl.rollout_scope("ro-tool-interrupt", "at-1"):
+        app.invoke({"messages": [HumanMessage("a hotel in Paris")]}, config)
+        out = app.invoke(Command(resume="yes"), config)
+    assert out["messages"][-2].content == "booked in Paris"
+    spans = sink.of("ro-tool-interrupt")
+    paused, resumed = of_kind(spans, "tool")
+    assert [paused.status, resumed.status] == ["unset", "unset"]
+    assert semconv.ERROR_TYPE not in paused.attributes
+    assert resumed.attributes[semconv.TOOL_CALL_RESULT] == "booked in Paris"
+    assert air_per_call(spans) == [{}, {}]
 
 
 def test_agl_operation_decorated_nodes_run_as_langgraph_nodes(fake_openai, instrumented, sink):
@@ -495,6 +578,120 @@ def test_the_model_of_a_chain_node_is_the_nodes_call(fake_openai, instrumented, 
     assert [last_input_text(s) for s in select_llm_calls(spans, "^writer$")] == ["a haiku about spans"]
     assert_one_tree(spans)
     assert instrumented._handler is not None and instrumented._handler._runs == {}
+
+
+# -- the functional API: @task functions are agents, like nodes ----------------------------------------------------
+@pytest.mark.parametrize("mode", ["invoke", "ainvoke"])
+def test_functional_api_tasks_are_agents_named_after_the_task(fake_openai, instrumented, sink, mode):
+    """A ``@task`` runs under the callbacks of the code that called it, so its run is tagged ``seq:step:1``
+    like a step of any LCEL sequence: it is still an agent, named after the task, and the sequence inside
+    ``critique`` (whose steps carry ``seq:step:N`` tags too) is not."""
+    from langchain_core.prompts import ChatPromptTemplate
+    from langgraph.checkpoint.memory import MemorySaver
+    from langgraph.func import entrypoint, task
+
+    llm = model(fake_openai.base_url)
+    critic = ChatPromptTemplate.from_messages([("human", "critique: {essay}")]) | llm | (lambda m: m.content)
+
+    @task
+    def write_essay(topic: str) -> str:
+        return llm.invoke(f"essay about {topic}").content
+
+    @task
+    async def critique(essay: str) -> str:
+        return await critic.ainvoke({"essay": essay})
+
+    @entrypoint(checkpointer=MemorySaver())
+    async def workflow(topic: str) -> str:
+        essay = await write_essay(topic)
+        return await critique(essay)
+
+    @task
+    def critique_sync(essay: str) -> str:
+        return critic.invoke({"essay": essay})
+
+    @entrypoint(checkpointer=MemorySaver())
+    def workflow_sync(topic: str) -> str:
+        return critique_sync(write_essay(topic).result()).result()
+
+    config = {"configurable": {"thread_id": "t1"}}
+    rollout_id = f"ro-functional-{mode}"
+    with agl.rollout_scope(rollout_id, "at-1"):
+        if mode == "invoke":
+            workflow_sync.invoke("cats", config)
+        else:
+            asyncio.run(workflow.ainvoke("cats", config))
+    spans = sink.of(rollout_id)
+    entry, critic_task = ("workflow_sync", "critique_sync") if mode == "invoke" else ("workflow", "critique")
+    assert [s.attributes[semconv.AGENT_NAME] for s in of_kind(spans, "agent")] == [entry, "write_essay", critic_task]
+    assert [last_input_text(s) for s in select_llm_calls(spans, "^write_essay$")] == ["essay about cats"]
+    assert [last_input_text(s) for s in select_llm_calls(spans, f"^{critic_task}$")] == [
+        "critique: FAKE: essay about cats"
+    ]
+    assert select_llm_calls(spans, f"^{entry}$") == []
+    assert_one_tree(spans)
+    assert instrumented._handler is not None and instrumented._handler._runs == {}
+
+
+def test_a_node_whose_name_starts_with_underscores_is_an_agent(fake_openai, instrumented, sink):
+    """Only LangGraph's own ``__start__`` / ``__end__`` are plumbing; a user's ``__scratch`` node is a node."""
+    llm = model(fake_openai.base_url)
+    graph = StateGraph(MessagesState)
+    graph.add_node("__scratch", lambda state: {"messages": [llm.invoke("scratch")]})
+    graph.add_node("answer", lambda state: {"messages": [llm.invoke("answer")]})
+    graph.add_edge(START, "__scratch")
+    graph.add_edge("__scratch", "answer")
+    graph.add_edge("answer", END)
+    with agl.rollout_scope("ro-dunder", "at-1"):
+        graph.compile().invoke({"messages": [HumanMessage("go")]})
+    spans = sink.of("ro-dunder")
+    assert [s.attributes[semconv.AGENT_NAME] for s in of_kind(spans, "agent")] == ["__scratch", "answer"]
+    assert [last_input_text(s) for s in select_llm_calls(spans, "^__scratch$")] == ["scratch"]
+
+
+# -- a caller that stops reading a graph stream: not an agent error ------------------------------------------------
+@pytest.mark.parametrize("mode", ["stream", "astream", "astream_events"])
+def test_a_caller_leaving_a_graph_stream_early_is_no_error(fake_openai, instrumented, sink, mode):
+    """Breaking out of ``stream()`` closes it (``GeneratorExit`` in the graph's run); leaving ``astream()`` or
+    ``astream_events()`` also cancels the running node (``CancelledError``). The spans end without error
+    status, marked as stopped by the caller, and nothing is left in the handler's table."""
+    llm = model(fake_openai.base_url, streaming=True)
+    graph = StateGraph(MessagesState)
+    graph.add_node("a", lambda state: {"messages": [llm.invoke("first one two three four")]})
+    graph.add_node("b", lambda state: {"messages": [llm.invoke("second")]})
+    graph.add_edge(START, "a")
+    graph.add_edge("a", "b")
+    graph.add_edge("b", END)
+    app = graph.compile()
+    state = {"messages": [HumanMessage("go")]}
+
+    async def leave_early() -> None:
+        if mode == "astream":
+            async for _ in app.astream(state, stream_mode="messages"):
+                break
+        else:
+            async for event in app.astream_events(state, version="v2"):
+                if event["event"] == "on_chat_model_stream":
+                    break
+
+    rollout_id = f"ro-leave-{mode}"
+    with agl.rollout_scope(rollout_id, "at-1"):
+        if mode == "stream":
+            for _ in app.stream(state, stream_mode="messages"):
+                break
+        else:
+            asyncio.run(leave_early())
+    spans = sink.of(rollout_id)
+    assert [s.status for s in spans if s.status == "error"] == []
+    (root,) = of_kind(spans, "chain")
+    assert root.attributes[semconv.SPAN_STOPPED] is True
+    (node,) = of_kind(spans, "agent")
+    assert node.attributes[semconv.AGENT_NAME] == "a"
+    # Whether the node was still running when the consumer left is a race (its short answer may be complete,
+    # in astream's node task too): stopped or finished, it has no error status (asserted above).
+    assert node.attributes.get(semconv.SPAN_STOPPED) in (True, None)
+    assert instrumented._handler is not None and instrumented._handler._runs == {}
+    assert instrumented._handler._failed_tools == {}
 
 
 # -- concurrency: rollouts in threads and asyncio tasks, LangGraph's own thread pool ----------------------------
