@@ -17,6 +17,32 @@ import uvicorn
 STARTUP_TIMEOUT_S = 30.0  # generous: a loaded 2-core machine can be slow to start uvicorn
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+def advertised_url(host: str, port: int, path: str = "/v1") -> str:
+    """Where other machines reach a server bound to ``host:port``: a wildcard bind (``0.0.0.0``, ``::``) is
+    advertised at this machine's outbound IP address, since a loopback or wildcard address would point every
+    remote client at itself; a specific host as it is."""
+    name = outbound_ip() if host in WILDCARD_HOSTS else host
+    name = f"[{name}]" if ":" in name else name
+    return f"http://{name}:{port}{path}"
+
+
+def outbound_ip() -> str:
+    """The address of the interface this machine reaches other hosts through (a UDP socket's route; no packet
+    is sent), else its host name. An address, not a name: ``getfqdn()`` often says ``localhost`` in
+    containers and VMs, and names need a DNS the runners share."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))  # any non-local address: only the routing table is consulted
+        return str(probe.getsockname()[0])
+    except OSError:  # no route at all (an isolated machine)
+        return socket.gethostname()
+    finally:
+        probe.close()
+
+
 class ThreadedServer:
     """``start()`` returns once connections are accepted; ``stop()`` asks uvicorn to exit and joins."""
 

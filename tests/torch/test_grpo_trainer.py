@@ -279,6 +279,37 @@ def test_sampling_settings_the_policy_server_cannot_apply_fail_at_once() -> None
     TorchGRPO(model=("m", "t"), sampling={"top_p": 0.9, "stop": ["\n"]}, val_sampling={"temperature": 0.0})
 
 
+def test_a_policy_server_on_all_interfaces_is_published_at_an_address_other_machines_reach(tmp_path: Path) -> None:
+    """The server always listened on 127.0.0.1 and was published so: `agl runner`s on other machines (the
+    store server's layout: trainer on the GPU box, n_runners=0) were sent to their own loopback."""
+    from agl.http_thread import outbound_ip
+
+    algo = _algo(tmp_path, steps=1, eval_every=0, server_host="0.0.0.0")
+    trainer = _trainer(tmp_path, algo)
+    assert trainer.fit(chat_agent, TASKS).steps == 1
+    endpoint = trainer.store.get_resources().resources["main_llm"].endpoint
+    assert endpoint.startswith(f"http://{outbound_ip()}:") and not endpoint.startswith("http://127.0.0.1")
+    train = trainer.store.query_rollouts(mode="train")
+    assert train and all(r.status == "succeeded" for r in train)  # the agents reached it at that address
+
+
+def test_runners_only_elsewhere_and_a_loopback_policy_server_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def session_of(algo: TorchGRPO) -> str:
+        algo.bind(agl.Trainer(algorithm=algo, store=str(tmp_path / "store.db"), n_runners=0, progress=False))
+        with algo._session():
+            return algo._endpoint()
+
+    with caplog.at_level("WARNING", logger="agl.train"):
+        assert session_of(_algo(tmp_path)).startswith("http://127.0.0.1:")
+    assert "n_runners=0" in caplog.text and "server_host='0.0.0.0'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="agl.train"):
+        assert session_of(_algo(tmp_path, server_url="http://gpu-box:8123/v1/")) == "http://gpu-box:8123/v1"
+    assert "n_runners=0" not in caplog.text
+
+
 def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path: Path) -> None:
     _trainer(tmp_path, _algo(tmp_path, steps=1)).fit(chat_agent, TASKS)
     other = _algo(tmp_path, steps=2, lora={"r": 4})

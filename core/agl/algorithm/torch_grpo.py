@@ -69,8 +69,9 @@ from agl.algorithm.trainable import DEFAULT_LORA, LoraSpec, TrainablePolicy
 from agl.dataset import as_tasks
 from agl.errors import IllegalTransitionError
 from agl.lightningrl.types import Sample
+from agl.http_thread import WILDCARD_HOSTS, advertised_url
 from agl.models import attention_kernels, load_policy
-from agl.serving.openai_api import SAMPLING_PARAMETERS
+from agl.serving.openai_api import REQUEST_SETTINGS
 from agl.types import LLM, Rollout, Task
 
 logger = logging.getLogger("agl.train")
@@ -189,6 +190,9 @@ class TorchGRPO(Algorithm):
         dtype: Any = None,
         torch_threads: Optional[int] = None,
         server_batch_size: int = 16,
+        server_host: str = "127.0.0.1",
+        server_port: int = 0,
+        server_url: Optional[str] = None,
         model_name: str = "policy",
         resource_name: str = "main_llm",
         on_step: Optional[Callable[[Dict[str, float]], None]] = None,
@@ -242,6 +246,9 @@ class TorchGRPO(Algorithm):
         self.dtype = dtype
         self.torch_threads = torch_threads
         self.server_batch_size = server_batch_size
+        self.server_host = server_host
+        self.server_port = server_port
+        self.server_url = server_url.rstrip("/") if server_url else None
         self.model_name = model_name
         self.resource_name = resource_name
         self.on_step = on_step
@@ -339,8 +346,10 @@ class TorchGRPO(Algorithm):
         torch.manual_seed(self.seed)
         model, tokenizer = self._load_model()
         self.attach(model, tokenizer)
-        self.server = PolicyServer(model, self.tokenizer, model_name=self.model_name, max_batch_size=self.server_batch_size)
+        self.server = PolicyServer(model, self.tokenizer, model_name=self.model_name, max_batch_size=self.server_batch_size,
+                                   host=self.server_host, port=self.server_port)
         self.server.start()
+        self._warn_if_unreachable()
         try:
             yield adapter
         finally:
@@ -397,10 +406,29 @@ class TorchGRPO(Algorithm):
         (the README's does not) was sampled at the server's defaults (temperature 1, 512 tokens, no logprobs)
         whatever the trainer was told."""
         self.server.request_defaults = dict(sampling)
-        llm = LLM(endpoint=self.server.base_url, model=self.model_name, sampling_parameters=dict(sampling))
+        llm = LLM(endpoint=self._endpoint(), model=self.model_name, sampling_parameters=dict(sampling))
         resources_id = self.store.add_resources({self.resource_name: llm}).resources_id
         record_published(self.checkpoint_dir, resources_id)
         return resources_id
+
+    def _endpoint(self) -> str:
+        """The policy server's URL as agents get it: ``server_url``, else the bound address, a wildcard
+        ``server_host`` advertised under this machine's name (runners on other machines must reach it)."""
+        if self.server_url:
+            return self.server_url
+        if self.server_host in WILDCARD_HOSTS:
+            return advertised_url(self.server_host, self.server.bound_port)
+        return self.server.base_url
+
+    def _warn_if_unreachable(self) -> None:
+        """Runners only on other machines (``n_runners=0``) cannot reach a server bound to loopback."""
+        if self.trainer.n_runners == 0 and not self.server_url and self.server_host in ("127.0.0.1", "localhost", "::1"):
+            logger.warning(
+                "n_runners=0 (runners on other machines) but the policy server listens on %s only: they would "
+                "be sent to their own %s. Pass server_host='0.0.0.0' (published under this machine's name, %s) "
+                "or server_url='http://HOST:PORT/v1' with a server_port", self.server_host, self._endpoint(),
+                advertised_url("0.0.0.0", self.server.bound_port),
+            )
 
     def _train_sampling(self) -> Dict[str, Any]:
         # logprobs: the server returns each token's logprob, the exact "old" logprobs of the PPO ratio.
@@ -685,11 +713,11 @@ def _check_sampling(**settings: Mapping[str, Any]) -> None:
     """Sampling settings agl's policy server cannot apply (e.g. vLLM's ``top_k``) fail here, not as a 400 on
     every rollout once the model is loaded."""
     for name, values in settings.items():
-        unknown = sorted(set(values) - SAMPLING_PARAMETERS)
+        unknown = sorted(set(values) - REQUEST_SETTINGS)
         if unknown:
             raise ValueError(
                 f"{name} has {', '.join(map(repr, unknown))}, which agl's policy server does not support; it "
-                f"samples with {', '.join(sorted(SAMPLING_PARAMETERS))}"
+                f"takes {', '.join(sorted(REQUEST_SETTINGS))}"
             )
 
 

@@ -33,14 +33,13 @@ MAX_STOPS = 4
 _IGNORED = frozenset(
     {"user", "metadata", "store", "service_tier", "return_token_ids", "prompt_cache_key", "safety_identifier"}
 )
-# The sampling settings of a chat request (what a trainer may publish and the server fill in).
-SAMPLING_PARAMETERS = frozenset(
-    {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "n",
-     "presence_penalty", "frequency_penalty", "logit_bias"}
-)
 _SUPPORTED = frozenset(
-    {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "response_format", "parallel_tool_calls"}
-) | SAMPLING_PARAMETERS | _IGNORED
+    {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "temperature", "top_p", "max_tokens",
+     "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "n", "presence_penalty",
+     "frequency_penalty", "response_format", "logit_bias", "parallel_tool_calls"}
+) | _IGNORED
+# What a trainer may publish as sampling parameters for this server to fill into requests that leave them out.
+REQUEST_SETTINGS = _SUPPORTED - {"model", "messages", "stream", "stream_options"} - _IGNORED
 
 
 @dataclasses.dataclass

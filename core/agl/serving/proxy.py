@@ -50,7 +50,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agl import semconv
-from agl.http_thread import ThreadedServer
+from agl.http_thread import ThreadedServer, advertised_url
 from agl.instrumentation.openai_payloads import (
     CHAT,
     CLIENT_TRACED_HEADER,
@@ -195,7 +195,7 @@ class LLMProxy:
         """``http://host:port/v1``; a ``ProxyLLM`` with this endpoint inserts the rollout route itself."""
         if self._http.port is None:
             raise RuntimeError("the proxy is not running: call start() or use it as a context manager")
-        return f"http://{self.host}:{self._http.port}/v1"
+        return advertised_url(self.host, self._http.port)  # runners on other machines reach a wildcard bind too
 
     def as_resource(self, model: Optional[str] = None, **sampling_parameters: Any) -> ProxyLLM:
         """The resource to publish: agents get their per-rollout URL from ``ProxyLLM.get_base_url()``."""

@@ -120,12 +120,18 @@ class PolicyServer:
         self.stop()
 
     @property
-    def base_url(self) -> str:
+    def bound_port(self) -> int:
+        """The port it listens on (``port=0`` picks a free one at ``start()``)."""
         if self._http.port is None:
             raise RuntimeError("the PolicyServer is not running: call start() first")
+        return self._http.port
+
+    @property
+    def base_url(self) -> str:
+        """The URL for clients on this machine (a wildcard bind is reached at 127.0.0.1)."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self._http.port}/v1"
+        return f"http://{host}:{self.bound_port}/v1"
 
     # --- policy versions -------------------------------------------------------------------------------------
 
