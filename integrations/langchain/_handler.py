@@ -430,20 +430,33 @@ def _is_error_message(output: Any) -> bool:
     return getattr(output, "type", None) == "tool" and getattr(output, "status", None) == "error"
 
 
-def _error_messages(outputs: Any, depth: int = 3) -> Iterator[Any]:
-    """The error ``ToolMessage``s with a call id in a run's outputs (a state update: a dict of lists of
-    messages, or a list of them), looked for a few levels deep."""
-    if _is_error_message(outputs) and isinstance(getattr(outputs, "tool_call_id", None), str):
+def _error_messages(outputs: Any) -> Iterator[Any]:
+    """The error ``ToolMessage``s with a call id in a run's outputs."""
+    return (message for message in _tool_messages(outputs) if _is_error_message(message))
+
+
+def _tool_messages(outputs: Any, depth: int = 3) -> Iterator[Any]:
+    """The ``ToolMessage``s with a call id in a run's outputs (a state update: a dict of lists of messages, a
+    list of them, or a LangGraph ``Command`` whose ``update`` holds them), looked for a few levels deep."""
+    if getattr(outputs, "type", None) == "tool" and isinstance(getattr(outputs, "tool_call_id", None), str):
         yield outputs
-    elif depth > 0 and isinstance(outputs, (dict, list, tuple)):
-        for item in outputs.values() if isinstance(outputs, dict) else outputs:
-            yield from _error_messages(item, depth - 1)
+    elif depth > 0:
+        update = getattr(outputs, "update", None) if not isinstance(outputs, (dict, list, tuple)) else None
+        if update is not None:  # a tool returning Command(update={"messages": [ToolMessage(...)], ...})
+            yield from _tool_messages(update, depth - 1)
+        elif isinstance(outputs, (dict, list, tuple)):
+            for item in outputs.values() if isinstance(outputs, dict) else outputs:
+                yield from _tool_messages(item, depth - 1)
 
 
 def _tool_output(output: Any) -> Tuple[Any, Optional[str]]:
-    """What the model sees of a tool's output (a ToolMessage's content) and the call id it answers."""
+    """What the model sees of a tool's output (a ToolMessage's content, also inside a ``Command`` the tool
+    returned) and the call id it answers."""
     content = getattr(output, "content", None)
     if content is None:
-        return output, None
+        message = next(_tool_messages(output), None)
+        if message is None:
+            return output, None
+        output, content = message, message.content
     call_id = getattr(output, "tool_call_id", None)
     return (list(content) if isinstance(content, list) else content), (call_id if isinstance(call_id, str) else None)

@@ -10,7 +10,7 @@ import json
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Annotated, Any, Dict, Iterator, List, Optional, Sequence
 
 import openai
 import pytest
@@ -21,12 +21,13 @@ pytest.importorskip("langchain_openai")
 
 from langchain_core.callbacks import BaseCallbackHandler, CallbackManager  # noqa: E402
 from langchain_core.callbacks.base import BaseCallbackManager  # noqa: E402
-from langchain_core.messages import HumanMessage  # noqa: E402
+from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.runnables import RunnableLambda  # noqa: E402
-from langchain_core.tools import StructuredTool, ToolException, tool  # noqa: E402
+from langchain_core.tools import InjectedToolCallId, StructuredTool, ToolException, tool  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
 from langgraph.prebuilt import ToolNode  # noqa: E402
+from langgraph.types import Command  # noqa: E402
 
 import agl  # noqa: E402
 import agl.instrumentation  # noqa: E402
@@ -285,6 +286,30 @@ def test_tool_error_marks_the_tool_span_with_the_text_the_model_was_given(tmp_pa
     first, second = of_kind(spans, "llm")  # the agent went on after the failed tool, and was told this
     assert last_input_text(second) == told
     assert tool_span.end_time <= second.start_time  # ended when the tool failed, not when its node did
+
+
+def test_a_tool_returning_a_command_records_the_message_the_model_reads(tmp_path, fake_openai, instrumented):
+    """A tool that returns ``Command(update=...)`` (to change graph state) was recorded as the Command's
+    JSON dump; the model reads the ToolMessage inside it."""
+    @tool
+    def set_flag(value: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> Command:
+        """Set a flag."""
+        return Command(update={"messages": [ToolMessage(f"flag set to {value}", tool_call_id=tool_call_id)]})
+
+    fake_openai.script(FakeReply(tool_calls=[{"name": "set_flag", "arguments": {"value": "on"}}]))
+
+    @agl.rollout
+    def flagger(task, llm):
+        create_react_agent(model(llm.get_base_url()), [set_flag]).invoke({"messages": [HumanMessage(task["question"])]})
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, flagger, [{"question": "Turn the flag on."}])
+    assert row.status == "succeeded", row.error
+    (tool_span,) = of_kind(spans, "tool")
+    assert tool_span.status != "error"
+    assert tool_span.attributes[semconv.TOOL_CALL_RESULT] == "flag set to on"
+    first, _ = of_kind(spans, "llm")
+    requested = json.loads(first.attributes[semconv.OUTPUT_MESSAGES])[0]["tool_calls"][0]["id"]
+    assert tool_span.attributes[semconv.TOOL_CALL_ID] == requested
 
 
 def _no_weather(city: str) -> str:
