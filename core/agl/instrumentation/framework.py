@@ -22,7 +22,7 @@ import wrapt
 from opentelemetry import trace as otel_trace
 
 from agl import semconv
-from agl.tracer import get_tracer, record_exception
+from agl.tracer import encode_attribute, get_tracer, record_exception
 
 
 class PatchSet:
@@ -142,6 +142,10 @@ def start_tool_span(
         f"execute_tool {name}", "tool", _tool_attributes(name, framework, call_id, attributes), parent=parent, start_time=start_time
     )
     if arguments is not None:
+        # A container is encoded now, not when the span ends: a tool that changes a nested argument in place
+        # would otherwise change what is stored as the call's arguments (tools are few, the cost is small).
+        if isinstance(arguments, (dict, list, tuple)):
+            arguments = encode_attribute(arguments)
         tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: arguments})
     return span
 
