@@ -27,7 +27,6 @@ import pytest
 from agl.errors import (
     AglError,
     DuplicateRolloutError,
-    InvalidSpanError,
     StaleAttemptError,
     StoreClosedError,
     StoreUnavailableError,
@@ -404,6 +403,105 @@ def test_a_trainer_sets_how_long_calls_ride_out_a_database_outage_unless_the_sto
         own.close()
 
 
+def _wait_in_a_thread(store: PostgresLightningStore, rollout_id: str, timeout: float) -> Dict[str, Any]:
+    """``Trainer._wait``: ``wait_for_rollouts(timeout=timeout)`` in a loop, in a thread, until the rollout is done
+    or a call raises; the returned dict gets "done" or "error", and "thread"."""
+    got: Dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            while not got.get("done"):
+                got["done"] = store.wait_for_rollouts([rollout_id], timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on it
+            got["error"] = exc
+
+    got["thread"] = threading.Thread(target=wait, daemon=True)
+    got["thread"].start()
+    return got
+
+
+def test_waiting_rides_out_a_database_restart_while_notifications_are_down() -> None:
+    """A Trainer on postgresql:// died in a database restart though store_outage_timeout should keep it waiting:
+    a wait begun while the listening connection was still reconnecting raised "could not LISTEN". Now it polls
+    until the listener is back. Here the listener stays down past the restart, so the completion can only be
+    seen by polling."""
+    with TemporaryPostgres() as server:
+        dsn = server.create_database()
+        trainer = PostgresLightningStore(dsn, reconnect_timeout=30)
+        rollout_id = trainer.enqueue_rollout("x").rollout_id
+        listener = trainer._state()[1]
+        connect, deaf = listener._connect, threading.Event()
+
+        def listener_connect() -> Any:
+            if deaf.is_set():
+                raise psycopg.OperationalError("the listener is still reconnecting (this test)")
+            return connect()
+
+        listener._connect = listener_connect  # type: ignore[method-assign]
+        got = _wait_in_a_thread(trainer, rollout_id, timeout=0.2)
+        _until(lambda: listener._listening, "the trainer listens")
+        deaf.set()
+        server.kill()
+        time.sleep(1.0)
+        server.restart()
+        time.sleep(1.5)  # the trainer is back to waiting (its retries back off by 1 s at most), listener still down
+        assert "error" not in got, got.get("error")
+        with PostgresLightningStore(dsn) as runner:
+            claimed = runner.dequeue_rollout("runner-1")
+            assert claimed is not None and claimed.attempt is not None
+            runner.complete_attempt(rollout_id, claimed.attempt.attempt_id, "succeeded", reward=1.0)
+        got["thread"].join(30)
+        assert "error" not in got, got.get("error")
+        assert [r.status for r in got["done"]] == ["succeeded"] and not listener._listening
+        deaf.clear()
+        _until(lambda: listener._listening, "the listener is back")
+        trainer.close()
+
+
+def test_a_wait_gives_up_once_the_database_is_down_for_longer_than_the_reconnect_timeout() -> None:
+    """...and not before (the restart test above), nor only at the end of the wait's own timeout: a waiter
+    slept through the lost listening connection until its timeout (60 s here)."""
+    with TemporaryPostgres() as server:
+        store = PostgresLightningStore(server.create_database(), reconnect_timeout=1.0)
+        rollout_id = store.enqueue_rollout("x").rollout_id
+        got: Dict[str, Any] = {}
+
+        def wait() -> None:
+            try:
+                store.wait_for_rollouts([rollout_id], timeout=60)
+            except StoreUnavailableError as exc:
+                got["error"] = exc
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        _until(lambda: store._state()[1]._listening, "the waiter listens")
+        started = time.monotonic()
+        server.kill()
+        thread.join(20)
+        assert not thread.is_alive() and time.monotonic() - started < 15, "the wait did not give up"
+        assert "cannot reach PostgreSQL" in str(got["error"]) and "for 1 s" in str(got["error"])
+        server.restart()
+        store.close()
+
+
+def test_a_database_or_role_that_does_not_exist_is_refused_at_once_not_waited_for(postgres_dsn: str) -> None:
+    """`agl runner --wait-for-store` waited its whole 120 s for a mistyped database, retried as an outage."""
+    from agl.remote_cli import first_contact
+
+    parts = urlsplit(postgres_dsn)
+    no_database = parts._replace(path="/no_such_db").geturl()
+    no_role = parts._replace(netloc=parts.netloc.replace(f"{parts.username}@", "no_such_role@")).geturl()
+    for url, words in ((no_database, 'database "no_such_db" does not exist'), (no_role, 'role "no_such_role"')):
+        with pytest.raises(AglError, match=words) as refused:
+            PostgresLightningStore(url)
+        assert not isinstance(refused.value, StoreUnavailableError), "retried as an outage"
+        assert "check the database, user and password" in str(refused.value)
+        started = time.monotonic()
+        with pytest.raises(AglError, match=words):
+            first_contact(url, None, 30.0)
+        assert time.monotonic() - started < 5
+
+
 def test_unreachable_server_is_a_clear_error() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -453,28 +551,37 @@ def test_newer_schema_is_refused(empty_database: str) -> None:
         PostgresLightningStore(empty_database)
 
 
-def test_foreign_tables_are_refused(empty_database: str) -> None:
+@pytest.mark.parametrize(
+    "foreign", ["CREATE TABLE agl_rollouts (x integer)", "CREATE SEQUENCE agl_queue_pos", "CREATE TABLE agl_spans (x int)"]
+)
+def test_foreign_tables_are_refused(empty_database: str, foreign: str) -> None:
+    """A leftover sequence gave psycopg's DuplicateTable traceback; only an agl_rollouts table was checked."""
     with psycopg.connect(empty_database, autocommit=True) as conn:
-        conn.execute("CREATE TABLE agl_rollouts (x integer)")
-    with pytest.raises(AglError, match="not made by agl.*empty database"):
+        conn.execute(foreign)
+    name = foreign.split()[2]
+    with pytest.raises(AglError, match=f'"{name}" already exists.*not made by agl.*empty database'):
         PostgresLightningStore(empty_database)
 
 
-# -- input PostgreSQL cannot store ---------------------------------------------------------------------------
+# -- input PostgreSQL cannot store (NUL characters: the contract suite has the rule) ------------------------
 
 
-def test_nul_characters_are_refused_and_store_nothing(postgres_dsn: str, make_span: MakeSpan) -> None:
-    store = PostgresLightningStore(postgres_dsn)
-    store.enqueue_rollout({"text": "a\x00b"})  # JSON escapes it: stored and read back as it was
-    rollout = store.dequeue_rollout("runner-1")
-    assert rollout is not None and rollout.attempt is not None and rollout.input == {"text": "a\x00b"}
-    bad = make_span(rollout, 1).model_copy(update={"name": "nul\x00name"})
-    with pytest.raises(InvalidSpanError, match="NUL"):
-        store.add_spans([make_span(rollout, 0), bad])
-    with pytest.raises(ValueError, match="NUL"):
-        store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "failed", error="bad\x00error")
-    assert store.query_spans(rollout.rollout_id) == [] and store.get_rollout(rollout.rollout_id).status == "running"
-    store.close()
+def test_an_agent_error_with_a_nul_character_fails_its_rollout_at_once(postgres_dsn: str) -> None:
+    """The runner died on complete_attempt's ValueError (PostgreSQL text cannot hold NUL) and the rollout waited
+    for its heartbeat timeout, losing the agent's error; SQLite failed it at once."""
+    import agl
+
+    @agl.rollout
+    def agent(task: Dict[str, Any]) -> float:
+        agl.emit_message("tool output: \x00binary")
+        raise RuntimeError("tool returned b'\x00\x01' garbage")
+
+    with PostgresLightningStore(postgres_dsn) as store:
+        trainer = agl.Trainer(n_runners=1, runner_mode="thread", store=store, heartbeat_timeout=60, progress=False)
+        started = time.monotonic()
+        [row] = trainer.dev(agent, [{"id": 1}], print_table=False)
+        assert row.status == "failed" and time.monotonic() - started < 30
+        assert "tool returned b'\ufffd\x01' garbage" in (row.error or "")
 
 
 # -- the test server helper --------------------------------------------------------------------------------

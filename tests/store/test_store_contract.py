@@ -24,7 +24,7 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import EnqueueRequest, LightningStore
-from agl.types import LLM, PromptTemplate, Rollout, RolloutConfig
+from agl.types import LLM, PromptTemplate, Rollout, RolloutConfig, SpanEvent
 
 MakeSpan = Callable[..., Any]
 
@@ -534,6 +534,53 @@ def test_spans_of_unknown_ids_store_nothing_of_the_batch(store: LightningStore, 
     with pytest.raises(InvalidSpanError, match="Span objects"):
         store.add_spans([make_span(rollout, 0), {"span_id": "x"}])  # type: ignore[list-item]
     assert store.query_spans(rollout.rollout_id) == [] and store.stats().spans == 0
+
+
+# -- NUL characters (PostgreSQL's text cannot hold them; the rule is in agl.store._rules) ----------------------
+
+
+def test_nul_in_free_text_is_replaced_and_json_values_keep_it(store: LightningStore, make_span: MakeSpan) -> None:
+    """An agent error or span name with a NUL made PostgreSQL refuse the completion (the runner died, the rollout
+    waited for its heartbeat timeout) and the span batch; SQLite and memory kept it. Every backend now keeps free
+    text with NUL replaced by U+FFFD, and JSON values (where NUL is the escape \\u0000) exactly."""
+    store.enqueue_rollout({"text": "a\x00b"}, metadata={"m\x00": "\x00"})
+    rollout = claim(store)
+    assert rollout.input == {"text": "a\x00b"} and rollout.metadata == {"m\x00": "\x00"}
+    output = {"gen_ai.completion": "model said \x00", "k\x00": ["\x00"]}
+    span = make_span(rollout, 0, attributes=output).model_copy(
+        update={"name": "tool\x00call", "status": "error", "error": "bad \x00 bytes",
+                "events": [SpanEvent(name="e\x00", timestamp=1, attributes={"v": "\x00"})]}
+    )
+    assert store.add_spans([make_span(rollout, 1), span]) == 2
+    stored = store.query_spans(rollout.rollout_id)[0]
+    assert (stored.name, stored.error) == ("tool\ufffdcall", "bad \ufffd bytes")
+    assert stored.attributes == output and stored.events == span.events
+    failed = store.complete_attempt(rollout.rollout_id, aid(rollout), "failed", error="RuntimeError: b'\x00\x01'")
+    assert failed.status == "failed" and failed.error == "RuntimeError: b'\ufffd\x01'"
+    assert failed.attempt is not None and failed.attempt.error == failed.error
+    assert store.get_rollout(rollout.rollout_id) == failed
+    assert store.query_rollouts(rollout_ids=[rollout.rollout_id])[0].input == {"text": "a\x00b"}
+    store.add_resources({"p": PromptTemplate(template="\x00{q}")})
+    assert store.get_resources().resources["p"].template == "\x00{q}"  # type: ignore[union-attr]
+
+
+def test_ids_with_nul_are_refused_alike_and_store_nothing(store: LightningStore, make_span: MakeSpan) -> None:
+    """SQLite and memory kept them, PostgreSQL refused them (422 over HTTP): now every backend refuses them."""
+    store.enqueue_rollout("x")
+    rollout = claim(store)
+    for bad in ({"task_id": "t\x00"}, {"resources_id": "res-\x00"}):
+        with pytest.raises(ValueError, match="NUL"):
+            store.enqueue_many([EnqueueRequest(input=1), EnqueueRequest(input=2, **bad)])
+    with pytest.raises(ValueError, match="NUL"):
+        store.dequeue_rollout("runner-\x00")
+    with pytest.raises(ValueError, match="NUL"):
+        store.add_resources({}, resources_id="res-\x00")
+    for field in ("span_id", "trace_id", "parent_id"):
+        bad_span = make_span(rollout, 1).model_copy(update={field: "00\x00"})
+        with pytest.raises(InvalidSpanError, match=f"NUL.*{field}"):
+            store.add_spans([make_span(rollout, 0), bad_span])
+    stats = store.stats()
+    assert (stats.rollouts["queued"], stats.rollouts["running"], stats.spans, stats.resources_versions) == (0, 1, 0, 0)
 
 
 def test_span_refreshes_heartbeat_of_running_attempt(store: LightningStore, make_span: MakeSpan) -> None:

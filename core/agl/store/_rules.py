@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Set, Tuple
 from pydantic_core import PydanticSerializationError, to_json
 
 from agl.errors import DuplicateRolloutError, IllegalTransitionError, InvalidSpanError, StaleAttemptError
-from agl.types import TERMINAL_ROLLOUT_STATUSES, array_as_json
+from agl.types import TERMINAL_ROLLOUT_STATUSES, Span, array_as_json
 
 ROLLOUT_STATUSES: Tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 
@@ -64,11 +64,9 @@ def check_new_rollout_ids(requests: Sequence[Any], is_stored: Callable[[str], bo
 
 
 def encode_span(span: Any) -> bytes:
-    """A span's JSON, or the InvalidSpanError every backend raises for a non-Span or an unserialisable value."""
-    from agl.types import Span
-
-    if not isinstance(span, Span):
-        raise InvalidSpanError(f"add_spans takes agl.types.Span objects, got {type(span).__name__}")
+    """A span's JSON as every backend stores it (see :func:`storable_span`), or the InvalidSpanError every
+    backend raises for a non-Span or an unserialisable value."""
+    span = storable_span(span)
     try:
         return span.model_dump_json().encode()
     except PydanticSerializationError as exc:
@@ -81,6 +79,71 @@ def encode_span(span: Any) -> bytes:
 def check_limit(limit: int) -> None:
     if limit < 1:
         raise ValueError(f"dequeue limit must be at least 1, got {limit}")
+
+
+def check_claim(runner_id: str, limit: int) -> None:
+    """Refuse a dequeue whose limit is below 1 or whose runner id cannot be stored (see :func:`check_id`)."""
+    check_limit(limit)
+    check_id(runner_id, "runner_id")
+
+
+# -- NUL characters ------------------------------------------------------------------------------------------
+# PostgreSQL's text cannot hold NUL (\x00), and every backend must keep the same thing. Free text (an error
+# message, a span name) may well contain one (an agent's exception quoting binary tool output): refusing it
+# lost the real error and killed the runner, so it is kept with each NUL replaced. An id is matched exactly
+# later, so a changed id would silently name nothing: it is refused instead. JSON values (inputs, metadata,
+# span attributes and events, resources) are stored as JSON text, where NUL is the escape \u0000: they keep
+# it exactly and are never scanned.
+
+#: What a NUL character in free text becomes: U+FFFD, the replacement character, is one character (lengths and
+#: offsets stay as they were), is what decoders put for a character they cannot represent, and cannot be mistaken
+#: for text that was there (a visible "\x00" is what a repr of bytes already holds).
+NUL_REPLACEMENT = "\ufffd"
+
+
+def free_text(text: Optional[str]) -> Optional[str]:
+    """``text`` with each NUL character replaced by :data:`NUL_REPLACEMENT` (one scan when it has none)."""
+    if text is None or "\x00" not in text:
+        return text
+    return text.replace("\x00", NUL_REPLACEMENT)
+
+
+def check_id(value: Optional[str], what: str) -> None:
+    """Refuse (ValueError) an id holding a NUL character, on every backend alike."""
+    if value is not None and "\x00" in value:
+        raise ValueError(f"{what} {value!r} contains a NUL character (\\x00), which no store keeps in an id")
+
+
+def check_request_ids(requests: Sequence[Any]) -> None:
+    """:func:`check_id` for the ids an ``EnqueueRequest`` names (its own pattern already refuses a ``rollout_id``
+    with a NUL)."""
+    for request in requests:
+        check_id(request.task_id, "task_id")
+        check_id(request.resources_id, "resources_id")
+
+
+_SPAN_IDS = ("rollout_id", "attempt_id", "trace_id", "span_id", "parent_id")
+
+
+def storable_span(span: Any) -> Span:
+    """``span`` as every backend stores it: a NUL in its name or error replaced (a copy is made only then); an
+    id with a NUL, or a non-Span, is refused with InvalidSpanError (nothing of its batch is stored)."""
+    if not isinstance(span, Span):
+        raise InvalidSpanError(f"add_spans takes agl.types.Span objects, got {type(span).__name__}")
+    if not (  # the hot path: a few short scans, no copy (an f-string joining them took twice as long)
+        "\x00" in span.name or "\x00" in span.span_id or "\x00" in span.trace_id
+        or "\x00" in span.rollout_id or "\x00" in span.attempt_id
+        or (span.parent_id is not None and "\x00" in span.parent_id)
+        or (span.error is not None and "\x00" in span.error)
+    ):
+        return span
+    for what in _SPAN_IDS:
+        if "\x00" in (getattr(span, what) or ""):
+            raise InvalidSpanError(
+                f"span {span.span_id!r} has a NUL character (\\x00) in its {what}, which no store keeps in an id; "
+                "nothing of this batch was stored"
+            )
+    return span.model_copy(update={"name": free_text(span.name), "error": free_text(span.error)})
 
 
 def next_rollout_status(attempt_status: str, n_attempts: int, max_attempts: int) -> str:

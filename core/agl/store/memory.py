@@ -137,6 +137,7 @@ class InMemoryLightningStore(LightningStore):
 
     # -- rollouts ------------------------------------------------------------------------------------------
     def enqueue_many(self, requests: Sequence[EnqueueRequest]) -> List[Rollout]:
+        _rules.check_request_ids(requests)
         now = time.time()
         with self._cond:
             self._check_open()
@@ -166,7 +167,7 @@ class InMemoryLightningStore(LightningStore):
             return [self._view(record) for record in records]
 
     def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
-        _rules.check_limit(limit)
+        _rules.check_claim(runner_id, limit)
         deadline = None if timeout is None else time.monotonic() + timeout  # None: wait as long as it takes
         with self._cond:
             while True:
@@ -233,6 +234,7 @@ class InMemoryLightningStore(LightningStore):
         error: Optional[str] = None,
     ) -> Rollout:
         reward = _rules.check_completion(status, reward)
+        error = _rules.free_text(error)
         with self._cond:
             record = self._record(rollout_id)
             attempt = self._attempt(record, attempt_id)
@@ -370,6 +372,7 @@ class InMemoryLightningStore(LightningStore):
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        _rules.check_id(resources_id, "resources_id")
         parsed = _json_copy(parse_resources(dict(resources)), "resources")
         with self._cond:
             self._check_open()

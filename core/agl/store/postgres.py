@@ -63,7 +63,6 @@ from agl.store._postgres_async import AsyncPool
 from agl.errors import (
     AglError,
     DuplicateResourcesError,
-    InvalidSpanError,
     StoreClosedError,
     StoreUnavailableError,
     UnknownAttemptError,
@@ -145,6 +144,17 @@ _SESSION_ENDED_WORDS = (
     "terminating connection due to administrator command",  # 57P01
     "terminating connection because of crash of another server process",  # 57P02
     "the database system is shutting down",  # 57P03
+)
+
+
+# What the server says when it refuses a connection for good (libpq gives no SQLSTATE for a failed connection,
+# only the server's words, in English; a server in another language falls back to being retried as an outage).
+_REFUSED_FOR_GOOD_WORDS = (
+    "does not exist",  # 3D000 (database), 28000 (role)
+    "password authentication failed",  # 28P01
+    "no pg_hba.conf entry",  # 28000
+    "is not permitted to log in",  # 28000
+    "permission denied for database",  # 42501: no CONNECT privilege
 )
 
 
@@ -268,10 +278,16 @@ def _idle_session_open(conn: Any) -> bool:
 class _Notifications:
     """One LISTEN connection per store object and process; its thread wakes this process's waiters.
 
-    Each channel has a generation counter, bumped by every notification (and by a reconnect, as
-    notifications may have been missed meanwhile). A waiter notes the generation before it checks the
-    database and sleeps until the generation moves: a notification sent after the check wakes it.
+    Each channel has a generation counter, bumped by every notification (and when the connection is lost
+    or made again, as notifications may be missed then). A waiter notes the generation before it checks
+    the database and sleeps until the generation moves: a notification sent after the check wakes it.
+
+    While the connection is down (a database restart), waiting goes on by polling: a waiter looks at the
+    database every ``_POLL_S`` seconds instead of raising, so a wait rides out an outage as every other
+    operation does, and fails only when its own look at the database has retried for ``reconnect_timeout``.
     """
+
+    _POLL_S = 0.5
 
     def __init__(self, connect: Callable[[], Any]) -> None:
         self._connect = connect
@@ -291,14 +307,15 @@ class _Notifications:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="agl-postgres-listen", daemon=True)
                 self._thread.start()
+            # the first wait of the process: until listening, or polling if that failed (see _wait)
             self._cond.wait_for(lambda: self._listening or self._error is not None or self._stop)
-            if not self._listening and self._error is not None:
-                raise StoreUnavailableError(f"could not LISTEN for store notifications: {self._error}")
             seen = self._generation[channel]
         yield _Waiter(self, channel, seen)
 
     def _wait(self, waiter: "_Waiter", timeout: Optional[float]) -> bool:
         with self._cond:
+            if not self._listening:  # notifications would be missed: look at the database again soon
+                timeout = self._POLL_S if timeout is None else min(timeout, self._POLL_S)
             moved = self._cond.wait_for(
                 lambda: self._generation[waiter.channel] != waiter.seen or self._stop, timeout
             )
@@ -322,13 +339,13 @@ class _Notifications:
                 conn.execute(f"LISTEN {DONE_CHANNEL}")
                 with self._cond:
                     self._listening, self._error = True, None
-                    for channel in self._generation:  # anything may have happened while we were not listening
-                        self._generation[channel] += 1
-                    self._cond.notify_all()
+                    self._bump(list(self._generation))  # anything may have happened while we were not listening
                 delay = 0.05
                 self._pump(conn)
-            except (psycopg.Error, OSError) as exc:
+            except (psycopg.Error, OSError, AglError) as exc:
                 with self._cond:
+                    if self._listening:  # sleeping waiters look again, then poll (see _wait)
+                        self._bump(list(self._generation))
                     self._listening, self._error = False, exc
                     self._cond.notify_all()
                 if not self._stop:
@@ -510,9 +527,13 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
 
     # -- connections and transactions ----------------------------------------------------------------------
     def _connect(self) -> Any:
-        return psycopg.connect(
-            self.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_S, application_name="agl-store"
-        )
+        try:
+            return psycopg.connect(
+                self.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_S, application_name="agl-store"
+            )
+        except psycopg.OperationalError as exc:
+            self._check_refused_for_good(exc)
+            raise
 
     @staticmethod
     def _measure_clock_offset(conn: Any) -> float:
@@ -543,14 +564,16 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
                     f"the database {redacted(self.dsn)} has an agl_schema table with version {version}, which no agl "
                     "wrote; use an empty database (or drop the agl_* tables)"
                 )
-            if conn.execute("SELECT to_regclass('agl_rollouts') IS NOT NULL").fetchone()[0]:
+            try:
+                for statement in SCHEMA.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)  # type: ignore[arg-type]  # constant SQL
+            except (pg_errors.DuplicateTable, pg_errors.DuplicateObject) as exc:  # any object of ours: table, sequence...
                 raise AglError(
-                    f"the database {redacted(self.dsn)} has an agl_rollouts table but no agl_schema version: it was "
-                    "not made by agl; use an empty database (or drop the agl_* tables)"
-                )
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    conn.execute(statement)  # type: ignore[arg-type]  # constant SQL
+                    f"the database {redacted(self.dsn)} has no agl_schema version but already holds an object the store "
+                    f"would create ({_oneline(exc)}): it was not made by agl; use an empty database (or drop the "
+                    "agl_* tables and sequences)"
+                ) from exc
             conn.execute("INSERT INTO agl_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
     def _run(self, work: Callable[[Any], T], *, write: bool = True, single: bool = False) -> T:
@@ -626,9 +649,23 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
         return self._apool
 
     async def _aconnect(self) -> Any:
-        return await psycopg.AsyncConnection.connect(
-            self.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_S, application_name="agl-store"
-        )
+        try:
+            return await psycopg.AsyncConnection.connect(
+                self.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_S, application_name="agl-store"
+            )
+        except psycopg.OperationalError as exc:
+            self._check_refused_for_good(exc)
+            raise
+
+    def _check_refused_for_good(self, exc: psycopg.OperationalError) -> None:
+        """Raise AglError (not retried, unlike the OperationalError of an outage) if the server refused the
+        connection for a reason that waiting does not cure: a database or role that does not exist, a wrong
+        password. Else return: the caller retries, as a server that is down or starting up will answer later."""
+        if "FATAL:" in str(exc) and any(words in str(exc) for words in _REFUSED_FOR_GOOD_WORDS):
+            raise AglError(
+                f"PostgreSQL ({redacted(self.dsn)}) refused the connection: {_oneline(exc)}; check the database, user "
+                "and password in the URL (postgresql://user:password@host:port/database)"
+            ) from exc
 
     async def _arun(self, sql: str, params: Any, *, write: bool, fetch_all: bool = False) -> Any:
         """One statement (committing on its own if ``write``) on an async connection: ``_run(..., single=True)``
@@ -764,6 +801,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
         if not requests:
             self._state()
             return []
+        _rules.check_request_ids(requests)
         now = self._now()
         rollouts = [
             Rollout(
@@ -818,7 +856,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
         ]
 
     def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
-        _rules.check_limit(limit)
+        _rules.check_claim(runner_id, limit)
 
         def attempt() -> Tuple[Optional[List[Rollout]], Optional[float]]:
             claimed, next_expiry = self._claim(runner_id, limit)
@@ -889,7 +927,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
             "attempt_id": attempt_id,
             "status": status,
             "reward": reward,
-            "error": error,
+            "error": _rules.free_text(error),
             "now": self._now(),
             "on_retry": _rules.next_rollout_status(status, n_attempts=1, max_attempts=2),
             "on_last": _rules.next_rollout_status(status, n_attempts=2, max_attempts=2),
@@ -1007,7 +1045,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
         if not spans:
             self._state()
             return 0
-        rows = [_storable(span_to_row(span)) for span in spans]  # encoded before any round trip
+        rows = [span_to_row(_rules.storable_span(span)) for span in spans]  # encoded before any round trip
         keys = list(dict.fromkeys((row[0], row[1]) for row in rows))
         if len(rows) <= _SMALL_SPAN_BATCH:
             return self._add_small_batch(rows, keys)
@@ -1120,6 +1158,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        _rules.check_id(resources_id, "resources_id")
         encoded = _rules.encode_json(parse_resources(dict(resources)), "resources")
 
         def work(c: Any) -> Tuple[str, int, float]:
@@ -1147,7 +1186,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
 
     # -- the calls of a rollout cycle, for an event loop (see agl.store.base.AsyncRolloutCalls) ----------------
     async def aclaim(self, runner_id: str, limit: int = 1) -> List[Rollout]:
-        _rules.check_limit(limit)
+        _rules.check_claim(runner_id, limit)
         params = self._claim_params(runner_id, limit)
         rows = await self._arun(claim_statement(limit), params, write=True, fetch_all=True)
         claimed, _, next_before, now = self._claimed(rows, params["now"])
@@ -1163,7 +1202,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
             return 0
         if len(spans) > _SMALL_SPAN_BATCH:
             return await asyncio.to_thread(self.add_spans, spans)  # big batches go in with COPY, on a thread
-        rows = [_storable(span_to_row(span)) for span in spans]
+        rows = [span_to_row(_rules.storable_span(span)) for span in spans]
         keys = list(dict.fromkeys((row[0], row[1]) for row in rows))
         params = _small_batch_params(rows, keys)
         while True:
@@ -1205,14 +1244,3 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
         counts = {status: 0 for status in _rules.ROLLOUT_STATUSES}
         counts.update(from_json(by_status))
         return StoreStats(rollouts=counts, attempts=n_attempts, spans=n_spans, resources_versions=n_versions)
-
-
-def _storable(row: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    """A ``span_to_row`` row, refused with InvalidSpanError if PostgreSQL cannot store one of its texts."""
-    for value in row:
-        if isinstance(value, str) and "\x00" in value:
-            raise InvalidSpanError(
-                f"span {row[2]!r} has a NUL character (\\x00) in a text field, which PostgreSQL cannot store; "
-                "nothing of this batch was stored"
-            )
-    return row

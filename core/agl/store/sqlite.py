@@ -416,6 +416,7 @@ class SqliteLightningStore(LightningStore):
     def enqueue_many(self, requests: Sequence[EnqueueRequest]) -> List[Rollout]:
         if not requests:
             return []
+        _rules.check_request_ids(requests)
         now = time.time()
         rows = [
             (
@@ -455,7 +456,7 @@ class SqliteLightningStore(LightningStore):
         ]
 
     def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
-        _rules.check_limit(limit)
+        _rules.check_claim(runner_id, limit)
 
         def attempt() -> Tuple[Optional[List[Rollout]], Optional[float]]:
             claimed, next_expiry = self._claim(runner_id, limit)
@@ -530,6 +531,7 @@ class SqliteLightningStore(LightningStore):
         error: Optional[str] = None,
     ) -> Rollout:
         reward = _rules.check_completion(status, reward)
+        error = _rules.free_text(error)
         now = time.time()
         with self._write() as c:
             row = c.execute(_COMPLETING, (attempt_id, rollout_id)).fetchone()
@@ -657,7 +659,7 @@ class SqliteLightningStore(LightningStore):
     def add_spans(self, spans: Sequence[Span]) -> int:
         if not spans:
             return 0
-        rows = [span_to_row(span) for span in spans]  # encoded before taking the write lock
+        rows = [span_to_row(_rules.storable_span(span)) for span in spans]  # encoded before taking the write lock
         now = time.time()
         with self._write() as c:
             aids: Dict[Tuple[str, str], int] = {}
@@ -731,6 +733,7 @@ class SqliteLightningStore(LightningStore):
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        _rules.check_id(resources_id, "resources_id")
         encoded = _rules.encode_json(parse_resources(dict(resources)), "resources")
         now = time.time()
         with self._write() as c:
