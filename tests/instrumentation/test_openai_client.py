@@ -330,6 +330,22 @@ def test_responses_function_call_and_logprobs(client, fake_openai, sink, rollout
     assert answer.attributes[semconv.RESPONSE_LOGPROBS] == [fake_logprob(i) for i in range(len("five"))]
 
 
+def test_responses_logprobs_the_server_sends_unasked_are_recorded(client, fake_openai, sink, rollout):
+    """Logprobs were recorded only when the request had include=[...logprobs]: a client asking with
+    top_logprobs alone (AG2), or agl's policy server filling in its trainer's logprobs default, sent them
+    and the span had none (the Agents SDK's default model trained without its old logprobs)."""
+    fake_openai.script(FakeReply(content="five"), FakeReply(content="five"), FakeReply(content="five"))
+    with rollout() as scope:
+        client.responses.create(model="fake-model", input="hi", top_logprobs=2)
+        list(client.responses.create(model="fake-model", input="hi", top_logprobs=2, stream=True))
+        client.responses.create(model="fake-model", input="hi")  # none sent: none recorded
+    plain, streamed, without = sink.of(scope.rollout_id)
+    expected = [fake_logprob(i) for i in range(len("five"))]
+    assert plain.attributes[semconv.RESPONSE_LOGPROBS] == expected
+    assert streamed.attributes[semconv.RESPONSE_LOGPROBS] == expected
+    assert semconv.RESPONSE_LOGPROBS not in without.attributes
+
+
 def test_responses_stream_equals_plain(client, fake_openai, sink, rollout):
     fake_openai.script(WITH_CALL, WITH_CALL)
     with rollout() as scope:

@@ -260,7 +260,7 @@ def response_attributes(response: Any, deferred: Dict[str, Any], with_logprobs: 
     deferred[semconv.OUTPUT_MESSAGES] = Computed(functools.partial(_responses_output_messages, output))
     record_token_ids(_extra(response, "prompt_token_ids"), _extra(response, "response_token_ids"), deferred)
     record_resources_version(_extra(response, RESOURCES_VERSION_FIELD), deferred)
-    if with_logprobs:
+    if with_logprobs or _carries_logprobs(output):
         deferred[semconv.RESPONSE_LOGPROBS] = _responses_logprobs(output)
     incomplete = response.incomplete_details
     reason = getattr(incomplete, "reason", None) if incomplete is not None else response.status
@@ -330,6 +330,18 @@ def _responses_output_messages(output: Sequence[Any]) -> List[Dict[str, Any]]:
     if calls:
         message["tool_calls"] = calls
     return [message]
+
+
+def _carries_logprobs(output: Sequence[Any]) -> bool:
+    """Whether a Responses answer holds logprobs although the request did not ``include`` them: a server
+    that fills in its own default (agl's policy server under a trainer: ``logprobs: true``) or honours
+    ``top_logprobs`` alone. A few attribute reads; the list itself is read on the writer."""
+    return any(
+        getattr(part, "logprobs", None)
+        for item in output or ()
+        if getattr(item, "type", None) == "message"
+        for part in item.content or ()
+    )
 
 
 def _responses_logprobs(output: Sequence[Any]) -> Computed:

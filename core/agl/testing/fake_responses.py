@@ -105,7 +105,10 @@ class _Rendering:
         self.body = body
         self.response_id = "resp_" + uuid.uuid4().hex
         self.created_at = time.time()
-        self.with_logprobs = responses_api.LOGPROBS_INCLUDE in (body.get("include") or [])
+        # As agl's policy server: asked with include, or with top_logprobs alone (which OpenAI ignores)
+        self.with_logprobs = (
+            responses_api.LOGPROBS_INCLUDE in (body.get("include") or []) or body.get("top_logprobs") is not None
+        )
         self._items = self._build_items()
 
     def items(self) -> list[Item]:
