@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import logging
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 from opentelemetry import context as otel_context
@@ -28,6 +29,8 @@ from agl.instrumentation.framework import finish_span, finish_tool, start_agent_
 from agl.instrumentation.safety import report_internal_error
 from agl.integrations.crewai._threads import in_running_loop
 from agl.tracer import get_tracer
+
+logger = logging.getLogger("agl.integrations.crewai")
 
 FRAMEWORK = "crewai"
 _TASK_NAME_CHARS = 80  # a task without a name is called by the start of its description
@@ -178,8 +181,28 @@ def agent_name(agent: Any) -> str:
 
 
 def start_agent(agent: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> otel_trace.Span:
+    _warn_if_untraced_model(agent)
     attrs = {semconv.AGENT_ID: _text(getattr(agent, "id", None))}
     return start_agent_span(agent_name(agent), FRAMEWORK, attributes=attrs)
+
+
+_warned_litellm = False
+
+
+def _warn_if_untraced_model(agent: Any) -> None:
+    """An agent whose model goes through LiteLLM (CrewAI's route for ``openai/<name>`` it does not know as an
+    OpenAI model when LiteLLM is installed, or ``is_litellm=True``) makes calls agl cannot see: current
+    LiteLLM posts with the openai client's low-level ``post``. The rollout would succeed with nothing to
+    train on, so say so once."""
+    global _warned_litellm
+    if _warned_litellm or not getattr(getattr(agent, "llm", None), "is_litellm", False):
+        return
+    _warned_litellm = True
+    logger.warning(
+        "CrewAI agent %r calls its model through LiteLLM, which agl does not trace: its LLM calls are not "
+        "recorded or trained on. Use CrewAI's native OpenAI provider: LLM(model=..., provider=\"openai\", "
+        "base_url=llm.get_base_url()). (Said once.)", agent_name(agent),
+    )
 
 
 def start_agent_kickoff(agent: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[otel_trace.Span]:

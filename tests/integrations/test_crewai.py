@@ -222,6 +222,25 @@ def test_a_tool_that_raises_gets_an_error_status(
     assert_llm_spans_complete(spans, len(fake_openai.requests))
 
 
+def test_an_agent_on_litellm_is_warned_about_once(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any, caplog: pytest.LogCaptureFixture, monkeypatch: Any
+) -> None:
+    """LiteLLM (current versions post with the openai client's low-level post) makes no llm spans: the
+    rollout succeeded with nothing to train on and nothing said so. The flag CrewAI sets on such a model
+    (``is_litellm``) is what agl reads; LiteLLM itself is not installed here."""
+    from agl.integrations.crewai import _wrappers
+
+    monkeypatch.setattr(_wrappers, "_warned_litellm", False)
+    llm = fake_llm(fake_openai.base_url)
+    llm.is_litellm = True
+    fake_openai.script(FakeReply(content="1"), FakeReply(content="2"))
+    with caplog.at_level("WARNING", logger="agl.integrations.crewai"), rollout_scope("ro-litellm", "at-1"):
+        solo_crew(llm, "Solver", "Say 1", tools=[]).kickoff()
+        solo_crew(llm, "Solver", "Say 2", tools=[]).kickoff()
+    warned = [r.getMessage() for r in caplog.records if "LiteLLM" in r.getMessage()]
+    assert len(warned) == 1 and "'Solver'" in warned[0] and 'provider="openai"' in warned[0]
+
+
 @tool("graded_add")
 def graded_add(a: int, b: int) -> int:
     """Add two integers (and grade the call)."""
