@@ -200,14 +200,9 @@ def _has_rollouts(db: Path) -> bool:
 
 
 def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> Any:
-    try:
-        from agl.algorithm.torch_grpo import TorchGRPO
-    except ImportError as exc:
-        raise SystemExit(f'agl: the grpo trainer needs torch: pip install "agl[torch]" ({exc})') from None
-
     settings: Dict[str, Any] = {"output_dir": out, "checkpoint_dir": out / "checkpoints", "resume": args.resume}
     settings.update(config)
-    settings.update(_keyword_sets(args.settings))
+    settings.update(_keyword_sets(args.settings))  # a malformed flag is named before torch is even imported
     for name in _GRPO_FLAGS:
         value = getattr(args, name)
         if value is not None:
@@ -216,6 +211,10 @@ def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> 
         if args.minutes <= 0:
             raise SystemExit("agl: --minutes must be positive")
         settings["time_budget_s"] = round(args.minutes * 60 - (time.monotonic() - _STARTED) - _SUMMARY_RESERVE_S, 1)
+    try:
+        from agl.algorithm.torch_grpo import TorchGRPO
+    except ImportError as exc:
+        raise SystemExit(f'agl: the grpo trainer needs torch: pip install "agl[torch]" ({exc})') from None
     try:
         algorithm = TorchGRPO(**settings)
     except (TypeError, ValueError) as exc:
