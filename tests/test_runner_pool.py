@@ -10,6 +10,7 @@ import agl
 import pytest
 from agl.runner_pool import RunnerPool
 from agl.store import EnqueueRequest, SqliteLightningStore
+from agl.types import RolloutConfig
 
 
 @agl.rollout
@@ -36,6 +37,51 @@ def test_stop_bounds_the_whole_stop_not_each_stuck_runner(tmp_path: Path, caplog
     assert not pool._workers  # all joined and forgotten
     store.close()
 
+
+
+def test_the_attempt_of_a_runner_process_killed_on_stop_ends_at_once(tmp_path: Path) -> None:
+    """Its attempt stayed running until the heartbeat timeout (120 s by default), then failed as unresponsive,
+    though the pool knew which attempt the killed runner had: it now ends it as failed, saying why."""
+    store = SqliteLightningStore(tmp_path / "store.db")
+    config = RolloutConfig(max_attempts=2, heartbeat_timeout_seconds=300)
+    (rollout,) = store.enqueue_many([EnqueueRequest(input={}, config=config)])
+    pool = RunnerPool(stuck, store, n_runners=1, mode="process").start()
+    deadline = time.monotonic() + 30
+    while store.get_rollout(rollout.rollout_id).status != "running":
+        assert time.monotonic() < deadline, "the runner never started its rollout"
+        time.sleep(0.05)
+    pool.stop(timeout=0.5, reason="the test stops it")
+    (attempt,) = store.query_attempts(rollout.rollout_id)
+    assert attempt.status == "failed" and attempt.error == (
+        f"runner agl-{attempt.runner_id} was killed before this rollout ended: the test stops it"
+    )
+    assert store.get_rollout(rollout.rollout_id).status == "queued", "retried at once"
+    store.close()
+
+
+@agl.rollout
+def naps(task: dict) -> float:
+    time.sleep(1.5)
+    return 1.0
+
+
+def test_a_runner_says_its_rollout_was_cancelled_not_timed_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = SqliteLightningStore(tmp_path / "store.db")
+    (rollout,) = store.enqueue_many([EnqueueRequest(input={})])
+    pool = RunnerPool(naps, store, n_runners=1, mode="thread", runner_kwargs={"heartbeat_interval": 0.1}).start()
+    try:
+        deadline = time.monotonic() + 30
+        while store.get_rollout(rollout.rollout_id).status != "running":
+            assert time.monotonic() < deadline, "the rollout never started"
+            time.sleep(0.05)
+        with caplog.at_level(logging.WARNING, logger="agl.runner"):
+            store.cancel_rollout(rollout.rollout_id)
+            time.sleep(1.0)  # a few heartbeats
+        assert f"of {rollout.rollout_id} was cancelled (cancel_rollout)" in caplog.text
+        assert "timed out" not in caplog.text
+    finally:
+        pool.stop(timeout=5)
+        store.close()
 
 @agl.rollout
 def slow(task: dict) -> float:

@@ -74,6 +74,11 @@ class UnsupportedStoreError(AglError, NotImplementedError):
     """A store URL whose backend this version of agl does not provide."""
 
 
+class StoreAddressError(AglError, ValueError):
+    """A store URL or path that names no store agl can open (a typo, a missing scheme, a file that is not a
+    store); the message says what was wrong and what to pass instead."""
+
+
 class StoreNotFoundError(AglError, FileNotFoundError):
     """A SQLite store file that does not exist, opened by something that only reads (``create=False``)."""
 

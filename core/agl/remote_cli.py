@@ -72,7 +72,8 @@ def add_runner_parser(sub: Any) -> None:
         "results. SIGTERM or Ctrl-C stops them gracefully: idle runners leave at once, busy ones finish "
         "their rollout. Dead runner processes are replaced.",
     )
-    runner.add_argument("--store", required=True, help="store URL (http://HOST:PORT of `agl store serve`) or a .db file")
+    runner.add_argument("--store", required=True, help="the store: http://HOST:PORT of `agl store serve`, "
+                        "postgresql://USER@HOST/DATABASE (the postgres extra), or a .db file on this machine")
     runner.add_argument("--agent", required=True, help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
     runner.add_argument("--n-runners", type=int, default=1)
     runner.add_argument("--runner-mode", choices=["process", "thread"], default="process")
@@ -159,13 +160,19 @@ def cmd_runner(args: argparse.Namespace) -> int:
     queued = stats.rollouts.get("queued", 0)
     agl.instrument()
     stop = threading.Event()
+    stopped_by = ["an error"]  # what stopped the runners, for the error of an attempt that had to be killed
 
     def on_signal(signum: int, frame: Any) -> None:
         logger.warning("signal %s: stopping the runners (busy ones finish their rollout)", signum)
+        stopped_by[0] = signal.Signals(signum).name
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    runner_kwargs = {"heartbeat_interval": args.heartbeat_interval, "rollout_timeout": args.rollout_timeout}
+    runner_kwargs = {
+        "heartbeat_interval": args.heartbeat_interval,
+        "rollout_timeout": args.rollout_timeout,
+        "outage_timeout": args.outage_timeout,  # a store gone for good ends `agl runner` (non-zero), not hangs it
+    }
     pool = RunnerPool(agent, store, args.n_runners, mode=args.runner_mode, runner_kwargs=runner_kwargs)
     print(f"agl: {args.n_runners} runner(s) on {store!r} ({queued} rollouts queued); SIGTERM or Ctrl-C stops them", flush=True)
     pool.start()
@@ -173,7 +180,8 @@ def cmd_runner(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pool.check()  # replaces runners that died
     finally:
-        pool.stop(args.stop_timeout)
+        reason = f"agl runner was stopped by {stopped_by[0]}; busy runners get --stop-timeout {args.stop_timeout:g} s"
+        pool.stop(args.stop_timeout, reason=reason)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         store.close()

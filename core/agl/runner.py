@@ -16,6 +16,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -72,6 +73,18 @@ class RolloutTimeout(AglError, TimeoutError):
     pass
 
 
+def _how_it_ended(store: LightningStore, rollout_id: str, attempt_id: str) -> str:
+    """Why the store ended a running attempt, for the runner's log: a user cancelling the rollout is not the
+    store timing it out, and the two call for different looks (at the trainer, or at the runner's health)."""
+    try:
+        status = next((a.status for a in store.query_attempts(rollout_id) if a.attempt_id == attempt_id), None)
+    except Exception:  # noqa: BLE001 - only for a log line
+        status = None
+    if status == "cancelled":
+        return "was cancelled (cancel_rollout); its result will not be recorded"
+    return "was ended by the store (timed out?)"
+
+
 class _Heartbeat:
     """Heartbeats one attempt every ``interval`` seconds until stopped."""
 
@@ -87,7 +100,7 @@ class _Heartbeat:
             try:
                 store.heartbeat(rollout_id, attempt_id)
             except StaleAttemptError:  # the store ended the attempt; the result will be refused too (said then)
-                logger.warning("attempt %s of %s was ended by the store (timed out?)", attempt_id, rollout_id)
+                logger.warning("attempt %s of %s %s", attempt_id, rollout_id, _how_it_ended(store, rollout_id, attempt_id))
                 return
             except Exception as exc:  # noqa: BLE001 - a flaky store must not kill the rollout
                 logger.warning("heartbeat for %s failed: %s", rollout_id, exc)
@@ -110,7 +123,11 @@ class Runner:
         rollout_timeout: Optional[float] = None,
         request_token_ids: bool = True,
         flush_timeout: float = 30.0,
+        outage_timeout: Optional[float] = None,
     ) -> None:
+        """``outage_timeout``: how long ``run_forever`` keeps asking a store that does not answer (its dequeue
+        raises StoreUnavailableError) before it raises that error itself; None: for ever. ``agl runner`` sets
+        it so that runners whose store server is gone for good exit (a Kubernetes Job of them then ends)."""
         self.agent = agent
         self.store = store
         self.runner_id = runner_id or new_id(f"runner-{os.getpid()}")
@@ -119,6 +136,7 @@ class Runner:
         self.rollout_timeout = rollout_timeout
         self.request_token_ids = request_token_ids
         self.flush_timeout = flush_timeout
+        self.outage_timeout = outage_timeout
         self.stuck = False
         self._agent_busy = False  # the agent thread runs a rollout (set and cleared on that thread)
         self._closed = False
@@ -278,7 +296,7 @@ class Runner:
         max_rollouts: Optional[int] = None,
         wait_timeout: float = 1.0,
         exit_when_stuck: bool = False,
-        on_busy: Optional[Callable[[bool], None]] = None,
+        on_busy: Optional[Callable[[Optional[Rollout]], None]] = None,
     ) -> int:
         """Dequeue and run rollouts until ``stop`` is set; returns the number run.
 
@@ -286,6 +304,9 @@ class Runner:
         of ``stop``. While the loop goes on, each rollout's completion also claims the next one
         (``complete_and_dequeue``: one store call, one round trip to a store server); a rollout claimed
         that way is run even if ``stop`` is set meanwhile, as one just dequeued is.
+
+        ``on_busy`` is told the rollout the runner works on (one claimed for later included), or None when it
+        has none: the pool of a runner process ends that attempt if it has to kill the process.
         """
         should_stop = stop.is_set if hasattr(stop, "is_set") else stop  # threading or multiprocessing Event
         done = 0
@@ -297,28 +318,40 @@ class Runner:
         def claim_next() -> bool:  # asked when a rollout is reported: will this loop run another one?
             return go_on() and (max_rollouts is None or done + 1 < max_rollouts) and not (self.stuck and exit_when_stuck)
 
+        unavailable_since: Optional[float] = None  # when the store's current outage began
         while claimed or go_on():
             if claimed:
                 rollout: Optional[Rollout] = claimed.pop(0)
             else:
+                asked = time.monotonic()
                 try:
                     rollout = self.store.dequeue_rollout(self.runner_id, timeout=wait_timeout)
                 except StoreUnavailableError as exc:  # a store server restarting: the client backed off already
+                    unavailable_since = unavailable_since or asked
+                    self._give_up_after_outage(time.monotonic() - unavailable_since, exc)
                     logger.warning("runner %s: store unavailable, asking again: %s", self.runner_id, exc)
                     continue
+                unavailable_since = None
             if rollout is None:
                 continue
             if on_busy:
-                on_busy(True)
+                on_busy(rollout)
             try:
                 _, claimed = self._run_rollout(rollout, claim_next)
             finally:
                 if on_busy:
-                    on_busy(False)
+                    on_busy(claimed[0] if claimed else None)
             done += 1
             if self.stuck and exit_when_stuck and not claimed:
                 break
         return done
+
+    def _give_up_after_outage(self, waited: float, exc: StoreUnavailableError) -> None:
+        if self.outage_timeout is not None and waited >= self.outage_timeout:
+            raise StoreUnavailableError(
+                f"runner {self.runner_id}: the store has not answered for {waited:.0f} s, past the outage timeout "
+                f"of {self.outage_timeout:g} s (--outage-timeout); giving up. Last error: {exc}"
+            ) from exc
 
     def close(self) -> None:
         """End the agent thread's event loop and let the thread go. Safe to call twice."""

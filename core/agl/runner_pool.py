@@ -19,18 +19,21 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
-from agl.errors import StoreAuthError
+from agl.errors import StaleAttemptError, StoreAuthError, StoreUnavailableError
 from agl.instrumentation import instrumented
 from agl.litagent import LitAgent
 from agl.runner import Runner
 from agl.store.base import LightningStore
 from agl.tracer import get_tracer
+from agl.types import Rollout
 
 logger = logging.getLogger("agl.runner_pool")
 
 RunnerMode = Literal["process", "thread"]
 _STUCK_EXIT_CODE = 75  # a worker whose agent hung past its timeout exits with this to be replaced
+_UNAVAILABLE_EXIT_CODE = 76  # a worker whose store did not answer for its outage timeout: respawning cannot help
 _REFUSED_EXIT_CODE = 77  # a worker the store refused (its token): respawning cannot help
+_CURRENT_BYTES = 260  # "ROLLOUT_ID ATTEMPT_ID": two ids of at most 128 characters
 _CRASH_LOOP = 3  # workers that die this many times in a row soon after starting: give up
 _QUICK_DEATH_S = 5.0  # "soon": longer than the one-second interval at which agl runner checks its workers
 
@@ -52,6 +55,34 @@ def _mp_context() -> Any:
     return multiprocessing.get_context(method)
 
 
+def _run_worker(runner: Runner, stop: Any, **options: Any) -> int:
+    """``runner.run_forever``; its exit code: 0, or why the pool must not start a fresh runner (the store
+    refused it, or did not answer for the runner's outage timeout; said once, here) or should (stuck)."""
+    try:
+        runner.run_forever(stop, **options)
+    except StoreAuthError as exc:  # a revoked or wrong token
+        logger.error("runner %s: the store refused it: %s", runner.runner_id, exc)
+        return _REFUSED_EXIT_CODE
+    except StoreUnavailableError as exc:  # the store server or database is gone for good
+        logger.error("runner %s: %s", runner.runner_id, exc)
+        return _UNAVAILABLE_EXIT_CODE
+    return _STUCK_EXIT_CODE if runner.stuck else 0
+
+
+class _RunnerThread(threading.Thread):
+    """A thread-mode worker, with an ``exitcode`` like a process's (None while it runs)."""
+
+    def __init__(self, runner: Runner, stop: threading.Event) -> None:
+        super().__init__(name=f"agl-{runner.runner_id}", daemon=True)
+        self.runner = runner
+        self.stop_event = stop
+        self.exitcode: Optional[int] = None
+
+    def run(self) -> None:
+        # threads cannot be signalled: check the stop flag often
+        self.exitcode = _run_worker(self.runner, self.stop_event, wait_timeout=0.25)
+
+
 def _process_main(
     agent: LitAgent[Any],
     store: LightningStore,
@@ -59,7 +90,10 @@ def _process_main(
     stop: Any,
     kwargs: Dict[str, Any],
     instrumentation: Optional[Dict[str, Any]] = None,
+    current: Any = None,
 ) -> None:
+    """A runner process. ``current`` (shared memory) holds "ROLLOUT_ID ATTEMPT_ID" of the rollout it works on,
+    so that the pool can end that attempt at once if it has to kill the process."""
     if instrumentation is not None:  # a spawned process: hook what the parent hooked
         from agl.instrumentation import instrument
 
@@ -76,17 +110,17 @@ def _process_main(
     threading.Thread(target=_leave_with_parent, args=(os.getppid(), on_sigterm), daemon=True).start()
     runner = Runner(agent, store, runner_id=runner_id, **kwargs)
 
-    def set_busy(value: bool) -> None:
-        busy["now"] = value
+    def set_busy(rollout: Optional[Rollout]) -> None:
+        busy["now"] = rollout is not None
+        if current is not None:
+            attempt = rollout.attempt if rollout is not None else None
+            current.value = f"{attempt.rollout_id} {attempt.attempt_id}".encode() if attempt else b""
 
-    try:
-        runner.run_forever(stop, exit_when_stuck=True, on_busy=set_busy)
-    except StoreAuthError as exc:  # a revoked or wrong token: say it once, and tell the pool not to respawn
-        logger.error("runner %s: the store refused it: %s", runner_id, exc)
-        os._exit(_REFUSED_EXIT_CODE)
-    runner.close()  # ends what agents left on its event loop (their spans, e.g. an abandoned stream's, too)
-    runner.tracer.flush(5.0)
-    os._exit(_STUCK_EXIT_CODE if runner.stuck else 0)
+    code = _run_worker(runner, stop, exit_when_stuck=True, on_busy=set_busy)
+    if code in (0, _STUCK_EXIT_CODE):
+        runner.close()  # ends what agents left on its event loop (their spans, e.g. an abandoned stream's, too)
+        runner.tracer.flush(5.0)
+    os._exit(code)
 
 
 def _leave_with_parent(parent: int, leave: Callable[[int, Any], None]) -> None:
@@ -132,12 +166,14 @@ class RunnerPool:
         self._ctx = _mp_context()
         self._stop: Union[threading.Event, Any] = self._ctx.Event() if mode == "process" else threading.Event()
         self._workers: List[Any] = []
+        self._current: List[Any] = []  # per process worker: "ROLLOUT_ID ATTEMPT_ID" it works on (see _process_main)
         self._started_at: List[float] = []
         self._quick_deaths = 0
         self._runners: List[Runner] = []
 
     def start(self) -> "RunnerPool":
         for i in range(self.n_runners):
+            self._current.append(self._ctx.RawArray("c", _CURRENT_BYTES) if self.mode == "process" else None)
             self._workers.append(self._spawn(i))
             self._started_at.append(time.monotonic())
         return self
@@ -152,7 +188,7 @@ class RunnerPool:
             hooks = None if method == "fork" else instrumented()  # a forked child inherits the hooks
             proc = self._ctx.Process(
                 target=_process_main,
-                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs, hooks),
+                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs, hooks, self._current[index]),
                 name=f"agl-{runner_id}",
                 daemon=True,
             )
@@ -169,13 +205,7 @@ class RunnerPool:
             return proc
         runner = Runner(self.agent, self.store, runner_id=runner_id, **self.runner_kwargs)
         self._runners.append(runner)
-        thread = threading.Thread(
-            target=runner.run_forever,
-            args=(self._stop,),
-            kwargs={"wait_timeout": 0.25},  # threads cannot be signalled: check the stop flag often
-            name=f"agl-{runner_id}",
-            daemon=True,
-        )
+        thread = _RunnerThread(runner, self._stop)
         thread.start()
         return thread
 
@@ -194,6 +224,11 @@ class RunnerPool:
                     f"error is logged above). Start the runners with a token the store server accepts "
                     f"(--token or $AGL_STORE_TOKEN)"
                 )
+            if code == _UNAVAILABLE_EXIT_CODE:
+                raise StoreUnavailableError(
+                    f"runner {worker.name} stopped: its store did not answer within its outage timeout (the error "
+                    "is logged above); is the store server or database still there?"
+                )
             if code == _STUCK_EXIT_CODE:
                 logger.info("runner %s left after a stuck rollout; starting a fresh one", worker.name)
             else:
@@ -211,9 +246,13 @@ class RunnerPool:
             replaced += 1
         return replaced
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, *, reason: Optional[str] = None) -> None:
         """Stop every worker: idle ones at once, busy ones after their rollout; ``timeout`` bounds the whole
-        stop, not each worker (processes still running then are killed; threads are left as daemons)."""
+        stop, not each worker (processes still running then are killed; threads are left as daemons).
+
+        A killed process's attempt is ended as failed at once, the error naming ``reason`` (why the pool
+        stops), so the rollout is retried now (while ``max_attempts`` allows) rather than after its heartbeat
+        timeout, and nobody mistakes it for a runner that hung."""
         self._stop.set()
         deadline = time.monotonic() + timeout
         if self.mode == "process":
@@ -222,17 +261,36 @@ class RunnerPool:
                     proc.terminate()
             for proc in self._workers:
                 proc.join(max(0.0, deadline - time.monotonic()))
-            for proc in self._workers:
+            why = reason or f"its pool stopped and gave busy runners {timeout:g} s"
+            for i, proc in enumerate(self._workers):
                 if proc.is_alive():
                     logger.warning("runner %s did not stop within %s s; killing it", proc.name, timeout)
                     proc.kill()
                     proc.join(1.0)
+                    self._end_attempt_of(i, f"runner {proc.name} was killed before this rollout ended: {why}")
         else:
             for thread in self._workers:
                 thread.join(max(0.0, deadline - time.monotonic()))
             for runner in self._runners:
                 runner.close()
         self._workers.clear()
+        self._current.clear()
+
+    def _end_attempt_of(self, index: int, error: str) -> None:
+        """End, as failed with ``error``, the attempt that the killed process worker ``index`` was running. An
+        attempt the runner ended itself just before raises StaleAttemptError: nothing to do."""
+        current = self._current[index] if index < len(self._current) else None
+        if current is None or not current.value:
+            return
+        rollout_id, attempt_id = current.value.decode().split(" ")
+        current.value = b""
+        try:
+            self.store.complete_attempt(rollout_id, attempt_id, "failed", error=error)
+            logger.warning("rollout %s: attempt %s ended as failed: %s", rollout_id, attempt_id, error)
+        except StaleAttemptError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the heartbeat timeout still ends it
+            logger.warning("rollout %s: could not end attempt %s of a killed runner: %s", rollout_id, attempt_id, exc)
 
     def __enter__(self) -> "RunnerPool":
         return self.start()

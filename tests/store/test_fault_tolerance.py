@@ -74,10 +74,10 @@ def agent_file(tmp_path: Path) -> Path:
     return path
 
 
-def start_runners(agent_file: Path, url: str, n: int, log: Path) -> "subprocess.Popen[bytes]":
+def start_runners(agent_file: Path, url: str, n: int, log: Path, *options: str) -> "subprocess.Popen[bytes]":
     env = {**os.environ, "AGL_FT_MARKS": str(agent_file.parent / "marks")}
     cmd = [sys.executable, "-m", "agl.cli", "runner", "--store", url, "--agent", f"{agent_file}:agent",
-           "--n-runners", str(n), "--token", TOKEN, "--heartbeat-interval", "0.2"]
+           "--n-runners", str(n), "--token", TOKEN, "--heartbeat-interval", "0.2", *options]
     return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
@@ -300,6 +300,56 @@ def test_agl_runner_gives_up_on_a_store_that_never_answers_after_wait_for_store(
     assert result.returncode == 2, result.stderr
     assert f"the store at {url} did not answer within 2 s (--wait-for-store)" in result.stderr
 
+
+
+def test_a_rollout_killed_after_stop_timeout_is_retried_at_once(tmp_path: Path, agent_file: Path) -> None:
+    """SIGTERM (a Kubernetes scale-down) with a rollout running past --stop-timeout: its runner is killed, and
+    its attempt stayed running until the heartbeat timeout (120 s by default), then failed as unresponsive.
+    The pool knows which attempt it killed: it ends it as failed, saying why, and the retry is queued now."""
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    server = ServerThread(create_app(backing, tokens=TokenSet({"t": TOKEN}))).start()
+    trainer = RemoteLightningStore(server.url, token=TOKEN)
+    config = RolloutConfig(max_attempts=2, heartbeat_timeout_seconds=300)
+    (rollout,) = trainer.enqueue_many([EnqueueRequest(input={"hang": True}, config=config)])
+    log = tmp_path / "runner.log"
+    runners = start_runners(agent_file, server.url, 1, log, "--stop-timeout", "1")
+    try:
+        marks = agent_file.parent / "marks"
+        eventually(lambda: (marks / f"{rollout.rollout_id}-1.pid").exists(), 60, f"the rollout to start\n{log.read_text()}")
+        stop(runners, log)
+        (first,) = trainer.query_attempts(rollout.rollout_id)[:1]
+        assert first.status == "failed", log.read_text()
+        assert first.error and "stopped by SIGTERM; busy runners get --stop-timeout 1 s" in first.error
+        assert trainer.get_rollout(rollout.rollout_id).status == "queued", "the retry waits for a runner now"
+    finally:
+        if runners.poll() is None:
+            runners.kill()
+        trainer.close()
+        server.stop()
+        backing.close()
+
+
+def test_agl_runner_exits_when_its_store_server_is_gone_past_the_outage_timeout(tmp_path: Path, agent_file: Path) -> None:
+    """A store server gone for good: past --outage-timeout the runners went on "asking again" for ever, so a
+    Kubernetes Job of them never ended. `agl runner` now exits non-zero, saying so."""
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    server = ServerThread(create_app(backing, tokens=TokenSet({"t": TOKEN}))).start()
+    log = tmp_path / "runner.log"
+    runners = start_runners(agent_file, server.url, 2, log, "--outage-timeout", "1")
+    try:
+        eventually(lambda: "runner(s) on" in log.read_text(), 60, f"the runners to start\n{log.read_text()}")
+        server.stop()
+        code = runners.wait(90)
+        text = log.read_text()
+        assert code == 2, text
+        assert "past the outage timeout of 1 s (--outage-timeout); giving up" in text
+        assert "agl: runner agl-runner-" in text and "did not answer within its outage timeout" in text
+        assert "Traceback" not in text
+    finally:
+        if runners.poll() is None:
+            runners.kill()
+        server.stop()
+        backing.close()
 
 def test_agl_store_serve_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     """uvicorn re-raised SIGTERM after its graceful shutdown: the process died of it (exit 143, a failure

@@ -282,6 +282,24 @@ def test_oversize_bodies_get_413_and_change_nothing(tmp_path: Path) -> None:
         served.close()
 
 
+def test_an_enqueue_batch_over_the_body_limit_is_sent_in_parts_in_order(tmp_path: Path) -> None:
+    """Trainer.dev enqueues a whole data set in one call: 200 tasks of 1 KB against a 64 KB limit."""
+    served = Served(tmp_path / "store.db", limits=ServerLimits(max_body_bytes=64 * 1024))
+    try:
+        requests = [EnqueueRequest(input={"i": i, "doc": "x" * 1000}, task_id=f"t{i}") for i in range(200)]
+        rollouts = served.client.enqueue_many(requests)
+        assert [r.task_id for r in rollouts] == [f"t{i}" for i in range(200)]
+        stored = served.backing.query_rollouts()
+        assert [r.rollout_id for r in stored] == [r.rollout_id for r in rollouts]
+        assert [r.input["i"] for r in stored] == list(range(200))
+        again = served.client.enqueue_many(requests[:150])  # the limit is known now: no 413 first
+        assert len(again) == 150 and served.backing.stats().rollouts["queued"] == 350
+        with pytest.raises(StoreRequestError, match="limit of 65536 bytes"):
+            served.client.enqueue_many([EnqueueRequest(input="y" * 70_000)])  # one task cannot be split
+        assert served.backing.stats().rollouts["queued"] == 350
+    finally:
+        served.close()
+
 def test_gzip_is_not_a_way_around_the_limit(tmp_path: Path) -> None:
     served = Served(tmp_path / "store.db", limits=ServerLimits(max_body_bytes=4096))
     try:
@@ -630,6 +648,55 @@ def test_runner_fails_fast_on_a_wrong_token(served: Served, tmp_path: Path, caps
     code = main(["runner", "--store", served.url, "--agent", f"{agent}:agent", "--token", "wrong"])
     assert code == 2 and "token not accepted" in capsys.readouterr().err
 
+
+def _bad_store_cases(tmp_path: Path, url: str) -> List[Any]:
+    (tmp_path / "text.db").write_text("hello")
+    (tmp_path / "folder.db").mkdir()
+    host_port = url.split("//", 1)[1]
+    return [
+        (host_port, f"has no scheme: for a store server write {url}"),
+        ("http://127.0.0.1:notaport", "needs a host and a port from 1 to 65535: pass http://HOST:PORT"),
+        (f"ftp://{host_port}", "agl has no ftp:// stores; use 'memory'"),
+        (str(tmp_path), f"is a folder, not a store file: pass a file in it, e.g. {tmp_path}/store.db"),
+        (str(tmp_path / "folder.db"), "is a folder, not a store file"),
+        (str(tmp_path / "notes.txt"), "a SQLite store's file name ends in .db): use 'memory'"),
+        (str(tmp_path / "text.db"), "is not a SQLite store (file is not a database): pass a store file agl made"),
+        (f"https://{host_port}", f"speaks plain HTTP, so pass {url}"),
+        (f"{url}/v1/stats", "pass the store as http://HOST:PORT, without a path"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_a_bad_store_address_gets_one_line_saying_what_to_pass(
+    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, case: int
+) -> None:
+    """Raw tracebacks (or 12 s of TLS retries) instead of one line saying what was wrong and what to pass."""
+    from agl.cli import main
+
+    monkeypatch.setenv("AGL_STORE_TOKEN", TOKEN)
+    store, expected = _bad_store_cases(tmp_path, served.url)[case]
+    started = time.monotonic()
+    assert main(["store", "stats", "--store", store]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("agl: ") and err.count("\n") == 1 and expected in err, err
+    assert time.monotonic() - started < 5, "refused at once, not retried"
+
+
+def test_a_store_server_url_may_end_in_v1(served: Served, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from agl.cli import main
+
+    monkeypatch.setenv("AGL_STORE_TOKEN", TOKEN)
+    assert main(["store", "stats", "--store", served.url + "/v1/"]) == 0
+    assert '"attempts": 0' in capsys.readouterr().out
+    assert RemoteLightningStore(served.url + "/v1").url == served.url
+
+
+def test_agl_runner_help_names_every_store_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    from agl.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["runner", "--help"])
+    assert "postgresql://" in capsys.readouterr().out
 
 def test_a_runner_on_a_sqlite_file_that_does_not_exist_makes_it_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 from typing import Optional
 
-from agl.errors import StoreNotFoundError, UnsupportedStoreError
+from agl.errors import StoreAddressError, StoreNotFoundError, UnsupportedStoreError
 from agl.store.base import EnqueueRequest, LightningStore, StoreStats
 from agl.store.memory import InMemoryLightningStore
 from agl.store.sqlite import SqliteLightningStore
@@ -27,6 +28,11 @@ DEFAULT_STORE_PATH = os.path.join(".agl", "store.db")
 _SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 #: libpq's key=value connection strings ("host=db dbname=agl user=agl"): a known keyword, then '='
 _LIBPQ_KEY_VALUE = re.compile(r"^(host|hostaddr|port|dbname|user|password|service|sslmode|options)\s*=", re.I)
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d+/?$")  # a store server's address without http://
+_KINDS = (
+    f"'memory', 'sqlite:///path.db' or a path ending in {', '.join(_SQLITE_SUFFIXES)}, http://host:port "
+    "(agl store serve), or postgresql://user@host/database (or libpq's 'host=... dbname=...')"
+)
 
 
 def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> LightningStore:
@@ -53,7 +59,7 @@ def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> Lig
     if scheme == "sqlite":
         path = target[len("sqlite:///") :] if target.startswith("sqlite:///") else ""
         if not path or path == ":memory:":
-            raise ValueError(
+            raise StoreAddressError(
                 f"store URL {target!r} names no file: write sqlite:///relative/path.db or sqlite:////absolute/path.db "
                 "(for a store in memory use 'memory')"
             )
@@ -70,17 +76,40 @@ def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> Lig
         except ImportError as exc:
             raise UnsupportedStoreError(f"store URL {target!r}: {exc}") from exc
         return PostgresLightningStore(target)
-    raise ValueError(
-        f"cannot tell which store {target!r} names: use 'memory', 'sqlite:///path.db' or a path ending in "
-        f"{', '.join(_SQLITE_SUFFIXES)}, http://host:port (agl store serve), or postgresql://user@host/database "
-        "(or libpq's 'host=... dbname=...')"
-    )
+    raise StoreAddressError(_unknown(target, scheme))
+
+
+def _unknown(target: str, scheme: str) -> str:
+    """Why ``target`` names no store, and what to pass instead (the CLI prints it as its one line)."""
+    if _HOST_PORT.match(target):
+        return f"store {target!r} has no scheme: for a store server write http://{target.rstrip('/')}"
+    if scheme:
+        return f"store URL {target!r}: agl has no {scheme}:// stores; use {_KINDS}"
+    if os.path.isdir(target):
+        return _folder(target)
+    return f"cannot tell which store {target!r} names (a SQLite store's file name ends in .db): use {_KINDS}"
+
+
+def _folder(path: str) -> str:
+    return f"store {path!r} is a folder, not a store file: pass a file in it, e.g. {os.path.join(path, 'store.db')}"
 
 
 def _sqlite(path: str, create: bool) -> SqliteLightningStore:
+    """The SQLite store at ``path``; a folder, or a file SQLite cannot read, raises StoreAddressError (in the
+    CLI, one line saying so) rather than sqlite3's own error from deep inside the store."""
+    if os.path.isdir(path):
+        raise StoreAddressError(_folder(path))
     if not create and not os.path.exists(path):
         raise StoreNotFoundError(
             f"no store at {path}: the file does not exist (the default is $AGL_STORE, else {DEFAULT_STORE_PATH} in "
             "the current folder; pass --store with the path the run wrote, e.g. its OUT/store.db)"
         )
-    return SqliteLightningStore(path)
+    try:
+        return SqliteLightningStore(path)
+    except sqlite3.DatabaseError as exc:
+        if isinstance(exc, sqlite3.OperationalError):  # locked, no permission: not a question of the address
+            raise
+        raise StoreAddressError(
+            f"{path} is not a SQLite store ({exc}): pass a store file agl made, or a path that does not exist yet "
+            "for a new store"
+        ) from exc

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import urlencode, urlsplit
 
+from agl.errors import StoreAddressError
+
 _READ_SIZE = 65536
+#: what OpenSSL says when the server answers a TLS handshake with plain text (an HTTP 400)
+_PLAIN_TEXT_ANSWER = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"})
 _MAX_HEAD = 65536  # bytes of status line and headers an answer may have
 
 
@@ -149,11 +153,26 @@ class ConnectionPool:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
-                sock = self._ssl.wrap_socket(sock, server_hostname=self._host)
+                sock = self._tls(sock)
         except BaseException:
             sock.close()
             raise
         return _Connection(sock)
+
+    def _tls(self, sock: socket.socket) -> socket.socket:
+        """``sock`` wrapped in TLS. A server that speaks plain HTTP (``agl store serve`` does) raises
+        StoreAddressError at once: retrying the handshake for the client's whole retry time cannot help."""
+        assert self._ssl is not None
+        try:
+            return self._ssl.wrap_socket(sock, server_hostname=self._host)
+        except ssl.SSLError as exc:
+            if exc.reason not in _PLAIN_TEXT_ANSWER:
+                raise
+            where = _host_port(self._host, self._port, 0)
+            raise StoreAddressError(
+                f"https://{where} answered without TLS: `agl store serve` speaks plain HTTP, so pass "
+                f"http://{where} (or put a TLS proxy in front of the server) ({exc})"
+            ) from None
 
     def _give_back(self, conn: "_Connection", keep: bool) -> None:
         with self._lock:

@@ -24,11 +24,12 @@ import itertools
 import logging
 import os
 import random
+import re
 import threading
 import time
 import uuid
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import BaseModel
 
@@ -36,6 +37,7 @@ from agl.errors import (
     DuplicateResourcesError,
     DuplicateRolloutError,
     StaleAttemptError,
+    StoreAddressError,
     StoreClosedError,
     StoreRequestError,
     StoreUnavailableError,
@@ -85,6 +87,31 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+_OVER_LIMIT = re.compile(r"larger than this server's limit of (\d+) bytes")  # the server's 413 message
+
+
+def _server_url(url: str) -> str:
+    """``url`` checked, without a trailing ``/`` or ``/v1`` (the API's prefix, which the client adds; a path
+    before it stays, for a proxy that serves the store under one): a typo fails here, in one line saying
+    what to pass, not on the first call."""
+    example = "pass http://HOST:PORT, e.g. http://127.0.0.1:4747"
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise StoreAddressError(f"store server URL {url!r} must start with http:// or https://: {example}")
+    try:
+        if not parts.hostname or parts.port == 0:
+            raise ValueError
+    except ValueError:
+        raise StoreAddressError(f"store server URL {url!r} needs a host and a port from 1 to 65535: {example}") from None
+    path = parts.path.rstrip("/")
+    path = path[: -len("/v1")] if path.endswith("/v1") else path
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+def _body_limit(exc: Exception) -> Optional[int]:
+    """The server's body limit, if ``exc`` is its 413 answer."""
+    found = _OVER_LIMIT.search(str(exc))
+    return int(found.group(1)) if found else None
 
 
 class RemoteLightningStore(LightningStore):
@@ -114,9 +141,7 @@ class RemoteLightningStore(LightningStore):
         set it through :meth:`ride_out_outages` (``Trainer(store_outage_timeout=)``, default 600 s), so that
         a store server restart or a network blip does not end a training run or throw away a finished
         rollout's result; interactive commands keep the short default and fail fast."""
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"store server URL {url!r} must start with http:// or https://")
-        self.url = url.rstrip("/")
+        self.url = _server_url(url)
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.timeout = timeout
         self.retries = retries
@@ -126,6 +151,7 @@ class RemoteLightningStore(LightningStore):
         self.max_connections = max_connections
         self.outage_timeout = outage_timeout
         self._closed = False
+        self._max_body: Optional[int] = None  # the server's body limit, once a 413 named it
         self._versions: Dict[str, ResourcesUpdate] = {}  # resources versions read so far (immutable)
         self._reset_process_state()
 
@@ -262,22 +288,30 @@ class RemoteLightningStore(LightningStore):
 
     # -- rollouts ------------------------------------------------------------------------------------------
     def enqueue_many(self, requests: Sequence[EnqueueRequest]) -> List[Rollout]:
+        """One POST, or several in order if the batch is over the server's body limit (a data set of thousands
+        of tasks in ``Trainer.dev``): then each part is one transaction, and a failing part leaves the earlier
+        parts enqueued."""
         if not requests:
             return []
         named = [r if r.rollout_id else r.model_copy(update={"rollout_id": new_id("ro")}) for r in requests]
-        body = _rules.encode_json(EnqueueBody(requests=named), "rollout input and metadata").encode()
+        EnqueueBody(requests=named)  # checks the batch before anything is sent
+        encoded = [_rules.encode_json(r, "rollout input and metadata").encode() for r in named]
         ids = [r.rollout_id for r in named]
 
-        def already_enqueued(exc: Exception) -> RolloutList:
-            if not isinstance(exc, DuplicateRolloutError):
-                raise exc
-            found = {r.rollout_id: r for r in self.query_rollouts(rollout_ids=ids)}
-            if len(found) != len(ids):
-                raise exc
-            return RolloutList(rollouts=[found[i] for i in ids])  # type: ignore[index]
+        def send(body: bytes, part: slice) -> List[Rollout]:
+            def already_enqueued(exc: Exception) -> RolloutList:
+                if not isinstance(exc, DuplicateRolloutError):
+                    raise exc
+                found = {r.rollout_id: r for r in self.query_rollouts(rollout_ids=ids[part])}
+                if len(found) != len(ids[part]):
+                    raise exc
+                return RolloutList(rollouts=[found[i] for i in ids[part]])  # type: ignore[index]
 
-        result = self._call("POST", "/v1/rollouts", RolloutList, body=body, idempotent_key=True, after_retry=already_enqueued)
-        return result.rollouts
+            return self._call(
+                "POST", "/v1/rollouts", RolloutList, body=body, idempotent_key=True, after_retry=already_enqueued
+            ).rollouts
+
+        return [rollout for part in self._post_fitting("requests", encoded, send) for rollout in part]
 
     def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
         _rules.check_limit(limit)
@@ -412,19 +446,38 @@ class RemoteLightningStore(LightningStore):
         if not spans:
             return 0
         encoded = [_rules.encode_span(span) for span in spans]  # refuses the batch before anything is sent
-        return self._send_spans(encoded)
 
-    def _send_spans(self, encoded: List[bytes]) -> int:
-        """POST a batch; one the server finds too large is split in halves (a single span never is)."""
-        body = b'{"spans":[' + b",".join(encoded) + b"]}"
-        try:
+        def send(body: bytes, part: slice) -> int:
             return self._call("POST", "/v1/spans", Stored, body=body, idempotent_key=True).stored
-        except StoreRequestError as exc:
-            if len(encoded) == 1 or "larger than this server's limit" not in str(exc):
-                raise
-        half = len(encoded) // 2
-        logger.info("span batch of %d is over the server's body limit: sending it in two", len(encoded))
-        return self._send_spans(encoded[:half]) + self._send_spans(encoded[half:])
+
+        return sum(self._post_fitting("spans", encoded, send))
+
+    def _post_fitting(self, field: str, items: List[bytes], send: Callable[[bytes, slice], T]) -> List[T]:
+        """``send(body, part)`` for the JSON items ``items[part]`` as ``{field: [...]}``, in as few requests as the
+        server's body limit allows, in order; the answers, one per request.
+
+        The limit is learnt from the server's first 413 (its message names it) and kept for later batches, so a
+        large batch is refused once, not halved over and over; a single item over the limit is sent alone and
+        its 413 raised (a span or task cannot be split)."""
+        head, tail = f'{{"{field}":['.encode(), b"]}"
+        answers: List[T] = []
+        start = 0
+        while start < len(items):
+            stop, size = start + 1, len(head) + len(tail) + len(items[start])
+            while stop < len(items) and (self._max_body is None or size + 1 + len(items[stop]) <= self._max_body):
+                size += 1 + len(items[stop])
+                stop += 1
+            try:
+                answers.append(send(head + b",".join(items[start:stop]) + tail, slice(start, stop)))
+            except StoreRequestError as exc:
+                limit = _body_limit(exc)
+                if limit is None or stop - start == 1:
+                    raise
+                self._max_body = min(limit, size - 1)  # smaller than what was refused: the next try is smaller
+                logger.info("a batch of %d over the server's body limit of %d bytes: sending it in parts", stop - start, limit)
+                continue
+            start = stop
+        return answers
 
     def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
         which = "all" if attempt_id is None else attempt_id

@@ -431,6 +431,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if exc.status_code == 404:
             message = f"no endpoint {request.method} {request.url.path} on this store server (see /docs)"
+            if "/v1/" in request.url.path[1:]:  # the client was given a URL with a path: .../v1, .../v1/stats
+                message += "; pass the store as http://HOST:PORT, without a path (the client adds /v1/...)"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path} (see /docs)"
         body = ErrorBody(error="StoreRequestError", message=message)
