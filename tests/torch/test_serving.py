@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -232,6 +233,38 @@ def test_streamed_tool_call_is_assembled_by_the_openai_client(tool_client, tool_
     assert "<tool_call>" not in streamed_text  # content is held back once a call may be starting
 
 
+def cut_answer(client: openai.OpenAI, api: str, max_tokens: int) -> Tuple[str, List[Any], str]:
+    """``(content, [(name, arguments)], finish)`` of TOOL_ANSWER's request cut at ``max_tokens``, per API."""
+    if api == "responses":
+        response = client.responses.create(**responses_args(tools=[FLAT_ADD_TOOL], temperature=0,
+                                                            max_output_tokens=max_tokens))
+        calls = [(i.name, json.loads(i.arguments)) for i in response.output if i.type == "function_call"]
+        return response.output_text, calls, response.status
+    args = {"model": "policy", "messages": MESSAGES, "tools": [ADD_TOOL], "temperature": 0, "max_tokens": max_tokens}
+    if api == "chat":
+        choice = client.chat.completions.create(**args).choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    chunks = [c.choices[0] for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    deltas = [call.function for c in chunks for call in c.delta.tool_calls or []]
+    content = "".join(c.delta.content or "" for c in chunks)
+    return content, [(f.name, json.loads(f.arguments)) for f in deltas], chunks[-1].finish_reason
+
+
+@pytest.mark.parametrize("api", ["chat", "stream", "responses"])
+@pytest.mark.parametrize(
+    "cut_in, calls",
+    [("</tool_call", [("add", {"a": 2, "b": 3})]), ('"arguments"', [])],  # its closing tag, its JSON
+)
+def test_a_tool_call_cut_by_max_tokens_keeps_whole_calls_and_no_markup(tool_client, tool_server, api, cut_in, calls):
+    tokenizer = tool_server.tokenizer
+    ids = tokenizer(TOOL_ANSWER, add_special_tokens=False)["input_ids"]
+    max_tokens = next(n for n in range(len(ids)) if cut_in in tokenizer.decode(ids[:n]))
+    content, parsed, finish = cut_answer(tool_client, api, max_tokens)
+    assert (content, parsed) == ("Let me add.", calls)
+    assert finish == ("incomplete" if api == "responses" else "length")
+
+
 def test_tool_call_format_without_tools_offered_stays_content(tool_client, tool_server):
     """Asking with tool_choice='none' drops the tools from the prompt, and nothing is parsed as a call."""
     tokenizer = tool_server.tokenizer
@@ -367,7 +400,7 @@ def test_load_weights_swaps_the_policy_and_the_version(greedy, tiny):
         ({"tool_choice": {"type": "allowed_tools"}, "tools": [ADD_TOOL]}, "tool_choice", "is not supported"),
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
         ({"temperature": 3}, "temperature", "from 0 to 2"),
-        ({"max_tokens": 10**6}, "max_tokens", "exceeds the model's context"),
+        ({"max_tokens": 10**6}, "max_tokens", "maximum context length is 2048 tokens"),
         ({"response_format": {"type": "xml"}}, "response_format", "must be {'type': 'text'}"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs json_schema.schema"),
         (
@@ -402,6 +435,54 @@ def test_bad_request_through_the_openai_client_and_invalid_json(client, server):
         f"{server.base_url}/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+LONG = "word " * 2100  # beyond the tiny model's context of 2048 tokens
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+        ("responses", {"input": LONG}, "input"),
+        ("completions", {"prompt": LONG}, "prompt"),
+        ("chat/completions", {"messages": MESSAGES, "max_tokens": 2040}, "max_tokens"),
+        ("responses", {"input": "hi", "max_output_tokens": 2040}, "max_output_tokens"),
+    ],
+)
+def test_a_context_overflow_is_refused_as_openai_refuses_it(server, path, body, param):
+    """OpenAI's code and wording, which LangChain, CrewAI and LiteLLM match to shorten a conversation."""
+    response = httpx.post(f"{server.base_url}/{path}", json={"model": "policy", **body})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["type"]) == ("context_length_exceeded", "invalid_request_error")
+    assert error["param"] == param
+    assert error["message"].startswith("This model's maximum context length is 2048 tokens, but the prompt is too")
+    assert ("ask for at most" if param.startswith("max") else "; shorten it") in error["message"]
+
+
+@pytest.mark.parametrize("prompt, max_tokens", [(LONG, 4), ("hi", 2040)])
+def test_langchain_recognizes_a_context_overflow(server, prompt, max_tokens):
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.base_url, api_key="x", model="policy", max_retries=0, max_tokens=max_tokens)
+    with pytest.raises(ContextOverflowError, match="maximum context length is 2048 tokens"):
+        llm.invoke(prompt)
+
+
+def test_a_refused_request_is_logged_once_without_its_body(server, caplog):
+    secret = f"do-not-log-{uuid.uuid4().hex}"
+    with caplog.at_level(logging.WARNING, logger="agl.serving.server"):
+        response = httpx.post(
+            f"{server.base_url}/chat/completions",
+            json={"model": "policy", "messages": [{"role": "user", "content": secret}], "n": 2},
+        )
+    assert response.status_code == 400
+    (record,) = [r for r in caplog.records if r.name == "agl.serving.server"]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == "/v1/chat/completions answered 400: " + response.json()["error"]["message"]
+    assert secret not in caplog.text
 
 
 # --- the Responses API ---------------------------------------------------------------------------------------
@@ -490,7 +571,7 @@ def test_responses_input_items_render_the_same_prompt_as_the_chat_conversation(c
         ({"input": []}, "input", "non-empty"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning' is not supported"),
         ({"max_output_tokens": 0}, "max_output_tokens", "positive integer"),
-        ({"max_output_tokens": 10**6}, "max_output_tokens", "max_output_tokens 1000000 plus the"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens", "too long for max_output_tokens 1000000"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input", "is not one of"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
@@ -620,7 +701,7 @@ def test_tool_choice_required_or_named_forces_one_valid_call(client, tool_choice
         )
         choice = completion.choices[0]
         if choice.finish_reason == "length":  # the random model may write a long integer for add's a or b
-            assert choice.message.content.startswith('<tool_call>\n{"name": "')
+            assert choice.message.content is None and not choice.message.tool_calls  # the cut call is dropped
             continue
         (call,) = choice.message.tool_calls
         assert choice.finish_reason == "tool_calls" and choice.message.content is None

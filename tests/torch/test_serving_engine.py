@@ -204,6 +204,30 @@ def test_tool_call_parsing_is_all_or_nothing(text, content, calls):
     assert len({c.call_id for c in parsed.tool_calls}) == len(calls)
 
 
+CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n'
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        (CALL_ADD + "</tool", None, [("add", {"a": 1})]),  # cut inside the closing tag
+        (CALL_ADD + "<", None, [("add", {"a": 1})]),
+        (CALL_ADD + "</tool_call>\n<tool_call>", None, [("add", {"a": 1})]),  # cut right after a new block opens
+        (CALL_ADD + "</tool_call>\n<tool_", None, [("add", {"a": 1})]),  # ... or inside its opening tag
+        (CALL_ADD + "</tool_call>\n" + CALL_ADD[:25], None, [("add", {"a": 1})]),  # ... or inside its JSON
+        (LISTED + "\n<tool_call>\n[{", None, [("a", {}), ("b", {})]),
+        ("Let me add.\n" + CALL_ADD[:30], "Let me add.", []),  # no whole call: no call, and no markup
+        ("Let me add.\n<tool", "Let me add.", []),
+        (BROKEN + "\n<tool_call>", BROKEN, []),  # a whole block that fails still makes it all content
+        ("just text, cut ", "just text, cut ", []),  # nothing to drop: as written
+    ],
+)
+def test_an_answer_cut_by_max_tokens_keeps_its_whole_calls_and_drops_the_cut_tail(text, content, calls):
+    parsed = parse_output(text, tools_offered=True, cut=True)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+
+
 def test_without_tools_nothing_is_parsed():
     text = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
     assert parse_output(text, tools_offered=False).content == text

@@ -12,6 +12,7 @@ import pytest
 
 from agl.serving.chat_format import BadRequest
 from agl.serving.engine import Failed, Finished, GenerationEngine, SamplingParams
+from agl.serving.openai_api import parse_request
 from agl.serving.structured import GrammarError, Grammars, TokenMask, answer_schema, response_grammar
 
 VERDICT = {
@@ -87,6 +88,27 @@ def test_with_tools_the_grammar_takes_the_json_or_tool_calls(tiny, text, ok):
 )
 def test_forced_calls_take_only_calls(tiny, one_call, text, ok):
     assert accepts(tiny, response_grammar(VERDICT, [ADD], calls_only=True, one_call=one_call), text) is ok
+
+
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+@pytest.mark.parametrize(
+    "change, several",
+    [
+        ({"tool_choice": NAMED}, False),  # a named function: exactly one call, as with OpenAI
+        ({"tool_choice": NAMED, "parallel_tool_calls": True}, False),
+        ({"tool_choice": "required"}, True),
+        ({"tool_choice": "required", "parallel_tool_calls": False}, False),
+    ],
+)
+def test_a_named_tool_choice_takes_one_call_and_required_may_end_after_any(tiny, change, several):
+    """Allowed more than one call, SmolLM2 writes its forced call again until max_tokens: the tool runs twice."""
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "tools": [ADD], **change}
+    grammar = parse_request(body).sampling(64).grammar
+    assert accepts(tiny, grammar, CALL)  # (``accepts`` ends the answer there)
+    assert accepts(tiny, grammar, CALL + "\n" + CALL) is several
+    assert accepts(tiny, grammar, CALL + "\n" + CALL + "\n" + CALL) is several
 
 
 def test_response_formats_map_to_schemas():

@@ -22,7 +22,9 @@ Parsing is all-or-nothing: if every ``<tool_call>`` block holds a JSON object wi
 ``arguments`` an object or a JSON string of one), or a list of such objects (SmolLM2's own format), the
 calls are returned and the text outside the blocks
 becomes the content (``None`` when empty); if any block fails, no call is returned and the whole text stays
-content, so nothing the model wrote is lost.
+content, so nothing the model wrote is lost. A last block left unclosed still counts, also when its
+closing tag was cut short (``...}\\n</tool``). An answer cut by ``max_tokens`` may end in half a call: that
+unfinished tail is dropped and the whole calls before it are kept (:func:`parse_output`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.DOTALL)
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.DOTALL)
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 TOOLS_PREAMBLE = (
@@ -49,12 +51,18 @@ TOOLS_INSTRUCTIONS = (
 )
 
 
-class BadRequest(ValueError):
-    """A request that cannot be served as sent (answered with 400); ``param`` names the offending field."""
+#: OpenAI's error code for a prompt (plus max_tokens) beyond the model's context, which clients match on
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
+
+class BadRequest(ValueError):
+    """A request that cannot be served as sent (answered with 400); ``param`` names the offending field,
+    ``code`` is OpenAI's machine-readable error code where it has one (:data:`CONTEXT_LENGTH_EXCEEDED`)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass
@@ -186,21 +194,53 @@ def _text(content: Any, where: str) -> str:
 # --- output ------------------------------------------------------------------------------------------------
 
 
-def parse_output(text: str, tools_offered: bool) -> ParsedOutput:
-    """Split generated text into content and tool calls (module docs); without tools it is all content."""
-    if not tools_offered or TOOL_CALL_OPEN not in text:
+def parse_output(text: str, tools_offered: bool, cut: bool = False) -> ParsedOutput:
+    """Split generated text into content and tool calls (module docs); without tools it is all content.
+
+    ``cut``: ``max_tokens`` cut the answer, so it may end in half a call (often: a forced ``tool_choice``
+    writes calls until the limit). That tail is dropped (:func:`_cut_tail_start`) and the whole calls before
+    it are kept: a cut answer neither loses its complete calls nor returns ``<tool_call>`` markup as content.
+    """
+    if not tools_offered:
+        return ParsedOutput(_content(text), [])
+    if cut:
+        kept = _cut_tail_start(text)
+        text = text if kept == len(text) else text[:kept].rstrip()  # (the blank before the cut call goes too)
+    if TOOL_CALL_OPEN not in text:
         return ParsedOutput(_content(text), [])
     calls: List[ToolCall] = []
     for match in _BLOCK.finditer(text):
-        try:
-            value = json.loads(match.group(1))
-        except json.JSONDecodeError:
+        block = _block_calls(match.group(1), closed=bool(match.group(2)))
+        if block is None:
             return ParsedOutput(_content(text), [])
-        block = [_parse_call(v) for v in (value if isinstance(value, list) and value else [value])]
-        if any(call is None for call in block):
-            return ParsedOutput(_content(text), [])
-        calls.extend(c for c in block if c is not None)
+        calls.extend(block)
     return ParsedOutput(_content(_BLOCK.sub("", text).rstrip()), calls)  # (the blank before a call goes)
+
+
+def _cut_tail_start(text: str) -> int:
+    """Where the unfinished end of a cut answer starts (``len(text)`` when there is none): a partial
+    ``<tool_call>`` tag, and before it a last block that is unclosed and holds no whole call."""
+    end = partial_suffix_start(text, (TOOL_CALL_OPEN,))
+    opened = text.rfind(TOOL_CALL_OPEN, 0, end)
+    if opened < 0 or TOOL_CALL_CLOSE in text[opened:end]:
+        return end
+    return end if _block_calls(text[opened + len(TOOL_CALL_OPEN) : end], closed=False) is not None else opened
+
+
+def _block_calls(body: str, closed: bool) -> Optional[List[ToolCall]]:
+    """The calls one block holds (an object, or a list of them as SmolLM2 writes); None if it holds none.
+
+    An unclosed block may end in part of its closing tag (``\\n</tool``), where a limit cut it."""
+    if not closed:
+        body = body[: partial_suffix_start(body, (TOOL_CALL_CLOSE,))]
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    calls = [_parse_call(v) for v in (value if isinstance(value, list) and value else [value])]
+    if any(call is None for call in calls):
+        return None
+    return [call for call in calls if call is not None]
 
 
 def _parse_call(value: Any) -> Optional[ToolCall]:

@@ -80,8 +80,10 @@ class ChatRequest:
         )
 
     def _grammar(self) -> Optional[str]:
+        """A named function means exactly one call, as with OpenAI: allowed more, a model that likes its
+        call may write it again until ``max_tokens`` (SmolLM2 does), and the tool runs twice."""
         tools = self.tools if self.tools_offered else []
-        one_call = not self.parallel_tool_calls
+        one_call = not self.parallel_tool_calls or self.forced_tool is not None
         if self.tool_choice == "required":
             forced = [t for t in tools if self.forced_tool in (None, _tool_name(t))]
             return response_grammar(None, forced, calls_only=True, one_call=one_call)
@@ -341,10 +343,10 @@ def _tool_call(call: ToolCall) -> Dict[str, Any]:
     return {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def error_body(message: str, status: int, param: Optional[str] = None) -> Dict[str, Any]:
+def error_body(message: str, status: int, param: Optional[str] = None, code: Optional[str] = None) -> Dict[str, Any]:
     """OpenAI's error object, which the ``openai`` client turns into ``BadRequestError`` etc."""
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def sse(data: Mapping[str, Any]) -> str:

@@ -221,7 +221,7 @@ def in_responses_terms(exc: BadRequest) -> BadRequest:
     elif param == "response_format":
         param = "text.format"
     message = str(exc).replace("max_tokens", "max_output_tokens").replace("response_format", "text.format")
-    return BadRequest(message, param or None)
+    return BadRequest(message, param or None, exc.code)
 
 
 class AnswerWriter(Protocol):

@@ -26,7 +26,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agl.http_thread import ThreadedServer
-from agl.serving.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix
+from agl.serving.chat_format import (
+    CONTEXT_LENGTH_EXCEEDED,
+    BadRequest,
+    ParsedOutput,
+    parse_output,
+    render_prompt,
+    streamable_prefix,
+)
 from agl.serving.completions_api import (
     DEFAULT_MAX_TOKENS as COMPLETIONS_DEFAULT_MAX_TOKENS,
     CompletionRequest,
@@ -35,7 +42,17 @@ from agl.serving.completions_api import (
     prompt_token_ids,
     streamable_text,
 )
-from agl.serving.engine import EngineStats, Failed, Finished, GenerationEngine, SamplingParams, Started, Step, Token
+from agl.serving.engine import (
+    EngineStats,
+    Failed,
+    Finished,
+    Generation,
+    GenerationEngine,
+    SamplingParams,
+    Started,
+    Step,
+    Token,
+)
 from agl.serving.openai_api import (
     VERSION_FIELD,
     VERSION_HEADER,
@@ -200,21 +217,27 @@ class PolicyServer:
         """The answer's token limit: ``requested``, else ``default`` as far as the model's context leaves room.
 
         A prompt that fills the context gets a 400 naming ``prompt_param``; a requested limit beyond it one
-        naming ``max_tokens`` and the most that fits.
+        naming ``max_tokens`` and the most that fits. Both carry OpenAI's code (``CONTEXT_LENGTH_EXCEEDED``)
+        and words that agent frameworks match to shorten a conversation that outgrew the model and retry:
+        "maximum context length is" (CrewAI, LiteLLM) and "prompt is too long" (LangChain, whose check of the
+        code reads only the message with openai 3's clients).
         """
         context = self.engine.max_context
         room = context - len(prompt_ids) if context else None
         if room is not None and room < 1:
             raise BadRequest(
-                f"the prompt is {len(prompt_ids)} tokens, the model's context is {context}: shorten it",
+                f"This model's maximum context length is {context} tokens, but the prompt is too long: "
+                f"{len(prompt_ids)} tokens; shorten it",
                 prompt_param,
+                CONTEXT_LENGTH_EXCEEDED,
             )
         max_tokens = requested or min(default, room or default)
         if room is not None and max_tokens > room:
             raise BadRequest(
-                f"max_tokens {max_tokens} plus the {len(prompt_ids)}-token prompt exceeds the model's context of "
-                f"{context} tokens: ask for at most {room}",
+                f"This model's maximum context length is {context} tokens, but the prompt is too long for "
+                f"max_tokens {max_tokens}: {len(prompt_ids)} + {max_tokens} tokens; ask for at most {room}",
                 "max_tokens",
+                CONTEXT_LENGTH_EXCEEDED,
             )
         return max_tokens
 
@@ -259,6 +282,10 @@ class _Job:
     tools_offered: bool  # tool calls are parsed out of the answer
     streamable: Callable[[str], str]  # how much of the text so far a stream may send (see ``_stream``)
     writer: Callable[[int], AnswerWriter]  # the API's writer, given the version that answers
+
+    def parse(self, gen: Generation) -> ParsedOutput:
+        """The answer's content and tool calls; a call that ``max_tokens`` cut short is dropped."""
+        return parse_output(gen.text, self.tools_offered, cut=gen.finish_reason == "length")
 
 
 def _chat_job(server: PolicyServer, body: Any) -> _Job:
@@ -314,14 +341,15 @@ async def _generate(
 ) -> Response:
     """One request of any API: ``job_for`` checks it (a 400 when it cannot be served), then it runs."""
     version = server.engine.version
+    path = http_request.url.path
     try:
         body = await http_request.json()
     except ValueError:
-        return _error(400, "the request body is not valid JSON", None, version)
+        return _error(path, 400, "the request body is not valid JSON", version)
     try:
         job = job_for(server, body)
     except BadRequest as exc:
-        return _error(400, str(exc), exc.param, version)
+        return _error(path, 400, str(exc), version, exc.param, exc.code)
     loop = asyncio.get_running_loop()
     events: "asyncio.Queue[Any]" = asyncio.Queue()
     try:
@@ -329,13 +357,13 @@ async def _generate(
             job.prompt_ids, job.params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
         )
     except RuntimeError as exc:
-        return _error(503, f"{exc}; retry against a running server", None, version)
+        return _error(path, 503, f"{exc}; retry against a running server", version)
     finished = False
     try:
         first = await events.get()
         if isinstance(first, Failed):
             finished = True
-            return _error(500, f"generation failed: {first.error}", None, version)
+            return _error(path, 500, f"generation failed: {first.error}", version)
         assert isinstance(first, Started)
         writer = job.writer(first.version)
         headers = {VERSION_HEADER: str(first.version)}
@@ -348,11 +376,10 @@ async def _generate(
             if isinstance(event, Finished):
                 finished = True
                 gen = event.generation
-                parsed = parse_output(gen.text, job.tools_offered)
-                return _versioned(writer.final(gen, parsed), first.version)
+                return _versioned(writer.final(gen, job.parse(gen)), first.version)
             if isinstance(event, Failed):
                 finished = True
-                return _error(500, f"generation failed: {event.error}", None, first.version)
+                return _error(path, 500, f"generation failed: {event.error}", first.version)
     finally:
         if not finished:
             handle.cancel()  # the client went away: stop generating for it
@@ -380,7 +407,7 @@ async def _stream(events: "asyncio.Queue[Any]", handle: Any, writer: AnswerWrite
             elif isinstance(event, Finished):
                 finished = True
                 gen = event.generation
-                for line in writer.stream_finish(gen, parse_output(gen.text, job.tools_offered), sent, pending):
+                for line in writer.stream_finish(gen, job.parse(gen), sent, pending):
                     yield line
                 return
             elif isinstance(event, Failed):
@@ -402,5 +429,10 @@ def _versioned(payload: Dict[str, Any], version: int, status: int = 200) -> JSON
     return JSONResponse(payload, status_code=status, headers={VERSION_HEADER: str(version)})
 
 
-def _error(status: int, message: str, param: Optional[str], version: int) -> JSONResponse:
-    return _versioned(error_body(message, status, param), version, status)
+def _error(
+    path: str, status: int, message: str, version: int, param: Optional[str] = None, code: Optional[str] = None
+) -> JSONResponse:
+    """An error answer, logged once: a refused framework request can be diagnosed on the server too
+    (the request body is never logged: it holds the user's conversation)."""
+    logger.warning("%s answered %d: %s", path, status, message)
+    return _versioned(error_body(message, status, param, code), version, status)

@@ -15,8 +15,9 @@ The answer then always parses and matches the schema, unless it is cut at ``max_
   format (:mod:`agl.serving.chat_format`), each call naming an offered tool with arguments valid under its
   ``parameters``: an agent that has tools and an output type can still call its tools.
 - ``tool_choice`` ``"required"`` or a named function forces calls the same way: the answer is one or more
-  calls (to that function, when named), arguments valid under the tool's ``parameters``. Where a grammar
-  is in force, ``parallel_tool_calls: false`` allows one call only.
+  calls, arguments valid under the tool's ``parameters``; a named function gets exactly one call, as on
+  OpenAI (see ``openai_api.ChatRequest``). Where a grammar is in force, ``parallel_tool_calls: false``
+  allows one call only. The answer may end after any whole call.
 - A schema llguidance cannot compile (an unknown ``type``, an unsupported keyword) is a 400 naming
   ``response_format`` with llguidance's reason.
 
