@@ -658,17 +658,22 @@ def test_functional_api_tasks_are_agents_named_after_the_task(fake_openai, instr
     assert instrumented._handler is not None and instrumented._handler._runs == {}
 
 
+def chain_of_two_nodes(llm: Any, first: "tuple[str, str]", second: "tuple[str, str]") -> Any:
+    """START -> first -> second -> END; each node (name, prompt) makes one model call with its prompt."""
+    graph = StateGraph(MessagesState)
+    for name, prompt in (first, second):
+        graph.add_node(name, lambda state, prompt=prompt: {"messages": [llm.invoke(prompt)]})
+    graph.add_edge(START, first[0])
+    graph.add_edge(first[0], second[0])
+    graph.add_edge(second[0], END)
+    return graph.compile()
+
+
 def test_a_node_whose_name_starts_with_underscores_is_an_agent(fake_openai, instrumented, sink):
     """Only LangGraph's own ``__start__`` / ``__end__`` are plumbing; a user's ``__scratch`` node is a node."""
-    llm = model(fake_openai.base_url)
-    graph = StateGraph(MessagesState)
-    graph.add_node("__scratch", lambda state: {"messages": [llm.invoke("scratch")]})
-    graph.add_node("answer", lambda state: {"messages": [llm.invoke("answer")]})
-    graph.add_edge(START, "__scratch")
-    graph.add_edge("__scratch", "answer")
-    graph.add_edge("answer", END)
+    app = chain_of_two_nodes(model(fake_openai.base_url), ("__scratch", "scratch"), ("answer", "answer"))
     with agl.rollout_scope("ro-dunder", "at-1"):
-        graph.compile().invoke({"messages": [HumanMessage("go")]})
+        app.invoke({"messages": [HumanMessage("go")]})
     spans = sink.of("ro-dunder")
     assert [s.attributes[semconv.AGENT_NAME] for s in of_kind(spans, "agent")] == ["__scratch", "answer"]
     assert [last_input_text(s) for s in select_llm_calls(spans, "^__scratch$")] == ["scratch"]
@@ -680,14 +685,7 @@ def test_a_caller_leaving_a_graph_stream_early_is_no_error(fake_openai, instrume
     """Breaking out of ``stream()`` closes it (``GeneratorExit`` in the graph's run); leaving ``astream()`` or
     ``astream_events()`` also cancels the running node (``CancelledError``). The spans end without error
     status, marked as stopped by the caller, and nothing is left in the handler's table."""
-    llm = model(fake_openai.base_url, streaming=True)
-    graph = StateGraph(MessagesState)
-    graph.add_node("a", lambda state: {"messages": [llm.invoke("first one two three four")]})
-    graph.add_node("b", lambda state: {"messages": [llm.invoke("second")]})
-    graph.add_edge(START, "a")
-    graph.add_edge("a", "b")
-    graph.add_edge("b", END)
-    app = graph.compile()
+    app = chain_of_two_nodes(model(fake_openai.base_url, streaming=True), ("a", "first one two three four"), ("b", "second"))
     state = {"messages": [HumanMessage("go")]}
 
     async def leave_early() -> None:
