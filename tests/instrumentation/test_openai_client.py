@@ -336,8 +336,9 @@ def test_responses_logprobs_the_server_sends_unasked_are_recorded(client, fake_o
     and the span had none (the Agents SDK's default model trained without its old logprobs)."""
     fake_openai.script(FakeReply(content="five"), FakeReply(content="five"), FakeReply(content="five"))
     with rollout() as scope:
-        client.responses.create(model="fake-model", input="hi", top_logprobs=2)
-        list(client.responses.create(model="fake-model", input="hi", top_logprobs=2, stream=True))
+        asked = {"extra_body": {"top_logprobs": 2}}  # an argument of the SDK only since openai 1.9x
+        client.responses.create(model="fake-model", input="hi", **asked)
+        list(client.responses.create(model="fake-model", input="hi", stream=True, **asked))
         client.responses.create(model="fake-model", input="hi")  # none sent: none recorded
     plain, streamed, without = sink.of(scope.rollout_id)
     expected = [fake_logprob(i) for i in range(len("five"))]
