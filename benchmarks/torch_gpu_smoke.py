@@ -10,12 +10,14 @@ reward is the share of vowels in its answer, a toy objective that varies between
 random ``tiny`` model's included), so every step has advantages to train on.
 
 Before training it checks the served APIs on the device: a greedy chat completion and the same request
-through the Responses API (plain and streamed) give the same token ids and text, and a seeded top-p sample
-repeats, and a JSON-schema ``response_format`` is enforced (structured output). Prints served tokens/s at 1 and 16 concurrent clients, seconds per training step, train tokens/s, the reward
-per step and the logprob drift (served logprobs against the trainer's forward pass: the bfloat16 gap that
-decides whether ``old_logprobs="sample"`` is safe). Exits 1 when a check fails: the model is not on a GPU
-(unless ``--allow-cpu``), the API checks fail, a step did not train, the server did not get each update, or the drift exceeds
-``--max-drift``.
+through the Responses API (plain and streamed) give the same token ids and text, a seeded top-p sample
+repeats, a JSON-schema ``response_format`` is enforced (structured output), and a named ``tool_choice``
+gives exactly one call whose arguments match the tool's schema (the one-call grammar). Prints served
+tokens/s at 1 and 16 concurrent clients, seconds per training step, train tokens/s, the reward per step and
+the logprob drift (served logprobs against the trainer's forward pass: the bfloat16 gap that decides whether
+``old_logprobs="sample"`` is safe). Exits 1 when a check fails: the model is not on a GPU (unless
+``--allow-cpu``), the API checks fail, a step did not train, the server did not get each update, or the
+drift exceeds ``--max-drift``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ VERDICT = {
     "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
     "required": ["answer", "sure"],
     "additionalProperties": False,
+}
+OPERATION_TOOL = {  # bounded arguments, so that even a random model's constrained call ends within max_tokens
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object", "properties": {"op": {"enum": ["add", "sub"]}}, "required": ["op"],
+            "additionalProperties": False,
+        },
+    },
 }
 
 
@@ -100,7 +112,23 @@ def check_apis(base_url: str) -> List[str]:
                 failures.append(f"a structured answer does not match its schema: {answer}")
         except ValueError:
             failures.append(f"a structured answer is not JSON: {structured.choices[0].message.content!r}")
-    checks = "chat = Responses = streamed Responses, seeded top-p repeats, a JSON schema is enforced"
+        forced = client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "Pick an operation."}], max_tokens=64,
+            temperature=1.0, tools=[OPERATION_TOOL], tool_choice={"type": "function", "function": {"name": "pick"}},
+        )
+        calls = forced.choices[0].message.tool_calls or []
+        try:
+            ok = len(calls) == 1 and calls[0].function.name == "pick" and (
+                json.loads(calls[0].function.arguments).get("op") in ("add", "sub")
+            )
+        except ValueError:
+            ok = False
+        if not ok:
+            failures.append(f"a named tool_choice did not give exactly one valid call: {forced.choices[0].message}")
+    checks = (
+        "chat = Responses = streamed Responses, seeded top-p repeats, a JSON schema is enforced, "
+        "a named tool_choice gives one valid call"
+    )
     print(f"  API checks ({checks}): {'FAILED' if failures else 'ok'}")
     return failures
 
