@@ -14,6 +14,17 @@ guardrails without patching. The mapping:
   listings) passes through: its children hang under the nearest mirrored ancestor. Model spans never
   become ``llm`` spans; the client layer makes exactly one per HTTP request.
 
+Errors. The SDK reports failures as a ``SpanError`` on the span it deems responsible. An error on one of
+its run-structure spans (``task``, ``turn``: a tool name the agent lacks, a non-streamed input guardrail
+tripwire) is the run's failure, so it marks the nearest mirrored ancestor (the agent span) failed, as the
+streamed path, where the SDK puts the same error on the agent span, does. Errors on the other pass-through
+spans stay there: a failed model request is already an error ``llm`` span and may be retried by the SDK
+(``ModelRetrySettings``), and a custom span's error (a sandbox command's non-zero exit) is not the agent's.
+The first error an agl span gets is kept: a later one (the SDK's generic ``Error in agent run`` on the
+agent span, after its turn's specific error) neither replaces it nor counts twice.
+A function tool that timed out with ``timeout_behavior="error_as_result"`` gives the model the SDK's
+message but leaves no ``SpanError``; see :func:`_timeout_message`.
+
 Parents come from the SDK's ``parent_id`` (else the trace), not from the ambient context, so concurrent
 runs cannot cross. Making a span current follows the SDK exactly: the SDK marks these spans current right
 after ``on_span_start`` and resets them right after ``on_span_end`` in the same context, so our
@@ -25,6 +36,7 @@ foreign context alone instead of corrupting it.
 from __future__ import annotations
 
 import contextvars
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -53,6 +65,14 @@ HANDOFF_FROM = "openai_agents.handoff.from_agent"
 HANDOFF_TO = "openai_agents.handoff.to_agent"
 GUARDRAIL_TRIGGERED = "openai_agents.guardrail.triggered"
 TRACE_ID = "openai_agents.trace_id"
+TOOL_TIMEOUT = "ToolTimeoutError"  # error.type of a timed-out tool: the exception the SDK made of the timeout
+
+# The SDK's run-structure spans (``SpanData.type``; older SDKs make none, hence no import of their classes):
+# an error on one of them is the enclosing agent's failure.
+_RUN_SPAN_TYPES = frozenset({"task", "turn"})
+# agents.tool.default_tool_timeout_error_message, exactly:
+# f"Tool '{tool_name}' timed out after {timeout_seconds:g} seconds."
+_TIMEOUT_MESSAGE = re.compile(r"Tool '(?P<name>.+)' timed out after (?P<seconds>[0-9.e+\-]+|inf) seconds\.")
 
 # Set beside each OpenTelemetry attach: resetting it tells whether we are still in the context that made
 # the attach (a contextvar token is only valid there), before OpenTelemetry's own detach would log an error.
@@ -143,6 +163,8 @@ class AglTracingProcessor(TracingProcessor):
         data = span.span_data
         if not mirror.owned:
             mirror.pending_calls.extend(requested_calls(data))
+            if getattr(data, "type", None) in _RUN_SPAN_TYPES:
+                _mark_failed(mirror.span, span.error)  # mirror.span is the nearest mirrored ancestor's span
             return
         parent = self._mirrors.get(span.parent_id or span.trace_id)
         if isinstance(data, FunctionSpanData):
@@ -198,8 +220,31 @@ def _end_tool(
         call_id = take_call_id(parent.pending_calls, data.name, data.input)
         if call_id:
             span.set_attribute(semconv.TOOL_CALL_ID, call_id)
+    timeout = None if error else _timeout_message(data)
+    if timeout is not None:
+        span.set_attribute(semconv.ERROR_TYPE, TOOL_TIMEOUT)
+        span.set_status(StatusCode.ERROR, timeout)
     _mark_failed(span, error)
     finish_tool(span, data.output)
+
+
+def _timeout_message(data: FunctionSpanData) -> Optional[str]:
+    """The SDK's message if the function span is a tool call that timed out and was answered with it.
+
+    With ``@function_tool(timeout=...)`` and the default ``timeout_behavior="error_as_result"`` the SDK
+    tells the model ``Tool 'NAME' timed out after N seconds.`` and puts no ``SpanError`` on the span: its only
+    structured signal (``is_sdk_generated_error`` on an internal result object, also set for other handled
+    failures) never reaches a processor. So the output is matched against the SDK's exact template, with the
+    span's own tool name (the span may name it qualified, ``namespace.NAME``). Not recognised: a custom
+    ``timeout_error_function``'s text, and any timeout with ``trace_include_sensitive_data=False`` (the span
+    then has no output). ``timeout_behavior="raise_exception"`` needs none of this: the SDK marks the span.
+    """
+    output = data.output
+    match = _TIMEOUT_MESSAGE.fullmatch(output) if isinstance(output, str) else None
+    if match is None or not data.name:
+        return None
+    name = match.group("name")
+    return output if data.name == name or data.name.endswith(f".{name}") else None
 
 
 def _end_handoff(span: otel_trace.Span, data: HandoffSpanData) -> None:
@@ -210,10 +255,21 @@ def _end_handoff(span: otel_trace.Span, data: HandoffSpanData) -> None:
 
 
 def _mark_failed(span: otel_trace.Span, error: Optional[SpanError]) -> None:
-    """The SDK reports failures as ``SpanError`` dicts, not exceptions: its message is the error class."""
-    if not error:
+    """The SDK reports failures as ``SpanError`` dicts, not exceptions: its message is the error class.
+
+    A span marked failed already keeps its first error: that is the cause (a turn's ``Tool not found``), a
+    later one its consequence (the SDK's generic ``Error in agent run``)."""
+    if not error or _failed(span):
         return
     message = error.get("message") or "error"
     detail = (error.get("data") or {}).get("error")
     span.set_attribute(semconv.ERROR_TYPE, message)
     span.set_status(StatusCode.ERROR, f"{message}: {detail}" if detail else message)
+
+
+def _failed(span: otel_trace.Span) -> bool:
+    """Whether ``span`` has error status already (agl's spans keep it as ``status_code``)."""
+    code = getattr(span, "status_code", None)
+    if code is None:
+        code = getattr(getattr(span, "status", None), "status_code", None)
+    return code is StatusCode.ERROR

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Tuple
 
-from agents.tracing import TraceProvider, TracingProcessor, get_current_trace, get_trace_provider
+from agents.tracing import TraceProvider, TracingProcessor, get_current_trace
 from agents.tracing.traces import NoOpTrace
 
 from agl import semconv
@@ -38,14 +38,10 @@ UNTRACED_WARNING = (
 )
 
 
-def add_processor(processor: AglTracingProcessor) -> Optional[TraceProvider]:
-    """Register ``processor`` with the SDK's provider and return that provider; None (nothing added) if
-    another instrumentor's processor already mirrors spans there, as two would duplicate every span."""
-    provider = get_trace_provider()
-    if any(isinstance(p, AglTracingProcessor) and p.enabled for p in _registered(provider)):
-        return None
-    provider.register_processor(processor)  # what agents.add_trace_processor does
-    return provider
+def add_processor(processor: AglTracingProcessor, provider: TraceProvider) -> None:
+    """Register ``processor`` with ``provider`` (the SDK's current one), as ``agents.add_trace_processor``
+    does. One per provider: the instrumentors share it (see ``OpenAIAgentsInstrumentor``)."""
+    provider.register_processor(processor)
 
 
 @guarded("openai_agents.tracing_disabled", default=False)

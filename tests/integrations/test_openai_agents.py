@@ -166,6 +166,15 @@ def _instructions(span: Span) -> str:
     return sent["instructions"] if isinstance(sent, dict) else sent[0]["content"]
 
 
+def _air(spans: List[Span]) -> Dict[str, Dict[str, float]]:
+    """LightningRL's AIR step rewards (default weights) of a rollout's llm calls, by span id."""
+    from agl.lightningrl.air import AIRConfig, air_rewards
+    from agl.lightningrl.links import CallLinks
+    from agl.lightningrl.tree import build_tree
+
+    return air_rewards(CallLinks(build_tree(spans)), [s.span_id for s in _of_kind(spans, "llm")], AIRConfig())
+
+
 # -- every entry point, both APIs, plain and streamed --------------------------------------------------------
 @pytest.mark.parametrize("mode", ["run", "run_sync", "run_streamed"])
 @pytest.mark.parametrize("api", ["responses", "chat_completions"])
@@ -380,10 +389,6 @@ def test_a_tool_that_raises_is_an_error_span_and_the_run_goes_on(fake_openai, in
 def test_a_tool_call_with_broken_arguments_costs_one_air_penalty(fake_openai, instrumented, sink) -> None:
     """The SDK runs (and fails) a tool whose arguments do not parse; LangGraph does not run it. AIR counted
     the SDK's failed tool as a second penalty for the same mistake (args_invalid and tool_error)."""
-    from agl.lightningrl.air import AIRConfig, air_rewards
-    from agl.lightningrl.links import CallLinks
-    from agl.lightningrl.tree import build_tree
-
     fake_openai.script(
         FakeReply(tool_calls=[{"id": "c1", "name": "add", "arguments": '{"a": 1, "b":'}]),
         FakeReply(tool_calls=[{"id": "c2", "name": "divide", "arguments": {"a": 4, "b": 0}}]),
@@ -396,9 +401,54 @@ def test_a_tool_call_with_broken_arguments_costs_one_air_penalty(fake_openai, in
     spans = sink.of(rollout_id)
     assert [t.status for t in _of_kind(spans, "tool")] == ["error", "error"]  # the SDK ran both, both failed
     first, second, _ = sorted(_of_kind(spans, "llm"), key=lambda s: s.sequence_id)
-    out = air_rewards(CallLinks(build_tree(spans)), [s.span_id for s in _of_kind(spans, "llm")], AIRConfig())
+    out = _air(spans)
     assert out[first.span_id] == pytest.approx({"air.args_invalid": -0.1})
     assert out[second.span_id] == pytest.approx({"air.tool_error": -0.1})  # a tool that raised on good arguments
+
+
+def test_a_tool_that_timed_out_is_an_error_span_and_an_air_tool_error(fake_openai, instrumented, sink) -> None:
+    """``@function_tool(timeout=...)`` answers a timeout with a message to the model (the default
+    ``timeout_behavior="error_as_result"``) and puts no error on its span: the call was recorded as a tool
+    that worked, and AIR saw no failure."""
+    from agents.tool import default_tool_timeout_error_message
+
+    @function_tool(timeout=0.05)
+    async def slow(a: float) -> float:
+        """Think for a long time."""
+        await asyncio.sleep(2)
+        return a
+
+    fake_openai.script(FakeReply(tool_calls=[{"name": "slow", "arguments": {"a": 1}}]), FakeReply(content="Too slow."))
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        assert _run(Agent(name="waiter", tools=[slow]), QUESTION, "run") == "Too slow."
+
+    spans = sink.of(rollout_id)
+    (tool,) = _of_kind(spans, "tool")
+    message = default_tool_timeout_error_message(tool_name="slow", timeout_seconds=0.05)
+    assert tool.status == "error" and tool.error == message and tool.attributes[semconv.ERROR_TYPE] == "ToolTimeoutError"
+    assert tool.attributes[semconv.TOOL_CALL_RESULT] == message  # what the model was told
+    (agent,) = _of_kind(spans, "agent")
+    assert agent.status != "error"  # the SDK handled it: the run went on
+    first = min(_of_kind(spans, "llm"), key=lambda s: s.sequence_id)
+    assert _air(spans) == {first.span_id: pytest.approx({"air.tool_error": -0.1})}
+
+
+def test_a_tool_that_returns_timeout_like_text_is_not_a_timeout(fake_openai, instrumented, sink) -> None:
+    """Only the SDK's exact message, naming this very tool, counts."""
+
+    @function_tool
+    def echo(text: str) -> str:
+        """Echo the text."""
+        return text
+
+    said = "Tool 'other' timed out after 1 seconds."
+    fake_openai.script(FakeReply(tool_calls=[{"name": "echo", "arguments": {"text": said}}]), FakeReply(content="ok"))
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        _run(Agent(name="echoer", tools=[echo]), QUESTION, "run")
+    (tool,) = _of_kind(sink.of(rollout_id), "tool")
+    assert tool.status != "error" and tool.attributes[semconv.TOOL_CALL_RESULT] == said
 
 
 @function_tool
@@ -411,10 +461,6 @@ def recorded_twice_divide(a: float, b: float) -> float:
 def test_a_tool_recorded_by_both_agl_tool_and_function_tool_costs_one_air_penalty(fake_openai, instrumented, sink) -> None:
     """@function_tool over @agl.tool (the README advertises @agl.tool) makes two nested tool spans for one
     call; AIR counted a failure of it twice."""
-    from agl.lightningrl.air import AIRConfig, air_rewards
-    from agl.lightningrl.links import CallLinks
-    from agl.lightningrl.tree import build_tree
-
     fake_openai.script(
         FakeReply(tool_calls=[{"name": "recorded_twice_divide", "arguments": {"a": 4, "b": 0}}]),
         FakeReply(content="I could not."),
@@ -427,8 +473,7 @@ def test_a_tool_recorded_by_both_agl_tool_and_function_tool_costs_one_air_penalt
     outer, inner = sorted(_of_kind(spans, "tool"), key=lambda s: s.start_time)
     assert inner.parent_id == outer.span_id and outer.status == inner.status == "error"
     first = min(_of_kind(spans, "llm"), key=lambda s: s.sequence_id)
-    out = air_rewards(CallLinks(build_tree(spans)), [s.span_id for s in _of_kind(spans, "llm")], AIRConfig())
-    assert out == {first.span_id: pytest.approx({"air.tool_error": -0.1})}
+    assert _air(spans) == {first.span_id: pytest.approx({"air.tool_error": -0.1})}
 
 
 def test_a_tool_error_that_ends_the_run_still_ends_every_span(fake_openai, instrumented, sink) -> None:
@@ -442,6 +487,79 @@ def test_a_tool_error_that_ends_the_run_still_ends_every_span(fake_openai, instr
     (tool,) = _of_kind(spans, "tool")
     assert tool.status == "error" and "division by zero" in tool.error
     assert otel_trace.get_current_span() is otel_trace.INVALID_SPAN  # nothing left attached
+
+
+@agents.input_guardrail
+async def refuse_everything(ctx: Any, agent: Agent, text: Any) -> agents.GuardrailFunctionOutput:
+    return agents.GuardrailFunctionOutput(output_info="no", tripwire_triggered=True)
+
+
+@pytest.mark.parametrize("mode", ["run", "run_streamed"])
+@pytest.mark.parametrize(
+    "case, error_type",
+    [("unknown tool", "Tool not found"), ("input tripwire", "Guardrail tripwire triggered")],
+)
+def test_a_run_that_fails_in_a_turn_fails_its_agent_span(
+    case: str, error_type: str, mode: str, fake_openai, instrumented, sink
+) -> None:
+    """The SDK records these failures on its turn span, which agl passes through: the agent span of the
+    failed run looked successful (and did fail for the same tripwire streamed, where the SDK puts the error on
+    the agent span)."""
+    if case == "unknown tool":
+        fake_openai.script(FakeReply(tool_calls=[{"name": "no_such_tool", "arguments": {}}]))
+        agent = _calculator()
+    else:
+        agent = _calculator(input_guardrails=[refuse_everything])
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"), pytest.raises(agents.exceptions.AgentsException):
+        _run(agent, QUESTION, mode)
+
+    spans = sink.of(rollout_id)
+    (agent_span,) = _of_kind(spans, "agent")
+    assert agent_span.status == "error" and agent_span.error == error_type
+    assert agent_span.attributes[semconv.ERROR_TYPE] == error_type
+    (workflow,) = [s for s in spans if s.parent_id is None]
+    assert workflow.status != "error"  # the turn's error goes to its nearest mirrored ancestor only
+    assert _open_mirrors() == 0
+
+
+def test_a_turn_error_is_kept_over_the_agent_spans_later_generic_one(instrumented, sink) -> None:
+    """The first error is the cause: the SDK's generic one, on the agent span after its turn failed, neither
+    replaces it nor marks the span twice."""
+    rollout_id = _rollout_id()
+
+    def scenario() -> None:
+        with rollout_scope(rollout_id, "at-1"), agents.trace("manual"):
+            with agents.tracing.agent_span(name="manual_agent") as agent_span:
+                with agents.tracing.turn_span(turn=1, agent_name="manual_agent") as turn:
+                    turn.set_error(agents.tracing.SpanError(message="Tool not found", data={"tool_name": "x"}))
+                with agents.tracing.turn_span(turn=2, agent_name="manual_agent") as turn:
+                    turn.set_error(agents.tracing.SpanError(message="Second", data={}))
+                agent_span.set_error(agents.tracing.SpanError(message="Error in agent run", data={"error": "boom"}))
+
+    contextvars.copy_context().run(scenario)
+
+    (agent_span,) = _of_kind(sink.of(rollout_id), "agent")
+    assert agent_span.error == agent_span.attributes[semconv.ERROR_TYPE] == "Tool not found"
+
+
+def test_a_model_request_the_sdk_retried_does_not_fail_the_agent(fake_openai, instrumented, sink) -> None:
+    """Model spans pass through without their errors: the failed request is an error llm span already, and
+    the SDK's runner-level retry (``ModelSettings(retry=...)``) recovered from it."""
+    retry = pytest.importorskip("agents.retry")
+    fake_openai.script(FakeReply(status_code=500, error_message="try again"), FakeReply(content="Fine."))
+    settings = agents.ModelSettings(
+        retry=retry.ModelRetrySettings(max_retries=1, backoff={"initial_delay": 0.01, "jitter": False},
+                                       policy=retry.retry_policies.http_status([500]))
+    )
+    rollout_id = _rollout_id()
+    with rollout_scope(rollout_id, "at-1"):
+        assert _run(Agent(name="retrier", model_settings=settings), QUESTION, "run") == "Fine."
+
+    spans = sink.of(rollout_id)
+    assert [s.status == "error" for s in sorted(_of_kind(spans, "llm"), key=lambda s: s.sequence_id)] == [True, False]
+    (agent_span,) = _of_kind(spans, "agent")
+    assert agent_span.status != "error"
 
 
 # -- concurrency: threads and asyncio tasks keep their spans in their own rollout ----------------------------
@@ -583,6 +701,36 @@ def test_instrumenting_twice_equals_once(fake_openai, instrumented, sink) -> Non
 
     assert sorted(s.kind for s in sink.of(rollout_id)) == ["agent", "chain", "llm", "llm", "tool"]
     assert sum(isinstance(p, AglTracingProcessor) for p in _processors()) == 1
+
+
+def test_a_second_instrumentor_keeps_recording_after_agl_uninstrument(sdk: UserProcessor, fake_openai, sink) -> None:
+    """A second instance shares agl's processor: it said it was instrumented, yet once ``agl.uninstrument()``
+    took the one processor out, agent and tool spans were lost without a word (and ``instrument()`` again
+    could not repair it)."""
+    from agl.instrumentation.base import is_hooked
+
+    def recorded_kinds() -> List[str]:
+        rollout_id = _rollout_id()
+        with rollout_scope(rollout_id, "at-1"):
+            Runner.run_sync(_calculator(), QUESTION)
+        return sorted(s.kind for s in sink.of(rollout_id))
+
+    agl.uninstrument()
+    assert agl.instrument(frameworks=["openai_agents"])
+    mine = OpenAIAgentsInstrumentor()
+    assert mine.instrument() and mine.instrument()  # idempotent: still one use of the shared processor
+    try:
+        assert sum(isinstance(p, AglTracingProcessor) for p in _processors()) == 1
+        agl.uninstrument()
+        agl.instrument(frameworks=[])  # the OpenAI-client layer again, for the llm spans
+        assert mine.is_instrumented and is_hooked("openai_agents")
+        assert [type(p) for p in _processors()] == [UserProcessor, AglTracingProcessor]
+        assert recorded_kinds() == ["agent", "chain", "llm", "llm", "tool"]
+    finally:
+        mine.uninstrument()
+    assert _processors() == (sdk,)  # the last user took out agl's processor, and only it
+    assert not is_hooked("openai_agents") and recorded_kinds() == ["llm", "llm"]
+    agl.uninstrument()
 
 
 def test_an_internal_error_never_reaches_the_user(monkeypatch, fake_openai, instrumented, sink) -> None:
