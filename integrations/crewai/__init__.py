@@ -120,9 +120,7 @@ class CrewAIInstrumentor(Instrumentor):
         self._patches = PatchSet()
 
     def _instrument(self, **kwargs: Any) -> None:
-        if w.Hooks.owner is not None:
-            logger.debug("agl: CrewAI is already hooked by another CrewAIInstrumentor; not hooking it twice")
-            return
+        # A second CrewAIInstrumentor shares these hooks (agl.instrumentation.base) and never gets here.
         wrappers = _make_wrappers()
         for module, name, key in _TARGETS:
             target = resolve_target(module, name)

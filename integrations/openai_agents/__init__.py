@@ -15,8 +15,7 @@ See docs/integrations/openai_agents.md.
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Tuple
 
 from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.framework import PatchSet
@@ -25,30 +24,12 @@ from agl.instrumentation.safety import guard
 logger = logging.getLogger("agl.instrumentation")
 
 
-class _Registration:
-    """agl's one processor on one SDK trace provider, and the patch that keeps it there, shared by every
-    hooked :class:`OpenAIAgentsInstrumentor` of that provider (``users`` counts them)."""
-
-    def __init__(self, processor: Any, provider: Any) -> None:
-        self.processor = processor
-        self.provider = provider
-        self.patches = PatchSet()
-        self.users = 0
-
-
-_registrations_lock = threading.Lock()
-_registrations: Dict[int, _Registration] = {}  # id(provider) -> its registration (which keeps the provider alive)
-
-
 class OpenAIAgentsInstrumentor(Instrumentor):
     """Mirrors the Agents SDK's traces into agl spans through a tracing processor of its own.
 
-    Several instances (``agl.instrument()``'s and one a user or a library hooks itself, OpenInference-style)
-    share one processor per SDK trace provider, reference-counted: the first ``instrument()`` registers it,
-    every later one joins it (two processors would mirror every span twice), and only the last
-    ``uninstrument()`` takes it out, agl's processor and nothing else. So every instance that reports
-    ``is_instrumented`` really has agl's processor registered, whichever of them is uninstrumented first.
-    ``instrument()`` twice on one instance is still one use.
+    ``agl.instrument()``'s instance and one a user or a library hooks itself (OpenInference-style) share that
+    one processor (the base class shares the hooks of one instrumentor class): two processors would mirror
+    every span twice, and the last ``uninstrument()`` takes it out, agl's processor and nothing else.
     """
 
     name = "openai_agents"
@@ -56,7 +37,9 @@ class OpenAIAgentsInstrumentor(Instrumentor):
 
     def __init__(self) -> None:
         super().__init__()
-        self._registration: Optional[_Registration] = None
+        self._processor: Any = None
+        self._provider: Any = None
+        self._patches = PatchSet()
 
     def _instrument(self, **kwargs: Any) -> None:
         from agents.tracing import get_trace_provider
@@ -69,21 +52,11 @@ class OpenAIAgentsInstrumentor(Instrumentor):
             watch_untraced,
         )
 
-        provider = get_trace_provider()
-        with _registrations_lock:
-            registration = _registrations.get(id(provider))
-            joined = registration is not None
-            if registration is None:
-                registration = _registrations[id(provider)] = _Registration(AglTracingProcessor(), provider)
-            registration.users += 1
-            self._registration = registration  # before hooking: a failure below is undone by _uninstrument
-            if joined:
-                logger.debug("agl: another OpenAIAgentsInstrumentor traces the Agents SDK; sharing its processor")
-            else:
-                add_processor(registration.processor, provider)
-                keep_after_replace(registration.patches, registration.processor, provider)
-                watch_untraced(registration.processor)
-        if tracing_disabled(provider):
+        self._processor, self._provider = AglTracingProcessor(), get_trace_provider()
+        add_processor(self._processor, self._provider)
+        keep_after_replace(self._patches, self._processor, self._provider)
+        watch_untraced(self._processor)
+        if tracing_disabled(self._provider):
             # The SDK's switch silences every processor, agl's too: agents would go unnamed in the spans.
             logger.warning(
                 "agl: the OpenAI Agents SDK's tracing is disabled (OPENAI_AGENTS_DISABLE_TRACING or "
@@ -95,17 +68,11 @@ class OpenAIAgentsInstrumentor(Instrumentor):
     def _uninstrument(self) -> None:
         from agl.integrations.openai_agents._registration import remove_processor
 
-        with _registrations_lock:
-            registration, self._registration = self._registration, None
-            if registration is None:
-                return
-            registration.users -= 1
-            if registration.users > 0:
-                return  # another hooked instance still uses the processor
-            _registrations.pop(id(registration.provider), None)
-            registration.patches.restore()
+        self._patches.restore()
+        if self._processor is not None:
             with guard("openai_agents.uninstrument"):
-                remove_processor(registration.processor, registration.provider)
+                remove_processor(self._processor, self._provider)
+        self._processor = self._provider = None
 
 
 __all__ = ["OpenAIAgentsInstrumentor"]

@@ -555,3 +555,21 @@ def test_outside_the_supported_range_it_warns_once_and_patches_nothing(caplog):
 
 def test_the_example_runs_as_its_docstring_says(dev_example) -> None:
     dev_example("autogen_agent.py:autogen_calc_agent", "^calculator$")
+
+
+def test_a_second_autogen_instrumentor_shares_the_hooks(fake_openai, instrumented, sink):
+    """agl.instrument() and a user's own AutoGenInstrumentor: before, the second stacked its wrappers on the
+    first (every agent and tool span twice, and an internal error from the thread-pool hop)."""
+    second = AutoGenInstrumentor()
+    try:
+        assert second.instrument()
+        wrapped_once = {(cls, attr): cls.__dict__[attr] for cls, attr in PATCHED}
+        assert span_kinds(sink.of(run_in_rollout(one_tool_turn(fake_openai.base_url)))) == ["agent", "llm", "tool"]
+        agl.instrumentation.uninstrument()  # agl's instance lets go; the user's still records
+        agl.instrument(frameworks=[])  # the OpenAI client layer alone
+        assert all(cls.__dict__[attr] is wrapped_once[cls, attr] for cls, attr in PATCHED)
+        assert span_kinds(sink.of(run_in_rollout(one_tool_turn(fake_openai.base_url)))) == ["agent", "llm", "tool"]
+    finally:
+        second.uninstrument()
+    assert all(cls.__dict__[attr] is not wrapped_once[cls, attr] for cls, attr in PATCHED)  # the last let go
+    assert span_kinds(sink.of(run_in_rollout(one_tool_turn(fake_openai.base_url)))) == ["llm"]

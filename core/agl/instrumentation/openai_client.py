@@ -334,7 +334,7 @@ def _wants_token_ids(request_token_ids: Optional[bool], scope: Optional[RolloutS
 
 def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        if not instrumentor.is_instrumented:  # a method bound while hooked, called after agl.uninstrument()
+        if not instrumentor.hooks_live:  # a method bound while hooked, called after agl.uninstrument()
             return wrapped(*args, **kwargs)
         try:
             call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
@@ -360,7 +360,7 @@ def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...
     """Returns the coroutine at once, like the SDK: argument errors still raise at call time, not at await."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        if not instrumentor.is_instrumented:  # a method bound while hooked, called after agl.uninstrument()
+        if not instrumentor.hooks_live:  # a method bound while hooked, called after agl.uninstrument()
             return wrapped(*args, **kwargs)
         try:
             call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
