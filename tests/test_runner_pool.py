@@ -102,7 +102,7 @@ def test_stopping_thread_runners_does_not_wait_for_a_busy_agent(tmp_path: Path) 
     started = time.monotonic()
     pool.stop(timeout=0.5)
     assert time.monotonic() - started < 2.5, "stop waited for the busy agent thread"
-    # (the store stays open: the abandoned agent still reports its rollout when it wakes)
+    # (the runner left behind reports nothing when its agent wakes: see tests/test_runner_stop_thread.py)
 
 
 # --- spawned runner processes (macOS, or $AGL_START_METHOD=spawn) -------------------------------------------

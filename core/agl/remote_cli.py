@@ -70,7 +70,8 @@ def add_runner_parser(sub: Any) -> None:
         help="run an agent's rollouts from a store (on this machine, for a trainer elsewhere)",
         description="Start runners that take rollouts from the store, run the agent and report spans and "
         "results. SIGTERM or Ctrl-C stops them gracefully: idle runners leave at once, busy ones finish "
-        "their rollout. Dead runner processes are replaced.",
+        "their rollout (up to --stop-timeout; a rollout still running then ends as failed, and is retried if its "
+        "max_attempts allow). Dead runner processes are replaced.",
     )
     runner.add_argument("--store", required=True, help="the store: http://HOST:PORT of `agl store serve`, "
                         "postgresql://USER@HOST/DATABASE (the postgres extra), or a .db file on this machine")
@@ -163,7 +164,8 @@ def cmd_runner(args: argparse.Namespace) -> int:
     stopped_by = ["an error"]  # what stopped the runners, for the error of an attempt that had to be killed
 
     def on_signal(signum: int, frame: Any) -> None:
-        logger.warning("signal %s: stopping the runners (busy ones finish their rollout)", signum)
+        logger.warning("signal %s: stopping the runners (busy ones get --stop-timeout %g s to finish their rollout)",
+                       signum, args.stop_timeout)
         stopped_by[0] = signal.Signals(signum).name
         stop.set()
 
@@ -181,6 +183,9 @@ def cmd_runner(args: argparse.Namespace) -> int:
             pool.check()  # replaces runners that died
     finally:
         reason = f"agl runner was stopped by {stopped_by[0]}; busy runners get --stop-timeout {args.stop_timeout:g} s"
+        # Busy runners had up to --stop-timeout; one still busy then was killed (a process) or left behind (a
+        # thread: it reports nothing more, and its agent thread does not keep this process alive), and its
+        # attempt ended as failed. Only then is the store closed.
         pool.stop(args.stop_timeout, reason=reason)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -6,6 +6,9 @@ agent is cancelled (``CancelledError`` in its coroutine, so its open spans end a
 goes on to the next rollout; a sync agent, or a coroutine that does not stop within
 ``CANCEL_GRACE_S``, cannot be stopped: the runner marks itself *stuck* (a process runner exits so its pool
 starts a fresh one). Heartbeats go to the store from a small thread while the agent runs.
+
+The agent thread is a daemon: one the runner had to leave behind (stuck, or still busy when its pool stopped
+and :meth:`Runner.abandon` was called) does not keep the process alive at exit.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import concurrent.futures
 import inspect
 import logging
 import os
+import queue
 import threading
 import time
 import traceback
@@ -85,6 +89,65 @@ def _how_it_ended(store: LightningStore, rollout_id: str, attempt_id: str) -> st
     return "was ended by the store (timed out?)"
 
 
+class _AgentThread:
+    """The runner's agent thread: a one-thread executor (``submit`` returns a Future) whose thread is a daemon.
+
+    A ThreadPoolExecutor's threads are joined when the interpreter exits, so an agent the runner had left
+    behind (stuck past its timeout, or busy past its pool's stop timeout) kept the whole process alive until
+    it returned: ``agl runner --runner-mode thread`` outlived its ``--stop-timeout``."""
+
+    def __init__(self) -> None:
+        self._tasks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # (future, fn, args), or None: leave
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._shut_down = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
+        future: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        with self._lock:
+            if self._shut_down:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._tasks.put((future, fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="agl-agent", daemon=True)
+                self._thread.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            future, fn, args = task
+            del task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del future, fn, args
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            while cancel_futures:
+                try:
+                    task = self._tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if task is not None:
+                    task[0].cancel()
+            self._tasks.put(None)  # the thread leaves once its current task returns
+            thread = self._thread
+        if wait and thread is not None:
+            thread.join()
+
+
 class _Heartbeat:
     """Heartbeats one attempt every ``interval`` seconds until stopped."""
 
@@ -103,6 +166,8 @@ class _Heartbeat:
                 logger.warning("attempt %s of %s %s", attempt_id, rollout_id, _how_it_ended(store, rollout_id, attempt_id))
                 return
             except Exception as exc:  # noqa: BLE001 - a flaky store must not kill the rollout
+                if self._stop.is_set():  # stopped meanwhile (its runner abandoned, the store closed after): moot
+                    return
                 logger.warning("heartbeat for %s failed: %s", rollout_id, exc)
 
     def stop(self) -> None:
@@ -140,8 +205,10 @@ class Runner:
         self.stuck = False
         self._agent_busy = False  # the agent thread runs a rollout (set and cleared on that thread)
         self._closed = False
+        self.abandoned: Optional[str] = None  # why the pool left this runner behind (see abandon)
+        self._heartbeat: Optional[_Heartbeat] = None  # of the rollout running now
         self.agent_name = rollout_agent_name(agent)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-agent")
+        self._executor = _AgentThread()
         self._thread_state = threading.local()
         self._running_task: Optional[Tuple[asyncio.AbstractEventLoop, "asyncio.Task[Any]"]] = None  # an async rollout
         self.tracer.set_store(store)
@@ -156,10 +223,13 @@ class Runner:
         same store call (one round trip less per rollout for a runner on another machine)."""
         if rollout.attempt is None:
             raise ValueError("run_rollout needs a dequeued rollout (rollout.attempt is None): use store.dequeue_rollout")
+        if self.abandoned:  # claimed after its pool gave up on this runner, which then ended nothing: end it here
+            self._refuse(rollout)
+            return rollout, []
         attempt_id = rollout.attempt.attempt_id
         scope = RolloutScope(rollout.rollout_id, attempt_id, rollout.mode, self.request_token_ids)
         dropped_before = self.tracer.stats().dropped
-        heartbeat = _Heartbeat(self.store, rollout.rollout_id, attempt_id, self.heartbeat_interval)
+        heartbeat = self._heartbeat = _Heartbeat(self.store, rollout.rollout_id, attempt_id, self.heartbeat_interval)
         status, reward, error = "succeeded", None, None
         try:
             resources = self._resources(rollout)
@@ -178,6 +248,11 @@ class Runner:
             logger.info("rollout %s failed: %s", rollout.rollout_id, error)
         finally:
             heartbeat.stop()
+            self._heartbeat = None
+        if self.abandoned:  # the pool ended this attempt as failed when it gave up on the runner: report nothing
+            logger.info("rollout %s: its agent returned after its runner %s was left behind (%s); result not recorded",
+                        rollout.rollout_id, self.runner_id, self.abandoned)
+            return rollout, []
         if not self.tracer.flush(self.flush_timeout):
             logger.warning("spans of rollout %s were not all stored within %s s", rollout.rollout_id, self.flush_timeout)
         dropped = self.tracer.stats().dropped - dropped_before
@@ -191,8 +266,29 @@ class Runner:
                 )
             return self.store.complete_attempt(rollout.rollout_id, attempt_id, status, **outcome), []  # type: ignore[arg-type]
         except StaleAttemptError as exc:
+            if self.abandoned:  # the pool ended the attempt just before: expected, said by the pool
+                return rollout, []
             logger.warning("rollout %s: result not recorded: %s", rollout.rollout_id, exc)
             return self.store.get_rollout(rollout.rollout_id), []
+
+    def abandon(self, reason: str) -> None:
+        """Give up on this runner (its pool stops and it is still busy): stop heart-beating at once, report
+        nothing of the rollout its agent is still running (the pool ends that attempt as failed), and run no
+        other. The agent thread cannot be stopped; it is a daemon, so it does not keep the process alive."""
+        self.abandoned = reason
+        heartbeat = self._heartbeat
+        if heartbeat is not None:
+            heartbeat.stop()
+
+    def _refuse(self, rollout: Rollout) -> None:
+        """End, as failed, an attempt this abandoned runner claimed and will not run; quietly, as the store may
+        be closed already (its heartbeat timeout then ends it)."""
+        assert rollout.attempt is not None
+        try:
+            self.store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "failed", error=(
+                f"runner {self.runner_id} was stopped before this rollout started: {self.abandoned}"))
+        except Exception as exc:  # noqa: BLE001 - StaleAttemptError, or a closed store
+            logger.debug("rollout %s: not ended by abandoned runner %s: %s", rollout.rollout_id, self.runner_id, exc)
 
     def _resources(self, rollout: Rollout) -> NamedResources:
         update = self.store.get_resources(rollout.resources_id)
@@ -286,7 +382,7 @@ class Runner:
         # reporting so no thread leaks for long.
         self.stuck = True
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-agent")
+        self._executor = _AgentThread()
 
     # -- loop ----------------------------------------------------------------------------------------------
     def run_forever(
@@ -313,7 +409,7 @@ class Runner:
         claimed: List[Rollout] = []  # claimed with the last completion: run even if a stop came meanwhile
 
         def go_on() -> bool:
-            return not should_stop() and (max_rollouts is None or done < max_rollouts)
+            return not should_stop() and not self.abandoned and (max_rollouts is None or done < max_rollouts)
 
         def claim_next() -> bool:  # asked when a rollout is reported: will this loop run another one?
             return go_on() and (max_rollouts is None or done + 1 < max_rollouts) and not (self.stuck and exit_when_stuck)

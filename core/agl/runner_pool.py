@@ -4,7 +4,9 @@ Processes are forked on Linux, so the agent object needs no pickling and they st
 macOS (and with ``$AGL_START_METHOD=spawn``) they are spawned: the agent is pickled (a module-level agent
 pickles by name) and each process hooks what ``agl.instrument()`` hooked in the parent.
 Idle workers sleep inside the store's dequeue and are woken when work arrives. On stop, an idle worker
-process exits at once (SIGTERM); a busy one finishes its rollout first.
+process exits at once (SIGTERM); a busy one finishes its rollout first, up to the stop timeout. Then a busy
+process is killed, and a busy thread left behind (threads cannot be killed; see ``Runner.abandon``); either
+way the pool ends its attempt as failed at once, saying why, so the rollout is retried now.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 from agl.errors import StaleAttemptError, StoreAuthError, StoreUnavailableError
@@ -69,18 +72,31 @@ def _run_worker(runner: Runner, stop: Any, **options: Any) -> int:
     return _STUCK_EXIT_CODE if runner.stuck else 0
 
 
+def _tracking(current: Any) -> Callable[[Optional[Rollout]], None]:
+    """A worker's ``on_busy``: keeps "ROLLOUT_ID ATTEMPT_ID" of the rollout it works on in ``current`` (shared
+    memory for a process, a plain object for a thread), so that the pool can end that attempt at once if the
+    worker is still busy when the pool stops (see RunnerPool._end_attempt_of)."""
+
+    def on_busy(rollout: Optional[Rollout]) -> None:
+        attempt = rollout.attempt if rollout is not None else None
+        current.value = f"{attempt.rollout_id} {attempt.attempt_id}".encode() if attempt else b""
+
+    return on_busy
+
+
 class _RunnerThread(threading.Thread):
     """A thread-mode worker, with an ``exitcode`` like a process's (None while it runs)."""
 
-    def __init__(self, runner: Runner, stop: threading.Event) -> None:
+    def __init__(self, runner: Runner, stop: threading.Event, current: Any) -> None:
         super().__init__(name=f"agl-{runner.runner_id}", daemon=True)
         self.runner = runner
         self.stop_event = stop
+        self.current = current
         self.exitcode: Optional[int] = None
 
     def run(self) -> None:
         # threads cannot be signalled: check the stop flag often
-        self.exitcode = _run_worker(self.runner, self.stop_event, wait_timeout=0.25)
+        self.exitcode = _run_worker(self.runner, self.stop_event, wait_timeout=0.25, on_busy=_tracking(self.current))
 
 
 def _process_main(
@@ -109,12 +125,12 @@ def _process_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us cleanly
     threading.Thread(target=_leave_with_parent, args=(os.getppid(), on_sigterm), daemon=True).start()
     runner = Runner(agent, store, runner_id=runner_id, **kwargs)
+    track = _tracking(current) if current is not None else None
 
     def set_busy(rollout: Optional[Rollout]) -> None:
         busy["now"] = rollout is not None
-        if current is not None:
-            attempt = rollout.attempt if rollout is not None else None
-            current.value = f"{attempt.rollout_id} {attempt.attempt_id}".encode() if attempt else b""
+        if track is not None:
+            track(rollout)
 
     code = _run_worker(runner, stop, exit_when_stuck=True, on_busy=set_busy)
     if code in (0, _STUCK_EXIT_CODE):
@@ -166,14 +182,15 @@ class RunnerPool:
         self._ctx = _mp_context()
         self._stop: Union[threading.Event, Any] = self._ctx.Event() if mode == "process" else threading.Event()
         self._workers: List[Any] = []
-        self._current: List[Any] = []  # per process worker: "ROLLOUT_ID ATTEMPT_ID" it works on (see _process_main)
+        self._current: List[Any] = []  # per worker: "ROLLOUT_ID ATTEMPT_ID" it works on (see _tracking)
         self._started_at: List[float] = []
         self._quick_deaths = 0
         self._runners: List[Runner] = []
 
     def start(self) -> "RunnerPool":
         for i in range(self.n_runners):
-            self._current.append(self._ctx.RawArray("c", _CURRENT_BYTES) if self.mode == "process" else None)
+            process = self.mode == "process"
+            self._current.append(self._ctx.RawArray("c", _CURRENT_BYTES) if process else SimpleNamespace(value=b""))
             self._workers.append(self._spawn(i))
             self._started_at.append(time.monotonic())
         return self
@@ -205,7 +222,8 @@ class RunnerPool:
             return proc
         runner = Runner(self.agent, self.store, runner_id=runner_id, **self.runner_kwargs)
         self._runners.append(runner)
-        thread = _RunnerThread(runner, self._stop)
+        self._current[index].value = b""
+        thread = _RunnerThread(runner, self._stop, self._current[index])
         thread.start()
         return thread
 
@@ -248,37 +266,42 @@ class RunnerPool:
 
     def stop(self, timeout: float = 10.0, *, reason: Optional[str] = None) -> None:
         """Stop every worker: idle ones at once, busy ones after their rollout; ``timeout`` bounds the whole
-        stop, not each worker (processes still running then are killed; threads are left as daemons).
+        stop, not each worker. Processes still running then are killed; threads, which cannot be killed, are
+        left behind (``Runner.abandon``: no more heartbeats or reports; their agent threads are daemons, so
+        they do not keep the process alive).
 
-        A killed process's attempt is ended as failed at once, the error naming ``reason`` (why the pool
-        stops), so the rollout is retried now (while ``max_attempts`` allows) rather than after its heartbeat
-        timeout, and nobody mistakes it for a runner that hung."""
+        The attempt of a worker killed or left behind is ended as failed at once, the error naming ``reason``
+        (why the pool stops), so the rollout is retried now (while ``max_attempts`` allows) rather than after
+        its heartbeat timeout, and nobody mistakes it for a runner that hung."""
         self._stop.set()
         deadline = time.monotonic() + timeout
         if self.mode == "process":
             for proc in self._workers:
                 if proc.is_alive():
                     proc.terminate()
-            for proc in self._workers:
-                proc.join(max(0.0, deadline - time.monotonic()))
-            why = reason or f"its pool stopped and gave busy runners {timeout:g} s"
-            for i, proc in enumerate(self._workers):
-                if proc.is_alive():
-                    logger.warning("runner %s did not stop within %s s; killing it", proc.name, timeout)
-                    proc.kill()
-                    proc.join(1.0)
-                    self._end_attempt_of(i, f"runner {proc.name} was killed before this rollout ended: {why}")
-        else:
-            for thread in self._workers:
-                thread.join(max(0.0, deadline - time.monotonic()))
-            for runner in self._runners:
-                runner.close()
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        why = reason or f"its pool stopped and gave busy runners {timeout:g} s"
+        for i, worker in enumerate(self._workers):
+            if not worker.is_alive():
+                continue
+            if self.mode == "process":
+                logger.warning("runner %s did not stop within %s s; killing it", worker.name, timeout)
+                worker.kill()
+                worker.join(1.0)
+                self._end_attempt_of(i, f"runner {worker.name} was killed before this rollout ended: {why}")
+            else:
+                logger.warning("runner %s did not stop within %s s; leaving it behind", worker.name, timeout)
+                worker.runner.abandon(why)  # first: it must not report (or heartbeat) the attempt ended here
+                self._end_attempt_of(i, f"runner {worker.name} was stopped before this rollout ended: {why}")
+        for runner in self._runners:
+            runner.close()
         self._workers.clear()
         self._current.clear()
 
     def _end_attempt_of(self, index: int, error: str) -> None:
-        """End, as failed with ``error``, the attempt that the killed process worker ``index`` was running. An
-        attempt the runner ended itself just before raises StaleAttemptError: nothing to do."""
+        """End, as failed with ``error``, the attempt that worker ``index`` (killed, or a thread left behind) was
+        running. An attempt the runner ended itself just before raises StaleAttemptError: nothing to do."""
         current = self._current[index] if index < len(self._current) else None
         if current is None or not current.value:
             return
