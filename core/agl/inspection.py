@@ -16,8 +16,8 @@ def span_tree(spans: Sequence[Span]) -> List[tuple[int, Span]]:
     for s in spans:
         parent = s.parent_id if s.parent_id in by_id else None
         children.setdefault(parent, []).append(s)
-    for group in children.values():
-        group.sort(key=lambda s: (s.sequence_id, s.start_time))
+    for group in children.values():  # call order: start time, then sequence id (as LightningRL orders calls)
+        group.sort(key=lambda s: (s.start_time, s.sequence_id))
     out: List[tuple[int, Span]] = []
 
     def walk(parent: Optional[str], depth: int) -> None:
@@ -39,7 +39,7 @@ def describe(span: Span) -> str:
         prompt = a.get(semconv.PROMPT_TOKEN_IDS)
         response = a.get(semconv.RESPONSE_TOKEN_IDS)
         if prompt is not None or response is not None:
-            parts.append(f"tokens={len(prompt or [])}+{len(response or [])}")
+            parts.append(f"tokens={_count(prompt)}+{_count(response)}")
         else:  # "absent", or "refused": the server rejects the request for token ids (an LLM judge's)
             parts.append(f"tokens={'refused' if a.get(semconv.TOKEN_IDS_SOURCE) == 'refused' else 'absent'}")
         if a.get(semconv.LLM_STREAM):
@@ -49,14 +49,36 @@ def describe(span: Span) -> str:
     if semconv.TOOL_NAME in a:
         parts.append(f"tool={a[semconv.TOOL_NAME]}")
     if semconv.REWARD_VALUE in a:
-        parts.append(f"reward={a[semconv.REWARD_VALUE]:g} ({a.get(semconv.REWARD_SCOPE, '?')})")
+        parts.append(f"reward={_number(a[semconv.REWARD_VALUE])} ({a.get(semconv.REWARD_SCOPE, '?')})")
     if semconv.MESSAGE_BODY in a:
-        parts.append(json.dumps(a[semconv.MESSAGE_BODY])[:80])
+        parts.append(json.dumps(a[semconv.MESSAGE_BODY], default=repr)[:80])
     duration_ms = (span.end_time - span.start_time) / 1e6
     parts.append(f"{duration_ms:.1f}ms")
     if span.status == "error":
         parts.append(f"ERROR {one_line(span.error or '')}".rstrip())
     return "  ".join(parts)
+
+
+def _count(ids: object) -> str:
+    """How many token ids a span holds; a value that is not a list (spans from other tools may hold anything)
+    is shown as it is, marked."""
+    if ids is None:
+        return "0"
+    if isinstance(ids, (list, tuple)):
+        return str(len(ids))
+    return _unexpected(ids, "a list of token ids")
+
+
+def _number(value: object) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}"
+    return _unexpected(value, "a number")
+
+
+def _unexpected(value: object, expected: str) -> str:
+    text = repr(value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return f"{text}(?{type(value).__name__}, expected {expected})"
 
 
 def one_line(text: str, width: int = 160) -> str:

@@ -267,3 +267,158 @@ def test_fuzz_otlp_protobuf_ingestion_never_5xx(ingest: Ingest, fuzz_rollout: Ro
     assert response.status_code < 500, response.content
     if response.status_code >= 400:
         assert ingest.store.stats() == before
+
+
+# -- refusals are per span: partial success, a server warning, the other spans stored ------------------------
+
+
+def _ids(rollout_id: str, attempt_id: str) -> List[Dict[str, Any]]:
+    return [{"key": "agl.rollout.id", "value": {"stringValue": rollout_id}},
+            {"key": "agl.attempt.id", "value": {"stringValue": attempt_id}}]
+
+
+def _json_span(span_id: str, attributes: List[Dict[str, Any]], start: int = 5) -> Dict[str, Any]:
+    return {"traceId": "d" * 32, "spanId": span_id, "name": "s", "startTimeUnixNano": str(start),
+            "endTimeUnixNano": str(start + 1), "attributes": attributes}
+
+
+def _export(*spans: Dict[str, Any]) -> Dict[str, Any]:
+    return {"resourceSpans": [{"scopeSpans": [{"spans": list(spans)}]}]}
+
+
+def _pb_export(*spans: Tuple[str, Dict[str, str]]) -> bytes:
+    """An ExportTraceServiceRequest in protobuf: spans of (span id hex, {string attribute: value})."""
+    encoded = b""
+    for span_id, attributes in spans:
+        span = _pb_bytes_field(1, bytes.fromhex("e" * 32)) + _pb_bytes_field(2, bytes.fromhex(span_id))
+        for key, value in attributes.items():
+            any_value = _pb_bytes_field(1, value.encode())
+            span += _pb_bytes_field(9, _pb_bytes_field(1, key.encode()) + _pb_bytes_field(2, any_value))
+        encoded += _pb_bytes_field(2, span)
+    return _pb_bytes_field(1, _pb_bytes_field(2, encoded))
+
+
+def test_an_unknown_id_refuses_only_its_spans_and_the_server_says_so(ingest: Ingest, caplog: pytest.LogCaptureFixture) -> None:
+    """One span with a stale rollout id in a BatchSpanProcessor batch 404ed the whole export: the other
+    rollouts' spans were lost, the exporter logged only "404 Not Found" and the server nothing."""
+    good, other = ingest.running(), ingest.running()
+    assert good.attempt is not None and other.attempt is not None
+    body = _export(
+        _json_span("1" * 16, _ids(good.rollout_id, good.attempt.attempt_id)),
+        _json_span("2" * 16, _ids("ro-stale-json", good.attempt.attempt_id)),
+        _json_span("3" * 16, _ids(good.rollout_id, other.attempt.attempt_id)),  # the attempt of another rollout
+        _json_span("4" * 16, _ids("ro-stale-json", good.attempt.attempt_id)),
+    )
+    with caplog.at_level("WARNING", logger="agl.store.server"):
+        for _ in range(3):  # the same bad batch again and again: logged once per rollout and reason
+            response = ingest.http.post("/v1/traces", json=body, headers=HEADERS)
+            assert response.status_code == 200, response.text
+    partial = response.json()["partialSuccess"]
+    assert partial["rejectedSpans"] == "3"
+    message = partial["errorMessage"]
+    assert "2 span(s) refused: unknown rollout id 'ro-stale-json'" in message and "set agl.rollout.id" in message
+    assert f"unknown attempt id '{other.attempt.attempt_id}' for rollout '{good.rollout_id}'" in message
+    assert [s.span_id for s in ingest.store.query_spans(good.rollout_id)] == ["1" * 16]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agl.store.server"]
+    stale = [w for w in warnings if "ro-stale-json" in w]
+    assert len(stale) == 1 and "OTLP /v1/traces: 2 span(s) for rollout ro-stale-json refused" in stale[0]
+    assert sum(other.attempt.attempt_id in w for w in warnings) == 1
+
+    # protobuf: the same, as ExportTraceServiceResponse.partial_success{rejected_spans=1, error_message}
+    pb = _pb_export(("5" * 16, {"agl.rollout.id": good.rollout_id, "agl.attempt.id": good.attempt.attempt_id}),
+                    ("6" * 16, {"agl.rollout.id": "ro-stale-pb", "agl.attempt.id": good.attempt.attempt_id}))
+    answer = ingest.http.post("/v1/traces", content=pb, headers=PB)
+    assert answer.status_code == 200
+    assert answer.content[:1] == b"\x0a"  # field 1: partial_success
+    size, start = _read_varint(answer.content, 1)
+    partial_pb = answer.content[start:]
+    assert len(partial_pb) == size and partial_pb.startswith(b"\x08\x01\x12"), "rejected_spans=1, error_message"
+    assert b"unknown rollout id 'ro-stale-pb'" in partial_pb
+    assert {s.span_id for s in ingest.store.query_spans(good.rollout_id)} == {"1" * 16, "5" * 16}
+
+
+def test_an_export_of_only_unknown_ids_still_gets_404_with_every_reason(ingest: Ingest) -> None:
+    rollout = ingest.running()
+    assert rollout.attempt is not None
+    before = ingest.store.stats()
+    body = _export(_json_span("7" * 16, _ids("ro-gone", rollout.attempt.attempt_id)), _json_span("8" * 16, []))
+    response = ingest.http.post("/v1/traces", json=body, headers=HEADERS)
+    assert response.status_code == 404
+    answer = response.json()
+    assert answer["error"] == "UnknownRolloutError" and answer["rollout_id"] == "ro-gone"
+    assert "unknown rollout id 'ro-gone'" in answer["message"] and "name no rollout" in answer["message"]
+    assert ingest.store.stats() == before
+
+
+@pytest.mark.parametrize("encoding", ["json", "protobuf"])
+def test_agl_sequence_id_as_a_string_of_digits_is_the_sequence_id(ingest: Ingest, encoding: str) -> None:
+    """OTEL_RESOURCE_ATTRIBUTES (and many tools) can only send strings: "3" was dropped silently."""
+    rollout = ingest.running()
+    assert rollout.attempt is not None
+    ids = {"agl.rollout.id": rollout.rollout_id, "agl.attempt.id": rollout.attempt.attempt_id}
+    if encoding == "protobuf":
+        body = _pb_export(("a1" * 8, {**ids, "agl.sequence.id": "3"}), ("a2" * 8, {**ids, "agl.sequence.id": "third"}))
+        response = ingest.http.post("/v1/traces", content=body, headers=PB)
+        assert response.status_code == 200
+        size, start = _read_varint(response.content, 1)
+        assert response.content[:1] == b"\x0a" and response.content[start:start + 1] == b"\x12", "rejected_spans 0 (omitted)"
+        message = response.content
+    else:
+        attrs = [{"key": k, "value": {"stringValue": v}} for k, v in ids.items()]
+        body = _export(_json_span("a1" * 8, attrs + [{"key": "agl.sequence.id", "value": {"stringValue": "3"}}], start=50),
+                       _json_span("a2" * 8, attrs + [{"key": "agl.sequence.id", "value": {"stringValue": "third"}}], start=50))
+        response = ingest.http.post("/v1/traces", json=body, headers=HEADERS)
+        assert response.status_code == 200
+        partial = response.json()["partialSuccess"]
+        assert partial.get("rejectedSpans", "0") == "0", "a note, not a refusal: the span is stored"
+        message = partial["errorMessage"].encode()
+    assert b"agl.sequence.id = 'third' (str) is not an integer" in message and b"kept as an attribute" in message
+    spans = {s.span_id: s for s in ingest.store.query_spans(rollout.rollout_id)}
+    assert spans["a1" * 8].sequence_id == 3 and "agl.sequence.id" not in spans["a1" * 8].attributes
+    third = spans["a2" * 8]
+    assert third.attributes["agl.sequence.id"] == "third" and third.sequence_id == third.start_time
+
+
+def test_mistyped_agl_attributes_refuse_their_span_naming_the_attribute(ingest: Ingest) -> None:
+    """A reward sent as "1.0" or token ids sent as one int were stored (200) and then crashed `agl inspect`."""
+    rollout = ingest.running()
+    assert rollout.attempt is not None
+    ids = _ids(rollout.rollout_id, rollout.attempt.attempt_id)
+
+    def attr(key: str, value: Dict[str, Any]) -> Dict[str, Any]:
+        return {"key": key, "value": value}
+
+    ints = {"arrayValue": {"values": [{"intValue": "1"}, {"intValue": "2"}]}}
+    body = _export(
+        _json_span("b1" * 8, ids + [attr("agl.span.kind", {"stringValue": "reward"}), attr("agl.reward.value", {"stringValue": "1.0"})]),
+        _json_span("b2" * 8, ids + [attr("agl.llm.prompt_token_ids", {"intValue": "5"})]),
+        _json_span("b3" * 8, ids + [attr("agl.llm.response_token_ids", {"arrayValue": {"values": [{"stringValue": "x"}]}})]),
+        _json_span("b4" * 8, ids + [attr("agl.llm.prompt_token_ids", ints), attr("agl.reward.value", {"intValue": "1"}),
+                                    attr("agl.llm.response_logprobs", {"arrayValue": {"values": [{"doubleValue": -0.5}]}})]),
+    )
+    response = ingest.http.post("/v1/traces", json=body, headers=HEADERS)
+    assert response.status_code == 200
+    partial = response.json()["partialSuccess"]
+    assert partial["rejectedSpans"] == "3"
+    message = partial["errorMessage"]
+    assert "attribute agl.reward.value = '1.0' (str) is not a number" in message
+    assert "attribute agl.llm.prompt_token_ids = 5 (int) is not a list of integers" in message
+    assert "attribute agl.llm.response_token_ids = ['x'] (list) is not a list of integers" in message
+    (stored,) = ingest.store.query_spans(rollout.rollout_id)
+    assert stored.span_id == "b4" * 8 and stored.attributes["agl.llm.prompt_token_ids"] == [1, 2]
+
+
+def test_a_gzip_body_inflating_past_the_limit_gets_413(tmp_path: Path) -> None:
+    from agl.store.server import ServerLimits
+
+    store = SqliteLightningStore(tmp_path / "small.db")
+    server = ServerThread(create_app(store, tokens=TokenSet({"t": TOKEN}), limits=ServerLimits(max_body_bytes=10_000))).start()
+    try:
+        big = json.dumps(_export(_json_span("c" * 16, [{"key": "pad", "value": {"stringValue": "x" * 50_000}}]))).encode()
+        plain = httpx.post(server.url + "/v1/traces", content=big, headers=JS)
+        packed = httpx.post(server.url + "/v1/traces", content=gzip.compress(big), headers={**JS, "Content-Encoding": "gzip"})
+        assert plain.status_code == 413 and packed.status_code == 413, packed.text
+        assert "inflates to more than the 10000-byte request limit" in packed.json()["message"]
+    finally:
+        server.stop()
+        store.close()

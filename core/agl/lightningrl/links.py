@@ -58,7 +58,7 @@ class CallLinks:
 
     def __init__(self, tree: TraceTree) -> None:
         self.tree = tree
-        self.ordered: List[Span] = sorted(tree.spans(), key=lambda s: (s.sequence_id, s.start_time, s.span_id))
+        self.ordered: List[Span] = sorted(tree.spans(), key=lambda s: (s.start_time, s.sequence_id, s.span_id))  # call order
         self._agent_of = self._nearest_agents()
         self._fallback_caller: Dict[str, Optional[str]] = {}
         last_call_of_agent: Dict[Optional[str], str] = {}

@@ -34,8 +34,18 @@ DEFAULT_TOLERANCE_NS = 1_000_000  # 1 ms of clock skew between the spans of one 
 
 
 def _order_key(span: Span) -> Tuple[int, int, str]:
-    """Call order: sequence id, then start time, then span id (so ties break the same way every time)."""
+    """Repair order (which duplicate is kept, where a cycle is cut): sequence id, then start time, then span id."""
     return (span.sequence_id, span.start_time, span.span_id)
+
+
+def call_order_key(span: Span) -> Tuple[int, int, str]:
+    """Call order: start time, then sequence id, then span id (so ties break the same way every time).
+
+    Start time first because it is what orders calls from different sources: agl numbers its own spans
+    1, 2, 3 per attempt, while spans sent over OTLP without ``agl.sequence.id`` get their start time in ns
+    as sequence id; for agl's own spans both orders agree (the sequence id is taken when a span starts).
+    """
+    return (span.start_time, span.sequence_id, span.span_id)
 
 
 @dataclass
@@ -126,8 +136,8 @@ class TraceTree:
         return [n.span for n in self.walk()]
 
     def llm_spans(self) -> List[Span]:
-        """The llm spans in call order (by ``sequence_id``)."""
-        return sorted((n.span for n in self._nodes.values() if n.span.kind == "llm"), key=_order_key)
+        """The llm spans in call order (by start time, then ``sequence_id``: :func:`call_order_key`)."""
+        return sorted((n.span for n in self._nodes.values() if n.span.kind == "llm"), key=call_order_key)
 
     def enclosing_agent(self, span_id: str) -> Optional[Span]:
         """The nearest agent span above ``span_id`` in the tree (itself excluded), or None."""

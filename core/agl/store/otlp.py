@@ -7,13 +7,16 @@ resource, e.g. ``OTEL_RESOURCE_ATTRIBUTES=agl.rollout.id=ro-1,agl.attempt.id=at-
 Both encodings decode to the same dict (the OTLP JSON shape) and are validated by the same pydantic
 models, so a malformed request gets one kind of clear 400 whichever encoding it came in. The protobuf
 wire format is read by a small decoder below (the OTLP trace messages only), so no protobuf runtime is
-needed. Spans without agl ids are not stored and are reported back as OTLP *partial success*.
+needed. Spans that cannot be stored (no agl ids, an unknown rollout or attempt, an ``agl.*`` attribute of the
+wrong type) are refused one by one and reported back as OTLP *partial success*; the other spans of the
+export are stored.
 """
 
 from __future__ import annotations
 
 import base64
 import gzip
+import re
 import struct
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -30,6 +33,10 @@ _NANOS = Field(default=0, ge=0, le=2**63 - 1)  # uint64 on the wire; stores keep
 
 class OtlpError(ValueError):
     """A request that is not a valid OTLP trace export (answered with 400; nothing was stored)."""
+
+
+class BodyTooLarge(OtlpError):
+    """A compressed body that inflates past the request size limit (answered with 413, like a large body)."""
 
 
 # -- the OTLP JSON shape (field names as in the OTLP/JSON encoding) -----------------------------------------
@@ -136,7 +143,7 @@ def _decompress(body: bytes, encoding: str, max_bytes: int) -> bytes:
     except (zlib.error, gzip.BadGzipFile) as exc:
         raise OtlpError(f"the body is not valid {encoding} data: {exc}") from None
     if len(out) > max_bytes:
-        raise OtlpError(f"the {encoding} body inflates to more than the {max_bytes}-byte request limit")
+        raise BodyTooLarge(f"the {encoding} body inflates to more than the {max_bytes}-byte request limit")
     return out
 
 
@@ -160,43 +167,88 @@ _KIND_BY_OPERATION: Dict[str, SpanKind] = {
     "create_agent": "agent",
 }
 _KINDS = ("agent", "llm", "tool", "chain", "reward", "annotation")
-_BOOKKEEPING = (semconv.OTLP_ROLLOUT_ID, semconv.OTLP_ATTEMPT_ID, semconv.OTLP_SEQUENCE_ID)
 
 
-def to_spans(request: ExportTraceServiceRequest) -> Tuple[List[Span], int, str]:
-    """agl spans of an export, and how many spans were rejected (no agl ids) with a message saying why."""
+class Refusals:
+    """What an export could not store, and notes on what was stored differently than sent, for the OTLP partial
+    success answer and the server's log. Each entry is one reason (a sentence that says what to do) and the
+    rollout it concerns ("" when none), with how many spans it covers."""
+
+    def __init__(self) -> None:
+        self.rejected = 0  # spans not stored
+        self._entries: Dict[Tuple[str, str, bool], int] = {}  # (reason, rollout id, refused?) -> spans
+
+    def refuse(self, reason: str, rollout_id: str = "", n: int = 1) -> None:
+        self.rejected += n
+        key = (reason, rollout_id, True)
+        self._entries[key] = self._entries.get(key, 0) + n
+
+    def note(self, reason: str, rollout_id: str = "") -> None:
+        """Something kept, but not as sent (a span still stored, so not counted as rejected)."""
+        key = (reason, rollout_id, False)
+        self._entries[key] = self._entries.get(key, 0) + 1
+
+    def entries(self) -> List[Tuple[str, str, bool, int]]:
+        """(reason, rollout id, refused?, spans) in the order first seen."""
+        return [(reason, rollout_id, refused, n) for (reason, rollout_id, refused), n in self._entries.items()]
+
+    def message(self, limit: int = 10) -> str:
+        """The partial-success error message: one sentence per reason, refusals first."""
+        entries = sorted(self.entries(), key=lambda e: not e[2])
+        parts = [f"{n} span(s) {'refused' if refused else 'stored with a note'}: {reason}"
+                 for reason, _, refused, n in entries[:limit]]
+        if len(entries) > limit:
+            parts.append(f"and {len(entries) - limit} more reason(s)")
+        return "; ".join(parts)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+
+_NO_IDS = (
+    f"they name no rollout: set the attributes {semconv.OTLP_ROLLOUT_ID} and {semconv.OTLP_ATTEMPT_ID} "
+    "on the span or its resource (OTEL_RESOURCE_ATTRIBUTES)"
+)
+_DIGITS = re.compile(r"^[0-9]+$")
+
+
+def to_spans(request: ExportTraceServiceRequest) -> Tuple[List[Span], Refusals]:
+    """agl spans of an export, and the spans refused (no agl ids, mistyped agl.* attributes) with why."""
     spans: List[Span] = []
-    rejected = 0
+    refusals = Refusals()
     for resource_spans in request.resourceSpans:
         resource = _attributes(resource_spans.resource.attributes if resource_spans.resource else [])
         for scope_spans in resource_spans.scopeSpans:
             scope = scope_spans.scope or Scope()
             for otlp_span in scope_spans.spans:
-                span = _to_span(otlp_span, resource, scope)
-                if span is None:
-                    rejected += 1
-                else:
+                span = _to_span(otlp_span, resource, scope, refusals)
+                if span is not None:
                     spans.append(span)
-    message = ""
-    if rejected:
-        message = (
-            f"{rejected} span(s) name no rollout: set the attributes {semconv.OTLP_ROLLOUT_ID} and "
-            f"{semconv.OTLP_ATTEMPT_ID} on the span or its resource (OTEL_RESOURCE_ATTRIBUTES)"
-        )
-    return spans, rejected, message
+    return spans, refusals
 
 
-def _to_span(span: OtlpSpan, resource: Dict[str, Any], scope: Scope) -> Optional[Span]:
+def _to_span(span: OtlpSpan, resource: Dict[str, Any], scope: Scope, refusals: Refusals) -> Optional[Span]:
     attributes = _attributes(span.attributes)
     rollout_id = attributes.get(semconv.OTLP_ROLLOUT_ID, resource.get(semconv.OTLP_ROLLOUT_ID))
     attempt_id = attributes.get(semconv.OTLP_ATTEMPT_ID, resource.get(semconv.OTLP_ATTEMPT_ID))
     if not isinstance(rollout_id, str) or not isinstance(attempt_id, str) or not rollout_id or not attempt_id:
+        refusals.refuse(_NO_IDS)
         return None
-    sequence_id = attributes.get(semconv.OTLP_SEQUENCE_ID)
-    if not isinstance(sequence_id, int) or isinstance(sequence_id, bool) or not 0 <= sequence_id < 2**63:
-        sequence_id = span.startTimeUnixNano  # clocks order spans of one exporter
-    for key in _BOOKKEEPING:
-        attributes.pop(key, None)
+    wrong = _mistyped(attributes)
+    if wrong:
+        refusals.refuse(wrong, rollout_id)
+        return None
+    attributes.pop(semconv.OTLP_ROLLOUT_ID, None)
+    attributes.pop(semconv.OTLP_ATTEMPT_ID, None)
+    given = attributes.pop(semconv.OTLP_SEQUENCE_ID, None)
+    sequence_id = _sequence_id(given)
+    if sequence_id is None:
+        sequence_id = span.startTimeUnixNano  # the default; LightningRL orders calls by start time first anyway
+        if given is not None:  # not what was meant: kept as sent, and said so
+            attributes[semconv.OTLP_SEQUENCE_ID] = given
+            refusals.note(
+                f"{semconv.OTLP_SEQUENCE_ID} = {_shown(given)} is not an integer >= 0 (nor a string of digits): "
+                "kept as an attribute, and the span's sequence id is its start time in ns", rollout_id)
     if scope.name:
         attributes.setdefault("otel.scope.name", scope.name)
         if scope.version:
@@ -218,6 +270,57 @@ def _to_span(span: OtlpSpan, resource: Dict[str, Any], scope: Scope) -> Optional
         attributes=attributes,
         events=[SpanEvent(name=e.name, timestamp=e.timeUnixNano, attributes=_attributes(e.attributes)) for e in span.events],
     )
+
+
+def _sequence_id(value: Any) -> Optional[int]:
+    """An ``agl.sequence.id`` as an int: an int in [0, 2**63), or a string of digits (all that
+    ``OTEL_RESOURCE_ATTRIBUTES`` can send) in that range; None for anything else."""
+    if isinstance(value, str) and _DIGITS.match(value.strip()):
+        value = int(value.strip())
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
+        return value
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+#: agl.* attributes LightningRL and ``agl inspect`` read, with the type docs/semconv.md gives them. A span that
+#: sends one with another type is refused (nothing is coerced: a reward sent as the string "1.0" is refused too).
+_TYPED: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
+    semconv.PROMPT_TOKEN_IDS: ("a list of integers", _int_list),
+    semconv.RESPONSE_TOKEN_IDS: ("a list of integers", _int_list),
+    semconv.LLM_PROMPT: ("a string or a list of integers", lambda v: isinstance(v, str) or _int_list(v)),
+    semconv.RESPONSE_LOGPROBS: ("a list of numbers", lambda v: isinstance(v, list) and all(_is_number(x) for x in v)),
+    semconv.RESOURCES_VERSION: ("an integer", _is_int),
+    semconv.REWARD_VALUE: ("a number (int or double)", _is_number),
+    semconv.REWARD_DIMENSIONS: ("a JSON string", lambda v: isinstance(v, str)),
+}
+
+
+def _mistyped(attributes: Dict[str, Any]) -> str:
+    """Why the span's agl.* attributes cannot be stored ("" when they can)."""
+    for key, (expected, fits) in _TYPED.items():
+        value = attributes.get(key)
+        if value is not None and not fits(value):
+            return (f"attribute {key} = {_shown(value)} is not {expected} (docs/semconv.md): "
+                    "send it with that type, or under another name")
+    return ""
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    text = text if len(text) <= width else text[: width - 3] + "..."
+    return f"{text} ({type(value).__name__})"
 
 
 def _kind(attributes: Dict[str, Any]) -> SpanKind:
@@ -249,13 +352,14 @@ def _value(value: Optional[AnyValue]) -> Any:
 
 
 def export_response(media: str, rejected: int, message: str) -> bytes:
-    """``ExportTraceServiceResponse``: empty on full success, else its partial_success."""
+    """``ExportTraceServiceResponse``: empty on full success, else its partial_success (a ``message`` with
+    ``rejected=0`` is a warning about spans that were stored, which OTLP allows)."""
     if media == PROTOBUF:
-        if not rejected:
+        if not rejected and not message:
             return b""
-        partial = _pb_varint_field(1, rejected) + _pb_bytes_field(2, message.encode())
+        partial = (_pb_varint_field(1, rejected) if rejected else b"") + _pb_bytes_field(2, message.encode())
         return _pb_bytes_field(1, partial)
-    if not rejected:
+    if not rejected and not message:
         return b"{}"
     from pydantic_core import to_json
 

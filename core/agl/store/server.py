@@ -43,6 +43,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agl import semconv
 from agl.errors import AglError
 from agl.http_thread import ThreadedServer
 from agl.store import otlp
@@ -769,18 +770,25 @@ def create_app(
         answer_media = otlp.PROTOBUF if media.split(";")[0].strip().lower() == otlp.PROTOBUF else otlp.JSON
         try:
             export = otlp.decode_export(body, media, request.headers.get("content-encoding", ""), limits.max_body_bytes)
-            spans, rejected, message = otlp.to_spans(export)
+            spans, refusals = otlp.to_spans(export)
+            stored, refused_by_store = 0, []
             if spans:
-                await run(lambda: store.add_spans(spans))  # type: ignore[arg-type,return-value]
+                stored, refused_by_store = await run(lambda: _add_otlp_spans(store, spans, refusals))  # type: ignore[arg-type,return-value]
         except LookupError as exc:
             if isinstance(exc, KeyError):  # Unknown*Error: an id that is not in the store
                 return _otlp_error(answer_media, 404, exc)
             return _otlp_error(answer_media, 415, exc)
+        except otlp.BodyTooLarge as exc:  # a gzip body that inflates past the limit: as a large body
+            return _otlp_error(answer_media, 413, exc)
         except otlp.OtlpError as exc:  # bad data: 400, which OTLP exporters do not retry
             return _otlp_error(answer_media, 400, exc)
         except (AglError, ValueError, TypeError, OverflowError) as exc:
             return _otlp_error(answer_media, error_status(exc) or 400, exc)
-        return Response(otlp.export_response(answer_media, rejected, message), media_type=answer_media)
+        otlp_refusals.log(refusals)
+        if refused_by_store and not stored:  # nothing stored, and the store refused ids: the error, as before
+            status, _ = refused_by_store[0]
+            return _otlp_error(answer_media, status, _OtlpRefused(refusals.message(), refused_by_store[0][1]))
+        return Response(otlp.export_response(answer_media, refusals.rejected, refusals.message()), media_type=answer_media)
 
     # -- resources and stats -----------------------------------------------------------------------------
     @api.post("/resources", response_model=ResourcesUpdate, tags=["resources"], summary="add a resources version")
@@ -798,6 +806,7 @@ def create_app(
     async def stats() -> Response:
         return await run(lambda: _json(store.stats()))
 
+    otlp_refusals = _RefusalLog()
     _document_models(app, api.bodies + [otlp.ExportTraceServiceRequest])
     return app
 
@@ -871,11 +880,106 @@ class _AuthFailure(Exception):
         self.message = message
 
 
+_SPAN_REFUSALS = (AglError, ValueError, TypeError, OverflowError)  # what add_spans raises on purpose
+
+
+def _add_otlp_spans(store: LightningStore, spans: List[Any], refusals: otlp.Refusals) -> Tuple[int, List[Tuple[int, BaseException]]]:
+    """Store an OTLP export's spans: in one call, or, when the store refuses the batch (an unknown rollout or
+    attempt, a span it cannot store), one call per (rollout, attempt), so that one bad id does not drop the
+    other rollouts' spans. Refused groups are added to ``refusals``. Returns (spans stored or already there,
+    [(status, error)] of the refused groups); a 5xx error (the store is closed) is raised."""
+    groups: Dict[Tuple[str, str], List[Any]] = {}
+    for span in spans:
+        groups.setdefault((span.rollout_id, span.attempt_id), []).append(span)
+    failures: Dict[Tuple[str, str], BaseException] = {}
+    try:
+        store.add_spans(spans)
+    except _SPAN_REFUSALS as exc:
+        if (error_status(exc) or 400) >= 500:
+            raise
+        if len(groups) == 1:
+            failures[next(iter(groups))] = exc
+        else:
+            for key, group in groups.items():
+                try:
+                    store.add_spans(group)
+                except _SPAN_REFUSALS as group_exc:
+                    if (error_status(group_exc) or 400) >= 500:
+                        raise
+                    failures[key] = group_exc
+    stored, refused = 0, []
+    for key, group in groups.items():
+        failure = failures.get(key)
+        if failure is None:
+            stored += len(group)
+            continue
+        hint = (f" (set {semconv.OTLP_ROLLOUT_ID} and {semconv.OTLP_ATTEMPT_ID} to the ids of a rollout the "
+                "runner is running: rollout.rollout_id, rollout.attempt.attempt_id)") if isinstance(failure, KeyError) else ""
+        refusals.refuse(f"{failure}{hint}", key[0], len(group))
+        refused.append((error_status(failure) or 400, failure))
+    return stored, refused
+
+
+class _OtlpRefused(Exception):
+    """An OTLP export of which nothing was stored: the whole refusal message, answered with the status (and, for
+    JSON clients, the error name and ids) of the store's first refusal."""
+
+    def __init__(self, message: str, cause: BaseException) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class _RefusalLog:
+    """Server-side warnings for spans /v1/traces refused or stored with a note (OpenTelemetry exporters do not
+    show the partial-success message, so the server's log is where an operator sees it). Bounded: each (reason,
+    rollout id) is logged the first time, then again with its running count at 10, 100, 1000, ... spans; at
+    most ``per_minute`` lines a minute, then one line counting what was left out."""
+
+    def __init__(self, per_minute: int = 30, max_keys: int = 10_000) -> None:
+        self._counts: Dict[Tuple[str, str, bool], int] = {}
+        self._per_minute = per_minute
+        self._max_keys = max_keys
+        self._window = 0.0
+        self._lines = 0
+        self._left_out = 0
+        self._lock = threading.Lock()
+
+    def log(self, refusals: otlp.Refusals) -> None:
+        if not refusals:
+            return
+        for reason, rollout_id, refused, n in refusals.entries():
+            with self._lock:
+                key = (reason, rollout_id, refused)
+                before = self._counts.get(key, 0)
+                if len(self._counts) >= self._max_keys and key not in self._counts:
+                    self._counts.clear()
+                after = self._counts[key] = before + n
+                if before and len(str(after)) == len(str(before)):  # log again only at 10, 100, 1000, ...
+                    continue
+                now = time.monotonic()
+                if now - self._window >= 60.0:
+                    if self._left_out:
+                        logger.warning("OTLP /v1/traces: %d more refusal warning(s) left out in the last minute",
+                                       self._left_out)
+                    self._window, self._lines, self._left_out = now, 0, 0
+                if self._lines >= self._per_minute:
+                    self._left_out += 1
+                    continue
+                self._lines += 1
+            where = f" for rollout {rollout_id}" if rollout_id else ""
+            what = "refused" if refused else "stored with a note"
+            total = "" if not before else f" ({after} so far)"
+            logger.warning("OTLP /v1/traces: %d span(s)%s %s%s: %s", n, where, what, total, reason)
+
+
 def _otlp_error(media: str, status: int, exc: BaseException) -> Response:
     """An OTLP failure: a google.rpc.Status for protobuf clients, agl's error body for JSON ones."""
     if media == otlp.PROTOBUF:
         grpc_code = {404: 5, 415: 3}.get(status, 3)  # NOT_FOUND, INVALID_ARGUMENT
         return Response(otlp.status_response(grpc_code, str(exc)), status_code=status, media_type=media)
+    if isinstance(exc, _OtlpRefused):  # the store's error (name, ids) with the whole export's message
+        body = error_body(exc.cause).model_copy(update={"message": str(exc)})
+        return Response(body.model_dump_json(exclude_none=True), status_code=status, media_type=otlp.JSON)
     name = type(exc).__name__ if error_status(exc) else "StoreRequestError"
     body = error_body(exc).model_copy(update={"error": name})
     return Response(body.model_dump_json(exclude_none=True), status_code=status, media_type=otlp.JSON)

@@ -1,0 +1,90 @@
+"""Call order across sources: agl's own spans (sequence ids 1, 2, 3 per attempt) and spans sent over OTLP
+without agl.sequence.id (sequence id = start time in ns) are ordered by start time, then sequence id.
+
+Ordering by sequence id first put every OTLP call after every native call, whatever the real order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from agl import semconv
+from agl.inspection import span_tree
+from agl.lightningrl import LightningRL
+from agl.lightningrl.links import CallLinks
+from agl.lightningrl.tree import build_tree
+from agl.store import SqliteLightningStore
+from agl.store.server import ServerThread, TokenSet, create_app
+from agl.types import Span
+
+TOKEN = "order-token"
+TRACE = "f" * 32
+ROOT, NATIVE_LLM, TOOL = "a" * 16, "b" * 16, "c" * 16
+OTLP_LLM = "d" * 16
+
+
+def native(rollout_id: str, attempt_id: str, seq: int, span_id: str, kind: str, start: int, end: int, **attrs) -> Span:
+    return Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=seq, trace_id=TRACE, span_id=span_id,
+                parent_id=None if span_id == ROOT else ROOT, name=f"{kind} {seq}", kind=kind, start_time=start,
+                end_time=end, attributes={semconv.AGENT_NAME: "solver", **attrs} if span_id == ROOT else attrs)
+
+
+def ints(values):
+    return {"arrayValue": {"values": [{"intValue": str(v)} for v in values]}}
+
+
+def test_an_otlp_call_made_first_is_step_0_between_native_spans(tmp_path: Path) -> None:
+    store = SqliteLightningStore(tmp_path / "order.db")
+    server = ServerThread(create_app(store, tokens=TokenSet({"t": TOKEN}))).start()
+    try:
+        store.enqueue_rollout({"q": 1})
+        rollout = store.dequeue_rollout("runner")
+        assert rollout is not None and rollout.attempt is not None
+        rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+        t0 = 1_795_771_000_000_000_000
+        # agl's own spans: the rollout root, then (after the OTLP call) a tool and an llm call
+        store.add_spans([
+            native(rid, aid, 1, ROOT, "agent", t0, t0 + 10_000_000),
+            native(rid, aid, 2, TOOL, "tool", t0 + 3_000_000, t0 + 3_500_000),
+            native(rid, aid, 3, NATIVE_LLM, "llm", t0 + 5_000_000, t0 + 6_000_000, **{
+                semconv.PROMPT_TOKEN_IDS: [60, 124], semconv.RESPONSE_TOKEN_IDS: [105]}),
+        ])
+        # another SDK's call, made first, exported over OTLP without agl.sequence.id
+        otlp_span = {"traceId": TRACE, "spanId": OTLP_LLM, "parentSpanId": ROOT, "name": "chat other-sdk",
+                     "startTimeUnixNano": str(t0 + 1_000_000), "endTimeUnixNano": str(t0 + 2_000_000), "attributes": [
+                         {"key": "agl.rollout.id", "value": {"stringValue": rid}},
+                         {"key": "agl.attempt.id", "value": {"stringValue": aid}},
+                         {"key": "gen_ai.operation.name", "value": {"stringValue": "chat"}},
+                         {"key": "agl.llm.prompt_token_ids", "value": ints([101, 102])},
+                         {"key": "agl.llm.response_token_ids", "value": ints([103])}]}
+        response = httpx.post(server.url + "/v1/traces", json={"resourceSpans": [{"scopeSpans": [{"spans": [otlp_span]}]}]},
+                              headers={"Authorization": f"Bearer {TOKEN}"})
+        assert response.status_code == 200 and response.content == b"{}"
+        store.complete_attempt(rid, aid, "succeeded", reward=1.0)
+
+        spans = store.query_spans(rid)
+        assert {s.span_id: s.sequence_id for s in spans}[OTLP_LLM] == t0 + 1_000_000  # sorts last by sequence id
+        tree = build_tree(spans)
+        assert [s.span_id for s in tree.llm_spans()] == [OTLP_LLM, NATIVE_LLM]
+        links = CallLinks(tree)
+        assert [s.span_id for s in links.ordered] == [ROOT, OTLP_LLM, TOOL, NATIVE_LLM]
+        tool = next(s for s in spans if s.span_id == TOOL)
+        assert links.caller_of_tool(tool) == OTLP_LLM, "the tool ran after the OTLP call, before the native one"
+        assert [s.span_id for _, s in span_tree(spans)] == [ROOT, OTLP_LLM, TOOL, NATIVE_LLM], "agl inspect's order"
+
+        batch = LightningRL.from_config({"agent_match": None, "aggregate": False}).build_batch(
+            store, store.query_rollouts(), progress=False)
+        steps = sorted(batch.transitions, key=lambda t: t.step)
+        assert [(t.step, t.prompt_ids) for t in steps] == [(0, [101, 102]), (1, [60, 124])]
+    finally:
+        server.stop()
+        store.close()
+
+
+def test_native_spans_that_start_at_the_same_time_keep_their_sequence_order() -> None:
+    spans = [native("ro-1", "at-1", 1, ROOT, "agent", 0, 100)] + [
+        native("ro-1", "at-1", seq, span_id, "llm", 10, 20) for seq, span_id in [(3, "1" * 16), (2, "2" * 16), (4, "0" * 16)]
+    ]
+    assert [s.sequence_id for s in build_tree(spans).llm_spans()] == [2, 3, 4]
+    assert [s.sequence_id for s in CallLinks(build_tree(spans)).ordered] == [1, 2, 3, 4]
