@@ -23,7 +23,7 @@ import re
 from typing import Dict, List, Mapping, Optional, Pattern, Sequence, Tuple, Union
 
 from agl import semconv
-from agl.types import Span
+from agl.types import Span, call_order_key
 
 AgentMatch = Union[None, str, Pattern[str], Mapping[str, str]]
 
@@ -113,4 +113,4 @@ def select_llm_calls(spans: Sequence[Span], agent_match: AgentMatch = None) -> L
         for span in spans
         if span.kind == "llm" and matcher.policy_for(agent_name_of(span, by_id)) is not None
     ]
-    return sorted(selected, key=lambda s: (s.attempt_id, s.sequence_id))
+    return sorted(selected, key=lambda s: (s.attempt_id, call_order_key(s)))

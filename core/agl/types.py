@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from typing import Any, Dict, List, Literal, Optional, Type, TypeVar, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Type, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -159,8 +159,8 @@ class SpanEvent(BaseModel):
 class Span(BaseModel):
     """The unified span: one LLM call, tool call, agent step, reward or annotation.
 
-    A plain-data copy of an OpenTelemetry span plus the rollout bookkeeping. ``sequence_id`` orders the
-    spans of one attempt by their start, independent of clocks on different machines.
+    A plain-data copy of an OpenTelemetry span plus the rollout bookkeeping. ``sequence_id`` numbers agl's
+    own spans of one attempt by their start; calls are put in order by :func:`call_order_key`.
     """
 
     model_config = ConfigDict(extra="forbid", **SPAN_JSON)
@@ -179,6 +179,17 @@ class Span(BaseModel):
     error: Optional[str] = None
     attributes: Dict[str, Any] = Field(default_factory=dict)
     events: List[SpanEvent] = Field(default_factory=list)
+
+
+def call_order_key(span: Span) -> Tuple[int, int, str]:
+    """The order of an attempt's calls: start time, then sequence id, then span id (so ties break the same
+    way every time).
+
+    Start time first because it is what orders calls from different sources: agl numbers its own spans
+    1, 2, 3 per attempt, while spans sent over OTLP without ``agl.sequence.id`` get their start time in ns
+    as sequence id; for agl's own spans both orders agree (the sequence id is taken when a span starts).
+    """
+    return (span.start_time, span.sequence_id, span.span_id)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from agl import semconv
+from agl.agent_match import select_llm_calls
 from agl.inspection import span_tree
 from agl.lightningrl import LightningRL
 from agl.lightningrl.links import CallLinks
@@ -67,6 +68,7 @@ def test_an_otlp_call_made_first_is_step_0_between_native_spans(tmp_path: Path) 
         assert {s.span_id: s.sequence_id for s in spans}[OTLP_LLM] == t0 + 1_000_000  # sorts last by sequence id
         tree = build_tree(spans)
         assert [s.span_id for s in tree.llm_spans()] == [OTLP_LLM, NATIVE_LLM]
+        assert [s.span_id for s in select_llm_calls(spans)] == [OTLP_LLM, NATIVE_LLM]  # agl.select_llm_calls too
         links = CallLinks(tree)
         assert [s.span_id for s in links.ordered] == [ROOT, OTLP_LLM, TOOL, NATIVE_LLM]
         tool = next(s for s in spans if s.span_id == TOOL)

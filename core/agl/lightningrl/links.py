@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set
 
 from agl import semconv
 from agl.lightningrl.tree import TraceTree
-from agl.types import Span
+from agl.types import Span, call_order_key
 
 
 def is_operation(span: Span) -> bool:
@@ -58,7 +58,7 @@ class CallLinks:
 
     def __init__(self, tree: TraceTree) -> None:
         self.tree = tree
-        self.ordered: List[Span] = sorted(tree.spans(), key=lambda s: (s.start_time, s.sequence_id, s.span_id))  # call order
+        self.ordered: List[Span] = sorted(tree.spans(), key=call_order_key)
         self._agent_of = self._nearest_agents()
         self._fallback_caller: Dict[str, Optional[str]] = {}
         last_call_of_agent: Dict[Optional[str], str] = {}

@@ -28,7 +28,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
-from agl.types import Span
+from agl.types import Span, call_order_key
 
 DEFAULT_TOLERANCE_NS = 1_000_000  # 1 ms of clock skew between the spans of one attempt
 
@@ -36,16 +36,6 @@ DEFAULT_TOLERANCE_NS = 1_000_000  # 1 ms of clock skew between the spans of one 
 def _order_key(span: Span) -> Tuple[int, int, str]:
     """Repair order (which duplicate is kept, where a cycle is cut): sequence id, then start time, then span id."""
     return (span.sequence_id, span.start_time, span.span_id)
-
-
-def call_order_key(span: Span) -> Tuple[int, int, str]:
-    """Call order: start time, then sequence id, then span id (so ties break the same way every time).
-
-    Start time first because it is what orders calls from different sources: agl numbers its own spans
-    1, 2, 3 per attempt, while spans sent over OTLP without ``agl.sequence.id`` get their start time in ns
-    as sequence id; for agl's own spans both orders agree (the sequence id is taken when a span starts).
-    """
-    return (span.start_time, span.sequence_id, span.span_id)
 
 
 @dataclass
