@@ -119,3 +119,18 @@ def test_a_table_is_refused_with_how_to_pass_its_rows():
         as_tasks(table)
     with pytest.raises(TypeError, match="not a list of tasks"):
         agl.Trainer(store="memory", runner_mode="thread", progress=False).dev(agl.rollout(lambda task: 1.0), table)
+
+
+def test_validation_tasks_without_ids_are_named_apart_from_training_ones():
+    """Train item 0 and val item 0 would otherwise both be ``task-0``: one GRPO group for two questions."""
+    rows = [{"q": "a"}, {"id": "given", "q": "b"}]
+    assert [t.task_id for t in as_tasks(rows)] == ["task-0", "given"]
+    assert [t.task_id for t in as_tasks(rows, mode="train")] == ["task-0", "given"]
+    assert [t.task_id for t in as_tasks(rows, mode="val")] == ["val-0", "given"]  # ids given are kept
+    assert [t.task_id for t in as_tasks(rows, mode="val", prefix="eval")] == ["eval-0", "given"]
+    with pytest.raises(ValueError, match="mode must be one of"):
+        as_tasks(rows, mode="test")  # type: ignore[arg-type]
+    # Trainer.dev / run_tasks name them by the mode they run in
+    trainer = agl.Trainer(store="memory", runner_mode="thread", progress=False)
+    summaries = trainer.dev(agl.rollout(lambda task: 1.0), rows, mode="val", print_table=False)
+    assert [s.task_id for s in summaries] == ["val-0", "given"]

@@ -361,3 +361,33 @@ def test_inspect_shows_an_error_as_one_line_of_the_tree():
                                    semconv.PARSE_ERROR: "ValidationError: 1 validation error\n  Invalid JSON"}))
     assert "stream (abandoned)" in line and "parse error: ValidationError: 1 validation error (+1 lines)" in line
     assert "\n" not in line
+
+
+def test_inspect_shows_mistyped_agl_attributes_as_they_are_and_does_not_crash(tmp_path, capsys):
+    """Spans from other tools (OTLP, older servers) may hold agl.* attributes of any type: a reward as the string
+    "1.0" raised ValueError ("Unknown format code 'g'") and token ids as one int TypeError (len), so the whole
+    rollout could not be inspected."""
+    from agl.types import Span
+
+    db = tmp_path / "odd.db"
+    store = SqliteLightningStore(db)
+    store.enqueue_rollout({"q": 1})
+    rollout = store.dequeue_rollout("runner")
+
+    def span(n, kind, **attributes):
+        return Span(rollout_id=rollout.rollout_id, attempt_id=rollout.attempt.attempt_id, sequence_id=n,
+                    trace_id="0" * 32, span_id=f"{n:016x}", name=f"s{n}", kind=kind, start_time=n, end_time=n + 1,
+                    attributes=attributes)
+
+    store.add_spans([
+        span(1, "reward", **{semconv.REWARD_VALUE: "1.0"}),
+        span(2, "llm", **{semconv.PROMPT_TOKEN_IDS: 5, semconv.RESPONSE_TOKEN_IDS: {"ids": [1]}}),
+        span(3, "reward", **{semconv.REWARD_VALUE: None, semconv.MESSAGE_BODY: ["a"]}),
+        span(4, "llm", **{semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.RESPONSE_TOKEN_IDS: [3]}),
+    ])
+    store.close()
+    assert agl_main(["inspect", rollout.rollout_id, "--store", str(db)]) == 0
+    tree = capsys.readouterr().out
+    assert "reward='1.0'(?str, expected a number)" in tree
+    assert "tokens=5(?int, expected a list of token ids)+{'ids': [1]}(?dict, expected a list of token ids)" in tree
+    assert "reward=None(?NoneType, expected a number)" in tree and "tokens=2+1" in tree

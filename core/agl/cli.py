@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from agl import __version__
 from agl.litagent import LitAgent, as_agent
@@ -226,8 +226,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     adapter = LightningRL.from_config(settings)
     store = _existing_store(args.store)
     rollouts = store.query_rollouts(
-        status=args.status or ["succeeded", "failed", "cancelled"], mode=args.mode, limit=args.limit
+        status=args.status or ["succeeded", "failed", "cancelled"], mode=None if args.mode == "all" else args.mode
     )
+    if args.limit is not None:
+        rollouts = _whole_groups(rollouts, args.limit)
     batch = adapter.build_batch(store, rollouts)
     try:
         n = export(batch, args.out, args.format)
@@ -238,6 +240,32 @@ def cmd_export(args: argparse.Namespace) -> int:
     if n == 0:  # a script that exports then trains must not go on with an empty file
         raise SystemExit(f"agl: no samples to export from {len(rollouts)} rollouts; the report above says why")
     return 0
+
+
+def _whole_groups(rollouts: List[Any], limit: int) -> List[Any]:
+    """At most ``limit`` of ``rollouts`` (enqueue order), never part of a GRPO group: the groups (one per
+    ``(mode, task_id)``) are taken whole in the order of their first rollout, up to the first that does not fit."""
+    if limit < 1:
+        raise SystemExit("agl: --limit must be >= 1 (the most rollouts to read, in whole task groups)")
+    groups: Dict[Tuple[str, str], List[Any]] = {}
+    for r in rollouts:
+        groups.setdefault((r.mode, r.task_id), []).append(r)
+    kept: Set[Tuple[str, str]] = set()
+    n = 0
+    for key, group in groups.items():
+        if n + len(group) > limit:
+            break
+        kept.add(key)
+        n += len(group)
+    if not kept and rollouts:
+        (mode, task), first = next(iter(groups.items()))
+        raise SystemExit(
+            f"agl: --limit {limit} is smaller than the first task group ({len(first)} rollouts of {mode} task "
+            f"{task!r}); a group is never cut, so its advantages stay right: raise --limit"
+        )
+    if n < len(rollouts):
+        print(f"--limit {limit}: read {n} rollouts in {len(kept)} whole task groups; {len(rollouts) - n} more left out")
+    return [r for r in rollouts if (r.mode, r.task_id) in kept]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,8 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     export_.add_argument("--agent-match", help="regex on agent names (overrides the config's agent_match)")
     export_.add_argument("--status", action="append", choices=["succeeded", "failed", "cancelled"],
                          help="rollouts to read (repeatable; default: every finished rollout)")
-    export_.add_argument("--mode", choices=["train", "val"], help="only rollouts of this mode")
-    export_.add_argument("--limit", type=int, help="read at most N rollouts")
+    export_.add_argument("--mode", choices=["train", "val", "all"], default="train",
+                         help="rollouts of this mode (default: train; 'all': train and val, grouped apart); each "
+                         "record has its rollout's mode")
+    export_.add_argument("--limit", type=int, metavar="N",
+                         help="read at most N rollouts, in whole task groups (a GRPO group is never cut)")
     export_.add_argument("--store", default=None, help=store_help)
     export_.set_defaults(func=cmd_export)
     return parser

@@ -6,17 +6,24 @@ import csv
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
-from agl.types import Task
+from agl.types import RolloutMode, Task
 
 FORMATS = ".jsonl (one JSON value per line), .json (a list), .parquet (needs pyarrow) or .csv (values as text)"
 _SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
-def as_tasks(dataset: Iterable[Any], *, prefix: str = "task") -> List[Task]:
+#: The id prefix of tasks without an id, per dataset mode: ``task-<index>`` for training, ``val-<index>``
+#: for validation, so that a validation task never shares an id with a training task.
+ID_PREFIXES: Dict[str, str] = {"train": "task", "val": "val"}
+
+
+def as_tasks(dataset: Iterable[Any], *, mode: RolloutMode = "train", prefix: Optional[str] = None) -> List[Task]:
     """Items keep their ``task_id``/``id`` when they have one, so GRPO groups stay stable across epochs;
-    otherwise the position in the dataset names the task.
+    otherwise the position in the dataset names the task: ``task-<index>`` in a training dataset,
+    ``val-<index>`` in a validation one (``mode="val"``; :data:`ID_PREFIXES`), so the two never collide.
+    ``prefix`` overrides the mode's prefix.
 
     Rollouts are grouped by task id for the advantages, so one id must name one task: two different items
     with the same id raise (the same item repeated is fine: it is the same task).
@@ -24,6 +31,10 @@ def as_tasks(dataset: Iterable[Any], *, prefix: str = "task") -> List[Task]:
     A string or path names a task file (:func:`load_dataset`): iterated, a string would give one task per
     character.
     """
+    if prefix is None:
+        if mode not in ID_PREFIXES:
+            raise ValueError(f"mode must be one of {sorted(ID_PREFIXES)}, got {mode!r}")
+        prefix = ID_PREFIXES[mode]
     if isinstance(dataset, (str, os.PathLike)):
         dataset = _load_named(dataset)
     if hasattr(dataset, "columns") and not isinstance(dataset, (list, tuple)):  # pandas, pyarrow, polars tables

@@ -115,13 +115,16 @@ class Trainer:
     ) -> List[Rollout]:
         """Enqueue ``n_per_task`` rollouts per task and wait for all of them; returns them in task order.
 
+        Items without an id are named by position and mode (:func:`agl.dataset.as_tasks`): ``task-<i>`` for
+        ``mode="train"``, ``val-<i>`` for ``mode="val"``, so validation and training tasks never share an id.
+
         Needs runners: this trainer's pool (inside ``fit``/``dev``, or ``with trainer.runners(agent):``), or
         with ``n_runners=0`` runners started elsewhere against the same store (``agl runner --store URL``).
         """
         if self._pool is None and not self._remote_runners_only:
             raise RuntimeError("run_tasks needs running runners: call it from an algorithm inside fit(), or "
                                "inside `with trainer.runners(agent):` (or use n_runners=0 with remote runners)")
-        tasks = as_tasks(dataset)
+        tasks = as_tasks(dataset, mode=mode)  # tasks without ids: task-<i> for train, val-<i> for val
         requests = [
             EnqueueRequest(
                 input=task.input,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from typing import Dict, List
@@ -154,6 +155,17 @@ def test_groups_separated_by_task_id() -> None:
     samples += group({"f": 7.0}, task="t3")
     out = adv_by_rollout(grpo_advantages(samples, normalize_std=False))
     assert out == pytest.approx({"a": 0.5, "b": -0.5, "c": -10.0, "d": 0.0, "e": 10.0, "f": 0.0})
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_groups_separated_by_mode_under_one_task_id(estimator: str) -> None:
+    """A validation rollout is never in a training group, even when the two datasets' ids collide."""
+    samples = group({"a": 1.0, "b": 1.0}, task="t") + [dataclasses.replace(sample("v", 0.0, task="t"), mode="val")]
+    out = compute_advantages(samples, estimator)
+    assert [s.advantage for s in out] == [0.0, 0.0, 0.0]  # two equal rewards; a group of one
+    assert [s.mode for s in out] == ["train", "train", "val"]
+    with pytest.raises(ValueError, match=r"samples of tasks 't' \(train\) and 't' \(val\)"):
+        compute_advantages([sample("a", 1.0, task="t"), dataclasses.replace(sample("a", 1.0, task="t"), mode="val")])
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])

@@ -31,7 +31,7 @@ from agl.algorithm.base import Algorithm
 from agl.dataset import as_tasks
 from agl.errors import AglError
 from agl.serving.sampling import openai_arguments
-from agl.types import LLM, PromptTemplate, Rollout, Span, Task
+from agl.types import LLM, PromptTemplate, Rollout, Span, Task, call_order_key
 
 logger = logging.getLogger("agl.apo")
 
@@ -181,7 +181,7 @@ class APO(Algorithm):
         train = as_tasks(train_dataset or [])
         if not train:
             raise APOError("APO needs training tasks: the critiques are drawn from rollouts on them")
-        val_pool = as_tasks(val_dataset) if val_dataset else train
+        val_pool = as_tasks(val_dataset, mode="val") if val_dataset else train
         val = self.rng.sample(val_pool, min(self.val_batch_size, len(val_pool)))
         self._name, seed_template, self._base = self._seed_prompt()
         self._fields = _fields(seed_template)
@@ -330,7 +330,7 @@ def transcript(spans: Sequence[Span], rollout: Optional[Rollout] = None, limit: 
     full, later ones' new input) and tool calls, in order, each message cut to ``limit`` characters."""
     lines: List[str] = []
     seen_inputs = 0
-    for span in sorted(spans, key=lambda s: (s.sequence_id, s.start_time)):
+    for span in sorted(spans, key=call_order_key):
         attrs = span.attributes
         if span.kind == "llm":
             inputs = _json_list(attrs.get(semconv.INPUT_MESSAGES))

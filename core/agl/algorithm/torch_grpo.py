@@ -296,7 +296,7 @@ class TorchGRPO(Algorithm):
             raise ValueError("TorchGRPO needs a training dataset: trainer.fit(agent, train_dataset, val_dataset=...)")
         started = time.monotonic()
         train_tasks = as_tasks(train_dataset)
-        val_tasks = as_tasks(val_dataset, prefix="val") if val_dataset else []
+        val_tasks = as_tasks(val_dataset, mode="val") if val_dataset else []
         total_steps = self._total_steps(len(train_tasks))
         output = self.output_dir or self.checkpoint_dir or Path(".agl") / "runs" / time.strftime("grpo-%Y%m%d-%H%M%S")
         with self._session() as adapter:

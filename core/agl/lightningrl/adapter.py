@@ -9,8 +9,8 @@ Per rollout (its latest attempt's spans): trace tree (repaired, ``tree.py``) -> 
 selected llm call, ``transitions.py``) -> step rewards linked to their calls (``links.py``) and Automatic
 Intermediate Rewards (``air.py``) -> credit assignment (``credit.py``). Then for the batch: samples (one per
 transition, or merged trajectories with ``aggregate=True``, ``aggregate.py``) -> advantages, GRPO or RLOO
-per policy, grouped by task at the rollout level, with loss weights (``advantages.py``). Failed rollouts are dropped or
-filled with a configured reward, never silently rewarded 0. See docs/lightningrl.md.
+per policy, grouped by (mode, task) at the rollout level, with loss weights (``advantages.py``). Failed
+rollouts are dropped or filled with a configured reward, never silently rewarded 0. See docs/lightningrl.md.
 """
 
 from __future__ import annotations
@@ -246,7 +246,9 @@ class LightningRL:
         """The transitions of one attempt with step rewards and credit set; also the extraction counts, the
         tree repairs and the number of step rewards that could not be linked to a call."""
         tree = build_tree(spans, tolerance_ns=self.tolerance_ns)
-        extraction = extract_transitions(tree, task_id=rollout.task_id, selector=self.selector, retokenizer=self.retokenizer)
+        extraction = extract_transitions(
+            tree, task_id=rollout.task_id, mode=rollout.mode, selector=self.selector, retokenizer=self.retokenizer
+        )
         unattributed = 0
         if extraction.transitions:
             links = CallLinks(tree)
@@ -317,8 +319,9 @@ class LightningRL:
         return result.samples
 
     def _advantages(self, samples: List[Sample]) -> List[Sample]:
-        """Advantages per policy: each policy's samples are grouped by task on their own (one policy's
-        rewards are no baseline for another's), and each rollout weighs the same within each policy."""
+        """Advantages per policy: each policy's samples are grouped by ``(mode, task)`` on their own (one
+        policy's rewards are no baseline for another's, nor a validation rollout's for a training one's), and
+        each rollout weighs the same within each policy."""
         positions: Dict[str, List[int]] = {}
         for i, s in enumerate(samples):
             positions.setdefault(s.policy, []).append(i)

@@ -1,7 +1,8 @@
 """Advantages and loss weights for training samples: GRPO and RLOO at the rollout level.
 
-Every estimator works on **rollouts**, not on samples. The samples of a task are grouped by ``task_id``
-into ``n`` rollouts; rollout ``i`` has ``T_i`` samples with rewards ``r_{i,1..T_i}`` (all equal under the
+Every estimator works on **rollouts**, not on samples. The samples of a task are grouped by
+``(mode, task_id)`` into ``n`` rollouts (training and validation rollouts never share a group, even under
+one task id); rollout ``i`` has ``T_i`` samples with rewards ``r_{i,1..T_i}`` (all equal under the
 broadcast credit rule, different per call under discounted or step credit). Each rollout weighs the same
 in the group statistics however many samples it produced: its samples count with weight ``1 / T_i``::
 
@@ -29,7 +30,7 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterable, List, Literal, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Literal, Sequence, Tuple, Union
 
 from agl.lightningrl.types import Sample
 from agl.types import Rollout
@@ -124,13 +125,19 @@ class _Rollout:
 
 
 def _rollout_groups(samples: Sequence[Sample]) -> List[List[_Rollout]]:
-    """The rollouts of each task, in first-seen order; checks that a rollout belongs to one task."""
-    task_of: Dict[str, str] = {}
-    groups: Dict[str, Dict[str, _Rollout]] = defaultdict(dict)
+    """The rollouts of each ``(mode, task_id)``, in first-seen order; checks that a rollout belongs to one.
+
+    The mode is part of the group: a validation rollout is never in a training task's group, even when the
+    two datasets gave their tasks the same id.
+    """
+    task_of: Dict[str, Tuple[str, str]] = {}
+    groups: Dict[Tuple[str, str], Dict[str, _Rollout]] = defaultdict(dict)
     for index, s in enumerate(samples):
-        task = task_of.setdefault(s.rollout_id, s.task_id)
-        if task != s.task_id:
-            raise ValueError(f"rollout {s.rollout_id!r} has samples of tasks {task!r} and {s.task_id!r}")
+        task = task_of.setdefault(s.rollout_id, (s.mode, s.task_id))
+        if task != (s.mode, s.task_id):
+            raise ValueError(
+                f"rollout {s.rollout_id!r} has samples of tasks {task[1]!r} ({task[0]}) and {s.task_id!r} ({s.mode})"
+            )
         rollout = groups[task].get(s.rollout_id)
         if rollout is None:
             rollout = groups[task][s.rollout_id] = _Rollout()

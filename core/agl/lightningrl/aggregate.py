@@ -17,7 +17,8 @@ Conventions of a merged sample:
 - ``response_logprobs`` is aligned with ``response_ids`` and holds ``0.0`` at masked (mask 0) positions;
   it is ``None`` for the whole sample if any merged call has no logprobs (or not one per response token);
 - ``span_ids`` lists the span of every merged call, in step order;
-- ``task_id`` is the first call's; ``advantage`` and ``loss_weight`` keep their defaults.
+- ``task_id`` and ``mode`` are the first call's (one rollout has one of each); ``advantage`` and
+  ``loss_weight`` keep their defaults.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def to_samples(transitions: Iterable[Transition]) -> List[Sample]:
             reward=t.reward,
             response_logprobs=None if t.response_logprobs is None else list(t.response_logprobs),
             span_ids=[t.span_id],
+            mode=t.mode,
         )
         for t in transitions
     ]
@@ -121,6 +123,7 @@ def _start(t: Transition) -> Sample:
         reward=t.reward,
         response_logprobs=_logprobs(t),
         span_ids=[t.span_id],
+        mode=t.mode,
     )
 
 

@@ -7,7 +7,12 @@ weights from :class:`AIRConfig`, recorded in ``Transition.step_rewards`` under t
   tool raised), credited to the call that caused the tool (see :mod:`agl.lightningrl.links`); a tool that
   failed on arguments that did not parse is not also a ``tool_error`` (one mistake, one penalty, whether
   the framework runs such a tool, as the OpenAI Agents SDK does, or not, as LangGraph), and a tool span
-  right under a tool span of the same name (``@agl.tool`` under ``@function_tool``) is the same call;
+  right under a tool span of the same name (``@agl.tool`` under ``@function_tool``) is the same call.
+  Which failed tool span ran an unparsed call: the one whose ``gen_ai.tool.call.id`` is that call's id;
+  a failed tool span with no call id (``@agl.tool`` in plain Python; the Agents SDK with
+  ``trace_include_sensitive_data=False``) takes an unparsed call of its own calling llm call with the same
+  tool name, one to one in call order (each unparsed call excuses at most one failed tool span, so of two
+  failing ``add`` spans and one unparsed ``add`` call, one is still a ``tool_error``);
 - ``air.args_valid`` / ``air.args_invalid``: per tool call in the call's output message whose arguments
   do / do not parse as a JSON object;
 - ``air.format_ok`` / ``air.format_miss``: the call's text content does / does not match
@@ -24,7 +29,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Iterable, Mapping, Optional, Pattern, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Pattern, Set, Tuple, Union
 
 from agl import semconv
 from agl.lightningrl.links import CallLinks, output_message, tool_calls_of
@@ -83,20 +88,14 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
 
     # Tool calls whose arguments did not parse: some frameworks still run (and fail) the tool, others do not;
     # that failure is the same mistake, already counted once as air.args_invalid.
-    unparsed = {
-        call.get("id")
-        for span in links.ordered
-        if span.kind == "llm" and span.span_id in wanted
-        for call in tool_calls_of(output_message(span))
-        if not _arguments_parse((call.get("function") or {}).get("arguments"))
-    }
+    unparsed = _UnparsedCalls(links, wanted)
     for span in links.ordered:
         if span.kind == "tool":
             if _inner_record_of_its_parent(links, span):
                 continue
             caller = links.caller_of_tool(span)
             if caller in wanted:
-                if span.status == "error" and span.attributes.get(semconv.TOOL_CALL_ID) in unparsed - {None}:
+                if span.status == "error" and unparsed.excuse(span, caller):
                     continue
                 if span.status == "error":
                     add(caller, "air.tool_error", config.tool_error)
@@ -116,6 +115,40 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
                 else:
                     add(span.span_id, "air.format_miss", config.format_miss)
     return out
+
+
+class _UnparsedCalls:
+    """The selected calls' tool calls whose arguments did not parse, each to excuse one failed tool span."""
+
+    def __init__(self, links: CallLinks, wanted: Set[str]) -> None:
+        self.ids: Set[str] = set()
+        self.pending: Dict[str, List[Tuple[Optional[str], Any]]] = {}  # llm span id -> [(call id, tool name)]
+        for span in links.ordered:
+            if span.kind == "llm" and span.span_id in wanted:
+                for call in tool_calls_of(output_message(span)):
+                    function = call.get("function") or {}
+                    if not _arguments_parse(function.get("arguments")):
+                        call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else None
+                        if call_id is not None:
+                            self.ids.add(call_id)
+                        self.pending.setdefault(span.span_id, []).append((call_id, function.get("name")))
+
+    def excuse(self, tool: Span, caller: str) -> bool:
+        """Whether the failed tool span ran an unparsed call: by its call id, or, without one, by tool name
+        among its caller's unparsed calls not yet matched (the match is used up)."""
+        pending = self.pending.get(caller, [])
+        call_id = tool.attributes.get(semconv.TOOL_CALL_ID)
+        if call_id:
+            if call_id not in self.ids:
+                return False
+            self.pending[caller] = [entry for entry in pending if entry[0] != call_id]  # not matched by name too
+            return True
+        name = tool.attributes.get(semconv.TOOL_NAME)
+        for index, (_, call_name) in enumerate(pending):
+            if call_name == name:
+                del pending[index]
+                return True
+        return False
 
 
 def _inner_record_of_its_parent(links: CallLinks, tool: Span) -> bool:

@@ -17,7 +17,11 @@ field                  type                meaning
 ``advantage``          float               its advantage (GRPO / RLOO)
 ``loss_weight``        float               1 / samples of its rollout (per policy)
 ``span_ids``           list[str]           the llm spans it was built from
+``mode``               str                 its rollout's mode, ``"train"`` or ``"val"`` (GRPO groups are
+                                           per ``(mode, task_id)``)
 =====================  ==================  ==========================================================
+
+``agl export`` reads training rollouts only unless told otherwise (``--mode val`` / ``--mode all``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ FIELDS = [
     "advantage",
     "loss_weight",
     "span_ids",
+    "mode",
 ]
 FORMATS = ("jsonl", "parquet")
 
@@ -111,6 +116,7 @@ def parquet_schema() -> Any:
             ("advantage", pa.float64()),
             ("loss_weight", pa.float64()),
             ("span_ids", pa.list_(pa.string())),
+            ("mode", pa.string()),
         ]
     )
 

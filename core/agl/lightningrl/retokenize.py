@@ -27,12 +27,34 @@ A (legacy) Completions API call has no template: the prompt is ``agl.llm.prompt`
 they are; text through the tokenizer with its special tokens, as vLLM does), the response the text, plus
 the tokenizer's end-of-sequence token when the call finished with ``stop`` (a stop string cannot be told
 from EOS afterwards; EOS is what a model that learns to stop must produce).
+
+Messages are normalised before a Hugging Face template sees them, as vLLM does: a missing or null
+``content`` becomes ``""`` (an assistant turn with only tool calls has none, and templates concatenate it),
+null fields are dropped, and tool call arguments that parse as a JSON object are passed as that object.
+
+A span that cannot be re-tokenized raises :class:`RetokenizeError` with a ``reason``, and LightningRL skips
+it under that reason (one warning per span), so one span never sinks a batch:
+
+- :data:`SKIP_RETOKENIZE_FAILED`: no recorded input messages or prompt, or the chat template or tokenizer
+  raised on them;
+- :data:`SKIP_TOOL_CALLS_NOT_RENDERED`: the answer has tool calls and the chat template writes the same text
+  with and without them (SmolLM2's template only writes ``content``), so the response would be empty or
+  the text alone, not what the model produced.
+
+A prompt whose history holds tool calls that the template drops is still encoded (it is what such a
+template gives), with one warning per Retokenizer.
+
+agl's own server renders tools and tool calls in its own format (:mod:`agl.serving.chat_format`), not the
+tokenizer's template, and always returns token ids, so its calls never need re-tokenizing; the
+re-tokenizer follows the tokenizer's template, which is what a server that returns no ids (vLLM without
+``return_token_ids``, llama.cpp, Ollama) applies.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agl import semconv
@@ -42,9 +64,24 @@ from agl.serving import responses_api  # torch-free: the Responses -> chat mappi
 from agl.serving.chat_format import BadRequest
 from agl.types import Span
 
+logger = logging.getLogger("agl.lightningrl")
+
+#: skip reason: the span lacks what re-tokenization needs, or the template / tokenizer failed on it
+SKIP_RETOKENIZE_FAILED = "cannot re-tokenize"
+#: skip reason: the answer's tool calls are not written by the tokenizer's chat template
+SKIP_TOOL_CALLS_NOT_RENDERED = "tool calls the chat template does not render"
+TOOL_CALLS_NOT_RENDERED_ADVICE = (
+    "the tokenizer's chat template does not render tool calls: pass token ids from the server, "
+    "or a tokenizer whose template does"
+)
+
 
 class RetokenizeError(ValueError):
-    """The span lacks what re-tokenization needs (its input messages)."""
+    """The span cannot be re-tokenized; ``reason`` is the skip reason the batch report counts it under."""
+
+    def __init__(self, message: str, reason: str = SKIP_RETOKENIZE_FAILED) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Retokenizer:
@@ -62,23 +99,66 @@ class Retokenizer:
         eos = getattr(tokenizer, "eos_token_id", None)
         self._special_ids = set(getattr(tokenizer, "all_special_ids", None) or ()) | ({eos} if isinstance(eos, int) else set())
         self._encode_kwargs = {"add_special_tokens": False} if "add_special_tokens" in _parameters(tokenizer.encode) else {}
+        self._renders_history_calls: Optional[bool] = None  # unknown until a prompt's history has tool calls
 
     def ids(self, span: Span) -> Tuple[List[int], List[int]]:
-        """(prompt ids, response ids) of the llm span, from its recorded messages."""
-        if span.attributes.get(semconv.LLM_API) == COMPLETIONS:
-            return self._completion_ids(span)
+        """(prompt ids, response ids) of the llm span, from its recorded messages.
+
+        Raises :class:`RetokenizeError` (with the skip ``reason``) for a span that cannot be re-tokenized,
+        whatever failed: the template or tokenizer raising is wrapped, never passed on as it is."""
+        try:
+            if span.attributes.get(semconv.LLM_API) == COMPLETIONS:
+                return self._completion_ids(span)
+            return self._chat_ids(span)
+        except RetokenizeError:
+            raise
+        except Exception as exc:  # a template's jinja2 error, a tokenizer's TypeError, ...: this span only
+            raise RetokenizeError(
+                f"span {span.span_id}: {type(exc).__name__} from the tokenizer or its chat template: {exc}"
+            ) from exc
+
+    def _chat_ids(self, span: Span) -> Tuple[List[int], List[int]]:
         messages = chat_messages(span)
         tools = _json(span.attributes.get(semconv.TOOL_DEFINITIONS)) or None
         if tools and span.attributes.get(semconv.LLM_API) == RESPONSES:
             tools = responses_api.chat_tools(tools) or None
         answer = output_message(span)
+        if self._hf_template:
+            messages = [_normalised(m) for m in messages]
         prompt_text = self._template(messages, tools, generation_prompt=True)
+        if self._hf_template:
+            self._check_history_calls(span, messages, tools, prompt_text)
         if self._hf_template and answer:
+            answer = _normalised(answer)
             full_text = self._template(messages + [answer], tools, generation_prompt=False)
+            if tool_calls_of(answer):
+                without = {k: v for k, v in answer.items() if k != "tool_calls"}
+                if self._template(messages + [without], tools, generation_prompt=False) == full_text:
+                    raise RetokenizeError(
+                        f"span {span.span_id}: its answer has tool calls, and {TOOL_CALLS_NOT_RENDERED_ADVICE}",
+                        SKIP_TOOL_CALLS_NOT_RENDERED,
+                    )
             if full_text.startswith(prompt_text):
                 stopped = "length" not in (span.attributes.get(semconv.RESPONSE_FINISH_REASONS) or ())
                 return self._encode(prompt_text), self._end_of_turn(self._encode(full_text[len(prompt_text):]), stopped)
         return self._encode(prompt_text), self._encode(render_answer(answer))
+
+    def _check_history_calls(
+        self, span: Span, messages: List[Dict[str, Any]], tools: Optional[List[Any]], prompt_text: str
+    ) -> None:
+        """Warn once if the template drops the tool calls of the prompt's history (checked until it is known
+        whether this template writes them: a property of the template, not of the span)."""
+        if self._renders_history_calls is not None or not any(tool_calls_of(m) for m in messages):
+            return
+        without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+        self._renders_history_calls = self._template(without, tools, generation_prompt=True) != prompt_text
+        if not self._renders_history_calls:
+            logger.warning(
+                "LightningRL re-tokenization: the history of llm span %s holds tool calls that the tokenizer's "
+                "chat template does not write, so re-tokenized prompts after a tool call lack them (%s)",
+                span.span_id,
+                TOOL_CALLS_NOT_RENDERED_ADVICE,
+            )
 
     def _end_of_turn(self, ids: List[int], stopped: bool) -> List[int]:
         """A templated answer's ids up to its end-of-turn token (the last special token, followed only by
@@ -141,6 +221,32 @@ def chat_messages(span: Span) -> List[Dict[str, Any]]:
         except (BadRequest, KeyError, TypeError, AttributeError) as exc:
             raise RetokenizeError(f"span {span.span_id}: its Responses API input has no chat form: {exc}") from None
     raise RetokenizeError(f"span {span.span_id} has no {semconv.INPUT_MESSAGES} to re-tokenize")
+
+
+def _normalised(message: Mapping[str, Any]) -> Dict[str, Any]:
+    """A chat message as templates expect it (and vLLM passes it): ``content`` a string where it was missing
+    or null, no null fields, tool call arguments as the JSON object they encode (kept as sent otherwise)."""
+    out = {k: v for k, v in message.items() if v is not None}
+    out.setdefault("content", "")
+    calls = out.get("tool_calls")
+    if calls == []:
+        del out["tool_calls"]  # an empty list would put some templates on their tool-call path
+    elif isinstance(calls, list):
+        out["tool_calls"] = [_call_with_object_arguments(c) if isinstance(c, Mapping) else c for c in calls]
+    return out
+
+
+def _call_with_object_arguments(call: Mapping[str, Any]) -> Dict[str, Any]:
+    call = dict(call)
+    function = call.get("function")
+    if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = None
+        if isinstance(arguments, dict):
+            call["function"] = {**function, "arguments": arguments}
+    return call
 
 
 def _json(value: Any) -> Any:

@@ -10,7 +10,9 @@ Every llm span of the attempt ends up in exactly one of four places, so the coun
   (``chat {model}``) nor its ``gen_ai.request.model``;
 - **skipped**, by reason: the request failed (``llm call failed``), or the call has no response tokens
   (``empty response``) or no prompt tokens (``empty prompt``): never an empty sample; or its server refused
-  to return token ids (``server refuses token ids``, below);
+  to return token ids (``server refuses token ids``, below); or it could not be re-tokenized (``cannot
+  re-tokenize``, ``tool calls the chat template does not render``: see ``agl.lightningrl.retokenize``;
+  one warning per such span, so one span never sinks a batch);
 - a **transition**.
 
 A selected call without token ids (``agl.llm.token_ids_source == "absent"``: the server did not return
@@ -31,6 +33,7 @@ so.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections import Counter
@@ -40,10 +43,12 @@ from typing import Any, List, Optional, Pattern, Union
 from agl import semconv
 from agl.agent_match import AgentMatch, PolicyMatcher
 from agl.errors import MissingTokenIdsError
-from agl.lightningrl.retokenize import Retokenizer
+from agl.lightningrl.retokenize import RetokenizeError, Retokenizer
 from agl.lightningrl.tree import TraceTree
 from agl.lightningrl.types import Transition
 from agl.types import Span
+
+logger = logging.getLogger("agl.lightningrl")
 
 SKIP_CALL_FAILED = "llm call failed"
 SKIP_EMPTY_RESPONSE = "empty response"
@@ -100,8 +105,10 @@ def extract_transitions(
     task_id: str,
     selector: Optional[CallSelector] = None,
     retokenizer: Optional[Retokenizer] = None,
+    mode: str = "train",
 ) -> Extraction:
-    """The transitions of one attempt (see the module docstring), in call order, rewards not yet set."""
+    """The transitions of one attempt (see the module docstring), in call order, rewards not yet set;
+    ``task_id`` and ``mode`` are the rollout's."""
     selector = selector or CallSelector()
     out = Extraction()
     for step, span in enumerate(tree.llm_spans()):
@@ -128,7 +135,15 @@ def extract_transitions(
                 continue
             if retokenizer is None:
                 raise MissingTokenIdsError(span.rollout_id, span.attempt_id, span.span_id, agent_name, _why_missing(span))
-            prompt_ids, response_ids = retokenizer.ids(span)
+            try:
+                prompt_ids, response_ids = retokenizer.ids(span)
+            except RetokenizeError as exc:  # this span only: the rest of the batch goes on
+                out.skipped[exc.reason] += 1
+                logger.warning(
+                    "LightningRL skipped an llm call of rollout %s, attempt %s (%s): %s",
+                    span.rollout_id, span.attempt_id, exc.reason, exc,  # exc names the span
+                )
+                continue
             out.retokenized += 1
         else:
             logprobs = _floats(span.attributes.get(semconv.RESPONSE_LOGPROBS))
@@ -156,6 +171,7 @@ def extract_transitions(
                 policy=policy,
                 agent_name=agent_name,
                 response_logprobs=logprobs,
+                mode=mode,
             )
         )
     return out

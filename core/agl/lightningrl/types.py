@@ -14,7 +14,8 @@ class Transition:
     ``prompt_ids`` / ``response_ids`` are the server's token ids exactly; ``response_logprobs`` has one
     entry per response token when the server returned logprobs. ``step`` orders the calls of one attempt
     (0, 1, ...). ``reward`` is the credit assigned to this call; ``step_rewards`` are rewards attached to the
-    call itself (emitted inside its operation, or Automatic Intermediate Rewards), by name.
+    call itself (emitted inside its operation, or Automatic Intermediate Rewards), by name. ``mode`` is the
+    rollout's (``"train"`` or ``"val"``): GRPO groups are formed per ``(mode, task_id)``.
     """
 
     rollout_id: str
@@ -29,13 +30,15 @@ class Transition:
     response_logprobs: Optional[List[float]] = None
     reward: float = 0.0
     step_rewards: Dict[str, float] = field(default_factory=dict)
+    mode: str = "train"
 
 
 @dataclass
 class Sample:
     """One training sample: a prompt and a response (``response_mask`` 1 on tokens the model generated,
     0 on tokens it did not, e.g. tool results inside a merged trajectory), with its advantage and the
-    loss weight that makes every rollout weigh the same however many samples it produced."""
+    loss weight that makes every rollout weigh the same however many samples it produced. ``mode`` is its
+    rollout's (``"train"`` or ``"val"``); the advantages group samples by ``(mode, task_id)``."""
 
     rollout_id: str
     task_id: str
@@ -48,3 +51,4 @@ class Sample:
     loss_weight: float = 1.0
     response_logprobs: Optional[List[float]] = None
     span_ids: List[str] = field(default_factory=list)
+    mode: str = "train"
