@@ -14,17 +14,15 @@ from typing import Any, Awaitable, Callable, Dict, Optional, Tuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
-from opentelemetry.trace import Span, StatusCode
+from opentelemetry.trace import Span
 
-from agl import semconv
 from agl.instrumentation.framework import finish_tool, start_tool_span
 from agl.instrumentation.safety import guard, guarded
+from agl.instrumentation.tool_failures import mark_tool_failed
 from agl.integrations.autogen._agents import FRAMEWORK
 from agl.tracer import record_exception
 
 _TOOL_CALL = otel_context.create_key("agl.autogen.tool_call")
-# OpenTelemetry's error.type when there is no exception to name (unknown tool, arguments that are not JSON).
-_NO_EXCEPTION = "_OTHER"
 
 
 @dataclass
@@ -48,9 +46,8 @@ def _read_result(span: Span, call: _ToolCall, outcome: Any) -> Optional[str]:
     if result.is_error:
         if call.error is not None:
             record_exception(span, call.error)
-        else:
-            span.set_attribute(semconv.ERROR_TYPE, _NO_EXCEPTION)
-            span.set_status(StatusCode.ERROR, result.content)
+        else:  # no exception exists (unknown tool, arguments that are not JSON): error.type is _OTHER
+            mark_tool_failed(span, result.content)
     return result.content
 
 

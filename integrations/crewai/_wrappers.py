@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
+import sys
+import time
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 from opentelemetry import context as otel_context
@@ -26,7 +28,8 @@ from opentelemetry import trace as otel_trace
 
 from agl import semconv
 from agl.instrumentation.framework import finish_span, finish_tool, start_agent_span, start_tool_span
-from agl.instrumentation.safety import report_internal_error
+from agl.instrumentation.safety import guard, report_internal_error
+from agl.instrumentation.tool_failures import mark_tool_failed, record_failed_tool_call
 from agl.integrations.crewai._threads import in_running_loop
 from agl.tracer import get_tracer
 
@@ -41,8 +44,20 @@ SpanStarter = Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Optional[otel_tra
 
 # Objects (by kind and id) whose span is open in this context: re-entries pass through.
 _OPEN = otel_context.create_key("agl.crewai.open")
-# The id of the native tool call being executed, for the tool span made inside (CrewAI's tools do not get it).
-_PENDING_CALL_ID: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("agl_crewai_call_id", default=None)
+
+
+@dataclasses.dataclass
+class _NativeCall:
+    """The native tool call being executed: its id for the tool span made inside (CrewAI's tools do not get
+    it), and whether a tool span was opened for it at all (CrewAI settles some calls without any tool)."""
+
+    call_id: Optional[str]
+    tool_started: bool = False
+
+
+_NATIVE_CALL: contextvars.ContextVar[Optional[_NativeCall]] = contextvars.ContextVar(
+    "agl_crewai_native_call", default=None
+)
 
 
 class Hooks:
@@ -63,6 +78,7 @@ class _Opened:
     span: otel_trace.Span
     token: object
     is_tool: bool
+    subject: Any = None  # what the span is about (a tool span's tool: its result may be a handled failure)
 
 
 # -- opening and closing ------------------------------------------------------------------------------------
@@ -82,7 +98,7 @@ def _open(
         ctx = otel_trace.set_span_in_context(span)
         if key is not None:
             ctx = otel_context.set_value(_OPEN, open_keys | {key}, ctx)
-        return _Opened(span, otel_context.attach(ctx), is_tool)
+        return _Opened(span, otel_context.attach(ctx), is_tool, instance)
     except Exception as exc:  # noqa: BLE001 - the user's call goes on without a span
         report_internal_error("crewai.open_span", exc)
         return None
@@ -95,6 +111,11 @@ def _close(opened: Optional[_Opened], result: Any = None, error: Optional[BaseEx
     try:
         otel_context.detach(opened.token)  # type: ignore[arg-type]
         if opened.is_tool:
+            if error is None:
+                with guard("crewai.tool_result"):  # the span still ends
+                    message = _handled_tool_failure(opened.subject, result)
+                    if message is not None:
+                        mark_tool_failed(opened.span, message)
             finish_tool(opened.span, result, error)
         else:
             finish_span(opened.span, error)
@@ -244,8 +265,11 @@ def _run_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
 
 
 def _start_tool(tool: Any, arguments: Any) -> otel_trace.Span:
-    call_id = _PENDING_CALL_ID.get()
-    _PENDING_CALL_ID.set(None)  # consumed: a tool run inside this one is not that call
+    call_id = None
+    native = _NATIVE_CALL.get()
+    if native is not None and not native.tool_started:
+        native.tool_started = True  # consumed: a tool run inside this one is not that call
+        call_id = native.call_id
     return start_tool_span(
         _text(getattr(tool, "name", None)) or type(tool).__name__, FRAMEWORK, arguments, call_id=call_id
     )
@@ -275,15 +299,95 @@ def _call_id(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
 def with_native_call_id(
     wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 ) -> Any:
-    """Wrapper of the executor's per-call method: the tool span made inside gets the model's call id."""
-    token = None
+    """Wrapper of the executor's per-call method: the tool span made inside gets the model's call id, and a
+    call CrewAI answers with an error without running a tool (an unknown tool name, a spent
+    ``max_usage_count``) gets an error tool span of its own."""
+    token = native = None
     if Hooks.owner is not None:
         try:
-            token = _PENDING_CALL_ID.set(_call_id(args, kwargs))
+            native = _NativeCall(_call_id(args, kwargs))
+            token = _NATIVE_CALL.set(native)
         except Exception as exc:  # noqa: BLE001
             report_internal_error("crewai.call_id", exc)
+    started = time.time_ns()
     try:
-        return wrapped(*args, **kwargs)
+        outcome = wrapped(*args, **kwargs)
     finally:
         if token is not None:
-            _PENDING_CALL_ID.reset(token)
+            _NATIVE_CALL.reset(token)
+    if native is not None and not native.tool_started:
+        try:
+            _record_call_without_tool(native, args, kwargs, outcome, started)
+        except Exception as exc:  # noqa: BLE001
+            report_internal_error("crewai.unrun_tool_call", exc)
+    return outcome
+
+
+# -- tool calls CrewAI answers with an error --------------------------------------------------------------------
+# CrewAI's answer to a native call of a tool the agent lacks (older CrewAI, 1.10, has no structured failure).
+_TOOL_NOT_FOUND = "Tool not found"
+# CrewAI's ToolFailureReason values (1.15.30) for calls it settles without running the tool.
+_NOT_RUN_REASONS = frozenset({"unknown_tool", "usage_limit"})
+
+
+def _unrun_failure(outcome: Any) -> Optional[str]:
+    """The error text the model is given for a native call no tool ran for, or None if it did not fail so.
+
+    Newer CrewAI (1.15.30) says why in ``tool_failure`` (a ``ToolFailure``); older CrewAI only answers its
+    ``"Tool not found"`` placeholder, which is recognised (its spent-tool text is a template and is not)."""
+    if not isinstance(outcome, dict) or not isinstance(outcome.get("result"), str):
+        return None
+    message: str = outcome["result"]
+    if "tool_failure" in outcome:
+        reason = getattr(outcome["tool_failure"], "reason", None)
+        return message if getattr(reason, "value", reason) in _NOT_RUN_REASONS else None
+    if outcome.get("original_tool") is None and not outcome.get("from_cache") and message == _TOOL_NOT_FOUND:
+        return message
+    return None
+
+
+def _requested(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Optional[str], Any]:
+    """The tool name as the model wrote it and its arguments, from the provider's tool call object or dict
+    (newer CrewAI) or ``func_name=`` / ``func_args=`` (older CrewAI)."""
+    if "func_name" in kwargs:
+        return _text(kwargs["func_name"]) or None, kwargs.get("func_args")
+    call = args[0] if args else kwargs.get("tool_call")
+    if isinstance(call, dict):
+        function = call.get("function") or {}
+        name = function.get("name") or call.get("name")
+        arguments = function.get("arguments", call.get("arguments", call.get("input")))
+    else:
+        function = getattr(call, "function", None) or getattr(call, "function_call", None)
+        source = function if function is not None else call
+        name = getattr(source, "name", None)
+        arguments = getattr(source, "arguments", None)
+        if arguments is None:
+            arguments = getattr(source, "args", None) or getattr(call, "input", None)
+    return (name if isinstance(name, str) and name else None), arguments
+
+
+def _record_call_without_tool(
+    native: _NativeCall, args: Tuple[Any, ...], kwargs: Dict[str, Any], outcome: Any, started: int
+) -> None:
+    """An error tool span (parented where the tool's span would be) for a call CrewAI failed unrun."""
+    message = _unrun_failure(outcome)
+    if message is None:
+        return
+    name, arguments = _requested(args, kwargs)
+    name = name or _text(outcome.get("func_name")) or "unknown"
+    call_id = native.call_id or _text(outcome.get("call_id")) or None
+    record_failed_tool_call(name, FRAMEWORK, arguments, message, call_id=call_id, start_time=started)
+
+
+def _handled_tool_failure(tool: Any, result: Any) -> Optional[str]:
+    """The result of a tool that ran and answered a failure as text: CrewAI's delegation tools (hierarchical
+    process, ``allow_delegation``) return an error message for a coworker that does not exist. CrewAI gives
+    no structured signal there, so the text is matched against CrewAI's own template (the one it formats
+    the message from, translated if CrewAI's prompts are)."""
+    tool = original_tool(tool)
+    if not isinstance(result, str) or not any(k.__name__ == "BaseAgentTool" for k in type(tool).__mro__):
+        return None
+    i18n = getattr(tool, "i18n", None) or getattr(sys.modules.get("crewai.utilities.i18n"), "I18N_DEFAULT", None)
+    template = i18n.errors("agent_tool_unexisting_coworker") if i18n is not None else None
+    prefix = template.split("{", 1)[0].strip() if isinstance(template, str) else ""
+    return result if prefix and result.strip().startswith(prefix) else None

@@ -41,7 +41,6 @@ from uuid import UUID
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables.config import var_child_runnable_config
 from opentelemetry import trace as otel_trace
-from opentelemetry.trace import StatusCode
 
 from agl import semconv
 from agl.instrumentation.framework import (
@@ -54,6 +53,7 @@ from agl.instrumentation.framework import (
     start_tool_span,
 )
 from agl.instrumentation.safety import report_internal_error
+from agl.instrumentation.tool_failures import mark_tool_failed
 from agl.integrations.langchain._runs import (
     ParentInfo,
     SpanPlan,
@@ -72,8 +72,6 @@ _CONTROL_FLOW_ERRORS = frozenset({"GraphBubbleUp", "GraphInterrupt", "ParentComm
 # Raised into a run when its caller stops it: a generator closed early (a graph stream the consumer broke
 # out of), a cancelled task (astream's and astream_events' running nodes when the consumer leaves).
 _STOPPED_BY_CALLER = (GeneratorExit, asyncio.CancelledError)
-# error.type of a failure LangChain reports with no exception (a tool's handled error): OTel's "other" value
-_NO_EXCEPTION = "_OTHER"
 
 # The model (or retriever) run started last in this context, and the run that LangChain's Runnable config named
 # then: see AglCallbackHandler.llm_parent. Set by the run's start event, cleared by its end.
@@ -419,10 +417,9 @@ def _failure(span: otel_trace.Span, error: BaseException) -> Optional[BaseExcept
 
 
 def _fail_with_text(span: otel_trace.Span, text: Any) -> None:
-    """Error status for a failure that LangChain reports as a message (no exception): its text is the status
-    description, as the model read it."""
-    span.set_attribute(semconv.ERROR_TYPE, _NO_EXCEPTION)
-    span.set_status(StatusCode.ERROR, text if isinstance(text, str) else str(text))
+    """Error status for a failure that LangChain reports as a message (no exception, e.g. a tool's handled
+    error): its text is the status description, as the model read it."""
+    mark_tool_failed(span, text if isinstance(text, str) else str(text))
 
 
 def _is_error_message(output: Any) -> bool:

@@ -22,7 +22,7 @@ import pytest
 os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")  # CrewAI's telemetry stays offline
 crewai = pytest.importorskip("crewai")
 
-from crewai import LLM, Agent, Crew, Flow, Task  # noqa: E402
+from crewai import LLM, Agent, Crew, Flow, Process, Task  # noqa: E402
 from crewai.flow.flow import listen, start  # noqa: E402
 from crewai.tools import tool  # noqa: E402
 
@@ -31,6 +31,9 @@ from agl import semconv  # noqa: E402
 from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
 from agl.context import rollout_scope  # noqa: E402
 from agl.instrumentation.safety import internal_error_count  # noqa: E402
+from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
+from agl.lightningrl.links import CallLinks  # noqa: E402
+from agl.lightningrl.tree import build_tree  # noqa: E402
 from agl.integrations.crewai import _THREAD_HOPS, _TARGETS, CrewAIInstrumentor, resolve_target  # noqa: E402
 from agl.integrations.crewai import _wrappers  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
@@ -146,6 +149,18 @@ def assert_llm_spans_complete(spans: Sequence[Span], n_requests: int) -> None:
         assert span.attributes[semconv.PROMPT_TOKEN_IDS] and span.attributes[semconv.RESPONSE_TOKEN_IDS]
 
 
+def air_per_call(spans: Sequence[Span]) -> List[Dict[str, float]]:
+    """AIR's rewards (default weights) for each llm span, in order: what LightningRL would add to each call."""
+    calls = [s.span_id for s in kind(spans, "llm")]
+    rewards = air_rewards(CallLinks(build_tree(spans)), calls, AIRConfig())
+    return [rewards.get(call, {}) for call in calls]
+
+
+def tool_messages(request: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The tool results a chat.completions request sent the model."""
+    return [m for m in request["body"]["messages"] if m["role"] == "tool"]
+
+
 def crewai_agent_names(spans: Sequence[Span]) -> List[str]:
     return [
         s.attributes[semconv.AGENT_NAME]
@@ -220,6 +235,87 @@ def test_a_tool_that_raises_gets_an_error_status(
     assert span.attributes[semconv.TOOL_CALL_ID] and agent_of(span, spans) == "Solver"
     assert semconv.TOOL_CALL_RESULT not in span.attributes
     assert_llm_spans_complete(spans, len(fake_openai.requests))
+
+
+def test_a_call_of_a_tool_the_agent_lacks_is_an_error_tool_span_that_air_penalises(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any
+) -> None:
+    """The model names a tool the agent was not given: CrewAI answers "Tool not found" without running any
+    tool. The call still gets a failed tool span (as under AutoGen), so AIR gives it air.tool_error."""
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "multiply", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="6")
+    )
+    with rollout_scope("ro-unknown-tool", "at-1"):
+        solo_crew(fake_llm(fake_openai.base_url), "Solver", "What is 2 times 3?").kickoff()
+    spans = sink.of("ro-unknown-tool")
+    assert_llm_spans_complete(spans, len(fake_openai.requests))
+    (told,) = tool_messages(fake_openai.requests[1])  # what CrewAI told the model
+    (span,) = kind(spans, "tool")
+    assert span.name == "execute_tool multiply" and span.attributes[semconv.TOOL_NAME] == "multiply"
+    assert json.loads(span.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 2, "b": 3}
+    assert span.attributes[semconv.TOOL_CALL_ID] == told["tool_call_id"]
+    assert span.status == "error" and span.attributes[semconv.ERROR_TYPE] == "_OTHER"  # as AutoGen's adapter
+    assert span.error == span.attributes[semconv.TOOL_CALL_RESULT] == told["content"]
+    (agent,) = kind(spans, "agent")
+    assert span.parent_id == agent.span_id and agent.status != "error"
+    assert air_per_call(spans) == [{"air.tool_error": AIRConfig().tool_error}, {}]
+
+
+@pytest.mark.skipif(CREWAI_VERSION < (1, 15), reason="CrewAI 1.10 gives no structured failure for a spent tool")
+def test_a_call_of_a_spent_tool_is_an_error_tool_span(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any
+) -> None:
+    """A tool past its ``max_usage_count`` is not run: CrewAI says so to the model, and the call fails."""
+    once = add.model_copy(update={"max_usage_count": 1, "current_usage_count": 0})
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "add", "arguments": {"a": 1, "b": 2}}]),
+        FakeReply(tool_calls=[{"name": "add", "arguments": {"a": 3, "b": 4}}]),
+        FakeReply(content="3"),
+    )
+    with rollout_scope("ro-spent-tool", "at-1"):
+        solo_crew(fake_llm(fake_openai.base_url), "Solver", "Add twice.", tools=[once]).kickoff()
+    spans = sink.of("ro-spent-tool")
+    first, second = kind(spans, "tool")
+    assert first.status != "error" and first.attributes[semconv.TOOL_CALL_RESULT] == 3
+    assert second.status == "error" and second.attributes[semconv.ERROR_TYPE] == "_OTHER"
+    assert "usage limit" in second.error and second.error == tool_messages(fake_openai.requests[2])[-1]["content"]
+    assert json.loads(second.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 3, "b": 4}
+    assert air_per_call(spans)[1] == {"air.tool_error": AIRConfig().tool_error}
+
+
+def test_delegating_to_a_coworker_that_does_not_exist_is_an_error_tool_span(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any
+) -> None:
+    """The manager of a hierarchical crew delegates to a role no agent has: CrewAI's delegation tool returns
+    its "coworker mentioned not found" text (no exception, no structured failure), which agl recognises by
+    CrewAI's own template. A delegation that reaches a coworker is not an error."""
+    llm = fake_llm(fake_openai.base_url)
+    delegate = "delegate_work_to_coworker"
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": delegate, "arguments": {"task": "2+3?", "context": "c", "coworker": "Nobody"}}]),
+        FakeReply(tool_calls=[{"name": delegate, "arguments": {"task": "2+3?", "context": "c", "coworker": "Writer"}}]),
+        FakeReply(content="5"),  # the writer
+        FakeReply(content="5"),  # the manager
+    )
+    writer = Agent(role="Writer", goal="Answer.", backstory="Careful.", llm=llm)
+    crew = Crew(
+        agents=[writer],
+        tasks=[Task(description="What is 2 plus 3?", expected_output="a number")],
+        process=Process.hierarchical,
+        manager_llm=llm,
+    )
+    with rollout_scope("ro-bad-coworker", "at-1"):
+        crew.kickoff()
+    spans = sink.of("ro-bad-coworker")
+    missing, found = kind(spans, "tool")
+    told = tool_messages(fake_openai.requests[1])[-1]["content"]
+    assert missing.status == "error" and missing.attributes[semconv.ERROR_TYPE] == "_OTHER"
+    assert "coworker mentioned not found" in told and missing.error == told
+    assert missing.attributes[semconv.TOOL_CALL_RESULT] == told
+    assert found.status != "error" and agent_of(found, spans) == "Crew Manager"
+    manager_calls = [s for s in kind(spans, "llm") if agent_of(s, spans) == "Crew Manager"]
+    rewards = dict(zip([s.span_id for s in kind(spans, "llm")], air_per_call(spans)))
+    assert [rewards[s.span_id] for s in manager_calls] == [{"air.tool_error": AIRConfig().tool_error}, {}, {}]
 
 
 def test_an_agent_on_litellm_is_warned_about_once(
