@@ -16,6 +16,7 @@ tool and reward span started inside an operation therefore carries the operation
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import decimal
 import functools
@@ -25,12 +26,13 @@ import logging
 import math
 import numbers
 import traceback
-from typing import Any, Callable, Dict, Mapping, Optional, TypeVar, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, TypeVar, Union
 
 from agl import semconv
 from agl.context import _in_operation, current_scope, in_operation
 from agl.otel_span import AglSpan
-from agl.tool import receiver_count
+from agl.span_encoding import recordable
+from agl.tool import async_generator_in_span, generator_in_span, receiver_count, span_current
 from agl.tracer import STEP_SPAN_KINDS, Tracer, get_tracer, record_exception
 
 logger = logging.getLogger("agl.emitters")
@@ -40,6 +42,13 @@ _warned_outside = False
 
 # The span id (hex, as stored) of the innermost agl.operation the current code runs in.
 _current_operation: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("agl_operation", default=None)
+
+# The agl.operation objects entered (and not yet exited) in the current context, innermost last, each with
+# what its exit undoes: (operation, span context manager, span, in-operation token, operation token). Per
+# entry and per context, so that one operation object can be entered again while it is open (recursion)
+# and by concurrent asyncio tasks or threads, as any context manager can.
+_Entry = Tuple["operation", Any, Any, contextvars.Token, contextvars.Token]
+_entries: contextvars.ContextVar[Tuple[_Entry, ...]] = contextvars.ContextVar("agl_operation_entries", default=())
 
 
 def _link_to_operation(span: AglSpan) -> None:
@@ -86,7 +95,13 @@ def reward_number(value: Any, what: str, expected: str = "a number") -> float:
             ) from exc
         if not isinstance(number, numbers.Real):
             raise TypeError(f"{what} must be {expected}, got {type(value).__name__} {value!r:.60}")
-    reward = float(number)
+    try:
+        reward = float(number)
+    except OverflowError as exc:  # an int or Fraction beyond a float's range (10**400)
+        raise ValueError(
+            f"{what} is out of range: {value!r:.60} does not fit in a float (at most ~1.8e308); "
+            "check how the reward is computed"
+        ) from exc
     if not math.isfinite(reward):
         raise ValueError(f"{what} must be a finite number, got {reward}: check how the reward is computed")
     return reward
@@ -118,7 +133,18 @@ def emit_reward(
     attributes: Optional[Mapping[str, Any]] = None,
 ) -> float:
     """Record a reward (a number: also a NumPy scalar or one-element array or tensor; or named dimensions with
-    one ``primary``); returns the primary value as a float."""
+    one ``primary``); returns the primary value as a float.
+
+    ``attributes`` are added to the reward span; the reward's own keys (``agl.reward.*``, the span kind and
+    the operation link) are refused with a ValueError: they are what trainers read, so they must say what
+    was emitted."""
+    if attributes:
+        reserved = sorted(str(k) for k in attributes if str(k).startswith("agl.reward.") or k in _REWARD_OWN_KEYS)
+        if reserved:
+            raise ValueError(
+                f"emit_reward(attributes=...) may not set {', '.join(reserved)}: agl sets these from the reward "
+                "itself (pass the value, primary= or named dimensions instead; use other keys for extra data)"
+            )
     reward, name, dims = normalize_reward(value, primary)
     _warn_outside_rollout("emit_reward")
     tracer = get_tracer()
@@ -146,6 +172,9 @@ def emit_reward(
     return reward
 
 
+_REWARD_OWN_KEYS = frozenset((semconv.SPAN_KIND, semconv.OPERATION_SPAN_ID))
+
+
 def emit_message(message: str, *, attributes: Optional[Mapping[str, Any]] = None) -> None:
     """Record a free-text note (shown by ``agl inspect``)."""
     _warn_outside_rollout("emit_message")
@@ -157,18 +186,25 @@ def emit_message(message: str, *, attributes: Optional[Mapping[str, Any]] = None
 
 
 def emit_object(obj: Any, *, attributes: Optional[Mapping[str, Any]] = None) -> None:
-    """Record any JSON-serialisable object (pydantic models and dataclasses are converted)."""
+    """Record any JSON-serialisable object (pydantic models and dataclasses are converted). An iterator, a
+    generator or an open file is recorded as its repr (marked ``agl-iterator-not-recorded: ``), never
+    iterated: the agent's code may still read it."""
     _warn_outside_rollout("emit_object")
     tracer = get_tracer()
     attrs: Dict[str, Any] = {semconv.OBJECT_TYPE: type(obj).__name__}
     if attributes:
         attrs.update(attributes)
     with tracer.span(semconv.SPAN_OBJECT, "annotation", attrs) as span:
-        tracer.set_deferred(span, {semconv.OBJECT_JSON: obj})
+        tracer.set_deferred(span, {semconv.OBJECT_JSON: recordable(obj)})
 
 
 def emit_exception(exc: BaseException, *, attributes: Optional[Mapping[str, Any]] = None) -> None:
-    """Record an exception the agent handled itself (it is not re-raised)."""
+    """Record an exception the agent handled itself (it is not re-raised): pass the exception object."""
+    if not isinstance(exc, BaseException):
+        raise TypeError(
+            f"emit_exception takes the exception object (except ValueError as exc: agl.emit_exception(exc)), "
+            f"got {type(exc).__name__} {exc!r:.60}; to record a text, use agl.emit_message"
+        )
     _warn_outside_rollout("emit_exception")
     attrs: Dict[str, Any] = {semconv.ERROR_TYPE: type(exc).__name__}
     if attributes:
@@ -180,12 +216,18 @@ def emit_exception(exc: BaseException, *, attributes: Optional[Mapping[str, Any]
 
 
 class operation:
-    """A named step of the agent, as a context manager or a decorator (sync and async functions).
+    """A named step of the agent, as a context manager or a decorator (sync and async functions, also
+    generators).
 
-    Rewards emitted inside are step rewards for the LLM calls made inside. As a decorator (``@agl.operation``
-    or ``@agl.operation("name")``), the function's arguments (without ``self``/``cls``) and return value are
-    recorded as the operation's input and output; the decorated function stays a plain function, so it still
-    binds as a method and an ``async def`` still reads as a coroutine function to the frameworks that ask.
+    Rewards emitted inside are step rewards for the LLM calls made inside. As a decorator (``@agl.operation``,
+    ``@agl.operation()`` or ``@agl.operation("name")``; without a name, the function's name), the function's
+    arguments (without ``self``/``cls``) and return value are recorded as the operation's input and output;
+    the decorated function stays a plain function, so it still binds as a method and an ``async def`` still
+    reads as a coroutine function to the frameworks that ask. A decorated generator yields to its caller as
+    it would undecorated, its span covering the iteration (see :func:`agl.tool.generator_in_span`).
+
+    One object may be entered several times at once (nested, recursion, concurrent asyncio tasks or
+    threads): each ``with`` opens its own span.
     """
 
     def __new__(cls, name: Union[str, Callable[..., Any], None] = None, **attributes: Any) -> Any:
@@ -194,45 +236,94 @@ class operation:
         return super().__new__(cls)
 
     def __init__(self, name: Optional[str] = None, **attributes: Any) -> None:
+        self._given_name = name
         self.name = name or "operation"
         self.attributes = attributes
-        self._cm: Any = None
-        self._span: Any = None
-        self._token: Any = None
+        self._span: Any = None  # the span of the latest entry (for set_input/set_output outside its context)
 
     # -- context manager -----------------------------------------------------------------------------------
     def __enter__(self) -> "operation":
         attrs = {semconv.OPERATION: self.name, **self.attributes}
         tracer = get_tracer()
         _link_operations(tracer)
-        self._cm = tracer.span(semconv.SPAN_OPERATION, "chain", attrs)
-        self._span = self._cm.__enter__()
-        span_id = format(self._span.get_span_context().span_id, "016x")
-        self._token = (_in_operation.set(True), _current_operation.set(span_id))
+        cm = tracer.span(semconv.SPAN_OPERATION, "chain", attrs)
+        span = cm.__enter__()
+        span_id = format(span.get_span_context().span_id, "016x")
+        entry = (self, cm, span, _in_operation.set(True), _current_operation.set(span_id))
+        _entries.set(_entries.get() + (entry,))
+        self._span = span
         return self
 
     def __exit__(self, *exc: Any) -> Optional[bool]:
-        in_operation_token, operation_token = self._token
+        entries = _entries.get()
+        for index in range(len(entries) - 1, -1, -1):
+            if entries[index][0] is self:
+                break
+        else:
+            raise RuntimeError(
+                f"agl.operation({self.name!r}) exited where it was not entered: enter and exit it in the same "
+                "thread or asyncio task (with agl.operation(...): ... does)"
+            )
+        _, cm, _span, in_operation_token, operation_token = entries[index]
+        _entries.set(entries[:index] + entries[index + 1:])
         _current_operation.reset(operation_token)
         _in_operation.reset(in_operation_token)
-        return self._cm.__exit__(*exc)
+        return cm.__exit__(*exc)
+
+    def _current_span(self) -> Any:
+        """The span of this operation's innermost entry in the current context (else its latest)."""
+        for entry in reversed(_entries.get()):
+            if entry[0] is self:
+                return entry[2]
+        return self._span
 
     def set_input(self, *args: Any, **kwargs: Any) -> None:
-        value = kwargs if not args else (args[0] if len(args) == 1 and not kwargs else {"args": args, **kwargs})
-        get_tracer().set_deferred(self._span, {semconv.OPERATION_INPUT: value})
+        get_tracer().set_deferred(self._current_span(), {semconv.OPERATION_INPUT: recordable(_operation_input(args, kwargs))})
 
     def set_output(self, value: Any) -> None:
-        get_tracer().set_deferred(self._span, {semconv.OPERATION_OUTPUT: value})
+        get_tracer().set_deferred(self._current_span(), {semconv.OPERATION_OUTPUT: recordable(value)})
 
     # -- decorator -----------------------------------------------------------------------------------------
     def __call__(self, fn: F) -> F:
-        """``@agl.operation("name")``: decorate ``fn``."""
-        return _operation_wrapper(fn, self.name, self.attributes)
+        """``@agl.operation("name")`` or ``@agl.operation()``: decorate ``fn``."""
+        return _operation_wrapper(fn, self._given_name or getattr(fn, "__name__", "operation"), self.attributes)
+
+
+@contextlib.contextmanager
+def _in_operation_span(span: Any) -> Iterator[None]:
+    """Inside operation ``span`` (current span, step rewards, llm linkage): one step of a decorated generator."""
+    in_operation_token = _in_operation.set(True)
+    operation_token = _current_operation.set(format(span.get_span_context().span_id, "016x"))
+    try:
+        with span_current(span):
+            yield
+    finally:
+        _current_operation.reset(operation_token)
+        _in_operation.reset(in_operation_token)
+
+
+def _operation_input(args: tuple, kwargs: Dict[str, Any]) -> Any:
+    return kwargs if not args else (args[0] if len(args) == 1 and not kwargs else {"args": args, **kwargs})
 
 
 def _operation_wrapper(fn: F, name: str, attributes: Dict[str, Any]) -> F:
     """``fn`` run inside ``operation(name)``, its arguments and result recorded; sync or async like ``fn``."""
     skip = receiver_count(fn)
+
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+
+        def start(args: tuple, kwargs: Dict[str, Any]) -> Tuple[Any, Any]:
+            tracer = get_tracer()
+            _link_operations(tracer)
+            span = tracer.start_span(semconv.SPAN_OPERATION, "chain", {semconv.OPERATION: name, **attributes})
+            tracer.set_deferred(span, {semconv.OPERATION_INPUT: recordable(_operation_input(args[skip:], kwargs))})
+            return tracer, span
+
+        def finish(tracer: Any, span: Any, result: Any) -> None:
+            tracer.set_deferred(span, {semconv.OPERATION_OUTPUT: recordable(result)})
+
+        in_span = async_generator_in_span if inspect.isasyncgenfunction(fn) else generator_in_span
+        return in_span(fn, start, _in_operation_span, finish)
 
     if inspect.iscoroutinefunction(fn):
 

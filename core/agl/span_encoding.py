@@ -8,7 +8,7 @@ thread, or the writer process of :mod:`agl.writer_process`) turns them into :cla
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from opentelemetry.trace import StatusCode
 from pydantic_core import to_json
@@ -33,17 +33,108 @@ class Computed:
 
 def encode_attribute(value: Any) -> Any:
     """How a deferred value is stored: :class:`Computed` ones are computed first; scalars and lists of
-    numbers stay as they are; everything else becomes a JSON string."""
+    numbers stay as they are; an iterator is stored as its marked repr (:func:`unconsumed`), never
+    iterated; everything else becomes a JSON string."""
     if type(value) is Computed:
         value = value.compute()
     if isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, (list, tuple)) and _is_number_list(value):
         return value if isinstance(value, list) else list(value)
+    kind = type(value)
+    if kind not in _CONTAINER_TYPES and _is_iterator(kind):  # to_json would drain it
+        return unconsumed(value)
     try:
         return to_json(value, exclude_none=True, fallback=_json_or_str).decode()
     except Exception:  # noqa: BLE001 - e.g. SDK models whose pydantic serializer is not built yet
         return to_json(_dumped(value), fallback=_json_or_str).decode()
+
+
+ITERATOR_MARK = "agl-iterator-not-recorded: "
+
+
+def unconsumed(value: Any) -> str:
+    """What is stored for a one-shot iterable (a generator, an iterator, an open file): its repr, marked.
+
+    Serialising it would iterate it (``pydantic_core.to_json`` turns anything with ``__next__`` into a list)
+    and leave the agent's own code nothing to read."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not fail the agent
+        text = f"<{type(value).__name__}>"
+    return ITERATOR_MARK + text
+
+
+_RECORDABLE_BUDGET = 1_000
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+_CONTAINER_TYPES = frozenset(_CONTAINERS)
+
+
+def _is_iterator(kind: type) -> bool:
+    """Whether ``to_json`` iterates values of type ``kind``: it turns anything with ``__next__`` into a list
+    (after the containers it knows, which the callers check first: a missed ``getattr`` costs ~0.3 us)."""
+    return getattr(kind, "__next__", None) is not None
+
+
+def recordable(value: Any) -> Any:
+    """``value`` safe to hand to the writer: one-shot iterables in it (a generator, a ``map``, an open file, at
+    the top or inside dicts, lists, tuples and sets) replaced by :func:`unconsumed` markers, so that recording
+    never iterates what the agent's code will read. The containers holding one are copied (the agent's own
+    are left as they are); a value without any is returned as it is.
+
+    For what the user hands to agl (operation and tool arguments and results, ``emit_object``), on the
+    caller's thread: scalars cost one type check, containers a walk of at most ``_RECORDABLE_BUDGET`` items
+    (larger ones, e.g. long lists of numbers, are checked that far; objects such as dataclasses and models
+    are not looked into)."""
+    kind = type(value)
+    if kind in _PLAIN_TYPES or value is None:
+        return value
+    if kind not in _CONTAINER_TYPES:
+        if _is_iterator(kind):
+            return unconsumed(value)
+        if not isinstance(value, _CONTAINERS):
+            return value
+    return _replaced(value, [_RECORDABLE_BUDGET])
+
+
+def _replaced(value: Any, budget: List[int]) -> Any:
+    """``value`` with its one-shot iterables marked (a copy of each container that holds one)."""
+    if isinstance(value, dict):
+        changed: Optional[Dict[Any, Any]] = None
+        for key, item in value.items():
+            budget[0] -= 1
+            if budget[0] < 0:
+                break
+            new = _replaced_item(item, budget)
+            if new is not item:
+                if changed is None:
+                    changed = dict(value)
+                changed[key] = new
+        return value if changed is None else changed
+    items: Optional[List[Any]] = None
+    for index, item in enumerate(value):
+        budget[0] -= 1
+        if budget[0] < 0:
+            break
+        new = _replaced_item(item, budget)
+        if new is not item:
+            if items is None:
+                items = list(value)
+            items[index] = new
+    if items is None:
+        return value
+    return items if isinstance(value, list) else tuple(items) if isinstance(value, tuple) else items
+
+
+def _replaced_item(item: Any, budget: List[int]) -> Any:
+    kind = type(item)
+    if kind in _PLAIN_TYPES or item is None:
+        return item
+    if kind in _CONTAINER_TYPES:
+        return _replaced(item, budget)
+    if _is_iterator(kind):
+        return unconsumed(item)
+    return _replaced(item, budget) if isinstance(item, _CONTAINERS) else item
 
 
 def _json_or_str(value: Any) -> Any:
