@@ -121,6 +121,22 @@ def test_a_table_is_refused_with_how_to_pass_its_rows():
         agl.Trainer(store="memory", runner_mode="thread", progress=False).dev(agl.rollout(lambda task: 1.0), table)
 
 
+def test_a_dict_is_refused_with_how_to_pass_a_list_of_tasks():
+    """Iterated, a dict gave its keys: the agent ran on the tasks 'question' and 'answer', stored and trained on."""
+    with pytest.raises(TypeError, match=r"a dict is not a list of tasks \(iterating it gives its keys, \['question', "
+                       r"'answer'\], as tasks\): pass a list of dicts, one per task; for one task, \[d\]"):
+        as_tasks({"question": "2+2?", "answer": "4"})
+    columns = {"question": ["2+2?", "3+3?"], "answer": ["4", "6"]}
+    with pytest.raises(TypeError, match=r"for columns .*\[dict\(zip\(d, row\)\) for row in zip\(\*d\.values\(\)\)\]"):
+        as_tasks(columns)
+    rows = [dict(zip(columns, row)) for row in zip(*columns.values())]  # the advice works
+    assert [t.input for t in as_tasks(rows)] == [{"question": "2+2?", "answer": "4"}, {"question": "3+3?", "answer": "6"}]
+    got = []
+    with pytest.raises(TypeError, match="not a list of tasks"):
+        agl.Trainer(store="memory", runner_mode="thread", progress=False).dev(agl.rollout(got.append), columns)
+    assert got == []
+
+
 def test_validation_tasks_without_ids_are_named_apart_from_training_ones():
     """Train item 0 and val item 0 would otherwise both be ``task-0``: one GRPO group for two questions."""
     rows = [{"q": "a"}, {"id": "given", "q": "b"}]

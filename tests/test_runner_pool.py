@@ -256,3 +256,49 @@ def test_closing_a_runner_twice_is_quiet(tmp_path: Path, caplog: pytest.LogCaptu
         runner.close()
         runner.close()  # (the second found its executor shut down and logged that it could not schedule)
     assert not caplog.records
+
+
+def test_a_rollout_timeout_the_store_recorded_first_is_not_reported_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store's reaper and the runner enforce the same deadline; when the store got there first, every timed-out
+    rollout also logged "WARNING result not recorded: attempt ... already ended as 'timeout'", read as a second
+    problem."""
+    import asyncio
+    import threading
+
+    from agl.runner import Runner
+
+    @agl.rollout
+    async def hangs(task: dict) -> float:
+        await asyncio.sleep(30)
+        return 1.0
+
+    store = SqliteLightningStore(tmp_path / "store.db")
+    store.enqueue_many([EnqueueRequest(input={}, config=RolloutConfig(timeout_seconds=0.5, max_attempts=1))])
+    runner = Runner(hangs, store)
+    rollout = store.dequeue_rollout(runner.runner_id)
+    assert rollout is not None
+    done = threading.Event()
+
+    def reaper() -> None:  # as the store's own reaping does, sooner than the runner (whose clock starts later)
+        while not done.is_set():
+            store.reap_expired()
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=reaper, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="agl.runner"):
+            ended = runner.run_rollout(rollout)
+    finally:
+        done.set()
+        thread.join(5)
+        runner.close()
+    (attempt,) = store.query_attempts(rollout.rollout_id)
+    assert (ended.status, attempt.status) == ("failed", "timeout")
+    assert attempt.error and "ended by the store" in attempt.error  # the store was first, as meant here
+    runner_records = [r for r in caplog.records if r.name == "agl.runner"]
+    assert not [r for r in runner_records if r.levelno >= logging.WARNING], [r.getMessage() for r in runner_records]
+    assert any("timed out (the store had ended attempt" in r.getMessage() for r in runner_records)
+    store.close()

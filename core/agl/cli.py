@@ -40,15 +40,39 @@ def load_agent(target: str) -> LitAgent[Any]:
         sys.path.insert(0, str(path.parent.resolve()))
         spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(module_part)
+        module = _import_module(module_part, target)
     try:
         obj = getattr(module, attr)
     except AttributeError:
-        raise SystemExit(f"agl: {module_part} has no attribute {attr!r}") from None
+        where = getattr(module, "__file__", None)
+        raise SystemExit(
+            f"agl: {module_part}{f' ({where})' if where else ''} has no attribute {attr!r}: pass MODULE:NAME with the "
+            "name of a LitAgent or rollout function defined in it"
+        ) from None
     try:
         return as_agent(obj)
     except TypeError as exc:  # not an agent, or a function taking arguments agl cannot supply
         raise SystemExit(f"agl: {target}: {exc}") from None
+
+
+def _import_module(name: str, target: str) -> Any:
+    """``import name`` with the current folder on ``sys.path`` first, as ``python -m`` has it (the ``agl`` script
+    has its own folder there instead), so that ``agl dev my_agent:agent`` finds ./my_agent.py. A module that
+    cannot be found is one line saying what was tried; an error inside a module that was found is its own."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (name == exc.name or name.startswith(exc.name + ".")):
+            raise  # the module was found, and one it imports is missing: its own traceback says which
+        path = Path(*name.split(".")).with_suffix(".py")
+        raise SystemExit(
+            f"agl: cannot import module {name!r} for {target!r}: no module named {exc.name!r} in the current folder "
+            f"({cwd}) or on sys.path (PYTHONPATH, installed packages); pass MODULE:NAME for an importable module, "
+            f"or path/to/file.py:NAME for a file (e.g. {path}:{target.partition(':')[2]})"
+        ) from None
 
 
 def load_tasks(path: str) -> List[Any]:
@@ -120,7 +144,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
     agent = load_agent(args.agent)
     data = load_tasks(args.data)
-    if args.limit:
+    if args.limit is not None:
         data = data[: args.limit]
     prompt = prompt_setting(args.prompt) if args.prompt is not None else None
     agl.instrument()
@@ -151,11 +175,20 @@ def _existing_store(target: Optional[str]) -> Any:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from agl.errors import UnknownAttemptError
     from agl.inspection import render
+
     store = _existing_store(args.store)
     rollout_ = store.get_rollout(args.rollout_id)
     attempt: Optional[str] = None if args.attempt == "all" else args.attempt
-    spans = store.query_spans(args.rollout_id, attempt)
+    try:
+        spans = store.query_spans(args.rollout_id, attempt)
+    except UnknownAttemptError:  # its message is advice for the Python API
+        ids = [a.attempt_id for a in store.query_attempts(args.rollout_id)]
+        raise SystemExit(
+            f"agl: rollout {args.rollout_id} has no attempt {args.attempt!r}: pass --attempt latest (the default), "
+            f"--attempt all, or one of its attempt ids ({', '.join(ids) if ids else 'none yet: it is queued'})"
+        ) from None
     print(
         f"rollout {rollout_.rollout_id}  task={rollout_.task_id}  status={rollout_.status}  "
         f"reward={rollout_.final_reward}  attempts={rollout_.n_attempts}  spans={len(spans)}"
@@ -268,6 +301,22 @@ def _whole_groups(rollouts: List[Any], limit: int) -> List[Any]:
     return [r for r in rollouts if (r.mode, r.task_id) in kept]
 
 
+def positive_int(value: str) -> int:
+    """An argparse type: an int of at least 1 (argparse says what is wrong, with the usage line)."""
+    number = int(value)  # a ValueError reads "invalid positive_int value: 'x'"
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse type: an int of at least 0."""
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {number}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agl", description="Train any AI agent with reinforcement learning.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -279,14 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("dev", help="run an agent on a dataset with the current model, no training")
     dev.add_argument("agent", help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
     dev.add_argument("--data", required=True, help="tasks: .jsonl (one per line), .json (a list), .parquet or .csv")
-    dev.add_argument("--n-runners", type=int, default=2)
+    dev.add_argument("--n-runners", type=non_negative_int, default=2,
+                     help="runners to start here (default 2; 0: only runners started elsewhere, by agl runner)")
     dev.add_argument("--runner-mode", choices=["process", "thread"], default="process")
     dev.add_argument("--store", default=None, help=store_help)
     dev.add_argument("--endpoint", help="OpenAI-compatible base URL the agent should use (main_llm)")
     dev.add_argument("--model", help="model name to ask the endpoint for")
     dev.add_argument("--api-key", default=None)
     dev.add_argument("--fake-model", action="store_true", help="serve agl's scripted fake model locally and use it")
-    dev.add_argument("--limit", type=int, help="run only the first N tasks")
+    dev.add_argument("--limit", type=positive_int, metavar="N", help="run only the first N tasks")
     dev.add_argument("--prompt", help="a PromptTemplate resource 'prompt' for the agent: TEXT or @FILE (e.g. the "
                      "best_prompt.txt of `agl train --algorithm apo`)")
     dev.set_defaults(func=cmd_dev)

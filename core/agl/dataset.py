@@ -6,6 +6,7 @@ import csv
 import json
 import os
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from agl.types import RolloutMode, Task
@@ -29,7 +30,7 @@ def as_tasks(dataset: Iterable[Any], *, mode: RolloutMode = "train", prefix: Opt
     with the same id raise (the same item repeated is fine: it is the same task).
 
     A string or path names a task file (:func:`load_dataset`): iterated, a string would give one task per
-    character.
+    character. A dict is refused (iterated, it would give its keys as tasks): pass a list of dicts.
     """
     if prefix is None:
         if mode not in ID_PREFIXES:
@@ -41,6 +42,19 @@ def as_tasks(dataset: Iterable[Any], *, mode: RolloutMode = "train", prefix: Opt
         raise TypeError(
             f"a {type(dataset).__name__} is not a list of tasks (iterating it gives its columns): pass its rows, "
             "e.g. pandas df.to_dict(orient='records'), pyarrow table.to_pylist(), polars df.to_dicts()"
+        )
+    if isinstance(dataset, Mapping):
+        columns = all(isinstance(v, (list, tuple)) for v in dataset.values()) and len(dataset) > 0
+        example = (
+            "; for columns {name: [values]} (pandas' df.to_dict(), a Hugging Face dataset[:] slice) that is "
+            "[dict(zip(d, row)) for row in zip(*d.values())]"
+            if columns
+            else "; for one task, [d]"
+        )
+        raise TypeError(
+            f"a {type(dataset).__name__} is not a list of tasks (iterating it gives its keys, "
+            f"{list(dataset)[:3]!r}{'...' if len(dataset) > 3 else ''}, as tasks): pass a list of dicts, one per "
+            f"task{example}"
         )
     tasks: List[Task] = []
     first: Dict[str, Tuple[int, Any]] = {}

@@ -7,6 +7,7 @@ with ``import agl``. A rollout may be sync or async; it returns the episode rewa
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -60,6 +61,13 @@ class LitAgent(Generic[T]):
 # not the one the agent is trained through.
 _PREFERRED_RESOURCE = {"llm": ("main_llm",), "prompt_template": ("prompt_template", "prompt")}
 _warned_several: Set[str] = set()
+# How to give the agent that resource, for both ways of running it (the message cannot tell which one is in use).
+_HOW_TO_GIVE = {
+    "llm": "with `agl dev`, pass --endpoint URL --model NAME (or --fake-model for agl's scripted fake model); in "
+    "Python, pass initial_resources={'main_llm': agl.LLM(...)} to the Trainer",
+    "prompt_template": "with `agl dev`, pass --prompt TEXT (or @FILE); in Python, pass "
+    "initial_resources={'prompt': agl.PromptTemplate(...)} to the Trainer",
+}
 
 
 def _resource_for(resources: NamedResources, kind: type, what: str) -> Any:
@@ -67,7 +75,7 @@ def _resource_for(resources: NamedResources, kind: type, what: str) -> Any:
     if not found:
         raise ValueError(
             f"this rollout function takes {what!r} but the resources hold no {kind.__name__} "
-            f"(have: {sorted(resources)}); pass initial_resources={{'main_llm': agl.LLM(...)}} to the Trainer"
+            f"(have: {sorted(resources)}); {_HOW_TO_GIVE[what]}"
         )
     for preferred in _PREFERRED_RESOURCE[what]:
         if preferred in found:
@@ -82,6 +90,14 @@ def _resource_for(resources: NamedResources, kind: type, what: str) -> Any:
             what, name, preferred,
         )
     return found[name]
+
+
+def _name_of(fn: Any) -> str:
+    """A callable's name for a message: functools.partial objects and callable instances have no ``__name__``."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_name_of(fn.func)}, ...)"
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else f"{type(fn).__name__} object"
 
 
 class FunctionalLitAgent(LitAgent[Any]):
@@ -101,11 +117,11 @@ class FunctionalLitAgent(LitAgent[Any]):
         self.fn = fn
         params = list(inspect.signature(fn).parameters)
         if not params:
-            raise TypeError(f"@agl.rollout function {fn.__name__} must take the task as its first argument")
+            raise TypeError(f"@agl.rollout function {_name_of(fn)} must take the task as its first argument")
         unknown = [p for p in params[1:] if p not in self._SUPPLIERS]
         if unknown:
             raise TypeError(
-                f"@agl.rollout function {fn.__name__} has arguments {unknown} that agl cannot supply; "
+                f"@agl.rollout function {_name_of(fn)} has arguments {unknown} that agl cannot supply; "
                 f"use any of {sorted(self._SUPPLIERS)} after the task"
             )
         self._extra = params[1:]

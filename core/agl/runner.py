@@ -268,8 +268,20 @@ class Runner:
         except StaleAttemptError as exc:
             if self.abandoned:  # the pool ended the attempt just before: expected, said by the pool
                 return rollout, []
-            logger.warning("rollout %s: result not recorded: %s", rollout.rollout_id, exc)
+            if status == "timeout" and self._ended_as(rollout.rollout_id, attempt_id) == "timeout":
+                # the store enforces the same deadline and got there first: one timeout, already recorded
+                logger.info("rollout %s: timed out (the store had ended attempt %s at the same deadline)",
+                            rollout.rollout_id, attempt_id)
+            else:
+                logger.warning("rollout %s: result not recorded: %s", rollout.rollout_id, exc)
             return self.store.get_rollout(rollout.rollout_id), []
+
+    def _ended_as(self, rollout_id: str, attempt_id: str) -> Optional[str]:
+        """How the store ended an attempt (None: not found, or the store did not answer)."""
+        try:
+            return next((a.status for a in self.store.query_attempts(rollout_id) if a.attempt_id == attempt_id), None)
+        except Exception:  # noqa: BLE001 - only chooses how loudly a lost result is logged
+            return None
 
     def abandon(self, reason: str) -> None:
         """Give up on this runner (its pool stops and it is still busy): stop heart-beating at once, report

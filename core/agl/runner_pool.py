@@ -84,6 +84,21 @@ def _tracking(current: Any) -> Callable[[Optional[Rollout]], None]:
     return on_busy
 
 
+def _death(code: Optional[int], mode: str) -> str:
+    """How a worker died, from its exit code (a process killed by signal N has exit code -N)."""
+    if mode == "thread":
+        return "raised an exception: see the traceback above"
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "an unknown signal"
+        if -code == signal.SIGKILL:
+            return f"killed by signal {-code}: out of memory or kill -9?"
+        return f"killed by signal {-code}, {name}"
+    return f"exit code {code}"
+
+
 class _RunnerThread(threading.Thread):
     """A thread-mode worker, with an ``exitcode`` like a process's (None while it runs)."""
 
@@ -95,8 +110,20 @@ class _RunnerThread(threading.Thread):
         self.exitcode: Optional[int] = None
 
     def run(self) -> None:
-        # threads cannot be signalled: check the stop flag often
-        self.exitcode = _run_worker(self.runner, self.stop_event, wait_timeout=0.25, on_busy=_tracking(self.current))
+        track = _tracking(self.current)
+        last: List[Optional[Rollout]] = [None]
+
+        def on_busy(rollout: Optional[Rollout]) -> None:
+            last[0] = rollout or last[0]
+            track(rollout)
+
+        try:  # threads cannot be signalled: check the stop flag often
+            self.exitcode = _run_worker(self.runner, self.stop_event, wait_timeout=0.25, on_busy=on_busy)
+        except BaseException:
+            # run_forever's ``finally`` cleared the record while the exception unwound: put back the rollout it ran
+            # so that the pool ends its attempt (one that already ended is left alone: StaleAttemptError)
+            track(last[0])
+            raise
 
 
 def _process_main(
@@ -250,7 +277,13 @@ class RunnerPool:
             if code == _STUCK_EXIT_CODE:
                 logger.info("runner %s left after a stuck rollout; starting a fresh one", worker.name)
             else:
-                logger.warning("runner %s died (exit code %s); starting a fresh one", worker.name, code)
+                how = _death(code, self.mode)
+                logger.warning("runner %s died (%s); starting a fresh one", worker.name, how)
+                # its rollout is retried now (while max_attempts allows), not after its heartbeat timeout, and its
+                # error says why rather than "presumed dead"
+                self._end_attempt_of(
+                    i, f"runner {self.mode} {worker.name} died ({how}) while running this rollout", dead=True
+                )
                 quick = time.monotonic() - self._started_at[i] < _QUICK_DEATH_S
                 self._quick_deaths = self._quick_deaths + 1 if quick else 0
                 if self._quick_deaths >= _CRASH_LOOP:
@@ -299,9 +332,9 @@ class RunnerPool:
         self._workers.clear()
         self._current.clear()
 
-    def _end_attempt_of(self, index: int, error: str) -> None:
-        """End, as failed with ``error``, the attempt that worker ``index`` (killed, or a thread left behind) was
-        running. An attempt the runner ended itself just before raises StaleAttemptError: nothing to do."""
+    def _end_attempt_of(self, index: int, error: str, *, dead: bool = False) -> None:
+        """End, as failed with ``error``, the attempt that worker ``index`` (killed, dead, or a thread left behind)
+        was running. An attempt the runner ended itself just before raises StaleAttemptError: nothing to do."""
         current = self._current[index] if index < len(self._current) else None
         if current is None or not current.value:
             return
@@ -313,7 +346,10 @@ class RunnerPool:
         except StaleAttemptError:
             pass
         except Exception as exc:  # noqa: BLE001 - the heartbeat timeout still ends it
-            logger.warning("rollout %s: could not end attempt %s of a killed runner: %s", rollout_id, attempt_id, exc)
+            logger.warning(
+                "rollout %s: could not end attempt %s of a %s runner: %s",
+                rollout_id, attempt_id, "dead" if dead else "killed", exc,
+            )
 
     def __enter__(self) -> "RunnerPool":
         return self.start()

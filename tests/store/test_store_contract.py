@@ -583,6 +583,69 @@ def test_ids_with_nul_are_refused_alike_and_store_nothing(store: LightningStore,
     assert (stats.rollouts["queued"], stats.rollouts["running"], stats.spans, stats.resources_versions) == (0, 1, 0, 0)
 
 
+# -- lone surrogates (no UTF-8 text can hold them; the same rule as NUL) -----------------------------------
+
+
+def test_lone_surrogates_in_free_text_and_json_values_become_u_fffd(store: LightningStore, make_span: MakeSpan) -> None:
+    """An agent error quoting a cut-off model reply ("\\ud83d", half an emoji) crashed complete_attempt with
+    UnicodeEncodeError on SQLite and PostgreSQL (the runner died, the rollout waited for its heartbeat timeout)
+    and memory kept it; a span whose name or attributes held one was refused by every backend. Now every backend
+    keeps them with each lone surrogate replaced by U+FFFD (a split pair becomes its character)."""
+    store.enqueue_rollout({"text": "cut \ud83d"}, metadata={"m\udc00": ["\ud83d"]})
+    rollout = claim(store)
+    assert rollout.input == {"text": "cut \ufffd"} and rollout.metadata == {"m\ufffd": ["\ufffd"]}
+    span = make_span(rollout, 0, attributes={"gen_ai.completion": "model said \ud83d", "k\udc00": ["\ud83d", 1]})
+    span = span.model_copy(
+        update={"name": "tool\ud83dcall", "status": "error", "error": "pair \ud83d\ude00 lone \udc00 nul \x00",
+                "events": [SpanEvent(name="e\ud83d", timestamp=1, attributes={"v": "\ud83d"})]}
+    )
+    assert store.add_spans([make_span(rollout, 1), span]) == 2
+    stored = next(s for s in store.query_spans(rollout.rollout_id) if s.span_id == span.span_id)
+    assert (stored.name, stored.error) == ("tool\ufffdcall", "pair \U0001f600 lone \ufffd nul \ufffd")
+    assert stored.attributes == {"gen_ai.completion": "model said \ufffd", "k\ufffd": ["\ufffd", 1]}
+    assert stored.events == [SpanEvent(name="e\ufffd", timestamp=1, attributes={"v": "\ufffd"})]
+    failed = store.complete_attempt(rollout.rollout_id, aid(rollout), "failed", error="ValueError: said \ud83d")
+    assert failed.status == "failed" and failed.error == "ValueError: said \ufffd"
+    assert failed.attempt is not None and failed.attempt.error == failed.error
+    assert store.get_rollout(rollout.rollout_id) == failed
+    store.add_resources({"p": PromptTemplate(template="\ud83d{q}")})
+    assert store.get_resources().resources["p"].template == "\ufffd{q}"  # type: ignore[union-attr]
+
+
+def test_ids_with_lone_surrogates_are_refused_alike_and_store_nothing(
+    store: LightningStore, make_span: MakeSpan
+) -> None:
+    """SQLite and PostgreSQL raised UnicodeEncodeError (HTTP: a pydantic serialisation error), memory kept them."""
+    store.enqueue_rollout("x")
+    rollout = claim(store)
+    for bad in ({"task_id": "t\ud83d"}, {"resources_id": "res-\udc00"}):
+        with pytest.raises(ValueError, match="lone surrogate"):
+            store.enqueue_many([EnqueueRequest(input=1), EnqueueRequest(input=2, **bad)])
+    with pytest.raises(ValueError, match="lone surrogate"):
+        store.dequeue_rollout("runner-\ud83d")
+    with pytest.raises(ValueError, match="lone surrogate"):
+        store.add_resources({}, resources_id="res-\ud83d")
+    for field in ("span_id", "trace_id", "parent_id"):
+        bad_span = make_span(rollout, 1).model_copy(update={field: "00\ud83d"})
+        with pytest.raises(InvalidSpanError, match=f"lone surrogate.*{field}"):
+            store.add_spans([make_span(rollout, 0), bad_span])
+    stats = store.stats()
+    assert (stats.rollouts["queued"], stats.rollouts["running"], stats.spans, stats.resources_versions) == (0, 1, 0, 0)
+
+
+@pytest.mark.parametrize("field", ["sequence_id", "start_time", "end_time"])
+def test_span_integers_beyond_64_bits_are_refused_alike(store: LightningStore, make_span: MakeSpan, field: str) -> None:
+    """SQLite raised a raw OverflowError (which the span writer would retry for ever), memory kept the span and
+    HTTP answered 422: every backend now refuses the batch with InvalidSpanError naming the field."""
+    store.enqueue_rollout("x")
+    rollout = claim(store)
+    bad_span = make_span(rollout, 1).model_copy(update={field: 2**63})
+    with pytest.raises(InvalidSpanError, match=f"{field}={2**63}.*64-bit"):
+        store.add_spans([make_span(rollout, 0), bad_span])
+    assert store.stats().spans == 0
+    assert store.add_spans([make_span(rollout, 2).model_copy(update={field: 2**63 - 1})]) == 1
+
+
 def test_span_refreshes_heartbeat_of_running_attempt(store: LightningStore, make_span: MakeSpan) -> None:
     # a heartbeat older than a tenth of the heartbeat timeout is always rewritten (see span_heartbeat_due)
     store.enqueue_rollout("x", config=RolloutConfig(heartbeat_timeout_seconds=0.3))

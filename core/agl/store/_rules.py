@@ -6,9 +6,12 @@ caller gets, when an attempt expires) is decided here once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from typing import Any, Callable, Optional, Sequence, Set, Tuple
 
+from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, to_json
 
 from agl.errors import DuplicateRolloutError, IllegalTransitionError, InvalidSpanError, StaleAttemptError
@@ -44,7 +47,7 @@ def check_completion(status: str, reward: Optional[float]) -> Optional[float]:
 def encode_json(value: Any, what: str) -> str:
     """JSON text of a rollout's input or metadata; every backend stores these as JSON, so all refuse alike."""
     try:
-        return to_json(value, fallback=array_as_json).decode()
+        return json_bytes(value, fallback=array_as_json).decode()
     except PydanticSerializationError as exc:
         raise TypeError(
             f"{what} must be JSON-serialisable (dicts, lists, str, numbers, pydantic models): {exc}"
@@ -68,7 +71,12 @@ def encode_span(span: Any) -> bytes:
     backend raises for a non-Span or an unserialisable value."""
     span = storable_span(span)
     try:
-        return span.model_dump_json().encode()
+        try:
+            return span.model_dump_json().encode()
+        except PydanticSerializationError as exc:
+            if not is_surrogate_error(exc):
+                raise
+        return json_value(span).model_dump_json().encode()  # its attributes or events hold a lone surrogate
     except PydanticSerializationError as exc:
         raise InvalidSpanError(
             f"span {span.span_id!r} ({span.name!r}) has a value that is not JSON-serialisable: {exc}; "
@@ -87,63 +95,144 @@ def check_claim(runner_id: str, limit: int) -> None:
     check_id(runner_id, "runner_id")
 
 
-# -- NUL characters ------------------------------------------------------------------------------------------
-# PostgreSQL's text cannot hold NUL (\x00), and every backend must keep the same thing. Free text (an error
-# message, a span name) may well contain one (an agent's exception quoting binary tool output): refusing it
-# lost the real error and killed the runner, so it is kept with each NUL replaced. An id is matched exactly
-# later, so a changed id would silently name nothing: it is refused instead. JSON values (inputs, metadata,
-# span attributes and events, resources) are stored as JSON text, where NUL is the escape \u0000: they keep
-# it exactly and are never scanned.
+# -- NUL characters and lone surrogates -------------------------------------------------------------------------
+# PostgreSQL's text cannot hold NUL (\x00), nothing encoded as UTF-8 can hold a lone UTF-16 surrogate (U+D800 to
+# U+DFFF, which a Python str can: "\ud83d" from an emoji a model's reply cut in half, decoded by json.loads), and
+# every backend must keep the same thing. Free text (an error message, a span name) may well contain either (an
+# agent's exception quoting binary tool output or a cut-off model reply): refusing it lost the real error and killed
+# the runner, so it is kept with each NUL and lone surrogate replaced. An id is matched exactly later, so a changed
+# id would silently name nothing: it is refused instead. JSON values (inputs, metadata, span attributes and events,
+# resources) are stored as JSON text, where NUL is the escape \u0000: they keep it exactly and are never scanned; a
+# lone surrogate cannot be written as JSON, so only a value that fails to encode for that reason is copied with its
+# surrogates replaced (free text's rule, applied to its strings and keys).
 
-#: What a NUL character in free text becomes: U+FFFD, the replacement character, is one character (lengths and
-#: offsets stay as they were), is what decoders put for a character they cannot represent, and cannot be mistaken
-#: for text that was there (a visible "\x00" is what a repr of bytes already holds).
+#: What a NUL character or a lone surrogate in free text becomes: U+FFFD, the replacement character, is one
+#: character (lengths and offsets stay as they were), is what decoders put for a character they cannot represent,
+#: and cannot be mistaken for text that was there (a visible "\x00" is what a repr of bytes already holds).
 NUL_REPLACEMENT = "\ufffd"
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogate(text: str) -> bool:
+    return not text.isascii() and _SURROGATE.search(text) is not None  # isascii is O(1): ASCII text is not scanned
+
+
+def _without_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate replaced by U+FFFD; a high surrogate followed by a low one (UTF-16 text
+    decoded unit by unit) becomes the character the pair encodes."""
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 def free_text(text: Optional[str]) -> Optional[str]:
-    """``text`` with each NUL character replaced by :data:`NUL_REPLACEMENT` (one scan when it has none)."""
-    if text is None or "\x00" not in text:
+    """``text`` with each NUL character and lone surrogate replaced by :data:`NUL_REPLACEMENT` (the same object,
+    after one scan, when it has none)."""
+    if text is None:
         return text
-    return text.replace("\x00", NUL_REPLACEMENT)
+    if "\x00" in text:
+        text = text.replace("\x00", NUL_REPLACEMENT)
+    if _has_surrogate(text):
+        text = _without_surrogates(text)
+    return text
+
+
+def json_value(value: Any) -> Any:
+    """``value`` with free text's surrogate rule applied to every string in it (dict keys too, pydantic models and
+    dataclasses field by field): for a JSON value that failed to encode because of a lone surrogate."""
+    if isinstance(value, str):
+        return _without_surrogates(value) if _has_surrogate(value) else value
+    if isinstance(value, dict):
+        return {json_value(k): json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_value(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return [json_value(v) for v in value]
+    if isinstance(value, BaseModel):
+        return value.model_copy(update={name: json_value(getattr(value, name)) for name in type(value).model_fields})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return json_value(dataclasses.asdict(value))
+    return value
+
+
+def is_surrogate_error(exc: BaseException) -> bool:
+    """Whether a JSON encoding failed on a lone surrogate (pydantic wraps the UnicodeEncodeError in its message)."""
+    return "surrogates not allowed" in str(exc)
+
+
+def json_bytes(value: Any, fallback: Optional[Callable[[Any], Any]] = None) -> bytes:
+    """``to_json(value)``; a value holding a lone surrogate is encoded with it replaced (see :func:`json_value`)."""
+    try:
+        return to_json(value, fallback=fallback)
+    except PydanticSerializationError as exc:
+        if not is_surrogate_error(exc):
+            raise
+    return to_json(json_value(value), fallback=fallback)
+
+
+def _id_problem(value: str) -> Optional[str]:
+    if "\x00" in value:
+        return "a NUL character (\\x00)"
+    found = _SURROGATE.search(value) if not value.isascii() else None
+    if found is not None:
+        return f"a lone surrogate ({ascii(found.group())[1:-1]}, half of a UTF-16 pair)"
+    return None
 
 
 def check_id(value: Optional[str], what: str) -> None:
-    """Refuse (ValueError) an id holding a NUL character, on every backend alike."""
-    if value is not None and "\x00" in value:
-        raise ValueError(f"{what} {value!r} contains a NUL character (\\x00), which no store keeps in an id")
+    """Refuse (ValueError) an id holding a NUL character or a lone surrogate, on every backend alike."""
+    problem = None if value is None else _id_problem(value)
+    if problem is not None:
+        raise ValueError(f"{what} {value!r} contains {problem}, which no store keeps in an id")
 
 
 def check_request_ids(requests: Sequence[Any]) -> None:
     """:func:`check_id` for the ids an ``EnqueueRequest`` names (its own pattern already refuses a ``rollout_id``
-    with a NUL)."""
+    that is not plain ASCII)."""
     for request in requests:
         check_id(request.task_id, "task_id")
         check_id(request.resources_id, "resources_id")
 
 
 _SPAN_IDS = ("rollout_id", "attempt_id", "trace_id", "span_id", "parent_id")
+_INT64_MIN, _INT64_END = -(2**63), 2**63  # what every backend keeps in an integer column (SQLite, bigint)
 
 
 def storable_span(span: Any) -> Span:
-    """``span`` as every backend stores it: a NUL in its name or error replaced (a copy is made only then); an
-    id with a NUL, or a non-Span, is refused with InvalidSpanError (nothing of its batch is stored)."""
+    """``span`` as every backend stores it: a NUL or lone surrogate in its name or error replaced (a copy is made
+    only then); an id with either, an integer field beyond 64 bits, or a non-Span, is refused with
+    InvalidSpanError (nothing of its batch is stored)."""
     if not isinstance(span, Span):
         raise InvalidSpanError(f"add_spans takes agl.types.Span objects, got {type(span).__name__}")
     if not (  # the hot path: a few short scans, no copy (an f-string joining them took twice as long)
         "\x00" in span.name or "\x00" in span.span_id or "\x00" in span.trace_id
         or "\x00" in span.rollout_id or "\x00" in span.attempt_id
-        or (span.parent_id is not None and "\x00" in span.parent_id)
-        or (span.error is not None and "\x00" in span.error)
+        or not (span.name.isascii() and span.span_id.isascii() and span.trace_id.isascii()
+                and span.rollout_id.isascii() and span.attempt_id.isascii())
+        or (span.parent_id is not None and ("\x00" in span.parent_id or not span.parent_id.isascii()))
+        or (span.error is not None and ("\x00" in span.error or not span.error.isascii()))
+        or not (_INT64_MIN <= span.start_time < _INT64_END and _INT64_MIN <= span.end_time < _INT64_END
+                and span.sequence_id < _INT64_END)
     ):
         return span
     for what in _SPAN_IDS:
-        if "\x00" in (getattr(span, what) or ""):
+        value = getattr(span, what)
+        problem = None if value is None else _id_problem(value)
+        if problem is not None:
             raise InvalidSpanError(
-                f"span {span.span_id!r} has a NUL character (\\x00) in its {what}, which no store keeps in an id; "
+                f"span {span.span_id!r} has {problem} in its {what}, which no store keeps in an id; "
                 "nothing of this batch was stored"
             )
-    return span.model_copy(update={"name": free_text(span.name), "error": free_text(span.error)})
+    for what in ("sequence_id", "start_time", "end_time"):
+        number = getattr(span, what)
+        if not _INT64_MIN <= number < _INT64_END:
+            raise InvalidSpanError(
+                f"span {span.span_id!r} ({free_text(span.name)!r}) has {what}={number}, beyond the 64-bit integers "
+                f"every store keeps ({_INT64_MIN} to {_INT64_END - 1}); nothing of this batch was stored"
+            )
+    name, error = free_text(span.name), free_text(span.error)
+    if name is span.name and error is span.error:
+        return span
+    return span.model_copy(update={"name": name, "error": error})
 
 
 def next_rollout_status(attempt_status: str, n_attempts: int, max_attempts: int) -> str:

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence, Tuple
 from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from agl.errors import InvalidSpanError
+from agl.store import _rules
 from agl.types import Attempt, Rollout, RolloutConfig, Span, trusted
 
 SCHEMA_VERSION = 1
@@ -168,8 +169,8 @@ def span_to_row(span: Span) -> Tuple[Any, ...]:
     if not isinstance(span, Span):
         raise InvalidSpanError(f"add_spans takes agl.types.Span objects, got {type(span).__name__}")
     try:
-        attributes = to_json(span.attributes).decode() if span.attributes else "{}"
-        events = to_json(span.events).decode() if span.events else "[]"
+        attributes = _rules.json_bytes(span.attributes).decode() if span.attributes else "{}"
+        events = _rules.json_bytes(span.events).decode() if span.events else "[]"
     except PydanticSerializationError as exc:
         raise InvalidSpanError(
             f"span {span.span_id!r} ({span.name!r}) has a value that is not JSON-serialisable: {exc}; "

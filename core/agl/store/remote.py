@@ -295,6 +295,7 @@ class RemoteLightningStore(LightningStore):
             return []
         named = [r if r.rollout_id else r.model_copy(update={"rollout_id": new_id("ro")}) for r in requests]
         EnqueueBody(requests=named)  # checks the batch before anything is sent
+        _rules.check_request_ids(named)  # a lone surrogate could not even be sent as JSON
         encoded = [_rules.encode_json(r, "rollout input and metadata").encode() for r in named]
         ids = [r.rollout_id for r in named]
 
@@ -314,7 +315,7 @@ class RemoteLightningStore(LightningStore):
         return [rollout for part in self._post_fitting("requests", encoded, send) for rollout in part]
 
     def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
-        _rules.check_limit(limit)
+        _rules.check_claim(runner_id, limit)
 
         def poll(wait: float) -> List[Rollout]:
             body = DequeueBody(runner_id=runner_id, limit=limit, timeout=wait).model_dump_json().encode()
@@ -346,7 +347,7 @@ class RemoteLightningStore(LightningStore):
     ) -> Rollout:
         reward = _rules.check_completion(status, reward)
         path = self._rollout_path(rollout_id, attempt_id) + "/complete"
-        body = CompleteBody(status=status, reward=reward, error=error).model_dump_json().encode()
+        body = CompleteBody(status=status, reward=reward, error=_rules.free_text(error)).model_dump_json().encode()
 
         def already_completed(exc: Exception) -> Rollout:
             return self._completed_by_lost_try(rollout_id, attempt_id, status, exc)
@@ -375,8 +376,9 @@ class RemoteLightningStore(LightningStore):
     ) -> Tuple[Rollout, List[Rollout]]:
         """One request instead of two (see ``LightningStore.complete_and_dequeue``)."""
         reward = _rules.check_completion(status, reward)
-        _rules.check_limit(limit)
+        _rules.check_claim(runner_id, limit)
         path = self._rollout_path(rollout_id, attempt_id) + "/complete-and-dequeue"
+        error = _rules.free_text(error)
         body = CompleteAndDequeueBody(status=status, reward=reward, error=error, runner_id=runner_id, limit=limit)
 
         def already_completed(exc: Exception) -> CompletedAndClaimed:
@@ -491,6 +493,7 @@ class RemoteLightningStore(LightningStore):
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
         parsed = parse_resources(dict(resources))  # bad resources are refused here, as by every store
+        _rules.check_id(resources_id, "resources_id")
         chosen = resources_id or new_id("res")
         body = _rules.encode_json({"resources": parsed, "resources_id": chosen}, "resources").encode()
 
