@@ -12,7 +12,7 @@ import csv
 import logging
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 logger = logging.getLogger("agl.train")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -22,6 +22,7 @@ _CONSOLE = (
     ("reward_mean", "reward {:.3f}"),
     ("reward_std", "±{:.3f}"),
     ("success_rate", "success {:.0%}"),
+    ("failed_rollouts", "failed {:.0f}"),  # only when some failed (they count as reward 0 in reward_mean)
     ("val_success", "val {:.0%}"),
     ("loss", "loss {:+.2e}"),
     ("kl_ref", "kl {:.4f}"),
@@ -118,10 +119,15 @@ def format_line(row: Dict[str, float], total_steps: Optional[int] = None) -> str
         head = f"step {step}/{total_steps} [{'#' * done}{'-' * (20 - done)}]"
     parts = [head]
     no_reward = not _finite(row.get("reward_mean"))  # no rollout of the step has a reward (all failed)
+    no_update = bool(row.get("samples")) and row.get("optimizer_steps") == 0  # every group agreed: none learned
     for key, fmt in _CONSOLE:
         value = row.get(key)
-        if key == "reward_mean" and no_reward:
+        if key == "loss" and no_update:
+            parts.append("no update")
+        elif key == "reward_mean" and no_reward:
             parts.append("reward -")
+        elif key == "failed_rollouts" and not value:
+            continue
         elif _finite(value) and not (key == "reward_std" and no_reward):  # (no lone "±0.000")
             parts.append(fmt.format(value))
     return " ".join(parts)
@@ -159,16 +165,21 @@ def plot_reward_curve(
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in rows if "reward_mean" in r]
+    plotted: List[float] = []
     if steps:
-        ax.plot(steps, [r["reward_mean"] for r in rows if "reward_mean" in r], label="train reward (mean)")
-        ax.plot(steps, [r.get("success_rate", float("nan")) for r in rows if "reward_mean" in r], label="train success")
+        rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
+        success = [r.get("success_rate", float("nan")) for r in rows if "reward_mean" in r]
+        ax.plot(steps, rewards, label="train reward (mean)")
+        ax.plot(steps, success, label="train success")
+        plotted += rewards + success
     names = list(dict.fromkeys(e.get("name", "val") for e in evaluations))
     for name in names:
         points = [e for e in evaluations if e.get("name", "val") == name]
         label = "held-out success" if name == "val" else f"held-out success ({name})"
         ax.plot([e["step"] for e in points], [e["success"] for e in points], marker="o", linestyle="--", label=label)
+        plotted += [e["success"] for e in points]
     ax.set_xlabel("training step")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylim(*curve_y_limits(plotted))
     ax.grid(alpha=0.3)
     ax.set_title(title)
     ax.legend(loc="lower right")
@@ -176,6 +187,15 @@ def plot_reward_curve(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+def curve_y_limits(values: Sequence[float]) -> Tuple[float, float]:
+    """The reward curve's y range: [0, 1] (success rates, 0/1 rewards) widened to every finite value plotted,
+    so rewards outside it (counts, penalties, rewards in [-1, 1]) stay on the chart; 2% margin each side."""
+    finite = [float(v) for v in values if _finite(v)]
+    low, high = min([0.0, *finite]), max([1.0, *finite])
+    margin = 0.02 * (high - low)
+    return low - margin, high + margin
 
 
 def ascii_curve(values: Sequence[float], *, width: int = 40, height: int = 8, label: str = "") -> str:

@@ -259,6 +259,7 @@ class TorchGRPO(Algorithm):
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.state = TrainerState()
         self._saved_step = 0  # the step of the newest checkpoint (made or resumed from)
+        self._sampling_of: Dict[str, Dict[str, Any]] = {}  # resources id -> the sampling settings published in it
 
     # ------------------------------------------------------------------------------------------------------
     # run
@@ -401,15 +402,35 @@ class TorchGRPO(Algorithm):
     # resources
     # ------------------------------------------------------------------------------------------------------
     def _publish(self, sampling: Mapping[str, Any]) -> str:
-        """Store an LLM resource pointing at the server; returns its resources id. The server applies the same
-        settings to requests that leave them out: an agent that does not pass ``llm.sampling_parameters`` on
-        (the README's does not) was sampled at the server's defaults (temperature 1, 512 tokens, no logprobs)
-        whatever the trainer was told."""
-        self.server.request_defaults = dict(sampling)
+        """Store an LLM resource pointing at the server with ``sampling``; returns its resources id.
+
+        The settings travel with the resources id: :meth:`_run_rollouts` makes the server apply them to the
+        requests that leave them out while that id's rollouts run (see there). Publishing itself does not
+        touch the server, so publishing the next training resources before an evaluation (or the reverse)
+        cannot change how any other rollouts are sampled."""
         llm = LLM(endpoint=self._endpoint(), model=self.model_name, sampling_parameters=dict(sampling))
         resources_id = self.store.add_resources({self.resource_name: llm}).resources_id
         record_published(self.checkpoint_dir, resources_id)
+        self._sampling_of[resources_id] = dict(sampling)
         return resources_id
+
+    def _run_rollouts(self, tasks: List[Task], resources_id: str, **kwargs: Any) -> List[Rollout]:
+        """``trainer.run_tasks`` of ``tasks`` with ``resources_id``, the server sampling as that resource says.
+
+        An agent that does not pass ``llm.sampling_parameters`` on (the README's does not) is sampled at the
+        server's ``request_defaults``, not at the resource's settings. One policy server serves training and
+        validation, so its defaults are set here to the settings published with ``resources_id`` for as long
+        as its rollouts run, and put back afterwards (errors too): training rollouts are always sampled with
+        the training settings and validation rollouts with ``val_sampling`` (or their ``extra_evals``
+        entry), whatever order resources are published and evaluations run in. This holds because the
+        trainer runs one batch of rollouts at a time (``run_tasks`` returns once all of them ended), so no
+        rollout of another resources id is being served meanwhile."""
+        previous = self.server.request_defaults
+        self.server.request_defaults = dict(self._sampling_of[resources_id])
+        try:
+            return self.trainer.run_tasks(tasks, resources_id=resources_id, **kwargs)
+        finally:
+            self.server.request_defaults = previous
 
     def _endpoint(self) -> str:
         """The policy server's URL as agents get it: ``server_url``, else the bound address, a wildcard
@@ -451,10 +472,10 @@ class TorchGRPO(Algorithm):
         started = time.monotonic()
         overrides = self.val_sampling if name == "val" else self.extra_evals[name]
         sampling = {**self._train_sampling(), **(overrides or {})}
-        rollouts = self.trainer.run_tasks(
-            val_tasks, mode="val", resources_id=self._publish(sampling), description=f"eval (step {self.state.step})"
+        rollouts = self._run_rollouts(
+            val_tasks, self._publish(sampling), mode="val", description=f"eval (step {self.state.step})"
         )
-        rewards = [r.final_reward for r in rollouts if r.status == "succeeded" and r.final_reward is not None]
+        rewards = _rewards(rollouts)
         successes = sum(1 for r in rewards if r >= self.success_threshold)
         evaluation = Evaluation(
             name=name,
@@ -484,23 +505,32 @@ class TorchGRPO(Algorithm):
     ) -> Optional[Evaluation]:
         last_eval: Optional[Evaluation] = None
         empty_steps = EmptySteps(limit=3)
+        equal_in_a_row = 0  # steps in a row whose every group had equal rewards (before this one)
         resources_id = self._publish(self._train_sampling())
+        # Between batches of rollouts the server keeps the training settings (each batch sets its own).
+        self.server.request_defaults = dict(self._sampling_of[resources_id])
         while self.state.step < total_steps:
             if self.time_budget_s is not None and time.monotonic() - started + self._still_needed_s() > self.time_budget_s:
                 metrics.note(f"time budget of {self.time_budget_s:.0f} s reached after {self.state.step} steps")
                 break
             step_started = time.monotonic()
             tasks = self._next_tasks(train_tasks)
-            rollouts = self.trainer.run_tasks(
-                tasks, mode="train", n_per_task=self.group_size, resources_id=resources_id,
+            rollouts = self._run_rollouts(
+                tasks, resources_id, mode="train", n_per_task=self.group_size,
                 description=f"step {self.state.step + 1}: rollouts",
             )
+            rollouts_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
             generated = time.monotonic()
             batch = adapter.build_batch(self.store, rollouts, progress=False)
             if batch.samples:
+                # A batch whose groups all agreed trains nothing either, but still counts as trained here: a
+                # policy that solves (or fails) every task of a batch is not a broken setup, and it may
+                # disagree again on the next tasks. It is warned about at every step (docs/training.md).
                 empty_steps.trained()
+                self._warn_if_all_equal(batch.samples, equal_in_a_row)
             else:  # the step still counts: its rollouts ran, and a resumed run must not repeat it
                 empty_steps.nothing(self.state.step + 1, batch.report.why_empty(adapter.agent_match))
+            equal_in_a_row = equal_in_a_row + 1 if _all_groups_equal(batch.samples) else 0
             with self.server.paused():
                 stats = self.update(batch.samples)
             self.trainer.learned_from(rollouts)
@@ -508,7 +538,7 @@ class TorchGRPO(Algorithm):
             self.state.policy_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
             self.server.set_version(self.state.policy_version)
             self.state.step += 1
-            row = self._row(rollouts, batch, stats, step_started, generated)
+            row = self._row(rollouts, batch, stats, step_started, generated, rollouts_version)
             if val_tasks and self.eval_every and self.state.step % self.eval_every == 0:
                 last_eval = self._evaluate(val_tasks, metrics)
                 row["val_success"] = last_eval.success
@@ -524,6 +554,25 @@ class TorchGRPO(Algorithm):
                     raise
         self._save_if_behind()  # a time budget stops between checkpoints: its last steps are kept too
         return last_eval
+
+    def _warn_if_all_equal(self, samples: Sequence[Sample], before: int) -> None:
+        """Warn (console and ``train.log``) when every group of the step's batch had equal rewards: every
+        advantage is 0, so the step does no optimizer step (a KL term alone only pulls toward the reference).
+        ``before``: such steps in a row before this one."""
+        if not _all_groups_equal(samples):
+            return
+        n_groups = len({(s.policy, s.mode, s.task_id) for s in samples})
+        rewards = sorted({s.reward for s in samples if s.reward is not None})
+        seen = ", ".join(f"{r:g}" for r in rewards[:5]) + (", ..." if len(rewards) > 5 else "")
+        logger.warning(
+            "step %d: all %d groups had equal rewards: nothing to learn from this step; every advantage is 0, "
+            "so %s (%d such steps in a row; rewards seen: %s). A reward that never varies (a constant, a bug), "
+            "tasks too easy or too hard for the policy, greedy sampling or group_size=1 give this; it does not "
+            "stop the run",
+            self.state.step + 1, n_groups,
+            "only the KL term updates the policy" if self.kl_coef > 0 else "no optimizer step",
+            before + 1, seen or "none",
+        )
 
     def _still_needed_s(self) -> float:
         """Time one more step and the final evaluations need: as long as the last step and the first
@@ -667,16 +716,23 @@ class TorchGRPO(Algorithm):
         return old, ref
 
     def _row(
-        self, rollouts: List[Rollout], batch: Any, stats: Dict[str, float], started: float, generated: float
+        self, rollouts: List[Rollout], batch: Any, stats: Dict[str, float], started: float, generated: float,
+        rollouts_version: int,
     ) -> Dict[str, float]:
-        rewards = [r.final_reward for r in rollouts if r.status == "succeeded" and r.final_reward is not None]
+        """The step's metrics row. ``policy_version``: the version published after its update (the server's
+        from then on, the checkpoint's); ``rollouts_version``: the one its rollouts ran with."""
+        rewards = _rewards(rollouts)
+        # As in the evaluations, a failed rollout counts as reward 0 in reward_mean/std (it already counts as
+        # no success in success_rate); failed_rollouts says how many there were.
+        counted = rewards + [0.0] * (len(rollouts) - len(rewards))
         gen_s = generated - started
         gen_tokens = sum(len(s.response_ids) for s in batch.samples)
         row: Dict[str, float] = {
             "step": self.state.step,
             "policy_version": self.state.policy_version,
-            "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
-            "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            "rollouts_version": rollouts_version,
+            "reward_mean": statistics.fmean(counted) if counted else float("nan"),
+            "reward_std": statistics.pstdev(counted) if len(counted) > 1 else 0.0,
             "success_rate": sum(r >= self.success_threshold for r in rewards) / len(rollouts),
             "rollouts": len(rollouts),
             "failed_rollouts": len(rollouts) - len(rewards),
@@ -707,6 +763,16 @@ class TorchGRPO(Algorithm):
         if result.curve_png is not None:
             lines.append(f"  curve: {result.curve_png}")
         _console("\n".join(lines))
+
+
+def _rewards(rollouts: Sequence[Rollout]) -> List[float]:
+    """The final rewards of the rollouts that succeeded with one (failed ones have none to count)."""
+    return [r.final_reward for r in rollouts if r.status == "succeeded" and r.final_reward is not None]
+
+
+def _all_groups_equal(samples: Sequence[Sample]) -> bool:
+    """True when there are samples and every one has advantage 0 (every group's rewards were equal)."""
+    return bool(samples) and all(s.advantage == 0.0 for s in samples)
 
 
 def _check_sampling(**settings: Mapping[str, Any]) -> None:
