@@ -43,20 +43,25 @@ def test_the_attempt_of_a_runner_process_that_dies_ends_at_once_and_is_retried(
     task = {"marker": str(tmp_path / "died"), "how": how}
     (rollout,) = store.enqueue_many([EnqueueRequest(input=task, config=config)])
     pool = RunnerPool(dies_once, store, n_runners=1, mode="process").start()
-    try:
-        deadline = time.monotonic() + 30
-        while store.get_rollout(rollout.rollout_id).status != "succeeded":
-            assert time.monotonic() < deadline, store.query_attempts(rollout.rollout_id)
-            pool.check()
-            time.sleep(0.05)
-    finally:
-        pool.stop(timeout=2.0)
+    run_until_succeeded(pool, store, rollout.rollout_id)
     first, second = store.query_attempts(rollout.rollout_id)
     assert first.status == "failed" and second.status == "succeeded"
     expected = f"runner process agl-{first.runner_id} died ({death}) while running this rollout"
     assert first.error == expected, first.error
     assert re.fullmatch(r"runner-0-\d+-0", first.runner_id or "") and second.runner_id != first.runner_id
     store.close()
+
+
+def run_until_succeeded(pool: RunnerPool, store: SqliteLightningStore, rollout_id: str) -> None:
+    """Check the pool (as the trainer does) until the rollout succeeded, at most 30 s; then stop the pool."""
+    try:
+        deadline = time.monotonic() + 30
+        while store.get_rollout(rollout_id).status != "succeeded":
+            assert time.monotonic() < deadline, store.query_attempts(rollout_id)
+            pool.check()
+            time.sleep(0.05)
+    finally:
+        pool.stop(timeout=2.0)
 
 
 class RefusesTheFirstCompletion(SqliteLightningStore):
@@ -78,14 +83,7 @@ def test_the_attempt_of_a_runner_thread_that_dies_ends_at_once_and_is_retried(tm
     config = RolloutConfig(max_attempts=2, heartbeat_timeout_seconds=300)
     (rollout,) = store.enqueue_many([EnqueueRequest(input={}, config=config)])
     pool = RunnerPool(agl.rollout(lambda task: 1.0), store, n_runners=1, mode="thread").start()
-    try:
-        deadline = time.monotonic() + 30
-        while store.get_rollout(rollout.rollout_id).status != "succeeded":
-            assert time.monotonic() < deadline, store.query_attempts(rollout.rollout_id)
-            pool.check()
-            time.sleep(0.05)
-    finally:
-        pool.stop(timeout=2.0)
+    run_until_succeeded(pool, store, rollout.rollout_id)
     first, second = store.query_attempts(rollout.rollout_id)
     assert (first.status, second.status) == ("failed", "succeeded")
     assert first.error == (
