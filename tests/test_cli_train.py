@@ -205,3 +205,73 @@ def test_apo_whose_optimizer_fails_mid_search_still_saves_the_best_prompt_so_far
     assert len(json.loads((files / "run" / "apo_history.json").read_text())) == 2
     err = capsys.readouterr().err
     assert "APO stopped early" in err and "optimizer-model" in err and "best prompt so far is saved" in err
+
+
+@pytest.mark.parametrize(
+    "setting, expected",
+    [
+        ("checkpoint_every=0", "checkpoint_every=0: expected a whole number >= 1"),
+        ("on_step=print", "on_step='print': a Python callable: only the Python API sets it"),
+        ("eval_every=two", "eval_every='two': expected a whole number >= 0"),
+        ("eval_every=-1", "eval_every=-1: expected a whole number >= 0"),
+        ("lr=fast", "lr='fast': expected a number > 0"),
+        ('success_threshold="high"', "success_threshold='high': expected a number"),
+        ('steps="3"', "steps='3': expected a whole number >= 0 or null"),
+        ('lora={"r": "eight"}', "lora={'r': 'eight'}: r 'eight': expected a whole number >= 1"),
+        ("lora=8", "lora=8: expected a JSON object"),
+        ("micro_batch_size=true", "micro_batch_size=True: expected a whole number >= 1"),
+        ("clip_eps=[1]", "clip_eps=[1]: expected a number > 0"),
+        ("old_logprobs=new", "old_logprobs='new': expected one of 'sample', 'recompute'"),
+        ("colour=1", "colour=1: TorchGRPO has no setting 'colour'"),
+    ],
+)
+def test_check_names_each_wrong_set_value_without_importing_torch(
+    files: Path, monkeypatch: pytest.MonkeyPatch, setting: str, expected: str
+) -> None:
+    """These passed --check, then crashed the run with a traceback (checkpoint_every=0, on_step=print: after
+    step 1 had trained). They are found before torch is imported: here importing the trainer would fail."""
+    monkeypatch.setitem(sys.modules, "agl.algorithm.torch_grpo", None)
+    message = _fails([*_base(files), "--set", setting, "--check"])
+    assert message.startswith("agl: bad grpo settings: ") and expected in message
+    assert 'pip install "agl[torch]"' not in message
+
+
+def test_check_lists_every_wrong_setting_one_line_each(files: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "agl.algorithm.torch_grpo", None)
+    message = _fails([*_base(files), "--set", "lr=fast", "--config", '{"eval_every": "two"}', "--steps", "-1"])
+    lines = message.splitlines()
+    assert all(line.startswith("agl: bad grpo settings: ") for line in lines[:3])
+    names = [line[len("agl: bad grpo settings: "):].split("=")[0] for line in lines[:3]]
+    assert names == ["eval_every", "lr", "steps"]
+    assert not (files / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["output_dir", "checkpoint_dir", "resume"])
+def test_settings_of_the_run_folder_come_from_out_and_resume_only(files: Path, key: str) -> None:
+    """--set output_dir=X sent metrics and train.log to X while checkpoints and store stayed in --out (and the
+    command then named --out as the run); --set resume=false got past the check that --out is not overwritten."""
+    message = _fails([*_base(files), "--set", f"{key}={json.dumps(str(files / 'elsewhere'))}", "--check"])
+    assert message.startswith(f"agl: --set {key}: ") and "--out" in message
+    assert not (files / "elsewhere").exists()
+
+
+def test_serving_a_checkpoint_pointer_or_adapter_says_what_to_export(files: Path) -> None:
+    """`agl serve --model RUN/checkpoints/latest` said the config file was "not a valid JSON file"; the
+    adapter folder gave a tokenizer-conversion error."""
+    run = files / "run"
+    step = run / "checkpoints" / "step-000002"
+    (step / "adapter").mkdir(parents=True)
+    (step / "adapter" / "adapter_config.json").write_text("{}")
+    (step / "state.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step-000002")
+    cases = {
+        run / "checkpoints" / "latest": ("pointer to a training run's newest checkpoint", run / "checkpoints", run / "model"),
+        step / "adapter": ("LoRA adapter of a training checkpoint", step, run / "model-step-000002"),
+        step: ("an agl training run or checkpoint", step, run / "model-step-000002"),
+        run / "checkpoints": ("an agl training run or checkpoint", run / "checkpoints", run / "model"),
+    }
+    for path, (what, source, target) in cases.items():
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--model", str(path), "--port", "0"])
+        assert what in str(exc.value.code)
+        assert f"agl export-model {source} --out {target}), then agl serve --model {target}" in str(exc.value.code)

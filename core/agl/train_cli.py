@@ -12,13 +12,16 @@ already holds a run is resumed only with ``--resume``, never silently overwritte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 _STARTED = time.monotonic()  # --minutes counts the whole command, imports included, as the main job does
 _SUMMARY_RESERVE_S = 15.0  # left of --minutes for the summary and shutting down
@@ -151,7 +154,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     if args.algorithm == "apo":
         return _fit_apo(trainer, agent, train_tasks, val_tasks, out)
-    result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
+    with _train_log(out if args.algorithm == "grpo" else None) as log:
+        try:
+            result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
+        except KeyboardInterrupt:  # Ctrl-C: one line that says what is left, not a traceback
+            with _no_second_interrupt():
+                message = _interrupted(args, out)
+                log(logging.WARNING, message)
+                print(message, file=sys.stderr)
+            return 130
+        except Exception as exc:
+            log(logging.ERROR, f"agl train: stopped: {exc}")
+            raise
     if args.algorithm == "verl":  # TorchGRPO prints its own summary and curve
         for step in result.steps:
             print(json.dumps({"step": step.step, **{k: v for k, v in step.metrics.items() if k.startswith("agl/")}}))
@@ -159,6 +173,66 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.algorithm == "grpo":
         print(f"agl train: the trained model as a Hugging Face folder: agl export-model {out} --out {out / 'model'}")
     return 0
+
+
+@contextlib.contextmanager
+def _no_second_interrupt() -> Iterator[None]:
+    """A Ctrl-C pressed again while the message is written does not turn it into a traceback."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(args: argparse.Namespace, out: Path) -> str:
+    if args.algorithm != "grpo":
+        return f"agl train: interrupted; the run's store is {args.store or out / 'store.db'}"
+    if not (out / "metrics.csv").exists():  # stopped while loading the model: nothing to continue
+        return f"agl train: interrupted before the first step; nothing to resume in {out}: run the command again"
+    resume = shlex.join(["agl", *(a for a in sys.argv[1:] if a != "--resume"), "--resume"]) \
+        if sys.argv[1:2] == ["train"] else "the same agl train command with --resume"
+    return (f"agl train: interrupted; the run so far is in {out} (checkpoints in {out / 'checkpoints'}, metrics "
+            f"in {out / 'metrics.csv'}); continue it from its last checkpoint with: {resume}")
+
+
+@contextlib.contextmanager
+def _train_log(out: Optional[Path]) -> Iterator[Callable[[int, str], None]]:
+    """Append agl's warnings to ``OUT/train.log`` for the whole run: the trainer's own log handler covers only
+    its steps, not its start (a resume's "cancelled N rollouts") nor the error that ends it. Yields a function
+    that writes one more line there (the interruption, the error that stopped the run)."""
+    if out is None:
+        yield lambda level, message: None
+        return
+    path = out / "train.log"
+    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("agl")
+
+    def not_twice(record: logging.LogRecord) -> bool:  # the trainer's handler writes to the same file meanwhile
+        return not any(
+            h is not handler and os.path.abspath(getattr(h, "baseFilename", "")) == handler.baseFilename
+            for h in root.handlers
+        )
+
+    handler.addFilter(not_twice)
+    root.addHandler(handler)
+
+    def write(level: int, message: str) -> None:
+        handler.handle(logging.LogRecord("agl.train", level, __file__, 0, message, None, None))
+
+    try:
+        yield write
+    finally:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def _check_task_ids(path: str, tasks: Sequence[Any]) -> None:
@@ -199,14 +273,33 @@ def _has_rollouts(db: Path) -> bool:
         return sum(store.stats().rollouts.values()) > 0
 
 
+#: settings of the run's files and resuming: ``agl train`` decides them from --out and --resume
+_OUT_OWNED = {
+    "output_dir": "everything the run writes (metrics.csv, train.log, checkpoints, store) goes under --out: "
+                  "choose --out instead",
+    "checkpoint_dir": "the checkpoints go to OUT/checkpoints: choose --out instead",
+    "resume": "pass --resume to continue the run in --out; to start afresh, choose another --out (or delete "
+              "the folder): a run's checkpoints and metrics are never overwritten",
+}
+
+
 def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> Any:
-    settings: Dict[str, Any] = {"output_dir": out, "checkpoint_dir": out / "checkpoints", "resume": args.resume}
-    settings.update(config)
-    settings.update(_keyword_sets(args.settings))  # a malformed flag is named before torch is even imported
+    sets = _keyword_sets(args.settings)  # a malformed flag is named before torch is even imported
+    user = {**config, **sets}
+    owned = [f"agl: {'--set' if key in sets else '--config'} {key}: {_OUT_OWNED[key]}" for key in _OUT_OWNED
+             if key in user]
+    if owned:
+        raise SystemExit("\n".join(owned))
     for name in _GRPO_FLAGS:
         value = getattr(args, name)
         if value is not None:
-            settings[name] = value
+            user[name] = value
+    problems = grpo_setting_problems(user)
+    if problems:
+        problems[-1] += " (TorchGRPO's settings: docs/training.md)"
+        raise SystemExit("\n".join(f"agl: bad grpo settings: {p}" for p in problems))
+    settings: Dict[str, Any] = {"output_dir": out, "checkpoint_dir": out / "checkpoints", "resume": args.resume}
+    settings.update(user)
     if args.minutes is not None:
         if args.minutes <= 0:
             raise SystemExit("agl: --minutes must be positive")
@@ -216,12 +309,136 @@ def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> 
     except ImportError as exc:
         raise SystemExit(f'agl: the grpo trainer needs torch: pip install "agl[torch]" ({exc})') from None
     try:
+        if user.get("lora") is not None:  # peft's own check of the fields, which the run would make after loading
+            from agl.algorithm.trainable import lora_config
+
+            lora_config(user["lora"])
         algorithm = TorchGRPO(**settings)
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"agl: bad grpo settings: {exc} (TorchGRPO's settings: docs/training.md)") from None
-    shown = {k: v for k, v in settings.items() if k not in ("output_dir", "checkpoint_dir", "resume")}
+    shown = {k: v for k, v in settings.items() if k not in _OUT_OWNED}
     print("agl train: TorchGRPO(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")")
     return algorithm
+
+
+# What each TorchGRPO keyword takes from --set / --config (JSON values), checked before torch is imported and
+# before any training, so that --check finds a wrong type or range. tests/with_torch/test_train_cli_checks.py
+# keeps this table equal to TorchGRPO's signature.
+_INT, _NUM, _STR, _OBJ = "int", "number", "str", "object"
+_GRPO_SPEC: Dict[str, Any] = {
+    # name: (kind, lowest allowed or None, lowest exclusive?, None allowed?, note)
+    "model": (_STR, None, False, False, "smollm2, tiny, or a Hugging Face name or path"),
+    "lora": (_OBJ, None, False, True, 'LoraConfig fields such as {"r": 8}, or null for full fine-tuning'),
+    "lr": (_NUM, 0, True, False, ""),
+    "group_size": (_INT, 1, False, False, ""),
+    "batch_tasks": (_INT, 1, False, False, ""),
+    "steps": (_INT, 0, False, True, "null: as many as `epochs` passes over --data take"),
+    "epochs": (_INT, 1, False, False, ""),
+    "ppo_epochs": (_INT, 1, False, False, ""),
+    "micro_batch_size": (_INT, 1, False, False, ""),
+    "grad_accum": (_INT, 1, False, True, ""),
+    "clip_eps": (_NUM, 0, True, False, ""),
+    "kl_coef": (_NUM, 0, False, False, ""),
+    "max_grad_norm": (_NUM, 0, True, False, ""),
+    "old_logprobs": (("sample", "recompute"), None, False, False, ""),
+    "temperature": (_NUM, 0, True, False, ""),
+    "max_tokens": (_INT, 1, False, False, ""),
+    "sampling": (_OBJ, None, False, True, 'e.g. {"top_p": 0.9}'),
+    "val_sampling": (_OBJ, None, False, True, 'e.g. {"temperature": 0.0}'),
+    "extra_evals": (_OBJ, None, False, True, 'names to sampling settings, e.g. {"greedy": {"temperature": 0.0}}'),
+    "success_threshold": (_NUM, None, False, False, "the reward that counts as a success"),
+    "eval_every": (_INT, 0, False, False, "0: evaluate only before and after training"),
+    "time_budget_s": (_NUM, 0, True, True, "or --minutes"),
+    "checkpoint_every": (_INT, 1, False, False, ""),
+    "seed": (_INT, None, False, False, ""),
+    "device": (_STR, None, False, True, "cpu, cuda, cuda:1 ..."),
+    "dtype": (_STR, None, False, True, "float32, bfloat16 or float16"),
+    "torch_threads": (_INT, 1, False, True, ""),
+    "server_batch_size": (_INT, 1, False, False, ""),
+    "server_host": (_STR, None, False, False, ""),
+    "server_port": (_INT, 0, False, False, "0 picks a free port"),
+    "server_url": (_STR, None, False, True, ""),
+    "model_name": (_STR, None, False, False, ""),
+    "resource_name": (_STR, None, False, False, ""),
+}
+#: TorchGRPO keywords that only the Python API can set
+_PYTHON_ONLY = {"on_step": "a Python callable: only the Python API sets it, TorchGRPO(on_step=...)"}
+#: LoraConfig fields whose type is checked before peft (and torch) is imported
+_LORA_SPEC = {
+    "r": (_INT, 1, False, False, ""),
+    "lora_alpha": (_NUM, 0, True, False, ""),
+    "lora_dropout": (_NUM, 0, False, False, "a fraction below 1"),
+}
+
+
+def grpo_setting_problems(settings: Mapping[str, Any]) -> List[str]:
+    """One line per TorchGRPO setting whose name, type or range is wrong (name, value, what it takes),
+    without importing torch; empty when all are fine."""
+    problems = []
+    for key, value in settings.items():
+        if key in _PYTHON_ONLY:
+            problems.append(f"{key}={value!r}: {_PYTHON_ONLY[key]}")
+        elif key not in _GRPO_SPEC:
+            problems.append(f"{key}={value!r}: TorchGRPO has no setting {key!r}")
+        else:
+            wrong = _wrong(value, *_GRPO_SPEC[key])
+            if wrong:
+                problems.append(f"{key}={value!r}: {wrong}")
+            elif key == "lora" and value is not None:
+                problems.extend(f"lora={value!r}: {field} {wrong}" for field, wrong in _lora_problems(value))
+            elif key == "extra_evals" and value is not None:
+                problems.extend(
+                    f"extra_evals={value!r}: {name!r} must map to an object of sampling settings"
+                    for name, inner in value.items() if not isinstance(inner, dict)
+                )
+    return problems
+
+
+def _lora_problems(lora: Mapping[str, Any]) -> List[Tuple[str, str]]:
+    out = []
+    for field, spec in _LORA_SPEC.items():
+        if field in lora:
+            wrong = _wrong(lora[field], *spec)
+            if wrong:
+                out.append((field, f"{lora[field]!r}: {wrong}"))
+    if isinstance(lora.get("lora_dropout"), (int, float)) and not isinstance(lora["lora_dropout"], bool) \
+            and lora["lora_dropout"] >= 1:
+        out.append(("lora_dropout", f"{lora['lora_dropout']!r}: expected a fraction below 1"))
+    target = lora.get("target_modules")
+    if "target_modules" in lora and target is not None and not isinstance(target, str) and not (
+        isinstance(target, list) and all(isinstance(t, str) for t in target)
+    ):
+        out.append(("target_modules", f"{target!r}: expected a module name, a list of names, or \"all-linear\""))
+    return out
+
+
+def _wrong(value: Any, kind: Any, low: Optional[float], exclusive: bool, nullable: bool, note: str) -> str:
+    """What ``value`` should be instead, or "" when it fits."""
+    if isinstance(kind, tuple):
+        expected = "one of " + ", ".join(map(repr, kind))
+    else:
+        expected = {_INT: "a whole number", _NUM: "a number", _STR: "text", _OBJ: "a JSON object"}[kind]
+    if low is not None:
+        expected += f" {'>' if exclusive else '>='} {low}"
+    if nullable:
+        expected += " or null"
+    if note:
+        expected += f" ({note})"
+    if value is None:
+        return "" if nullable else f"expected {expected}"
+    if isinstance(kind, tuple):
+        ok = value in kind
+    elif kind == _INT:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == _NUM:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+    elif kind == _STR:
+        ok = isinstance(value, str) and bool(value.strip())
+    else:
+        ok = isinstance(value, dict)
+    if ok and low is not None:
+        ok = value > low if exclusive else value >= low
+    return "" if ok else f"expected {expected}"
 
 
 def _adapter(args: argparse.Namespace) -> Any:

@@ -72,7 +72,12 @@ def published_resources(directory: Optional[Path]) -> Set[str]:
 def save_checkpoint(
     directory: Path, model: Any, optimizer: torch.optim.Optimizer, state: TrainerState, *, lora: bool, keep: int = 2
 ) -> Path:
-    """Write ``step-NNNNNN`` under ``directory``, point ``latest`` at it, keep the newest ``keep`` folders."""
+    """Write ``step-NNNNNN`` under ``directory``, point ``latest`` at it, keep the newest ``keep`` folders.
+
+    A folder numbered at or above this step belongs to an earlier run that this one replaces (a run started
+    with ``resume=False`` in a folder that held one; a resumed run only writes steps after its checkpoint):
+    it is deleted, so that the two newest are this run's, never the old run's with this run's deleted.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:06d}"
@@ -95,7 +100,7 @@ def save_checkpoint(
     pointer = directory / ".latest.tmp"
     pointer.write_text(name, encoding="utf-8")
     os.replace(pointer, directory / "latest")
-    _prune(directory, keep)
+    _prune(directory, keep, final)
     return final
 
 
@@ -123,8 +128,9 @@ def load_checkpoint(
     state = TrainerState(**json.loads((path / "state.json").read_text(encoding="utf-8")))
     if state.fingerprint != fingerprint:
         raise CheckpointError(
-            f"checkpoint {path} was made with {state.fingerprint}, this run uses {fingerprint}: use another "
-            "checkpoint_dir, or resume=False to start afresh"
+            f"checkpoint {path} was made with {state.fingerprint}, this run uses {fingerprint}: to keep that run, "
+            "train in another folder (`agl train`: another --out; Python: another checkpoint_dir and output_dir); "
+            "resume=False starts afresh in this one, replacing its checkpoints and its metrics.csv"
         )
     device = next(model.parameters()).device
     if lora:
@@ -142,7 +148,19 @@ def load_checkpoint(
     return state
 
 
-def _prune(directory: Path, keep: int) -> None:
-    folders = sorted(p for p in directory.glob("step-*") if p.is_dir())
-    for old in folders[: max(0, len(folders) - keep)]:
+def _step_of(folder: Path) -> int:
+    try:
+        return int(folder.name[len("step-"):])
+    except ValueError:
+        return -1
+
+
+def _prune(directory: Path, keep: int, newest: Path) -> None:
+    """Keep ``newest`` (just written) and the highest-numbered folders before it, ``keep`` in all. Folders
+    numbered above ``newest`` are an earlier run's (see :func:`save_checkpoint`): deleted too."""
+    step = _step_of(newest)
+    earlier = sorted((p for p in directory.glob("step-*") if p.is_dir() and p != newest), key=_step_of)
+    stale = [p for p in earlier if _step_of(p) > step]
+    before = [p for p in earlier if _step_of(p) <= step]
+    for old in stale + before[: max(0, len(before) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)

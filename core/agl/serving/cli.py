@@ -37,26 +37,47 @@ def add_serve_command(sub: Any, store_help: str) -> None:
 
 
 def _refuse_training_folders(model: str) -> None:
-    """An `agl train --out` folder or a checkpoint is not a model folder (transformers failed on it with a
-    traceback about tokenizer converters): say how to make one."""
+    """An `agl train --out` folder, a checkpoint (or its ``latest`` pointer, its LoRA ``adapter/``) is not a
+    model folder (transformers failed on them with a traceback about tokenizer converters, or "not a valid
+    JSON file" for ``latest``): say which export makes one."""
     from pathlib import Path
 
     path = Path(model)
-    if not path.is_dir() or (path / "config.json").exists():
+    source = what = None
+    if path.is_file() and path.name == "latest" and any(path.parent.glob("step-*")):
+        source, what = path.parent, "the pointer to a training run's newest checkpoint"
+    elif not path.is_dir() or (path / "config.json").exists():
         return
-    if any((path / name).exists() for name in ("state.json", "latest", "checkpoints", "metrics.csv")):
-        raise SystemExit(
-            f"agl serve: {path} is an agl training run or checkpoint, not a model folder: export the trained "
-            f"model first (agl export-model {path} --out {path / 'model'}), then agl serve --model {path / 'model'}"
-        )
+    elif (path / "adapter_config.json").exists() and (path.parent / "state.json").exists():
+        source, what = path.parent, "the LoRA adapter of a training checkpoint (weights without their base model)"
+    elif any((path / name).exists() for name in ("state.json", "latest", "checkpoints", "metrics.csv")):
+        source, what = path, "an agl training run or checkpoint"
+    if source is None:
+        return
+    target = _export_target(source)
+    raise SystemExit(
+        f"agl serve: {path} is {what}, not a model folder: export the trained model first (agl export-model "
+        f"{source} --out {target}), then agl serve --model {target}"
+    )
+
+
+def _export_target(source: Any) -> Any:
+    """Where the export suggested for ``source`` goes: next to the run's checkpoints, never inside a
+    ``step-NNNNNN`` folder (a later checkpoint deletes it)."""
+    if (source / "state.json").exists():  # one step-NNNNNN folder
+        run = source.parent.parent if source.parent.name == "checkpoints" else source.parent
+        return run / f"model-{source.name}"
+    if source.name == "checkpoints" and (source / "latest").exists():
+        return source.parent / "model"
+    return source / "model"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    _refuse_training_folders(args.model)  # before the imports: the message needs no torch
     from agl.models import load_policy
     from agl.serving.server import PolicyServer
     from agl.serving.store_watch import StoreWatcher
 
-    _refuse_training_folders(args.model)
     print(f"agl serve: loading {args.model} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_policy(args.model, dtype=args.dtype, device=args.device)
     server = PolicyServer(
