@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import subprocess
+import sys
 import threading
 import time
 from decimal import Decimal
@@ -715,3 +717,33 @@ def test_emitting_outside_a_rollout_stores_nothing_and_says_so_once(monkeypatch,
         "or a Runner, or wrap the call in agl.rollout_scope(...)."
     ]
     assert agl.get_tracer().stats().enqueued == before
+
+
+FORKED_EMIT = """
+import concurrent.futures, logging, multiprocessing
+import agl
+
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+
+def worker():
+    agl.emit_reward(1.0)
+    return 1.0
+
+
+with agl.rollout_scope("ro-forked", "at-1"):
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        print("worker returned", pool.submit(worker).result())
+"""
+
+
+def test_a_reward_emitted_in_a_forked_worker_says_it_is_lost(tmp_path):
+    """A ProcessPoolExecutor worker forked inside a rollout inherits its scope, so no "outside a rollout"
+    warning fired, and what it emitted went nowhere without a word."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_EMIT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "worker returned 1.0" in done.stdout
+    assert "agl.emit_reward was called in a process forked from the rollout's" in done.stderr, done.stderr

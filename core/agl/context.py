@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import os
 import threading
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ class RolloutScope:
     mode: str = "train"
     request_token_ids: bool = True
     episode_rewards: List[float] = field(default_factory=list)  # primary values of emit_reward at top level
+    # the process the attempt runs in: a process forked from it (a ProcessPoolExecutor worker) inherits the
+    # scope, but what it records never reaches the attempt (see agl.emitters)
+    pid: int = field(default_factory=os.getpid, repr=False)
     _sequence: Iterator[int] = field(default_factory=itertools.count, repr=False)
     # what must end with the attempt (an LLM stream the agent stopped reading), by id: see end_open_work
     _open: Dict[int, Callable[[], None]] = field(default_factory=dict, repr=False)

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import numbers
+import os
 import traceback
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, TypeVar, Union
 
@@ -65,11 +66,22 @@ def _link_operations(tracer: Tracer) -> None:
 
 def _warn_outside_rollout(what: str) -> None:
     global _warned_outside
-    if current_scope() is None and not _warned_outside:
+    if _warned_outside:
+        return
+    scope = current_scope()
+    if scope is None:
         _warned_outside = True
         logger.warning(
             "agl.%s was called outside a rollout: nothing is stored. Run the agent through "
             "Trainer.dev/fit or a Runner, or wrap the call in agl.rollout_scope(...).",
+            what,
+        )
+    elif scope.pid != os.getpid():
+        _warned_outside = True
+        logger.warning(
+            "agl.%s was called in a process forked from the rollout's (a ProcessPoolExecutor or "
+            "multiprocessing worker): nothing it emits reaches the rollout. Return the value from the worker "
+            "and emit it in the rollout's own process.",
             what,
         )
 
