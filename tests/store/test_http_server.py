@@ -7,6 +7,7 @@ server on 127.0.0.1 serves a SQLite file; requests go through httpx (raw) or Rem
 from __future__ import annotations
 
 import gzip
+import http.server
 import json
 import multiprocessing
 import pickle
@@ -759,3 +760,36 @@ def test_a_failed_claim_after_a_recorded_completion_answers_the_completion(
     finally:
         served.close()
         plain.close()
+
+
+def test_an_address_where_another_http_service_answers_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy server's port given as the store's (or any other web service): the CLI said only 'the store
+    server answered HTTP 404', or FastAPI's bare 'Not Found'."""
+    from agl.cli import main
+
+    class NotAStore(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = b'{"detail":"Not Found"}'  # what any FastAPI app answers on a route it lacks
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotAStore)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AGL_STORE_TOKEN", TOKEN)
+    try:
+        assert main(["store", "stats", "--store", f"http://127.0.0.1:{other.server_address[1]}"]) == 2
+    finally:
+        other.shutdown()
+    err = capsys.readouterr().err
+    assert err.startswith("agl: ") and err.count("\n") == 1, err
+    assert "answered HTTP 404 (Not Found) without an agl store error" in err and "agl store serve" in err, err

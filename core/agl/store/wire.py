@@ -203,7 +203,15 @@ def _nearest_known(exc: BaseException) -> str:
 
 def raise_for_error(status: int, body: Mapping[str, Any]) -> None:
     """Raise what the server's error body names: the same class and message as the store raised."""
-    message = str(body.get("message") or body.get("detail") or f"the store server answered HTTP {status}")
+    if "error" in body:
+        message = str(body.get("message") or f"the store server answered HTTP {status}")
+    else:  # no agl error body: another service answered (the policy server's port, a proxy, a typo)
+        detail = body.get("message") or body.get("detail")
+        message = (
+            f"the server answered HTTP {status}{f' ({detail})' if detail else ''} without an agl store error: "
+            "check that the address is an agl store server's (`agl store serve`), not the policy server's or "
+            "another service's"
+        )
     cls: Type[BaseException] = _BY_NAME.get(str(body.get("error")), AglError)
     if status in (401, 403):
         cls = StoreAuthError
