@@ -4,7 +4,8 @@ Why it is built this way:
 - Every endpoint is one LightningStore call, so the HTTP store behaves exactly like the one it serves;
   the client (agl.store.remote) passes the same contract suite. The API is documented at ``/docs``
   (OpenAPI schema at ``/openapi.json``).
-- No token, no access: every endpoint but ``/healthz`` needs ``Authorization: Bearer <token>``; tokens
+- No token, no access: every endpoint but ``/healthz`` and the API's description (``/docs``,
+  ``/openapi.json``: routes and schemas, no data) needs ``Authorization: Bearer <token>``; tokens
   are a shared secret and/or one per runner from a file. A missing token gets 401, a wrong one 403.
 - Bad input never reaches the store half-checked and never gets a 5xx: bodies over the size limit get
   413 before they are parsed, malformed ones 422 (400 for OTLP) naming the field, unknown ids 404 naming
@@ -574,7 +575,7 @@ def create_app(
         version="1",
         description=(
             "The LightningStore over HTTP: trainers and runners on different machines meet here. Every "
-            "endpoint but /healthz needs `Authorization: Bearer <token>`. Errors are JSON "
+            "endpoint but /healthz and this description needs `Authorization: Bearer <token>`. Errors are JSON "
             "`{error, message, ...ids}` where `error` names the exception the Python client raises. "
             "POST endpoints honour an `Idempotency-Key` header (a retry gets the first answer). "
             "OpenTelemetry exporters send spans to /v1/traces (OTLP/HTTP, JSON or protobuf)."
