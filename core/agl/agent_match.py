@@ -88,14 +88,16 @@ def _compile(pattern: Union[str, Pattern[str]]) -> Pattern[str]:
 
 
 def agent_name_of(span: Span, by_id: Dict[str, Span]) -> Optional[str]:
-    """Name of the nearest agent span enclosing ``span`` (itself excluded), or None."""
+    """Name of the nearest named agent span enclosing ``span`` (itself excluded), or None. An agent span
+    without a name is passed over (as in LightningRL's ``TraceTree.enclosing_agent``)."""
     seen = set()
     parent_id = span.parent_id
     while parent_id is not None and parent_id in by_id and parent_id not in seen:
         seen.add(parent_id)
         parent = by_id[parent_id]
-        if parent.kind == "agent":
-            return parent.attributes.get(semconv.AGENT_NAME)
+        name = parent.attributes.get(semconv.AGENT_NAME) if parent.kind == "agent" else None
+        if name:
+            return name
         parent_id = parent.parent_id
     return None
 

@@ -1,7 +1,8 @@
 """Call order across sources: agl's own spans (sequence ids 1, 2, 3 per attempt) and spans sent over OTLP
 without agl.sequence.id (sequence id = start time in ns) are ordered by start time, then sequence id.
 
-Ordering by sequence id first put every OTLP call after every native call, whatever the real order."""
+Ordering by sequence id first put every OTLP call after every native call, whatever the real order. Also
+which agent a call belongs to when spans come from several sources (an unnamed agent span)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,20 @@ def test_native_spans_that_start_at_the_same_time_keep_their_sequence_order() ->
     ]
     assert [s.sequence_id for s in build_tree(spans).llm_spans()] == [2, 3, 4]
     assert [s.sequence_id for s in CallLinks(build_tree(spans)).ordered] == [1, 2, 3, 4]
+
+
+def test_an_unnamed_agent_span_does_not_hide_the_named_agent_around_it() -> None:
+    """A hand-made or third-party agent span without gen_ai.agent.name inside the named root agent: its calls
+    had agent name None, which no agent_match could select (found by the LightningRL probe)."""
+    unnamed = "9" * 16
+    spans = [
+        native("ro-1", "at-1", 1, ROOT, "agent", 0, 100),  # named "solver"
+        Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=2, trace_id=TRACE, span_id=unnamed, parent_id=ROOT,
+             name="agent step", kind="agent", start_time=5, end_time=50),
+        Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=3, trace_id=TRACE, span_id=NATIVE_LLM,
+             parent_id=unnamed, name="chat", kind="llm", start_time=10, end_time=20,
+             attributes={semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.RESPONSE_TOKEN_IDS: [3]}),
+    ]
+    tree = build_tree(spans)
+    assert tree.enclosing_agent(NATIVE_LLM).span_id == ROOT
+    assert [s.span_id for s in select_llm_calls(spans, "^solver$")] == [NATIVE_LLM]

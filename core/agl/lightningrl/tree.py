@@ -28,6 +28,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
+from agl import semconv
 from agl.types import Span, call_order_key
 
 DEFAULT_TOLERANCE_NS = 1_000_000  # 1 ms of clock skew between the spans of one attempt
@@ -130,11 +131,14 @@ class TraceTree:
         return sorted((n.span for n in self._nodes.values() if n.span.kind == "llm"), key=call_order_key)
 
     def enclosing_agent(self, span_id: str) -> Optional[Span]:
-        """The nearest agent span above ``span_id`` in the tree (itself excluded), or None."""
+        """The nearest agent span with a name above ``span_id`` in the tree (itself excluded), or None.
+
+        An agent span without ``gen_ai.agent.name`` (a hand-made or third-party one) is passed over, so that
+        it does not hide the named agent around it from ``agent_match``."""
         parent_id = self._nodes[span_id].parent_id
         while parent_id is not None:
             node = self._nodes[parent_id]
-            if node.span.kind == "agent":
+            if node.span.kind == "agent" and node.span.attributes.get(semconv.AGENT_NAME):
                 return node.span
             parent_id = node.parent_id
         return None
