@@ -119,3 +119,27 @@ def build_span(
 def make_span_fixture() -> Any:
     """:func:`build_span`, for tests (conftest modules are not importable by name)."""
     return build_span
+
+
+@pytest.fixture
+def dev_an_agent_that_fails() -> Callable[[LightningStore, str, str], Any]:
+    """:func:`_dev_an_agent_that_fails`, for tests of every backend."""
+    return _dev_an_agent_that_fails
+
+
+def _dev_an_agent_that_fails(store: LightningStore, message: str, error: str) -> Any:
+    """``Trainer.dev`` of one rollout whose agent emits ``message`` and raises ``error`` (text a backend may not
+    store as it is: NUL, lone surrogates); checks that the rollout failed at once (not after its 60 s
+    heartbeat timeout, as when the runner died on the completion) and returns its row."""
+    import agl
+
+    @agl.rollout
+    def agent(task: Any) -> float:
+        agl.emit_message(message)
+        raise RuntimeError(error)
+
+    trainer = agl.Trainer(n_runners=1, runner_mode="thread", store=store, heartbeat_timeout=60, progress=False)
+    started = time.monotonic()
+    [row] = trainer.dev(agent, [{"id": 1}], print_table=False)
+    assert row.status == "failed" and time.monotonic() - started < 30
+    return row

@@ -566,39 +566,23 @@ def test_foreign_tables_are_refused(empty_database: str, foreign: str) -> None:
 # -- input PostgreSQL cannot store (NUL characters: the contract suite has the rule) ------------------------
 
 
-def test_an_agent_error_with_a_nul_character_fails_its_rollout_at_once(postgres_dsn: str) -> None:
+def test_an_agent_error_with_a_nul_character_fails_its_rollout_at_once(
+    postgres_dsn: str, dev_an_agent_that_fails: Any
+) -> None:
     """The runner died on complete_attempt's ValueError (PostgreSQL text cannot hold NUL) and the rollout waited
     for its heartbeat timeout, losing the agent's error; SQLite failed it at once."""
-    import agl
-
-    @agl.rollout
-    def agent(task: Dict[str, Any]) -> float:
-        agl.emit_message("tool output: \x00binary")
-        raise RuntimeError("tool returned b'\x00\x01' garbage")
-
     with PostgresLightningStore(postgres_dsn) as store:
-        trainer = agl.Trainer(n_runners=1, runner_mode="thread", store=store, heartbeat_timeout=60, progress=False)
-        started = time.monotonic()
-        [row] = trainer.dev(agent, [{"id": 1}], print_table=False)
-        assert row.status == "failed" and time.monotonic() - started < 30
+        row = dev_an_agent_that_fails(store, "tool output: \x00binary", "tool returned b'\x00\x01' garbage")
         assert "tool returned b'\ufffd\x01' garbage" in (row.error or "")
 
 
-def test_an_agent_error_with_a_lone_surrogate_fails_its_rollout_at_once(postgres_dsn: str) -> None:
+def test_an_agent_error_with_a_lone_surrogate_fails_its_rollout_at_once(
+    postgres_dsn: str, dev_an_agent_that_fails: Any
+) -> None:
     """complete_attempt raised UnicodeEncodeError ("\\ud83d", half an emoji from a cut-off model reply), the
     runner died and the rollout waited for its heartbeat timeout; the root span was refused too."""
-    import agl
-
-    @agl.rollout
-    def agent(task: Dict[str, Any]) -> float:
-        agl.emit_message("model said \ud83d")
-        raise ValueError("could not parse answer: \ud83d")
-
     with PostgresLightningStore(postgres_dsn) as store:
-        trainer = agl.Trainer(n_runners=1, runner_mode="thread", store=store, heartbeat_timeout=60, progress=False)
-        started = time.monotonic()
-        [row] = trainer.dev(agent, [{"id": 1}], print_table=False)
-        assert row.status == "failed" and time.monotonic() - started < 30
+        row = dev_an_agent_that_fails(store, "model said \ud83d", "could not parse answer: \ud83d")
         assert "could not parse answer: \ufffd" in (row.error or "")
         names = [span.name for span in store.query_spans(row.rollout_id)]
         assert "agl.rollout" in names and "agl.message" in names, names

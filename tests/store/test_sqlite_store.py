@@ -416,21 +416,13 @@ def test_open_store_refuses_what_it_cannot_tell(url: str) -> None:
         assert "http://host:port" in str(error.value) and "postgresql://" in str(error.value)
 
 
-def test_an_agent_error_with_a_lone_surrogate_fails_its_rollout_at_once(tmp_path: Path) -> None:
+def test_an_agent_error_with_a_lone_surrogate_fails_its_rollout_at_once(
+    tmp_path: Path, dev_an_agent_that_fails: Any
+) -> None:
     """complete_attempt raised UnicodeEncodeError ("\\ud83d", half an emoji from a cut-off model reply): the runner
     died and the rollout waited for its heartbeat timeout, its error lost; the root span was refused too."""
-    import agl
-
-    @agl.rollout
-    def agent(task: Any) -> float:
-        agl.emit_message("model said \ud83d")
-        raise ValueError("could not parse answer: \ud83d")
-
     with SqliteLightningStore(tmp_path / "store.db") as store:
-        trainer = agl.Trainer(n_runners=1, runner_mode="thread", store=store, heartbeat_timeout=60, progress=False)
-        started = time.monotonic()
-        [row] = trainer.dev(agent, [{"id": 1}], print_table=False)
-        assert row.status == "failed" and time.monotonic() - started < 30
+        row = dev_an_agent_that_fails(store, "model said \ud83d", "could not parse answer: \ud83d")
         assert "could not parse answer: \ufffd" in (row.error or "")
         names = [span.name for span in store.query_spans(row.rollout_id)]
         assert "agl.rollout" in names and "agl.message" in names, names
