@@ -30,6 +30,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Tuple
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
+from agl.context import current_scope
 from agl.instrumentation.framework import PatchSet, agent_span, set_tool_result, tool_span
 from agl.instrumentation.safety import guard
 from agl.integrations.ag2._context import ContextHandoff, enter_guarded, in_context
@@ -74,11 +75,17 @@ def _reflection_with_llm(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwa
 
 
 def _create_in_agent_context(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``OpenAIWrapper.create(..., agent=...)``: on an executor thread, run in the replying agent's context."""
+    """``OpenAIWrapper.create(..., agent=...)``: on an executor thread, run in the replying agent's context.
+
+    A worker that already runs in a rollout (agl's thread-pool hook gives each submitted call its submitter's
+    context) keeps its own: the handoff holds one offer per agent, the latest, and an agent object shared by
+    concurrent rollouts (a module-level assistant, each rollout's ``a_initiate_chat`` a task) would send one
+    rollout's call into another's. The handoff serves workers that came without a context."""
     context = None
     with guard("ag2.context_handoff"):
         agent = kwargs.get("agent")
-        context = _HANDOFF.context_for(agent) if agent is not None else None
+        if agent is not None and current_scope() is None:
+            context = _HANDOFF.context_for(agent)
     if context is None:
         return wrapped(*args, **kwargs)
     return context.run(wrapped, *args, **kwargs)

@@ -411,6 +411,34 @@ if CLASSIC:
             assert len(of_kind(spans, "llm")) == len(generation_requests(fake_openai)) == 2
             assert_calculator_tree(spans)
 
+        def test_concurrent_rollouts_sharing_one_agent_keep_their_own_calls(self, fake_openai, sink):
+            """A module-level assistant, each rollout's a_initiate_chat a task: once the loop's executor was
+            full, the context handoff (one offer per agent, the latest) sent calls into other rollouts."""
+            rollouts = [f"ro-shared-{i}" for i in range(12)]
+            fake_openai.script(*[FakeReply(content=f"reply {i}", delay=0.2) for i in range(len(rollouts))])
+            agl.uninstrument()
+            agl.instrument(frameworks=["ag2"])  # as users run it: the thread-pool hook too
+            try:
+                config = llm_config(fake_openai.base_url)
+                solver = ConversableAgent("solver", llm_config=config, human_input_mode="NEVER")
+
+                async def one(rollout_id: str) -> None:
+                    user = ConversableAgent(f"user-{rollout_id}", llm_config=False, human_input_mode="NEVER")
+                    with rollout_scope(rollout_id, "at-1"):
+                        await user.a_initiate_chat(solver, message=f"hello from {rollout_id}", max_turns=1, silent=True)
+
+                async def all_of_them() -> None:
+                    await asyncio.gather(*(one(r) for r in rollouts))
+
+                asyncio.run(all_of_them())
+            finally:
+                agl.uninstrument()
+            for rollout_id in rollouts:
+                spans = sink.of(rollout_id)
+                (llm,) = of_kind(spans, "llm")
+                assert json.loads(llm.attributes[semconv.INPUT_MESSAGES])[-1]["content"] == f"hello from {rollout_id}"
+                assert enclosing_agent(llm, spans) == "solver"
+
         def test_async_tool_in_a_sync_chat_stays_in_the_rollout(self, fake_openai, ag2_instrumentor, sink):
             """An async tool in a sync chat runs on a loop in a new thread (``_run_async_in_thread``)."""
 
