@@ -747,3 +747,21 @@ def test_a_reward_emitted_in_a_forked_worker_says_it_is_lost(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "worker returned 1.0" in done.stdout
     assert "agl.emit_reward was called in a process forked from the rollout's" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "result, stored",
+    [([1, 2, 3], "[1,2,3]"), ((0.5,), "[0.5]"), ([], "[]"), ([1, "x", 2], '[1,"x",2]'), ([True, 1], "[true,1]")],
+)
+def test_a_tool_result_that_is_a_list_is_stored_as_json_text_even_of_numbers(store, result, stored):
+    # semconv: results are strings and numbers as they are, anything else JSON. Lists of numbers used to stay
+    # lists (the token-id rule), and a mixed list with numbers at both ends got the whole span refused.
+    @agl.tool
+    def lookup(key):
+        return result
+
+    done = run_one(store, agl.rollout(lambda task: float(lookup(key=[7, 8]) == result)))
+    assert done.final_reward == 1.0
+    (tool,) = [s for s in store.query_spans(done.rollout_id) if s.kind == "tool"]
+    assert tool.attributes[semconv.TOOL_CALL_RESULT] == stored
+    assert json.loads(tool.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"key": [7, 8]}

@@ -50,6 +50,20 @@ def encode_attribute(value: Any) -> Any:
         return to_json(_dumped(value), fallback=_json_or_str).decode()
 
 
+def tool_value(value: Any) -> Any:
+    """A tool's arguments or result as the semantic conventions store them: strings, numbers and bools as they
+    are, anything else JSON text. Lists of numbers too: :func:`encode_attribute` keeps those as lists, which is
+    for token ids and logprobs, not for what a tool returned. One-shot iterables are marked, not iterated
+    (:func:`recordable`); other containers are encoded when the span ends, as every deferred value is."""
+    value = recordable(value)
+    if isinstance(value, (list, tuple)) and _is_number_list(value):
+        try:
+            return to_json(value, fallback=_json_or_str).decode()
+        except Exception:  # noqa: BLE001 - left to the writer, which records what went wrong on the span
+            return value
+    return value
+
+
 ITERATOR_MARK = "agl-iterator-not-recorded: "
 
 

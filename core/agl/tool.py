@@ -15,7 +15,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 
 from agl import semconv
-from agl.span_encoding import recordable
+from agl.span_encoding import recordable, tool_value
 from agl.tracer import get_tracer, record_exception
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -68,7 +68,7 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
             return tracer, span
 
         def result_of(tracer: Any, span: Any, result: Any) -> None:
-            tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: recordable(result)})
+            tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: tool_value(result)})
 
         if inspect.isasyncgenfunction(func):
             return async_generator_in_span(func, start, span_current, result_of)  # type: ignore[return-value]
@@ -83,7 +83,7 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
                 with tracer.span(span_name, "tool", attrs) as span:
                     tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: recordable(_arguments(func, skip, args, kwargs))})
                     result = await func(*args, **kwargs)
-                    tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: recordable(result)})
+                    tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: tool_value(result)})
                     return result
 
             return async_wrapper  # type: ignore[return-value]
@@ -94,7 +94,7 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
             with tracer.span(span_name, "tool", attrs) as span:
                 tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: recordable(_arguments(func, skip, args, kwargs))})
                 result = func(*args, **kwargs)
-                tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: recordable(result)})
+                tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: tool_value(result)})
                 return result
 
         return wrapper  # type: ignore[return-value]

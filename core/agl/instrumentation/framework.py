@@ -22,6 +22,7 @@ import wrapt
 from opentelemetry import trace as otel_trace
 
 from agl import semconv
+from agl.span_encoding import tool_value
 from agl.tracer import encode_attribute, get_tracer, record_exception
 
 
@@ -144,6 +145,7 @@ def start_tool_span(
     if arguments is not None:
         # A container is encoded now, not when the span ends: a tool that changes a nested argument in place
         # would otherwise change what is stored as the call's arguments (tools are few, the cost is small).
+        arguments = tool_value(arguments)
         if isinstance(arguments, (dict, list, tuple)):
             arguments = encode_attribute(arguments)
         tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: arguments})
@@ -178,7 +180,7 @@ def mark_as_agent(span: otel_trace.Span, name: str, framework: str) -> None:
 
 
 def set_tool_result(span: otel_trace.Span, result: Any) -> None:
-    get_tracer().set_deferred(span, {semconv.TOOL_CALL_RESULT: result})
+    get_tracer().set_deferred(span, {semconv.TOOL_CALL_RESULT: tool_value(result)})
 
 
 def finish_tool(
