@@ -216,3 +216,25 @@ def test_air_config_validation() -> None:
         AIRConfig(format="(")
     with pytest.raises(TypeError):
         AIRConfig.from_config(["tool_ok"])  # type: ignore[arg-type]
+
+
+def test_a_tool_call_run_more_than_once_counts_once_by_its_last_run() -> None:
+    """A retried tool (error, then success: the model saw the success) and a tools node replayed on resume
+    (the same call's tool run twice) each count once, as their last run; the same call id from another
+    calling call (a server that numbers calls per answer) is another call."""
+    b = TraceBuilder()
+    first = b.llm([1], [2], content=None, tool_calls=[
+        {"id": "call_0", "name": "fetch", "arguments": "{}"},
+        {"id": "call_1", "name": "add", "arguments": '{"a": 1}'},
+    ])
+    b.tool("fetch", call_id="call_0", error=True)  # a transient failure, retried
+    b.tool("fetch", call_id="call_0")
+    b.tool("add", call_id="call_1", error=True)
+    b.tool("add", call_id="call_1", error=True)  # replayed after an interrupt: the same failure, once
+    second = b.llm([1], [3], content=None, tool_calls=[{"id": "call_0", "name": "fetch", "arguments": "{}"}])
+    b.tool("fetch", call_id="call_0", error=True)
+    out = air_rewards(links_of(b.finish()), [first.span_id, second.span_id], AIRConfig(tool_ok=0.5))
+    assert out == {
+        first.span_id: pytest.approx({"air.tool_ok": 0.5, "air.tool_error": -0.1}),
+        second.span_id: {"air.tool_error": -0.1},
+    }

@@ -12,7 +12,10 @@ weights from :class:`AIRConfig`, recorded in ``Transition.step_rewards`` under t
   a failed tool span with no call id (``@agl.tool`` in plain Python; the Agents SDK with
   ``trace_include_sensitive_data=False``) takes an unparsed call of its own calling llm call with the same
   tool name, one to one in call order (each unparsed call excuses at most one failed tool span, so of two
-  failing ``add`` spans and one unparsed ``add`` call, one is still a ``tool_error``);
+  failing ``add`` spans and one unparsed ``add`` call, one is still a ``tool_error``). A tool call run
+  more than once (several tool spans with one ``gen_ai.tool.call.id`` from one calling call: a retry, e.g.
+  LangChain's ``ToolRetryMiddleware``, or LangGraph re-running a tools node when a graph resumes after an
+  interrupt) counts once, by its last run: what the model was told;
 - ``air.args_valid`` / ``air.args_invalid``: per tool call in the call's output message whose arguments
   do / do not parse as a JSON object;
 - ``air.format_ok`` / ``air.format_miss``: the call's text content does / does not match
@@ -89,12 +92,13 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
     # Tool calls whose arguments did not parse: some frameworks still run (and fail) the tool, others do not;
     # that failure is the same mistake, already counted once as air.args_invalid.
     unparsed = _UnparsedCalls(links, wanted)
+    last_runs = _last_runs(links)
     for span in links.ordered:
         if span.kind == "tool":
             if _inner_record_of_its_parent(links, span):
                 continue
             caller = links.caller_of_tool(span)
-            if caller in wanted:
+            if caller in wanted and span.span_id in last_runs:
                 if span.status == "error" and unparsed.excuse(span, caller):
                     continue
                 if span.status == "error":
@@ -149,6 +153,18 @@ class _UnparsedCalls:
                 del pending[index]
                 return True
         return False
+
+
+def _last_runs(links: CallLinks) -> Set[str]:
+    """The tool spans that count: of the runs of one tool call (one call id from one calling call), the last
+    in call order; every tool span without a call id."""
+    last: Dict[Any, str] = {}
+    for span in links.ordered:
+        if span.kind == "tool" and not _inner_record_of_its_parent(links, span):
+            call_id = span.attributes.get(semconv.TOOL_CALL_ID)
+            key = (links.caller_of_tool(span), call_id) if isinstance(call_id, str) and call_id else span.span_id
+            last[key] = span.span_id
+    return set(last.values())
 
 
 def _inner_record_of_its_parent(links: CallLinks, tool: Span) -> bool:

@@ -5,7 +5,9 @@ A reward or a tool execution is credited to *the call that caused it*, found fro
 
 **Tool span -> call.** (1) The call whose output message requested it: the tool span's
 ``gen_ai.tool.call.id`` is one of the tool call ids in the call's ``gen_ai.output.messages`` (frameworks
-that run the model's tool calls record the id: LangChain/LangGraph, the Agents SDK, AutoGen, AG2). (2)
+that run the model's tool calls record the id: LangChain/LangGraph, the Agents SDK, AutoGen, AG2); of
+several calls with that id (a server that numbers tool calls per answer, ``call_0``), the last one that
+started before the tool. (2)
 Without an id (``@agl.tool`` in a plain-Python agent): the last llm call *of the same agent* (nearest
 enclosing agent span) that started before the tool. With neither, the tool is unattributed.
 
@@ -67,7 +69,7 @@ class CallLinks:
                 last_call_of_agent[self._agent_of[span.span_id]] = span.span_id
             elif span.kind == "tool":
                 self._fallback_caller[span.span_id] = last_call_of_agent.get(self._agent_of[span.span_id])
-        self._call_of_tool_call_id: Optional[Dict[str, str]] = None
+        self._caller_by_call_id: Optional[Dict[str, str]] = None
         self._calls_of_operation: Optional[Dict[str, List[str]]] = None
 
     def _nearest_agents(self) -> Dict[str, Optional[str]]:
@@ -93,20 +95,29 @@ class CallLinks:
     # -- tools --------------------------------------------------------------------------------------------
     def caller_of_tool(self, tool: Span) -> Optional[str]:
         """The llm call that caused the tool span (by tool call id, else the agent's previous call)."""
-        call_id = tool.attributes.get(semconv.TOOL_CALL_ID)
-        if call_id:
-            if self._call_of_tool_call_id is None:
-                self._call_of_tool_call_id = {
-                    call["id"]: span.span_id
-                    for span in self.ordered
-                    if span.kind == "llm"
-                    for call in tool_calls_of(output_message(span))
-                    if isinstance(call.get("id"), str)
-                }
-            caller = self._call_of_tool_call_id.get(call_id)
+        if tool.attributes.get(semconv.TOOL_CALL_ID):
+            if self._caller_by_call_id is None:
+                self._caller_by_call_id = self._callers_by_call_id()
+            caller = self._caller_by_call_id.get(tool.span_id)
             if caller is not None:
                 return caller
         return self._fallback_caller.get(tool.span_id)
+
+    def _callers_by_call_id(self) -> Dict[str, str]:
+        """{tool span id: llm span id} for tool spans whose call id an llm call that started before them
+        requested (the latest such call, in call order)."""
+        latest: Dict[str, str] = {}  # tool call id -> llm span id
+        callers: Dict[str, str] = {}
+        for span in self.ordered:
+            if span.kind == "llm":
+                for call in tool_calls_of(output_message(span)):
+                    if isinstance(call.get("id"), str):
+                        latest[call["id"]] = span.span_id
+            elif span.kind == "tool":
+                call_id = span.attributes.get(semconv.TOOL_CALL_ID)
+                if isinstance(call_id, str) and call_id in latest:
+                    callers[span.span_id] = latest[call_id]
+        return callers
 
     # -- operations and step rewards ------------------------------------------------------------------------
     def calls_of_operation(self, operation_id: str) -> List[str]:
