@@ -21,7 +21,11 @@ Why it looks like this:
 - What the model was told decides a tool span's status, since AIR rewards the call that asked for the tool
   by it: a tool that handles its own failure still ends "successfully" with a ``ToolMessage`` whose status
   is ``error``; and ``ToolNode(handle_tool_errors=...)`` writes the error text only after the tool's run
-  failed, so that span waits for the end of the run it ran in, whose output holds the text.
+  failed, so that span waits for the end of the run it ran in, whose output holds the text. A call that a
+  node answers with an error without running any tool (an unknown tool name, a call middleware blocked) gets
+  an error tool span of its own when that node ends, since its output holds the answer.
+- Runs LangChain never ends: a model call whose task is cancelled (``asyncio.wait_for`` around ``ainvoke``)
+  gets no end event, so model and retriever runs leave the table with the run they ran in.
 - Not failures: LangGraph's control flow (``interrupt()``), and a caller that stops a run (breaks out of a
   graph stream, cancels its task): those spans end without error status.
 """
@@ -34,8 +38,8 @@ import functools
 import threading
 import time
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, TypeVar
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
@@ -53,10 +57,11 @@ from agl.instrumentation.framework import (
     start_tool_span,
 )
 from agl.instrumentation.safety import report_internal_error
-from agl.instrumentation.tool_failures import mark_tool_failed
+from agl.instrumentation.tool_failures import mark_tool_failed, record_failed_tool_call
 from agl.integrations.langchain._runs import (
     ParentInfo,
     SpanPlan,
+    is_node_run,
     parent_info,
     plan_chain_run,
     run_name,
@@ -78,6 +83,16 @@ _STOPPED_BY_CALLER = (GeneratorExit, asyncio.CancelledError)
 _leaf_run: ContextVar[Optional[Tuple[UUID, Optional[UUID]]]] = ContextVar("agl_langchain_leaf_run", default=None)
 
 
+@dataclass
+class _Node:
+    """A running LangGraph node, for the tool calls it answers without a tool run (see ``_record_unrun_calls``)."""
+
+    run_id: UUID
+    inputs: Any  # what the node was given: the model's tool calls it answers are in it
+    ran: Set[str] = field(default_factory=set)  # call ids (or tool names, when no id is known) a tool ran for
+    nested: bool = False  # other nodes ran inside it (a subgraph): they answered the calls, not this one
+
+
 @dataclass(frozen=True)
 class _Run:
     """One live LangChain run as agl tracks it."""
@@ -87,6 +102,7 @@ class _Run:
     info: ParentInfo  # what its child runs' naming decisions need
     name: str = ""  # the run's name, for a chain span that turns out to be an agent
     is_agent: bool = False
+    node: Optional[_Node] = None  # the node that runs started inside this one run in (none inside a tool run)
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         self._lock = threading.Lock()
         self._runs: Dict[UUID, _Run] = {}
         self._failed_tools: Dict[UUID, List[_FailedTool]] = {}  # by the run the tools ran in
+        self._pass_throughs: Dict[UUID, Set[UUID]] = {}  # model and retriever runs, by the run they ran in
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def disable(self) -> None:
@@ -134,6 +151,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         with self._lock:
             runs, self._runs = list(self._runs.values()), {}
             failed, self._failed_tools = [t for tools in self._failed_tools.values() for t in tools], {}
+            self._pass_throughs = {}
         for tool in failed:
             with contextlib.suppress(Exception):
                 tool.span.end(end_time=tool.end_time)
@@ -178,13 +196,24 @@ class AglCallbackHandler(BaseCallbackHandler):
         plan = plan_chain_run(name, serialized, tags, metadata, parent.info if parent else None)
         span = self._start_planned(plan, parent) if plan is not None else None
         info = parent_info(metadata, plan is not None and plan.named_agent)
-        self._put(run_id, span, parent, info, name, plan is not None and plan.kind == "agent")
+        node = parent.node if parent is not None else None
+        if is_node_run(name, tags or [], metadata, parent.info if parent else None):
+            if node is not None:
+                node.nested = True
+            node = _Node(run_id, inputs)
+        self._put(run_id, span, parent, info, name, plan is not None and plan.kind == "agent", node)
 
     @_callback
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
         run = self._end(run_id, outputs)
-        if run is not None and run.span is not None:
-            finish_span(run.span)
+        if run is None:
+            return
+        try:
+            if run.node is not None and run.node.run_id == run_id:
+                self._record_unrun_calls(run, run.node, outputs)
+        finally:  # the node's span ends even if agl's own code failed above
+            if run.span is not None:
+                finish_span(run.span)
 
     @_callback
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -227,10 +256,11 @@ class AglCallbackHandler(BaseCallbackHandler):
         parent = self._get(parent_run_id)
         name = str((serialized or {}).get("name") or kwargs.get("name") or "tool")
         arguments = dict(inputs) if inputs is not None else input_str  # a snapshot: encoded later
-        span = start_tool_span(
-            name, FRAMEWORK, arguments, call_id=kwargs.get("tool_call_id"), parent=_parent_of(parent)
-        )
-        self._put(run_id, span, parent, parent_info(metadata))
+        call_id = kwargs.get("tool_call_id")
+        span = start_tool_span(name, FRAMEWORK, arguments, call_id=call_id, parent=_parent_of(parent))
+        if parent is not None and parent.node is not None:  # a call the node does not answer unrun
+            parent.node.ran.add(call_id if isinstance(call_id, str) else name)
+        self._put(run_id, span, parent, parent_info(metadata))  # no node: runs inside a tool answer no call
 
     @_callback
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
@@ -287,6 +317,30 @@ class AglCallbackHandler(BaseCallbackHandler):
                 set_tool_result(tool.span, texts[tool.call_id])
             tool.span.end(end_time=tool.end_time)
 
+    def _record_unrun_calls(self, run: _Run, node: _Node, outputs: Any) -> None:
+        """An error tool span, under the node, for each call the node answered with an error without running a
+        tool: LangGraph's ``ToolNode`` for an unknown tool name ("Error: x is not a valid tool..."), middleware
+        such as ``ToolCallLimitMiddleware`` for a blocked call. No tool run means no callback, but the model
+        reads the error and AIR penalises the call by its tool span. A node that other nodes ran in (a
+        subgraph) answered nothing itself: its output repeats theirs.
+        """
+        if node.nested:
+            return
+        unrun = [m for m in _error_messages(outputs) if m.tool_call_id not in node.ran and m.name not in node.ran]
+        if not unrun:
+            return
+        seen = {message.tool_call_id for message in _tool_messages(node.inputs)}  # answered before this node
+        requested = {call.get("id"): call for call in _tool_calls(node.inputs)}
+        for message in unrun:
+            if message.tool_call_id in seen:
+                continue
+            call = requested.get(message.tool_call_id, {})
+            name = call.get("name") or message.name or "unknown"
+            text = message.content if isinstance(message.content, str) else str(message.content)
+            record_failed_tool_call(
+                name, FRAMEWORK, call.get("args"), text, call_id=message.tool_call_id, parent=run.anchor
+            )
+
     # -- model and retriever runs: no span (the OpenAI layer makes the llm span), but kept in the run table
     # so anything a custom model or retriever runs inside still finds its parent ------------------------------
     @_callback
@@ -338,6 +392,9 @@ class AglCallbackHandler(BaseCallbackHandler):
     def _pass_through(self, run_id: UUID, parent_run_id: Optional[UUID]) -> None:
         parent = self._get(parent_run_id)
         self._put(run_id, None, parent, replace(parent.info, named_agent=False) if parent else ParentInfo(None, False))
+        if parent is not None and parent_run_id is not None:
+            with self._lock:
+                self._pass_throughs.setdefault(parent_run_id, set()).add(run_id)
         _leaf_run.set((run_id, _config_run_id()))
 
     def _end_pass_through(self, run_id: UUID) -> None:
@@ -354,10 +411,11 @@ class AglCallbackHandler(BaseCallbackHandler):
         info: ParentInfo,
         name: str = "",
         is_agent: bool = False,
+        node: Optional[_Node] = None,
     ) -> None:
         anchor = span if span is not None else (parent.anchor if parent else None)
         with self._lock:
-            self._runs[run_id] = _Run(span, anchor, info, name, is_agent)
+            self._runs[run_id] = _Run(span, anchor, info, name, is_agent, node)
 
     def _get(self, run_id: Optional[UUID]) -> Optional[_Run]:
         if run_id is None:
@@ -369,7 +427,16 @@ class AglCallbackHandler(BaseCallbackHandler):
         """Take an ended run out of the table, after ending the failed tools that ran in it."""
         self._settle(run_id, outputs)
         with self._lock:
+            self._drop_pass_throughs(run_id)
             return self._runs.pop(run_id, None)
+
+    def _drop_pass_throughs(self, run_id: UUID) -> None:
+        """Take the model and retriever runs that ran in an ended run out of the table (lock held): any still
+        there never got an end event, which LangChain does not send when the task awaiting a model is
+        cancelled (``asyncio.wait_for`` around ``ainvoke``). They have no span to end."""
+        for child in self._pass_throughs.pop(run_id, ()):
+            self._runs.pop(child, None)
+            self._drop_pass_throughs(child)
 
 
 def _config_run_id() -> Optional[UUID]:
@@ -430,6 +497,20 @@ def _is_error_message(output: Any) -> bool:
 def _error_messages(outputs: Any) -> Iterator[Any]:
     """The error ``ToolMessage``s with a call id in a run's outputs."""
     return (message for message in _tool_messages(outputs) if _is_error_message(message))
+
+
+def _tool_calls(inputs: Any, depth: int = 3) -> Iterator[Dict[str, Any]]:
+    """The model's tool calls in a node's inputs: a state whose messages hold the model's ``AIMessage``, or
+    the calls themselves (``create_agent``'s tools node gets a list of them, ``ToolNode`` under
+    ``create_react_agent`` one inside a ``Send``'s ``{"tool_call": ...}``), looked for a few levels deep."""
+    calls = getattr(inputs, "tool_calls", None)
+    if isinstance(calls, list):  # an AIMessage
+        yield from (call for call in calls if isinstance(call, dict))
+    elif isinstance(inputs, dict) and inputs.get("type") == "tool_call":
+        yield inputs
+    elif depth > 0 and isinstance(inputs, (dict, list, tuple)):
+        for item in inputs.values() if isinstance(inputs, dict) else inputs:
+            yield from _tool_calls(item, depth - 1)
 
 
 def _tool_messages(outputs: Any, depth: int = 3) -> Iterator[Any]:

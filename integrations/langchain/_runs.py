@@ -74,7 +74,7 @@ def plan_chain_run(
     agent_name = metadata.get(_AGENT_NAME_KEY)
     if isinstance(agent_name, str) and agent_name and (parent is None or parent.agent_name != agent_name):
         return SpanPlan("agent", agent_name, named_agent=True)
-    if _is_node_run(name, tags, metadata, parent):
+    if is_node_run(name, tags, metadata, parent):
         # The model/tools nodes of a named create_agent agent are its steps, not agents of their own.
         return SpanPlan("chain" if parent is not None and parent.named_agent else "agent", name)
     if _class_name(serialized) == "AgentExecutor":
@@ -99,7 +99,9 @@ def run_name(name: Optional[str], serialized: Optional[Mapping[str, Any]], defau
     return default
 
 
-def _is_node_run(name: str, tags: List[str], metadata: Mapping[str, Any], parent: Optional[ParentInfo]) -> bool:
+def is_node_run(
+    name: str, tags: List[str], metadata: Optional[Mapping[str, Any]], parent: Optional[ParentInfo]
+) -> bool:
     """A LangGraph node's or functional-API task's own run, named after it (``langgraph_node``, which its
     child runs inherit too).
 
@@ -108,6 +110,7 @@ def _is_node_run(name: str, tags: List[str], metadata: Mapping[str, Any], parent
     own run is that a checkpoint namespace level begins there (its parent runs in the caller's namespace,
     its children in its own).
     """
+    metadata = metadata or {}
     if metadata.get(_NODE_KEY) != name:
         return False
     if any(tag.startswith(_NODE_TAG_PREFIX) for tag in tags):

@@ -10,7 +10,7 @@ import json
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, Dict, Iterator, List, Optional, Sequence
+from typing import Annotated, Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import openai
 import pytest
@@ -88,6 +88,14 @@ def model(base_url: str, **options: Any) -> ChatOpenAI:
         http_async_client=openai.DefaultAsyncHttpxClient(),
         **options,
     )
+
+
+def langchain_create_agent() -> Callable[..., Any]:
+    """``langchain.agents.create_agent`` (LangChain 1.x); skips the test where this LangChain has none."""
+    agents_module = pytest.importorskip("langchain.agents")
+    if not hasattr(agents_module, "create_agent"):
+        pytest.skip("langchain.agents.create_agent needs langchain>=1.0")
+    return agents_module.create_agent
 
 
 def run_dev(tmp_path: Any, fake_openai: FakeOpenAIServer, agent: Any, tasks: Sequence[Dict[str, Any]]) -> List[Any]:
@@ -352,6 +360,65 @@ def test_a_tool_that_handles_its_own_error_is_a_failed_tool(fake_openai, instrum
     assert air_per_call(spans) == [{"air.tool_error": -0.1}, {}]
 
 
+def _tool_call_limited(base_url: str) -> Any:
+    """A ``create_agent`` agent allowed one tool call per run; the calls past it are answered with an error."""
+    middleware = pytest.importorskip("langchain.agents.middleware")
+    limit = middleware.ToolCallLimitMiddleware(run_limit=1, exit_behavior="continue")
+    return langchain_create_agent()(model(base_url), [add], middleware=[limit])
+
+
+# the agent, the calls the model makes (the last is answered unrun), what the model is told, the node telling it
+UNRUN_TOOL_CALLS = {
+    "unknown_tool_in_create_react_agent": (
+        lambda base_url: create_react_agent(model(base_url), [add]),
+        [("add", {"a": 1, "b": 2}), ("multiply", {"a": 3, "b": 4})],
+        "Error: multiply is not a valid tool, try one of [add].",
+        "tools",
+    ),
+    "unknown_tool_in_create_agent": (
+        lambda base_url: langchain_create_agent()(model(base_url), [add]),
+        [("add", {"a": 1, "b": 2}), ("multiply", {"a": 3, "b": 4})],
+        "Error: multiply is not a valid tool, try one of [add].",
+        "tools",
+    ),
+    "call_over_the_tool_call_limit": (
+        _tool_call_limited,
+        [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})],
+        "Tool call limit exceeded. Do not make additional tool calls.",
+        "ToolCallLimitMiddleware.after_model",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNRUN_TOOL_CALLS))
+def test_a_call_answered_with_an_error_without_a_tool_run_is_a_failed_tool(fake_openai, instrumented, sink, case):
+    """LangGraph answers a call of an unknown tool, and middleware a call it blocks, with an error ToolMessage
+    and runs no tool, so LangChain reports no tool run. The call still gets an error tool span, under the node
+    that answered it, so AIR penalises it; the call whose tool ran keeps its one successful span."""
+    build, calls, told, node = UNRUN_TOOL_CALLS[case]
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": name, "arguments": arguments} for name, arguments in calls]),
+        FakeReply(content="done"),
+    )
+    with agl.rollout_scope(f"ro-unrun-{case}", "at-1"):
+        out = build(fake_openai.base_url).invoke({"messages": [HumanMessage("add")]})
+    assert (told, "error") in [(m.content, m.status) for m in out["messages"] if m.type == "tool"]
+    spans = sink.of(f"ro-unrun-{case}")
+    assert_one_tree(spans)
+    first = of_kind(spans, "llm")[0]
+    requested = [c["id"] for c in json.loads(first.attributes[semconv.OUTPUT_MESSAGES])[0]["tool_calls"]]
+    ran, unrun = sorted(of_kind(spans, "tool"), key=lambda s: s.status == "error")  # exactly one of each
+    assert (ran.status, ran.attributes[semconv.TOOL_CALL_RESULT]) == ("unset", "3.0")
+    assert ran.attributes[semconv.TOOL_CALL_ID] == requested[0]
+    assert unrun.status == "error" and unrun.attributes[semconv.ERROR_TYPE] == "_OTHER"
+    assert unrun.attributes[semconv.TOOL_NAME] == calls[1][0]
+    assert unrun.attributes[semconv.TOOL_CALL_ID] == requested[1]
+    assert json.loads(unrun.attributes[semconv.TOOL_CALL_ARGUMENTS]) == calls[1][1]
+    assert unrun.attributes[semconv.TOOL_CALL_RESULT] == told
+    assert agent_of(unrun, spans) == node
+    assert air_per_call(spans) == [{"air.tool_error": -0.1}, {}]
+
+
 @tool
 def graded_add(a: float, b: float) -> float:
     """Add two numbers (and grade the call)."""
@@ -492,14 +559,12 @@ def test_agl_operation_decorated_nodes_run_as_langgraph_nodes(fake_openai, instr
 
 # -- named agents: create_agent(name=...) (LangChain 1.x) and AgentExecutor (LangChain 0.3) ----------------------
 def test_named_create_agents_own_their_llm_calls(tmp_path, fake_openai, instrumented):
-    agents_module = pytest.importorskip("langchain.agents")
-    if not hasattr(agents_module, "create_agent"):
-        pytest.skip("langchain.agents.create_agent needs langchain>=1.0")
+    create_agent = langchain_create_agent()
 
     @agl.rollout
     def team(task, llm):
-        researcher = agents_module.create_agent(model(llm.get_base_url()), [add], name="researcher")
-        writer = agents_module.create_agent(model(llm.get_base_url()), [], name="writer")
+        researcher = create_agent(model(llm.get_base_url()), [add], name="researcher")
+        writer = create_agent(model(llm.get_base_url()), [], name="writer")
 
         def research(state: MessagesState) -> Dict[str, Any]:
             return {"messages": researcher.invoke({"messages": state["messages"]})["messages"][-1:]}
@@ -715,6 +780,24 @@ def test_a_caller_leaving_a_graph_stream_early_is_no_error(fake_openai, instrume
     assert node.attributes.get(semconv.SPAN_STOPPED) in (True, None)
     assert instrumented._handler is not None and instrumented._handler._runs == {}
     assert instrumented._handler._failed_tools == {}
+
+
+def test_model_calls_cancelled_by_a_timeout_leave_nothing_in_the_handlers_table(fake_openai, instrumented, sink):
+    """``asyncio.wait_for`` around ``ainvoke`` cancels the model call: LangChain then sends no end event for
+    the model's run (only the chains around it get one), and each timeout left that run in the table."""
+    fake_openai.script(*[FakeReply(content="too late", delay=1.0) for _ in range(3)])
+    agent = create_react_agent(model(fake_openai.base_url), [add])
+
+    async def time_out_three_times() -> None:
+        for _ in range(3):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(agent.ainvoke({"messages": [HumanMessage("go")]}), 0.2)
+
+    with agl.rollout_scope("ro-timeouts", "at-1"):
+        asyncio.run(time_out_three_times())
+    assert len(of_kind(sink.of("ro-timeouts"), "llm")) == 3
+    assert instrumented._handler is not None and instrumented._handler._runs == {}
+    assert instrumented._handler._pass_throughs == {}
 
 
 # -- concurrency: rollouts in threads and asyncio tasks, LangGraph's own thread pool ----------------------------
