@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     result = trainer.fit(math_agent, train, val_dataset=heldout)
     total = time.monotonic() - STARTED
     print(f"\nmain job: {total / 60:.1f} min wall time in all; results in {out}")
+    if result.steps == 0:
+        print(
+            "main job: no training step ran: the held-out evaluations took the whole budget (this machine is slower "
+            "or busier than the 20-70 s per evaluation the README measured). Rerun with more time (--minutes 20) "
+            "or a smaller evaluation (--heldout 20 --no-greedy-eval).", file=sys.stderr,
+        )
+        return 1
     if result.improvement is not None:
         print(
             f"held-out success: {result.before.success:.0%} before -> {result.after.success:.0%} after "

@@ -433,3 +433,19 @@ def test_a_resumed_run_with_span_retention_deletes_the_earlier_runs_spans_in_tur
     assert len(train) == 24
     spans = [len(resumed.store.query_spans(r.rollout_id)) for r in train]
     assert spans[:18] == [0] * 18 and all(n >= 2 for n in spans[18:]), "only the last step's spans are left"
+
+
+def test_a_budget_that_ends_before_the_first_step_says_so_and_does_not_evaluate_again(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The README's main job on a slow machine: the first evaluations used the budget up, no step ran, and the
+    run evaluated the same weights again as "after training" (+0.0 points), with one INFO line in train.log."""
+    algo = _algo(tmp_path, steps=3, time_budget_s=0.0, extra_evals={"greedy": {"temperature": 0.0}})
+    trainer = _trainer(tmp_path, algo)
+    result = trainer.fit(chat_agent, TASKS, val_dataset=VAL)
+    assert result.steps == 0 and result.before is not None and result.after is None and result.extra == {}
+    assert result.improvement is None
+    assert [(e["name"], e["step"]) for e in algo.state.evaluations] == [("val", 0), ("greedy", 0)]
+    assert len(trainer.store.query_rollouts(mode="val")) == 2 * len(VAL)  # each evaluation once
+    assert "no training step ran" in (tmp_path / "run" / "train.log").read_text()
+    assert "after training" not in capfd.readouterr().out

@@ -61,3 +61,15 @@ def test_main_job_runs_end_to_end_with_the_tiny_model(job: Any, tmp_path: Path) 
     log = (out / "train.log").read_text()
     assert "[val] held-out success" in log and "[greedy] held-out success" in log
     assert (out / "checkpoints" / "latest").read_text() == "step-000002"
+
+
+def test_main_job_that_cannot_train_in_its_budget_fails_and_says_what_to_do(
+    job: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a busy machine the first evaluations used up the 10 minutes: the job trained nothing, evaluated the
+    same weights again and exited 0 with "+0 points"."""
+    out = tmp_path / "job"
+    assert job.main(["--model", "tiny", "--minutes", "0.01", "--heldout", "2", "--no-greedy-eval", "--out", str(out)]) == 1
+    told = capsys.readouterr()
+    assert "no training step ran" in told.err and "--minutes" in told.err
+    assert "after training" not in told.out

@@ -54,6 +54,7 @@ class MetricsLog:
         self._log_handler = logging.FileHandler(self.log_path, encoding="utf-8")
         self._log_handler.setLevel(logging.WARNING)
         self._log_handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        self._console_handler = _console_warnings()
         logging.getLogger("agl").addHandler(self._log_handler)
         self._tb = _tensorboard_writer(self.directory / "tensorboard") if tensorboard else None
 
@@ -84,6 +85,8 @@ class MetricsLog:
     def close(self) -> None:
         logging.getLogger("agl").removeHandler(self._log_handler)
         self._log_handler.close()
+        if self._console_handler is not None:
+            logging.getLogger("agl").removeHandler(self._console_handler)
         if self._tb is not None:
             self._tb.close()
 
@@ -210,3 +213,17 @@ def ascii_curve(values: Sequence[float], *, width: int = 40, height: int = 8, la
         lines.append(f"{level / height:4.2f} |" + "".join("#" if v >= threshold else " " for v in cols))
     lines.append("     +" + "-" * len(cols))
     return (f"{label}\n" if label else "") + "\n".join(lines)
+
+
+def _console_warnings() -> Optional[logging.Handler]:
+    """A stderr handler for agl's warnings while the log file's handler is attached, unless the application
+    configured logging itself: Python prints a warning nobody handles to stderr (its last-resort handler),
+    but not once any handler exists, so the file's handler alone would hide every warning from the console."""
+    agl_logger = logging.getLogger("agl")
+    if agl_logger.hasHandlers():
+        return None
+    handler = logging.StreamHandler()  # sys.stderr, as the last-resort handler
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    agl_logger.addHandler(handler)
+    return handler

@@ -314,11 +314,12 @@ class TorchGRPO(Algorithm):
                 )
                 before = self._first_evaluations(val_tasks, metrics)
                 after = self._train(train_tasks, val_tasks, total_steps, adapter, metrics, started)
-                if val_tasks and (after is None or after.step != self.state.step):
-                    after = self._evaluate(val_tasks, metrics)
-                extra = {
-                    name: (before[name], self._evaluate(val_tasks, metrics, name)) for name in self.extra_evals
-                } if val_tasks else {}
+                extra: Dict[str, Tuple[Evaluation, Evaluation]] = {}
+                if self.state.step == 0:  # nothing trained: "after" would evaluate the same weights again
+                    after = None
+                elif val_tasks:
+                    after = self._final_evaluation(val_tasks, metrics, "val", after)
+                    extra = {name: (before[name], self._final_evaluation(val_tasks, metrics, name)) for name in self.extra_evals}
                 png = plot_reward_curve(self.state.rows, metrics.png_path, evaluations=self.state.evaluations)
             finally:
                 metrics.close()
@@ -468,6 +469,16 @@ class TorchGRPO(Algorithm):
             out[name] = Evaluation.from_row(saved[0]) if saved else self._evaluate(val_tasks, metrics, name)
         return out
 
+    def _final_evaluation(
+        self, val_tasks: List[Task], metrics: MetricsLog, name: str, latest: Optional[Evaluation] = None
+    ) -> Evaluation:
+        """The evaluation ``name`` of the current weights: one already made at this step (``latest``, or one a
+        resumed run finished with) is not run again."""
+        if latest is not None and latest.name == name and latest.step == self.state.step:
+            return latest
+        saved = [e for e in self.state.evaluations if e["step"] == self.state.step and e.get("name") == name]
+        return Evaluation.from_row(saved[-1]) if saved else self._evaluate(val_tasks, metrics, name)
+
     def _evaluate(self, val_tasks: List[Task], metrics: MetricsLog, name: str = "val") -> Evaluation:
         started = time.monotonic()
         overrides = self.val_sampling if name == "val" else self.extra_evals[name]
@@ -512,6 +523,8 @@ class TorchGRPO(Algorithm):
         while self.state.step < total_steps:
             if self.time_budget_s is not None and time.monotonic() - started + self._still_needed_s() > self.time_budget_s:
                 metrics.note(f"time budget of {self.time_budget_s:.0f} s reached after {self.state.step} steps")
+                if self.state.step == 0:
+                    self._say_nothing_trained(time.monotonic() - started)
                 break
             step_started = time.monotonic()
             tasks = self._next_tasks(train_tasks)
@@ -572,6 +585,17 @@ class TorchGRPO(Algorithm):
             self.state.step + 1, n_groups,
             "only the KL term updates the policy" if self.kl_coef > 0 else "no optimizer step",
             before + 1, seen or "none",
+        )
+
+    def _say_nothing_trained(self, elapsed_s: float) -> None:
+        """The budget ends before step 1 when the first evaluations take most of it (a slow or busy machine):
+        the run would otherwise end quietly, reporting the untrained policy twice as "before" and "after"."""
+        evaluations = sum(e["seconds"] for e in self.state.evaluations if e["step"] == 0)
+        logger.warning(
+            "no training step ran: the time budget of %.0f s would be used up before one step and the final "
+            "evaluations could finish (%.0f s gone; the first evaluations took %.0f s, and the final ones need as "
+            "long). Give the run more time, or evaluate on fewer tasks (or fewer evaluation settings).",
+            self.time_budget_s, elapsed_s, evaluations,
         )
 
     def _still_needed_s(self) -> float:
