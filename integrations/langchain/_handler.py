@@ -21,9 +21,10 @@ Why it looks like this:
 - What the model was told decides a tool span's status, since AIR rewards the call that asked for the tool
   by it: a tool that handles its own failure still ends "successfully" with a ``ToolMessage`` whose status
   is ``error``; and ``ToolNode(handle_tool_errors=...)`` writes the error text only after the tool's run
-  failed, so that span waits for the end of the run it ran in, whose output holds the text. A call that a
-  node answers with an error without running any tool (an unknown tool name, a call middleware blocked) gets
-  an error tool span of its own when that node ends, since its output holds the answer.
+  failed, so that span waits for the end of the run it ran in, whose output holds the text, and finds it
+  there by call id (older langchain-core sends tool events none: then the matching call in the node's
+  inputs). A call that a node answers with an error without running any tool (an unknown tool name, a call
+  middleware blocked) gets an error tool span of its own when that node ends, since its output holds it.
 - Runs LangChain never ends: a model call whose task is cancelled (``asyncio.wait_for`` around ``ainvoke``)
   gets no end event, so model and retriever runs leave the table with the run they ran in.
 - Not failures: LangGraph's control flow (``interrupt()``), and a caller that stops a run (breaks out of a
@@ -103,6 +104,7 @@ class _Run:
     name: str = ""  # the run's name, for a chain span that turns out to be an agent
     is_agent: bool = False
     node: Optional[_Node] = None  # the node that runs started inside this one run in (none inside a tool run)
+    call_id: Optional[str] = None  # a tool run's: the model's call it answers
 
 
 @dataclass(frozen=True)
@@ -256,11 +258,13 @@ class AglCallbackHandler(BaseCallbackHandler):
         parent = self._get(parent_run_id)
         name = str((serialized or {}).get("name") or kwargs.get("name") or "tool")
         arguments = dict(inputs) if inputs is not None else input_str  # a snapshot: encoded later
-        call_id = kwargs.get("tool_call_id")
+        given = kwargs.get("tool_call_id")
+        call_id = given if isinstance(given, str) else None
+        if parent is not None and parent.node is not None:
+            call_id = self._claim_call(parent.node, name, arguments, call_id)
         span = start_tool_span(name, FRAMEWORK, arguments, call_id=call_id, parent=_parent_of(parent))
-        if parent is not None and parent.node is not None:  # a call the node does not answer unrun
-            parent.node.ran.add(call_id if isinstance(call_id, str) else name)
-        self._put(run_id, span, parent, parent_info(metadata))  # no node: runs inside a tool answer no call
+        # no node: runs inside a tool answer no call
+        self._put(run_id, span, parent, parent_info(metadata), call_id=call_id)
 
     @_callback
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
@@ -286,8 +290,20 @@ class AglCallbackHandler(BaseCallbackHandler):
             finish_tool(run.span)
             return
         record_exception(run.span, failure)
-        if not self._await_error_text(run.span, kwargs.get("tool_call_id"), parent_run_id):
+        if not self._await_error_text(run.span, run.call_id or kwargs.get("tool_call_id"), parent_run_id):
             run.span.end()
+
+    def _claim_call(self, node: _Node, name: str, arguments: Any, call_id: Optional[str]) -> Optional[str]:
+        """The call id of a tool run starting in ``node``, noted there as a call the node does not answer
+        unrun. Older langchain-core (0.3.30 for one) gives tool events no call id (it is sent since
+        langchain-ai/langchain#34235), yet a failed tool's span needs it to find the error text the node
+        answers the call with (:meth:`_settle`): it is then the id of the call in the node's inputs that
+        asked for this tool with these arguments, and no other run claimed."""
+        with self._lock:  # ToolNode runs a message's tool calls in parallel threads
+            if call_id is None:
+                call_id = _match_call(node, name, arguments)
+            node.ran.add(call_id if call_id is not None else name)
+        return call_id
 
     def _await_error_text(self, span: otel_trace.Span, call_id: Any, parent_run_id: Optional[UUID]) -> bool:
         """Leave a failed tool's span to end with the run it ran in (:meth:`_settle`), whose outputs may hold
@@ -412,10 +428,11 @@ class AglCallbackHandler(BaseCallbackHandler):
         name: str = "",
         is_agent: bool = False,
         node: Optional[_Node] = None,
+        call_id: Optional[str] = None,
     ) -> None:
         anchor = span if span is not None else (parent.anchor if parent else None)
         with self._lock:
-            self._runs[run_id] = _Run(span, anchor, info, name, is_agent, node)
+            self._runs[run_id] = _Run(span, anchor, info, name, is_agent, node, call_id)
 
     def _get(self, run_id: Optional[UUID]) -> Optional[_Run]:
         if run_id is None:
@@ -511,6 +528,22 @@ def _tool_calls(inputs: Any, depth: int = 3) -> Iterator[Dict[str, Any]]:
     elif depth > 0 and isinstance(inputs, (dict, list, tuple)):
         for item in inputs.values() if isinstance(inputs, dict) else inputs:
             yield from _tool_calls(item, depth - 1)
+
+
+def _match_call(node: _Node, name: str, arguments: Any) -> Optional[str]:
+    """The id of the first call in ``node``'s inputs to tool ``name`` with ``arguments`` (a tool's own
+    arguments: ``ToolNode`` may add injected ones) that neither a message before the node answered nor
+    another tool run claimed; None when no call fits."""
+    taken = node.ran | {message.tool_call_id for message in _tool_messages(node.inputs)}
+    for call in _tool_calls(node.inputs):
+        call_id, args = call.get("id"), call.get("args")
+        if call.get("name") != name or not isinstance(call_id, str) or call_id in taken:
+            continue
+        if not (isinstance(args, dict) and isinstance(arguments, dict)) or all(
+            key in arguments and arguments[key] == value for key, value in args.items()
+        ):
+            return call_id
+    return None
 
 
 def _tool_messages(outputs: Any, depth: int = 3) -> Iterator[Any]:

@@ -296,6 +296,35 @@ def test_tool_error_marks_the_tool_span_with_the_text_the_model_was_given(tmp_pa
     assert tool_span.end_time <= second.start_time  # ended when the tool failed, not when its node did
 
 
+def test_failed_tool_calls_each_get_the_text_their_own_call_was_answered_with(tmp_path, fake_openai, instrumented):
+    """langchain-core 0.3 gives tool events no call id: each failed run still finds its own call (same tool,
+    parallel calls, and a call repeated in a later turn) and the error text the model was told for it."""
+
+    @tool
+    def check(n: int) -> str:
+        """Check a number."""
+        raise ValueError(f"no {n}")
+
+    one, two = ({"name": "check", "arguments": {"n": n}} for n in (1, 2))
+    fake_openai.script(FakeReply(tool_calls=[one, two]), FakeReply(tool_calls=[one]))
+
+    @agl.rollout
+    def checker(task, llm):
+        tools = ToolNode([check], handle_tool_errors=True)
+        create_react_agent(model(llm.get_base_url()), tools).invoke({"messages": [HumanMessage(task["question"])]})
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, checker, [{"question": "Check 1 and 2."}])
+    assert row.status == "succeeded", row.error
+    tool_spans = of_kind(spans, "tool")
+    assert [json.loads(s.attributes[semconv.TOOL_CALL_ARGUMENTS])["n"] for s in tool_spans] in ([1, 2, 1], [2, 1, 1])
+    for tool_span in tool_spans:
+        n = json.loads(tool_span.attributes[semconv.TOOL_CALL_ARGUMENTS])["n"]
+        assert tool_span.status == "error"
+        told = f"Error: ValueError('no {n}')\n Please fix your mistakes."
+        assert tool_span.attributes[semconv.TOOL_CALL_RESULT] == told
+    assert len({s.attributes[semconv.TOOL_CALL_ID] for s in tool_spans}) == 3
+
+
 def test_a_tool_returning_a_command_records_the_message_the_model_reads(tmp_path, fake_openai, instrumented):
     """A tool that returns ``Command(update=...)`` (to change graph state) was recorded as the Command's
     JSON dump; the model reads the ToolMessage inside it."""
