@@ -2,7 +2,7 @@
 
 - AG2 1.x (``import ag2``: ``Agent``, ``await agent.ask(...)``): agl adds its own middleware to every
   turn (see :mod:`._middleware`): an ``agent`` span per turn named ``Agent(name)``, a ``tool`` span per
-  tool run.
+  tool run, and a failed ``tool`` span per call of a tool the agent lacks (answered with no middleware).
 - AG2 classic, 0.9 to 0.14 (``import autogen``: ``ConversableAgent``, ``initiate_chat``): wrapt wrappers
   on ``ConversableAgent`` (see :mod:`._wrappers`): an ``agent`` span per reply named ``agent.name``, a
   ``tool`` span per function executed, a ``chain`` span per ``initiate_chat``.

@@ -31,6 +31,9 @@ from agl.context import rollout_scope  # noqa: E402
 from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
 from agl.instrumentation.safety import internal_error_count  # noqa: E402
 from agl.integrations.ag2 import AG2Instrumentor  # noqa: E402
+from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
+from agl.lightningrl.links import CallLinks  # noqa: E402
+from agl.lightningrl.tree import build_tree  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
 from agl.testing import FakeReply, assert_tool_reward_credited  # noqa: E402
 from agl.types import Span  # noqa: E402
@@ -98,6 +101,18 @@ def assert_llm_spans_match_requests(spans: List[Span], requests: List[Dict[str, 
         assert span.attributes[semconv.PROMPT_TOKEN_IDS] and span.attributes[semconv.RESPONSE_TOKEN_IDS]
 
 
+def tool_messages(request: Dict[str, Any]) -> Dict[str, str]:
+    """call id -> the tool result a chat.completions request sent the model."""
+    return {m["tool_call_id"]: m["content"] for m in request["body"]["messages"] if m["role"] == "tool"}
+
+
+def air_per_call(spans: List[Span]) -> List[Dict[str, float]]:
+    """AIR's rewards (default weights) for each llm span, in order: what LightningRL would add to each call."""
+    calls = [s.span_id for s in of_kind(spans, "llm")]
+    rewards = air_rewards(CallLinks(build_tree(spans)), calls, AIRConfig())
+    return [rewards.get(call, {}) for call in calls]
+
+
 def counts(spans: List[Span]) -> Dict[str, int]:
     result: Dict[str, int] = {}
     for span in spans:
@@ -160,7 +175,7 @@ def four_questions() -> Dict[str, str]:
 # AG2 1.x: Agent, OpenAIConfig / OpenAIResponsesConfig, await agent.ask(...)
 # ==========================================================================================================
 if not CLASSIC:
-    from ag2 import Agent
+    from ag2 import Agent, TaskConfig
     from ag2.config.openai import OpenAIConfig, OpenAIResponsesConfig
     from ag2.middleware import BaseMiddleware
 
@@ -266,6 +281,84 @@ if not CLASSIC:
             assert len(boss_tool) == 2 and "add" not in boss_tool[0]
             delegation, add_tool = of_kind(spans, "tool")
             assert enclosing_agent(delegation, spans) == "boss" and enclosing_agent(add_tool, spans) == "adder"
+            assert delegation.status != "error"  # the sub-agent's turn succeeded
+
+        def test_a_call_of_a_tool_the_agent_lacks_is_an_error_tool_span_that_air_penalises(
+            self, fake_openai, ag2_instrumentor, sink
+        ):
+            """AG2 answers a call of a tool the agent lacks with ``ToolNotFoundError`` from a stream subscriber
+            that runs no middleware. The call still gets a failed tool span (as in agl's other adapters), so AIR
+            gives its llm call air.tool_error; the tool that did run in the same response keeps its one span."""
+            fake_openai.script(
+                FakeReply(
+                    tool_calls=[
+                        {"name": "multiply", "arguments": {"a": 2, "b": 3}},
+                        {"name": "add", "arguments": {"a": 2, "b": 3}},
+                    ]
+                ),
+                FakeReply(content="5"),
+            )
+            agent = Agent("calculator", config=make_config(fake_openai.base_url), tools=[add])
+            with rollout_scope("ro-ag2-unknown", "at-1"):
+                asyncio.run(agent.ask(QUESTION))
+            spans = sink.of("ro-ag2-unknown")
+            told = tool_messages(generation_requests(fake_openai)[1])  # what AG2 told the model, per call id
+            (missing,) = [s for s in of_kind(spans, "tool") if s.attributes[semconv.TOOL_NAME] == "multiply"]
+            (ran,) = [s for s in of_kind(spans, "tool") if s.attributes[semconv.TOOL_NAME] == "add"]
+            assert missing.name == "execute_tool multiply"
+            assert json.loads(missing.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 2, "b": 3}
+            assert missing.status == "error" and missing.attributes[semconv.ERROR_TYPE] == "_OTHER"
+            message = told[missing.attributes[semconv.TOOL_CALL_ID]]
+            assert "ToolNotFoundError" in message
+            assert missing.error == missing.attributes[semconv.TOOL_CALL_RESULT] == message
+            assert enclosing_agent(missing, spans) == "calculator"
+            assert ran.status != "error" and told[ran.attributes[semconv.TOOL_CALL_ID]] == "5.0"
+            assert air_per_call(spans)[0]["air.tool_error"] == AIRConfig().tool_error
+
+        @pytest.mark.parametrize("delegation", ["as_tool", "subtask"])
+        def test_a_failed_sub_agent_fails_its_delegation_tool_span(
+            self, delegation, fake_openai, ag2_instrumentor, sink
+        ):
+            """A delegation whose sub-agent fails returns AG2's failure text ("Sub-task 'adder' failed: ..." /
+            "Error: ...") as a normal result; AG2 also reports it with ``TaskFailed``, so the delegating tool
+            span fails and AIR gives air.tool_error, not air.tool_ok. A tool still running beside it when AG2
+            reports the failure (on the stream the two share) stays a success."""
+
+            async def add_slowly(a: float, b: float) -> float:
+                """Add two numbers."""
+                await asyncio.sleep(0.5)  # still running when the sub-agent's failure is reported
+                return a + b
+
+            base_url = fake_openai.base_url
+            if delegation == "as_tool":
+                adder = Agent("adder", "Use the tools.", config=make_config(base_url), tools=[add])
+                tools: List[Any] = [add_slowly, adder.as_tool(description="Adds.")]
+                call = {"name": "task_adder", "arguments": {"objective": QUESTION}}
+                boss = Agent("boss", "Delegate.", config=make_config(base_url), tools=tools)
+            else:
+                call = {"name": "run_subtask", "arguments": {"task": QUESTION}}
+                boss = Agent("boss", "Delegate.", config=make_config(base_url), tools=[add_slowly], tasks=TaskConfig())
+            fake_openai.script(
+                FakeReply(tool_calls=[call, {"name": "add_slowly", "arguments": {"a": 2, "b": 3}}]),
+                FakeReply(status_code=400, error_message="bad"),  # the sub-agent's only model call
+                FakeReply(content="gave up"),
+            )
+            with rollout_scope("ro-ag2-subfail", "at-1"):
+                asyncio.run(boss.ask(QUESTION))
+            spans = sink.of("ro-ag2-subfail")
+            told = tool_messages(generation_requests(fake_openai)[2])
+            (failed,) = [s for s in of_kind(spans, "tool") if s.attributes[semconv.TOOL_NAME] == call["name"]]
+            (ran,) = [s for s in of_kind(spans, "tool") if s.attributes[semconv.TOOL_NAME] == "add_slowly"]
+            message = told[failed.attributes[semconv.TOOL_CALL_ID]]
+            assert "Error code: 400" in message
+            assert failed.status == "error" and failed.attributes[semconv.ERROR_TYPE] == "_OTHER"
+            assert failed.error == failed.attributes[semconv.TOOL_CALL_RESULT] == message
+            assert ran.status != "error" and enclosing_agent(ran, spans) == "boss"
+            sub_agent = next(s for s in of_kind(spans, "agent") if s.parent_id == failed.span_id)
+            assert sub_agent.status == "error"
+            boss_first_call = select_llm_calls(spans, "^boss$")[0].span_id
+            boss_rewards = air_per_call(spans)[[s.span_id for s in of_kind(spans, "llm")].index(boss_first_call)]
+            assert boss_rewards["air.tool_error"] == AIRConfig().tool_error
 
         def test_concurrent_rollouts_in_threads_and_tasks_stay_apart(self, fake_openai, ag2_instrumentor, sink):
             questions = four_questions()
@@ -292,16 +385,21 @@ if not CLASSIC:
                     seen.append("turn")
                     return await call_next(event, context)
 
+            from ag2.tools import executor
+
             ag2_instrumentor.uninstrument()
             original = Agent.__dict__["_turn_scope"]
+            original_execute_call = executor._execute_call
             assert ag2_instrumentor.instrument()
             assert Agent.__dict__["_turn_scope"] is not original
+            assert executor._execute_call is not original_execute_call
             agent = Agent(
                 "calculator", config=make_config(fake_openai.base_url), tools=[add], middleware=[UserMiddleware]
             )
             before = list(agent._middleware)
             ag2_instrumentor.uninstrument()
             assert Agent.__dict__["_turn_scope"] is original
+            assert executor._execute_call is original_execute_call
             with rollout_scope("ro-ag2-off", "at-1"):
                 assert "5" in (asyncio.run(agent.ask(QUESTION)).body or "")
             assert seen == ["turn"]
