@@ -167,6 +167,27 @@ def test_top_p_renormalizes_over_the_nucleus(client, tiny):
     assert all(s >= p + 0.69 for s, p in zip(served, plain))  # log(1/0.5) = 0.693
 
 
+def test_a_minuscule_temperature_or_top_p_is_answered_and_its_batch_neighbours_too(greedy, client, server, tiny):
+    """temperature 1e-40 overflowed ``logits / temperature`` to NaN, and top_p 1e-300 (0 in float32) kept no
+    token: the decode step raised and failed every request generating alongside with a 500. A temperature
+    that small samples greedily now, and the most likely token is always in the nucleus."""
+    model, tokenizer = tiny
+    expected = greedy(model, template_ids(tokenizer, MESSAGES), 6)
+    settings = [
+        {"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300}
+    ]
+
+    def ask(setting: Dict[str, float]) -> Any:
+        return client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=6, seed=1, **setting)
+
+    with ThreadPoolExecutor(len(settings) + 1) as pool:
+        neighbour = pool.submit(ask, {"temperature": 1.0})
+        answers = list(pool.map(ask, settings))
+    assert extra(neighbour.result().choices[0], "token_ids")
+    assert [extra(a.choices[0], "token_ids") for a in answers[:2]] == [expected, expected]  # greedy
+    assert all(len(extra(a.choices[0], "token_ids")) == 6 for a in answers)
+
+
 def test_stream_carries_the_same_ids_content_and_version_as_the_plain_answer(client, tiny):
     _, tokenizer = tiny
     plain = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=16, temperature=0)
@@ -286,6 +307,54 @@ def test_stop_string_cuts_content_but_keeps_the_sampled_ids(tool_client, tool_se
     choice = completion.choices[0]
     assert choice.message.content == "Let me " and choice.finish_reason == "stop" and not choice.message.tool_calls
     assert "add." in tokenizer.decode(extra(choice, "token_ids"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_does_not_cut_a_tool_call(tool_client, tool_server, stream):
+    """A stop string that occurs in the call markup ("}") cut the call, and its ``<tool_call>`` markup came
+    back as content with finish_reason "stop". Stop strings apply outside calls only, as OpenAI's stop does
+    not cut function arguments."""
+    args = {"model": "policy", "messages": MESSAGES, "tools": [ADD_TOOL], "temperature": 0, "max_tokens": 80,
+            "stop": ["}"]}
+    if stream:
+        with tool_client.chat.completions.stream(**args) as events:
+            completion = events.get_final_completion()
+    else:
+        completion = tool_client.chat.completions.create(**args)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("add", {"a": 2, "b": 3})
+    ]
+
+
+def test_parallel_tool_calls_false_returns_the_first_call_only():
+    """With ``tool_choice`` "auto" no grammar limits the calls, so an answer with two came back as two
+    although the client sent ``parallel_tool_calls: false`` (OpenAI: at most one). The first is kept."""
+    model, tokenizer = load_policy("tiny", seed=1, device="cpu")
+    two = TOOL_ANSWER + '\n<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call>'
+    teach(model, prompt_ids(tokenizer, MESSAGES, [ADD_TOOL]), encode(tokenizer, two) + [tokenizer.eos_token_id])
+    with PolicyServer(model, tokenizer) as server, openai.OpenAI(
+        base_url=server.base_url, api_key="x", max_retries=0
+    ) as client:
+        args = {"model": "policy", "messages": MESSAGES, "tools": [ADD_TOOL], "temperature": 0, "max_tokens": 80}
+
+        def calls(stream: bool, **more: Any) -> List[Tuple[str, Dict[str, Any]]]:
+            if stream:
+                with client.chat.completions.stream(**args, **more) as events:
+                    message = events.get_final_completion().choices[0].message
+            else:
+                message = client.chat.completions.create(**args, **more).choices[0].message
+            assert message.content == "Let me add."
+            return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+        for stream in (False, True):
+            assert calls(stream) == [("add", {"a": 2, "b": 3}), ("add", {"a": 4, "b": 5})]
+            assert calls(stream, parallel_tool_calls=False) == [("add", {"a": 2, "b": 3})]
+
+
+def encode(tokenizer: Any, text: str) -> List[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # --- batching, pausing, versions ---------------------------------------------------------------------------
@@ -629,6 +698,64 @@ def test_a_json_schema_answer_always_parses_and_matches_the_schema(client, serve
     verdict(greedy_answer.choices[0].message.content)
 
 
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_logprob_bytes_of_a_character_split_across_tokens_rebuild_the_text(client, tiny, api):
+    """🙂 is two tokens, neither a whole character: each one's ``bytes`` held U+FFFD's (its decoded text),
+    so joining them did not rebuild the answer, the field's purpose."""
+    _, tokenizer = tiny
+    assert len(tokenizer("🙂", add_special_tokens=False)["input_ids"]) == 2
+    schema = {"type": "string", "enum": ["🙂"]}
+    if api == "chat":
+        choice = client.chat.completions.create(
+            model="policy", messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "e", "schema": schema}},
+        ).choices[0]
+        text, entries = choice.message.content, choice.logprobs.content
+    else:
+        response = client.responses.create(**responses_args(
+            max_output_tokens=10, temperature=0, include=["message.output_text.logprobs"],
+            text={"format": {"type": "json_schema", "name": "e", "schema": schema}},
+        ))
+        text, entries = response.output_text, response.output[0].content[0].logprobs
+    assert text == '"🙂"'
+    joined = bytes(b for entry in entries for b in entry.bytes).decode("utf-8")
+    assert joined.startswith(text) and "\ufffd" not in joined
+
+
+FROB_TOOL = {"type": "function", "function": {"name": "frob", "parameters": {"type": "frob"}}}
+
+
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"tool_choice": "required"}, "tools[1].function.parameters"),
+        ({"tool_choice": {"type": "function", "function": {"name": "frob"}}}, "tools[1].function.parameters"),
+        ({"response_format": {"type": "json_object"}}, "tools[1].function.parameters"),
+        (
+            {"tools": [ADD_TOOL], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+            "response_format",
+        ),
+    ],
+)
+def test_a_tool_whose_parameters_cannot_be_enforced_gets_a_400_naming_it(server, change, param):
+    """The tools' and the answer's schemas compile as one grammar, whose 400 named ``response_format`` even
+    for a client that sent none."""
+    body = {"model": "policy", "messages": MESSAGES, "tools": [ADD_TOOL, FROB_TOOL], **change}
+    answer = httpx.post(f"{server.base_url}/chat/completions", json=body)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == param
+    assert error["message"] == f"{param} cannot be enforced: failed to compile JSON schema: Invalid type: frob"
+
+
+def test_a_responses_tool_whose_parameters_cannot_be_enforced_gets_a_400_naming_it(client):
+    frob = {"type": "function", **FROB_TOOL["function"]}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(**responses_args(tools=[FLAT_ADD_TOOL, frob], tool_choice="required"))
+    assert raised.value.body["param"] == "tools[1].parameters"
+    assert raised.value.body["message"].startswith("tools[1].parameters cannot be enforced")
+
+
 def test_json_object_mode_answers_with_an_object(client):
     for seed in range(3):
         completion = client.chat.completions.create(
@@ -714,6 +841,22 @@ def test_tool_choice_required_or_named_forces_one_valid_call(client, tool_choice
     assert names  # some answers finished within max_tokens
     if isinstance(tool_choice, dict):
         assert names == {"vote"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_does_not_cut_a_forced_tool_call(client, stream):
+    """A forced call begins ``<tool_call>\n``: a "\n" stop cut it to the bare tag, returned as content."""
+    args = {"model": "policy", "messages": MESSAGES, "tools": [VOTE_TOOL], "max_tokens": 64, "seed": 0,
+            "tool_choice": {"type": "function", "function": {"name": "vote"}}, "stop": ["\n", "}"]}
+    if stream:
+        with client.chat.completions.stream(**args) as events:
+            completion = events.get_final_completion()
+    else:
+        completion = client.chat.completions.create(**args)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content  # (the stream helper's is "")
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "vote" and json.loads(call.function.arguments) in ({"choice": "a"}, {"choice": "b"})
 
 
 def test_streamed_structured_answers_assemble_to_valid_output(client):
@@ -887,3 +1030,27 @@ def test_request_defaults_fill_what_a_request_leaves_out(client, server):
     finally:
         server.request_defaults = {}
     assert client.chat.completions.create(model="policy", messages=messages, max_tokens=4).usage.completion_tokens <= 4
+
+
+def test_a_default_max_tokens_is_capped_by_the_context_like_the_servers_own(client, server, tiny):
+    """TorchGRPO sets its ``max_tokens`` in ``request_defaults``: it acted as if the agent had sent it, so a
+    conversation that fits the context but not prompt + that default got a 400 naming ``max_tokens``."""
+    _, tokenizer = tiny
+    context = server.engine.max_context
+    def asking(n: int) -> List[Dict[str, Any]]:
+        return [{"role": "user", "content": "hi " * n}]
+
+    size = next(n for n in range(context // 2, context) if len(prompt_ids(tokenizer, asking(n))) > context - 20)
+    messages = asking(size)
+    room = context - len(prompt_ids(tokenizer, messages))
+    server.request_defaults = {"max_tokens": 512, "temperature": 0.0}
+    try:
+        chat = client.chat.completions.create(model="policy", messages=messages)
+        assert chat.usage.completion_tokens <= room and chat.usage.prompt_tokens + room == context
+        completion = client.completions.create(model="policy", prompt=[1] * (context - 5))
+        assert completion.usage.completion_tokens <= 5
+        with pytest.raises(openai.BadRequestError, match="ask for at most"):  # what the client asks is kept
+            client.chat.completions.create(model="policy", messages=messages, max_tokens=512)
+    finally:
+        server.request_defaults = {}
+

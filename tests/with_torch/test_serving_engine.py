@@ -24,6 +24,7 @@ from agl.serving.engine import (
     _draw,
     _nucleus,
     _sorted_nucleus,
+    _stop_position,
 )
 from agl.serving.weights import WeightLoader, WeightsError
 
@@ -107,6 +108,68 @@ def test_cancelled_request_stops_early(engine, tiny):
     assert finished.wait(30)
     gen = box[-1]
     assert gen.finish_reason == "cancelled" and len(gen.response_ids) < 1000
+
+
+def test_a_request_whose_sampling_fails_fails_alone(tiny, monkeypatch):
+    """Only a GrammarError used to stay with its request: any other error in one row's sampling failed the
+    whole running batch, every neighbour with it."""
+    import agl.serving.engine as engine_module
+
+    model, tokenizer = tiny
+    engine = GenerationEngine(model, tokenizer, max_batch_size=4, batch_wait_s=0.2)  # both join one batch
+    original, draws = engine_module._draw, {"n": 0}
+
+    def failing_draw(logprobs: Any, generator: Any) -> int:  # only the sampled request draws; greedy does not
+        draws["n"] += 1
+        if draws["n"] == 3:
+            raise ValueError("cannot sample: the token distribution sums to nan")
+        return original(logprobs, generator)
+
+    monkeypatch.setattr(engine_module, "_draw", failing_draw)
+    prompt = encode(tokenizer, "hello")
+    results: List[Any] = [None, None]
+
+    def run(index: int, params: SamplingParams) -> None:
+        try:
+            results[index] = engine.generate(prompt, params, timeout=60)
+        except ValueError as exc:
+            results[index] = exc
+
+    threads = [
+        threading.Thread(target=run, args=(0, SamplingParams(max_tokens=10, temperature=1.0))),
+        threading.Thread(target=run, args=(1, SamplingParams(max_tokens=8, temperature=0))),
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        engine.close()
+    assert isinstance(results[0], ValueError) and "cannot sample" in str(results[0])
+    assert len(results[1].response_ids) == 8 and engine.stats.max_batch == 2
+
+
+def test_nan_logits_raise_a_clear_error_and_a_tiny_top_p_keeps_the_most_likely_token():
+    with pytest.raises(ValueError, match="cannot sample"):
+        _draw(torch.full((5,), float("nan")), torch.Generator())
+    logprobs = torch.log_softmax(torch.tensor([0.0, 3.0, 1.0]), dim=-1)
+    for nucleus in (_nucleus, _sorted_nucleus):
+        assert torch.equal(nucleus(logprobs, 1e-300), torch.tensor([float("-inf"), 0.0, float("-inf")]))
+
+
+@pytest.mark.parametrize(
+    "text, cut",
+    [
+        ('Hi}\n<tool_call>\n{"a": 1}', 2),  # before a call: stops
+        ('<tool_call>\n{"a": 1}', None),  # inside an unclosed call: not yet
+        ('<tool_call>\n{"a": 1}\n</tool_call>\nok}', 33),  # after a closed call: stops
+        ("Hi <tool", None),  # may still become the tag: waits for the next token
+        ("Hi <tooth}", 3),  # it did not: stops at its first match
+    ],
+)
+def test_stop_strings_do_not_apply_inside_tool_calls(text, cut):
+    assert _stop_position(text, ("}", "<", "\n"), ("<tool_call>", "</tool_call>")) == cut
 
 
 def test_close_fails_queued_requests_with_a_clear_error(tiny):

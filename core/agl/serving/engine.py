@@ -18,7 +18,9 @@ Sampling is per request: temperature, top-p, stop strings, seed (each request ha
 :mod:`agl.serving.structured`). **Logprobs** are those of the distribution each token was actually drawn
 from: ``log_softmax(logits / temperature)`` over the tokens the grammar allows, restricted to the top-p
 nucleus and renormalized. With ``temperature == 0`` (greedy) that distribution is a point mass, so the
-engine reports the model's own distribution, ``log_softmax(logits)``, like OpenAI and vLLM do.
+engine reports the model's own distribution, ``log_softmax(logits)``, like OpenAI and vLLM do; a temperature
+below ``GREEDY_BELOW`` is greedy too (dividing by it would overflow). A request whose sampling fails anyway
+(NaN logits) fails alone: its batch neighbours go on.
 
 The engine never changes weights. Whoever does (an in-process trainer, :meth:`PolicyServer.load_weights`)
 brackets the change with :meth:`GenerationEngine.paused`: waiting requests stay queued, the running batch
@@ -31,6 +33,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import math
 import random
 import threading
 import time
@@ -42,6 +45,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from agl.models import attention_kernels
+from agl.serving.chat_format import partial_suffix_start
 from agl.serving.structured import GrammarError, Grammars, TokenMask
 
 logger = logging.getLogger(__name__)
@@ -54,7 +58,8 @@ FINISH_CANCELLED = "cancelled"
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. ``temperature == 0`` is greedy; ``seed=None`` draws a random seed."""
+    """How to sample one request. ``temperature == 0`` (or below ``GREEDY_BELOW``) is greedy; ``seed=None``
+    draws a random seed."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -63,6 +68,9 @@ class SamplingParams:
     seed: Optional[int] = None
     top_logprobs: int = 0
     grammar: Optional[str] = None  # the answer must follow it (agl.serving.structured.response_grammar)
+    # (open, close) tags of blocks stop strings do not apply inside: tool calls, whose markup a stop such
+    # as "\n" or "}" would cut (OpenAI's stop does not cut function arguments either)
+    stop_free_blocks: Optional[Tuple[str, str]] = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -456,6 +464,10 @@ class _Batch:
                 logger.warning("failing a structured-output request: %s", exc)
                 _notify(row.request, Failed(exc))
                 continue
+            except Exception as exc:  # noqa: BLE001 - one request's sampling failing must not fail its neighbours
+                logger.exception("sampling failed; failing that one request")
+                _notify(row.request, Failed(exc))
+                continue
             row.tokens.append(token)
             engine.stats.generated_tokens += 1
             self._update_text(row)
@@ -493,7 +505,7 @@ class _Batch:
         ids = row.ids
         ended = ids[-1] in request.eos_ids
         row.text = self.engine.tokenizer.decode(ids[:-1] if ended else ids)
-        cut = _stop_position(row.text, request.params.stop)
+        cut = _stop_position(row.text, request.params.stop, request.params.stop_free_blocks)
         if cut is not None:
             row.text = row.text[:cut]
         if ended or cut is not None:
@@ -542,7 +554,7 @@ def _sample(logits: Any, row: _Row) -> Token:
     """Draw the row's next token; its logprob is under the distribution it was drawn from (module docs)."""
     params = row.request.params
     allowed = row.grammar.apply(logits) if row.grammar is not None else logits
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         logprobs = torch.log_softmax(logits, dim=-1)
         token_id = int(torch.argmax(allowed))
     else:
@@ -559,6 +571,11 @@ def _sample(logits: Any, row: _Row) -> Token:
     return Token(token_id, float(logprobs[token_id]), top)
 
 
+#: temperatures below this sample greedily. ``logits / temperature`` overflows float32 for a tiny temperature
+#: (1e-40: inf, then NaN), and long before that the tempered distribution is a point mass on the argmax.
+GREEDY_BELOW = 1e-5
+
+
 def _draw(logprobs: Any, generator: Any) -> int:
     """One token drawn from ``exp(logprobs)`` by inverting its cumulative distribution.
 
@@ -570,6 +587,9 @@ def _draw(logprobs: Any, generator: Any) -> int:
     """
     cumulative = torch.cumsum(logprobs.exp().double(), 0)
     total = cumulative[-1:]
+    mass = float(total)
+    if not math.isfinite(mass) or mass <= 0:  # NaN logits: no token can be drawn
+        raise ValueError(f"cannot sample: the token distribution sums to {mass} (NaN or zero logits)")
     u = torch.rand((1,), generator=generator, dtype=torch.float64, device=cumulative.device) * total
     index = int(torch.searchsorted(cumulative, u, right=True))
     if index >= cumulative.numel():  # u rounded up to the total: the last token with a share
@@ -595,6 +615,7 @@ def _nucleus(logprobs: Any, top_p: float) -> Any:
             before = shares.cumsum(-1) - shares  # mass of the more likely tokens
             if float(before[-1] + shares[-1]) >= top_p:
                 keep = before < top_p
+                keep[0] = True  # a top_p below float32's range (1e-300) rounds to 0 and would keep nothing
                 kept = torch.full_like(logprobs, float("-inf"))
                 kept[order[keep]] = top[keep]
                 return torch.log_softmax(kept, dim=-1)
@@ -605,7 +626,9 @@ def _sorted_nucleus(logprobs: Any, top_p: float) -> Any:
     """The nucleus by sorting the whole vocabulary: a token is dropped once the mass before it reached top_p."""
     ordered, order = torch.sort(logprobs, descending=True)
     shares = ordered.exp()
-    drop = torch.zeros_like(shares, dtype=torch.bool).scatter(0, order, shares.cumsum(-1) - shares >= top_p)
+    beyond = shares.cumsum(-1) - shares >= top_p
+    beyond[0] = False  # the most likely token stays, even for a top_p that rounds to 0 in float32
+    drop = torch.zeros_like(shares, dtype=torch.bool).scatter(0, order, beyond)
     return torch.log_softmax(logprobs.masked_fill(drop, float("-inf")), dim=-1)
 
 
@@ -613,9 +636,39 @@ def _sorted_nucleus(logprobs: Any, top_p: float) -> Any:
 _NUCLEUS_CANDIDATES = (256, 4096)
 
 
-def _stop_position(text: str, stops: Sequence[str]) -> Optional[int]:
-    positions = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(positions) if positions else None
+def _stop_position(text: str, stops: Sequence[str], free: Optional[Tuple[str, str]] = None) -> Optional[int]:
+    """Where the first stop string starts, ignoring matches that overlap a ``free`` block (see SamplingParams).
+
+    A match overlapping a tail that may still become an opening tag waits: the text is searched again
+    after every token, so it is cut there once the tail turns out to be no tag.
+    """
+    blocks = _blocks(text, free) if free else []
+    first: Optional[int] = None
+    for stop in filter(None, stops):
+        at = text.find(stop)
+        while at >= 0 and (first is None or at < first):
+            if not any(start < at + len(stop) and at < end for start, end in blocks):
+                first = at
+                break
+            at = text.find(stop, at + 1)
+    return first
+
+
+def _blocks(text: str, tags: Tuple[str, str]) -> List[Tuple[int, int]]:
+    """The ``[start, end)`` spans of the blocks ``tags`` open and close; an unclosed one or a trailing
+    partial opening tag runs to the end of the text."""
+    opening, closing = tags
+    spans: List[Tuple[int, int]] = []
+    at = text.find(opening)
+    while at >= 0:
+        close = text.find(closing, at + len(opening))
+        end = len(text) if close < 0 else close + len(closing)
+        spans.append((at, end))
+        at = text.find(opening, end)
+    tail = partial_suffix_start(text, (opening,))
+    if tail < len(text) and not (spans and spans[-1][1] == len(text)):
+        spans.append((tail, len(text)))
+    return spans
 
 
 # --- helpers -----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from agl.serving.chat_format import BadRequest, ParsedOutput, ToolCall
+from agl.serving.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, BadRequest, ParsedOutput, ToolCall
 from agl.serving.engine import Generation, SamplingParams, Token
 from agl.serving.responses_api import VERSION_FIELD, token_logprobs
 from agl.serving.structured import answer_schema, response_grammar
@@ -77,7 +77,14 @@ class ChatRequest:
             seed=self.seed,
             top_logprobs=self.top_logprobs if self.logprobs else 0,
             grammar=self._grammar(),
+            stop_free_blocks=(TOOL_CALL_OPEN, TOOL_CALL_CLOSE) if self.tools_offered else None,
         )
+
+    def grammar_tools(self) -> List[Tuple[int, Any]]:
+        """``(index in tools, tool)`` of the tools whose ``parameters`` the grammar holds."""
+        if not self.tools_offered or (self.tool_choice != "required" and self.answer_schema is None):
+            return []
+        return [(i, t) for i, t in enumerate(self.tools) if self.forced_tool in (None, _tool_name(t))]
 
     def _grammar(self) -> Optional[str]:
         """A named function means exactly one call, as with OpenAI: allowed more, a model that likes its

@@ -16,7 +16,9 @@ This module imports no torch: the input mapping also serves agl's fake OpenAI se
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Protocol, Sequence
@@ -52,7 +54,35 @@ def token_logprobs(tokenizer: Any, tokens: Sequence["Token"]) -> List[Dict[str, 
 
 def _logprob_entry(tokenizer: Any, token_id: int, logprob: float) -> Dict[str, Any]:
     text = tokenizer.decode([token_id])
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": logprob, "bytes": list(token_bytes(tokenizer, token_id, text))}
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """The token's own bytes, so that joining a response's ``bytes`` rebuilds its UTF-8 text (OpenAI's purpose
+    for the field). ``text`` (the token decoded alone) serves unless it holds U+FFFD: the token is part of a
+    multi-byte character, whose decoded text is the replacement character, not its bytes. Those come from
+    the vocabulary piece: byte-level BPE (GPT-2, SmolLM2, Qwen, Llama 3) spells each byte as one character,
+    SentencePiece writes a lone byte as ``<0xNN>``."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        decoder = _byte_decoder()
+        if piece and all(c in decoder for c in piece):
+            return bytes(decoder[c] for c in piece)
+    return text.encode("utf-8")  # no byte-level view of this vocabulary: what it decodes to
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> Dict[str, int]:
+    """GPT-2's byte-level alphabet, character to byte: printable bytes stand for themselves, the others
+    for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
 
 
 def message_text(content: Any) -> str:
@@ -220,7 +250,9 @@ def in_responses_terms(exc: BadRequest) -> BadRequest:
         param = "max_output_tokens"
     elif param == "response_format":
         param = "text.format"
+    param = param.replace(".function.parameters", ".parameters")  # Responses function tools are flat
     message = str(exc).replace("max_tokens", "max_output_tokens").replace("response_format", "text.format")
+    message = message.replace(".function.parameters", ".parameters")
     return BadRequest(message, param or None, exc.code)
 
 

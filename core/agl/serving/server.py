@@ -63,6 +63,7 @@ from agl.serving.openai_api import (
 )
 from agl.serving.responses_api import AnswerWriter, ResponsesWriter, in_responses_terms, to_chat_body
 from agl.serving.sampling import with_defaults
+from agl.serving.structured import response_grammar
 from agl.serving.weights import WeightLoader, WeightsSource
 
 logger = logging.getLogger(__name__)
@@ -190,20 +191,34 @@ class PolicyServer:
 
     def _prepare(self, body: Any) -> tuple[ChatRequest, List[int], SamplingParams]:
         """Check and render a chat request: ``(request, prompt ids, sampling params)``. Raises BadRequest."""
-        request = parse_request(self._with_defaults(body, ("temperature", "top_p", "max_tokens", "logprobs")))
+        request = parse_request(self._with_defaults(body, ("temperature", "top_p", "logprobs")))
         prompt = render_prompt(self.tokenizer, request.messages, request.tools if request.tools_offered else None)
         prompt_ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        max_tokens = self._max_tokens(prompt_ids, request.max_tokens, self.default_max_tokens, "messages")
+        default = self._default_max_tokens(self.default_max_tokens)
+        max_tokens = self._max_tokens(prompt_ids, request.max_tokens, default, "messages")
         params = request.sampling(max_tokens)
         if params.grammar is not None:
-            self.engine.grammars.check(params.grammar)
+            self._check_grammar(request, params.grammar)
         return request, prompt_ids, params
+
+    def _check_grammar(self, request: ChatRequest, grammar: str) -> None:
+        """A 400 when the grammar cannot be enforced, naming what the client sent that breaks it: the tools'
+        ``parameters`` and the answer's schema compile as one grammar, and a client that forced a tool call
+        with a bad ``parameters`` sent no ``response_format`` at all."""
+        grammars = self.engine.grammars
+        try:
+            grammars.check(grammar)
+        except BadRequest:
+            for index, tool in request.grammar_tools():
+                grammars.check(response_grammar(None, [tool], calls_only=True), f"tools[{index}].function.parameters")
+            raise
 
     def _prepare_completion(self, body: Any) -> tuple[CompletionRequest, List[int], SamplingParams]:
         """Check a ``/v1/completions`` request: ``(request, prompt ids, sampling params)``. Raises BadRequest."""
-        request = parse_completion_request(self._with_defaults(body, ("temperature", "top_p", "max_tokens")))
+        request = parse_completion_request(self._with_defaults(body, ("temperature", "top_p")))
         prompt_ids = prompt_token_ids(self.tokenizer, request.prompt, self._vocab_size)
-        max_tokens = self._max_tokens(prompt_ids, request.chat.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+        default = self._default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS)
+        max_tokens = self._max_tokens(prompt_ids, request.chat.max_tokens, default, "prompt")
         return request, prompt_ids, request.chat.sampling(max_tokens)
 
     def _with_defaults(self, body: Any, keys: Sequence[str]) -> Any:
@@ -212,6 +227,14 @@ class PolicyServer:
         if not self.request_defaults or not isinstance(body, dict):
             return body
         return with_defaults(body, self.request_defaults, keys)
+
+    def _default_max_tokens(self, fallback: int) -> int:
+        """The token limit of a request that sets none: :attr:`request_defaults`' ``max_tokens``, else
+        ``fallback``. A default, not a limit the client asked for: like the server's own, the context caps
+        it (a trainer's 512 must not turn a prompt that leaves room for 300 into a 400 naming a
+        ``max_tokens`` the agent never sent)."""
+        value = self.request_defaults.get("max_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else fallback
 
     def _max_tokens(self, prompt_ids: List[int], requested: Optional[int], default: int, prompt_param: str) -> int:
         """The answer's token limit: ``requested``, else ``default`` as far as the model's context leaves room.
@@ -282,10 +305,18 @@ class _Job:
     tools_offered: bool  # tool calls are parsed out of the answer
     streamable: Callable[[str], str]  # how much of the text so far a stream may send (see ``_stream``)
     writer: Callable[[int], AnswerWriter]  # the API's writer, given the version that answers
+    one_call: bool = False  # parallel_tool_calls: false
 
     def parse(self, gen: Generation) -> ParsedOutput:
-        """The answer's content and tool calls; a call that ``max_tokens`` cut short is dropped."""
-        return parse_output(gen.text, self.tools_offered, cut=gen.finish_reason == "length")
+        """The answer's content and tool calls; a call that ``max_tokens`` cut short is dropped.
+
+        ``one_call``: calls after the first are dropped. A grammar allows one call only where one is in
+        force; a free answer (``tool_choice`` "auto") may hold several, and OpenAI promises at most one.
+        """
+        parsed = parse_output(gen.text, self.tools_offered, cut=gen.finish_reason == "length")
+        if self.one_call and len(parsed.tool_calls) > 1:
+            return dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:1])
+        return parsed
 
 
 def _chat_job(server: PolicyServer, body: Any) -> _Job:
@@ -320,6 +351,7 @@ def _as_chat(
         tools_offered=request.tools_offered,
         streamable=lambda text: streamable_prefix(text, request.tools_offered, request.stop),
         writer=writer,
+        one_call=not request.parallel_tool_calls,
     )
 
 

@@ -19,7 +19,8 @@ The answer then always parses and matches the schema, unless it is cut at ``max_
   OpenAI (see ``openai_api.ChatRequest``). Where a grammar is in force, ``parallel_tool_calls: false``
   allows one call only. The answer may end after any whole call.
 - A schema llguidance cannot compile (an unknown ``type``, an unsupported keyword) is a 400 naming
-  ``response_format`` with llguidance's reason.
+  ``response_format`` with llguidance's reason, or the tool (``tools[i].function.parameters``) whose
+  ``parameters`` it is (``PolicyServer._check_grammar``).
 
 Logprobs follow the engine's rule (:mod:`agl.serving.engine`): those of the distribution the token was drawn
 from, here renormalized over the tokens the grammar allows; greedy requests report the model's own.
