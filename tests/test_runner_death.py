@@ -91,3 +91,58 @@ def test_the_attempt_of_a_runner_thread_that_dies_ends_at_once_and_is_retried(tm
         "this rollout"
     )
     store.close()
+
+
+@agl.rollout
+def crashes_on_poison(task: Dict[str, Any]) -> float:
+    """A native tool library that aborts on some inputs: the runner process dies on every attempt of those."""
+    if task["poison"]:
+        os._exit(3)
+    return 1.0
+
+
+def test_tasks_that_crash_their_runner_fail_alone_and_do_not_stop_the_pool(tmp_path: Path) -> None:
+    """Runners that died while running a rollout (after starting and claiming it) counted as start-up failures:
+    three poison tasks made the pool raise "runners keep dying right after they start", ending `agl runner`."""
+    store = SqliteLightningStore(tmp_path / "store.db")
+    config = RolloutConfig(max_attempts=2, heartbeat_timeout_seconds=300)
+    rollouts = store.enqueue_many(
+        [EnqueueRequest(input={"poison": i < 3}, config=config) for i in range(5)]
+    )
+    pool = RunnerPool(crashes_on_poison, store, n_runners=2, mode="process").start()
+    try:
+        deadline = time.monotonic() + 60
+        while any(store.get_rollout(r.rollout_id).status not in ("succeeded", "failed") for r in rollouts):
+            assert time.monotonic() < deadline, store.stats()
+            pool.check()
+            time.sleep(0.05)
+    finally:
+        pool.stop(timeout=2.0)
+    for rollout in rollouts:
+        attempts = store.query_attempts(rollout.rollout_id)
+        if rollout.input["poison"]:
+            assert store.get_rollout(rollout.rollout_id).status == "failed"
+            assert [a.error for a in attempts] == [
+                f"runner process agl-{a.runner_id} died (exit code 3) while running this rollout" for a in attempts
+            ]
+            assert len(attempts) == 2
+        else:
+            assert store.get_rollout(rollout.rollout_id).status == "succeeded"
+    assert pool.respawned == 6
+    store.close()
+
+
+def test_stopping_the_pool_ends_the_attempt_of_a_runner_that_died_unchecked(tmp_path: Path) -> None:
+    """A runner that died after the pool's last check (or one a raising check left behind) was skipped on stop:
+    its attempt stayed running until the heartbeat timeout, then failed as "presumed dead"."""
+    store = SqliteLightningStore(tmp_path / "store.db")
+    config = RolloutConfig(max_attempts=1, heartbeat_timeout_seconds=300)
+    (rollout,) = store.enqueue_many([EnqueueRequest(input={"poison": True}, config=config)])
+    pool = RunnerPool(crashes_on_poison, store, n_runners=1, mode="process").start()
+    pool._workers[0].join(30)  # it dies on its rollout; nobody calls check()
+    assert pool._workers[0].exitcode == 3
+    pool.stop(timeout=2.0)
+    (attempt,) = store.query_attempts(rollout.rollout_id)
+    assert attempt.status == "failed"
+    assert attempt.error == f"runner process agl-{attempt.runner_id} died (exit code 3) while running this rollout"
+    store.close()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import agl
 import pytest
+from agl.runner import Runner
 from agl.runner_pool import RunnerPool
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.types import RolloutConfig
@@ -294,4 +297,108 @@ def test_a_rollout_timeout_the_store_recorded_first_is_not_reported_again(
     runner_records = [r for r in caplog.records if r.name == "agl.runner"]
     assert not [r for r in runner_records if r.levelno >= logging.WARNING], [r.getMessage() for r in runner_records]
     assert any("timed out (the store had ended attempt" in r.getMessage() for r in runner_records)
+    store.close()
+
+
+def test_stop_does_not_wait_out_a_store_outage_to_record_a_killed_runners_attempt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM to a busy `agl runner` while its store server was down: the busy runner was killed after the stop
+    timeout, then ending its attempt rode out the outage (10 minutes for `agl runner`), so a process manager's
+    grace period, set a little above --stop-timeout, ran out first. Now stop waits a few seconds and says so."""
+    from agl.store.remote import RemoteLightningStore
+    from agl.store.server import ServerThread, create_app
+
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    server = ServerThread(create_app(backing, allow_anonymous=True)).start()
+    store = RemoteLightningStore(server.url)
+    store.ride_out_outages(30)  # as `agl runner` does (600 s there; 30 here keeps a regression from hanging CI)
+    (rollout,) = store.enqueue_many([EnqueueRequest(input={}, config=RolloutConfig(heartbeat_timeout_seconds=300))])
+    pool = RunnerPool(stuck, store, n_runners=1, mode="process").start()
+    try:
+        deadline = time.monotonic() + 30
+        while backing.get_rollout(rollout.rollout_id).status != "running":
+            assert time.monotonic() < deadline, "the runner never started its rollout"
+            time.sleep(0.05)
+        server.stop()  # the store server is gone while the runner is busy
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="agl.runner_pool"):
+            pool.stop(timeout=0.5, reason="the test stops it")
+        elapsed = time.monotonic() - started
+    finally:
+        store.close()
+    assert elapsed < 0.5 + 1.0 + 3.0 + 2.0, f"stop took {elapsed:.1f} s with the store server down"
+    (attempt,) = backing.query_attempts(rollout.rollout_id)
+    assert attempt.status == "running"  # the store's heartbeat timeout ends it
+    assert (
+        f"the store did not answer within 3 s, so attempt {attempt.attempt_id} is not recorded as failed (runner "
+        f"agl-{attempt.runner_id} was killed before this rollout ended: the test stops it); the store's heartbeat "
+        "timeout ends it"
+    ) in caplog.text
+    backing.close()
+
+
+class HeartbeatInFlightAtTheEnd(SqliteLightningStore):
+    """A real SQLite store whose heartbeat arrives only after the runner completed the attempt, as one does on
+    a busy SQLite file or a slow network: the store then answers it with StaleAttemptError."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.beating = threading.Event()
+        self.completed = threading.Event()
+
+    def heartbeat(self, rollout_id: str, attempt_id: str) -> Any:
+        self.beating.set()
+        assert self.completed.wait(30)
+        return super().heartbeat(rollout_id, attempt_id)
+
+    def complete_attempt(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().complete_attempt(*args, **kwargs)
+        finally:
+            self.completed.set()
+
+
+def test_a_heartbeat_in_flight_as_the_runner_completes_is_no_timeout_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The late beat's StaleAttemptError logged "attempt ... was ended by the store (timed out?)" for an
+    attempt that had succeeded, misleading anyone looking for real timeouts."""
+    store = HeartbeatInFlightAtTheEnd(tmp_path / "store.db")
+    (rollout,) = store.enqueue_many([EnqueueRequest(input={})])
+    runner = Runner(agl.rollout(lambda task: 1.0 if store.beating.wait(30) else 0.0), store, heartbeat_interval=0.01)
+    with caplog.at_level(logging.INFO, logger="agl.runner"):
+        runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+        beats = [t for t in threading.enumerate() if t.name == "agl-heartbeat"]
+        for beat in beats:
+            beat.join(30)  # the late beat was answered
+    assert beats and not any(beat.is_alive() for beat in beats)
+    assert [(a.status, a.error) for a in store.query_attempts(rollout.rollout_id)] == [("succeeded", None)]
+    assert "was ended by the store" not in caplog.text and "heartbeat" not in caplog.text
+    runner.close()
+    store.close()
+
+
+def test_a_heartbeat_timeout_not_longer_than_the_heartbeat_interval_is_refused_or_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trainer(heartbeat_timeout=3) with the runners' default 5 s heartbeat interval: every rollout longer than
+    3 s that emitted no span ended as "unresponsive ... presumed dead" from healthy runners, and nothing said
+    why. The Trainer knows both values and refuses; a runner (maybe on another machine than the trainer that
+    set the timeout) warns when it claims such a rollout."""
+    with pytest.raises(ValueError, match=r"heartbeat_timeout=3 s is not longer than heartbeat_interval=5 s \(how often"):
+        agl.Trainer(store=str(tmp_path / "a.db"), heartbeat_timeout=3.0)
+    agl.Trainer(store=str(tmp_path / "b.db"), heartbeat_timeout=3.0, heartbeat_interval=1.0).store.close()
+    agl.Trainer(store=str(tmp_path / "c.db"), heartbeat_timeout=3.0, n_runners=0).store.close()  # runners elsewhere
+    store = SqliteLightningStore(tmp_path / "store.db")
+    store.enqueue_many([EnqueueRequest(input={}, config=RolloutConfig(heartbeat_timeout_seconds=3.0))] * 2)
+    runner = Runner(agl.rollout(lambda task: 1.0), store, heartbeat_interval=5.0)
+    with caplog.at_level(logging.WARNING, logger="agl.runner"):
+        for _ in range(2):
+            runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+    assert caplog.text.count(
+        f"has a heartbeat timeout of 3 s, not longer than runner {runner.runner_id}'s heartbeat interval of 5 s: the "
+        "store will end its attempts as unresponsive while they run"
+    ) == 1, caplog.text
+    runner.close()
     store.close()

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from agl import semconv
 from agl.context import RolloutScope, enter_scope, exit_scope, running
@@ -163,6 +163,8 @@ class _Heartbeat:
             try:
                 store.heartbeat(rollout_id, attempt_id)
             except StaleAttemptError:  # the store ended the attempt; the result will be refused too (said then)
+                if self._stop.is_set():  # a beat in flight as the runner completed the attempt itself: no news
+                    return
                 logger.warning("attempt %s of %s %s", attempt_id, rollout_id, _how_it_ended(store, rollout_id, attempt_id))
                 return
             except Exception as exc:  # noqa: BLE001 - a flaky store must not kill the rollout
@@ -207,6 +209,7 @@ class Runner:
         self._closed = False
         self.abandoned: Optional[str] = None  # why the pool left this runner behind (see abandon)
         self._heartbeat: Optional[_Heartbeat] = None  # of the rollout running now
+        self._timeouts_warned: Set[float] = set()  # heartbeat timeouts too short for heartbeat_interval, said once
         self.agent_name = rollout_agent_name(agent)
         self._executor = _AgentThread()
         self._thread_state = threading.local()
@@ -227,6 +230,7 @@ class Runner:
             self._refuse(rollout)
             return rollout, []
         attempt_id = rollout.attempt.attempt_id
+        self._check_heartbeat_timeout(rollout)
         scope = RolloutScope(rollout.rollout_id, attempt_id, rollout.mode, self.request_token_ids)
         dropped_before = self.tracer.stats().dropped
         heartbeat = self._heartbeat = _Heartbeat(self.store, rollout.rollout_id, attempt_id, self.heartbeat_interval)
@@ -275,6 +279,21 @@ class Runner:
             else:
                 logger.warning("rollout %s: result not recorded: %s", rollout.rollout_id, exc)
             return self.store.get_rollout(rollout.rollout_id), []
+
+    def _check_heartbeat_timeout(self, rollout: Rollout) -> None:
+        """Warn (once per value) when the rollout's heartbeat timeout, set by whoever enqueued it (a trainer,
+        often on another machine), is not longer than this runner's heartbeat interval: the store would end
+        the attempts of this healthy runner as unresponsive, "presumed dead", pointing at the wrong cause."""
+        limit = rollout.config.heartbeat_timeout_seconds
+        if limit is None or limit > self.heartbeat_interval or limit in self._timeouts_warned:
+            return
+        self._timeouts_warned.add(limit)
+        logger.warning(
+            "rollout %s has a heartbeat timeout of %g s, not longer than runner %s's heartbeat interval of %g s: the "
+            "store will end its attempts as unresponsive while they run. Lower the runner's heartbeat interval "
+            "(agl runner --heartbeat-interval) or raise the trainer's heartbeat_timeout",
+            rollout.rollout_id, limit, self.runner_id, self.heartbeat_interval,
+        )
 
     def _ended_as(self, rollout_id: str, attempt_id: str) -> Optional[str]:
         """How the store ended an attempt (None: not found, or the store did not answer)."""

@@ -20,9 +20,9 @@ import sys
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
-from agl.errors import StaleAttemptError, StoreAuthError, StoreUnavailableError
+from agl.errors import StaleAttemptError, StoreAuthError, StoreClosedError, StoreUnavailableError
 from agl.instrumentation import instrumented
 from agl.litagent import LitAgent
 from agl.runner import Runner
@@ -39,6 +39,7 @@ _REFUSED_EXIT_CODE = 77  # a worker the store refused (its token): respawning ca
 _CURRENT_BYTES = 260  # "ROLLOUT_ID ATTEMPT_ID": two ids of at most 128 characters
 _CRASH_LOOP = 3  # workers that die this many times in a row soon after starting: give up
 _QUICK_DEATH_S = 5.0  # "soon": longer than the one-second interval at which agl runner checks its workers
+_RECORD_ON_STOP_S = 3.0  # how long a stopping pool waits for the store to record the attempts it ends
 
 
 PARENT_CHECK_S = 1.0  # how often a runner process checks that its pool process is alive
@@ -255,7 +256,13 @@ class RunnerPool:
         return thread
 
     def check(self) -> int:
-        """Replace workers that died (crashed, killed, or left after a stuck agent). Returns how many."""
+        """Replace workers that died (crashed, killed, or left after a stuck agent). Returns how many.
+
+        A worker that died while running a rollout (it had started and claimed work) is no start-up failure:
+        its attempt is ended as failed at once and a fresh worker starts. Only workers that die soon after
+        starting, before claiming anything, count towards the crash loop that makes the pool give up, so a
+        few tasks that crash their runner (a segfault in a tool library, an OOM kill) fail on their own,
+        per ``max_attempts``, without taking down every runner."""
         if self._stop.is_set():
             return 0
         replaced = 0
@@ -263,6 +270,11 @@ class RunnerPool:
             if worker.is_alive():
                 continue
             code = getattr(worker, "exitcode", None)
+            how = _death(code, self.mode)
+            mid_rollout = bool(self._current[i].value)
+            # first, whatever happens next: its rollout is retried now (while max_attempts allows), not after its
+            # heartbeat timeout, and its error says why rather than "presumed dead"
+            self._end_attempt_of(i, f"runner {self.mode} {worker.name} died ({how}) while running this rollout", dead=True)
             if code == _REFUSED_EXIT_CODE:  # an AglError: `agl runner` exits 2 with this message
                 raise StoreAuthError(
                     f"runner {worker.name} stopped: the store refused its token (revoked, or not the server's; the "
@@ -276,20 +288,18 @@ class RunnerPool:
                 )
             if code == _STUCK_EXIT_CODE:
                 logger.info("runner %s left after a stuck rollout; starting a fresh one", worker.name)
+            elif mid_rollout:  # it started and claimed work: its rollout killed it, not its start-up
+                logger.warning("runner %s died (%s) while running a rollout; starting a fresh one", worker.name, how)
+                self._quick_deaths = 0
             else:
-                how = _death(code, self.mode)
                 logger.warning("runner %s died (%s); starting a fresh one", worker.name, how)
-                # its rollout is retried now (while max_attempts allows), not after its heartbeat timeout, and its
-                # error says why rather than "presumed dead"
-                self._end_attempt_of(
-                    i, f"runner {self.mode} {worker.name} died ({how}) while running this rollout", dead=True
-                )
                 quick = time.monotonic() - self._started_at[i] < _QUICK_DEATH_S
                 self._quick_deaths = self._quick_deaths + 1 if quick else 0
                 if self._quick_deaths >= _CRASH_LOOP:
                     raise RuntimeError(
-                        f"runners keep dying right after they start ({self._quick_deaths} in a row, last exit code "
-                        f"{code}); the agent or store fails in the runner process: see the traceback above"
+                        f"runners keep dying right after they start, before running any rollout ({self._quick_deaths} "
+                        f"in a row, last exit code {code}); the agent or store fails in the runner process: see the "
+                        "traceback above"
                     )
             self.respawned += 1
             self._workers[i] = self._spawn(i)
@@ -315,36 +325,76 @@ class RunnerPool:
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
         why = reason or f"its pool stopped and gave busy runners {timeout:g} s"
+        ends: List[Tuple[int, str, bool]] = []  # (worker, error, dead) whose attempt is ended as failed
         for i, worker in enumerate(self._workers):
-            if not worker.is_alive():
-                continue
-            if self.mode == "process":
+            if not worker.is_alive():  # died before or while stopping (a check() that raised left it): end its attempt
+                how = _death(getattr(worker, "exitcode", None), self.mode)
+                ends.append((i, f"runner {self.mode} {worker.name} died ({how}) while running this rollout", True))
+            elif self.mode == "process":
                 logger.warning("runner %s did not stop within %s s; killing it", worker.name, timeout)
                 worker.kill()
                 worker.join(1.0)
-                self._end_attempt_of(i, f"runner {worker.name} was killed before this rollout ended: {why}")
+                ends.append((i, f"runner {worker.name} was killed before this rollout ended: {why}", False))
             else:
                 logger.warning("runner %s did not stop within %s s; leaving it behind", worker.name, timeout)
                 worker.runner.abandon(why)  # first: it must not report (or heartbeat) the attempt ended here
-                self._end_attempt_of(i, f"runner {worker.name} was stopped before this rollout ended: {why}")
+                ends.append((i, f"runner {worker.name} was stopped before this rollout ended: {why}", False))
+        self._end_attempts(ends, within=_RECORD_ON_STOP_S)
         for runner in self._runners:
             runner.close()
         self._workers.clear()
         self._current.clear()
 
-    def _end_attempt_of(self, index: int, error: str, *, dead: bool = False) -> None:
-        """End, as failed with ``error``, the attempt that worker ``index`` (killed, dead, or a thread left behind)
-        was running. An attempt the runner ended itself just before raises StaleAttemptError: nothing to do."""
+    def _end_attempts(self, ends: List[Tuple[int, str, bool]], *, within: float) -> None:
+        """``_end_attempt_of`` for each of ``ends``, together, waiting at most ``within`` seconds in all.
+
+        Stopping must stay bounded by its timeout (a process manager kills ``agl runner`` soon after
+        ``--stop-timeout``), but a store server that is down would keep each call retrying for the store's
+        outage timeout (10 minutes for ``agl runner``). What is not recorded by then is said in the log; the
+        store's heartbeat timeout ends that attempt later (its call goes on in a daemon thread meanwhile)."""
+        calls = []
+        for i, error, dead in ends:
+            ids = self._take_current(i)
+            if ids is not None:
+                call = threading.Thread(
+                    target=self._end_attempt, args=(*ids, error, dead), name="agl-end-attempt", daemon=True
+                )
+                calls.append((ids, error, call))
+                call.start()
+        deadline = time.monotonic() + within
+        for (rollout_id, attempt_id), error, call in calls:
+            call.join(max(0.0, deadline - time.monotonic()))
+            if call.is_alive():
+                logger.warning(
+                    "rollout %s: the store did not answer within %g s, so attempt %s is not recorded as failed (%s); "
+                    "the store's heartbeat timeout ends it", rollout_id, within, attempt_id, error,
+                )
+
+    def _take_current(self, index: int) -> Optional[Tuple[str, str]]:
+        """The (rollout id, attempt id) worker ``index`` works on, if any, forgotten by the pool from now on."""
         current = self._current[index] if index < len(self._current) else None
         if current is None or not current.value:
-            return
+            return None
         rollout_id, attempt_id = current.value.decode().split(" ")
         current.value = b""
+        return rollout_id, attempt_id
+
+    def _end_attempt_of(self, index: int, error: str, *, dead: bool = False) -> None:
+        """End, as failed with ``error``, the attempt that worker ``index`` (killed, dead, or a thread left behind)
+        was running."""
+        ids = self._take_current(index)
+        if ids is not None:
+            self._end_attempt(*ids, error, dead)
+
+    def _end_attempt(self, rollout_id: str, attempt_id: str, error: str, dead: bool) -> None:
+        """An attempt the runner ended itself just before raises StaleAttemptError: nothing to do."""
         try:
             self.store.complete_attempt(rollout_id, attempt_id, "failed", error=error)
             logger.warning("rollout %s: attempt %s ended as failed: %s", rollout_id, attempt_id, error)
         except StaleAttemptError:
             pass
+        except StoreClosedError:  # a stop that gave up on it (said then) and closed the store: nothing more to say
+            logger.debug("rollout %s: attempt %s not ended: the store was closed", rollout_id, attempt_id)
         except Exception as exc:  # noqa: BLE001 - the heartbeat timeout still ends it
             logger.warning(
                 "rollout %s: could not end attempt %s of a %s runner: %s",

@@ -83,6 +83,14 @@ class Trainer:
                 "agl.VERL(config) (VERL's GRPO on GPUs), agl.APO(...) (prompt optimization), or a subclass of "
                 "agl.Algorithm"
             )
+        if n_runners and heartbeat_timeout is not None and heartbeat_timeout <= heartbeat_interval:
+            # the first beat comes one interval after the rollout starts: every rollout longer than the timeout
+            # that emits no span would end as "unresponsive ... presumed dead", from runners that are fine
+            raise ValueError(
+                f"heartbeat_timeout={heartbeat_timeout:g} s is not longer than heartbeat_interval={heartbeat_interval:g} s "
+                "(how often the runners send a heartbeat), so the store would declare healthy runners dead: make "
+                "heartbeat_timeout several times heartbeat_interval (raise the one, or lower the other)"
+            )
         self.algorithm = algorithm
         self.n_runners = n_runners
         self.store = store if isinstance(store, LightningStore) else open_store(store)

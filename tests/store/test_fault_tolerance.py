@@ -434,7 +434,7 @@ def test_an_agent_error_larger_than_the_servers_body_limit_is_reported_cut(tmp_p
     server = ServerThread(create_app(backing, tokens=TokenSet({"t": TOKEN}), limits=limits)).start()
     try:
         trainer = agl.Trainer(store=RemoteLightningStore(server.url, token=TOKEN), runner_mode="thread", progress=False,
-                              heartbeat_timeout=5.0)
+                              heartbeat_timeout=15.0)
         (row,) = trainer.dev(parser, [{"doc": 1}], print_table=False)
     finally:
         server.stop()

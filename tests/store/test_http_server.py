@@ -144,6 +144,34 @@ def test_per_runner_tokens_from_a_file(tmp_path: Path) -> None:
         TokenSet.load(tokens_file=str(tmp_path / "bad.txt"))
 
 
+def test_a_token_from_a_secret_file_with_a_trailing_newline_works_on_both_sides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Kubernetes secret made with --from-file ends with a newline: the client failed with a raw traceback
+    ("HTTP header 'Authorization' has a name with ':'..."), and a server that kept the newline refused every
+    client, since no HTTP client can send one. Surrounding whitespace is stripped; what still cannot travel in
+    a header is refused, naming the characters and where the token came from."""
+    from agl.cli import main
+
+    monkeypatch.setenv("AGL_STORE_TOKEN", TOKEN + "\n")
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    server = ServerThread(create_app(backing, tokens=TokenSet.load())).start()
+    try:
+        assert RemoteLightningStore(server.url).stats().spans == 0  # $AGL_STORE_TOKEN, newline and all
+        assert RemoteLightningStore(server.url, token=f"  {TOKEN}\r\n").stats().spans == 0
+        with pytest.raises(StoreAuthError, match=r"the token from token= holds '\\x01', which an HTTP Authorization"):
+            RemoteLightningStore(server.url, token="tok\x01en")
+        monkeypatch.setenv("AGL_STORE_TOKEN", "two words")
+        assert main(["store", "stats", "--store", server.url]) == 2
+        err = capsys.readouterr().err
+        assert "the token from $AGL_STORE_TOKEN holds ' ', which an HTTP Authorization header cannot carry" in err
+    finally:
+        server.stop()
+        backing.close()
+    with pytest.raises(SystemExit, match=r"cannot read the tokens: the token from --token holds '\\n', which an HTTP"):
+        main(["store", "serve", "--store", str(tmp_path / "s.db"), "--token", "tok\nen"])
+
+
 def test_a_server_without_tokens_must_be_asked_for(tmp_path: Path) -> None:
     store = SqliteLightningStore(tmp_path / "s.db")
     with pytest.raises(ValueError, match="needs at least one token"):

@@ -16,6 +16,7 @@ internal service reached directly), redirects, cookies and compression.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import ssl
 import threading
@@ -54,10 +55,34 @@ def _transport_error(exc: BaseException) -> TransportError:
     return TransportError(f"{type(exc).__name__}: {exc}")
 
 
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # what a bearer token may hold: visible ASCII, no spaces
+
+
+def bearer_token(token: Optional[str], source: str) -> Optional[str]:
+    """``token`` without surrounding whitespace, checked; ``source`` names where it came from, for the error.
+
+    Secret files end with a newline (a Kubernetes secret made with ``--from-file``, ``$(< file)`` in some
+    shells), and no HTTP client can send a line break in a header: a client failed with a traceback, and a
+    server that kept the newline refused every client. What is still not visible ASCII cannot travel in an
+    ``Authorization`` header (or would arrive changed), so it is refused here, naming the characters (never
+    the token)."""
+    if token is None:
+        return None
+    token = token.strip()
+    if token and not _TOKEN.fullmatch(token):
+        bad = ", ".join(sorted({ascii(c) for c in token if not _TOKEN.fullmatch(c)}))
+        raise ValueError(
+            f"the token from {source} holds {bad}, which an HTTP Authorization header cannot carry: a token is "
+            "visible ASCII without spaces (e.g. from `python -c 'import secrets; print(secrets.token_urlsafe())'`); "
+            "check the secret or file it comes from"
+        )
+    return token
+
+
 def _header_lines(headers: Dict[str, str]) -> str:
     for name, value in headers.items():
         if any(c in name for c in ":\r\n") or "\r" in value or "\n" in value:
-            raise ValueError(f"HTTP header {name!r} has a name with ':' or a line break in its name or value")
+            raise ValueError(f"HTTP header {name!r}: its name holds ':' or a line break, or its value a line break")
     return "\r\n".join(f"{name}: {value}" for name, value in headers.items())
 
 

@@ -38,6 +38,7 @@ from agl.errors import (
     DuplicateRolloutError,
     StaleAttemptError,
     StoreAddressError,
+    StoreAuthError,
     StoreClosedError,
     StoreRequestError,
     StoreUnavailableError,
@@ -45,7 +46,7 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import _rules
-from agl.store._http import Answer, ConnectionPool, TransportError
+from agl.store._http import Answer, ConnectionPool, TransportError, bearer_token
 from agl.store.base import EnqueueRequest, LightningStore, StoreStats
 from agl.store.wire import (
     AUTH_HEADER,
@@ -142,7 +143,12 @@ class RemoteLightningStore(LightningStore):
         a store server restart or a network blip does not end a training run or throw away a finished
         rollout's result; interactive commands keep the short default and fail fast."""
         self.url = _server_url(url)
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        try:
+            self.token = bearer_token(token, "token=") if token is not None else bearer_token(
+                os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}"
+            )
+        except ValueError as exc:
+            raise StoreAuthError(str(exc)) from None
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff

@@ -48,6 +48,7 @@ from agl import semconv
 from agl.errors import AglError
 from agl.http_thread import ThreadedServer
 from agl.store import otlp
+from agl.store._http import bearer_token
 from agl.store._waiting import give_up_when
 from agl.store.base import AsyncRolloutCalls, LightningStore, StoreStats
 from agl.store.memory import InMemoryLightningStore
@@ -102,6 +103,7 @@ class TokenSet:
     """The bearer tokens a server accepts, by name (the name shows up in the logs, never the token)."""
 
     def __init__(self, tokens: Dict[str, str]) -> None:
+        tokens = {name: bearer_token(token, f"token {name!r}") or "" for name, token in tokens.items()}
         empty = [name for name, token in tokens.items() if not token]
         if empty:
             raise ValueError(f"token(s) {', '.join(empty)} are empty: every token needs at least one character")
@@ -114,7 +116,10 @@ class TokenSet:
         The file has one token per line, ``NAME TOKEN`` or just ``TOKEN``; ``#`` starts a comment.
         """
         tokens: Dict[str, str] = {}
-        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        if token is None:
+            token = bearer_token(os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}")
+        else:
+            token = bearer_token(token, "--token")
         if token:
             tokens["shared"] = token
         if tokens_file:
