@@ -25,13 +25,10 @@ import logging
 import random
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import agl
 from agl.algorithm.verl import VERL, VERLConfig, VERLConfigError
-
-sys.path.insert(0, str(Path(__file__).parent))
-from calc_agent import calc_agent  # noqa: E402  (the agent itself: unchanged)
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
@@ -67,6 +64,13 @@ SMOKE = [
     "trainer.test_freq=2",
     "trainer.save_freq=-1",
 ]
+SMOKE_STEPS = 2  # the 2nd step samples from the weights the 1st pushed; validation (test_freq=2) follows it
+
+
+def datasets(train_batch_size: int, smoke: bool) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """The train and validation tasks; ``smoke``: exactly SMOKE_STEPS batches (SMOKE sets total_epochs=1)."""
+    train = arithmetic_tasks(SMOKE_STEPS * train_batch_size if smoke else 1024, seed=1)
+    return train, arithmetic_tasks(8 if smoke else 128, seed=2)
 
 
 def arithmetic_tasks(n: int, seed: int) -> List[Dict[str, Any]]:
@@ -83,7 +87,7 @@ def arithmetic_tasks(n: int, seed: int) -> List[Dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="validate the config and the machine, then exit")
-    parser.add_argument("--steps-smoke", action="store_true", help="tiny batches: 2 steps to check the pipeline")
+    parser.add_argument("--steps-smoke", action="store_true", help=f"tiny batches: {SMOKE_STEPS} steps to check the pipeline")
     parser.add_argument("--store", default="sqlite:///runs/verl_calc.db", help="where rollouts and spans go")
     parser.add_argument("--runners", type=int, default=32, help="agent threads (rollouts run at once)")
     parser.add_argument("--async-groups", type=int, default=0, help="task groups generated while a step trains")
@@ -108,6 +112,9 @@ def main() -> None:
 
     # calc_agent calls agl.instrument() on import: its calls are recorded client-side, nested in its agent
     # spans, and marked so that the proxy forwards them without recording them twice.
+    sys.path.insert(0, str(Path(__file__).parent))
+    from calc_agent import calc_agent  # the agent itself: unchanged
+
     algorithm = VERL(config, async_groups=args.async_groups)
     trainer = agl.Trainer(
         algorithm=algorithm,
@@ -116,8 +123,7 @@ def main() -> None:
         runner_mode="thread",  # runner processes would fork the trainer after Ray and CUDA started
         rollout_timeout=600,
     )
-    train = arithmetic_tasks(4 * config.train_batch_size if args.steps_smoke else 1024, seed=1)
-    val = arithmetic_tasks(8 if args.steps_smoke else 128, seed=2)
+    train, val = datasets(config.train_batch_size, args.steps_smoke)
     summary = trainer.fit(calc_agent, train_dataset=train, val_dataset=val)
     for step in summary.steps:
         keys = ("agl/reward_mean", "actor/pg_loss", "agl/batch/samples_out", "agl/batch/dropped_prompt_too_long")

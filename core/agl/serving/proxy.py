@@ -20,7 +20,9 @@ Other paths (``/v1/models``...) are forwarded unchanged and not recorded.
 
 ``set_sampling()`` makes the proxy hold requests to a trainer's sampling contract: what a request leaves
 out is filled in, a larger token limit is lowered, and a request at another temperature than the one the
-trainer computes log-probs at is warned about (once).
+trainer computes log-probs at is warned about (once). ``set_sampling(..., profile="val")`` adds a second
+contract served under its own base URL (``profile_url("val")``: ``http://proxy/sampling/val/v1``, routed the
+same way), so rollouts of two kinds that run at once (training and validation) are each held to their own.
 
 ``pause()`` is for weight updates: new requests wait (they are not refused) while requests in flight
 finish; ``resume()`` lets the waiting ones through, to the updated model.
@@ -37,6 +39,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import secrets
 import threading
 import time
@@ -80,6 +83,8 @@ _DROP_REQUEST_HEADERS = {
     "host", "content-length", "connection", "accept-encoding", ROLLOUT_HEADER, ATTEMPT_HEADER, CLIENT_TRACED_HEADER
 }
 _KEEP_RESPONSE_HEADERS = {"content-type", "x-request-id", "retry-after"}
+_PROFILE_PREFIX = "/sampling"
+_PROFILE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 @dataclass
@@ -159,6 +164,8 @@ class LLMProxy:
         self.set_upstreams(upstream)
         self.sampling: Dict[str, Any] = {}
         self._temperature_from: Optional[str] = None
+        # Named contracts (set_sampling(profile=...)): sampling and temperature_from, served under profile_url().
+        self._profiles: Dict[str, Tuple[Dict[str, Any], Optional[str]]] = {}
         self._temperature_warned = False
         self._sequences: Dict[Tuple[str, str], Iterator[int]] = {}
         self._sequence_lock = threading.Lock()
@@ -211,7 +218,14 @@ class LLMProxy:
             raise ValueError(f"upstream must be one or more http(s) base URLs such as http://host:8000/v1, got {upstream!r}")
         self._upstreams = [u.rstrip("/") for u in urls]
 
-    def set_sampling(self, sampling: Mapping[str, Any], temperature_from: Optional[str] = None) -> None:
+    def profile_url(self, profile: str) -> str:
+        """The base URL of the sampling profile ``profile`` (``http://host:port/sampling/{profile}/v1``); a
+        ``ProxyLLM`` with this endpoint routes by rollout as one with :attr:`base_url` does."""
+        return self.base_url[: -len("/v1")] + f"{_PROFILE_PREFIX}/{profile}/v1"
+
+    def set_sampling(
+        self, sampling: Mapping[str, Any], temperature_from: Optional[str] = None, *, profile: Optional[str] = None
+    ) -> None:
         """Hold generation requests to a trainer's sampling from now on (``{}``: forward them as sent).
 
         A request that leaves out one of ``sampling`` 's keys gets its value (e.g. ``top_k``, which the
@@ -220,12 +234,26 @@ class LLMProxy:
         Responses API's ``max_output_tokens``) is lowered to it. ``temperature_from`` names the setting the
         trainer computes log-probs at (``None``: no such trainer, e.g. during validation); a request at
         another temperature is then warned about, once, since training on it is silently off-policy.
-        """
-        self.sampling = dict(sampling)
-        self._temperature_from = temperature_from
 
-    def _apply_sampling(self, api: str, body: Dict[str, Any]) -> Dict[str, Any]:
-        sampling = self.sampling
+        ``profile`` sets the contract of the requests sent to :meth:`profile_url` (``profile``) instead of
+        :attr:`base_url`: a per-rollout choice, for rollouts that must not share one contract, e.g. a trainer's
+        validation rollouts (greedy) running while its training rollouts still generate.
+        """
+        if profile is None:
+            self.sampling = dict(sampling)
+            self._temperature_from = temperature_from
+            return
+        if not _PROFILE_NAME.fullmatch(profile):
+            raise ValueError(
+                f"a sampling profile name is letters, digits, '_' and '-' (it goes in URLs), got {profile!r}"
+            )
+        self._profiles[profile] = (dict(sampling), temperature_from)
+
+    def _apply_sampling(self, api: str, body: Dict[str, Any], profile: Optional[str] = None) -> Dict[str, Any]:
+        if profile is None:
+            sampling, temperature_from = self.sampling, self._temperature_from
+        else:
+            sampling, temperature_from = self._profiles[profile]
         if not sampling:
             return body
         body = with_defaults(body, sampling, [k for k in sampling if k != "max_tokens"])
@@ -236,7 +264,7 @@ class LLMProxy:
             body = {**body, **{n: min(body[n], cap) for n in given}} if given else {**body, names[0]: cap}
         expected, asked = sampling.get("temperature"), body.get("temperature")
         if (
-            self._temperature_from
+            temperature_from
             and not self._temperature_warned
             and isinstance(expected, (int, float))
             and isinstance(asked, (int, float))
@@ -248,7 +276,7 @@ class LLMProxy:
                 "samples are trained on as if drawn at %s (off-policy). Leave the temperature out of the agent's "
                 "requests (the proxy fills it in) or pass llm.sampling_parameters on, or set %s to the agent's "
                 "temperature. (Warned once.)",
-                asked, self._temperature_from, expected, expected, self._temperature_from,
+                asked, temperature_from, expected, expected, temperature_from,
             )
         return body
 
@@ -303,12 +331,31 @@ class LLMProxy:
 
         @app.api_route("/v1/{path:path}", methods=methods)
         async def _plain(request: Request, path: str) -> Response:
-            rollout_id, attempt_id = request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER)
-            return await self._handle(request, path, (rollout_id, attempt_id) if rollout_id and attempt_id else None)
+            return await self._handle(request, path, _header_route(request))
+
+        profile_route = _PROFILE_PREFIX + "/{profile}/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path:path}"
+
+        @app.api_route(profile_route, methods=methods)
+        async def _profile_routed(
+            request: Request, profile: str, rollout_id: str, attempt_id: str, path: str
+        ) -> Response:
+            return await self._handle(request, path, (rollout_id, attempt_id), profile)
+
+        @app.api_route(_PROFILE_PREFIX + "/{profile}/v1/{path:path}", methods=methods)
+        async def _profile_plain(request: Request, profile: str, path: str) -> Response:
+            return await self._handle(request, path, _header_route(request), profile)
 
         return app
 
-    async def _handle(self, request: Request, path: str, route: Optional[Tuple[str, str]]) -> Response:
+    async def _handle(
+        self, request: Request, path: str, route: Optional[Tuple[str, str]], profile: Optional[str] = None
+    ) -> Response:
+        if profile is not None and profile not in self._profiles:
+            return _error(
+                404,
+                f"this agl proxy has no sampling profile {profile!r} (known: {sorted(self._profiles)}): "
+                f"call set_sampling(..., profile={profile!r}) before publishing its URL",
+            )
         gate = self._gate_or_raise()
         self.stats.requests += 1
         await gate.enter(self.stats)
@@ -329,7 +376,8 @@ class LLMProxy:
             elif request.headers.get(CLIENT_TRACED_HEADER):
                 self.stats.client_traced += 1
                 route = None
-            call = _Call(self, api, self._apply_sampling(api, body), route, request.headers.get("traceparent"))
+            body = self._apply_sampling(api, body, profile)
+            call = _Call(self, api, body, route, request.headers.get("traceparent"))
             if body.get("stream"):
                 response, release = await self._stream(request, path, call, gate)
                 return response  # a relayed stream leaves the gate itself, when it ends
@@ -595,6 +643,12 @@ def _responses_event(data: Dict[str, Any], event: Optional[str]) -> Any:
         code=data.get("code"),
         message=data.get("message"),
     )
+
+
+def _header_route(request: Request) -> Optional[Tuple[str, str]]:
+    """The rollout and attempt a client that cannot change its URL names in headers, if it names both."""
+    rollout_id, attempt_id = request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER)
+    return (rollout_id, attempt_id) if rollout_id and attempt_id else None
 
 
 def _parse_traceparent(value: Optional[str]) -> Tuple[Optional[str], Optional[str]]:

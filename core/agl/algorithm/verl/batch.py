@@ -162,11 +162,13 @@ def samples_to_dataproto(
     overlong_response: OverlongResponse = "truncate",
     precomputed_advantages: bool = True,
     meta_info: Optional[Dict[str, Any]] = None,
+    report: Optional[ConversionReport] = None,
 ) -> Tuple["DataProto", ConversionReport]:
     """Build the DataProto of ``samples`` (see the module docstring for every key) and say what was cut.
 
     Raises :class:`NoTrainableSamples` when no sample survives (no token ids recorded, every prompt too
-    long...): the message lists why each sample was dropped.
+    long...): the message lists why each sample was dropped. Pass a ``report`` to have the counts filled in
+    even then (a skipped step still reports its ``agl/batch/*`` metrics).
     """
     from verl import DataProto
     from verl.utils.model import compute_position_id_with_mask
@@ -175,7 +177,9 @@ def samples_to_dataproto(
         raise ValueError(f'overlong_prompt must be "drop" or "truncate", got {overlong_prompt!r}')
     if overlong_response not in ("truncate", "drop"):
         raise ValueError(f'overlong_response must be "truncate" or "drop", got {overlong_response!r}')
-    report = ConversionReport(samples_in=len(samples))
+    if report is None:
+        report = ConversionReport()
+    report.samples_in = len(samples)
     rows = [
         row
         for row in (

@@ -40,6 +40,7 @@ logger = logging.getLogger("agl.verl")
 AdvantageSource = Literal["lightningrl", "verl"]
 _LIGHTNINGRL_ESTIMATORS = ("grpo", "rloo")
 _ROLLOUT = "actor_rollout_ref.rollout"
+_VAL_PROFILE = "val"  # the proxy's sampling profile of validation rollouts (LLMProxy.profile_url)
 
 
 @dataclass
@@ -149,6 +150,15 @@ class VERL(Algorithm):
             )
         if not isinstance(async_groups, int) or async_groups < 0:
             raise VERLConfigError(f"async_groups must be a non-negative integer, got {async_groups!r}")
+        if advantages == "lightningrl" and self.config.get("algorithm.use_kl_in_reward"):
+            # verl subtracts the KL penalty from token_level_rewards after LightningRL computed the advantages
+            # from the raw rewards: the penalty would change nothing the actor trains on.
+            raise VERLConfigError(
+                "algorithm.use_kl_in_reward=true has no effect with advantages='lightningrl' (the advantages are "
+                "computed from the rewards before verl applies the in-reward KL penalty): set "
+                "actor_rollout_ref.actor.use_kl_loss=true for a KL term in the loss, or use "
+                "VERL(..., advantages='verl') to let verl compute the advantages from the penalised rewards"
+            )
         self.advantages = advantages
         self.overlong = (overlong_prompt, overlong_response)
         self.async_groups = async_groups
@@ -160,12 +170,14 @@ class VERL(Algorithm):
         self.backend = backend
         self.proxy: Any = None
         self.policy_version = 0  # weight updates done so far
+        self.train_resources_id: Optional[str] = None  # the resources training rollouts are enqueued with
         self.empty_steps = EmptySteps(limit=3)  # consecutive steps without a trainable sample before giving up
         self.summary = TrainingSummary()
 
     # -- the adapter -------------------------------------------------------------------------------------------
     def lightningrl(self) -> Any:
         """The trainer's adapter as a LightningRL, with verl's estimator unless the adapter chose one."""
+        from agl.agent_match import PolicyMatcher
         from agl.lightningrl.adapter import LightningRL
 
         adapter = self.adapter
@@ -177,7 +189,17 @@ class VERL(Algorithm):
                     normalize = bool(self.config.get("algorithm.norm_adv_by_std_in_grpo", True))
                     settings.setdefault("estimator_options", {"normalize_std": normalize})
             adapter = settings
-        return LightningRL.from_config(adapter)
+        lightningrl = LightningRL.from_config(adapter)
+        policies = PolicyMatcher(lightningrl.agent_match).policies
+        if len(policies) > 1:
+            # The DataProto has no policy column: verl would train every policy's calls into one model, and
+            # with advantages="verl" group them into one GRPO baseline per task.
+            raise VERLConfigError(
+                f"agl.VERL trains one policy, but the adapter's agent_match {lightningrl.agent_match!r} names "
+                f"{len(policies)} ({', '.join(policies)}): give agent_match a regex (every matching agent's calls "
+                "train the one model) or map every agent to the same policy name"
+            )
+        return lightningrl
 
     # -- run ---------------------------------------------------------------------------------------------------
     def run(self, train_dataset: Optional[Sequence[Any]], val_dataset: Optional[Sequence[Any]]) -> TrainingSummary:
@@ -252,12 +274,13 @@ class VERL(Algorithm):
             # Weight updates between a group's enqueue and this update (0: generated fully on-policy).
             staleness = max(self.policy_version - g.enqueued_at_version for g in groups)
             rollouts = [r for g in groups for r in (g.done[i] for i in g.rollout_ids)]
+            metrics = _rollout_metrics(rollouts)
             try:
-                metrics = self._update(step, rollouts, adapter, serving)
+                self._update(step, rollouts, adapter, serving, metrics)
                 self.empty_steps.trained()
             except NoTrainableSamples as exc:
                 self.empty_steps.nothing(step, str(exc))
-                metrics = {"agl/step_skipped": 1.0}
+                metrics["agl/step_skipped"] = 1.0
             self.trainer.learned_from(rollouts)
             metrics["agl/timing/wait_s"] = waited
             metrics["agl/async/carried_over_groups"] = float(len(in_flight))
@@ -298,6 +321,8 @@ class VERL(Algorithm):
                             input=task.input,
                             task_id=task.task_id,
                             mode="train",
+                            # Explicit, not the latest: validation publishes its own resources meanwhile.
+                            resources_id=self.train_resources_id,
                             config=self.trainer.rollout_config,
                             metadata=task.metadata,
                         )
@@ -335,46 +360,46 @@ class VERL(Algorithm):
         ready = [key for key, g in in_flight.items() if g.complete][:count]
         return [in_flight.pop(key) for key in ready]
 
-    def _update(self, step: int, rollouts: List[Rollout], adapter: Any, serving: Serving) -> Dict[str, float]:
-        from agl.algorithm.verl.batch import pad_to_divisor, samples_to_dataproto
-
+    def _update(
+        self, step: int, rollouts: List[Rollout], adapter: Any, serving: Serving, metrics: Dict[str, float]
+    ) -> None:
+        """Train on ``rollouts``; the step's counts go into ``metrics`` as they are known, so a step that
+        raises :class:`NoTrainableSamples` (nothing left to train on) still reports why."""
+        from agl.algorithm.verl.batch import ConversionReport, pad_to_divisor, samples_to_dataproto
 
         batch = adapter.build_batch(self.store, rollouts, progress=self.trainer.progress)
+        metrics["agl/lightningrl/samples"] = float(batch.report.samples)
+        metrics["agl/lightningrl/failed_dropped"] = float(batch.report.failed_dropped)
+        report = ConversionReport(samples_in=len(batch.samples))
+        metrics.update(report.metrics())
         if not batch.samples:
             raise NoTrainableSamples(batch.report.why_empty(adapter.agent_match))
-        data, report = samples_to_dataproto(
-            batch.samples,
-            max_prompt_length=self.config.max_prompt_length,
-            max_response_length=self.config.max_response_length,
-            pad_token_id=serving.pad_token_id,
-            overlong_prompt=self.overlong[0],  # type: ignore[arg-type]
-            overlong_response=self.overlong[1],  # type: ignore[arg-type]
-            precomputed_advantages=self.advantages == "lightningrl",
-        )
+        try:
+            data, _ = samples_to_dataproto(
+                batch.samples,
+                max_prompt_length=self.config.max_prompt_length,
+                max_response_length=self.config.max_response_length,
+                pad_token_id=serving.pad_token_id,
+                overlong_prompt=self.overlong[0],  # type: ignore[arg-type]
+                overlong_response=self.overlong[1],  # type: ignore[arg-type]
+                precomputed_advantages=self.advantages == "lightningrl",
+                report=report,
+            )
+        finally:
+            metrics.update(report.metrics())
         if report.dropped or report.prompts_truncated or report.responses_truncated:
             logger.warning("step %d: %s", step, report)
         mini_batches, divisor = self.mini_batches(len(data))
         data = pad_to_divisor(data, divisor, report)
         self.proxy.pause()
         try:
-            metrics = dict(self.backend.update(data, step, mini_batches))  # type: ignore[union-attr]
+            metrics.update(self.backend.update(data, step, mini_batches))  # type: ignore[union-attr]
             self.policy_version += 1
         finally:
             self.proxy.resume()
         self._publish(serving.model)
-        rewards = [r.final_reward for r in rollouts if r.final_reward is not None]
-        metrics.update(report.metrics())
-        metrics.update(
-            {
-                "agl/rollouts": float(len(rollouts)),
-                "agl/rollouts_failed": float(sum(r.status != "succeeded" for r in rollouts)),
-                "agl/reward_mean": float(sum(rewards) / len(rewards)) if rewards else math.nan,
-                "agl/lightningrl/samples": float(batch.report.samples),
-                "agl/lightningrl/failed_dropped": float(batch.report.failed_dropped),
-                "agl/policy_version": float(self.policy_version),
-            }
-        )
-        return metrics
+        metrics.update(report.metrics())  # padding_rows
+        metrics["agl/policy_version"] = float(self.policy_version)
 
     def mini_batches(self, rows: int) -> Tuple[int, int]:
         """How many mini batches a batch of ``rows`` samples is split into, and the row count to pad to a
@@ -387,14 +412,29 @@ class VERL(Algorithm):
 
     def _publish(self, model: str, section: str = _ROLLOUT) -> str:
         """A new resources version with the proxy as ``llm_resource`` (other resources are kept), sampling
-        as ``section`` says; the proxy fills the same settings into requests that leave them out."""
+        as ``section`` says; the proxy fills the same settings into requests that leave them out.
+
+        Validation (any other ``section``) gets the proxy's own sampling profile, a URL of its own: in async
+        mode training rollouts still generate during validation, and each rollout must be sampled as the
+        resources it was started with say, never with the validation settings. Training rollouts are
+        enqueued with the id of the latest training version (:attr:`train_resources_id`) for the same reason.
+        """
         sampling = self._sampling(section)
-        self.proxy.set_sampling(sampling, f"{_ROLLOUT}.temperature" if section == _ROLLOUT else None)
+        training = section == _ROLLOUT
+        if training:
+            self.proxy.set_sampling(sampling, f"{_ROLLOUT}.temperature")
+            endpoint = self.proxy.base_url
+        else:
+            self.proxy.set_sampling(sampling, profile=_VAL_PROFILE)
+            endpoint = self.proxy.profile_url(_VAL_PROFILE)
         params, _ = openai_arguments(sampling)  # top_k is not one: the proxy fills it in
         latest = self.store.get_resources()
         resources = dict(latest.resources) if latest is not None else {}
-        resources[self.llm_resource] = ProxyLLM(endpoint=self.proxy.base_url, model=model, sampling_parameters=params)
-        return self.store.add_resources(resources).resources_id
+        resources[self.llm_resource] = ProxyLLM(endpoint=endpoint, model=model, sampling_parameters=params)
+        resources_id = self.store.add_resources(resources).resources_id
+        if training:
+            self.train_resources_id = resources_id
+        return resources_id
 
     def _sampling(self, section: str) -> Dict[str, Any]:
         """What verl's agent loop samples with: the section's temperature, top_p and top_k (left out when
@@ -415,7 +455,7 @@ class VERL(Algorithm):
         """Run the validation tasks once with ``rollout.val_kwargs`` sampling; mean reward and success rate."""
         resources_id = self._publish(self.proxy.model, f"{_ROLLOUT}.val_kwargs")
         rollouts = self.trainer.run_tasks(val_dataset, mode="val", resources_id=resources_id, description="validation")
-        self._publish(self.proxy.model)  # training sampling again for the next rollouts
+        self._publish(self.proxy.model)  # the latest version is a training one again, for whoever reads it
         rewards = [r.final_reward if r.final_reward is not None else 0.0 for r in rollouts]
         metrics = {
             "val/reward_mean": float(sum(rewards) / len(rewards)) if rewards else math.nan,
@@ -425,6 +465,16 @@ class VERL(Algorithm):
         self.summary.validations.append({"step": float(step), **metrics})
         logger.info("validation at step %d: %s", step, _format_metrics(metrics))
         return metrics
+
+
+def _rollout_metrics(rollouts: Sequence[Rollout]) -> Dict[str, float]:
+    """The counts of a step's rollouts, reported whether or not the step trains."""
+    rewards = [r.final_reward for r in rollouts if r.final_reward is not None]
+    return {
+        "agl/rollouts": float(len(rollouts)),
+        "agl/rollouts_failed": float(sum(r.status != "succeeded" for r in rollouts)),
+        "agl/reward_mean": float(sum(rewards) / len(rewards)) if rewards else math.nan,
+    }
 
 
 def _format_metrics(metrics: Mapping[str, float]) -> str:
