@@ -50,46 +50,14 @@ DEFAULTS: Dict[str, Any] = {
 
 
 class StandInConfig(VERLConfig):
-    """A VERLConfig read from a flat dict of ``DEFAULTS`` plus ``changes`` (no Hydra, no verl defaults)."""
+    """A VERLConfig read from a flat dict of ``DEFAULTS`` plus ``changes`` (no Hydra, no verl defaults): its
+    properties read through ``get``."""
 
     def __init__(self, **changes: Any) -> None:  # noqa: D107 - VERLConfig.__init__ composes verl's yaml: not here
         self.values = {**DEFAULTS, **changes}
 
     def get(self, path: str, default: Any = None) -> Any:
         return self.values.get(path, default)
-
-    @property
-    def train_batch_size(self) -> int:
-        return int(self.get("data.train_batch_size"))
-
-    @property
-    def n(self) -> int:
-        return int(self.get("actor_rollout_ref.rollout.n"))
-
-    @property
-    def max_prompt_length(self) -> int:
-        return int(self.get("data.max_prompt_length"))
-
-    @property
-    def max_response_length(self) -> int:
-        return int(self.get("data.max_response_length"))
-
-    @property
-    def ppo_mini_batch_size(self) -> int:
-        return int(self.get("actor_rollout_ref.actor.ppo_mini_batch_size"))
-
-    @property
-    def adv_estimator(self) -> str:
-        return str(self.get("algorithm.adv_estimator"))
-
-    @property
-    def total_epochs(self) -> int:
-        return int(self.get("trainer.total_epochs"))
-
-    @property
-    def total_training_steps(self) -> Optional[int]:
-        value = self.get("trainer.total_training_steps")
-        return None if value is None else int(value)
 
 
 class RecordingBackend:
