@@ -462,6 +462,16 @@ class Tracer:
         """Wait until every span that has ended is in the store. False if ``timeout`` passed first."""
         return self.processor.force_flush(int(timeout * 1000))
 
+    def get_langchain_handler(self) -> Any:
+        """Agent Lightning's ``self.tracer.get_langchain_handler()``, so agents that pass it in
+        ``callbacks=[...]`` run unchanged: the handler the LangChain adapter already adds to every callback
+        manager (no ``callbacks=`` is needed with agl; passing it records nothing twice)."""
+        try:
+            from agl.integrations.langchain import callback_handler
+        except ImportError as exc:  # langchain-core missing
+            raise RuntimeError(f"get_langchain_handler() needs LangChain: pip install 'agl[langchain]' ({exc})") from None
+        return callback_handler()
+
 
 def _innermost(current: otel_trace.Span, running: Optional[otel_trace.Span]) -> otel_trace.Span:
     """The framework run's span, unless the current span started inside it (an operation opened in a node)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
-from agl.instrumentation.base import Instrumentor
+from agl.instrumentation.base import Instrumentor, hooks_owner
 from agl.instrumentation.context_keys import register_parent_resolver, unregister_parent_resolver
 from agl.instrumentation.framework import PatchSet
 from agl.instrumentation.safety import guard
@@ -38,6 +38,20 @@ def _adding_handler(handler: "AglCallbackHandler") -> Callable[..., None]:
                 instance.inheritable_handlers = [*(instance.inheritable_handlers or ()), handler]
 
     return wrapper
+
+
+def callback_handler() -> "AglCallbackHandler":
+    """The handler ``agl.instrument()`` adds to every LangChain callback manager, for code that passes it in
+    ``callbacks=[...]`` as Agent Lightning's ``tracer.get_langchain_handler()`` asks: the manager holds it
+    once either way, so nothing is recorded twice."""
+    owner = hooks_owner(LangChainInstrumentor)
+    handler = getattr(owner, "_handler", None)
+    if handler is None:
+        raise RuntimeError(
+            "agl is not recording LangChain in this process: call agl.instrument() (a Trainer does unless "
+            "instrument=False), after which no callbacks=[...] is needed at all"
+        )
+    return handler
 
 
 class LangChainInstrumentor(Instrumentor):

@@ -39,6 +39,7 @@ from agl.instrumentation.safety import internal_error_count  # noqa: E402
 from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
 from agl.lightningrl.links import CallLinks  # noqa: E402
 from agl.lightningrl.tree import build_tree  # noqa: E402
+from agl.tracer import get_tracer  # noqa: E402
 from agl.integrations.langchain import LangChainInstrumentor  # noqa: E402
 from agl.integrations.langchain._handler import AglCallbackHandler  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
@@ -206,6 +207,36 @@ def test_agent_match_selects_exactly_the_calls_of_the_chosen_node(tmp_path, fake
     (graph_span,) = of_kind(spans, "chain")  # LangGraph's plumbing (__start__, routing, writes) is not spanned
     assert graph_span.name == "LangGraph"
     assert_one_tree(spans)
+
+
+def test_agent_lightning_code_passing_get_langchain_handler_records_each_call_once(tmp_path, fake_openai, instrumented):
+    """Agent Lightning's SQL agent (the seeds' tutorial) passes ``callbacks=[self.tracer.get_langchain_handler()]``:
+    with agl that was an AttributeError in every rollout. The handler is the one agl already adds, so the run
+    records exactly what it records without it."""
+
+    class SqlAgent(agl.LitAgent):
+        def rollout(self, task, resources, rollout):
+            graph = two_node_graph(resources["main_llm"].get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+            out = graph.invoke(
+                {"messages": [HumanMessage(task["question"])]},
+                {"callbacks": [self.tracer.get_langchain_handler()], "recursion_limit": 100},
+            )
+            return 1.0 if "5" in out["messages"][-3].content else 0.0
+
+    ((row, spans),) = run_dev(tmp_path, fake_openai, SqlAgent(), [{"question": "What is 2 plus 3?"}])
+    assert row.status == "succeeded" and row.reward == 1.0
+    assert len(of_kind(spans, "llm")) == len(generation_requests(fake_openai)) == 3
+    assert len(of_kind(spans, "tool")) == 1
+    assert [s.attributes[semconv.AGENT_NAME] for s in of_kind(spans, "agent")][1:] == [
+        "write_query", "tools", "write_query", "rewrite_query"
+    ]
+    assert_one_tree(spans)
+
+
+def test_get_langchain_handler_without_instrumentation_says_what_to_do():
+    agl.instrumentation.uninstrument()
+    with pytest.raises(RuntimeError, match=r"call agl.instrument\(\)"):
+        get_tracer().get_langchain_handler()
 
 
 # -- a prebuilt agent: chat completions and Responses, plain and streamed, sync and async -----------------------

@@ -44,6 +44,14 @@ class _SharedHooks:
 _hooks: Dict[type, _SharedHooks] = {}
 
 
+def hooks_owner(cls: type) -> Optional["Instrumentor"]:
+    """The instance of instrumentor class ``cls`` whose hooks are in place (None: not hooked), for state an
+    adapter hands out, such as the LangChain callback handler."""
+    with _hooks_lock:
+        shared = _hooks.get(cls)
+        return shared.owner if shared is not None else None
+
+
 def any_instrumented() -> bool:
     """Whether any agl instrumentor is hooked in this process (see ``Trainer.runners``)."""
     return any(_active.values())
