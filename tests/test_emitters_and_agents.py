@@ -765,3 +765,25 @@ def test_a_tool_result_that_is_a_list_is_stored_as_json_text_even_of_numbers(sto
     (tool,) = [s for s in store.query_spans(done.rollout_id) if s.kind == "tool"]
     assert tool.attributes[semconv.TOOL_CALL_RESULT] == stored
     assert json.loads(tool.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"key": [7, 8]}
+
+
+def test_agent_lightnings_primary_key_is_accepted_for_primary(store):
+    """Agent Lightning code emits named rewards with primary_key=: a bare TypeError with agl."""
+
+    def agent(task):
+        with pytest.warns(DeprecationWarning, match="primary="):
+            assert agl.emit_reward({"accuracy": 0.5, "length": 1.0}, primary_key="accuracy") == 0.5
+        with pytest.raises(ValueError, match="pass primary= only"):
+            agl.emit_reward({"accuracy": 0.5}, primary="length", primary_key="accuracy")
+
+    done = run_one(store, agl.rollout(agent))
+    assert done.status == "succeeded" and done.final_reward == 0.5
+    (span,) = rewards_of(store, done.rollout_id)
+    assert span.attributes[semconv.REWARD_PRIMARY] == "accuracy"
+
+
+def test_the_root_span_names_the_task_and_mode_as_docs_semconv_says(store):
+    done = run_one(store, agl.rollout(lambda task: 1.0), {"task_id": "t-7", "q": 1})
+    (root,) = [s for s in store.query_spans(done.rollout_id) if s.name == "agl.rollout"]
+    assert root.kind == "agent" and root.attributes[semconv.ROLLOUT_MODE] == "train"
+    assert root.attributes[semconv.ROLLOUT_TASK_ID] == done.task_id

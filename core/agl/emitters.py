@@ -27,6 +27,7 @@ import math
 import numbers
 import os
 import traceback
+import warnings
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, TypeVar, Union
 
 from agl import semconv
@@ -143,9 +144,11 @@ def emit_reward(
     *,
     primary: Optional[str] = None,
     attributes: Optional[Mapping[str, Any]] = None,
+    primary_key: Optional[str] = None,
 ) -> float:
     """Record a reward (a number: also a NumPy scalar or one-element array or tensor; or named dimensions with
-    one ``primary``); returns the primary value as a float.
+    one ``primary``); returns the primary value as a float. ``primary_key`` is Agent Lightning's name for
+    ``primary``, accepted with a DeprecationWarning.
 
     ``attributes`` are added to the reward span; the reward's own keys (``agl.reward.*``, the span kind and
     the operation link) are refused with a ValueError: they are what trainers read, so they must say what
@@ -157,6 +160,11 @@ def emit_reward(
                 f"emit_reward(attributes=...) may not set {', '.join(reserved)}: agl sets these from the reward "
                 "itself (pass the value, primary= or named dimensions instead; use other keys for extra data)"
             )
+    if primary_key is not None:
+        if primary is not None and primary != primary_key:
+            raise ValueError(f"emit_reward got primary={primary!r} and primary_key={primary_key!r}: pass primary= only")
+        warnings.warn("emit_reward(primary_key=) is now primary=", DeprecationWarning, stacklevel=2)
+        primary = primary_key
     reward, name, dims = normalize_reward(value, primary)
     _warn_outside_rollout("emit_reward")
     tracer = get_tracer()

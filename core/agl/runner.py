@@ -332,8 +332,8 @@ class Runner:
         try:
             attrs = {
                 semconv.AGENT_NAME: self.agent_name,
-                "agl.task_id": rollout.task_id,
-                "agl.mode": rollout.mode,
+                semconv.ROLLOUT_TASK_ID: rollout.task_id,
+                semconv.ROLLOUT_MODE: rollout.mode,
             }
             with running(), self.tracer.span("agl.rollout", "agent", attrs):
                 try:

@@ -15,6 +15,9 @@ SPAN_STOPPED = "agl.span.stopped"  # True: the caller stopped the run (left its 
 OTLP_ROLLOUT_ID = "agl.rollout.id"  # str: the rollout the span belongs to
 OTLP_ATTEMPT_ID = "agl.attempt.id"  # str: the attempt (rollout.attempt.attempt_id)
 OTLP_SEQUENCE_ID = "agl.sequence.id"  # int >= 0, optional: order within the attempt (default: start time in ns)
+# On the runner's root span (``agl.rollout``), for readers of the trace alone (an OTLP backend, agl inspect):
+ROLLOUT_TASK_ID = "agl.task_id"  # str: the rollout's task
+ROLLOUT_MODE = "agl.mode"  # train | val
 
 # --- agents (OTel GenAI) ---------------------------------------------------------------------------------
 OPERATION_NAME = "gen_ai.operation.name"  # chat | invoke_agent | execute_tool | ...
