@@ -283,6 +283,24 @@ _OUT_OWNED = {
 }
 
 
+def _lora_fields_problem(user: Mapping[str, Any]) -> List[str]:
+    """peft's own objection to a ``lora`` dict whose values looked fine (an unknown field such as ``rr``), on
+    the way out with other bad settings: otherwise it would come only once those are fixed. Imports peft (and
+    torch), which a run with good settings does anyway."""
+    lora = user.get("lora")
+    if not isinstance(lora, dict) or any(p.startswith("lora=") for p in grpo_setting_problems({"lora": lora})):
+        return []
+    try:
+        from agl.algorithm.trainable import lora_config
+
+        lora_config(lora)
+    except ImportError:
+        return []  # said when the run loads the trainer
+    except (TypeError, ValueError) as exc:
+        return [str(exc)]
+    return []
+
+
 def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> Any:
     sets = _keyword_sets(args.settings)  # a malformed flag is named before torch is even imported
     user = {**config, **sets}
@@ -296,6 +314,7 @@ def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> 
             user[name] = value
     problems = grpo_setting_problems(user)
     if problems:
+        problems += _lora_fields_problem(user)  # every bad setting at once, also the LoRA fields only peft knows
         problems[-1] += " (TorchGRPO's settings: docs/training.md)"
         raise SystemExit("\n".join(f"agl: bad grpo settings: {p}" for p in problems))
     settings: Dict[str, Any] = {"output_dir": out, "checkpoint_dir": out / "checkpoints", "resume": args.resume}

@@ -168,6 +168,16 @@ def test_lora_fields_peft_does_not_know_are_found_by_check(files: Path) -> None:
     assert not (files / "run").exists()
 
 
+def test_check_names_an_unknown_lora_field_beside_other_bad_settings(files: Path) -> None:
+    """docs/training.md: every bad setting gets its line; peft's objection to `rr` came only once the others
+    were fixed."""
+    with pytest.raises(SystemExit) as exc:
+        main(_train(files, "--set", "eval_every=two", "--set", "checkpoint_every=0", "--set", 'lora={"rr": 8}', "--check"))
+    lines = str(exc.value.code).splitlines()
+    assert [line.split(": ", 2)[2].split("=")[0] for line in lines] == ["eval_every", "checkpoint_every", "lora"]
+    assert "rr" in lines[-1] and lines[-1].endswith("(TorchGRPO's settings: docs/training.md)")
+
+
 def test_a_wrong_set_value_stops_the_run_before_any_step(files: Path) -> None:
     """checkpoint_every=0 passed --check, trained step 1, then crashed with ZeroDivisionError."""
     with pytest.raises(SystemExit, match="checkpoint_every=0: expected a whole number >= 1"):
