@@ -144,6 +144,22 @@ def test_per_runner_tokens_from_a_file(tmp_path: Path) -> None:
         TokenSet.load(tokens_file=str(tmp_path / "bad.txt"))
 
 
+def test_a_tokens_file_never_cuts_a_secret_at_a_hash_nor_keeps_one_of_two_tokens_of_a_name(tmp_path: Path) -> None:
+    """`alice s3cr#t-long` made the server accept `s3cr` (and refuse the real secret); a name written twice
+    kept the last token without a word."""
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("alice s3cr#t-long  # alice's laptop\n#bob old\nbob tok-bob\n")
+    loaded = TokenSet.load(token="shared-tok", tokens_file=str(tokens))
+    assert loaded.check("s3cr#t-long") == "alice" and loaded.check("s3cr") is None and loaded.check("old") is None
+    assert len(loaded) == 3
+    tokens.write_text("bob tok-bob-1\nbob tok-bob-2\n")
+    with pytest.raises(ValueError, match=r"tokens.txt:2: the name 'bob' is given twice \(also line 1\)"):
+        TokenSet.load(token=None, tokens_file=str(tokens))
+    tokens.write_text("shared other\n")
+    with pytest.raises(ValueError, match="given twice .also the shared token"):
+        TokenSet.load(token="shared-tok", tokens_file=str(tokens))
+
+
 def test_a_token_from_a_secret_file_with_a_trailing_newline_works_on_both_sides(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -28,6 +28,7 @@ import contextlib
 import hmac
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -99,6 +100,9 @@ class ServerLimits:
     async_calls: bool = True  # a networked store's AsyncRolloutCalls on the event loop (else on worker threads)
 
 
+_COMMENT = re.compile(r"(?:^|(?<=\s))#")  # a comment starts a line or follows a space
+
+
 class TokenSet:
     """The bearer tokens a server accepts, by name (the name shows up in the logs, never the token)."""
 
@@ -113,25 +117,33 @@ class TokenSet:
     def load(cls, token: Optional[str] = None, tokens_file: Optional[str] = None) -> "TokenSet":
         """A shared ``token`` (default: ``$AGL_STORE_TOKEN``) and/or per-runner tokens from ``tokens_file``.
 
-        The file has one token per line, ``NAME TOKEN`` or just ``TOKEN``; ``#`` starts a comment.
+        The file has one token per line, ``NAME TOKEN`` or just ``TOKEN``; ``#`` at the start of a line or after
+        a space starts a comment (one inside a token is part of it: a secret is never cut short). A name given
+        twice is refused, not the first token silently dropped.
         """
         tokens: Dict[str, str] = {}
+        where: Dict[str, str] = {}  # name -> where it was given
         if token is None:
             token = bearer_token(os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}")
         else:
             token = bearer_token(token, "--token")
         if token:
-            tokens["shared"] = token
+            tokens["shared"], where["shared"] = token, "the shared token (--token or $AGL_STORE_TOKEN)"
         if tokens_file:
             with open(tokens_file, encoding="utf-8") as fh:
                 for number, line in enumerate(fh, 1):
-                    words = line.split("#", 1)[0].split()
+                    words = _COMMENT.split(line, 1)[0].split()
                     if not words:
                         continue
                     if len(words) > 2:
                         raise ValueError(f"{tokens_file}:{number}: write 'NAME TOKEN' or 'TOKEN' (tokens have no spaces)")
                     name, value = (words[0], words[1]) if len(words) == 2 else (f"line-{number}", words[0])
-                    tokens[name] = value
+                    if name in tokens:
+                        raise ValueError(
+                            f"{tokens_file}:{number}: the name {name!r} is given twice (also {where[name]}): give each "
+                            "runner or machine its own name"
+                        )
+                    tokens[name], where[name] = value, f"line {number}"
         return cls(tokens)
 
     def __len__(self) -> int:
