@@ -271,3 +271,37 @@ def test_a_trainer_sets_the_outage_timeout_of_a_store_server_client_unless_it_ha
     agl.Trainer(store=own, progress=False)
     assert (default.outage_timeout, own.outage_timeout) == (42, 5.0)
     assert RemoteLightningStore("http://127.0.0.1:9").outage_timeout is None, "interactive use fails fast"
+
+
+def test_an_upload_slower_than_the_timeout_goes_through_while_it_makes_progress() -> None:
+    """The timeout bounded the whole ``sendall``: a span batch that took longer to upload than ``timeout`` on a
+    slow link failed on every try (and was sent again until the outage timeout). It bounds a stall now."""
+    body = b"x" * (12 * 1024 * 1024)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    received: List[int] = []
+
+    def slow_reader() -> None:  # reads 64 KiB at a time with pauses: about 1.5 s for the whole body
+        conn, _ = listener.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            got = len(data.split(b"\r\n\r\n", 1)[1])
+            while got < len(body):
+                got += len(conn.recv(65536))
+                time.sleep(0.008)
+            received.append(got)
+            conn.sendall(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok")
+
+    thread = threading.Thread(target=slow_reader, daemon=True)
+    thread.start()
+    pool = ConnectionPool(f"http://127.0.0.1:{listener.getsockname()[1]}", {}, max_connections=1, connect_timeout=2.0)
+    started = time.monotonic()
+    answer = pool.request("POST", "/v1/spans", body=body, timeout=0.5)
+    assert answer.status == 201 and received == [len(body)]
+    assert time.monotonic() - started > 0.5  # slower than the timeout, as the test means it to be
+    pool.close()
+    listener.close()
