@@ -554,6 +554,21 @@ def test_a_refused_request_is_logged_once_without_its_body(server, caplog):
     assert secret not in caplog.text
 
 
+def test_unknown_routes_and_methods_get_openai_errors_that_say_what_is_served(server, client, caplog):
+    """FastAPI answered {"detail": "Not Found"}: the openai client said only "Error code: 404" (an agent calling
+    embeddings), and nothing was logged."""
+    with caplog.at_level(logging.WARNING, logger="agl.serving.server"):
+        with pytest.raises(openai.NotFoundError, match="no POST /v1/embeddings") as told:
+            client.embeddings.create(model="policy", input="hi")
+        wrong_method = httpx.get(f"{server.base_url}/chat/completions")
+    assert "POST /v1/chat/completions" in str(told.value) and told.value.code == "unknown_route"
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "unknown_method" and "GET /v1/chat/completions" in wrong_method.text
+    assert [r.getMessage().split(":")[0] for r in caplog.records if r.name == "agl.serving.server"] == [
+        "/v1/embeddings answered 404", "/v1/chat/completions answered 405"
+    ]
+
+
 # --- the Responses API ---------------------------------------------------------------------------------------
 
 FLAT_ADD_TOOL = {"type": "function", **ADD_TOOL["function"]}

@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agl.http_thread import ThreadedServer
 from agl.serving.chat_format import (
@@ -291,6 +292,18 @@ def _create_app(server: PolicyServer) -> FastAPI:
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:
         return await _generate(server, request, _completions_job)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # Unknown routes and methods (an agent calling embeddings, a GET on chat/completions) in OpenAI's error
+        # shape, logged like every refusal: FastAPI's {"detail": ...} left the openai client saying only
+        # "Error code: 404".
+        what = "route" if exc.status_code == 404 else "method"
+        message = (
+            f"agl's policy server has no {request.method} {request.url.path} ({exc.detail}): it serves "
+            "POST /v1/chat/completions, /v1/responses and /v1/completions, GET /v1/models and /health"
+        )
+        return _error(request.url.path, exc.status_code, message, server.engine.version, code=f"unknown_{what}")
 
     return app
 
