@@ -516,6 +516,7 @@ LONG = "word " * 2100  # beyond the tiny model's context of 2048 tokens
         ("responses", {"input": LONG}, "input"),
         ("completions", {"prompt": LONG}, "prompt"),
         ("chat/completions", {"messages": MESSAGES, "max_tokens": 2040}, "max_tokens"),
+        ("chat/completions", {"messages": MESSAGES, "max_completion_tokens": 2040}, "max_completion_tokens"),
         ("responses", {"input": "hi", "max_output_tokens": 2040}, "max_output_tokens"),
     ],
 )
@@ -528,6 +529,8 @@ def test_a_context_overflow_is_refused_as_openai_refuses_it(server, path, body, 
     assert error["param"] == param
     assert error["message"].startswith("This model's maximum context length is 2048 tokens, but the prompt is too")
     assert ("ask for at most" if param.startswith("max") else "; shorten it") in error["message"]
+    if param.startswith("max"):
+        assert f"too long for {param} 2040" in error["message"]  # the name the client used
 
 
 @pytest.mark.parametrize("prompt, max_tokens", [(LONG, 4), ("hi", 2040)])

@@ -196,7 +196,8 @@ class PolicyServer:
         prompt = render_prompt(self.tokenizer, request.messages, request.tools if request.tools_offered else None)
         prompt_ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         default = self._default_max_tokens(self.default_max_tokens)
-        max_tokens = self._max_tokens(prompt_ids, request.max_tokens, default, "messages")
+        limit = "max_completion_tokens" if isinstance(body, dict) and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = self._max_tokens(prompt_ids, request.max_tokens, default, "messages", limit)
         params = request.sampling(max_tokens)
         if params.grammar is not None:
             self._check_grammar(request, params.grammar)
@@ -237,11 +238,13 @@ class PolicyServer:
         value = self.request_defaults.get("max_tokens")
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else fallback
 
-    def _max_tokens(self, prompt_ids: List[int], requested: Optional[int], default: int, prompt_param: str) -> int:
+    def _max_tokens(
+        self, prompt_ids: List[int], requested: Optional[int], default: int, prompt_param: str, limit: str = "max_tokens"
+    ) -> int:
         """The answer's token limit: ``requested``, else ``default`` as far as the model's context leaves room.
 
         A prompt that fills the context gets a 400 naming ``prompt_param``; a requested limit beyond it one
-        naming ``max_tokens`` and the most that fits. Both carry OpenAI's code (``CONTEXT_LENGTH_EXCEEDED``)
+        naming ``limit`` (what the client called it) and the most that fits. Both carry OpenAI's code (``CONTEXT_LENGTH_EXCEEDED``)
         and words that agent frameworks match to shorten a conversation that outgrew the model and retry:
         "maximum context length is" (CrewAI, LiteLLM) and "prompt is too long" (LangChain, whose check of the
         code reads only the message with openai 3's clients).
@@ -259,8 +262,8 @@ class PolicyServer:
         if room is not None and max_tokens > room:
             raise BadRequest(
                 f"This model's maximum context length is {context} tokens, but the prompt is too long for "
-                f"max_tokens {max_tokens}: {len(prompt_ids)} + {max_tokens} tokens; ask for at most {room}",
-                "max_tokens",
+                f"{limit} {max_tokens}: {len(prompt_ids)} + {max_tokens} tokens; ask for at most {room}",
+                limit,
                 CONTEXT_LENGTH_EXCEEDED,
             )
         return max_tokens
