@@ -166,6 +166,8 @@ def test_langchain_openai_llm_gets_the_served_text(server, client):
         ({"echo": True}, "echo", "echo is not supported"),
         ({"suffix": "x"}, "suffix", "suffix is not supported"),
         ({"best_of": 2}, "best_of", "only best_of=1"),
+        ({"best_of": True}, "best_of", "only best_of=1"),
+        ({"n": True}, "n", "only n=1"),
         ({"prompt": ["one", "two"]}, "prompt", "send one request per prompt"),
         ({"prompt": [[1, 2], [3]]}, "prompt", "send one request per prompt"),
         ({"prompt": [1, 49152]}, "prompt", "token id 49152 in 'prompt' is out of the vocabulary"),

@@ -463,6 +463,7 @@ def test_load_weights_swaps_the_policy_and_the_version(greedy, tiny):
     "change, param, words",
     [
         ({"n": 2}, "n", "only n=1"),
+        ({"n": True}, "n", "only n=1"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools to call"),
         ({"tool_choice": {"type": "function", "function": {"name": "sub"}}, "tools": [ADD_TOOL]}, "tool_choice",
          "not one of the tools ['add']"),

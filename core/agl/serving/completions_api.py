@@ -79,7 +79,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         "echo is not supported: leave it out (the prompt's token ids come back as choices[0].prompt_token_ids)",
     )
     require(body.get("suffix") is None, "suffix", "suffix is not supported: leave it out")
-    require(body.get("best_of") in (None, 1), "best_of", "only best_of=1 is supported: send one request per sample")
+    best_of = body.get("best_of")
+    require(best_of is None or (is_int(best_of) and best_of == 1), "best_of", "only best_of=1 is supported: send one request per sample")
     logprobs = body.get("logprobs")
     if isinstance(logprobs, bool):  # the chat API's spelling, e.g. a trainer's published sampling parameters
         logprobs = 0 if logprobs else None

@@ -108,7 +108,8 @@ def parse_request(body: Any) -> ChatRequest:
             f"{', '.join(sorted(_SUPPORTED - _IGNORED))}",
             unknown[0],
         )
-    require(body.get("n") in (None, 1), "n", "only n=1 is supported: send one request per sample")
+    n = body.get("n")
+    require(n is None or (is_int(n) and n == 1), "n", "only n=1 is supported: send one request per sample")
     for penalty in ("presence_penalty", "frequency_penalty"):
         require(body.get(penalty) in (None, 0, 0.0), penalty, f"{penalty} is not supported: leave it out or send 0")
     require(not body.get("logit_bias"), "logit_bias", "logit_bias is not supported: leave it out")
