@@ -403,3 +403,111 @@ def test_span_ids_do_not_repeat_when_the_agent_reseeds_random(tracer):
                 pass
     assert t.flush(5)
     assert len({s.span_id for s in sink.spans}) == 3
+
+
+class BlockingSink(ListSink):
+    """A store whose writes hang until released, like a store server's client riding out an outage."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def add_spans(self, spans):
+        self.entered.set()
+        self.release.wait(30)
+        return super().add_spans(spans)
+
+
+def test_a_new_store_is_not_held_up_by_a_write_stuck_on_the_store_it_replaces(caplog):
+    """A second Trainer in the same process, after the first one's store server went away, waited up to the
+    old client's outage timeout (10 minutes) before any of its spans were stored."""
+    t = Tracer(batch_size=64)
+    old, new = BlockingSink(), ListSink()
+    t.set_store(old)
+    with rollout_scope("ro-old", "at-1"):
+        with t.span("old", "chain"):
+            pass
+    assert old.entered.wait(5)
+    started = time.monotonic()
+    t.set_store(new)
+    assert time.monotonic() - started < 5
+    with rollout_scope("ro-new", "at-1"):
+        for i in range(3):
+            with t.span(f"new{i}", "chain"):
+                pass
+    assert t.flush(5), "the new store's spans waited for the stuck write to the old store"
+    assert sorted(s.name for s in new.spans) == ["new0", "new1", "new2", "old"]  # the stuck batch is offered too
+    assert "abandoned" in caplog.text
+    old.release.set()  # the abandoned call ends: its thread must leave the queue alone
+    time.sleep(0.5)
+    with rollout_scope("ro-new", "at-1"):
+        with t.span("later", "chain"):
+            pass
+    assert t.flush(5)
+    assert sorted(s.name for s in new.spans) == ["later", "new0", "new1", "new2", "old"]
+    t.processor.shutdown()
+
+
+def test_a_store_replaced_during_a_quick_write_gets_no_duplicates(caplog):
+    """The replaced store's write in progress is let finish (no warning, its batch is not written twice)."""
+
+    class SlowSink(ListSink):
+        def __init__(self):
+            super().__init__()
+            self.entered = threading.Event()
+
+        def add_spans(self, spans):
+            self.entered.set()
+            time.sleep(0.3)
+            return super().add_spans(spans)
+
+    t = Tracer(batch_size=64)
+    old, new = SlowSink(), ListSink()
+    t.set_store(old)
+    with rollout_scope("ro-old", "at-1"):
+        with t.span("old", "chain"):
+            pass
+    assert old.entered.wait(5)
+    t.set_store(new)
+    with rollout_scope("ro-new", "at-1"):
+        with t.span("new", "chain"):
+            pass
+    assert t.flush(5)
+    assert [s.name for s in old.spans] == ["old"] and [s.name for s in new.spans] == ["new"]
+    assert "abandoned" not in caplog.text
+    t.processor.shutdown()
+
+
+def test_spans_reach_a_new_store_while_the_old_store_server_is_down(tmp_path, caplog):
+    """The real case: the writer was inside RemoteLightningStore's outage retries (server stopped)."""
+    import socket
+
+    from agl.store import SqliteLightningStore
+    from agl.store.remote import RemoteLightningStore
+
+    with socket.socket() as sock:  # a port nobody listens on: connections are refused, as after a server stops
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    remote = RemoteLightningStore(f"http://127.0.0.1:{port}", retries=1, outage_timeout=600)
+    t = Tracer(batch_size=64)
+    t.set_store(remote)
+    with rollout_scope("ro-gone", "at-1"):
+        with t.span("lost-server", "chain"):
+            pass
+    deadline = time.monotonic() + 10
+    while "still trying" not in caplog.text and time.monotonic() < deadline:  # the client is riding out the outage
+        time.sleep(0.05)
+    store = SqliteLightningStore(tmp_path / "s.db")
+    rollout = store.enqueue_rollout({"q": 1})
+    attempt = store.dequeue_rollout("r1").attempt
+    t.set_store(store)
+    with rollout_scope(rollout.rollout_id, attempt.attempt_id):
+        with t.span("stored", "chain"):
+            pass
+    assert t.flush(10)
+    assert [s.name for s in store.query_spans(rollout.rollout_id)] == ["stored"]
+    assert t.stats().rejected == 1  # the old rollout's span: the new store does not know its rollout
+    remote.close()
+    t.processor.shutdown()
+    store.close()

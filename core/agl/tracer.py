@@ -54,6 +54,9 @@ _SHIP_HERE = 4  # batches queued before the agent's own thread ships one to the 
 STEP_SPAN_KINDS = ("llm", "tool")  # a reward emitted inside one of these is a step reward (agl.emitters)
 
 
+_OLD_STORE_GRACE_S = 2.0  # how long set_sink lets a write to the store it replaces finish before abandoning it
+
+
 class StoreSpanProcessor:
     """Queues finished spans of rollouts; a daemon thread (or a writer process) writes them in batches.
 
@@ -89,6 +92,9 @@ class StoreSpanProcessor:
         self._done = threading.Condition()
         self._processed = 0  # exported + rejected + dropped-by-worker, under _done
         self._worker: Optional[threading.Thread] = None
+        self._worker_epoch = 0  # + 1 when a new writer thread takes over from one stuck on a replaced store
+        self._pop_lock = threading.Lock()  # the epoch check and the queue's pops of a written batch, together
+        self._writing_to: Any = None  # the store the writer thread is in a call to, if any
         self._stopped = False
         self._warned_drop = False
         self._warned_unscoped = False
@@ -98,12 +104,39 @@ class StoreSpanProcessor:
     # -- configuration --------------------------------------------------------------------------------------
     def set_sink(self, sink: Any) -> None:
         """Attach the store. A writer process serves one store: a different store gets a new process once the
-        old one has written what it was sent; ``None`` pauses writing (spans wait) and keeps the process."""
+        old one has written what it was sent; ``None`` pauses writing (spans wait) and keeps the process. A
+        writer thread still inside a call to the store being replaced after 2 s (a store server's client riding
+        out an outage) is abandoned for a new one, so the new store's spans do not wait behind it."""
         if self._process is not None and sink is not None and sink is not self._process.sink:
             self._stop_process()
         self.sink = sink
+        writing_to = self._writing_to
+        if sink is not None and writing_to is not None and writing_to is not sink:
+            deadline = time.monotonic() + _OLD_STORE_GRACE_S
+            while self._writing_to is writing_to and time.monotonic() < deadline:
+                time.sleep(0.01)  # a write in progress normally ends in milliseconds
+            if self._writing_to is writing_to:
+                self._replace_stuck_worker(writing_to)
         self._ensure_process()
         self._wake.set()
+
+    def _replace_stuck_worker(self, old_sink: Any) -> None:
+        """A new writer thread for the new store, when the current one is inside a call to the store being
+        replaced: that call may be riding out an outage (a store server's client keeps trying for its outage
+        timeout, 10 minutes under a Trainer), and every span queued behind its batch, the new store's too,
+        would wait for it. The old thread is left to finish its call and then ends without touching the queue;
+        its batch stays queued and goes to the new store like every other queued span."""
+        with self._pop_lock:
+            self._worker_epoch += 1
+            self._worker = None
+            self._writing_to = None
+        logger.warning(
+            "agl's span writer was still trying to write %d spans to the store it had before (%r); the new store "
+            "gets them and every span after them now, and the call to the old one is abandoned",
+            min(len(self._queue), self.batch_size), old_sink,
+        )
+        if self._queue:
+            self._start_worker()
 
     def set_writer(self, writer: str) -> None:
         self.writer = _checked_writer(writer)
@@ -256,32 +289,44 @@ class StoreSpanProcessor:
     def _start_worker(self) -> None:
         with self._done:
             if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="agl-span-writer", daemon=True)
+                self._worker = threading.Thread(
+                    target=self._run, args=(self._worker_epoch,), name="agl-span-writer", daemon=True
+                )
                 self._worker.start()
 
-    def _run(self) -> None:
-        while True:
+    def _run(self, epoch: int) -> None:
+        while epoch == self._worker_epoch:
             self._wake.wait(self.interval)
             self._wake.clear()
             if self._process is not None:
                 self._ship(block=True)
             else:
-                self._export_queue()
+                self._export_queue(epoch)
             if self._stopped and not self._queue:
                 return
 
-    def _export_queue(self) -> None:
-        while self._queue and self._process is None:
+    def _export_queue(self, epoch: int) -> None:
+        while self._queue and self._process is None and epoch == self._worker_epoch:
             sink = self.sink
             if sink is None:
                 return  # keep spans until a store is attached
             exporter = SpanExporter(sink, self.stats)
             n = min(len(self._queue), self.batch_size)
             spans = exporter.convert([self._queue[i] for i in range(n)])
-            if not exporter.write_until_done(spans, give_up=lambda: self.sink is not sink or self._stopped):
+            self._writing_to = sink
+            try:
+                written = exporter.write_until_done(spans, give_up=lambda: self.sink is not sink or self._stopped)
+            finally:
+                with self._pop_lock:
+                    if epoch == self._worker_epoch:
+                        self._writing_to = None
+            if not written:
                 return
-            for _ in range(n):
-                self._queue.popleft()
+            with self._pop_lock:
+                if epoch != self._worker_epoch:
+                    return  # replaced while writing: the new thread owns the queue (and writes these again)
+                for _ in range(n):
+                    self._queue.popleft()
             self._count_processed(n)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
