@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -249,6 +250,55 @@ def test_async_work_an_agent_left_behind_is_finished_when_the_runners_stop(
     assert [r.status for r in rows] == ["succeeded", "succeeded"]
     assert _CLOSED == ["closed", "closed"]
     assert not [r for r in caplog.records if "was destroyed but it is pending" in r.getMessage()]
+
+
+_LEFT: list = []
+
+
+async def _keeps_working():
+    """Stands for an SDK's background run whose stream the agent stopped reading: it goes on making calls."""
+    from agl.tracer import get_tracer
+
+    try:
+        while True:
+            await asyncio.sleep(0.05)
+            with get_tracer().span("left-behind call", "chain"):
+                pass
+    except asyncio.CancelledError:
+        _LEFT.append("cancelled")
+        raise
+
+
+@agl.rollout
+async def _leaves_a_task_running(task):
+    if task["kind"] == "leave":
+        asyncio.get_running_loop().create_task(_keeps_working())
+        numbers = _numbers()
+        await numbers.__anext__()  # abandoned too: its close must still run, not be cancelled before it starts
+        await asyncio.sleep(0.12)
+        return 1.0
+    await asyncio.sleep(0.6)  # the next rollout on the same runner, and so on the same event loop
+    return 0.0
+
+
+def test_tasks_a_rollout_left_running_are_cancelled_inside_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The agent thread's event loop outlives each rollout: a task the rollout started and left running (an
+    OpenAI Agents SDK run whose stream it stopped reading) went on during the next rollout, calling the model and
+    storing spans in the finished attempt. It now ends with its rollout, as under asyncio.run."""
+    _LEFT.clear()
+    _CLOSED.clear()
+    store = SqliteLightningStore(tmp_path / "s.db")
+    trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False)
+    with caplog.at_level(logging.WARNING, "agl.runner"):
+        rows = trainer.dev(_leaves_a_task_running, [{"kind": "leave"}, {"kind": "sleep"}], print_table=False)
+    assert [r.status for r in rows] == ["succeeded", "succeeded"]
+    assert _LEFT == ["cancelled"] and _CLOSED == ["closed"]
+    (rollout,) = store.query_rollouts(rollout_ids=[rows[0].rollout_id])
+    spans = store.query_spans(rows[0].rollout_id)
+    assert 1 <= sum(s.name == "left-behind call" for s in spans) <= 3
+    ended_ns = rollout.attempt.end_time * 1e9  # (attempt times are in seconds, span times in nanoseconds)
+    assert all(s.start_time <= ended_ns for s in spans), "a span started after its attempt had ended"
+    assert "left 1 asyncio task(s) running" in caplog.text and "_keeps_working" in caplog.text
 
 
 def test_closing_a_runner_twice_is_quiet(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

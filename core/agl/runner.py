@@ -340,18 +340,44 @@ class Runner:
                     result = self.agent.run(rollout.input, resources, rollout)
                     if inspect.isawaitable(result):
                         loop = self._event_loop()
+                        earlier = asyncio.all_tasks(loop)
                         task = loop.create_task(_await(result))
                         self._running_task = (loop, task)
                         try:
                             result = loop.run_until_complete(task)
                         finally:
                             self._running_task = None
+                            self._end_tasks_left_behind(loop, earlier, rollout.rollout_id)
                 finally:
                     scope.end_open_work()  # streams the agent stopped reading end inside its rollout
                 return self._episode_reward(self._returned_reward(result, scope), scope)
         finally:
             self._agent_busy = False
             exit_scope(token)
+
+    def _end_tasks_left_behind(
+        self, loop: asyncio.AbstractEventLoop, earlier: Set["asyncio.Task[Any]"], rollout_id: str
+    ) -> None:
+        """Cancel the asyncio tasks the rollout started and left running, as ``asyncio.run`` does when its
+        coroutine returns, and let them unwind inside the rollout (their spans end in it, before its reward).
+
+        The event loop outlives the rollout (see :meth:`_event_loop`), so such a task went on in the next
+        rollout on this runner: an OpenAI Agents SDK run whose stream the agent stopped reading made more model
+        calls and wrote their spans into the finished attempt, and a batch read later had calls its reward
+        never saw."""
+        if loop.is_closed() or loop.is_running():
+            return
+        loop.run_until_complete(asyncio.sleep(0))  # close() of generators the rollout abandoned gets scheduled
+        left = [task for task in asyncio.all_tasks(loop) if task not in earlier]
+        if not left:
+            return
+        names = sorted({_task_name(task) for task in left})
+        logger.warning(
+            "rollout %s left %d asyncio task(s) running when it returned (%s), e.g. a model stream it stopped "
+            "reading or a task it never awaited; they were cancelled, as asyncio.run does, so they cannot go on "
+            "calling the model in the next rollout", rollout_id, len(left), ", ".join(names[:5]),
+        )
+        _cancel_and_wait(loop, left, CANCEL_GRACE_S)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """One event loop per agent thread, kept across rollouts: SDK clients (httpx pools) created in one
@@ -502,11 +528,7 @@ class Runner:
             return
         try:
             loop.run_until_complete(asyncio.sleep(0))  # callbacks already scheduled (aclose of collected generators)
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            _cancel_and_wait(loop, list(asyncio.all_tasks(loop)), None)
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             asyncio.set_event_loop(None)
@@ -515,3 +537,22 @@ class Runner:
 
 async def _await(awaitable: Any) -> Any:
     return await awaitable
+
+
+def _cancel_and_wait(loop: asyncio.AbstractEventLoop, tasks: List["asyncio.Task[Any]"], timeout: Optional[float]) -> None:
+    """Cancel ``tasks`` and run the loop until they have unwound (or ``timeout`` seconds: a task that swallows
+    its cancellation must not hold the runner)."""
+    if not tasks:
+        return
+    for task in tasks:
+        if type(task.get_coro()).__name__ != "async_generator_athrow":  # aclose() of an abandoned generator: let
+            task.cancel()  # it run its ``finally`` (cancelled before it starts, the generator is never closed)
+    done, _ = loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))
+    for task in done:
+        if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" log for what unwinding raised
+
+
+def _task_name(task: "asyncio.Task[Any]") -> str:
+    coro = task.get_coro()
+    return getattr(coro, "__qualname__", None) or task.get_name()
