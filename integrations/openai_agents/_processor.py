@@ -23,7 +23,10 @@ spans stay there: a failed model request is already an error ``llm`` span and ma
 The first error an agl span gets is kept: a later one (the SDK's generic ``Error in agent run`` on the
 agent span, after its turn's specific error) neither replaces it nor counts twice.
 A function tool that timed out with ``timeout_behavior="error_as_result"`` gives the model the SDK's
-message but leaves no ``SpanError``; see :func:`_timeout_message`.
+message but leaves no ``SpanError``; see :func:`_timeout_message`. Nor does a cancelled one: a tool cancelled
+before it finished fails as ``CancelledError`` (see :func:`_end_tool`), and the spans of a run cancelled
+that way are marked ``agl.span.stopped``, as LangChain's adapter marks a run its caller stopped (see
+:meth:`AglTracingProcessor.on_trace_end`).
 
 Parents come from the SDK's ``parent_id`` (else the trace), not from the ambient context, so concurrent
 runs cannot cross. Making a span current follows the SDK exactly: the SDK marks these spans current right
@@ -35,8 +38,10 @@ foreign context alone instead of corrupting it.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -110,6 +115,11 @@ class _Mirror:
     trace_id: str
     pending_calls: List[ToolCall] = field(default_factory=list)
     attachment: Optional[_Attachment] = None
+    # A function span's: its SDK data (read at its end, or at its trace's end if the SDK ends it later), the
+    # span it hangs under, and that agent's pending calls (its call id is taken from them).
+    tool: Optional[FunctionSpanData] = None
+    anchor: Optional[otel_trace.Span] = None
+    calls: Optional[List[ToolCall]] = None
 
 
 class AglTracingProcessor(TracingProcessor):
@@ -131,14 +141,30 @@ class AglTracingProcessor(TracingProcessor):
 
     @guarded("openai_agents.trace_end")
     def on_trace_end(self, trace: Trace) -> None:
-        """Also ends the trace's spans the SDK left open (older SDKs never end the agent span of a
-        cancelled streamed run), so that none is lost from the store or kept here forever."""
+        """Also ends the trace's spans the SDK left open, so that none is lost from the store or kept here
+        forever. They were interrupted: older SDKs never end the agent span of a cancelled streamed run, and
+        a cancelled run (``asyncio.wait_for`` around ``Runner.run``, a rollout timeout) ends its trace before
+        the function span of the tool it was running (the SDK's later ``on_span_end`` of it is ignored).
+        Such a tool is a failed call (``CancelledError``), with the arguments and call id it had by then (the
+        SDK sets the arguments as the span starts); any other span, and then the trace's own, is marked
+        stopped (see :func:`_stopped`)."""
+        own = self._mirrors.pop(trace.trace_id, None)
+        left_open = False
         for key, mirror in dict(self._mirrors).items():
             if mirror.trace_id != trace.trace_id or self._mirrors.pop(key, None) is None or not mirror.owned:
                 continue
+            left_open = True
             if mirror.attachment is not None:
                 mirror.attachment.release()
-            finish_span(mirror.span)
+            if mirror.tool is not None:
+                _end_tool(mirror.span, mirror.tool, None, mirror.calls, _interrupted())
+            else:
+                _stopped(mirror.span)
+                finish_span(mirror.span)
+        if own is not None:
+            if left_open:
+                _stopped(own.span)
+            finish_span(own.span)
 
     # -- spans --------------------------------------------------------------------------------------------
     @guarded("openai_agents.span_start")
@@ -148,8 +174,13 @@ class AglTracingProcessor(TracingProcessor):
         parent = self._mirrors.get(span.parent_id or span.trace_id)
         start = _STARTERS.get(type(span.span_data))
         if start is not None:
-            ours = start(span.span_data, parent.span if parent is not None else None)
-            self._mirrors[span.span_id] = _Mirror(ours, True, span.trace_id, attachment=_Attachment(ours))
+            anchor = parent.span if parent is not None else None
+            ours = start(span.span_data, anchor)
+            mirror = _Mirror(ours, True, span.trace_id, attachment=_Attachment(ours))
+            if isinstance(span.span_data, FunctionSpanData):
+                mirror.tool, mirror.anchor = span.span_data, anchor
+                mirror.calls = parent.pending_calls if parent is not None else None
+            self._mirrors[span.span_id] = mirror
         elif parent is not None:
             self._mirrors[span.span_id] = _Mirror(parent.span, False, span.trace_id, parent.pending_calls)
 
@@ -166,16 +197,22 @@ class AglTracingProcessor(TracingProcessor):
             if getattr(data, "type", None) in _RUN_SPAN_TYPES:
                 _mark_failed(mirror.span, span.error)  # mirror.span is the nearest mirrored ancestor's span
             return
-        parent = self._mirrors.get(span.parent_id or span.trace_id)
         if isinstance(data, FunctionSpanData):
-            _end_tool(mirror.span, data, span.error, parent)
+            _end_tool(mirror.span, data, span.error, mirror.calls, _cancelled_now())
             return
         if isinstance(data, HandoffSpanData):
             _end_handoff(mirror.span, data)
         elif isinstance(data, GuardrailSpanData):
             mirror.span.set_attribute(GUARDRAIL_TRIGGERED, bool(data.triggered))
         _mark_failed(mirror.span, span.error)
+        if isinstance(data, AgentSpanData) and self._running_tools(mirror.span):
+            _stopped(mirror.span)  # cancelled while its tools ran: the SDK ends it with no error
         finish_span(mirror.span)
+
+    def _running_tools(self, agent: otel_trace.Span) -> bool:
+        """Whether a function span under ``agent`` is still open: the SDK ends an agent span with its tools
+        running only when its run is cancelled (it awaits every tool otherwise)."""
+        return any(m.tool is not None and m.anchor is agent for m in list(self._mirrors.values()))
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -211,21 +248,53 @@ _STARTERS: Dict[type, Callable[[Any, Optional[otel_trace.Span]], otel_trace.Span
 
 
 def _end_tool(
-    span: otel_trace.Span, data: FunctionSpanData, error: Optional[SpanError], parent: Optional[_Mirror]
+    span: otel_trace.Span,
+    data: FunctionSpanData,
+    error: Optional[SpanError],
+    calls: Optional[List[ToolCall]],
+    interrupted: Optional[BaseException] = None,
 ) -> None:
-    """The SDK fills in arguments and output after the span starts, so they are read at its end."""
+    """The SDK fills in arguments and output after the span starts, so they are read at its end.
+
+    ``interrupted``: the tool was cancelled before it finished (its run was cancelled, or the SDK cancelled
+    it beside a sibling whose failure ended the run). The SDK puts no ``SpanError`` on it, yet no result
+    reached the model: it fails with that exception, as agl's own ``@agl.tool`` span of a cancelled tool
+    does, so AIR does not count it as a tool call that worked (nor as one that failed: it was interrupted)."""
     if data.input is not None:
         get_tracer().set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: data.input})
-    if parent is not None:
-        call_id = take_call_id(parent.pending_calls, data.name, data.input)
+    if calls is not None:
+        call_id = take_call_id(calls, data.name, data.input)
         if call_id:
             span.set_attribute(semconv.TOOL_CALL_ID, call_id)
-    timeout = None if error else _timeout_message(data)
+    timeout = None if error or interrupted else _timeout_message(data)
     if timeout is not None:
         span.set_attribute(semconv.ERROR_TYPE, TOOL_TIMEOUT)
         span.set_status(StatusCode.ERROR, timeout)
     _mark_failed(span, error)
+    if interrupted is not None and not _failed(span):
+        finish_tool(span, error=interrupted)
+        return
     finish_tool(span, data.output)
+
+
+def _interrupted() -> asyncio.CancelledError:
+    """What a tool span fails with when the tool was cancelled (the SDK gives no exception to record)."""
+    return asyncio.CancelledError("cancelled before the tool finished")
+
+
+def _cancelled_now() -> Optional[BaseException]:
+    """The cancellation a function span is ended by, if any. The SDK ends a function span in its ``with``
+    block's ``__exit__``, where the exception leaving the block is the one being handled."""
+    exc = sys.exc_info()[1]
+    return _interrupted() if isinstance(exc, asyncio.CancelledError) else None
+
+
+def _stopped(span: otel_trace.Span) -> None:
+    """Mark a span the SDK ended (or left open) because its run was cancelled as stopped
+    (``agl.span.stopped``): not a failure, so no error status, as LangChain's adapter records a run its
+    caller stopped. A span that failed keeps only its error."""
+    if not _failed(span):
+        span.set_attribute(semconv.SPAN_STOPPED, True)
 
 
 def _timeout_message(data: FunctionSpanData) -> Optional[str]:

@@ -194,6 +194,7 @@ def test_a_run_becomes_agent_llm_and_tool_spans(api: str, mode: str, fake_openai
     (agent,) = _of_kind(spans, "agent")
     assert agent.name == "invoke_agent calculator" and agent.attributes[semconv.AGENT_NAME] == "calculator"
     assert agent.parent_id == workflow.span_id
+    assert semconv.SPAN_STOPPED not in agent.attributes and semconv.SPAN_STOPPED not in workflow.attributes
     llm = _of_kind(spans, "llm")
     assert len(llm) == len(fake_openai.requests)  # exactly one llm span per HTTP request
     for span in llm:
@@ -489,6 +490,77 @@ def test_a_tool_error_that_ends_the_run_still_ends_every_span(fake_openai, instr
     assert otel_trace.get_current_span() is otel_trace.INVALID_SPAN  # nothing left attached
 
 
+@function_tool
+async def slow_lookup(query: str) -> str:
+    """Look something up, slowly."""
+    await asyncio.sleep(5)
+    return f"found {query}"
+
+
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_a_tool_cancelled_with_its_run_is_a_failed_call_with_its_arguments_and_call_id(
+    api: str, fake_openai, instrumented, sink
+) -> None:
+    """``asyncio.wait_for`` around ``Runner.run`` (a rollout timeout does the same): the SDK ends its trace
+    before the function span of the tool it was running, with no error on it. The span was ended at trace
+    end as a tool that worked, without the arguments and call id the SDK only delivered after."""
+    set_default_openai_api(api)
+    fake_openai.script(FakeReply(tool_calls=[{"id": "call-slow", "name": "slow_lookup", "arguments": {"query": "pi"}}]))
+    rollout_id = _rollout_id()
+
+    async def scenario() -> None:
+        with rollout_scope(rollout_id, "at-1"):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(Runner.run(Agent(name="searcher", tools=[slow_lookup]), QUESTION), 0.5)
+
+    asyncio.run(scenario())
+
+    spans = sink.of(rollout_id)
+    (tool,) = _of_kind(spans, "tool")
+    assert tool.status == "error" and tool.attributes[semconv.ERROR_TYPE] == "CancelledError"
+    assert "cancelled before the tool finished" in tool.error
+    assert json.loads(tool.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"query": "pi"}
+    assert tool.attributes[semconv.TOOL_CALL_ID] == "call-slow"
+    assert semconv.TOOL_CALL_RESULT not in tool.attributes
+    (agent,) = _of_kind(spans, "agent")
+    (workflow,) = [s for s in spans if s.parent_id is None]
+    for stopped in (agent, workflow):  # stopped by its caller: not a failure (as LangChain's adapter records it)
+        assert stopped.status != "error" and stopped.attributes[semconv.SPAN_STOPPED] is True
+    (llm,) = _of_kind(spans, "llm")
+    assert _air(spans) == {}  # interrupted, not failed on its own: AIR does not judge the call by it
+    assert _open_mirrors() == 0
+    assert otel_trace.get_current_span() is otel_trace.INVALID_SPAN
+
+
+def test_a_tool_the_sdk_cancels_beside_a_failing_one_is_a_failed_call(fake_openai, instrumented, sink) -> None:
+    """Parallel calls: a strict tool raises, so the SDK cancels its sibling, and ends that sibling's span
+    with no error. It was stored as a call that worked, with no result."""
+    fake_openai.script(
+        FakeReply(
+            tool_calls=[
+                {"id": "call-slow", "name": "slow_lookup", "arguments": {"query": "pi"}},
+                {"id": "call-div", "name": "divide_strict", "arguments": {"a": 1, "b": 0}},
+            ]
+        )
+    )
+    rollout_id = _rollout_id()
+    agent = Agent(name="calculator", tools=[slow_lookup, divide_strict])
+    with rollout_scope(rollout_id, "at-1"), pytest.raises(Exception, match="division by zero"):
+        Runner.run_sync(agent, QUESTION)
+
+    spans = sink.of(rollout_id)
+    tools = {t.attributes[semconv.TOOL_NAME]: t for t in _of_kind(spans, "tool")}
+    assert "division by zero" in tools["divide_strict"].error
+    cancelled = tools["slow_lookup"]
+    assert cancelled.status == "error" and cancelled.attributes[semconv.ERROR_TYPE] == "CancelledError"
+    assert cancelled.attributes[semconv.TOOL_CALL_ID] == "call-slow"
+    assert json.loads(cancelled.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"query": "pi"}
+    (agent_span,) = _of_kind(spans, "agent")
+    assert agent_span.status == "error"  # the run failed: its error, not a stopped mark
+    assert semconv.SPAN_STOPPED not in agent_span.attributes
+    assert _open_mirrors() == 0
+
+
 @agents.input_guardrail
 async def refuse_everything(ctx: Any, agent: Agent, text: Any) -> agents.GuardrailFunctionOutput:
     return agents.GuardrailFunctionOutput(output_info="no", tripwire_triggered=True)
@@ -657,7 +729,10 @@ def test_a_span_the_sdk_never_ends_is_ended_with_its_trace(instrumented, sink) -
 
     contextvars.copy_context().run(scenario)
 
-    assert [s.name for s in sink.of(rollout_id)] == ["workflow manual", "invoke_agent forgotten"]
+    workflow, forgotten = sink.of(rollout_id)
+    assert [workflow.name, forgotten.name] == ["workflow manual", "invoke_agent forgotten"]
+    for span in (workflow, forgotten):  # interrupted, not finished: marked stopped, not failed
+        assert span.status != "error" and span.attributes[semconv.SPAN_STOPPED] is True
     assert _open_mirrors() == 0
 
 

@@ -238,3 +238,19 @@ def test_a_tool_call_run_more_than_once_counts_once_by_its_last_run() -> None:
         first.span_id: pytest.approx({"air.tool_ok": 0.5, "air.tool_error": -0.1}),
         second.span_id: {"air.tool_error": -0.1},
     }
+
+
+def test_a_tool_interrupted_by_its_caller_says_nothing_of_the_call() -> None:
+    """A tool cancelled with its run (CancelledError), or stopped by its caller (agl.span.stopped), was not
+    judged by its result: it was a tool_error (OpenAI Agents SDK, @agl.tool) or a tool_ok (LangChain)."""
+    b = TraceBuilder()
+    call = b.llm([1], [2], content=None, tool_calls=[
+        {"id": "c1", "name": "slow", "arguments": "{}"},
+        {"id": "c2", "name": "slow", "arguments": "{}"},
+        {"id": "c3", "name": "fast", "arguments": "{}"},
+    ])
+    b.tool("slow", call_id="c1", error=True, error_type="CancelledError")
+    b.tool("slow", call_id="c2", stopped=True)
+    b.tool("fast", call_id="c3", error=True)
+    out = air_rewards(links_of(b.finish()), [call.span_id], AIRConfig(tool_ok=0.5))
+    assert out == {call.span_id: {"air.tool_error": -0.1}}

@@ -15,7 +15,9 @@ weights from :class:`AIRConfig`, recorded in ``Transition.step_rewards`` under t
   failing ``add`` spans and one unparsed ``add`` call, one is still a ``tool_error``). A tool call run
   more than once (several tool spans with one ``gen_ai.tool.call.id`` from one calling call: a retry, e.g.
   LangChain's ``ToolRetryMiddleware``, or LangGraph re-running a tools node when a graph resumes after an
-  interrupt) counts once, by its last run: what the model was told;
+  interrupt) counts once, by its last run: what the model was told. A tool interrupted before it finished
+  (cancelled with its run, a rollout timeout, or beside a sibling whose failure ended the run: error type
+  ``CancelledError``, or marked ``agl.span.stopped``) counts as neither: it says nothing of the call;
 - ``air.args_valid`` / ``air.args_invalid``: per tool call in the call's output message whose arguments
   do / do not parse as a JSON object;
 - ``air.format_ok`` / ``air.format_miss``: the call's text content does / does not match
@@ -98,7 +100,7 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
             if _inner_record_of_its_parent(links, span):
                 continue
             caller = links.caller_of_tool(span)
-            if caller in wanted and span.span_id in last_runs:
+            if caller in wanted and span.span_id in last_runs and not _interrupted(span):
                 if span.status == "error" and unparsed.excuse(span, caller):
                     continue
                 if span.status == "error":
@@ -153,6 +155,12 @@ class _UnparsedCalls:
                 del pending[index]
                 return True
         return False
+
+
+def _interrupted(tool: Span) -> bool:
+    """Cut short by its caller, not failed or finished on its own (module docstring)."""
+    attributes = tool.attributes
+    return bool(attributes.get(semconv.SPAN_STOPPED)) or attributes.get(semconv.ERROR_TYPE) == "CancelledError"
 
 
 def _last_runs(links: CallLinks) -> Set[str]:

@@ -122,12 +122,22 @@ class TraceBuilder:
             attrs[semconv.OPERATION_SPAN_ID] = operation
         return self._end(self._start(), f"chat {model}", "llm", attrs, status)
 
-    def tool(self, name: str = "tool", *, call_id: Optional[str] = None, error: bool = False) -> Span:
+    def tool(
+        self,
+        name: str = "tool",
+        *,
+        call_id: Optional[str] = None,
+        error: bool = False,
+        error_type: str = "ValueError",
+        stopped: bool = False,
+    ) -> Span:
         attrs: Dict[str, Any] = {semconv.TOOL_NAME: name}
         if call_id is not None:
             attrs[semconv.TOOL_CALL_ID] = call_id
         if error:
-            attrs[semconv.ERROR_TYPE] = "ValueError"
+            attrs[semconv.ERROR_TYPE] = error_type
+        if stopped:
+            attrs[semconv.SPAN_STOPPED] = True
         return self._end(self._start(), f"execute_tool {name}", "tool", attrs, "error" if error else "unset")
 
     def reward(self, value: float, *, scope: str = "step", name: str = "primary", operation: Optional[str] = None) -> Span:
