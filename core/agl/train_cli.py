@@ -92,7 +92,10 @@ def add_train_parser(sub: Any, store_help: str) -> None:
     apo.add_argument("--optimizer-endpoint", help="the model that critiques and edits the prompt: a base URL")
     apo.add_argument("--optimizer-model", help="the optimizer's model name")
     apo.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key "
-                     "sent to both endpoints, when set (default OPENAI_API_KEY)")
+                     "sent to both endpoints, when set (default OPENAI_API_KEY); the agent's is stored with its "
+                     "resource 'main_llm' in the run's store")
+    apo.add_argument("--optimizer-api-key-env", metavar="VAR", help="environment variable holding the optimizer's "
+                     "own API key (default: --api-key-env's): it is neither sent to the agent's endpoint nor stored")
     train.add_argument("--out", default=".agl/train", help="the run's folder: store, metrics, checkpoints "
                        "(default .agl/train)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
@@ -114,6 +117,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from agl.cli import json_setting, load_agent, load_tasks
 
     out = Path(args.out)
+    if args.algorithm == "apo":
+        _check_apo_out(out, args.resume, args.check)
     _check_out(out, args.resume, args.check)
     if args.agent_match:
         try:
@@ -521,9 +526,11 @@ def _apo(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
                          + " (the seed prompt, the agent's model, and the model that edits the prompt)")
     prompt = prompt_setting(args.prompt)
     api_key = os.environ.get(args.api_key_env) or None
+    optimizer_key = (os.environ.get(args.optimizer_api_key_env) or None) if args.optimizer_api_key_env else api_key
     settings = {**config, **_keyword_sets(args.settings)}
     try:
-        algorithm = APO(LLM(endpoint=args.optimizer_endpoint, model=args.optimizer_model, api_key=api_key), **settings)
+        algorithm = APO(LLM(endpoint=args.optimizer_endpoint, model=args.optimizer_model, api_key=optimizer_key),
+                        **settings)
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"agl: bad apo settings: {exc} (APO's settings: docs/prompt-optimization.md)") from None
     resources = {
@@ -534,32 +541,61 @@ def _apo(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
     return algorithm, resources
 
 
+def _check_apo_out(out: Path, resume: bool, check: bool) -> None:
+    """APO keeps no checkpoints: ``--resume`` would search again from ``--prompt`` and replace the saved
+    results, maybe with worse ones. The way to go on is a new run seeded with the best prompt. A folder that
+    holds APO results (its store may be elsewhere, ``--store``) or rollouts is not written into either."""
+    go_on = f"start a new --out seeded with the best prompt so far: --prompt @{out / 'best_prompt.txt'}"
+    if resume:
+        raise SystemExit(f"agl: --resume: an APO run keeps no checkpoints and cannot be continued; {go_on}")
+    if check:  # --check writes nothing
+        return
+    saved = [name for name in ("best_prompt.txt", "apo_history.json") if (out / name).exists()]
+    if saved:
+        raise SystemExit(f"agl: {out} already holds the results of an APO run ({', '.join(saved)}); {go_on}")
+    if _has_rollouts(out / "store.db"):
+        raise SystemExit(f"agl: {out} already holds an APO run that saved no prompt: choose another --out (or "
+                         "delete the folder)")
+
+
 def _fit_apo(trainer: Any, agent: Any, train_tasks: Any, val_tasks: Any, out: Path) -> int:
-    """Run APO and save its prompts; an optimizer that fails mid-search still leaves the best so far."""
+    """Run APO and save its prompts; whatever stops it early (the optimizer failing, Ctrl-C) still leaves the
+    best so far in ``out``."""
     from agl.algorithm.apo import APOError
 
+    go_on = f"run again with a new --out and --prompt @{out / 'best_prompt.txt'} to search further"
     try:
         result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
-    except APOError as exc:
-        if exc.result is None:
+    except KeyboardInterrupt:  # Ctrl-C: save what was scored, one line, no traceback
+        with _no_second_interrupt():
+            if _save_apo(trainer.algorithm.result, out):
+                print(f"agl train: interrupted; the best prompt so far is saved; {go_on}", file=sys.stderr)
+            else:
+                print("agl train: interrupted before the seed prompt was scored; nothing to save", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        saved = _save_apo(trainer.algorithm.result, out)
+        if not (saved and isinstance(exc, APOError)):
             raise
-        _save_apo(exc.result, out)
-        print(f"agl train: APO stopped early: {exc}. The best prompt so far is saved; run again with a new --out "
-              "to search further", file=sys.stderr)
+        print(f"agl train: APO stopped early: {exc}. The best prompt so far is saved; {go_on}", file=sys.stderr)
         return 1
     _save_apo(result, out)
     print(f"agl train: done; the run is in {out}")
     return 0
 
 
-def _save_apo(result: Any, out: Path) -> None:
-    """The best prompt as text, and every prompt tried with its score, under ``out``."""
+def _save_apo(result: Any, out: Path) -> bool:
+    """The best prompt as text, and every prompt tried with its score, under ``out``; False when no prompt
+    was scored (``result`` None or empty), and nothing is written."""
+    if result is None or not result.history:
+        return False
     (out / "best_prompt.txt").write_text(result.best.template)
     history = [{"template": c.template, "score": c.score, "round": c.round, "parent": c.parent,
                 "critique": c.critique} for c in result.history]
     (out / "apo_history.json").write_text(json.dumps(history, indent=2))
     print(f"agl train: best prompt scores {result.best.score:.3f} (seed {result.seed.score:.3f}); "
           f"{len(result.history)} prompts tried; saved to {out / 'best_prompt.txt'}\n{result.best.template}")
+    return True
 
 
 def _verl(args: argparse.Namespace, config: Dict[str, Any]) -> Any:

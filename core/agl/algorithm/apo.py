@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import re
 import statistics
 import string
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Generic, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 from agl import semconv
 from agl.algorithm.base import Algorithm
@@ -63,8 +64,19 @@ NO_PLACEHOLDERS = " The prompt has no placeholders in braces: do not add any."
 AL_GRADIENT_MODEL = "gpt-5-mini"
 AL_APPLY_EDIT_MODEL = "gpt-4.1-mini"
 
-_PROMPT_OPEN = re.compile(r"<prompt>\s*", re.IGNORECASE)
-_PROMPT_CLOSE = re.compile(r"\s*</prompt>", re.IGNORECASE)
+# A reasoning model's thinking, which often mentions <prompt> tags itself: a whole <think> block, everything
+# before a lone </think> (the chat template opened the block), or an unclosed block (the reply was cut off).
+_THINKING = re.compile(r"<think>.*?</think>|^.*</think>|<think>.*", re.IGNORECASE | re.DOTALL)
+# A closed <prompt> block whose content opens no other one; an unclosed last tag is the fallback.
+_PROMPT_BLOCK = re.compile(r"<prompt>((?:(?!<prompt>).)*?)</prompt>", re.IGNORECASE | re.DOTALL)
+_PROMPT_OPEN = re.compile(r"<prompt>", re.IGNORECASE)
+_LEFTOVER_TAG = re.compile(r"</?(?:prompt|think)>", re.IGNORECASE)
+
+#: APO's settings that count something: whole numbers, at least 1
+_COUNTS = ("beam_width", "branch_factor", "rounds", "gradient_batch_size", "val_batch_size", "max_transcripts")
+DEFAULT_ROUNDS = 2
+
+T_task = TypeVar("T_task")
 
 
 class APOError(AglError):
@@ -111,7 +123,7 @@ class TraceToMessages:
     unchanged; a training algorithm (LightningRL) refuses it as an adapter."""
 
 
-class APO(Algorithm):
+class APO(Algorithm, Generic[T_task]):
     """Textual-gradient beam search over one ``PromptTemplate`` of the trainer's initial resources.
 
     ``optimizer``: the model that critiques and edits: ``agl.LLM`` (or its fields as a dict), or, as in
@@ -124,7 +136,11 @@ class APO(Algorithm):
     the same); each spawns ``branch_factor`` edits from one critique of ``gradient_batch_size`` training
     rollouts (the ``max_transcripts`` worst are shown). Candidates are scored on ``val_batch_size``
     validation tasks (the validation set, else the training set), the same for every candidate. Failed
-    rollouts and rollouts without a reward count as 0.
+    rollouts and rollouts without a reward count as 0. ``APO[MyTask](...)``, Agent Lightning's spelling,
+    works too (the task type is only a hint).
+
+    ``result`` holds the search so far, while it runs and after it stopped for any reason (an optimizer
+    failure, Ctrl-C): a caller that catches the exception still has every prompt scored.
     """
 
     def __init__(
@@ -134,7 +150,7 @@ class APO(Algorithm):
         prompt: Optional[str] = None,
         beam_width: int = 2,
         branch_factor: int = 2,
-        rounds: int = 2,
+        rounds: Optional[int] = None,
         gradient_batch_size: int = 4,
         val_batch_size: int = 8,
         max_transcripts: int = 3,
@@ -145,15 +161,15 @@ class APO(Algorithm):
         diversity_temperature: Optional[float] = None,
         beam_rounds: Optional[int] = None,
     ) -> None:
-        if beam_rounds is not None:
-            if rounds != 2 and rounds != beam_rounds:
-                raise ValueError(f"rounds={rounds} and beam_rounds={beam_rounds} disagree: give one of them")
-            rounds = beam_rounds
-        for name, value in (("beam_width", beam_width), ("branch_factor", branch_factor), ("rounds", rounds),
-                            ("gradient_batch_size", gradient_batch_size), ("val_batch_size", val_batch_size),
-                            ("max_transcripts", max_transcripts)):
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+        rounds = _rounds(rounds, beam_rounds)
+        counts = dict(beam_width=beam_width, branch_factor=branch_factor, rounds=rounds,
+                      gradient_batch_size=gradient_batch_size, val_batch_size=val_batch_size,
+                      max_transcripts=max_transcripts)
+        for name in _COUNTS:
+            _check_count(name, counts[name])
+        _check_number("request_timeout", request_timeout, positive=True)
+        if diversity_temperature is not None:
+            _check_number("diversity_temperature", diversity_temperature, positive=False)
         self.optimizer = _optimizer_llm(optimizer, gradient_model)
         is_client = not isinstance(optimizer, (LLM, Mapping))
         self.gradient_model = gradient_model or self.optimizer.model
@@ -174,6 +190,7 @@ class APO(Algorithm):
         self._name = ""
         self._fields: Set[str] = set()
         self._base: Dict[str, Any] = {}
+        self.result: Optional[APOResult] = None
 
     # --- the search ---------------------------------------------------------------------------------------
 
@@ -186,28 +203,41 @@ class APO(Algorithm):
         self._name, seed_template, self._base = self._seed_prompt()
         self._fields = _fields(seed_template)
 
-        result = APOResult()
-        seed = self._scored(seed_template, val, round_=0)
-        result.history.append(seed)
+        self.result = result = APOResult()
         try:
+            result.history.append(self._scored(seed_template, val, round_=0))
             self._search(result, train, val)
-        except APOError as exc:  # the optimizer failed: keep what was found, say so, and stop
-            self._publish_best(result)
-            logger.error("APO stopped after %d prompts: %s; the best so far (%.3f) is published as %s",
-                         len(result.history), exc, result.best.score, result.best.resources_id)
-            exc.result = result
+        except BaseException as exc:  # the optimizer, Ctrl-C or a bug: keep what was found, say so, and stop
+            self._stopped(result, exc)
             raise
         self._publish_best(result)
         return result
+
+    def _stopped(self, result: APOResult, exc: BaseException) -> None:
+        """Whatever ended the search early, the prompts scored so far are not lost: the best is published
+        (a later ``trainer.dev`` uses it) and an ``APOError`` carries them as ``result``."""
+        if isinstance(exc, APOError):
+            exc.result = result if result.history else None
+        if not result.history:
+            return
+        self._publish_best(result)
+        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+        logger.error("APO stopped after %d prompts (%s); the best so far (%.3f) is published as %s",
+                     len(result.history), reason, result.best.score, result.best.resources_id)
 
     def _search(self, result: APOResult, train: List[Task], val: List[Task]) -> None:
         """The rounds of the beam search, adding every prompt scored to ``result.history``."""
         seed = result.seed
         beam = [0]
         for round_ in range(1, self.rounds + 1):
-            seen = {c.template for c in result.history}
+            seen = {c.template.strip() for c in result.history}  # edits are stripped; a seed read from a file may not be
             for parent in beam:
                 critique = self._critique(result.history[parent], train)
+                if not critique.strip():  # edits asked with an empty review would be blind guesses
+                    result.refused += 1
+                    logger.warning("APO round %d: the optimizer's critique is empty; no edits of this prompt this "
+                                   "round", round_)
+                    continue
                 for edited in self._edits(result.history[parent].template, critique):
                     if edited is None:
                         result.refused += 1
@@ -261,6 +291,15 @@ class APO(Algorithm):
         resources_id = self._publish(template)
         rollouts = self.trainer.run_tasks(val, mode="val", resources_id=resources_id,
                                           description=f"APO round {round_}: scoring")
+        error = _all_failed(rollouts)
+        if error is not None and round_ == 0:
+            raise APOError(
+                f"every rollout of the seed prompt failed, so no prompt can be scored (first error: {error}): "
+                "check the agent's model endpoint, and that the prompt's placeholders are fields of the tasks"
+            )
+        if error is not None:
+            logger.warning("APO round %d: every rollout scoring a prompt failed (first error: %s); it scores 0",
+                           round_, error)
         score = statistics.fmean(_reward(r) for r in rollouts)
         logger.info("APO round %d: prompt scored %.3f on %d tasks", round_, score, len(rollouts))
         return Candidate(template=template, score=score, round=round_, resources_id=resources_id, **origin)
@@ -276,6 +315,10 @@ class APO(Algorithm):
         batch = self.rng.sample(train, min(self.gradient_batch_size, len(train)))
         rollouts = self.trainer.run_tasks(batch, mode="train", resources_id=candidate.resources_id,
                                           description="APO: rollouts to critique")
+        error = _all_failed(rollouts)
+        if error is not None:
+            logger.warning("APO: every rollout to critique failed (first error: %s); the critique sees only the "
+                           "errors", error)
         worst = sorted(rollouts, key=_reward)[: self.max_transcripts]
         runs = "\n\n".join(
             f'<run reward="{_reward(r):g}">\n{transcript(self.store.query_spans(r.rollout_id), r)}\n</run>'
@@ -318,7 +361,7 @@ class APO(Algorithm):
                     )
                 except openai.OpenAIError as exc:
                     raise APOError(f"the optimizer model {model!r} at {llm.get_base_url()} failed: {exc}") from exc
-                replies.append(completion.choices[0].message.content or "")
+                replies.append(_reply_text(completion, model, llm.get_base_url()))
         return replies
 
 
@@ -326,24 +369,30 @@ class APO(Algorithm):
 
 
 def transcript(spans: Sequence[Span], rollout: Optional[Rollout] = None, limit: int = 600) -> str:
-    """What the agent did in one rollout, as text for the optimizer: its LLM calls (the first one's input in
-    full, later ones' new input) and tool calls, in order, each message cut to ``limit`` characters."""
+    """What the agent did in one rollout, as text for the optimizer: its LLM calls and tool calls, in order,
+    each message cut to ``limit`` characters. A call that continues the previous call's conversation shows
+    only its new messages; one that starts another conversation (a pipeline's next stage, another agent,
+    whose system message is often the prompt being optimized) shows its whole input after a marker."""
     lines: List[str] = []
-    seen_inputs = 0
+    previous: Optional[Tuple[List[Tuple[str, str]], int]] = None  # the last call's input, and its reply count
     for span in sorted(spans, key=call_order_key):
         attrs = span.attributes
         if span.kind == "llm":
             inputs = _json_list(attrs.get(semconv.INPUT_MESSAGES))
-            for message in inputs[seen_inputs:]:
+            outputs = _json_list(attrs.get(semconv.OUTPUT_MESSAGES))
+            keys = [_message_key(m) for m in inputs]
+            new_from = _continues(previous, keys)
+            if previous is not None and new_from == 0:
+                lines.append("[new conversation]")
+            for message in inputs[new_from:]:
                 lines.append(f"[{message.get('role', '?')}] {_cut(_content(message), limit)}")
-            seen_inputs = len(inputs)
-            for message in _json_list(attrs.get(semconv.OUTPUT_MESSAGES)):
+            for message in outputs:
                 text = _content(message)
                 calls = message.get("tool_calls") or []
                 if calls:
                     text += " " + " ".join(f"<call {json.dumps(c, default=str)}>" for c in calls)
                 lines.append(f"[assistant] {_cut(text, limit)}")
-                seen_inputs += 1  # the next call's input repeats this reply
+            previous = (keys, len(outputs))
         elif span.kind == "tool":
             lines.append(f"[tool {attrs.get(semconv.TOOL_NAME, span.name)}] "
                          f"{_cut(str(attrs.get(semconv.TOOL_CALL_ARGUMENTS, '')), limit)} -> "
@@ -351,6 +400,65 @@ def transcript(spans: Sequence[Span], rollout: Optional[Rollout] = None, limit: 
     if rollout is not None and rollout.status != "succeeded":
         lines.append(f"[rollout {rollout.status}] {_cut(rollout.error or '', limit)}")
     return "\n".join(lines) or "(no LLM or tool calls were recorded)"
+
+
+def _continues(previous: Optional[Tuple[List[Tuple[str, str]], int]], keys: List[Tuple[str, str]]) -> int:
+    """Where a call's new messages start: after the previous call's input and its replies (which the next
+    input repeats, maybe reformatted, so they are only counted) when this input begins with that input;
+    0 (all of it is new) otherwise."""
+    if previous is None:
+        return 0
+    before, replies = previous
+    if len(keys) > len(before) and keys[: len(before)] == before:
+        return min(len(before) + replies, len(keys))
+    return 0
+
+
+def _message_key(message: Mapping[str, Any]) -> Tuple[str, str]:
+    return str(message.get("role", "?")), _content(message)
+
+
+def _all_failed(rollouts: Sequence[Rollout]) -> Optional[str]:
+    """The first error when every rollout failed (the agent's endpoint down, a placeholder the tasks lack),
+    else None: then every prompt scores 0 and the search can learn nothing."""
+    if not rollouts or any(r.status == "succeeded" for r in rollouts):
+        return None
+    return next((r.error for r in rollouts if r.error), f"rollouts {rollouts[0].status}")
+
+
+def _reply_text(completion: Any, model: str, url: str) -> str:
+    """The text of an optimizer reply. An HTTP 200 that holds no completion (a proxy's HTML page, an error
+    object, ``"choices": []``) is an ``APOError`` like a failed request, not an IndexError mid-search."""
+    choices = getattr(completion, "choices", None)
+    message = getattr(choices[0], "message", None) if isinstance(choices, list) and choices else None
+    if message is None:
+        raise APOError(f"the optimizer model {model!r} at {url} returned no completion: {_cut(str(completion), 200)}")
+    content = getattr(message, "content", None)
+    return content if isinstance(content, str) else ""
+
+
+def _rounds(rounds: Optional[int], beam_rounds: Optional[int]) -> int:
+    """``rounds`` or Agent Lightning's ``beam_rounds``; both given, they must agree."""
+    if rounds is not None and beam_rounds is not None and rounds != beam_rounds:
+        raise ValueError(f"rounds={rounds} and beam_rounds={beam_rounds} disagree: give one of them")
+    chosen = rounds if rounds is not None else beam_rounds
+    return DEFAULT_ROUNDS if chosen is None else chosen
+
+
+def _check_count(name: str, value: Any) -> None:
+    """A count setting, checked when APO is built (so ``agl train --check`` finds it), not after the first
+    rollouts and optimizer calls: ``--set rounds=2.0`` and YAML/JSON configs give floats."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def _check_number(name: str, value: Any, positive: bool) -> None:
+    """A finite number, above 0 when ``positive``, else at least 0."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= 0 if positive else value < 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 def _reward(rollout: Rollout) -> float:
@@ -365,16 +473,24 @@ def _fields(template: str) -> Set[str]:
 
 
 def _extract_prompt(reply: str) -> Optional[str]:
-    """The prompt between ``<prompt>`` and ``</prompt>`` (to the end of the reply when it is never closed);
-    None when the reply has no ``<prompt>`` tag or an empty prompt. An untagged reply is not taken as it is:
-    its chatter ("Sure! Here is an improved version...") would become the agent's prompt."""
-    opened = _PROMPT_OPEN.search(reply)
-    if opened is None:
-        return None
-    rest = reply[opened.end():]
-    closed = _PROMPT_CLOSE.search(rest)
-    prompt = (rest[: closed.start()] if closed else rest).strip()
-    return prompt or None
+    """The prompt of an optimizer reply: its last closed ``<prompt>...</prompt>`` block, else the text after
+    its last ``<prompt>`` tag; None when there is none, it is empty, or it still holds a tag.
+
+    The reasoning (``<think>...</think>``) is dropped first, and the last block is taken, because models
+    mention or quote the tags before their answer ("I should put it between <prompt> tags", "the current
+    prompt was <prompt>OLD</prompt>"). An untagged reply is not taken as it is: its chatter ("Sure! Here is
+    an improved version...") would become the agent's prompt."""
+    answer = _THINKING.sub("", reply)
+    blocks = _PROMPT_BLOCK.findall(answer)
+    if blocks:
+        prompt = blocks[-1]
+    else:
+        opened = list(_PROMPT_OPEN.finditer(answer))
+        if not opened:
+            return None
+        prompt = answer[opened[-1].end():]
+    prompt = prompt.strip()
+    return prompt if prompt and not _LEFTOVER_TAG.search(prompt) else None
 
 
 def _optimizer_llm(optimizer: Any, gradient_model: Optional[str]) -> LLM:
