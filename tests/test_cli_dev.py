@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,39 @@ def test_inspect_of_an_attempt_that_does_not_exist_gives_cli_advice(tmp_path: Pa
         f"agl: rollout {claimed.rollout_id} has no attempt 'at-nope': pass --attempt latest (the default), "
         f"--attempt all, or one of its attempt ids ({claimed.attempt.attempt_id})"
     )
+
+
+def test_agl_dev_with_no_runners_says_at_once_how_to_start_them(project: Path) -> None:
+    """`agl dev --n-runners 0 --store s.db` waited in silence (a minute before the first warning): it now says
+    what it waits for and the `agl runner` command, which then runs the tasks."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(project)}
+    log = project / "dev.err"
+    with log.open("w") as err:
+        dev = subprocess.Popen([str(AGL), "dev", "my_agent:agent", "--data", "tasks.jsonl", "--n-runners", "0",
+                                "--store", "s.db"], cwd=project, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    runner = None
+    try:
+        hint = (f"agl dev: --n-runners 0: no runner starts here; waiting for runners started elsewhere, e.g. in another "
+                f"terminal: agl runner --store {project / 's.db'} --agent my_agent:agent")
+        deadline = time.monotonic() + 30
+        while hint not in log.read_text() and time.monotonic() < deadline and dev.poll() is None:
+            time.sleep(0.2)
+        assert hint in log.read_text(), log.read_text()
+        runner = subprocess.Popen([str(AGL), "runner", "--store", str(project / "s.db"), "--agent", "my_agent:agent",
+                                   "--runner-mode", "thread"], cwd=project, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out, _ = dev.communicate(timeout=120)
+        assert dev.returncode == 0, log.read_text()
+        assert "inspect one: agl inspect" in out
+    finally:
+        for proc in (dev, runner):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+
+
+def test_agl_dev_with_no_runners_refuses_a_store_in_memory(project: Path) -> None:
+    done = agl_cli(project, "dev", "my_agent:agent", "--data", "tasks.jsonl", "--n-runners", "0", "--store", "memory")
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "agl: --n-runners 0 waits for runners started elsewhere, which cannot reach a store in memory: pass "
+        "--store FILE.db (or a store server's http://...), or --n-runners 1 or more")

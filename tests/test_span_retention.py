@@ -125,7 +125,7 @@ def test_cli_prune_deletes_older_spans_and_vacuum_shrinks_the_file(tmp_path: Pat
 
     assert agl_main(["store", "prune", "--keep-last", "5", "--vacuum", "--store", str(db)]) == 0
     out = capsys.readouterr().out
-    assert f"deleted {sum(counts[:35])} spans of 35 finished rollouts" in out and "the last 5 finished" in out
+    assert f"deleted {sum(counts[:35])} spans of 35 finished rollouts" in out and "(the task groups of the last 5, whole)" in out
     store = SqliteLightningStore(db)
     assert [len(store.query_spans(i)) for i in ids] == [0] * 35 + counts[35:]
     assert store.stats().rollouts["succeeded"] == 40 and store.stats().rollouts["queued"] == 1

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
@@ -18,6 +19,8 @@ from agl import __version__
 from agl.litagent import LitAgent, as_agent
 
 PRUNE_BATCH = 1000  # rollouts per delete_spans call of `agl store prune`
+FINISHED = ["succeeded", "failed", "cancelled"]
+UNFINISHED = ["queued", "running"]
 
 
 def load_agent(target: str) -> LitAgent[Any]:
@@ -157,10 +160,27 @@ def cmd_dev(args: argparse.Namespace) -> int:
             initial_resources=resources,
             runner_mode=args.runner_mode,
         )
+        if args.n_runners == 0:
+            _say_runners_are_awaited(args, trainer.store)
         rows = trainer.dev(agent, data)
     where = f" --store {args.store}" if args.store else ""
     print(f"inspect one: agl inspect {rows[0].rollout_id}{where}" if rows else "no tasks")
     return 0 if all(r.status == "succeeded" for r in rows) else 1
+
+
+def _say_runners_are_awaited(args: argparse.Namespace, store: Any) -> None:
+    """``--n-runners 0``: nothing runs the rollouts here, so ``dev`` waits for runners started elsewhere; say so
+    at once, with the command that starts one (else the wait is silent for a minute, then only a warning).
+    A store in memory can never get such a runner: refused."""
+    from agl.store import InMemoryLightningStore
+
+    if isinstance(store, InMemoryLightningStore):
+        raise SystemExit("agl: --n-runners 0 waits for runners started elsewhere, which cannot reach a store in "
+                         "memory: pass --store FILE.db (or a store server's http://...), or --n-runners 1 or more")
+    where = getattr(store, "path", None) or args.store or os.environ.get("AGL_STORE")
+    local = " on this machine (--fake-model's server listens on 127.0.0.1)" if args.fake_model else ""
+    print(f"agl dev: --n-runners 0: no runner starts here; waiting for runners started elsewhere{local}, e.g. in "
+          f"another terminal: agl runner --store {where} --agent {args.agent}", file=sys.stderr, flush=True)
 
 
 def _existing_store(target: Optional[str]) -> Any:
@@ -196,13 +216,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if rollout_.error:
         print(f"error: {rollout_.error}")
     if spans:
-        print(render(spans))
+        print(render(spans) if attempt is not None else _render_attempts(store.query_attempts(args.rollout_id), spans))
     elif rollout_.is_terminal and rollout_.n_attempts:
         print("(no spans: the agent recorded none, or they were deleted afterwards by span retention, "
               "Trainer(span_retention_steps=...), or by `agl store prune`)")
     else:
         print("(no spans yet)" if rollout_.status in ("queued", "running") else "(no spans)")
     return 0
+
+
+def _render_attempts(attempts: List[Any], spans: List[Any]) -> str:
+    """``--attempt all``: each attempt's tree under a header of its own (id, number, status, error), so that
+    a retried rollout's attempts are not read as one tree."""
+    from agl.inspection import one_line, render
+
+    lines = []
+    for attempt in attempts:
+        own = [s for s in spans if s.attempt_id == attempt.attempt_id]
+        error = f": {one_line(attempt.error)}" if attempt.error else ""
+        lines.append(f"attempt {attempt.attempt_id} ({attempt.sequence} of {len(attempts)}) {attempt.status}{error}"
+                     f"  spans={len(own)}")
+        lines.append(render(own) if own else "(no spans)")
+    return "\n".join(lines)
 
 
 def cmd_store(args: argparse.Namespace) -> int:
@@ -236,43 +271,83 @@ def cmd_store_prune(args: argparse.Namespace) -> int:
             f"agl: --vacuum is for a SQLite store file opened directly, not {store!r}: run `agl store prune "
             "--vacuum --store FILE.db` on the server's machine (PostgreSQL: VACUUM FULL on the database)"
         )
-    finished = store.query_rollouts(status=["succeeded", "failed", "cancelled"], mode=args.mode)
-    doomed = [r.rollout_id for r in finished[: max(len(finished) - args.keep_last, 0)]]
+    finished = store.query_rollouts(status=FINISHED, mode=args.mode)
+    latest = finished[max(len(finished) - args.keep_last, 0) :]
+    kept = {_step_group(r) for r in latest + store.query_rollouts(status=UNFINISHED, mode=args.mode)}
+    doomed = [r.rollout_id for r in finished if _step_group(r) not in kept]
     deleted = 0
     for start in range(0, len(doomed), PRUNE_BATCH):  # bounded transactions (and HTTP bodies)
         deleted += store.delete_spans(doomed[start : start + PRUNE_BATCH])
-    print(f"deleted {deleted} spans of {len(doomed)} finished rollouts; the rollouts, their rewards and "
-          f"the spans of the last {len(finished) - len(doomed)} finished and of every unfinished rollout stay")
+    print(f"deleted {deleted} spans of {len(doomed)} finished rollouts; the rollouts and their rewards stay, and "
+          f"so do the spans of {len(finished) - len(doomed)} finished rollouts (the task groups of the last "
+          f"{len(latest)}, whole) and of every unfinished rollout and its task group")
     if isinstance(store, SqliteLightningStore) and args.vacuum:
-        before = store.file_size()
-        store.vacuum()
-        print(f"vacuumed {store.path}: {before / 1e6:.1f} MB -> {store.file_size() / 1e6:.1f} MB")
+        _vacuum(store)
     return 0
+
+
+def _vacuum(store: Any) -> None:
+    before = store.file_size()
+    if store.vacuum():
+        print(f"vacuumed {store.path}: {before / 1e6:.1f} MB -> {store.file_size() / 1e6:.1f} MB")
+    else:  # the new file is still in the WAL, beside the old one: the size now would read as vacuum's fault
+        print(f"vacuumed {store.path}, but another process is reading the store: the space returns to the file "
+              "system at a later checkpoint, once that reader is done (until then the file is larger, not smaller)")
+
+
+def _group(rollout: Any) -> Tuple[str, str]:
+    """A rollout's GRPO group as `agl export` pools it: its mode and task (every step's rollouts of the task)."""
+    return (rollout.mode, rollout.task_id)
+
+
+def _step_group(rollout: Any) -> Tuple[str, str, Optional[str]]:
+    """The GRPO group a trainer made: the rollouts of one task run with one resources version (one step). Prune
+    keeps these whole; pooled by task alone, the latest rollouts of a multi-epoch run would keep every earlier
+    epoch's spans of their tasks, and prune would free almost nothing."""
+    return (rollout.mode, rollout.task_id, rollout.resources_id)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from agl.lightningrl import LightningRL
-    from agl.lightningrl.export import export
+    from agl.lightningrl.export import check_target, export
     from agl.train_cli import adapter_settings
 
+    try:
+        fmt = check_target(args.out, args.format)  # before the batch, which may take minutes to build
+    except (ImportError, ValueError, OSError) as exc:
+        raise SystemExit(f"agl: cannot export to {args.out}: {exc}") from None
     settings = adapter_settings(args.adapter_settings, args.agent_match, json_setting(args.config, "--config"))
     adapter = LightningRL.from_config(settings)
     store = _existing_store(args.store)
-    rollouts = store.query_rollouts(
-        status=args.status or ["succeeded", "failed", "cancelled"], mode=None if args.mode == "all" else args.mode
+    mode = None if args.mode == "all" else args.mode
+    rollouts = _finished_groups(
+        store.query_rollouts(status=args.status or FINISHED, mode=mode), store.query_rollouts(status=UNFINISHED, mode=mode)
     )
     if args.limit is not None:
         rollouts = _whole_groups(rollouts, args.limit)
     batch = adapter.build_batch(store, rollouts)
-    try:
-        n = export(batch, args.out, args.format)
-    except (ImportError, ValueError) as exc:
-        raise SystemExit(f"agl: {exc}") from None
     print(batch.report)
+    if not batch.samples:  # a script that exports then trains must not go on with an empty (or an old) file
+        why = "the report above says why" if rollouts else "no finished rollout was read (agl store rollouts lists them)"
+        raise SystemExit(f"agl: no samples to export from {len(rollouts)} rollouts; {why} ({args.out} was not written)")
+    try:
+        n = export(batch, args.out, fmt)
+    except OSError as exc:  # a full disk, a lost permission: the previous file, if any, is left as it was
+        raise SystemExit(f"agl: cannot write {args.out}: {exc}") from None
     print(f"wrote {n} samples to {args.out}")
-    if n == 0:  # a script that exports then trains must not go on with an empty file
-        raise SystemExit(f"agl: no samples to export from {len(rollouts)} rollouts; the report above says why")
     return 0
+
+
+def _finished_groups(rollouts: List[Any], unfinished: List[Any]) -> List[Any]:
+    """``rollouts`` less the task groups that still have a queued or running rollout: exported now, such a
+    group would get advantages over part of it, which change once the rest finishes (as with ``--limit``, a
+    group is never cut). Says what it left out."""
+    waiting = {_group(r) for r in unfinished}
+    kept = [r for r in rollouts if _group(r) not in waiting]
+    if unfinished:
+        print(f"{len(unfinished)} rollouts are still queued or running: their {len(waiting)} task groups are left "
+              f"out ({len(rollouts) - len(kept)} finished rollouts of them); export again once they finish")
+    return kept
 
 
 def _whole_groups(rollouts: List[Any], limit: int) -> List[Any]:
@@ -282,7 +357,7 @@ def _whole_groups(rollouts: List[Any], limit: int) -> List[Any]:
         raise SystemExit("agl: --limit must be >= 1 (the most rollouts to read, in whole task groups)")
     groups: Dict[Tuple[str, str], List[Any]] = {}
     for r in rollouts:
-        groups.setdefault((r.mode, r.task_id), []).append(r)
+        groups.setdefault(_group(r), []).append(r)
     kept: Set[Tuple[str, str]] = set()
     n = 0
     for key, group in groups.items():
@@ -298,7 +373,7 @@ def _whole_groups(rollouts: List[Any], limit: int) -> List[Any]:
         )
     if n < len(rollouts):
         print(f"--limit {limit}: read {n} rollouts in {len(kept)} whole task groups; {len(rollouts) - n} more left out")
-    return [r for r in rollouts if (r.mode, r.task_id) in kept]
+    return [r for r in rollouts if _group(r) in kept]
 
 
 def positive_int(value: str) -> int:
@@ -359,12 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
     prune = store_sub.add_parser(
         "prune", help="delete the spans of older finished rollouts (the rollouts and rewards stay)",
         description="Spans (prompts, responses, token ids) are nearly all of a store's volume. This deletes the "
-        "spans of every finished rollout but the latest --keep-last; rollouts, attempts and rewards stay, and so "
-        "do the spans of queued and running rollouts. Export what you want to keep first (agl export). During "
+        "spans of every finished rollout but the latest --keep-last, which keep them with the rest of their task "
+        "groups (a GRPO group is never cut, so agl export still sees it whole); rollouts, attempts and rewards stay, "
+        "and so do the spans of queued and running rollouts and their groups. Export what you want to keep first "
+        "(agl export). During "
         "training, Trainer(span_retention_steps=N) / agl train --span-retention-steps N does this step by step.",
     )
     prune.add_argument("--keep-last", type=int, required=True, metavar="N",
-                       help="how many of the latest finished rollouts keep their spans")
+                       help="how many of the latest finished rollouts keep their spans (with their whole task groups)")
     prune.add_argument("--mode", choices=["train", "val"], help="only rollouts of this mode (default: both)")
     prune.add_argument("--vacuum", action="store_true",
                        help="SQLite: give the freed space back to the file system (rewrites the file; without "
@@ -390,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="one LightningRL setting, as for agl train (over --config), e.g. --adapter aggregate=true")
     export_.add_argument("--agent-match", help="regex on agent names (overrides the config's agent_match)")
     export_.add_argument("--status", action="append", choices=["succeeded", "failed", "cancelled"],
-                         help="rollouts to read (repeatable; default: every finished rollout)")
+                         help="rollouts to read (repeatable; default: every finished rollout); a task group with a "
+                         "rollout still queued or running is left out, and the command says so")
     export_.add_argument("--mode", choices=["train", "val", "all"], default="train",
                          help="rollouts of this mode (default: train; 'all': train and val, grouped apart); each "
                          "record has its rollout's mode")
@@ -412,6 +490,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(args.func(args) or 0)
     except AglError as exc:
         print(f"agl: {exc}", file=sys.stderr)
+        return 2
+    except sqlite3.OperationalError as exc:
+        if "locked" not in str(exc) and "busy" not in str(exc):
+            raise
+        print(f"agl: the SQLite store is locked ({exc}): another process (a trainer or runner in a long transaction, "
+              "a sqlite3 shell with an open transaction) has held its write lock for longer than agl waits (30 s); "
+              "run the command again once that process is done, or stop it", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `agl store rollouts | head`: the reader left; say nothing more, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush too

@@ -3,30 +3,39 @@
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 from agl import semconv
-from agl.types import Span
+from agl.lightningrl.tree import TraceTree, TreeNode, build_tree
+from agl.types import Span, call_order_key
 
 
-def span_tree(spans: Sequence[Span]) -> List[tuple[int, Span]]:
-    """(depth, span) in depth-first order; spans whose parent is missing are shown as roots."""
-    by_id = {s.span_id: s for s in spans}
-    children: Dict[Optional[str], List[Span]] = {}
-    for s in spans:
-        parent = s.parent_id if s.parent_id in by_id else None
-        children.setdefault(parent, []).append(s)
-    for group in children.values():  # call order: start time, then sequence id (as LightningRL orders calls)
-        group.sort(key=lambda s: (s.start_time, s.sequence_id))
-    out: List[tuple[int, Span]] = []
+def span_tree(spans: Sequence[Span]) -> List[Tuple[int, Span]]:
+    """(depth, span) in depth-first order, children in call order (start time, then sequence id, as
+    LightningRL orders calls), one tree per attempt."""
+    return [(depth, node.span) for tree in _trees(spans) for depth, node in _walk(tree)]
 
-    def walk(parent: Optional[str], depth: int) -> None:
-        for child in children.get(parent, []):
-            out.append((depth, child))
-            walk(child.span_id, depth + 1)
 
-    walk(None, 0)
-    return out
+def _trees(spans: Sequence[Span]) -> List[TraceTree]:
+    """The trace tree of each attempt among ``spans``, repaired as LightningRL repairs it (``build_tree``): a
+    span whose parent is missing, or whose parent links form a cycle, is placed where training sees it, never
+    left out of what ``agl inspect`` shows."""
+    by_attempt: Dict[str, List[Span]] = {}
+    for span in spans:
+        by_attempt.setdefault(span.attempt_id, []).append(span)
+    return [build_tree(attempt_spans) for attempt_spans in by_attempt.values()]
+
+
+def _walk(tree: TraceTree) -> Iterator[Tuple[int, TreeNode]]:
+    stack = [(0, node) for node in sorted(tree.roots, key=_call_order, reverse=True)]
+    while stack:
+        depth, node = stack.pop()
+        yield depth, node
+        stack.extend((depth + 1, child) for child in sorted(node.children, key=_call_order, reverse=True))
+
+
+def _call_order(node: TreeNode) -> Tuple[int, int, str]:
+    return call_order_key(node.span)
 
 
 def describe(span: Span) -> str:
@@ -94,4 +103,12 @@ def one_line(text: str, width: int = 160) -> str:
 
 
 def render(spans: Sequence[Span]) -> str:
-    return "\n".join("  " * depth + describe(span) for depth, span in span_tree(spans))
+    """The tree, one line per span; a span whose recorded parent link was repaired says so, and a last line
+    counts the repairs (the same ones ``agl export`` reports)."""
+    lines = []
+    for tree in _trees(spans):
+        for depth, node in _walk(tree):
+            lines.append("  " * depth + describe(node.span) + ("  (parent link repaired)" if node.repaired else ""))
+        if tree.repairs.total:
+            lines.append(f"tree repairs: {tree.repairs}")
+    return "\n".join(lines)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, List
 
 import pytest
-from agl.errors import AglError
+from agl.errors import AglError, StoreAddressError, StoreNotFoundError
 from agl.store import EnqueueRequest, InMemoryLightningStore, SqliteLightningStore, open_store
 from agl.store import _rules
 from agl.store.doorbell import Doorbell
@@ -426,3 +426,74 @@ def test_an_agent_error_with_a_lone_surrogate_fails_its_rollout_at_once(
         assert "could not parse answer: \ufffd" in (row.error or "")
         names = [span.name for span in store.query_spans(row.rollout_id)]
         assert "agl.rollout" in names and "agl.message" in names, names
+
+
+READER = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN")
+conn.execute("SELECT count(*) FROM spans").fetchone()  # holds this snapshot until killed
+print("reading", flush=True)
+time.sleep(120)
+"""
+
+
+def test_vacuum_says_when_a_reader_keeps_the_space_from_returning(tmp_path: Path, make_span: Any) -> None:
+    """With another process reading, VACUUM's copy stayed in the WAL and `agl store prune --vacuum` reported a
+    bigger file as if vacuum had worked: the checkpoint's busy result was ignored."""
+    path = tmp_path / "s.db"
+    store = SqliteLightningStore(path, busy_timeout=1.0)
+    store.enqueue_rollout({"q": 1})
+    rollout = store.dequeue_rollout("runner")
+    store.add_spans([make_span(rollout, i, attributes={"blob": "x" * 10_000}) for i in range(50)])
+    store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
+    store.delete_spans([rollout.rollout_id])
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == "reading\n"
+        assert store.vacuum() is False
+    finally:
+        reader.kill()
+        reader.wait()
+    assert store.vacuum() is True
+    store.close()
+
+
+def _foreign_file(path: Path, sql: str) -> bytes:
+    with sqlite3.connect(path) as conn:
+        conn.executescript(sql)
+    conn.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("create", [False, True])
+def test_a_foreign_spans_table_is_refused_before_anything_is_written(tmp_path: Path, create: bool) -> None:
+    """A database of another application with a table named `spans` was stamped as an agl store (schema 1,
+    WAL), agl's other tables created beside it: its rows read as agl spans, and every span write failed."""
+    path = tmp_path / "app.db"
+    before = _foreign_file(path, "CREATE TABLE spans (x TEXT); INSERT INTO spans VALUES ('mine');")
+    with pytest.raises(StoreAddressError, match=r"app.db is a SQLite database \(tables: spans\) but not an agl store "
+                       r"\(its table 'spans' has other columns \(x\)\); agl left it untouched"):
+        open_store(str(path), create=create)
+    assert path.read_bytes() == before and not Path(f"{path}-wal").exists()
+
+
+def test_open_only_refuses_any_file_that_is_not_an_agl_store(tmp_path: Path) -> None:
+    """``create=False`` (the reading commands) turned another application's database, or an empty file, into a
+    store; a store agl wrote still opens."""
+    app = tmp_path / "app.db"
+    before = _foreign_file(app, "CREATE TABLE users (name TEXT); PRAGMA user_version = 1;")
+    with pytest.raises(StoreAddressError, match=r"\(tables: users\) but not an agl store; agl left it untouched"):
+        SqliteLightningStore(app, create=False)
+    assert app.read_bytes() == before
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    with pytest.raises(StoreAddressError, match="is an empty SQLite file, not an agl store"):
+        open_store(str(empty), create=False)
+    assert empty.stat().st_size == 0
+    with pytest.raises(StoreNotFoundError):
+        SqliteLightningStore(tmp_path / "missing.db", create=False)
+    assert not (tmp_path / "missing.db").exists()
+    SqliteLightningStore(tmp_path / "s.db").close()
+    with SqliteLightningStore(tmp_path / "s.db", create=False) as store:
+        assert store.stats().rollouts["queued"] == 0

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 from agl.lightningrl.adapter import Batch
 from agl.lightningrl.types import Sample
@@ -129,11 +130,33 @@ def write_parquet(data: SamplesLike, path: Union[str, Path]) -> int:
     return table.num_rows
 
 
-def export(data: SamplesLike, path: Union[str, Path], format: Optional[str] = None) -> int:
-    """Write to ``path`` as ``format`` (``"jsonl"`` or ``"parquet"``; default: from the file's suffix)."""
+def check_target(path: Union[str, Path], format: Optional[str] = None) -> str:
+    """The format ``path`` is to be written in (``format``, else from the file's suffix), checked before any
+    work: a known format, pyarrow for Parquet, and a folder that exists. Raises ValueError, ImportError or
+    FileNotFoundError saying what to change."""
     fmt = format or Path(path).suffix.lstrip(".").lower()
-    if fmt == "jsonl":
-        return write_jsonl(data, path)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r} for {path}: use one of {list(FORMATS)} (or a .jsonl/.parquet file)")
     if fmt == "parquet":
-        return write_parquet(data, path)
-    raise ValueError(f"unknown export format {fmt!r} for {path}: use one of {list(FORMATS)} (or a .jsonl/.parquet file)")
+        _pyarrow()
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"the folder {folder} does not exist: create it first (mkdir -p {folder})")
+    return fmt
+
+
+def export(data: SamplesLike, path: Union[str, Path], format: Optional[str] = None) -> int:
+    """Write to ``path`` as ``format`` (``"jsonl"`` or ``"parquet"``; default: from the file's suffix).
+
+    The samples go to a temporary file beside ``path`` that then replaces it, so an export that fails
+    halfway (Ctrl-C, a full disk) leaves the previous file at ``path`` whole, never a truncated one."""
+    writer: Callable[[SamplesLike, Path], int] = write_jsonl if check_target(path, format) == "jsonl" else write_parquet
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        n = writer(data, partial)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return n

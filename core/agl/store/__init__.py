@@ -37,7 +37,9 @@ _KINDS = (
 
 def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> LightningStore:
     """The store ``url_or_path`` names. ``create=False`` (what only reads, e.g. ``agl inspect``): a SQLite file
-    that does not exist raises :class:`~agl.errors.StoreNotFoundError` instead of becoming a new, empty store.
+    that does not exist raises :class:`~agl.errors.StoreNotFoundError` instead of becoming a new, empty store,
+    and an existing SQLite file that is not an agl store (another application's, an empty one)
+    :class:`~agl.errors.StoreAddressError`, without anything written to it.
 
     - ``None``: ``$AGL_STORE`` if set (any form below), else the SQLite file ``./.agl/store.db``.
     - ``"memory"`` or ``"memory://"``: a new in-memory store (this process only).
@@ -105,7 +107,7 @@ def _sqlite(path: str, create: bool) -> SqliteLightningStore:
             "the current folder; pass --store with the path the run wrote, e.g. its OUT/store.db)"
         )
     try:
-        return SqliteLightningStore(path)
+        return SqliteLightningStore(path, create=create)
     except sqlite3.DatabaseError as exc:
         if isinstance(exc, sqlite3.OperationalError):  # locked, no permission: not a question of the address
             raise

@@ -15,11 +15,14 @@ The schema and row conversions live in :mod:`agl.store._sqlite_schema`.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pydantic_core import from_json
@@ -27,7 +30,9 @@ from pydantic_core import from_json
 from agl.errors import (
     AglError,
     DuplicateResourcesError,
+    StoreAddressError,
     StoreClosedError,
+    StoreNotFoundError,
     UnknownAttemptError,
     UnknownResourcesError,
     UnknownRolloutError,
@@ -105,6 +110,63 @@ _LIVE_ATTEMPT = (
 )
 
 
+@functools.lru_cache(maxsize=None)
+def _agl_tables() -> Dict[str, Tuple[str, ...]]:
+    """agl's tables and their columns, read from an in-memory database made from ``SCHEMA`` (one source)."""
+    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+        conn.executescript(SCHEMA)
+        return _tables(conn)
+
+
+def _tables(conn: sqlite3.Connection) -> Dict[str, Tuple[str, ...]]:
+    """The file's own tables (not SQLite's internal ones) and their columns; reads only."""
+    names = [row[0] for row in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name"
+    )]
+    return {name: tuple(c for (c,) in conn.execute("SELECT name FROM pragma_table_info(?)", (name,))) for name in names}
+
+
+def _foreign_tables(conn: sqlite3.Connection) -> Dict[str, Tuple[str, ...]]:
+    """The tables of the file that carry one of agl's table names with other columns (another application's
+    ``spans``): agl would read that application's rows as its own and fail on its first write."""
+    agl = _agl_tables()
+    return {name: cols for name, cols in _tables(conn).items() if name in agl and cols != agl[name]}
+
+
+def _not_a_store(path: str, tables: Dict[str, Tuple[str, ...]]) -> str:
+    """Why the SQLite file at ``path`` (holding ``tables``) is not an agl store, and what to pass instead."""
+    agl = _agl_tables()
+    clashes = [f"its table {name!r} has other columns ({', '.join(cols)})"
+               for name, cols in tables.items() if name in agl and cols != agl[name]]
+    what = (f"a SQLite database (tables: {', '.join(tables)}) but not an agl store"
+            + (f" ({'; '.join(clashes)})" if clashes else "")) if tables else "an empty SQLite file, not an agl store"
+    return (f"{path} is {what}; agl left it untouched: pass the store file an agl run wrote (e.g. its OUT/store.db), "
+            "or a path that does not exist yet for a new store")
+
+
+def _newer_agl_error(path: str, version: int) -> AglError:
+    return AglError(
+        f"{path} was written by a newer agl (store schema {version}, this agl knows {SCHEMA_VERSION}): "
+        "upgrade agl, or use another store file"
+    )
+
+
+def check_existing_store(path: str, busy_timeout: float = 30.0) -> None:
+    """Raise unless ``path`` is an agl store this agl can read, writing nothing to the file: a missing file
+    raises StoreNotFoundError, another application's SQLite database (or an empty file) StoreAddressError."""
+    if not os.path.exists(path):
+        raise StoreNotFoundError(f"no store at {path}: the file does not exist")
+    uri = f"file:{urllib.parse.quote(path)}?mode=rw"  # never creates the file
+    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=busy_timeout)) as conn:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = _tables(conn)
+    if version > SCHEMA_VERSION:
+        raise _newer_agl_error(path, version)
+    agl = _agl_tables()
+    if version == 0 or any(tables.get(name) != cols for name, cols in agl.items()):
+        raise StoreAddressError(_not_a_store(path, tables))
+
+
 class _Operation:
     """``with store._session as conn``: this thread's connection for one operation of ``store``.
 
@@ -171,17 +233,25 @@ class SqliteLightningStore(LightningStore):
 
     multiprocess_safe: ClassVar[bool] = True
 
-    def __init__(self, path: "str | os.PathLike[str]", *, busy_timeout: float = 30.0) -> None:
-        """Open (creating if needed) the store at ``path``; ``busy_timeout`` bounds waiting for the write lock."""
+    def __init__(self, path: "str | os.PathLike[str]", *, busy_timeout: float = 30.0, create: bool = True) -> None:
+        """Open (creating if needed) the store at ``path``; ``busy_timeout`` bounds waiting for the write lock.
+
+        ``create=False`` (what only reads: ``agl inspect``, ``agl export``): ``path`` must already be an agl
+        store; a missing file, or a SQLite file of another application, raises before anything is written to it
+        (no schema, no WAL switch, no ``user_version``), so a mistyped ``--store`` never alters someone's database.
+        """
         self.path = os.path.abspath(os.fspath(path))
         self.busy_timeout = busy_timeout
+        if not create:
+            check_existing_store(self.path, busy_timeout)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._closed = False
         self._queue_bell = Doorbell(self.path, "queue")  # work was enqueued or requeued
         self._done_bell = Doorbell(self.path, "done")  # a rollout finished, or there is a new deadline to watch
         self._reset_process_state()
         hold_across_fork(self)
-        self._create_schema()
+        if create:
+            self._create_schema()
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -287,16 +357,15 @@ class SqliteLightningStore(LightningStore):
             # 8 KiB pages (SQLite's default is 4): an LLM span with its token ids is a ~9 KB row, which 4 KiB
             # pages split into an overflow chain; inserting it costs ~30% less this way. Only a new, empty
             # file takes it; an existing store keeps its page size.
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise _newer_agl_error(self.path, version)
+            if version == 0 and _foreign_tables(conn):  # before the first write: another app's file stays as it was
+                raise StoreAddressError(_not_a_store(self.path, _tables(conn)))
             conn.execute("PRAGMA page_size = 8192")
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
         if mode != "wal":
             logger.warning("%s: SQLite refused WAL mode (journal_mode=%s); is it on a network drive?", self.path, mode)
-        if version > SCHEMA_VERSION:
-            raise AglError(
-                f"{self.path} was written by a newer agl (store schema {version}, this agl knows {SCHEMA_VERSION}): "
-                "upgrade agl, or use another store file"
-            )
         if version < SCHEMA_VERSION:
             with self._write() as c:
                 for statement in SCHEMA.split(";"):
@@ -330,13 +399,18 @@ class SqliteLightningStore(LightningStore):
         """Bytes the store takes on disk: the database file and its write-ahead log."""
         return sum(os.path.getsize(p) for p in (self.path, f"{self.path}-wal") if os.path.exists(p))
 
-    def vacuum(self) -> None:
+    def vacuum(self) -> bool:
         """Give the space of deleted rows back to the file system. Without this SQLite keeps the file's size
         and reuses the space for new rows, which is enough to stop a pruned store from growing. Rewrites the
-        whole file (seconds per GB) while every writer waits; meant for ``agl store prune --vacuum``."""
+        whole file (seconds per GB) while every writer waits; meant for ``agl store prune --vacuum``.
+
+        The rewritten file goes through the write-ahead log; False when another process still reads an older
+        snapshot (waited for up to ``busy_timeout``), so the log could not be folded back yet: the file
+        shrinks at a later checkpoint, after that reader is done, and until then takes more space, not less."""
         with self._session as conn:
             conn.execute("VACUUM")
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        return not busy
 
     # -- shared steps --------------------------------------------------------------------------------------
     @staticmethod
