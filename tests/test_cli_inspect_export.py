@@ -42,9 +42,11 @@ def spans_of(rollout: Rollout, parent_of_llm: Optional[str] = None, root_parent:
     ]
 
 
-def run_one(store: SqliteLightningStore, task_id: str, reward: Optional[float]) -> Rollout:
+def run_one(
+    store: SqliteLightningStore, task_id: str, reward: Optional[float], resources_id: Optional[str] = None
+) -> Rollout:
     """Enqueue a rollout of ``task_id``, run it with one llm call, and end it (``reward`` None: leave it running)."""
-    store.enqueue_rollout({"q": task_id}, task_id=task_id)
+    store.enqueue_rollout({"q": task_id}, task_id=task_id, resources_id=resources_id)
     rollout = store.dequeue_rollout("runner")
     assert rollout is not None and rollout.attempt is not None
     store.add_spans(spans_of(rollout))
@@ -141,6 +143,20 @@ def test_prune_keeps_whole_task_groups_so_export_sees_them_whole(tmp_path: Path)
     assert agl_cli(tmp_path, "export", "after.jsonl", "--store", str(db), "--agent-match", "solver").returncode == 0
     before = exported(tmp_path / "before.jsonl")
     assert exported(tmp_path / "after.jsonl") == {i: before[i] for i in last}
+
+
+def test_prune_keeps_a_steps_group_whole_but_frees_the_tasks_earlier_steps(tmp_path: Path) -> None:
+    """A group is one task's rollouts of one step (one resources version): grouped by task alone, the latest
+    rollouts of a multi-epoch run kept every earlier epoch's spans of their tasks, and prune freed nothing."""
+    db = tmp_path / "s.db"
+    with SqliteLightningStore(db) as store:
+        step1, step2 = (store.add_resources({}).resources_id for _ in range(2))
+        earlier = [run_one(store, "t", r, step1).rollout_id for r in (1.0, 0.0)]
+        latest = [run_one(store, "t", r, step2).rollout_id for r in (1.0, 0.0)]
+    done = agl_cli(tmp_path, "store", "prune", "--keep-last", "1", "--store", str(db))
+    assert done.returncode == 0, done.stderr
+    with SqliteLightningStore(db) as store:
+        assert [bool(store.query_spans(i)) for i in earlier + latest] == [False, False, True, True]
 
 
 # -- findings 3 and 5: an export that finds nothing, or cannot write, leaves the previous file alone -----------
