@@ -50,6 +50,10 @@ _TARGETS: Tuple[Target, ...] = (
     ("crewai.tools.base_tool", "Tool.arun", "tool_run_async"),
     ("crewai.tools.structured_tool", "CrewStructuredTool.invoke", "tool_invoke"),
     ("crewai.tools.structured_tool", "CrewStructuredTool.ainvoke", "tool_invoke_async"),
+    # the text (ReAct) path: an Action CrewAI cannot run (unknown tool, unparsable input) runs no tool
+    ("crewai.tools.tool_usage", "ToolUsage.parse_tool_calling", "react_action"),
+    # the planning StepExecutor's native calls (>= 1.15): call ids, calls answered unrun (its own function)
+    ("crewai.agents.step_executor", "execute_single_native_tool_call", "call_id"),
     ("crewai.crew", "create_chunk_generator", "stream_thread"),  # Crew(stream=True)
     ("crewai.flow.flow", "create_chunk_generator", "stream_thread"),  # Flow(stream=True), 1.10
 )
@@ -104,6 +108,7 @@ def _make_wrappers() -> Dict[str, Callable[..., Any]]:
         "tool_invoke": sync("tool", w.start_tool_invoke, tool),
         "tool_invoke_async": async_("tool", w.start_tool_invoke, tool),
         "call_id": w.with_native_call_id,
+        "react_action": w.with_unrunnable_action,
         "stream_thread": bind_run_func_to_caller,
     }
 

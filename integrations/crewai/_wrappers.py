@@ -113,7 +113,11 @@ def _close(opened: Optional[_Opened], result: Any = None, error: Optional[BaseEx
         if opened.is_tool:
             if error is None:
                 with guard("crewai.tool_result"):  # the span still ends
-                    message = _handled_tool_failure(opened.subject, result)
+                    message = _failure_text(result)  # a ToolFailure returned, not raised
+                    if message is not None:
+                        result = message  # the text the agent reads, not the object
+                    else:
+                        message = _handled_tool_failure(opened.subject, result)
                     if message is not None:
                         mark_tool_failed(opened.span, message)
             finish_tool(opened.span, result, error)
@@ -312,6 +316,11 @@ def with_native_call_id(
     started = time.time_ns()
     try:
         outcome = wrapped(*args, **kwargs)
+    except BaseException as exc:
+        if native is not None and not native.tool_started:
+            with guard("crewai.unrun_tool_call"):  # the user's exception propagates regardless
+                _record_aborted_call(native, args, kwargs, exc, started)
+        raise
     finally:
         if token is not None:
             _NATIVE_CALL.reset(token)
@@ -330,20 +339,36 @@ _TOOL_NOT_FOUND = "Tool not found"
 _NOT_RUN_REASONS = frozenset({"unknown_tool", "usage_limit"})
 
 
-def _unrun_failure(outcome: Any) -> Optional[str]:
+def _outcome(outcome: Any) -> Dict[str, Any]:
+    """A native call's outcome as a dict: the executors' method returns one, the planning ``StepExecutor``'s
+    function (CrewAI 1.15) a ``NativeToolCallResult`` dataclass (no ``tool_failure``, no ``original_tool``)."""
+    if isinstance(outcome, dict):
+        return outcome
+    if dataclasses.is_dataclass(outcome) and not isinstance(outcome, type):
+        return {field.name: getattr(outcome, field.name) for field in dataclasses.fields(outcome)}
+    return {}
+
+
+def _unrun_failure(outcome: Dict[str, Any]) -> Optional[str]:
     """The error text the model is given for a native call no tool ran for, or None if it did not fail so.
 
-    Newer CrewAI (1.15.30) says why in ``tool_failure`` (a ``ToolFailure``); older CrewAI only answers its
-    ``"Tool not found"`` placeholder, which is recognised (its spent-tool text is a template and is not)."""
-    if not isinstance(outcome, dict) or not isinstance(outcome.get("result"), str):
+    Newer CrewAI (1.15.30) says why in ``tool_failure`` (a ``ToolFailure``); older CrewAI (and 1.15's
+    ``StepExecutor``) only answers its ``"Tool not found"`` placeholder, which is recognised (its spent-tool
+    text is a template and is not)."""
+    message = outcome.get("result")
+    if not isinstance(message, str):
         return None
-    message: str = outcome["result"]
     if "tool_failure" in outcome:
-        reason = getattr(outcome["tool_failure"], "reason", None)
-        return message if getattr(reason, "value", reason) in _NOT_RUN_REASONS else None
+        return message if _failure_reason(outcome["tool_failure"]) in _NOT_RUN_REASONS else None
     if outcome.get("original_tool") is None and not outcome.get("from_cache") and message == _TOOL_NOT_FOUND:
         return message
     return None
+
+
+def _failure_reason(failure: Any) -> Optional[str]:
+    reason = getattr(failure, "reason", None)
+    value = getattr(reason, "value", reason)
+    return value if isinstance(value, str) else None
 
 
 def _requested(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Optional[str], Any]:
@@ -370,13 +395,67 @@ def _record_call_without_tool(
     native: _NativeCall, args: Tuple[Any, ...], kwargs: Dict[str, Any], outcome: Any, started: int
 ) -> None:
     """An error tool span (parented where the tool's span would be) for a call CrewAI failed unrun."""
-    message = _unrun_failure(outcome)
+    fields = _outcome(outcome)
+    message = _unrun_failure(fields)
     if message is None:
         return
     name, arguments = _requested(args, kwargs)
-    name = name or _text(outcome.get("func_name")) or "unknown"
-    call_id = native.call_id or _text(outcome.get("call_id")) or None
+    name = name or _text(fields.get("func_name")) or "unknown"
+    call_id = native.call_id or _text(fields.get("call_id")) or None
     record_failed_tool_call(name, FRAMEWORK, arguments, message, call_id=call_id, start_time=started)
+
+
+def _record_aborted_call(
+    native: _NativeCall, args: Tuple[Any, ...], kwargs: Dict[str, Any], error: BaseException, started: int
+) -> None:
+    """Under ``tool_failure_policy="raise"`` (CrewAI 1.15.30) a call CrewAI settles unrun (an unknown tool,
+    a spent one) raises ``ToolExecutionFailedError`` instead of answering the model: the error tool span is
+    recorded before the run aborts, so the model call that asked for it is still penalised."""
+    failure = getattr(getattr(error, "record", None), "failure", None)
+    if type(error).__name__ != "ToolExecutionFailedError" or _failure_reason(failure) not in _NOT_RUN_REASONS:
+        return
+    name, arguments = _requested(args, kwargs)
+    name = name or _text(getattr(error.record, "tool_name", None)) or "unknown"  # type: ignore[attr-defined]
+    message = _failure_text(failure) or _text(error)
+    record_failed_tool_call(name, FRAMEWORK, arguments, message, call_id=native.call_id, start_time=started)
+
+
+# -- tool results that are failures -----------------------------------------------------------------------------
+def _failure_text(failure: Any) -> Optional[str]:
+    """What the agent reads for a CrewAI ``ToolFailure`` (CrewAI 1.15.30; None for anything else). A tool
+    that *returns* one (1.15's way to fail without raising; also what a spent tool's ``run`` returns) failed."""
+    klass = type(failure)
+    if klass.__name__ != "ToolFailure" or not klass.__module__.startswith("crewai."):
+        return None
+    render = getattr(failure, "as_agent_message", None)
+    return _text(render() if callable(render) else getattr(failure, "message", None))
+
+
+# -- text (ReAct) tool calls CrewAI cannot run --------------------------------------------------------------------
+def with_unrunnable_action(
+    wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
+    """Wrapper of ``ToolUsage.parse_tool_calling``, where CrewAI's text (ReAct) tool path turns the model's
+    ``Action:`` / ``Action Input:`` into a call. When it answers a ``ToolUsageError`` instead (the action names
+    a tool the agent does not have, or its input does not parse), no tool runs and the model reads that
+    error as the observation: an error tool span records it, in the agent's context like a tool span that
+    ran (no call id: text calls have none, so AIR credits the agent's last model call, the one that wrote
+    the action). Under ``tool_failure_policy="raise"`` CrewAI aborts right after; the span is already made."""
+    started = time.time_ns()
+    calling = wrapped(*args, **kwargs)
+    if Hooks.owner is not None:
+        with guard("crewai.unrunnable_action"):
+            _record_unrunnable_action(instance, calling, started)
+    return calling
+
+
+def _record_unrunnable_action(usage: Any, calling: Any, started: int) -> None:
+    if type(calling).__name__ != "ToolUsageError":
+        return
+    message = _text(getattr(calling, "message", None)) or _text(calling)
+    action = getattr(usage, "action", None)
+    name = _text(getattr(action, "tool", None)) or "unknown"
+    record_failed_tool_call(name, FRAMEWORK, getattr(action, "tool_input", None), message, start_time=started)
 
 
 def _handled_tool_failure(tool: Any, result: Any) -> Optional[str]:

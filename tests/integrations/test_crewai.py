@@ -283,6 +283,170 @@ def test_a_call_of_a_spent_tool_is_an_error_tool_span(
     assert air_per_call(spans)[1] == {"air.tool_error": AIRConfig().tool_error}
 
 
+def react_llm(base_url: str, monkeypatch: pytest.MonkeyPatch) -> LLM:
+    """A model CrewAI drives with text (ReAct) tool calling: one it thinks cannot call functions natively."""
+    llm = fake_llm(base_url)
+    monkeypatch.setattr(type(llm), "supports_function_calling", lambda self: False)
+    return llm
+
+
+def react_action(tool_name: str, arguments: Dict[str, Any]) -> FakeReply:
+    return FakeReply(content=f"Thought: I use a tool.\nAction: {tool_name}\nAction Input: {json.dumps(arguments)}")
+
+
+FINAL_6 = FakeReply(content="Thought: I now know the final answer\nFinal Answer: 6")
+
+
+def test_a_text_action_naming_a_tool_the_agent_lacks_is_an_error_tool_span_that_air_penalises(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ReAct: the model writes ``Action: multiply`` when the agent only has ``add``. CrewAI runs no tool and
+    answers an error as the observation; the action still gets a failed tool span, credited by AIR to the
+    model call that wrote it. A known tool in the same run is an ordinary tool span."""
+    fake_openai.script(
+        react_action("multiply", {"a": 2, "b": 3}),
+        react_action("add", {"a": 2, "b": 4}),
+        FINAL_6,
+    )
+    llm = react_llm(fake_openai.base_url, monkeypatch)
+    with rollout_scope("ro-react-unknown", "at-1"):
+        result = solo_crew(llm, "Solver", "What is 2 times 3?").kickoff()
+    assert "6" in result.raw
+    assert all("tools" not in r["body"] for r in fake_openai.requests)  # text tool calling indeed
+    spans = sink.of("ro-react-unknown")
+    assert_llm_spans_complete(spans, len(fake_openai.requests))
+    unknown, known = kind(spans, "tool")
+    assert unknown.name == "execute_tool multiply" and unknown.attributes[semconv.TOOL_NAME] == "multiply"
+    assert json.loads(unknown.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 2, "b": 3}
+    assert unknown.status == "error" and unknown.attributes[semconv.ERROR_TYPE] == "_OTHER"
+    assert unknown.error == unknown.attributes[semconv.TOOL_CALL_RESULT]
+    told = "\n".join(str(m["content"]) for m in fake_openai.requests[1]["body"]["messages"])
+    assert "Action 'multiply' don't exist" in unknown.error and unknown.error in told  # the observation
+    assert known.status != "error" and known.attributes[semconv.TOOL_CALL_RESULT] == 6
+    (agent,) = kind(spans, "agent")
+    assert unknown.parent_id == agent.span_id and agent.status != "error"
+    assert air_per_call(spans) == [{"air.tool_error": AIRConfig().tool_error}, {}, {}]
+
+
+def test_a_text_action_whose_input_does_not_parse_is_an_error_tool_span(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ReAct: an ``Action Input`` CrewAI cannot read as arguments runs no tool either (the same answer)."""
+    fake_openai.script(
+        FakeReply(content="Thought: I add.\nAction: add\nAction Input: two and four"),
+        FINAL_6,
+    )
+    with rollout_scope("ro-react-bad-input", "at-1"):
+        solo_crew(react_llm(fake_openai.base_url, monkeypatch), "Solver", "What is 2 plus 4?").kickoff()
+    spans = sink.of("ro-react-bad-input")
+    (span,) = kind(spans, "tool")
+    assert span.name == "execute_tool add" and span.status == "error"
+    assert span.attributes[semconv.TOOL_CALL_ARGUMENTS] == "two and four"
+    assert air_per_call(spans) == [{"air.tool_error": AIRConfig().tool_error}, {}]
+
+
+def failing_lookup() -> Any:
+    """A tool that fails by *returning* CrewAI 1.15's ToolFailure (no exception)."""
+    from crewai.tools.tool_failure import ToolFailure
+
+    @tool("lookup")
+    def lookup(key: str) -> Any:
+        """Look a key up."""
+        return ToolFailure(message=f"no entry for {key}", code="not_found")
+
+    return lookup
+
+
+@pytest.mark.skipif(CREWAI_VERSION < (1, 15), reason="ToolFailure is new in CrewAI 1.15")
+@pytest.mark.parametrize("text_calling", [False, True])
+def test_a_tool_returning_a_tool_failure_is_an_error_tool_span(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any, monkeypatch: pytest.MonkeyPatch, text_calling: bool
+) -> None:
+    first = (
+        react_action("lookup", {"key": "x"})
+        if text_calling
+        else FakeReply(tool_calls=[{"name": "lookup", "arguments": {"key": "x"}}])
+    )
+    fake_openai.script(first, FINAL_6 if text_calling else FakeReply(content="6"))
+    llm = react_llm(fake_openai.base_url, monkeypatch) if text_calling else fake_llm(fake_openai.base_url)
+    rollout_id = f"ro-tool-failure-{text_calling}"
+    with rollout_scope(rollout_id, "at-1"):
+        solo_crew(llm, "Solver", "Look x up.", tools=[failing_lookup()]).kickoff()
+    spans = sink.of(rollout_id)
+    (span,) = kind(spans, "tool")
+    assert span.status == "error" and span.attributes[semconv.ERROR_TYPE] == "_OTHER"
+    assert span.error == span.attributes[semconv.TOOL_CALL_RESULT] == "no entry for x (code: not_found)"
+    if not text_calling:
+        assert tool_messages(fake_openai.requests[1])[0]["content"] == span.error
+    assert air_per_call(spans) == [{"air.tool_error": AIRConfig().tool_error}, {}]
+
+
+@pytest.mark.skipif(CREWAI_VERSION < (1, 15), reason="tool_failure_policy is new in CrewAI 1.15")
+@pytest.mark.parametrize("text_calling", [False, True])
+def test_an_unknown_tool_under_the_raise_policy_is_an_error_tool_span_before_the_run_aborts(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any, monkeypatch: pytest.MonkeyPatch, text_calling: bool
+) -> None:
+    from crewai.tools.tool_failure import ToolExecutionFailedError
+
+    first = (
+        react_action("multiply", {"a": 2, "b": 3})
+        if text_calling
+        else FakeReply(tool_calls=[{"name": "multiply", "arguments": {"a": 2, "b": 3}}])
+    )
+    fake_openai.script(first)
+    llm = react_llm(fake_openai.base_url, monkeypatch) if text_calling else fake_llm(fake_openai.base_url)
+    rollout_id = f"ro-raise-{text_calling}"
+    crew = solo_crew(llm, "Solver", "What is 2 times 3?", tool_failure_policy="raise")
+    with rollout_scope(rollout_id, "at-1"), pytest.raises(ToolExecutionFailedError):
+        crew.kickoff()
+    assert len(fake_openai.requests) == 1
+    spans = sink.of(rollout_id)
+    (span,) = kind(spans, "tool")
+    assert span.name == "execute_tool multiply" and span.status == "error"
+    assert span.attributes[semconv.ERROR_TYPE] == "_OTHER"
+    assert json.loads(span.attributes[semconv.TOOL_CALL_ARGUMENTS]) == {"a": 2, "b": 3}
+    (agent,) = kind(spans, "agent")
+    assert span.parent_id == agent.span_id and agent.status == "error"
+    assert air_per_call(spans) == [{"air.tool_error": AIRConfig().tool_error}]
+
+
+@pytest.mark.skipif(CREWAI_VERSION < (1, 15), reason="the planning StepExecutor is new in CrewAI 1.15")
+def test_native_calls_of_a_planned_step_have_call_ids_and_an_unknown_tool_fails(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any
+) -> None:
+    """``Agent(planning=True)``: CrewAI plans, then runs each step in its ``StepExecutor``, which executes
+    native tool calls with a function of its own. Its tool spans get the model's call ids, and a call of a
+    tool the agent lacks is an error tool span there too."""
+    plan = {
+        "plan": "Multiply, then add.",
+        "steps": [{"step_number": 1, "description": "Compute", "tool_to_use": "add", "depends_on": []}],
+        "ready": True,
+    }
+    calls = [{"name": "multiply", "arguments": {"a": 2, "b": 3}}, {"name": "add", "arguments": {"a": 1, "b": 5}}]
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "create_reasoning_plan", "arguments": plan}]),  # the planner
+        FakeReply(tool_calls=calls),  # the step
+        FakeReply(content="6"),  # the step's answer
+        FakeReply(content="6"),  # the synthesis of the steps
+    )
+    llm = fake_llm(fake_openai.base_url)
+    agent = Agent(role="Planner", goal="Answer.", backstory="Plans.", llm=llm, tools=[add], planning=True)
+    crew = Crew(agents=[agent], tasks=[Task(description="What is 2 times 3?", expected_output="a number", agent=agent)])
+    with rollout_scope("ro-step-executor", "at-1"):
+        assert "6" in crew.kickoff().raw
+    assert len(fake_openai.requests) == 4
+    spans = sink.of("ro-step-executor")
+    assert_llm_spans_complete(spans, len(fake_openai.requests))
+    told = {m["tool_call_id"]: m["content"] for m in tool_messages(fake_openai.requests[2])}
+    unknown, known = kind(spans, "tool")
+    assert unknown.name == "execute_tool multiply" and unknown.status == "error"
+    assert unknown.attributes[semconv.ERROR_TYPE] == "_OTHER"
+    assert unknown.error == told[unknown.attributes[semconv.TOOL_CALL_ID]] == "Tool not found"
+    assert known.status != "error" and told[known.attributes[semconv.TOOL_CALL_ID]] == "6"
+    assert {agent_of(s, spans) for s in (unknown, known)} == {"Planner"}
+    assert air_per_call(spans) == [{}, {"air.tool_error": AIRConfig().tool_error}, {}, {}]
+
+
 def test_delegating_to_a_coworker_that_does_not_exist_is_an_error_tool_span(
     fake_openai: FakeOpenAIServer, instrumented: None, sink: Any
 ) -> None:
