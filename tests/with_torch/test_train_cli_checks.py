@@ -178,6 +178,22 @@ def test_check_names_an_unknown_lora_field_beside_other_bad_settings(files: Path
     assert "rr" in lines[-1] and lines[-1].endswith("(TorchGRPO's settings: docs/training.md)")
 
 
+def test_check_refuses_training_sampling_that_would_not_train_what_it_samples(files: Path) -> None:
+    """--set sampling={"temperature": ...} sampled at one temperature and trained at --temperature's;
+    --set sampling={"seed": ...} made every rollout of a group the same. --check says so, before any run."""
+    with pytest.raises(SystemExit) as exc:
+        main(_train(files, "--temperature", "0.7", "--set", 'sampling={"temperature": 0.5}', "--check"))
+    assert "bad grpo settings: sampling has temperature=0.5 but TorchGRPO(temperature=0.7)" in str(exc.value.code)
+    assert "--temperature 0.5" in str(exc.value.code)
+    with pytest.raises(SystemExit) as exc:
+        main(_train(files, "--set", 'sampling={"seed": 3}', "--check"))
+    assert "bad grpo settings: sampling has seed=3: with group_size=2" in str(exc.value.code)
+    assert not (files / "run").exists()
+    # the same temperature twice, a seed for the evaluations only: fine
+    main(_train(files, "--temperature", "0.7", "--set", 'sampling={"temperature": 0.7}',
+                "--set", 'val_sampling={"seed": 3}', "--check"))
+
+
 def test_a_wrong_set_value_stops_the_run_before_any_step(files: Path) -> None:
     """checkpoint_every=0 passed --check, trained step 1, then crashed with ZeroDivisionError."""
     with pytest.raises(SystemExit, match="checkpoint_every=0: expected a whole number >= 1"):

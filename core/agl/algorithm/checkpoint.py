@@ -6,6 +6,7 @@ Layout under ``checkpoint_dir``::
     step-000012/
         adapter/            peft ``save_pretrained`` (LoRA)   or   model.pt (full fine-tuning state dict)
         optimizer.pt
+        rng.pt              the random generators' states (torch CPU and CUDA, Python's ``random``)
         state.json          step, policy version, data cursor (epoch, position), metric rows, evaluations
     latest                  the name of the newest complete checkpoint folder
     published_resources.txt every resources id the run published, one a line (see :func:`record_published`)
@@ -17,7 +18,9 @@ atomically, so a run killed mid-save leaves the previous checkpoint usable.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import random
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -27,6 +30,8 @@ from typing import Any, Dict, List, Optional, Set
 import torch
 
 from agl.errors import AglError
+
+logger = logging.getLogger("agl.train")
 
 
 class CheckpointError(AglError, ValueError):
@@ -89,6 +94,7 @@ def save_checkpoint(
         else:
             torch.save(model.state_dict(), staging / "model.pt")
         torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        torch.save(_rng_state(), staging / "rng.pt")
         (staging / "state.json").write_text(json.dumps(asdict(state)), encoding="utf-8")
         final = directory / name
         if final.exists():
@@ -124,6 +130,10 @@ def load_checkpoint(
 
     Refuses a checkpoint made for another model or LoRA setting (its ``fingerprint`` differs): resuming it
     would load mismatched weights or silently train a different configuration.
+
+    The optimizer's moments come from the checkpoint, its learning rate stays the one ``optimizer`` was
+    made with (this run's ``lr``): a run resumed with another ``lr`` trains at it, with a warning.
+    The random generators continue from where the checkpoint left them (when it saved them: ``rng.pt``).
     """
     state = TrainerState(**json.loads((path / "state.json").read_text(encoding="utf-8")))
     if state.fingerprint != fingerprint:
@@ -144,8 +154,40 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {path}: adapter weights do not fit this model ({unexpected[:3]} ...)")
     else:
         model.load_state_dict(torch.load(path / "model.pt", map_location=device))
+    configured = [group["lr"] for group in optimizer.param_groups]
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device))
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, configured):
+        group["lr"] = lr
+    if saved != configured:
+        logger.warning(
+            "resuming %s with lr=%s; the checkpoint was trained with lr=%s: training continues at lr=%s",
+            path, _one(configured), _one(saved), _one(configured),
+        )
+    if (path / "rng.pt").exists():
+        _set_rng_state(torch.load(path / "rng.pt"))
     return state
+
+
+def _one(values: List[float]) -> Any:
+    return values[0] if len(set(values)) == 1 else values
+
+
+def _rng_state() -> Dict[str, Any]:
+    """The states of the generators a run samples with: torch's (the policy server's sampling when a request
+    has no seed), CUDA's when present, and Python's ``random``."""
+    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _step_of(folder: Path) -> int:

@@ -57,12 +57,19 @@ class TokenBatch:
 def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
     """Left-pad ``prompt_ids + response_ids`` of each sample into one batch.
 
-    Raises ValueError on a sample that cannot be trained on (no response tokens, mismatched lengths), naming
-    the rollout so the user can find it with ``agl inspect``.
+    Raises ValueError on a sample that cannot be trained on (no prompt or no response tokens, mismatched
+    lengths), naming the rollout so the user can find it with ``agl inspect``.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
     for s in samples:
+        if not s.prompt_ids:
+            # The first response token's logprob is predicted from the token before it: without one there is
+            # nothing to predict it from (the column before it would be padding, or not exist).
+            raise ValueError(
+                f"sample of rollout {s.rollout_id} has no prompt tokens: its first response token cannot be "
+                "scored (the model predicts each token from the ones before it); the request must send a prompt"
+            )
         if not s.response_ids:
             raise ValueError(f"sample of rollout {s.rollout_id} has no response tokens; LightningRL should drop it")
         if len(s.response_mask) != len(s.response_ids):
@@ -173,8 +180,9 @@ def policy_loss(
         stats = {
             "tokens": n_tokens,
             "clipped_tokens": clipped_frac,
-            # k3 estimate of KL(old || new) per token, a drift gauge between epochs
-            "kl_old_sum": float(((torch.exp(-log_ratio) + log_ratio - 1.0) * mask).sum()),
+            # k3 estimate of KL(old || new) per token (the tokens were sampled from old, r = new / old:
+            # r - 1 - log r, whose mean under old is the KL), a drift gauge between epochs
+            "kl_old_sum": float(((torch.exp(log_ratio) - 1.0 - log_ratio) * mask).sum()),
             "kl_ref_sum": float((kl * mask).sum()) if kl is not None else 0.0,
             "entropy_proxy_sum": float((-logprobs.detach() * mask).sum()),
         }

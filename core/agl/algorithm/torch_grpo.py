@@ -139,13 +139,16 @@ class TorchGRPO(Algorithm):
     the whole ``run``: no step starts unless it and the final evaluations (timed by the last step and the
     first evaluations) still fit. ``eval_every`` steps (0: only before and after) the validation tasks run once each.
 
-    Optimisation: ``lr`` (AdamW), ``ppo_epochs`` passes over each batch, ``micro_batch_size`` samples per
+    Optimisation: ``lr`` (AdamW, torch's defaults otherwise: weight decay 0.01; a resumed run uses this
+    ``lr``, not the checkpoint's), ``ppo_epochs`` passes over each batch, ``micro_batch_size`` samples per
     forward pass, ``grad_accum`` micro-batches per optimizer step (None: one step per pass over the batch),
     ``clip_eps`` (PPO ratio clip), ``kl_coef`` (k3 KL to the reference; 0 skips the reference pass),
     ``max_grad_norm``.
 
     Sampling: ``temperature`` and ``max_tokens`` go into the published LLM resource (so into every agent
-    request); ``sampling`` adds other parameters; ``val_sampling`` overrides them for validation (for
+    request); ``sampling`` adds other parameters (a ``temperature`` other than ``temperature`` is refused, the
+    loss computes every logprob at that one, and so is a fixed ``seed`` with ``group_size > 1``, which would make
+    a group's rollouts identical); ``val_sampling`` overrides them for validation (for
     example ``{"temperature": 0.0}`` for greedy evaluation); ``extra_evals`` names more evaluations run
     before and after training only, e.g. ``{"greedy": {"temperature": 0.0}}``. ``success_threshold``: a rollout whose reward
     reaches it counts as a success.
@@ -234,6 +237,7 @@ class TorchGRPO(Algorithm):
                         **{f"extra_evals[{name!r}]": v for name, v in self.extra_evals.items()})
         if "val" in self.extra_evals:
             raise ValueError('extra_evals cannot use the name "val": it is the main evaluation (val_sampling)')
+        _check_training_sampling(self.sampling, temperature=temperature, group_size=group_size)
         self.success_threshold = success_threshold
         self.eval_every = eval_every
         self.time_budget_s = time_budget_s
@@ -579,12 +583,14 @@ class TorchGRPO(Algorithm):
         seen = ", ".join(f"{r:g}" for r in rewards[:5]) + (", ..." if len(rewards) > 5 else "")
         logger.warning(
             "step %d: all %d groups had equal rewards: nothing to learn from this step; every advantage is 0, "
-            "so %s (%d such steps in a row; rewards seen: %s). A reward that never varies (a constant, a bug), "
-            "tasks too easy or too hard for the policy, greedy sampling or group_size=1 give this; it does not "
-            "stop the run",
+            "so %s (%d such steps in a row; rewards seen: %s).%s A reward that never varies (a constant, a bug), "
+            "tasks too easy or too hard for the policy, greedy sampling, a fixed sampling seed (an agent that "
+            "passes its own `seed`) or group_size=1 give this; it does not stop the run",
             self.state.step + 1, n_groups,
             "only the KL term updates the policy" if self.kl_coef > 0 else "no optimizer step",
             before + 1, seen or "none",
+            " The rollouts of every group were token for token identical: a fixed `seed` in the agent's requests "
+            "(or greedy sampling) does this." if _groups_identical(samples) else "",
         )
 
     def _say_nothing_trained(self, elapsed_s: float) -> None:
@@ -763,6 +769,7 @@ class TorchGRPO(Algorithm):
             "gen_s": gen_s,
             "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
             **stats,
+            "lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else float("nan"),
             "step_time_s": time.monotonic() - started,
         }
         if stats.get("train_tokens"):
@@ -799,6 +806,17 @@ def _all_groups_equal(samples: Sequence[Sample]) -> bool:
     return bool(samples) and all(s.advantage == 0.0 for s in samples)
 
 
+def _groups_identical(samples: Sequence[Sample]) -> bool:
+    """True when every group has more than one rollout and all of a group's rollouts generated the same
+    tokens (the same seed, or greedy sampling, on the same prompt)."""
+    groups: Dict[Any, Dict[str, List[Tuple[int, ...]]]] = {}
+    for s in samples:
+        groups.setdefault((s.policy, s.mode, s.task_id), {}).setdefault(s.rollout_id, []).append(tuple(s.response_ids))
+    return bool(groups) and all(
+        len(rollouts) > 1 and len({tuple(r) for r in rollouts.values()}) == 1 for rollouts in groups.values()
+    )
+
+
 def _check_sampling(**settings: Mapping[str, Any]) -> None:
     """Sampling settings agl's policy server cannot apply (e.g. vLLM's ``top_k``) fail here, not as a 400 on
     every rollout once the model is loaded."""
@@ -809,6 +827,28 @@ def _check_sampling(**settings: Mapping[str, Any]) -> None:
                 f"{name} has {', '.join(map(repr, unknown))}, which agl's policy server does not support; it "
                 f"takes {', '.join(sorted(REQUEST_SETTINGS))}"
             )
+
+
+def _check_training_sampling(sampling: Mapping[str, Any], *, temperature: float, group_size: int) -> None:
+    """Training settings in ``sampling`` that would train on something else than what the rollouts sampled:
+    a ``temperature`` other than TorchGRPO's (the loss computes every logprob at ``temperature``), and a fixed
+    ``seed`` with ``group_size > 1`` (every rollout of a group would be the same, so no advantage). Both are
+    fine in ``val_sampling`` and ``extra_evals``, which train nothing."""
+    if "temperature" in sampling and sampling["temperature"] != temperature:
+        wanted = sampling["temperature"]
+        raise ValueError(
+            f"sampling has temperature={wanted!r} but TorchGRPO(temperature={temperature!r}): the rollouts would be "
+            f"sampled at {wanted!r} while the loss computes every logprob at {temperature!r}. Set the training "
+            f"temperature with temperature={wanted!r} (agl train: --temperature {wanted!r}) and leave it out of "
+            "sampling; val_sampling and extra_evals may set their own"
+        )
+    if sampling.get("seed") is not None and group_size > 1:
+        raise ValueError(
+            f"sampling has seed={sampling['seed']!r}: with group_size={group_size} every rollout of a task would "
+            "be sampled from the same prompt with the same seed, so a group's rollouts would be identical, their "
+            "rewards equal and no advantage left to train on. Leave seed out of sampling (TorchGRPO(seed=...) "
+            "seeds the run); val_sampling and extra_evals may fix one"
+        )
 
 
 def _check_positive(**values: int) -> None:
