@@ -19,6 +19,7 @@ from agl.lightningrl.transitions import (
     SKIP_CALL_FAILED,
     SKIP_EMPTY_PROMPT,
     SKIP_EMPTY_RESPONSE,
+    SKIP_STREAM_NO_IDS,
     CallSelector,
     extract_transitions,
 )
@@ -151,6 +152,30 @@ def test_missing_only_response_ids_names_what_is_missing() -> None:
     del span.attributes[semconv.RESPONSE_TOKEN_IDS]
     b.finish()
     with pytest.raises(MissingTokenIdsError, match=f"no {semconv.RESPONSE_TOKEN_IDS} .*'server'"):
+        extract(b)
+
+
+def test_a_call_without_ids_and_without_an_answer_or_cut_mid_stream_is_skipped_not_raised() -> None:
+    """MissingTokenIdsError is for a server that never returns ids. A stream closed before anything arrived
+    (no output, no finish reason) and a stream abandoned or truncated before its ids (a Responses stream
+    sends them last) say nothing about the server: each raised for the whole batch. Now skipped, counted."""
+    b = TraceBuilder()
+    nothing = b.llm(None, None, content=None)
+    abandoned = b.llm(None, None, content="half an ans")
+    truncated = b.llm(None, None, content="half an ans")
+    b.llm([1], [2])
+    for span in (nothing, abandoned, truncated):
+        del span.attributes[semconv.TOKEN_IDS_SOURCE]  # as recorded: the source of an unfinished stream is unknown
+    nothing.attributes[semconv.STREAM_ABANDONED] = True
+    abandoned.attributes[semconv.STREAM_ABANDONED] = True
+    truncated.attributes[semconv.STREAM_TRUNCATED] = True
+    b.finish()
+    out = extract(b)
+    assert out.skipped == {SKIP_EMPTY_RESPONSE: 1, SKIP_STREAM_NO_IDS: 2} and len(out.transitions) == 1
+    assert out.accounted
+    # a complete answer from a server without ids still raises
+    b.llm(None, None, content="a whole answer").attributes[semconv.RESPONSE_FINISH_REASONS] = ["stop"]
+    with pytest.raises(MissingTokenIdsError):
         extract(b)
 
 

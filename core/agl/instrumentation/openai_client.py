@@ -73,6 +73,7 @@ _TARGETS: Tuple[Tuple[str, str, str, bool], ...] = (
 )
 _METHODS = ("create", "parse")
 _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"  # set by with_raw_response ("true") / with_streaming_response
+_STREAMING_RESPONSE = "stream"  # the header's value from with_streaming_response: the body is read later
 _MARK = "_agl_openai_wrapper"  # on our wrapper functions, to recognise a class another instance hooked
 
 
@@ -122,8 +123,10 @@ class LlmCall:
         try:
             if self.raw is not None and self.stream:
                 return RawStreamResponse(result, self, is_async)  # the span ends with the parsed stream
+            if self.raw == _STREAMING_RESPONSE:
+                return UnreadResponse(result, self, is_async)  # the span ends when the body is read
             if self.raw is not None:
-                reasons = self._record_raw(result)
+                reasons = self._record_body(result)
             elif self.stream:
                 proxy = self._proxy_stream(result, is_async)
                 if proxy is not None:
@@ -138,11 +141,17 @@ class LlmCall:
     def fail(self, error: BaseException) -> None:
         self._end(None, error, None)
 
-    def end_stream(self, accumulator: Optional[Accumulator], error: Optional[BaseException], abandoned: bool = False) -> None:
+    def end_stream(
+        self, accumulator: Optional[Accumulator], error: Optional[BaseException], unfinished: Optional[str] = None
+    ) -> None:
+        """End the span of a streamed call with what its ``accumulator`` gathered; ``unfinished`` names the flag
+        saying why the answer is incomplete (abandoned by the agent, truncated by the server)."""
+        if self.ended:  # the deferred attributes are the writer's now
+            return
         reasons: List[str] = []
         failure = None
-        if abandoned:
-            self.deferred[semconv.STREAM_ABANDONED] = True
+        if unfinished is not None:
+            self.deferred[unfinished] = True
         if accumulator is not None:
             try:
                 reasons = accumulator.record(self.deferred)
@@ -159,14 +168,41 @@ class LlmCall:
             return StreamProxy(result, self, accumulator)
         return None
 
-    def _record_raw(self, result: Any) -> List[str]:
-        """``with_raw_response``: its ``parse()`` caches, so parsing here costs the user nothing later. An
-        answer that does not parse is recorded all the same; the user's own ``parse()`` raises as before.
+    def end_unread(self, response: Any) -> None:
+        """A ``with_streaming_response`` response closed: its span ends with the body if the user read it
+        (``read``/``text``/``json``/``parse`` cache it). Closed unread, nothing arrived for the agent: marked
+        ``agl.llm.stream_abandoned``, with no output and no token id source (LightningRL skips it as an empty
+        response). Read in pieces (``iter_bytes``, ...), the body is gone: the span ends without it."""
+        if self.ended:
+            return
+        if _body_read(response):
+            self.end_read(response)
+        elif _body_untouched(response):
+            self.end_stream(None, None, semconv.STREAM_ABANDONED)
+        else:
+            self._end(None, None, None)
 
-        A ``with_streaming_response`` body is the user's to read: nothing is recorded from it.
-        """
-        if self.raw != "true":
-            return []
+    def end_read(self, response: Any) -> None:
+        """The user read a ``with_streaming_response`` body (or tried to: a structured-output answer that does
+        not parse raises after reading it): record it, as ``with_raw_response`` does, and end the span.
+
+        An async response's ``parse()`` is a coroutine; its ``_parse()`` (the SDK's parse without the
+        structured-output post-parser, present since openai 1.0) reads the same body at once."""
+        if self.ended or not _body_read(response):
+            return
+        reasons: List[str] = []
+        try:
+            if inspect.iscoroutinefunction(response.parse):
+                reasons = record_response(self.api, response._parse(), self.deferred, self.with_logprobs)
+            else:
+                reasons = self._record_body(response)
+        except Exception as exc:  # noqa: BLE001 - the user gets the body whatever we failed to read
+            report_internal_error("openai.response", exc)
+        self._end(reasons, None, None)
+
+    def _record_body(self, result: Any) -> List[str]:
+        """A raw response's body: its ``parse()`` caches, so parsing here costs the user nothing later. An
+        answer that does not parse is recorded all the same; the user's own ``parse()`` raises as before."""
         try:
             parsed = result.parse()
         except Exception as exc:  # noqa: BLE001 - the user's parse() raises it again
@@ -243,6 +279,7 @@ class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
         super().__init__(wrapped)
         self._self_call = call
         self._self_is_async = is_async
+        self._self_stream: Any = None  # the proxied stream parse() handed out
 
     def _self_proxied(self, stream: Any) -> Any:
         try:
@@ -253,6 +290,7 @@ class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
         if proxy is None:
             self._self_call.end_stream(None, None)
             return stream
+        self._self_stream = proxy
         return proxy
 
     def parse(self, *args: Any, **kwargs: Any) -> Any:
@@ -266,8 +304,86 @@ class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
 
     def close(self) -> Any:
         result = self.__wrapped__.close()
-        self._self_call.end_stream(None, None)  # no-op if the stream already ended the span
+        if self._self_is_async and inspect.isawaitable(result):
+            return self._self_close_async(result)
+        self._self_closed()
         return result
+
+    async def _self_close_async(self, result: Any) -> Any:
+        try:
+            return await result
+        finally:
+            self._self_closed()
+
+    def _self_closed(self) -> None:
+        """The response is closed (its ``with`` block left): a stream read partly ends with what arrived, one
+        never parsed with nothing (both marked abandoned); a no-op if the stream already ended the span."""
+        if self._self_stream is not None:
+            self._self_stream._self_close()
+        else:
+            self._self_call.end_stream(None, None, semconv.STREAM_ABANDONED)
+
+
+class UnreadResponse(wrapt.ObjectProxy):  # type: ignore[misc]
+    """A non-streamed response through ``with_streaming_response``: the body is the user's to read, when they
+    choose, so the call is recorded when they read it (``read``, ``text``, ``json``, ``parse``) or the
+    response is closed (the ``with`` block left), and its span ends then."""
+
+    def __init__(self, wrapped: Any, call: "LlmCall", is_async: bool) -> None:
+        super().__init__(wrapped)
+        self._self_call = call
+        self._self_is_async = is_async
+
+    def read(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_then(self.__wrapped__.read, args, kwargs, self._self_call.end_read)
+
+    def text(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_then(self.__wrapped__.text, args, kwargs, self._self_call.end_read)
+
+    def json(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_then(self.__wrapped__.json, args, kwargs, self._self_call.end_read)
+
+    def parse(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_then(self.__wrapped__.parse, args, kwargs, self._self_call.end_read)
+
+    def close(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_then(self.__wrapped__.close, args, kwargs, self._self_call.end_unread)
+
+    def _self_then(self, method: Callable[..., Any], args: Any, kwargs: Any, record: Callable[[Any], None]) -> Any:
+        """Call the SDK's ``method``, then ``record`` the response, also when it raised (a parse error comes
+        after the body was read). Async responses: the same, once the coroutine is awaited."""
+        if self._self_is_async:
+            return self._self_then_async(method(*args, **kwargs), record)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self._self_record(record)
+
+    async def _self_then_async(self, coroutine: Any, record: Callable[[Any], None]) -> Any:
+        try:
+            return await coroutine
+        finally:
+            self._self_record(record)
+
+    def _self_record(self, record: Callable[[Any], None]) -> None:
+        try:
+            record(self.__wrapped__)
+        except Exception as exc:  # noqa: BLE001
+            report_internal_error("openai.response", exc)
+
+
+def _body_read(response: Any) -> bool:
+    """Whether the body of an SDK ``APIResponse`` has been read whole (httpx keeps it then)."""
+    try:
+        response.http_response.content
+    except Exception:  # noqa: BLE001 - httpx.ResponseNotRead, or the body was streamed away
+        return False
+    return True
+
+
+def _body_untouched(response: Any) -> bool:
+    """Whether nothing of the body has been read (its stream was never consumed)."""
+    return not getattr(response.http_response, "is_stream_consumed", True)
 
 
 def _ask_raw_for_parse(call_kwargs: Dict[str, Any]) -> None:

@@ -68,6 +68,9 @@ def request_attributes(api: str, kwargs: Mapping[str, Any], stream: bool) -> Dic
         if _is_number(value):
             attrs[semconv.REQUEST_MAX_TOKENS] = value
             break
+    stop = stop_sequences(kwargs.get("stop"))
+    if stop:
+        attrs[semconv.REQUEST_STOP_SEQUENCES] = stop
     n = kwargs.get("n")  # the Responses API has no n
     choices = n if _is_int(n) else None
     if api == COMPLETIONS:
@@ -77,6 +80,16 @@ def request_attributes(api: str, kwargs: Mapping[str, Any], stream: bool) -> Dic
     if choices is not None:
         attrs[semconv.REQUEST_CHOICE_COUNT] = choices
     return attrs
+
+
+def stop_sequences(stop: Any) -> List[str]:
+    """The request's ``stop`` strings (chat and Completions: a string or a list of them). A call that ends on one
+    reports finish reason ``stop`` as if the model had sampled its end token, so re-tokenization needs them."""
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, (list, tuple)):
+        return [s for s in stop if isinstance(s, str) and s]
+    return []
 
 
 def prompt_count(prompt: Any) -> int:
@@ -227,14 +240,16 @@ def _record_header(completion: Any, deferred: Dict[str, Any]) -> None:
         record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
 
 
-def record_completion_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any]) -> None:
+def record_completion_token_ids(
+    prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any], complete: bool = True
+) -> None:
     """``record_token_ids``, the request's own prompt ids standing in for those a server that sent the response
     ids left out (the source then stays ``absent`` for a server that sends no ids at all)."""
     if prompt_ids is None and response_ids is not None:
         prompt = deferred.get(semconv.LLM_PROMPT)
         if isinstance(prompt, tuple):
             prompt_ids = prompt
-    record_token_ids(prompt_ids, response_ids, deferred)
+    record_token_ids(prompt_ids, response_ids, deferred, complete)
 
 
 def record_response(api: str, response: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
@@ -288,8 +303,13 @@ def record_usage(input_tokens: Optional[int], output_tokens: Optional[int], defe
         deferred[semconv.USAGE_OUTPUT_TOKENS] = output_tokens
 
 
-def record_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any]) -> None:
+def record_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any], complete: bool = True) -> None:
     """Token ids go to the writer as tuples; the source says whether the server sent them.
+
+    ``complete``: the server finished its answer. A stream that ended before (abandoned by the agent, cut by
+    the server) may just not have reached its ids (a Responses stream sends them with its last event, a chat
+    stream closed unread has none yet): whether the server returns ids is then unknown, so without ids no
+    source is recorded rather than ``absent``, which LightningRL reads as a server that never returns them.
 
     A tuple of ints is dropped from the garbage collector's tracking, a list is not: thousands of queued
     lists of token ids would make every full collection on the agent's thread walk each id.
@@ -298,8 +318,10 @@ def record_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any
         deferred[semconv.PROMPT_TOKEN_IDS] = tuple(prompt_ids)
     if response_ids is not None:
         deferred[semconv.RESPONSE_TOKEN_IDS] = tuple(response_ids)
-    present = prompt_ids is not None or response_ids is not None
-    deferred[semconv.TOKEN_IDS_SOURCE] = "server" if present else "absent"
+    if prompt_ids is not None or response_ids is not None:
+        deferred[semconv.TOKEN_IDS_SOURCE] = "server"
+    elif complete:
+        deferred[semconv.TOKEN_IDS_SOURCE] = "absent"
 
 
 def record_resources_version(version: Any, deferred: Dict[str, Any]) -> None:
@@ -324,12 +346,21 @@ def _responses_output_messages(output: Sequence[Any]) -> List[Dict[str, Any]]:
         if kind == "message":
             texts.extend(part.text for part in item.content if getattr(part, "type", None) == "output_text")
         elif kind == "function_call":
-            function = {"name": item.name, "arguments": item.arguments}
-            calls.append({"id": item.call_id, "type": "function", "function": function})
+            calls.append(function_call(item.call_id, item.name, item.arguments))
+    return [assistant_message(texts, calls)]
+
+
+def function_call(call_id: Optional[str], name: Optional[str], arguments: Optional[str]) -> Dict[str, Any]:
+    """A Responses API function call as a chat tool call."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def assistant_message(texts: List[str], calls: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The one assistant message a Responses answer (whole, or what arrived of a stream) is recorded as."""
     message: Dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
     if calls:
         message["tool_calls"] = calls
-    return [message]
+    return message
 
 
 def _carries_logprobs(output: Sequence[Any]) -> bool:
@@ -351,12 +382,12 @@ def _responses_logprobs(output: Sequence[Any]) -> Computed:
             if getattr(item, "type", None) != "message":
                 continue
             for part in item.content:
-                values.extend(_logprob(lp) for lp in getattr(part, "logprobs", None) or ())
+                values.extend(logprob_of(lp) for lp in getattr(part, "logprobs", None) or ())
         return values
 
     return Computed(fill)
 
 
-def _logprob(entry: Any) -> float:
+def logprob_of(entry: Any) -> float:
     """A Responses output-text logprob: a model on current SDKs, a plain dict on openai < 1.91."""
     return entry["logprob"] if isinstance(entry, dict) else entry.logprob

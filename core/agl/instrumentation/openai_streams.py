@@ -23,6 +23,9 @@ from agl.instrumentation.openai_payloads import (
     CHAT,
     COMPLETIONS,
     RESOURCES_VERSION_FIELD,
+    assistant_message,
+    function_call,
+    logprob_of,
     record_completion_token_ids,
     record_resources_version,
     record_response_ids,
@@ -48,14 +51,21 @@ class Accumulator(Protocol):
         ...
 
     def record(self, deferred: Dict[str, Any]) -> List[str]:
-        """Put what the stream carried into the span's deferred attributes; return the finish reasons."""
+        """Put what the stream carried into the span's deferred attributes; return the finish reasons.
+
+        Called also for a stream that ended before the server finished (``finished()`` False): what arrived
+        is recorded, and no token id source unless ids arrived (see ``record_token_ids``)."""
         ...
 
 
 class StreamOwner(Protocol):
     """The instrumented call a stream belongs to (``LlmCall``); ending it twice does nothing."""
 
-    def end_stream(self, accumulator: Optional[Accumulator], error: Optional[BaseException], abandoned: bool = False) -> None:
+    def end_stream(
+        self, accumulator: Optional[Accumulator], error: Optional[BaseException], unfinished: Optional[str] = None
+    ) -> None:
+        """``unfinished``: the flag attribute saying why the answer is incomplete (``agl.llm.stream_abandoned``
+        or ``agl.llm.stream_truncated``), None for a stream that ended with the whole answer or an error."""
         ...
 
 
@@ -202,7 +212,7 @@ class ChatStreamAccumulator(_TokenStream):
         choices = [state for _, state in sorted(self.choices.items())]
         if choices:
             deferred[semconv.OUTPUT_MESSAGES] = Computed(functools.partial(_messages, choices))
-        record_token_ids(self.prompt_ids, self.response_ids, deferred)
+        record_token_ids(self.prompt_ids, self.response_ids, deferred, self.finished())
         return [state.finish_reason for state in choices if state.finish_reason]
 
 
@@ -247,7 +257,7 @@ class CompletionStreamAccumulator(_TokenStream):
         deferred[semconv.OUTPUT_MESSAGES] = Computed(
             functools.partial(_completion_messages, [self.texts.get(i, []) for i in indexes])
         )
-        record_completion_token_ids(self.prompt_ids, self.response_ids, deferred)
+        record_completion_token_ids(self.prompt_ids, self.response_ids, deferred, self.finished())
         return [self.reasons[i] for i in indexes if i in self.reasons]
 
 
@@ -272,15 +282,32 @@ _SNAPSHOT_EVENTS = frozenset(
 _FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 
-class ResponsesStreamAccumulator:
-    """Keeps the latest ``response`` snapshot of a Responses stream; ``response.completed`` has it all."""
+class _OutputItem:
+    """One output item of a Responses stream as it arrives: a message's text, or a function call's arguments."""
 
-    __slots__ = ("response", "failure", "with_logprobs")
+    __slots__ = ("kind", "call_id", "name", "parts")
+
+    def __init__(self, item: Any) -> None:
+        self.kind = getattr(item, "type", None)
+        self.call_id = getattr(item, "call_id", None)
+        self.name = getattr(item, "name", None)
+        self.parts: List[str] = []  # text deltas (message) or argument fragments (function call)
+
+
+class ResponsesStreamAccumulator:
+    """Keeps the latest ``response`` snapshot of a Responses stream (``response.completed`` has it all) and,
+    for a stream that ends before that, what its events carried: the output items' text and argument deltas,
+    text logprobs, and the token ids of a server that puts them on its deltas (``token_ids``, as vLLM does
+    per chat chunk; agl's servers send the ids with the final response only)."""
+
+    __slots__ = ("response", "failure", "with_logprobs", "items", "tokens")
 
     def __init__(self, with_logprobs: bool) -> None:
         self.response: Any = None
         self.failure: Optional[Failure] = None
         self.with_logprobs = with_logprobs
+        self.items: Dict[int, _OutputItem] = {}
+        self.tokens = _TokenStream()  # prompt / response ids and logprobs that arrived before the final snapshot
 
     def add(self, event: Any) -> None:
         kind = getattr(event, "type", None)
@@ -291,15 +318,56 @@ class ResponsesStreamAccumulator:
                 self.failure = (getattr(error, "code", None) or kind, getattr(error, "message", None) or kind)
         elif kind == "error":
             self.failure = (getattr(event, "code", None) or kind, getattr(event, "message", None) or kind)
+        elif kind == "response.output_item.added":
+            self.items[event.output_index] = _OutputItem(event.item)
+        elif kind in _DELTA_EVENTS:
+            self._add_delta(event)
+
+    def _add_delta(self, event: Any) -> None:
+        item = self.items.get(event.output_index)
+        if item is None:  # a delta without its output_item.added: keep it anyway
+            item = self.items[event.output_index] = _OutputItem(None)
+            item.kind = "message" if event.type == "response.output_text.delta" else "function_call"
+        item.parts.append(event.delta)
+        self.tokens._add_ids(event)
+        for entry in getattr(event, "logprobs", None) or ():
+            self.tokens.logprobs.append(logprob_of(entry))
 
     def finished(self) -> bool:
         return self.response is not None and getattr(self.response, "status", None) in _FINAL_STATUSES
 
     def record(self, deferred: Dict[str, Any]) -> List[str]:
-        if self.response is not None:
+        if self.finished():
             return response_attributes(self.response, deferred, self.with_logprobs)
-        record_token_ids(None, None, deferred)
+        self._record_partial(deferred)
         return []
+
+    def _record_partial(self, deferred: Dict[str, Any]) -> None:
+        """A stream that ended before its final event (abandoned, cut): recorded like a chat stream cut at the
+        same point, from the last snapshot's header and the deltas that arrived."""
+        tokens = self.tokens
+        if self.response is not None:
+            tokens.response_id, tokens.model = self.response.id, self.response.model
+            extra = self.response.model_extra or {}
+            tokens.version = extra.get(RESOURCES_VERSION_FIELD)
+            if tokens.prompt_ids is None:
+                tokens.prompt_ids = extra.get("prompt_token_ids")
+        tokens._record_header(deferred)
+        if self.items:
+            items = [item for _, item in sorted(self.items.items())]
+            deferred[semconv.OUTPUT_MESSAGES] = Computed(functools.partial(_partial_messages, items))
+        record_token_ids(tokens.prompt_ids, tokens.response_ids, deferred, complete=False)
+
+
+_DELTA_EVENTS = frozenset({"response.output_text.delta", "response.function_call_arguments.delta"})
+
+
+def _partial_messages(items: List[_OutputItem]) -> List[Dict[str, Any]]:
+    texts = ["".join(item.parts) for item in items if item.kind == "message"]
+    calls = [
+        function_call(item.call_id, item.name, "".join(item.parts)) for item in items if item.kind == "function_call"
+    ]
+    return [assistant_message([t for t in texts if t], calls)]
 
 
 def new_accumulator(api: str, with_logprobs: bool) -> Accumulator:
@@ -335,20 +403,30 @@ class _StreamProxyBase(wrapt.ObjectProxy):  # type: ignore[misc]
             report_internal_error("openai.stream_item", exc)
             self._self_accumulator = None
 
-    def _self_end(self, error: Optional[BaseException], abandoned: bool = False) -> None:
+    def _self_end(self, error: Optional[BaseException], unfinished: Optional[str] = None) -> None:
         owner = self._self_owner
         if owner is not None:
             self._self_owner = None
             if self._self_scope is not None:
                 self._self_scope.work_done(id(self))
-            owner.end_stream(self._self_accumulator, error, abandoned)
+            owner.end_stream(self._self_accumulator, error, unfinished)
+
+    def _self_unless_finished(self, flag: str) -> Optional[str]:
+        """``flag`` if the server had not yet said the response was complete when the stream ended."""
+        accumulator = self._self_accumulator
+        return flag if accumulator is not None and not accumulator.finished() else None
+
+    def _self_run_out(self) -> None:
+        """The stream ran out. Without the answer's end (a finish reason, the Responses API's final event)
+        the server or something on the way (a proxy, a load balancer's timeout) closed it mid-answer, which
+        the SDK does not report: the span is marked ``agl.llm.stream_truncated``, not stored as complete."""
+        self._self_end(None, self._self_unless_finished(semconv.STREAM_TRUNCATED))
 
     def _self_close(self) -> None:
         """The stream is closed, or dropped, before it ran out: its span ends with what had arrived, marked
         ``agl.llm.stream_abandoned`` unless the server had already said the response was complete (the
         agent broke out of its loop, left its ``with`` block, or stopped reading mid-answer)."""
-        accumulator = self._self_accumulator
-        self._self_end(None, abandoned=accumulator is not None and not accumulator.finished())
+        self._self_end(None, self._self_unless_finished(semconv.STREAM_ABANDONED))
 
     def _self_abandon(self) -> None:
         """The stream's attempt ended while the stream was still open: the agent stopped reading it."""
@@ -388,7 +466,7 @@ class StreamProxy(_StreamProxyBase):
         try:
             item = self.__wrapped__.__next__()
         except StopIteration:
-            self._self_end(None)
+            self._self_run_out()
             raise
         except BaseException as exc:
             self._self_end(exc)
@@ -423,7 +501,7 @@ class AsyncStreamProxy(_StreamProxyBase):
         try:
             item = await self.__wrapped__.__anext__()
         except StopAsyncIteration:
-            self._self_end(None)
+            self._self_run_out()
             raise
         except BaseException as exc:
             self._self_end(exc)

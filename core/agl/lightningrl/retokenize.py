@@ -10,10 +10,12 @@ What is encoded:
   the generation prompt;
 - response, with a Hugging Face tokenizer (its ``apply_chat_template`` takes ``add_generation_prompt``):
   the text the template adds for the recorded assistant message, i.e. ``template(messages + [answer])``
-  minus the prompt text, up to the template's end-of-turn token (its last special token): kept when the call
-  stopped, as the model must learn to stop and a server's ids end with it; dropped when the call was cut
-  at ``max_tokens`` (finish reason ``length``: the model did not stop there). What the template writes after
-  it (the newline between turns) is never sampled, so it is never a response token;
+  minus the prompt text, up to the template's end-of-turn token (its last special token): kept only when
+  the model sampled it (:func:`sampled_end_token`), as the model must learn to stop and a server's ids end
+  with it then; dropped when the call was cut (finish reason ``length``), ended on one of the request's
+  ``stop`` strings (the server's ids end with the tokens of the stop string, not an end token: training one
+  would teach a token the model never produced), or is a stream abandoned or truncated mid-answer. What the
+  template writes after it (the newline between turns) is never sampled, so it is never a response token;
 - response, with any other tokenizer (only ``apply_chat_template(messages, tools)`` and ``encode(text)``,
   like :class:`agl.testing.FakeTokenizer`): the answer's content, then one line per tool call
   ``{"name": <name>, "arguments": <arguments as sent>}``.
@@ -25,8 +27,9 @@ function calls joined to its assistant message, their outputs as tool messages.
 
 A (legacy) Completions API call has no template: the prompt is ``agl.llm.prompt`` as sent (token ids as
 they are; text through the tokenizer with its special tokens, as vLLM does), the response the text, plus
-the tokenizer's end-of-sequence token when the call finished with ``stop`` (a stop string cannot be told
-from EOS afterwards; EOS is what a model that learns to stop must produce).
+the tokenizer's end-of-sequence token when the call finished with ``stop`` and the request had no ``stop``
+strings (with them, a stop string cannot be told from EOS afterwards, and an EOS the model did not sample
+is worse for training than a missing one).
 
 Messages are normalised before a Hugging Face template sees them, as vLLM does: a missing or null
 ``content`` becomes ``""`` (an assistant turn with only tool calls has none, and templates concatenate it),
@@ -139,8 +142,8 @@ class Retokenizer:
                         SKIP_TOOL_CALLS_NOT_RENDERED,
                     )
             if full_text.startswith(prompt_text):
-                stopped = "length" not in (span.attributes.get(semconv.RESPONSE_FINISH_REASONS) or ())
-                return self._encode(prompt_text), self._end_of_turn(self._encode(full_text[len(prompt_text):]), stopped)
+                answer_ids = self._encode(full_text[len(prompt_text):])
+                return self._encode(prompt_text), self._end_of_turn(answer_ids, sampled_end_token(span))
         return self._encode(prompt_text), self._encode(render_answer(answer))
 
     def _check_history_calls(
@@ -162,7 +165,7 @@ class Retokenizer:
 
     def _end_of_turn(self, ids: List[int], stopped: bool) -> List[int]:
         """A templated answer's ids up to its end-of-turn token (the last special token, followed only by
-        whitespace): with it when the call stopped, without it when it was cut at max_tokens."""
+        whitespace): with it when the model sampled it (``stopped``), else without it."""
         for end in range(len(ids) - 1, -1, -1):
             if ids[end] in self._special_ids:
                 if self.tokenizer.decode(ids[end + 1 :]).strip():
@@ -180,7 +183,8 @@ class Retokenizer:
             raise RetokenizeError(f"span {span.span_id} has no {semconv.LLM_PROMPT} to re-tokenize")
         response_ids = self._encode(render_answer(output_message(span)))
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        if isinstance(eos, int) and "stop" in (span.attributes.get(semconv.RESPONSE_FINISH_REASONS) or ()):
+        stopped = "stop" in (span.attributes.get(semconv.RESPONSE_FINISH_REASONS) or ()) and sampled_end_token(span)
+        if isinstance(eos, int) and stopped:
             response_ids.append(eos)
         return prompt_ids, response_ids
 
@@ -193,6 +197,22 @@ class Retokenizer:
 
     def _encode(self, text: str) -> List[int]:
         return list(self.tokenizer.encode(text, **self._encode_kwargs))
+
+
+_CUT_REASONS = frozenset({"length", "max_output_tokens", "content_filter"})  # the server ended the answer
+
+
+def sampled_end_token(span: Span) -> bool:
+    """Whether the model itself sampled the end token of its answer: not a stream that ended mid-answer
+    (abandoned by the agent, truncated by the server), no finish reason that says the server cut it, and
+    not finish reason ``stop`` from a request with ``stop`` strings (ending on one gives ``stop`` too, with
+    no end token sampled). A span with no finish reason recorded (some frameworks record none) stopped."""
+    if span.attributes.get(semconv.STREAM_ABANDONED) or span.attributes.get(semconv.STREAM_TRUNCATED):
+        return False
+    reasons = span.attributes.get(semconv.RESPONSE_FINISH_REASONS) or ()
+    if _CUT_REASONS.intersection(reasons):
+        return False
+    return not ("stop" in reasons and _json(span.attributes.get(semconv.REQUEST_STOP_SEQUENCES)))
 
 
 def render_answer(message: Mapping[str, Any]) -> str:

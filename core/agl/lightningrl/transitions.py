@@ -9,18 +9,32 @@ Every llm span of the attempt ends up in exactly one of four places, so the coun
 - **filtered_by_call**: ``llm_call_match`` (a regex, ``re.search``) matches neither the span's name
   (``chat {model}``) nor its ``gen_ai.request.model``;
 - **skipped**, by reason: the request failed (``llm call failed``), or the call has no response tokens
-  (``empty response``) or no prompt tokens (``empty prompt``): never an empty sample; or its server refused
-  to return token ids (``server refuses token ids``, below); or it could not be re-tokenized (``cannot
-  re-tokenize``, ``tool calls the chat template does not render``: see ``agl.lightningrl.retokenize``;
-  one warning per such span, so one span never sinks a batch);
+  (``empty response``: also a call without ids that received no answer, such as a stream closed before
+  its first chunk) or no prompt tokens (``empty prompt``): never an empty sample; or its server refused
+  to return token ids (``server refuses token ids``, below); or its stream ended, abandoned by the agent
+  or cut by the server, before any token ids arrived (``stream ended before token ids``); or it could not
+  be re-tokenized (``cannot re-tokenize``, ``tool calls the chat template does not render``: see
+  ``agl.lightningrl.retokenize``; one warning per such span, so one span never sinks a batch);
 - a **transition**.
 
-A selected call without token ids (``agl.llm.token_ids_source == "absent"``: the server did not return
-them) raises :class:`agl.errors.MissingTokenIdsError`, naming the call, unless a tokenizer was given: then
-its messages are re-tokenized (``agl.lightningrl.retokenize``) and the call is counted in ``retokenized``.
-A call whose server rejected the ``return_token_ids`` request (``"refused"``: api.openai.com and the like,
-see ``agl.instrumentation.token_id_refusals``) went to a model that no agl trainer serves, such as an LLM
-judge: without a tokenizer it is skipped, not an error.
+A call without token ids is decided by :func:`_skip_without_ids`. :class:`agl.errors.MissingTokenIdsError`
+is meant for a server that never returns ids: it is raised only for a selected call that has an answer
+(output, or a finish reason) and whose server returned none (``agl.llm.token_ids_source == "absent"``, or
+a span recorded without a source), and only without a tokenizer; with one, the call's messages are
+re-tokenized (``agl.lightningrl.retokenize``) and counted in ``retokenized``. Without ids and without a
+tokenizer, these are skipped, never an error, since none says anything about the server:
+
+- a call that received no answer (nothing arrived of its stream, a response closed unread): ``empty
+  response``, with or without a tokenizer;
+- a call whose server rejected the ``return_token_ids`` request (``"refused"``: api.openai.com and the
+  like, see ``agl.instrumentation.token_id_refusals``), a model that no agl trainer serves, such as an LLM
+  judge: ``server refuses token ids``;
+- a stream that ended before the server sent ids (``agl.llm.stream_abandoned`` or
+  ``agl.llm.stream_truncated``; a Responses API stream carries its ids on its final event): ``stream
+  ended before token ids``.
+
+A stream with ids that ended early (abandoned, truncated) is trained on what arrived, as what the agent
+acted on.
 
 ``step`` is the call's index among *all* llm calls of the attempt in call order, so a call keeps its step
 whatever ``agent_match`` selects. ``response_logprobs`` is kept only when there is exactly one per response
@@ -43,6 +57,7 @@ from typing import Any, List, Optional, Pattern, Union
 from agl import semconv
 from agl.agent_match import AgentMatch, PolicyMatcher
 from agl.errors import MissingTokenIdsError
+from agl.lightningrl.links import output_message, tool_calls_of
 from agl.lightningrl.retokenize import RetokenizeError, Retokenizer
 from agl.lightningrl.tree import TraceTree
 from agl.lightningrl.types import Transition
@@ -54,6 +69,7 @@ SKIP_CALL_FAILED = "llm call failed"
 SKIP_EMPTY_RESPONSE = "empty response"
 SKIP_EMPTY_PROMPT = "empty prompt"
 SKIP_REFUSED = "server refuses token ids"
+SKIP_STREAM_NO_IDS = "stream ended before token ids"
 
 
 class CallSelector:
@@ -130,8 +146,9 @@ def extract_transitions(
         response_ids = _ids(span.attributes.get(semconv.RESPONSE_TOKEN_IDS))
         logprobs: Optional[List[float]] = None
         if prompt_ids is None or response_ids is None:
-            if retokenizer is None and span.attributes.get(semconv.TOKEN_IDS_SOURCE) == "refused":
-                out.skipped[SKIP_REFUSED] += 1
+            reason = _skip_without_ids(span, retokenizing=retokenizer is not None)
+            if reason is not None:
+                out.skipped[reason] += 1
                 continue
             if retokenizer is None:
                 raise MissingTokenIdsError(span.rollout_id, span.attempt_id, span.span_id, agent_name, _why_missing(span))
@@ -175,6 +192,29 @@ def extract_transitions(
             )
         )
     return out
+
+
+def _skip_without_ids(span: Span, retokenizing: bool) -> Optional[str]:
+    """Why a call without token ids is skipped (see the module docstring); None: it is re-tokenized, or it is
+    a call answered by a server that returned no ids, which raises ``MissingTokenIdsError``."""
+    if not _answered(span):
+        return SKIP_EMPTY_RESPONSE
+    if retokenizing:
+        return None
+    if span.attributes.get(semconv.TOKEN_IDS_SOURCE) == "refused":
+        return SKIP_REFUSED
+    if span.attributes.get(semconv.STREAM_ABANDONED) or span.attributes.get(semconv.STREAM_TRUNCATED):
+        return SKIP_STREAM_NO_IDS
+    return None
+
+
+def _answered(span: Span) -> bool:
+    """Whether anything of an answer arrived: a finish reason (a whole answer, even an empty one), text or a
+    tool call. A stream closed before its first chunk, or a response closed unread, has none of them."""
+    if span.attributes.get(semconv.RESPONSE_FINISH_REASONS):
+        return True
+    message = output_message(span)
+    return bool(message.get("content") or tool_calls_of(message))
 
 
 def _why_missing(span: Span) -> str:
