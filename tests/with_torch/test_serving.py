@@ -429,6 +429,36 @@ def test_pause_drains_running_requests_and_holds_new_ones(client, server):
     assert results["held"].usage.completion_tokens == 4
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_stops_its_generation(server, stream):
+    """A client that times out (the SDK then retries) or closes its stream frees its place in the batch.
+
+    Starlette does not cancel a handler whose client left: a non-streamed request went on generating to
+    ``max_tokens`` for nobody, each retry one more (streams were already stopped by their own loop).
+    """
+    max_tokens = 1000
+    before = server.stats.generated_tokens
+    args = {"model": "policy", "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0}
+    if stream:
+        with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client:
+            with client.chat.completions.create(**args, stream=True) as chunks:
+                next(iter(chunks))
+    else:
+        with openai.OpenAI(base_url=server.base_url, api_key="x", timeout=0.5, max_retries=1) as client:
+            with pytest.raises(openai.APITimeoutError):
+                client.chat.completions.create(**args)
+    drained = threading.Event()
+
+    def drain() -> None:
+        with server.paused():  # on entry, the running batch has finished
+            drained.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    assert drained.wait(10), "the server still generated 10 s after its client went away"
+    generated = server.stats.generated_tokens - before
+    assert generated < max_tokens  # not even one of the requests was generated to its end
+
+
 def test_load_weights_swaps_the_policy_and_the_version(greedy, tiny):
     _, tokenizer = tiny
     model, _ = load_policy("tiny", seed=0, device="cpu")
@@ -1009,6 +1039,47 @@ def test_instrumented_client_records_token_ids_and_version_in_the_llm_span(instr
     assert len(a[semconv.RESPONSE_LOGPROBS]) == 6
     assert a[semconv.TOKEN_IDS_SOURCE] == "server"
     assert a[semconv.RESOURCES_VERSION] == 12
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_answer_of_calls_only_carries_its_logprobs_to_the_span(instrumented, server, stream):
+    """The Responses format has logprobs only on a message's ``output_text``: an answer of calls only, asked
+    for logprobs, has an empty message ahead of its calls that carries them. Without it the span had none
+    and the trainer lost the server's logprobs of every tool-call turn (grammar-forced tokens' included)."""
+    flat_vote = {"type": "function", **VOTE_TOOL["function"]}
+    args = responses_args(tools=[flat_vote], tool_choice={"type": "function", "name": "vote"}, temperature=0,
+                          parallel_tool_calls=False, max_output_tokens=64, include=LOGPROBS)
+    rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
+    with tracer_writes_to(ListSink()) as sink, openai.OpenAI(
+        base_url=server.base_url, api_key="x", max_retries=0
+    ) as client:
+        with agl.rollout_scope(rollout_id, "at-1"):
+            if stream:
+                events = list(client.responses.create(**args, stream=True))
+                (response,) = [e.response for e in events if e.type == "response.completed"]
+            else:
+                response = client.responses.create(**args)
+        (span,) = sink.of(rollout_id, "llm")
+        message, call = response.output
+        assert message.type == "message" and response.output_text == ""
+        assert call.type == "function_call" and call.name == "vote"
+        ids = extra(response, "response_token_ids")
+        logprobs = [t.logprob for t in message.content[0].logprobs]
+        assert len(logprobs) == len(ids) and all(lp <= 0 for lp in logprobs)
+        assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == ids
+        assert span.attributes[semconv.RESPONSE_LOGPROBS] == logprobs
+        # Sent back, the empty message and the call are the one assistant turn the chat API would send.
+        follow_up = client.responses.create(**{
+            **args, "max_output_tokens": 1,
+            "input": [{"role": "user", "content": MESSAGES[1]["content"]}, message.model_dump(), call.model_dump(),
+                      {"type": "function_call_output", "call_id": call.call_id, "output": "ok"}],
+        })
+    chat_call = {"id": call.call_id, "type": "function", "function": {"name": "vote", "arguments": call.arguments}}
+    chat_messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "ok"},
+    ]
+    assert extra(follow_up, "prompt_token_ids") == prompt_ids(server.tokenizer, chat_messages, [VOTE_TOOL])
 
 
 @contextlib.contextmanager

@@ -12,7 +12,10 @@ For every ``chat/completions``, ``responses`` and (legacy) ``completions`` reque
 - writes one ``llm`` span per call to the store, in the same format and with the same attributes as agl's
   client-side OpenAI instrumentation (the same code builds them: :mod:`agl.instrumentation.openai_payloads`
   and :mod:`~agl.instrumentation.openai_streams`), before the agent sees the end of the response, so a
-  rollout that finished has all its spans stored;
+  rollout that finished has all its spans stored; a request whose agent went away before the answer came
+  (its client timed out, and an SDK retries it as a new request) is cancelled upstream and recorded as a
+  failed call (``error.type`` ``ClientDisconnected``), which LightningRL skips: the agent never saw that
+  answer, so training on it (with the reward its retry earned) would be wrong;
 - with a W3C ``traceparent`` header, nests its span under the caller's span; with
   ``x-agl-client-traced`` (a client that records the call itself) it records nothing.
 
@@ -44,7 +47,6 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import anyio
@@ -68,6 +70,7 @@ from agl.instrumentation.openai_payloads import (
     request_attributes,
 )
 from agl.instrumentation.openai_streams import Accumulator, new_accumulator
+from agl.serving.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, unless_disconnected
 from agl.serving.sampling import with_defaults
 from agl.tracer import encode_attribute
 from agl.types import ProxyLLM, Span
@@ -85,6 +88,7 @@ _DROP_REQUEST_HEADERS = {
 _KEEP_RESPONSE_HEADERS = {"content-type", "x-request-id", "retry-after"}
 _PROFILE_PREFIX = "/sampling"
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+CLIENT_DISCONNECTED = "ClientDisconnected"  # error.type of a call whose agent went away before its answer
 
 
 @dataclass
@@ -97,6 +101,7 @@ class ProxyStats:
     client_traced: int = 0  # requests whose client records them itself (CLIENT_TRACED_HEADER): not recorded
     store_errors: int = 0  # spans the store refused (e.g. unknown rollout): logged, the agent still gets its answer
     upstream_errors: int = 0  # the model server could not be reached or answered >= 400
+    client_disconnects: int = 0  # agents gone before their answer came: cancelled upstream, recorded as failed
     waited_on_pause: int = 0  # requests that arrived while paused
 
 
@@ -410,7 +415,11 @@ class LLMProxy:
         assert self._client is not None
         url = self._upstream_url(path, request.url.query)
         try:
-            upstream = await self._client.post(url, headers=self._headers(request), json=call.body)
+            upstream = await unless_disconnected(
+                request, self._client.post(url, headers=self._headers(request), json=call.body)
+            )
+        except ClientDisconnected:
+            return await self._client_gone(call)
         except httpx.HTTPError as exc:
             self.stats.upstream_errors += 1
             message = f"the agl proxy could not reach the model server at {url}: {exc!r}"
@@ -430,7 +439,9 @@ class LLMProxy:
         url = self._upstream_url(path, request.url.query)
         upstream_request = self._client.build_request("POST", url, headers=self._headers(request), json=call.body)
         try:
-            upstream = await self._client.send(upstream_request, stream=True)
+            upstream = await unless_disconnected(request, self._client.send(upstream_request, stream=True))
+        except ClientDisconnected:
+            return await self._client_gone(call), True
         except httpx.HTTPError as exc:
             self.stats.upstream_errors += 1
             message = f"the agl proxy could not reach the model server at {url}: {exc!r}"
@@ -472,6 +483,19 @@ class LLMProxy:
 
         headers = {k: v for k, v in upstream.headers.items() if k.lower() in _KEEP_RESPONSE_HEADERS}
         return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers), False
+
+    async def _client_gone(self, call: "_Call") -> Response:
+        """The agent disconnected before the model server answered (its client timed out or gave up); the
+        upstream request was cancelled with it.
+
+        Recorded as a failed call, not left out: the span says a request was made and abandoned, as agl's
+        client-side instrumentation records a call whose client gave up, and LightningRL skips failed calls.
+        An SDK that retries sends a new request, recorded as its own call.
+        """
+        self.stats.client_disconnects += 1
+        message = "the agent disconnected before the model server answered; the request to it was cancelled"
+        await self._record(call.failed(CLIENT_DISCONNECTED, message))
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # read by no one: the connection is gone
 
     # -- spans -----------------------------------------------------------------------------------------------
     def next_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
@@ -632,17 +656,16 @@ def _sdk_chunk(api: str, data: Dict[str, Any]) -> Any:
 
 
 def _responses_event(data: Dict[str, Any], event: Optional[str]) -> Any:
-    """A Responses stream event as the accumulator reads it: its type and, for snapshots, the response."""
-    from openai.types.responses import Response as ResponsesResponse
+    """A Responses stream event as the SDK hands it to the accumulator on the client side: its typed model
+    (built without validation, as the SDK builds it), so every field the accumulator reads (the snapshot's
+    ``response``, a delta's ``output_index`` and ``logprobs``, a server's extra ``token_ids``) is there. The
+    SSE ``event:`` line names the type of a data line that does not."""
+    from openai._models import construct_type
+    from openai.types.responses import ResponseStreamEvent
 
-    kind = data.get("type") or event
-    response = data.get("response")
-    return SimpleNamespace(
-        type=kind,
-        response=ResponsesResponse.construct(**response) if isinstance(response, dict) else None,
-        code=data.get("code"),
-        message=data.get("message"),
-    )
+    if not data.get("type") and event:
+        data = {**data, "type": event}
+    return construct_type(type_=ResponseStreamEvent, value=data)
 
 
 def _header_route(request: Request) -> Optional[Tuple[str, str]]:

@@ -335,9 +335,19 @@ class ResponsesWriter:
         return result
 
     def items(self, gen: "Generation", parsed: ParsedOutput) -> List[Dict[str, Any]]:
+        """The output items: the message, then the function calls.
+
+        The answer's logprobs (of all its tokens, the calls' included) ride on the message's ``output_text``
+        part, the one place the Responses format has for them. An answer of calls only therefore gets a
+        message with empty text ahead of its calls when logprobs were asked for (a trainer asks for them):
+        without it, the recorder found no logprobs for a tool-call turn and the trainer lost the server's
+        (those of grammar-forced tokens among them). Sent back as input, an empty message followed by the
+        calls renders the same prompt as the calls alone.
+        """
         items: List[Dict[str, Any]] = []
-        if parsed.content or not parsed.tool_calls:
-            items.append(self._message(parsed.content or "", self.logprobs(gen.tokens), "completed"))
+        logprobs = self.logprobs(gen.tokens)
+        if parsed.content or not parsed.tool_calls or logprobs:
+            items.append(self._message(parsed.content or "", logprobs, "completed"))
         for call in parsed.tool_calls:
             items.append(
                 {"id": "fc_" + call.call_id, "type": "function_call", "call_id": call.call_id, "name": call.name,

@@ -43,6 +43,7 @@ from agl.serving.completions_api import (
     prompt_token_ids,
     streamable_text,
 )
+from agl.serving.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, unless_disconnected
 from agl.serving.engine import (
     EngineStats,
     Failed,
@@ -406,6 +407,22 @@ async def _generate(
         )
     except RuntimeError as exc:
         return _error(path, 503, f"{exc}; retry against a running server", version)
+    try:
+        return await unless_disconnected(http_request, _answer(path, version, events, handle, job))
+    except ClientDisconnected:
+        logger.info("%s: the client went away before its answer was ready; its generation was cancelled", path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _answer(path: str, version: int, events: "asyncio.Queue[Any]", handle: Any, job: _Job) -> Response:
+    """The response to a submitted request: its stream, or the finished answer (the generation is cancelled
+    if this ends otherwise).
+
+    ``_generate`` runs it under :func:`~agl.serving.disconnect.unless_disconnected`, which cancels it when the
+    client leaves: Starlette does not cancel a handler then, and a non-streamed request whose client timed
+    out stayed in the batch until ``max_tokens``, each SDK retry adding one more. A stream, once started,
+    is stopped by its own loop (Starlette cancels it when the client leaves).
+    """
     finished = False
     try:
         first = await events.get()
@@ -430,7 +447,7 @@ async def _generate(
                 return _error(path, 500, f"generation failed: {event.error}", first.version)
     finally:
         if not finished:
-            handle.cancel()  # the client went away: stop generating for it
+            handle.cancel()  # the client went away (or the server stops): stop generating for it
 
 
 async def _stream(events: "asyncio.Queue[Any]", handle: Any, writer: AnswerWriter, job: _Job) -> AsyncIterator[str]:
