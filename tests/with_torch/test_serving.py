@@ -1082,6 +1082,35 @@ def test_a_responses_answer_of_calls_only_carries_its_logprobs_to_the_span(instr
     assert extra(follow_up, "prompt_token_ids") == prompt_ids(server.tokenizer, chat_messages, [VOTE_TOOL])
 
 
+def test_a_responses_stream_the_agent_stops_reading_keeps_the_ids_of_what_it_read(instrumented, server):
+    """agl's server sent a Responses stream's ids with its final event only: a stream the agent broke out of
+    had none, and LightningRL could only skip the call. Each text delta now carries its tokens' ids."""
+    args = responses_args(temperature=0, max_output_tokens=48, include=LOGPROBS)
+    rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
+    with tracer_writes_to(ListSink()) as sink, openai.OpenAI(
+        base_url=server.base_url, api_key="x", max_retries=0
+    ) as client:
+        complete = client.responses.create(**args)
+        with agl.rollout_scope(rollout_id, "at-1"):
+            stream = client.responses.create(**args, stream=True)
+            read = ""
+            for event in stream:
+                if event.type == "response.output_text.delta":
+                    read += event.delta
+                    if len(read) >= 8:
+                        break
+            stream.close()
+    (span,) = sink.of(rollout_id, "llm")
+    attrs = span.attributes
+    assert attrs[semconv.STREAM_ABANDONED] is True
+    assert attrs[semconv.PROMPT_TOKEN_IDS] == extra(complete, "prompt_token_ids")
+    ids = attrs[semconv.RESPONSE_TOKEN_IDS]
+    assert 0 < len(ids) < len(extra(complete, "response_token_ids"))
+    assert ids == extra(complete, "response_token_ids")[: len(ids)]  # greedy: the same answer, cut where read
+    assert server.tokenizer.decode(ids) == read
+    assert len(attrs[semconv.RESPONSE_LOGPROBS]) == len(ids)
+
+
 @contextlib.contextmanager
 def _version(server: PolicyServer, version: int) -> Iterator[None]:
     previous = server.version

@@ -6,7 +6,8 @@ train against agl's own server without switching APIs. A Responses request is ch
 request it stands for (``instructions`` → a system message, input items → chat messages, flat function
 tools → chat tools) and generated exactly like one: the same conversation yields the same prompt token ids
 whichever API carried it. The answer is a ``response`` object (or its event stream) with, as on the chat
-path, top-level ``prompt_token_ids``, ``response_token_ids`` and ``agl_resources_version``.
+path, top-level ``prompt_token_ids``, ``response_token_ids`` and ``agl_resources_version`` (streamed: the prompt ids
+on ``response.created`` too, and each text delta's ids as its ``token_ids``, as vLLM puts them on chat chunks).
 
 The server keeps no state: ``previous_response_id``, ``conversation`` and stored prompts get a 400 saying to
 send the whole conversation as ``input``.
@@ -370,8 +371,11 @@ class ResponsesWriter:
     # --- the stream, as the server's streaming loop drives it (``AnswerWriter``) ------------------------------
 
     def stream_start(self, prompt_ids: List[int]) -> List[str]:
-        """``response.created`` and ``response.in_progress`` (the prompt ids come with the final response)."""
+        """``response.created`` and ``response.in_progress``, with the prompt's ids; each text delta carries
+        its tokens' ids (``token_ids``), so a stream the agent stops reading still has the ids of what it read
+        (the final response carries them all again)."""
         shell = self._shell("in_progress", [])
+        shell["prompt_token_ids"] = prompt_ids
         return [self.sse({"type": kind, "response": shell}) for kind in ("response.created", "response.in_progress")]
 
     def stream_text(self, text: str, tokens: Sequence["Token"], first: bool) -> List[str]:
@@ -420,7 +424,8 @@ class ResponsesWriter:
 
     def _text_delta(self, text: str, tokens: Sequence["Token"]) -> Dict[str, Any]:
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        return {"type": "response.output_text.delta", **where, "delta": text, "logprobs": self.logprobs(tokens)}
+        return {"type": "response.output_text.delta", **where, "delta": text, "logprobs": self.logprobs(tokens),
+                "token_ids": [t.token_id for t in tokens]}
 
     def sse(self, event: Dict[str, Any]) -> str:
         """One named SSE event with its sequence number (Responses streams end without ``[DONE]``)."""
