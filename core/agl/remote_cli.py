@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from typing import Any, Optional, Tuple
+from urllib.parse import urlsplit
 
 logger = logging.getLogger("agl.remote_cli")
 
@@ -110,6 +111,22 @@ def open_runner_store(url: str, token: Optional[str]) -> Any:
         return open_store(url)
 
 
+def shown_store(url: str) -> str:
+    """``url`` as log lines and messages show it: a PostgreSQL URL or key=value string through the store's
+    own ``redacted`` (no password), any other URL without the user and password it may carry. The runner's
+    logs go to Job logs and log collectors; the password must not."""
+    parts = urlsplit(url)
+    if parts.scheme in ("postgresql", "postgres") or (not parts.scheme and "=" in url):
+        try:
+            from agl.store.postgres import redacted
+        except ImportError:  # no psycopg (then nothing was sent anywhere), but still show no password
+            return "<a PostgreSQL URL>"
+        return redacted(url)
+    if "@" in parts.netloc:
+        return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    return url
+
+
 def first_contact(url: str, token: Optional[str], wait_s: float) -> Tuple[Any, Any]:
     """The runner's store and its stats, once it answers: a store server or database that cannot be reached
     yet (started beside the runners, by docker compose or a Job) is waited for up to ``wait_s`` seconds,
@@ -139,11 +156,11 @@ def first_contact(url: str, token: Optional[str], wait_s: float) -> Tuple[Any, A
             waited = time.monotonic() - started
             if waited >= wait_s:
                 raise StoreUnavailableError(
-                    f"the store at {url} did not answer within {wait_s:g} s (--wait-for-store): {exc}"
+                    f"the store at {shown_store(url)} did not answer within {wait_s:g} s (--wait-for-store): {exc}"
                 ) from exc
             if waited >= said:
                 logger.warning("the store at %s does not answer yet (%s); waiting for it, up to %g s (--wait-for-store)",
-                               url, exc, wait_s)
+                               shown_store(url), exc, wait_s)
                 said = waited + 10.0
             time.sleep(min(1.0, max(0.0, wait_s - waited)))
 

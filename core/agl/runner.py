@@ -77,6 +77,12 @@ class RolloutTimeout(AglError, TimeoutError):
     pass
 
 
+class StoreOutageError(StoreUnavailableError):
+    """A runner gave up: its store did not answer for its whole ``outage_timeout``. The only store error that
+    ends a runner (its pool then stops too, as a fresh runner would meet the same outage): any shorter one is
+    ridden out."""
+
+
 def _how_it_ended(store: LightningStore, rollout_id: str, attempt_id: str) -> str:
     """Why the store ended a running attempt, for the runner's log: a user cancelling the rollout is not the
     store timing it out, and the two call for different looks (at the trainer, or at the runner's health)."""
@@ -192,9 +198,10 @@ class Runner:
         flush_timeout: float = 30.0,
         outage_timeout: Optional[float] = None,
     ) -> None:
-        """``outage_timeout``: how long ``run_forever`` keeps asking a store that does not answer (its dequeue
-        raises StoreUnavailableError) before it raises that error itself; None: for ever. ``agl runner`` sets
-        it so that runners whose store server is gone for good exit (a Kubernetes Job of them then ends)."""
+        """``outage_timeout``: how long ``run_forever`` keeps asking a store that does not answer (a dequeue or
+        a completion raises StoreUnavailableError) before it raises StoreOutageError; None: for ever. ``agl
+        runner`` sets it so that runners whose store server is gone for good exit (a Kubernetes Job of them
+        then ends)."""
         self.agent = agent
         self.store = store
         self.runner_id = runner_id or new_id(f"runner-{os.getpid()}")
@@ -264,11 +271,14 @@ class Runner:
             logger.warning("rollout %s: %d spans were dropped (tracer queue full)", rollout.rollout_id, dropped)
         outcome: Dict[str, Any] = {"reward": reward, "error": error}
         try:
-            if claim_next():
-                return self.store.complete_and_dequeue(
-                    rollout.rollout_id, attempt_id, status, **outcome, runner_id=self.runner_id  # type: ignore[arg-type]
-                )
-            return self.store.complete_attempt(rollout.rollout_id, attempt_id, status, **outcome), []  # type: ignore[arg-type]
+            try:
+                if claim_next():
+                    return self.store.complete_and_dequeue(
+                        rollout.rollout_id, attempt_id, status, **outcome, runner_id=self.runner_id  # type: ignore[arg-type]
+                    )
+                return self.store.complete_attempt(rollout.rollout_id, attempt_id, status, **outcome), []  # type: ignore[arg-type]
+            except StoreUnavailableError as exc:  # nothing was claimed (the completion comes first, and decides)
+                return self._complete_after_outage(rollout.rollout_id, attempt_id, status, outcome, exc), []
         except StaleAttemptError as exc:
             if self.abandoned:  # the pool ended the attempt just before: expected, said by the pool
                 return rollout, []
@@ -279,6 +289,38 @@ class Runner:
             else:
                 logger.warning("rollout %s: result not recorded: %s", rollout.rollout_id, exc)
             return self.store.get_rollout(rollout.rollout_id), []
+
+    def _complete_after_outage(
+        self, rollout_id: str, attempt_id: str, status: str, outcome: Dict[str, Any], exc: StoreUnavailableError
+    ) -> Rollout:
+        """End the attempt after its completion failed with ``exc``: the store did not answer, or (PostgreSQL)
+        the connection died while the completion was committing, so it may or may not be stored.
+
+        Rides out the outage as the dequeue loop does (``outage_timeout``; None: for ever), then reads the
+        attempt back: ended as we asked means our completion was stored (done); still running means it was not
+        (complete it again); ended otherwise raises StaleAttemptError (the store timed it out meanwhile), as the
+        first completion would have. Raising instead would end the runner, its whole pool and a Trainer's run
+        over one lost connection."""
+        unavailable_since = time.monotonic()
+        delay = 0.5
+        while True:
+            self._give_up_after_outage(time.monotonic() - unavailable_since, exc)
+            logger.warning("runner %s: ending attempt %s of %s: the store did not confirm it; reading it back: %s",
+                           self.runner_id, attempt_id, rollout_id, exc)
+            time.sleep(delay)  # a store call during an outage also waits (reconnect back-off); this only paces
+            delay = min(delay * 2, 5.0)
+            try:
+                if self._attempt_status(rollout_id, attempt_id) == status:
+                    logger.info("rollout %s: attempt %s had been ended as %s before the store stopped answering",
+                                rollout_id, attempt_id, status)
+                    return self.store.get_rollout(rollout_id)
+                return self.store.complete_attempt(rollout_id, attempt_id, status, **outcome)  # type: ignore[arg-type]
+            except StoreUnavailableError as again:
+                exc = again
+
+    def _attempt_status(self, rollout_id: str, attempt_id: str) -> Optional[str]:
+        """The status of one attempt as the store has it now (None: not found); store errors are raised."""
+        return next((a.status for a in self.store.query_attempts(rollout_id) if a.attempt_id == attempt_id), None)
 
     def _check_heartbeat_timeout(self, rollout: Rollout) -> None:
         """Warn (once per value) when the rollout's heartbeat timeout, set by whoever enqueued it (a trainer,
@@ -298,7 +340,7 @@ class Runner:
     def _ended_as(self, rollout_id: str, attempt_id: str) -> Optional[str]:
         """How the store ended an attempt (None: not found, or the store did not answer)."""
         try:
-            return next((a.status for a in self.store.query_attempts(rollout_id) if a.attempt_id == attempt_id), None)
+            return self._attempt_status(rollout_id, attempt_id)
         except Exception:  # noqa: BLE001 - only chooses how loudly a lost result is logged
             return None
 
@@ -500,8 +542,9 @@ class Runner:
         return done
 
     def _give_up_after_outage(self, waited: float, exc: StoreUnavailableError) -> None:
+        """Raise StoreOutageError once the store has not answered for ``outage_timeout`` seconds."""
         if self.outage_timeout is not None and waited >= self.outage_timeout:
-            raise StoreUnavailableError(
+            raise StoreOutageError(
                 f"runner {self.runner_id}: the store has not answered for {waited:.0f} s, past the outage timeout "
                 f"of {self.outage_timeout:g} s (--outage-timeout); giving up. Last error: {exc}"
             ) from exc

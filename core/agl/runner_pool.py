@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 from agl.errors import StaleAttemptError, StoreAuthError, StoreClosedError, StoreUnavailableError
 from agl.instrumentation import instrumented
 from agl.litagent import LitAgent
-from agl.runner import Runner
+from agl.runner import Runner, StoreOutageError
 from agl.store.base import LightningStore
 from agl.tracer import get_tracer
 from agl.types import Rollout
@@ -35,6 +35,7 @@ logger = logging.getLogger("agl.runner_pool")
 RunnerMode = Literal["process", "thread"]
 _STUCK_EXIT_CODE = 75  # a worker whose agent hung past its timeout exits with this to be replaced
 _UNAVAILABLE_EXIT_CODE = 76  # a worker whose store did not answer for its outage timeout: respawning cannot help
+_STORE_FAILED_EXIT_CODE = 1  # a store error before the outage timeout passed: replaced like any crashed worker
 _REFUSED_EXIT_CODE = 77  # a worker the store refused (its token): respawning cannot help
 _CURRENT_BYTES = 260  # "ROLLOUT_ID ATTEMPT_ID": two ids of at most 128 characters
 _CRASH_LOOP = 3  # workers that die this many times in a row soon after starting: give up
@@ -67,9 +68,12 @@ def _run_worker(runner: Runner, stop: Any, **options: Any) -> int:
     except StoreAuthError as exc:  # a revoked or wrong token
         logger.error("runner %s: the store refused it: %s", runner.runner_id, exc)
         return _REFUSED_EXIT_CODE
-    except StoreUnavailableError as exc:  # the store server or database is gone for good
+    except StoreOutageError as exc:  # the store server or database did not answer for the whole outage timeout
         logger.error("runner %s: %s", runner.runner_id, exc)
         return _UNAVAILABLE_EXIT_CODE
+    except StoreUnavailableError:  # a shorter outage the runner did not ride out: a fresh runner may (not the pool's end)
+        logger.exception("runner %s: a store call failed", runner.runner_id)
+        return _STORE_FAILED_EXIT_CODE
     return _STUCK_EXIT_CODE if runner.stuck else 0
 
 
@@ -283,8 +287,8 @@ class RunnerPool:
                 )
             if code == _UNAVAILABLE_EXIT_CODE:
                 raise StoreUnavailableError(
-                    f"runner {worker.name} stopped: its store did not answer within its outage timeout (the error "
-                    "is logged above); is the store server or database still there?"
+                    f"runner {worker.name} stopped: its store did not answer for its whole outage timeout "
+                    "(--outage-timeout; the error is logged above); is the store server or database still there?"
                 )
             if code == _STUCK_EXIT_CODE:
                 logger.info("runner %s left after a stuck rollout; starting a fresh one", worker.name)

@@ -131,6 +131,21 @@ T = TypeVar("T")
 
 _CONNECT_TIMEOUT_S = 10
 
+# libpq settings on every connection, unless the URL sets its own (``?tcp_user_timeout=60000``). Without them
+# a silent network (a partition, a database host gone without a reset) leaves a call waiting on its open
+# connection until the kernel gives up retransmitting (~15 min on Linux): no error, so no retry and no outage
+# ride-out. With them the kernel ends such a connection within about 40 s: a statement waiting for an answer
+# sends keepalive probes after 10 s of silence, and data or probes unanswered for 30 s (tcp_user_timeout, in
+# ms) end it; the call then fails as for any lost connection (retried, or "commit unknown" for a write).
+CONNECTION_OPTIONS: Dict[str, Any] = {
+    "connect_timeout": _CONNECT_TIMEOUT_S,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+
 # The server rolled the transaction back and it may simply be run again.
 _ROLLED_BACK = (pg_errors.TransactionRollback, pg_errors.DeadlockDetected, pg_errors.SerializationFailure)
 
@@ -172,6 +187,27 @@ _SMALL_SPAN_BATCH = 64
 def _oneline(exc: Optional[BaseException]) -> str:
     """An error's message on one line (libpq's span several)."""
     return " ".join(str(exc).split())
+
+
+def _connection_options(dsn: str) -> Dict[str, Any]:
+    """The keyword arguments of every connect: ``CONNECTION_OPTIONS`` less what ``dsn`` sets itself (a
+    keyword would override the URL's value), and agl's application name."""
+    given = conninfo_to_dict(dsn)
+    options = {key: value for key, value in CONNECTION_OPTIONS.items() if key not in given}
+    return {"autocommit": True, "application_name": "agl-store", **options}
+
+
+def _checked_dsn(dsn: str) -> str:
+    """``dsn``, or AglError saying what is wrong with it (psycopg's ProgrammingError named no store or URL)."""
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise AglError(
+            f"the PostgreSQL URL given for the store is not valid: {_oneline(exc)}; write it as "
+            "postgresql://user:password@host:port/database, with only libpq's parameters after '?' "
+            "(https://www.postgresql.org/docs/current/libpq-connect.html#LIBPQ-PARAMKEYWORDS)"
+        ) from exc
+    return dsn
 
 
 def redacted(dsn: str) -> str:
@@ -329,8 +365,14 @@ class _Notifications:
                     self._generation[channel] += 1
             self._cond.notify_all()
 
+    # "notifications lost" is logged at most this often (each reconnect tries every 2 s at most, and while the
+    # server refuses connections, e.g. "too many clients already", that went on for as long as the run lasted)
+    _LOST_LOG_EVERY_S = 60.0
+
     def _run(self) -> None:
         delay = 0.05
+        lost_logged_at: Optional[float] = None  # when "notifications lost" was last logged in this outage
+        suppressed = 0
         while not self._stop:
             conn = None
             try:
@@ -340,7 +382,9 @@ class _Notifications:
                 with self._cond:
                     self._listening, self._error = True, None
                     self._bump(list(self._generation))  # anything may have happened while we were not listening
-                delay = 0.05
+                if lost_logged_at is not None:
+                    logger.info("store notifications restored")
+                delay, lost_logged_at, suppressed = 0.05, None, 0
                 self._pump(conn)
             except (psycopg.Error, OSError, AglError) as exc:
                 with self._cond:
@@ -349,7 +393,15 @@ class _Notifications:
                     self._listening, self._error = False, exc
                     self._cond.notify_all()
                 if not self._stop:
-                    logger.warning("store notifications lost (%s); reconnecting in %.2f s", exc, delay)
+                    now = time.monotonic()
+                    if lost_logged_at is None or now - lost_logged_at >= self._LOST_LOG_EVERY_S:
+                        again = f" ({suppressed} more failed tries since the last report)" if suppressed else ""
+                        logger.warning("store notifications lost (%s); reconnecting (waiters look at the database "
+                                       "meanwhile; said again at most every %g s)%s", _oneline(exc),
+                                       self._LOST_LOG_EVERY_S, again)
+                        lost_logged_at, suppressed = now, 0
+                    else:
+                        suppressed += 1
                     select.select([self._wake_r], [], [], delay)  # close() cuts the back-off short
                     delay = min(delay * 2, 2.0)
             finally:
@@ -471,7 +523,8 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
         """
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
-        self.dsn = dsn
+        self.dsn = _checked_dsn(dsn)
+        self._connect_options = _connection_options(dsn)
         self.max_connections = max_connections
         self._own_reconnect_timeout = reconnect_timeout is not None
         self.reconnect_timeout = RECONNECT_TIMEOUT_S if reconnect_timeout is None else reconnect_timeout
@@ -528,9 +581,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
     # -- connections and transactions ----------------------------------------------------------------------
     def _connect(self) -> Any:
         try:
-            return psycopg.connect(
-                self.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_S, application_name="agl-store"
-            )
+            return psycopg.connect(self.dsn, **self._connect_options)
         except psycopg.OperationalError as exc:
             self._check_refused_for_good(exc)
             raise
@@ -568,6 +619,14 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
                 for statement in SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)  # type: ignore[arg-type]  # constant SQL
+            except pg_errors.InsufficientPrivilege as exc:  # PostgreSQL 15+: only the owner may create in public
+                raise AglError(
+                    f"the database {redacted(self.dsn)} has no agl tables yet, and creating them was refused: "
+                    f"{_oneline(exc)}. The role opening the store needs the CREATE privilege on the database's schema "
+                    "(GRANT CREATE ON SCHEMA public TO <role>) the first time only: or open the store once as the "
+                    "database's owner, after which a role with SELECT, INSERT, UPDATE, DELETE on the agl_* tables and "
+                    "USAGE, UPDATE on their sequences is enough"
+                ) from exc
             except (pg_errors.DuplicateTable, pg_errors.DuplicateObject) as exc:  # any object of ours: table, sequence...
                 raise AglError(
                     f"the database {redacted(self.dsn)} has no agl_schema version but already holds an object the store "
@@ -650,9 +709,7 @@ class PostgresLightningStore(LightningStore, AsyncRolloutCalls):
 
     async def _aconnect(self) -> Any:
         try:
-            return await psycopg.AsyncConnection.connect(
-                self.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_S, application_name="agl-store"
-            )
+            return await psycopg.AsyncConnection.connect(self.dsn, **self._connect_options)
         except psycopg.OperationalError as exc:
             self._check_refused_for_good(exc)
             raise

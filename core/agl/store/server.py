@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agl import semconv
-from agl.errors import AglError
+from agl.errors import AglError, StoreUnavailableError
 from agl.http_thread import ThreadedServer
 from agl.store import otlp
 from agl.store._http import bearer_token
@@ -422,6 +422,8 @@ def _copy_response(response: Response) -> Response:
 
 def _error_response(exc: BaseException) -> Response:
     status = error_status(exc)
+    if isinstance(exc, StoreUnavailableError):  # an outage of its database, not a bug: one line, no traceback
+        logger.warning("store unavailable, answered 503 (clients retry): %s", exc)
     if status is None:
         logger.exception("store server error", exc_info=exc)
         body = ErrorBody(error="InternalError", message=f"the store server failed: {type(exc).__name__}: {exc}")

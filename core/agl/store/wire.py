@@ -21,6 +21,7 @@ from agl.errors import (
     StoreAuthError,
     StoreClosedError,
     StoreRequestError,
+    StoreUnavailableError,
     UnknownAttemptError,
     UnknownResourcesError,
     UnknownRolloutError,
@@ -172,6 +173,7 @@ _STATUS: Tuple[Tuple[Type[BaseException], int], ...] = (
     (StoreAuthError, 401),
     (StoreRequestError, 400),
     (StoreClosedError, 503),
+    (StoreUnavailableError, 503),  # the database behind the server is down: clients retry, as for a restart
     (ValueError, 422),  # bad arguments the store refused (e.g. an unknown resource_type)
     (OverflowError, 422),  # a number too large for the store's columns
     (TypeError, 422),
