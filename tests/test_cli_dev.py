@@ -188,3 +188,14 @@ def test_agl_dev_with_no_runners_refuses_a_store_in_memory(project: Path) -> Non
     assert done.returncode == 1 and done.stderr.strip() == (
         "agl: --n-runners 0 waits for runners started elsewhere, which cannot reach a store in memory: pass "
         "--store FILE.db (or a store server's http://...), or --n-runners 1 or more")
+
+
+def test_store_hints_never_show_a_database_password() -> None:
+    """`agl dev` ends with an `agl inspect ... --store URL` hint (and --n-runners 0 with an `agl runner` one):
+    a PostgreSQL URL was printed with its password, into terminals and CI logs."""
+    from agl.cli import store_argument
+
+    shown = store_argument("postgresql://agl:s3cr3t@db.example:5432/agl")
+    assert "s3cr3t" not in shown and "db.example" in shown
+    assert store_argument("http://u:tok@host:8000") == "http://host:8000"
+    assert store_argument("/runs/my store.db") == "'/runs/my store.db'"

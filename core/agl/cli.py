@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import os
+import shlex
 import signal
 import sqlite3
 import sys
@@ -163,9 +164,17 @@ def cmd_dev(args: argparse.Namespace) -> int:
         if args.n_runners == 0:
             _say_runners_are_awaited(args, trainer.store)
         rows = trainer.dev(agent, data)
-    where = f" --store {args.store}" if args.store else ""
+    where = f" --store {store_argument(args.store)}" if args.store else ""
     print(f"inspect one: agl inspect {rows[0].rollout_id}{where}" if rows else "no tasks")
     return 0 if all(r.status == "succeeded" for r in rows) else 1
+
+
+def store_argument(store: str) -> str:
+    """A store address for a command line agl prints as a hint: without a database password (the output goes
+    to terminals, CI and Job logs; libpq then takes it from PGPASSWORD or ~/.pgpass), quoted for the shell."""
+    from agl.remote_cli import shown_store
+
+    return shlex.quote(shown_store(store))
 
 
 def _say_runners_are_awaited(args: argparse.Namespace, store: Any) -> None:
@@ -177,7 +186,7 @@ def _say_runners_are_awaited(args: argparse.Namespace, store: Any) -> None:
     if isinstance(store, InMemoryLightningStore):
         raise SystemExit("agl: --n-runners 0 waits for runners started elsewhere, which cannot reach a store in "
                          "memory: pass --store FILE.db (or a store server's http://...), or --n-runners 1 or more")
-    where = getattr(store, "path", None) or args.store or os.environ.get("AGL_STORE")
+    where = store_argument(getattr(store, "path", None) or args.store or os.environ.get("AGL_STORE") or "")
     local = " on this machine (--fake-model's server listens on 127.0.0.1)" if args.fake_model else ""
     print(f"agl dev: --n-runners 0: no runner starts here; waiting for runners started elsewhere{local}, e.g. in "
           f"another terminal: agl runner --store {where} --agent {args.agent}", file=sys.stderr, flush=True)
