@@ -37,6 +37,9 @@ class RolloutScope:
     _sequence: Iterator[int] = field(default_factory=itertools.count, repr=False)
     # what must end with the attempt (an LLM stream the agent stopped reading), by id: see end_open_work
     _open: Dict[int, Callable[[], None]] = field(default_factory=dict, repr=False)
+    # set once the attempt's rollout has returned: work still going on in its context (an asyncio task it left
+    # running) is no longer the attempt's, see current_scope
+    ended: bool = field(default=False, repr=False)
 
     def next_sequence_id(self) -> int:
         # itertools.count.__next__ is atomic under the GIL: safe from several threads of one attempt.
@@ -68,7 +71,18 @@ _in_operation: contextvars.ContextVar[bool] = contextvars.ContextVar("agl_in_ope
 
 
 def current_scope() -> Optional[RolloutScope]:
-    return _current_scope.get()
+    """The attempt the calling code works for; None outside every rollout, and after the rollout whose context
+    this is has returned. Then the code runs in a task the rollout left running (a model stream it stopped
+    reading, an SDK run or runtime it keeps): what it records would land in a finished attempt, and a batch
+    read later would hold calls its reward never saw. See :func:`ended_scope`."""
+    scope = _current_scope.get()
+    return None if scope is None or scope.ended else scope
+
+
+def ended_scope() -> Optional[RolloutScope]:
+    """The attempt whose rollout has returned, when the calling code still runs in its context (else None)."""
+    scope = _current_scope.get()
+    return scope if scope is not None and scope.ended else None
 
 
 def in_operation() -> bool:

@@ -214,6 +214,7 @@ class Runner:
         self.stuck = False
         self._agent_busy = False  # the agent thread runs a rollout (set and cleared on that thread)
         self._closed = False
+        self._warned_left_running = False
         self.abandoned: Optional[str] = None  # why the pool left this runner behind (see abandon)
         self._heartbeat: Optional[_Heartbeat] = None  # of the rollout running now
         self._timeouts_warned: Set[float] = set()  # heartbeat timeouts too short for heartbeat_interval, said once
@@ -389,37 +390,38 @@ class Runner:
                             result = loop.run_until_complete(task)
                         finally:
                             self._running_task = None
-                            self._end_tasks_left_behind(loop, earlier, rollout.rollout_id)
+                            self._say_tasks_left_running(loop, earlier, rollout.rollout_id)
                 finally:
                     scope.end_open_work()  # streams the agent stopped reading end inside its rollout
                 return self._episode_reward(self._returned_reward(result, scope), scope)
         finally:
+            scope.ended = True  # what still runs in its context records nothing into it (agl.context.current_scope)
             self._agent_busy = False
             exit_scope(token)
 
-    def _end_tasks_left_behind(
+    def _say_tasks_left_running(
         self, loop: asyncio.AbstractEventLoop, earlier: Set["asyncio.Task[Any]"], rollout_id: str
     ) -> None:
-        """Cancel the asyncio tasks the rollout started and left running, as ``asyncio.run`` does when its
-        coroutine returns, and let them unwind inside the rollout (their spans end in it, before its reward).
-
-        The event loop outlives the rollout (see :meth:`_event_loop`), so such a task went on in the next
-        rollout on this runner: an OpenAI Agents SDK run whose stream the agent stopped reading made more model
-        calls and wrote their spans into the finished attempt, and a batch read later had calls its reward
-        never saw."""
-        if loop.is_closed() or loop.is_running():
+        """Warn (once per runner) about asyncio tasks the rollout started and left running. The event loop
+        outlives the rollout (see :meth:`_event_loop`), so they go on during the next rollouts: an OpenAI Agents
+        SDK run whose stream the agent stopped reading kept calling the model, and stored its calls in the
+        finished attempt, where a batch read later found calls its reward never saw. They are not cancelled
+        (an MCP session or an AutoGen runtime kept for the next rollouts is such a task too: cancelled, those
+        broke); once the rollout has returned, what they record is not stored (``agl.context.current_scope``)."""
+        if self._warned_left_running or loop.is_closed():
             return
-        loop.run_until_complete(asyncio.sleep(0))  # close() of generators the rollout abandoned gets scheduled
-        left = [task for task in asyncio.all_tasks(loop) if task not in earlier]
+        left = [task for task in asyncio.all_tasks(loop) if task not in earlier and not task.done()]
         if not left:
             return
+        self._warned_left_running = True
         names = sorted({_task_name(task) for task in left})
         logger.warning(
-            "rollout %s left %d asyncio task(s) running when it returned (%s), e.g. a model stream it stopped "
-            "reading or a task it never awaited; they were cancelled, as asyncio.run does, so they cannot go on "
-            "calling the model in the next rollout", rollout_id, len(left), ", ".join(names[:5]),
+            "rollout %s left %d asyncio task(s) running when it returned (%s): a model stream it stopped reading, "
+            "an agent run it did not await, or a session or runtime it keeps for the next rollouts. They go on "
+            "running, but nothing they record from now on is stored. If they are runs the rollout gave up on, "
+            "cancel them before returning (OpenAI Agents SDK: result.cancel()), or they keep calling the model. "
+            "Said once per runner", rollout_id, len(left), ", ".join(names[:5]),
         )
-        _cancel_and_wait(loop, left, CANCEL_GRACE_S)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """One event loop per agent thread, kept across rollouts: SDK clients (httpx pools) created in one
@@ -571,7 +573,11 @@ class Runner:
             return
         try:
             loop.run_until_complete(asyncio.sleep(0))  # callbacks already scheduled (aclose of collected generators)
-            _cancel_and_wait(loop, list(asyncio.all_tasks(loop)), None)
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             asyncio.set_event_loop(None)
@@ -580,20 +586,6 @@ class Runner:
 
 async def _await(awaitable: Any) -> Any:
     return await awaitable
-
-
-def _cancel_and_wait(loop: asyncio.AbstractEventLoop, tasks: List["asyncio.Task[Any]"], timeout: Optional[float]) -> None:
-    """Cancel ``tasks`` and run the loop until they have unwound (or ``timeout`` seconds: a task that swallows
-    its cancellation must not hold the runner)."""
-    if not tasks:
-        return
-    for task in tasks:
-        if type(task.get_coro()).__name__ != "async_generator_athrow":  # aclose() of an abandoned generator: let
-            task.cancel()  # it run its ``finally`` (cancelled before it starts, the generator is never closed)
-    done, _ = loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))
-    for task in done:
-        if not task.cancelled():
-            task.exception()  # retrieved: no "exception was never retrieved" log for what unwinding raised
 
 
 def _task_name(task: "asyncio.Task[Any]") -> str:

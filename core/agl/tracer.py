@@ -35,7 +35,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.context import current_scope, rollouts_running
+from agl.context import current_scope, ended_scope, rollouts_running
 from agl.instrumentation.context_keys import resolve_parent
 from agl.otel_span import AglSpan, clean_attributes, new_id
 from agl.span_encoding import Finished, encode_attribute, finished, without_callables
@@ -191,7 +191,10 @@ class StoreSpanProcessor:
             if not self._warned_unscoped:
                 self._warned_unscoped = True
                 logger.debug("span %r ended outside any rollout; agl stores spans of rollouts only", span.name)
-            if not self._warned_stray_call and rollouts_running() and span.attributes.get(semconv.SPAN_KIND) == "llm":
+            if (
+                not self._warned_stray_call and rollouts_running() and span.attributes.get(semconv.SPAN_KIND) == "llm"
+                and ended_scope() is None  # (a call of a rollout that has returned is warned of at its start)
+            ):
                 self._warned_stray_call = True
                 logger.warning(
                     "an LLM call (span %r) ended outside every rollout while rollouts run in this process, so it is "
@@ -377,6 +380,7 @@ class Tracer:
             max_queue=max_queue, batch_size=batch_size, writer=writer or os.environ.get(WRITER_ENV) or "thread"
         )
         self._start_hooks: Tuple[StartHook, ...] = ()  # replaced, never mutated: start_span reads it unlocked
+        self._warned_late = False
         self._hooks_lock = threading.Lock()
 
     def set_store(self, store: Any) -> None:
@@ -463,6 +467,8 @@ class Tracer:
             start_time if start_time is not None else time.time_ns(), self.processor,
         )
         scope = current_scope()
+        if scope is None and not self._warned_late:
+            self._warn_if_late(name)  # only reads a context variable: no cost on the rollout's own spans
         if scope is not None:
             span.rollout_id = scope.rollout_id
             span.attempt_id = scope.attempt_id
@@ -473,6 +479,20 @@ class Tracer:
         for hook in self._start_hooks:
             hook(span)
         return span
+
+    def _warn_if_late(self, name: str) -> None:
+        """Once: a span started in the context of a rollout that has returned (see ``current_scope``)."""
+        ended = ended_scope()
+        if ended is None:
+            return
+        self._warned_late = True
+        logger.warning(
+            "span %r started after its rollout %s had returned, in a task the rollout left running (a model "
+            "stream it stopped reading, an agent run or runtime it keeps going): it is not stored, as it is not "
+            "part of what the rollout's reward judged. To stop such a run, cancel it before returning (OpenAI "
+            "Agents SDK: result.cancel(); AutoGen: close the stream or stop the runtime). Said once; tracer "
+            "stats().unscoped counts such spans", name, ended.rollout_id,
+        )
 
     @staticmethod
     def default_parent() -> otel_trace.Span:
