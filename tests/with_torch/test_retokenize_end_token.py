@@ -21,8 +21,6 @@ from agl.lightningrl.tree import build_tree
 from agl.testing import FakeReply, ListSink, tracer_writes_to
 from agl.types import Span
 
-pytest.importorskip("transformers")
-
 MESSAGES = [{"role": "user", "content": "Name a fruit."}]
 ANSWER = "a ripe pear and some more words"
 
