@@ -282,15 +282,22 @@ _SNAPSHOT_EVENTS = frozenset(
 _FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 
+def _field(value: Any, name: str) -> Any:
+    """``value.name``, or ``value[name]`` for a dict: older ``openai`` SDKs (1.66) build a Responses event whose
+    snapshot lacks fields their model requires (an ``in_progress`` shell) as another event type, whose
+    ``response`` (or ``item``) then stays a plain dict."""
+    return value.get(name) if isinstance(value, dict) else getattr(value, name, None)
+
+
 class _OutputItem:
     """One output item of a Responses stream as it arrives: a message's text, or a function call's arguments."""
 
     __slots__ = ("kind", "call_id", "name", "parts")
 
     def __init__(self, item: Any) -> None:
-        self.kind = getattr(item, "type", None)
-        self.call_id = getattr(item, "call_id", None)
-        self.name = getattr(item, "name", None)
+        self.kind = _field(item, "type")
+        self.call_id = _field(item, "call_id")
+        self.name = _field(item, "name")
         self.parts: List[str] = []  # text deltas (message) or argument fragments (function call)
 
 
@@ -314,8 +321,8 @@ class ResponsesStreamAccumulator:
         if kind in _SNAPSHOT_EVENTS:
             self.response = event.response
             if kind == "response.failed":
-                error = event.response.error
-                self.failure = (getattr(error, "code", None) or kind, getattr(error, "message", None) or kind)
+                error = _field(event.response, "error")
+                self.failure = (_field(error, "code") or kind, _field(error, "message") or kind)
         elif kind == "error":
             self.failure = (getattr(event, "code", None) or kind, getattr(event, "message", None) or kind)
         elif kind == "response.output_item.added":
@@ -334,7 +341,9 @@ class ResponsesStreamAccumulator:
             self.tokens.logprobs.append(logprob_of(entry))
 
     def finished(self) -> bool:
-        return self.response is not None and getattr(self.response, "status", None) in _FINAL_STATUSES
+        return self.response is not None and not isinstance(self.response, dict) and (
+            getattr(self.response, "status", None) in _FINAL_STATUSES
+        )
 
     def record(self, deferred: Dict[str, Any]) -> List[str]:
         if self.finished():
@@ -347,8 +356,8 @@ class ResponsesStreamAccumulator:
         same point, from the last snapshot's header and the deltas that arrived."""
         tokens = self.tokens
         if self.response is not None:
-            tokens.response_id, tokens.model = self.response.id, self.response.model
-            extra = self.response.model_extra or {}
+            tokens.response_id, tokens.model = _field(self.response, "id"), _field(self.response, "model")
+            extra = self.response if isinstance(self.response, dict) else (self.response.model_extra or {})
             tokens.version = extra.get(RESOURCES_VERSION_FIELD)
             if tokens.prompt_ids is None:
                 tokens.prompt_ids = extra.get("prompt_token_ids")
