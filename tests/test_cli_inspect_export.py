@@ -260,3 +260,20 @@ def test_prune_of_a_locked_store_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("agl: the SQLite store is locked (database is locked): another process")
     assert "run the command again once that process is done, or stop it" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["store", "rollouts", "--limit", "-3"], "must be at least 0, got -3"),
+     (["export", "out.jsonl", "--limit", "0"], "must be at least 1, got 0")],
+)
+def test_listing_and_export_limits_out_of_range_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture, args: List[str], message: str
+) -> None:
+    """`agl store rollouts --limit -3` listed all but the last three rollouts (a Python slice); `agl export
+    --limit 0` read no rollout and wrote an empty export. Both are refused before the store is opened."""
+    with pytest.raises(SystemExit) as exited:
+        agl_main([*args, "--store", str(tmp_path / "store.db")])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "store.db").exists()

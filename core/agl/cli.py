@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     store_sub = store.add_subparsers(dest="store_command", required=True)
     listing = store_sub.add_parser("rollouts", help="list rollouts")
     listing.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
-    listing.add_argument("--limit", type=int, default=50, help="list the latest N (default 50; 0: all)")
+    listing.add_argument("--limit", type=non_negative_int, default=50, help="list the latest N (default 50; 0: all)")
     stats = store_sub.add_parser("stats", help="counts of rollouts, attempts, spans")
     for p in (listing, stats):
         p.add_argument("--store", default=None, help=store_help)
@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_.add_argument("--mode", choices=["train", "val", "all"], default="train",
                          help="rollouts of this mode (default: train; 'all': train and val, grouped apart); each "
                          "record has its rollout's mode")
-    export_.add_argument("--limit", type=int, metavar="N",
+    export_.add_argument("--limit", type=positive_int, metavar="N",
                          help="read at most N rollouts, in whole task groups (a GRPO group is never cut)")
     export_.add_argument("--store", default=None, help=store_help)
     export_.set_defaults(func=cmd_export)
