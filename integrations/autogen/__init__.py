@@ -5,9 +5,10 @@ GenAI-convention spans with the *global* tracer provider (or the one given to th
 use those: they belong to the user's provider, agl must not replace it, and they lack what training
 needs (tool arguments and results). So this adapter wraps, with wrapt, the few methods where AutoGen
 invokes an agent, a team, a speaker selection and a tool call (``_agents``, ``_tools``), and makes agl's
-own spans there; and it carries the rollout into the thread pool AutoGen runs sync user functions in
-(``_threads``). Model requests go through ``openai``'s client, where agl's OpenAI layer makes the
-one ``llm`` span per request; the agent span current at that moment is its parent.
+own spans there. It carries the rollout into the thread pool AutoGen runs sync user functions in
+(``_threads``), and into the task a runtime handles each message in: the sender's rollout, not that of
+whoever started the runtime (``_runtime``). Model requests go through ``openai``'s client, where agl's
+OpenAI layer makes the one ``llm`` span per request; the agent span current at that moment is its parent.
 
 The framework is imported inside ``_instrument`` only, so ``agl.instrument()`` works without it.
 """
@@ -21,6 +22,7 @@ from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.framework import PatchSet
 from agl.instrumentation.safety import guard
 from agl.integrations.autogen._agents import agent_call, agent_stream, speaker_selection, team_stream
+from agl.integrations.autogen._runtime import handle_messages_in_sender_context
 from agl.integrations.autogen._threads import bind_context_in_executors
 from agl.integrations.autogen._tools import execute_tool_call, run_json
 
@@ -58,7 +60,8 @@ class AutoGenInstrumentor(Instrumentor):
                     self._patches.wrap(cls.__module__, f"{cls.__qualname__}.{attr}", wrapper)
 
     def _wrap_teams_and_tools(self) -> None:
-        """Team runs, speaker selection, tool calls, and the thread pool AutoGen hands sync functions to."""
+        """Team runs, speaker selection, tool calls, the thread pool AutoGen hands sync functions to, and the
+        runtime's message handling (teams run on a runtime)."""
         patches = self._patches
         patches.wrap("autogen_agentchat.teams", "BaseGroupChat.run_stream", team_stream)
         patches.wrap(
@@ -69,6 +72,7 @@ class AutoGenInstrumentor(Instrumentor):
         patches.wrap("autogen_agentchat.agents", "AssistantAgent._execute_tool_call", execute_tool_call)
         patches.wrap("autogen_core.tools", "BaseTool.run_json", run_json)
         bind_context_in_executors(patches)
+        handle_messages_in_sender_context(patches)
 
 
 def _subclasses(base: type) -> Iterator[type]:

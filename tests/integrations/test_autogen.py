@@ -9,7 +9,8 @@ import concurrent.futures
 import json
 import logging
 import uuid
-from typing import Any, Dict, Iterator, List, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 import wrapt
@@ -23,7 +24,10 @@ from autogen_agentchat.conditions import MaxMessageTermination  # noqa: E402
 from autogen_agentchat.messages import BaseChatMessage, TextMessage  # noqa: E402
 from autogen_agentchat.teams import BaseGroupChat, RoundRobinGroupChat, SelectorGroupChat  # noqa: E402
 from autogen_agentchat.teams._group_chat._selector_group_chat import SelectorGroupChatManager  # noqa: E402
-from autogen_core import CancellationToken  # noqa: E402
+from autogen_core import AgentId, CancellationToken, MessageContext, RoutedAgent, TopicId  # noqa: E402
+from autogen_core import SingleThreadedAgentRuntime, TypeSubscription, message_handler  # noqa: E402
+from autogen_core._single_threaded_agent_runtime import PublishMessageEnvelope, SendMessageEnvelope  # noqa: E402
+from autogen_core.models import UserMessage  # noqa: E402
 from autogen_core.tools import BaseTool, FunctionTool  # noqa: E402
 from autogen_ext.models.openai import OpenAIChatCompletionClient  # noqa: E402
 import openai  # noqa: E402
@@ -71,8 +75,6 @@ class Summarizer(BaseChatAgent):
         return (TextMessage,)
 
     async def on_messages(self, messages: Sequence[BaseChatMessage], cancellation_token: CancellationToken) -> Response:
-        from autogen_core.models import UserMessage
-
         text = " ".join(str(m.content) for m in messages)
         result = await self._client.create([UserMessage(content=f"Summarize: {text}", source="user")])
         return Response(chat_message=TextMessage(content=str(result.content), source=self.name))
@@ -427,6 +429,189 @@ def test_selector_and_custom_agents_get_their_own_agent_spans(fake_openai, instr
     assert sorted(s.span_id for calls in by_agent.values() for s in calls) == sorted(s.span_id for s in llm)
 
 
+# -- a runtime kept across rollouts -------------------------------------------------------------------------
+
+
+@dataclass
+class Question:
+    text: str
+
+
+@dataclass
+class Note:
+    text: str
+
+
+class Solver(RoutedAgent):
+    """A core agent: answers a question with its model, then publishes a note on it (a message a handler sends)."""
+
+    def __init__(self, client: OpenAIChatCompletionClient) -> None:
+        super().__init__("Answers questions.")
+        self._client = client
+
+    @message_handler
+    async def on_question(self, message: Question, ctx: MessageContext) -> str:
+        result = await self._client.create([UserMessage(content=f"Answer: {message.text}", source="user")])
+        await self.publish_message(Note(message.text), TopicId("notes", self.id.key))
+        return str(result.content)
+
+
+class NoteTaker(RoutedAgent):
+    """A core agent subscribed to the notes: asks its model once per note, then says the note is taken."""
+
+    def __init__(self, client: OpenAIChatCompletionClient, taken: Dict[str, "asyncio.Future[None]"]) -> None:
+        super().__init__("Takes notes.")
+        self._client = client
+        self._taken = taken
+
+    @message_handler
+    async def on_note(self, message: Note, ctx: MessageContext) -> None:
+        await self._client.create([UserMessage(content=f"Note: {message.text}", source="user")])
+        self._taken[message.text].set_result(None)
+
+
+class KeptRuntime:
+    """A runtime made and started by the first rollout and kept for the next ones, as a user keeps one at module
+    level. The runner keeps its event loop across rollouts, so the runtime's loop task, and the tasks it makes
+    for each message, carry on in the context of the first rollout."""
+
+    def __init__(self) -> None:
+        self.runtime: Optional[SingleThreadedAgentRuntime] = None
+        self.taken: Dict[str, "asyncio.Future[None]"] = {}  # by question: the note on it was taken
+
+    async def get(self, base_url: str) -> SingleThreadedAgentRuntime:
+        if self.runtime is None:
+            runtime = SingleThreadedAgentRuntime()
+            client = model_client(base_url)
+            await Solver.register(runtime, "solver", lambda: Solver(client))
+            await NoteTaker.register(runtime, "note_taker", lambda: NoteTaker(client, self.taken))
+            await runtime.add_subscription(TypeSubscription(topic_type="notes", agent_type="note_taker"))
+            runtime.start()
+            self.runtime = runtime
+        return self.runtime
+
+
+QUESTIONS = [{"question": f"What is {n} plus {n}?", "answer": 2 * n} for n in (3, 5, 7)]
+
+
+def rollout_root(span: Span, by_id: Dict[str, Span]) -> Span:
+    """The top of ``span``'s parent chain among its rollout's spans (a parent stored elsewhere: KeyError)."""
+    while span.parent_id is not None:
+        span = by_id[span.parent_id]
+    return span
+
+
+def assert_each_rollout_holds_its_own_calls(
+    rollouts: List[List[Span]], requests: List[Dict[str, Any]], calls: int
+) -> None:
+    """Every model request is one llm span, stored in the rollout that asked: its question is in the prompt, no
+    other rollout's is."""
+    assert [len(of_kind(spans, "llm")) for spans in rollouts] == [calls] * len(rollouts)
+    assert sum(len(of_kind(spans, "llm")) for spans in rollouts) == len(requests)
+    for spans, task in zip(rollouts, QUESTIONS):
+        for llm in of_kind(spans, "llm"):
+            prompt = llm.attributes[semconv.INPUT_MESSAGES]
+            assert [other["question"] in prompt for other in QUESTIONS] == [other is task for other in QUESTIONS]
+
+
+def assert_under_the_rollout_root(rollouts: List[List[Span]]) -> None:
+    """Each llm span's parent chain stays in its rollout and ends at the runner's root span."""
+    for spans in rollouts:
+        by_id = {s.span_id: s for s in spans}
+        assert all(rollout_root(llm, by_id).name == "agl.rollout" for llm in of_kind(spans, "llm"))
+
+
+async def ask(kept: KeptRuntime, base_url: str, question: str) -> str:
+    """Send the question to the kept runtime's solver; return its answer once the note on it is taken too."""
+    runtime = await kept.get(base_url)
+    taken = kept.taken[question] = asyncio.get_running_loop().create_future()
+    answer = await runtime.send_message(Question(question), AgentId("solver", "default"))
+    await asyncio.wait_for(taken, timeout=10)
+    return answer
+
+
+def test_a_runtime_kept_across_rollouts_records_each_message_in_the_rollout_that_sent_it(
+    fake_openai, instrumented, tmp_path
+):
+    """Before, what the runtime's handlers did for the second and later rollouts ran in the first rollout's
+    (ended) context, and was not stored at all."""
+    kept = KeptRuntime()
+
+    @agl.rollout
+    async def ask_kept_runtime(task: Dict[str, Any], llm: agl.LLM) -> float:
+        answer = await ask(kept, llm.get_base_url(), task["question"])
+        return 1.0 if task["question"] in answer else 0.0
+
+    rollouts = dev(ask_kept_runtime, fake_openai, tmp_path, QUESTIONS)
+    # The solver's call (sent by the rollout) and the note taker's (published by the solver's handler).
+    assert_each_rollout_holds_its_own_calls(rollouts, fake_openai.requests, calls=2)
+    assert_under_the_rollout_root(rollouts)
+    for spans in rollouts:
+        (root,) = of_kind(spans, "agent")  # core agents are no agentchat agents: no agent spans of their own
+        assert all(s.parent_id == root.span_id for s in of_kind(spans, "llm"))
+
+
+def test_a_team_on_a_runtime_kept_across_rollouts_records_each_run_in_its_rollout(
+    fake_openai, instrumented, tmp_path
+):
+    """A team given the user's runtime (``runtime=``) does not start it: before, its participants' turns of the
+    second and later rollouts were lost, and even the first rollout's were not under its team span."""
+    kept: Dict[str, SingleThreadedAgentRuntime] = {}
+
+    @agl.rollout
+    async def team_on_kept_runtime(task: Dict[str, Any], llm: agl.LLM) -> float:
+        if not kept:
+            kept["runtime"] = SingleThreadedAgentRuntime()
+            kept["runtime"].start()
+        client = model_client(llm.get_base_url())
+        writer = AssistantAgent("writer", model_client=client, tools=[add], system_message=WRITER_PROMPT)
+        checker = AssistantAgent("checker", model_client=client, system_message=CHECKER_PROMPT)
+        team = RoundRobinGroupChat(
+            [writer, checker], termination_condition=MaxMessageTermination(3), runtime=kept["runtime"]
+        )
+        result = await team.run(task=task["question"])
+        return 1.0 if str(task["answer"]) in str(result.messages[-1].content) else 0.0
+
+    rollouts = dev(team_on_kept_runtime, fake_openai, tmp_path, QUESTIONS)
+    assert_each_rollout_holds_its_own_calls(rollouts, fake_openai.requests, calls=2)
+    assert_under_the_rollout_root(rollouts)
+    for spans in rollouts:
+        by_id = {s.span_id: s for s in spans}
+        (team,) = of_kind(spans, "chain")
+        assert by_id[team.parent_id].name == "agl.rollout"
+        turns = of_kind(spans, "agent")[1:]
+        assert [s.attributes[semconv.AGENT_NAME] for s in turns] == ["writer", "checker"]
+        assert all(s.parent_id == team.span_id for s in turns)
+        assert [agent_name_of(s, by_id) for s in of_kind(spans, "llm")] == ["writer", "checker"]
+        (tool,) = of_kind(spans, "tool")
+        assert by_id[tool.parent_id].attributes[semconv.AGENT_NAME] == "writer"
+
+
+def test_rollouts_running_at_once_on_one_runtime_keep_their_calls_apart(fake_openai, instrumented, sink):
+    """Rollouts as asyncio tasks sharing a runtime started outside every rollout: each message is handled in
+    the rollout that sent it, even while the other rollout's messages are being handled."""
+    fake_openai.script(*[FakeReply(delay=0.2)] * 4)  # slow replies make the two rollouts overlap
+    kept = KeptRuntime()
+    rollout_ids = [f"ro-shared-{n}" for n in range(2)]
+
+    async def one(rollout_id: str, question: str) -> None:
+        with agl.rollout_scope(rollout_id, "at-1"):
+            await ask(kept, fake_openai.base_url, question)
+
+    async def main() -> None:
+        runtime = await kept.get(fake_openai.base_url)
+        await asyncio.gather(*(one(r, task["question"]) for r, task in zip(rollout_ids, QUESTIONS)))
+        await runtime.stop()
+
+    asyncio.run(main())
+    rollouts = [sink.of(rollout_id) for rollout_id in rollout_ids]
+    assert_each_rollout_holds_its_own_calls(rollouts, fake_openai.requests, calls=2)
+    (start_a, end_a), (start_b, end_b) = [
+        (min(s.start_time for s in spans), max(s.end_time for s in spans)) for spans in rollouts
+    ]
+    assert start_a < end_b and start_b < end_a
+
+
 # -- concurrency -------------------------------------------------------------------------------------------
 
 
@@ -494,6 +679,10 @@ PATCHED = [
     (BaseTool, "run_json"),
     (FunctionTool, "run"),
     (UserProxyAgent, "_get_input"),
+    (SendMessageEnvelope, "__init__"),
+    (PublishMessageEnvelope, "__init__"),
+    (SingleThreadedAgentRuntime, "_process_send"),
+    (SingleThreadedAgentRuntime, "_process_publish"),
 ]
 
 
