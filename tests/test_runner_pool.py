@@ -11,6 +11,7 @@ from typing import Any
 
 import agl
 import pytest
+from agl import agent_loops
 from agl.runner import Runner
 from agl.runner_pool import RunnerPool
 from agl.store import EnqueueRequest, SqliteLightningStore
@@ -300,8 +301,11 @@ def test_tasks_a_rollout_left_running_record_nothing_into_it_after_it_returned(
     _KEPT.clear()
     store = SqliteLightningStore(tmp_path / "s.db")
     trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False)
-    with caplog.at_level(logging.WARNING):
-        rows = trainer.dev(_leaves_tasks_running, [{"kind": "leave"}, {"kind": "sleep"}], print_table=False)
+    try:
+        with caplog.at_level(logging.WARNING):
+            rows = trainer.dev(_leaves_tasks_running, [{"kind": "leave"}, {"kind": "sleep"}], print_table=False)
+    finally:  # the tasks it left would go on in the next tests' rollouts, on the loop kept for the process
+        agent_loops.close_all()
     assert [(r.status, r.reward) for r in rows] == [("succeeded", 1.0), ("succeeded", 1.0)]
     (rollout,) = store.query_rollouts(rollout_ids=[rows[0].rollout_id])
     spans = store.query_spans(rows[0].rollout_id)

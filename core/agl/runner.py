@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
-from agl import semconv
+from agl import agent_loops, semconv
 from agl.context import RolloutScope, enter_scope, exit_scope, running
 from agl.emitters import reward_number
 from agl.errors import AglError, StaleAttemptError, StoreUnavailableError
@@ -37,7 +37,7 @@ logger = logging.getLogger("agl.runner")
 
 StopSignal = Union[threading.Event, Any, Callable[[], bool]]  # Any: a multiprocessing Event
 CANCEL_GRACE_S = 5.0  # how long a timed-out async rollout gets to unwind after its cancellation
-CLOSE_LOOP_S = 10.0  # how long a closing runner lets its agent thread finish the async work agents left behind
+CLOSE_LOOP_S = 10.0  # how long a closing runner lets its agent thread run the async work that is ready
 
 
 def rollout_agent_name(agent: Any) -> str:
@@ -197,11 +197,16 @@ class Runner:
         request_token_ids: bool = True,
         flush_timeout: float = 30.0,
         outage_timeout: Optional[float] = None,
+        slot: int = 0,
     ) -> None:
         """``outage_timeout``: how long ``run_forever`` keeps asking a store that does not answer (a dequeue or
         a completion raises StoreUnavailableError) before it raises StoreOutageError; None: for ever. ``agl
         runner`` sets it so that runners whose store server is gone for good exit (a Kubernetes Job of them
-        then ends)."""
+        then ends).
+
+        ``slot``: the runner's index in its pool. An async agent runs on the event loop the previous runner
+        in that slot of this process used (:mod:`agl.agent_loops`), so what it keeps from earlier pools (a
+        module-level client's connections) still works."""
         self.agent = agent
         self.store = store
         self.runner_id = runner_id or new_id(f"runner-{os.getpid()}")
@@ -211,6 +216,7 @@ class Runner:
         self.request_token_ids = request_token_ids
         self.flush_timeout = flush_timeout
         self.outage_timeout = outage_timeout
+        self.slot = slot
         self.stuck = False
         self._agent_busy = False  # the agent thread runs a rollout (set and cleared on that thread)
         self._closed = False
@@ -418,17 +424,19 @@ class Runner:
         logger.warning(
             "rollout %s left %d asyncio task(s) running when it returned (%s): a model stream it stopped reading, "
             "an agent run it did not await, or a session or runtime it keeps for the next rollouts. They go on "
-            "running, but nothing they record from now on is stored. If they are runs the rollout gave up on, "
+            "running, but nothing they record for this rollout from now on is stored (an AutoGen runtime's work for "
+            "messages a later rollout sends is recorded in that rollout). If they are runs the rollout gave up on, "
             "cancel them before returning (OpenAI Agents SDK: result.cancel()), or they keep calling the model. "
             "Said once per runner", rollout_id, len(left), ", ".join(names[:5]),
         )
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        """One event loop per agent thread, kept across rollouts: SDK clients (httpx pools) created in one
-        rollout and collected in a later one would otherwise find their loop closed."""
+        """One event loop per agent thread, kept across rollouts and across the pools of this process (taken
+        from :mod:`agl.agent_loops` for this runner's slot): SDK clients (httpx pools) created in one rollout
+        and used in a later one would otherwise find their loop closed."""
         loop = getattr(self._thread_state, "loop", None)
         if loop is None or loop.is_closed():
-            loop = self._thread_state.loop = asyncio.new_event_loop()
+            loop = self._thread_state.loop = agent_loops.take(self.slot)
             asyncio.set_event_loop(loop)  # for libraries that call get_event_loop() in the agent thread
         return loop
 
@@ -552,36 +560,28 @@ class Runner:
             ) from exc
 
     def close(self) -> None:
-        """End the agent thread's event loop and let the thread go. Safe to call twice."""
+        """Hand the agent thread's event loop back for the next runner in this slot (the loops are closed at
+        interpreter exit: :mod:`agl.agent_loops`) and let the thread go. A stuck or busy agent thread keeps
+        its loop: it may be running there. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         if not self.stuck and not self._agent_busy:  # (a busy agent thread would make close wait for it)
             try:
-                self._executor.submit(self._close_event_loop).result(timeout=CLOSE_LOOP_S)
+                self._executor.submit(self._give_back_event_loop).result(timeout=CLOSE_LOOP_S)
             except Exception as exc:  # noqa: BLE001 - an agent's cleanup must not fail the run that is ending
-                logger.warning("runner %s: closing the agent's event loop: %s", self.runner_id, exc)
+                logger.warning("runner %s: handing back the agent's event loop: %s", self.runner_id, exc)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _close_event_loop(self) -> None:
-        """On the agent thread: end its event loop as ``asyncio.run`` ends its own. Left open, what agents left
-        behind (an async generator abandoned mid-stream, whose ``aclose()`` was scheduled but never ran) was
-        destroyed pending at exit, with asyncio's "Task was destroyed but it is pending!" and the generator's
-        ``finally`` never run."""
+    def _give_back_event_loop(self) -> None:
+        """On the agent thread: hand its event loop back (it runs what is ready first: the ``aclose`` of
+        async generators abandoned mid-stream, so their ``finally`` runs now). The thread forgets it, so that
+        it can never run on it again while another runner does."""
         loop = getattr(self._thread_state, "loop", None)
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.run_until_complete(asyncio.sleep(0))  # callbacks already scheduled (aclose of collected generators)
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
+        self._thread_state.loop = None
+        asyncio.set_event_loop(None)
+        if loop is not None and not loop.is_closed():
+            agent_loops.give_back(self.slot, loop)
 
 
 async def _await(awaitable: Any) -> Any:
