@@ -1,10 +1,12 @@
-"""The agent event loops of a process (agl.agent_loops): kept across runner pools, lent to one runner at a
-time, closed at exit, left alone by forked children. Real thread runners, the real ``openai`` client against
-the fake OpenAI server."""
+"""The event loop all async agents of a process share (agl.agent_loops): concurrent thread runners share
+async clients, the loop outlives runner pools, a blocked loop is replaced, it is closed at exit, forked
+children leave it alone. Real thread runners, the real ``openai`` client (and LangChain's ``ChatOpenAI``)
+against the fake OpenAI server."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import subprocess
 import sys
@@ -12,28 +14,74 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import agl
 import openai
 import pytest
-from agl import agent_loops, runner as runner_module
+from agl import agent_loops, runner as runner_module, semconv
 from agl.runner import Runner
-from agl.runner_pool import RunnerPool
 from agl.store import EnqueueRequest, SqliteLightningStore
-from agl.testing import FakeOpenAIServer
+from agl.testing import FakeOpenAIServer, FakeReply
 
 _CLIENT: Dict[str, openai.AsyncOpenAI] = {}  # stands for `client = openai.AsyncOpenAI(...)` at module level
 _LOOPS: List[asyncio.AbstractEventLoop] = []
 
 
+@pytest.fixture
+def instrumented() -> Iterator[None]:
+    agl.instrument()
+    yield
+    agl.uninstrument()
+
+
+async def _module_level_client(question: str) -> str:
+    reply = await _CLIENT["client"].chat.completions.create(model="fake", messages=[{"role": "user", "content": question}])
+    return reply.choices[0].message.content or ""
+
+
+async def _chat_openai_per_rollout(question: str) -> str:
+    from langchain_openai import ChatOpenAI  # a new one per rollout: langchain-openai shares its httpx client
+
+    model = ChatOpenAI(model="fake", base_url=str(_CLIENT["client"].base_url), api_key="x")
+    return str((await model.ainvoke(question)).content)
+
+
+_ASK: Dict[str, Callable[[str], Any]] = {}
+
+
 @agl.rollout
-async def _asks_the_module_level_client(task: dict) -> float:
+async def _asks_the_model(task: dict) -> float:
     _LOOPS.append(asyncio.get_running_loop())
-    reply = await _CLIENT["client"].chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": task["question"]}]
-    )
-    return float(bool(reply.choices[0].message.content))
+    return float(bool(await _ASK["ask"](task["question"])))
+
+
+@pytest.mark.parametrize("ask", ["module-level AsyncOpenAI", "ChatOpenAI per rollout"])
+def test_concurrent_thread_runners_share_async_clients(
+    tmp_path: Path, fake_openai: FakeOpenAIServer, instrumented: None, ask: str
+) -> None:
+    """Every thread runner ran its async rollouts on an event loop of its own, so a client shared across
+    rollouts (a module-level AsyncOpenAI, as docs/training.md advises; LangChain's process-wide httpx client)
+    had its connection pool's asyncio locks bound to one runner's loop: the other runners' rollouts failed at
+    random with "... is bound to a different event loop", and their llm spans had no token ids."""
+    if ask == "ChatOpenAI per rollout":
+        pytest.importorskip("langchain_openai")
+    _ASK["ask"] = _module_level_client if ask.startswith("module") else _chat_openai_per_rollout
+    _CLIENT["client"] = openai.AsyncOpenAI(base_url=fake_openai.base_url, api_key="x")
+    _LOOPS.clear()
+    fake_openai.script(*[FakeReply(delay=0.1 * (i % 4)) for i in range(16)])  # the rollouts overlap
+    store = SqliteLightningStore(tmp_path / "s.db")
+    trainer = agl.Trainer(store=store, n_runners=4, runner_mode="thread", progress=False)
+    rows = trainer.dev(_asks_the_model, [{"question": f"What is {i} plus 2?"} for i in range(16)], print_table=False)
+    assert [(r.status, r.error) for r in rows] == [("succeeded", None)] * 16
+    assert len({rollout.attempt.runner_id for rollout in store.query_rollouts()}) > 1, "the runners took turns"
+    for row in rows:
+        spans = store.query_spans(row.rollout_id)
+        (root,) = [s for s in spans if s.parent_id is None]
+        (llm,) = [s for s in spans if s.kind == "llm"]
+        assert llm.attributes[semconv.PROMPT_TOKEN_IDS] and llm.attributes[semconv.RESPONSE_TOKEN_IDS]
+        assert llm.trace_id == root.trace_id
+    assert all(loop is agent_loops.loop() for loop in _LOOPS), "every rollout ran on the process's agent loop"
 
 
 def test_a_module_level_async_client_works_in_every_dev_run_of_a_process(
@@ -43,91 +91,86 @@ def test_a_module_level_async_client_works_in_every_dev_run_of_a_process(
     loops and closed them on stop, so the client's pooled httpx connections belonged to a closed loop and the
     second run's first rollout failed with "RuntimeError: Event loop is closed"."""
     _LOOPS.clear()
+    _ASK["ask"] = _module_level_client
     _CLIENT["client"] = openai.AsyncOpenAI(base_url=fake_openai.base_url, api_key="x")
-    trainer = agl.Trainer(store=SqliteLightningStore(tmp_path / "s.db"), n_runners=1, runner_mode="thread", progress=False)
+    trainer = agl.Trainer(store=SqliteLightningStore(tmp_path / "s.db"), n_runners=2, runner_mode="thread", progress=False)
     tasks = [{"question": "What is 1 plus 2?"}, {"question": "What is 3 plus 4?"}]
     for run in ("first", "second"):
-        rows = trainer.dev(_asks_the_module_level_client, tasks, print_table=False)
+        rows = trainer.dev(_asks_the_model, tasks, print_table=False)
         assert [(r.status, r.error) for r in rows] == [("succeeded", None)] * 2, f"{run} dev() run"
-    assert len(_LOOPS) == 4 and all(loop is _LOOPS[0] for loop in _LOOPS), "one loop for the runner slot, kept"
-    assert not _LOOPS[0].is_closed()
+    assert len(_LOOPS) == 4 and all(loop is _LOOPS[0] for loop in _LOOPS) and not _LOOPS[0].is_closed()
 
 
-_TOGETHER: Dict[str, threading.Barrier] = {}
+_LEFT_TASKS: List["asyncio.Task[Any]"] = []
+
+
+async def _left_by_a() -> None:
+    await asyncio.sleep(30)
+
+
+async def _left_by_b() -> None:
+    await asyncio.sleep(30)
 
 
 @agl.rollout
-async def _records_its_loop(task: dict) -> float:
-    _LOOPS.append(asyncio.get_running_loop())
-    _TOGETHER["barrier"].wait(timeout=20)  # every runner of both pools holds its loop at once
+async def _leaves_a_task(task: dict) -> float:
+    _LEFT_TASKS.append(asyncio.get_running_loop().create_task({"a": _left_by_a, "b": _left_by_b}[task["who"]]()))
+    await asyncio.sleep(0.5)  # the other rollout runs, and leaves its task, meanwhile
     return 1.0
 
 
-def _run_pools(tmp_path: Path, names: List[str], n_runners: int) -> None:
-    """Run one thread pool of ``n_runners`` per name at the same time, each on its own store, until every
-    runner ran one rollout (all of them at once: see _records_its_loop)."""
-    _TOGETHER["barrier"] = threading.Barrier(len(names) * n_runners)
-    stores = [SqliteLightningStore(tmp_path / f"{name}.db") for name in names]
-    pools = [RunnerPool(_records_its_loop, store, n_runners, mode="thread") for store in stores]
-    try:
-        for store, pool in zip(stores, pools):
-            store.enqueue_many([EnqueueRequest(input={}) for _ in range(n_runners)])
-            pool.start()
-        deadline = time.monotonic() + 30
-        while any(store.stats().rollouts.get("succeeded", 0) < n_runners for store in stores):
-            assert time.monotonic() < deadline, "the rollouts never all succeeded"
-            time.sleep(0.05)
-    finally:
-        for pool, store in zip(pools, stores):
-            pool.stop()
-            store.close()
-
-
-def test_a_loop_is_lent_to_one_runner_at_a_time(tmp_path: Path) -> None:
-    """Two pools running at once in one process (a dev() inside another, two trainers in threads) have
-    runners in the same slots: each runner gets a loop of its own. Once they stopped, a later pool's runners
-    run on loops they handed back."""
-    _LOOPS.clear()
-    _run_pools(tmp_path, ["a", "b"], n_runners=2)
-    together = list(_LOOPS)
-    assert len({id(loop) for loop in together}) == 4, "two runners alive at once ran on the same event loop"
-    _LOOPS.clear()
-    _run_pools(tmp_path, ["c"], n_runners=2)
-    assert len({id(loop) for loop in _LOOPS}) == 2 and all(any(loop is old for old in together) for loop in _LOOPS)
-
-
-def test_a_stuck_runner_does_not_hand_back_the_loop_its_agent_still_runs_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_each_rollout_is_told_only_of_the_tasks_it_left_running(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    slot = 9_101  # a slot no other test uses: its loops are this test's alone
-    monkeypatch.setattr(runner_module, "CANCEL_GRACE_S", 0.1)
-    done = threading.Event()
+    """Rollouts of all runners share the loop: a runner that counted every task its rollout found new on
+    the loop would blame it for what a concurrent rollout started."""
+    _LEFT_TASKS.clear()
+    store = SqliteLightningStore(tmp_path / "s.db")
+    trainer = agl.Trainer(store=store, n_runners=2, runner_mode="thread", progress=False)
+    try:
+        with caplog.at_level(logging.WARNING, "agl.runner"):
+            rows = trainer.dev(_leaves_a_task, [{"who": "a"}, {"who": "b"}], print_table=False)
+    finally:
+        for task in _LEFT_TASKS:
+            agent_loops.loop().call_soon_threadsafe(task.cancel)
+    assert [r.status for r in rows] == ["succeeded", "succeeded"]
+    said = {r.getMessage().split()[1]: r.getMessage() for r in caplog.records if "asyncio task(s) running" in r.getMessage()}
+    for row, own, other in ((rows[0], "_left_by_a", "_left_by_b"), (rows[1], "_left_by_b", "_left_by_a")):
+        assert "left 1 asyncio task(s) running" in said[row.rollout_id] and own in said[row.rollout_id]
+        assert other not in said[row.rollout_id]
 
-    @agl.rollout
-    async def blocks_its_loop(task: dict) -> float:
-        _LOOPS.append(asyncio.get_running_loop())
-        done.wait(10)  # blocks the loop: the cancellation cannot stop it, so the runner is stuck
-        return 1.0
 
+@agl.rollout
+async def _blocks_or_not(task: dict) -> float:
+    _LOOPS.append(asyncio.get_running_loop())
+    if task["block"]:
+        time.sleep(1.0)  # a sync call inside async def: the shared loop can run nothing else meanwhile
+    await asyncio.sleep(0.01)
+    return 1.0
+
+
+def test_a_rollout_that_blocks_the_loop_gets_it_replaced_for_later_rollouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(runner_module, "CANCEL_GRACE_S", 0.2)
+    monkeypatch.setattr(agent_loops, "_warned_blocked", False)
     _LOOPS.clear()
     store = SqliteLightningStore(tmp_path / "s.db")
-    store.enqueue_many([EnqueueRequest(input={})])
-    runner = Runner(blocks_its_loop, store, rollout_timeout=0.3, slot=slot)
+    store.enqueue_many([EnqueueRequest(input={"block": True}), EnqueueRequest(input={"block": False})])
+    runner = Runner(_blocks_or_not, store, rollout_timeout=0.3)
     try:
-        ended = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
-        assert ended.status == "failed" and runner.stuck
-        runner.close()
-        (stuck_loop,) = _LOOPS
-        assert stuck_loop.is_running(), "the stuck agent runs on its loop still"
-        taken = agent_loops.take(slot)
-        assert taken is not stuck_loop, "the loop of a stuck agent was lent to another runner while it ran"
-        agent_loops.give_back(slot, taken)
+        with caplog.at_level(logging.WARNING, "agl.agent_loops"):
+            blocked = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+        assert blocked.status == "failed" and "timeout" in blocked.error and runner.stuck, "it cannot be cancelled"
+        fine = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+        assert fine.status == "succeeded"
+        blocked_loop, fresh_loop = _LOOPS
+        assert fresh_loop is not blocked_loop and fresh_loop is agent_loops.loop()
+        (warning,) = [r.getMessage() for r in caplog.records if "is blocked" in r.getMessage()]
+        assert blocked.rollout_id in warning and "_blocks_or_not" in warning
+        assert "asyncio.to_thread" in warning and "runner_mode='process'" in warning
     finally:
-        done.set()
-        deadline = time.monotonic() + 10
-        while _LOOPS and _LOOPS[0].is_running() and time.monotonic() < deadline:  # the agent returns, its span ends
-            time.sleep(0.05)
-        runner.tracer.flush(5.0)
+        runner.close()
         store.close()
 
 
@@ -164,7 +207,7 @@ async def agent(task):
     await KEPT["queue"].put((reply, 1.0))
     return await asyncio.wait_for(reply, 10)  # the runtime serves still
 
-trainer = agl.Trainer(store=SqliteLightningStore(os.path.join(tempfile.mkdtemp(), "s.db")), n_runners=1,
+trainer = agl.Trainer(store=SqliteLightningStore(os.path.join(tempfile.mkdtemp(), "s.db")), n_runners=2,
                       runner_mode="thread", progress=False)
 for run in range(2):
     rows = trainer.dev(agent, [{"n": 1}], print_table=False)
@@ -173,7 +216,7 @@ print("devs done", flush=True)
 """
 
 
-def test_the_loops_are_closed_at_interpreter_exit(tmp_path: Path) -> None:
+def test_the_loop_is_closed_at_interpreter_exit(tmp_path: Path) -> None:
     """The runtime an agent keeps goes on in the next pool; at exit it is cancelled (its ``finally`` runs) and
     the loop closed: left to the garbage collector, asyncio said "Task was destroyed but it is pending!"."""
     script = tmp_path / "two_devs.py"
@@ -186,24 +229,24 @@ def test_the_loops_are_closed_at_interpreter_exit(tmp_path: Path) -> None:
     assert done.stdout.splitlines() == [
         "stream closed", "dev ['succeeded'] None", "stream closed", "dev ['succeeded'] None", "devs done", "runtime ended",
     ], done.stderr
-    for trouble in ("destroyed but it is pending", "unclosed event loop", "Event loop is closed", "Traceback"):
+    for trouble in ("destroyed but it is pending", "unclosed event loop", "Event loop is closed", "Traceback", "did not finish"):
         assert trouble not in done.stderr, done.stderr
 
 
-def _takes_in_child(slot: int, parents: int) -> None:
-    """In a forked child: exit 0 if the slot's loop is a new one, not the parent's copy (id: same address)."""
-    sys.exit(0 if id(agent_loops.take(slot)) != parents else 3)
+def _uses_its_own_loop(parents: int) -> None:
+    """In a forked child: exit 0 if its agent loop is a new one that runs, not the parent's copy (whose
+    thread is not in the child)."""
+    loop = agent_loops.loop()
+    ran = asyncio.run_coroutine_threadsafe(asyncio.sleep(0, "ran"), loop).result(10)
+    sys.exit(0 if id(loop) != parents and ran == "ran" else 3)
 
 
-def test_a_forked_child_leaves_its_parents_loops_alone() -> None:
-    """A child inherits copies of its parent's loops, with the parent's tasks and connections on them: it
-    must run none of them (nor close them at its exit)."""
-    slot = 9_102
-    loop = agent_loops.take(slot)
-    agent_loops.give_back(slot, loop)
-    child = multiprocessing.get_context("fork").Process(target=_takes_in_child, args=(slot, id(loop)))
+def test_a_forked_child_leaves_its_parents_loop_alone() -> None:
+    """A child inherits a copy of its parent's loop, with the parent's tasks and connections on it and no
+    thread to run it: it must start its own (and not close the parent's at its exit)."""
+    loop = agent_loops.loop()
+    child = multiprocessing.get_context("fork").Process(target=_uses_its_own_loop, args=(id(loop),))
     child.start()
     child.join(30)
-    assert child.exitcode == 0, "the forked child was lent its parent's loop"
-    assert agent_loops.take(slot) is loop and not loop.is_closed()
-    agent_loops.give_back(slot, loop)
+    assert child.exitcode == 0, "the forked child used its parent's loop"
+    assert agent_loops.loop() is loop and asyncio.run_coroutine_threadsafe(asyncio.sleep(0, 1), loop).result(10) == 1

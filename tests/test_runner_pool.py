@@ -291,7 +291,7 @@ async def _leaves_tasks_running(task):
 
 
 def test_tasks_a_rollout_left_running_record_nothing_into_it_after_it_returned(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The agent thread's event loop outlives each rollout: a task the rollout left running (an OpenAI Agents
     SDK run whose stream it stopped reading) went on during the next rollout and stored its calls in the
@@ -299,13 +299,14 @@ def test_tasks_a_rollout_left_running_record_nothing_into_it_after_it_returned(
     since a session or runtime kept for the next rollouts is such a task too (cancelling those broke them)."""
     _LEFT.clear()
     _KEPT.clear()
+    monkeypatch.setattr(agl.get_tracer(), "_warned_late", False)  # said once per process: an earlier test may have
     store = SqliteLightningStore(tmp_path / "s.db")
     trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False)
     try:
         with caplog.at_level(logging.WARNING):
             rows = trainer.dev(_leaves_tasks_running, [{"kind": "leave"}, {"kind": "sleep"}], print_table=False)
     finally:  # the tasks it left would go on in the next tests' rollouts, on the loop kept for the process
-        agent_loops.close_all()
+        agent_loops.close()
     assert [(r.status, r.reward) for r in rows] == [("succeeded", 1.0), ("succeeded", 1.0)]
     (rollout,) = store.query_rollouts(rollout_ids=[rows[0].rollout_id])
     spans = store.query_spans(rows[0].rollout_id)

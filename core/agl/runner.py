@@ -9,12 +9,21 @@ starts a fresh one). Heartbeats go to the store from a small thread while the ag
 
 The agent thread is a daemon: one the runner had to leave behind (stuck, or still busy when its pool stopped
 and :meth:`Runner.abandon` was called) does not keep the process alive at exit.
+
+An async agent's coroutine does not run on the agent thread: every runner of the process hands it to the one
+event loop that all async agents of the process share (:mod:`agl.agent_loops`), as a single ``asyncio.run``
+program with one task per rollout would, so that async objects the rollouts share (a module-level
+``AsyncOpenAI`` client, LangChain's cached httpx client) work with any number of thread runners. The agent
+thread waits for it. The trade-off: a rollout that blocks that loop (a sync call inside ``async def``) stalls
+the async rollouts of every runner of the process while it blocks; past its timeout its runner is stuck and
+the loop is replaced for later rollouts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import inspect
 import logging
 import os
@@ -37,7 +46,6 @@ logger = logging.getLogger("agl.runner")
 
 StopSignal = Union[threading.Event, Any, Callable[[], bool]]  # Any: a multiprocessing Event
 CANCEL_GRACE_S = 5.0  # how long a timed-out async rollout gets to unwind after its cancellation
-CLOSE_LOOP_S = 10.0  # how long a closing runner lets its agent thread run the async work that is ready
 
 
 def rollout_agent_name(agent: Any) -> str:
@@ -197,16 +205,11 @@ class Runner:
         request_token_ids: bool = True,
         flush_timeout: float = 30.0,
         outage_timeout: Optional[float] = None,
-        slot: int = 0,
     ) -> None:
         """``outage_timeout``: how long ``run_forever`` keeps asking a store that does not answer (a dequeue or
         a completion raises StoreUnavailableError) before it raises StoreOutageError; None: for ever. ``agl
         runner`` sets it so that runners whose store server is gone for good exit (a Kubernetes Job of them
-        then ends).
-
-        ``slot``: the runner's index in its pool. An async agent runs on the event loop the previous runner
-        in that slot of this process used (:mod:`agl.agent_loops`), so what it keeps from earlier pools (a
-        module-level client's connections) still works."""
+        then ends)."""
         self.agent = agent
         self.store = store
         self.runner_id = runner_id or new_id(f"runner-{os.getpid()}")
@@ -216,9 +219,7 @@ class Runner:
         self.request_token_ids = request_token_ids
         self.flush_timeout = flush_timeout
         self.outage_timeout = outage_timeout
-        self.slot = slot
         self.stuck = False
-        self._agent_busy = False  # the agent thread runs a rollout (set and cleared on that thread)
         self._closed = False
         self._warned_left_running = False
         self.abandoned: Optional[str] = None  # why the pool left this runner behind (see abandon)
@@ -226,8 +227,7 @@ class Runner:
         self._timeouts_warned: Set[float] = set()  # heartbeat timeouts too short for heartbeat_interval, said once
         self.agent_name = rollout_agent_name(agent)
         self._executor = _AgentThread()
-        self._thread_state = threading.local()
-        self._running_task: Optional[Tuple[asyncio.AbstractEventLoop, "asyncio.Task[Any]"]] = None  # an async rollout
+        self._running_task: Optional[agent_loops.AgentRun] = None  # the async rollout running now
         self.tracer.set_store(store)
 
     # -- one rollout ---------------------------------------------------------------------------------------
@@ -259,7 +259,7 @@ class Runner:
                 raise RolloutTimeout(f"rollout {rollout.rollout_id} ran past its timeout of {timeout} s") from None
         except RolloutTimeout as exc:
             status, error = "timeout", str(exc)
-            if not self._cancelled(future):
+            if not self._cancelled(future, rollout.rollout_id):
                 self._abandon_stuck_agent()
         except Exception as exc:  # noqa: BLE001 - the agent's failure is data, not a runner crash
             status, error = "failed", _bounded("".join(traceback.format_exception_only(type(exc), exc)).strip())
@@ -377,7 +377,6 @@ class Runner:
     def _execute(self, rollout: Rollout, resources: NamedResources, scope: RolloutScope) -> Optional[float]:
         """Runs on the agent thread: the whole rollout under one root span of kind ``agent``."""
         token = enter_scope(scope)
-        self._agent_busy = True
         try:
             attrs = {
                 semconv.AGENT_NAME: self.agent_name,
@@ -388,39 +387,36 @@ class Runner:
                 try:
                     result = self.agent.run(rollout.input, resources, rollout)
                     if inspect.isawaitable(result):
-                        loop = self._event_loop()
-                        earlier = asyncio.all_tasks(loop)
-                        task = loop.create_task(_await(result))
-                        self._running_task = (loop, task)
-                        try:
-                            result = loop.run_until_complete(task)
-                        finally:
-                            self._running_task = None
-                            self._say_tasks_left_running(loop, earlier, rollout.rollout_id)
+                        result = self._await_on_agent_loop(result, rollout.rollout_id)
                 finally:
                     scope.end_open_work()  # streams the agent stopped reading end inside its rollout
                 return self._episode_reward(self._returned_reward(result, scope), scope)
         finally:
             scope.ended = True  # what still runs in its context records nothing into it (agl.context.current_scope)
-            self._agent_busy = False
             exit_scope(token)
 
-    def _say_tasks_left_running(
-        self, loop: asyncio.AbstractEventLoop, earlier: Set["asyncio.Task[Any]"], rollout_id: str
-    ) -> None:
-        """Warn (once per runner) about asyncio tasks the rollout started and left running. The event loop
-        outlives the rollout (see :meth:`_event_loop`), so they go on during the next rollouts: an OpenAI Agents
+    def _await_on_agent_loop(self, awaitable: Any, rollout_id: str) -> Any:
+        """On the agent thread: run the coroutine the agent returned on the process's agent loop, in this
+        thread's context (the rollout scope and the root span), and wait for it. ``_cancelled`` cancels it."""
+        run = self._running_task = agent_loops.start(awaitable, contextvars.copy_context())
+        try:
+            return run.result()
+        finally:
+            self._running_task = None
+            self._say_tasks_left_running(run.left_running, rollout_id)
+
+    def _say_tasks_left_running(self, left: List["asyncio.Task[Any]"], rollout_id: str) -> None:
+        """Warn (once per runner) about asyncio tasks the rollout started and left running (only its own: the
+        loop records which rollout created each task, see :mod:`agl.agent_loops`). The event loop
+        outlives the rollout, so they go on during the next rollouts: an OpenAI Agents
         SDK run whose stream the agent stopped reading kept calling the model, and stored its calls in the
         finished attempt, where a batch read later found calls its reward never saw. They are not cancelled
         (an MCP session or an AutoGen runtime kept for the next rollouts is such a task too: cancelled, those
         broke); once the rollout has returned, what they record is not stored (``agl.context.current_scope``)."""
-        if self._warned_left_running or loop.is_closed():
-            return
-        left = [task for task in asyncio.all_tasks(loop) if task not in earlier and not task.done()]
-        if not left:
+        if self._warned_left_running or not left:
             return
         self._warned_left_running = True
-        names = sorted({_task_name(task) for task in left})
+        names = sorted({agent_loops.task_name(task) for task in left})
         logger.warning(
             "rollout %s left %d asyncio task(s) running when it returned (%s): a model stream it stopped reading, "
             "an agent run it did not await, or a session or runtime it keeps for the next rollouts. They go on "
@@ -429,16 +425,6 @@ class Runner:
             "cancel them before returning (OpenAI Agents SDK: result.cancel()), or they keep calling the model. "
             "Said once per runner", rollout_id, len(left), ", ".join(names[:5]),
         )
-
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        """One event loop per agent thread, kept across rollouts and across the pools of this process (taken
-        from :mod:`agl.agent_loops` for this runner's slot): SDK clients (httpx pools) created in one rollout
-        and used in a later one would otherwise find their loop closed."""
-        loop = getattr(self._thread_state, "loop", None)
-        if loop is None or loop.is_closed():
-            loop = self._thread_state.loop = agent_loops.take(self.slot)
-            asyncio.set_event_loop(loop)  # for libraries that call get_event_loop() in the agent thread
-        return loop
 
     @staticmethod
     def _returned_reward(result: Any, scope: RolloutScope) -> Optional[float]:
@@ -471,16 +457,17 @@ class Runner:
                 pass
         return returned
 
-    def _cancelled(self, future: "concurrent.futures.Future[Any]") -> bool:
-        """Cancel the timed-out rollout if it is a coroutine; True once its thread is free again."""
-        running = self._running_task
-        if running is None:
+    def _cancelled(self, future: "concurrent.futures.Future[Any]", rollout_id: str) -> bool:
+        """Cancel the timed-out rollout if it is a coroutine; True once its thread is free again. One that does
+        not end in time because the shared loop is blocked has that loop replaced (AgentRun.give_up)."""
+        run = self._running_task
+        if run is None:
             return False
-        loop, task = running
-        loop.call_soon_threadsafe(task.cancel)
+        run.cancel()
         try:
             future.result(timeout=CANCEL_GRACE_S)
         except concurrent.futures.TimeoutError:
+            run.give_up(rollout_id)
             return False
         except BaseException:  # noqa: BLE001 - CancelledError, or what the agent raised while unwinding
             pass
@@ -560,34 +547,8 @@ class Runner:
             ) from exc
 
     def close(self) -> None:
-        """Hand the agent thread's event loop back for the next runner in this slot (the loops are closed at
-        interpreter exit: :mod:`agl.agent_loops`) and let the thread go. A stuck or busy agent thread keeps
-        its loop: it may be running there. Safe to call twice."""
+        """Let the agent thread go (the agent loop is the process's: :mod:`agl.agent_loops`). Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        if not self.stuck and not self._agent_busy:  # (a busy agent thread would make close wait for it)
-            try:
-                self._executor.submit(self._give_back_event_loop).result(timeout=CLOSE_LOOP_S)
-            except Exception as exc:  # noqa: BLE001 - an agent's cleanup must not fail the run that is ending
-                logger.warning("runner %s: handing back the agent's event loop: %s", self.runner_id, exc)
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def _give_back_event_loop(self) -> None:
-        """On the agent thread: hand its event loop back (it runs what is ready first: the ``aclose`` of
-        async generators abandoned mid-stream, so their ``finally`` runs now). The thread forgets it, so that
-        it can never run on it again while another runner does."""
-        loop = getattr(self._thread_state, "loop", None)
-        self._thread_state.loop = None
-        asyncio.set_event_loop(None)
-        if loop is not None and not loop.is_closed():
-            agent_loops.give_back(self.slot, loop)
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
-
-
-def _task_name(task: "asyncio.Task[Any]") -> str:
-    coro = task.get_coro()
-    return getattr(coro, "__qualname__", None) or task.get_name()

@@ -168,7 +168,7 @@ def _process_main(
     code = _run_worker(runner, stop, exit_when_stuck=True, on_busy=set_busy)
     if code in (0, _STUCK_EXIT_CODE):
         runner.close()
-        agent_loops.close_all()  # os._exit skips atexit: end what agents left (an abandoned stream's span too)
+        agent_loops.close()  # os._exit skips atexit: end what agents left (an abandoned stream's span too)
         runner.tracer.flush(5.0)
     os._exit(code)
 
@@ -239,7 +239,7 @@ class RunnerPool:
             hooks = None if method == "fork" else instrumented()  # a forked child inherits the hooks
             proc = self._ctx.Process(
                 target=_process_main,
-                args=(self.agent, self.store, runner_id, self._stop, {**self.runner_kwargs, "slot": index}, hooks,
+                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs, hooks,
                       self._current[index]),
                 name=f"agl-{runner_id}",
                 daemon=True,
@@ -255,7 +255,7 @@ class RunnerPool:
                     "module or the main script), or use runner_mode='thread'"
                 ) from exc
             return proc
-        runner = Runner(self.agent, self.store, runner_id=runner_id, slot=index, **self.runner_kwargs)
+        runner = Runner(self.agent, self.store, runner_id=runner_id, **self.runner_kwargs)
         self._runners.append(runner)
         self._current[index].value = b""
         thread = _RunnerThread(runner, self._stop, self._current[index])
