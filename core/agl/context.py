@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
 from opentelemetry import context as otel_context
+from opentelemetry.trace import StatusCode
+
+from agl import semconv
+from agl.errors import RolloutTimedOutError
 
 T = TypeVar("T")
 
@@ -40,6 +44,10 @@ class RolloutScope:
     # set once the attempt's rollout has returned: work still going on in its context (an asyncio task it left
     # running) is no longer the attempt's, see current_scope
     ended: bool = field(default=False, repr=False)
+    # the attempt's spans started and not yet ended, by span id (the tracer adds and removes them): see end
+    open_spans: Dict[int, Any] = field(default_factory=dict, repr=False)
+    # how the attempt ended, for the spans end() cuts: "ended", or "timed out" (set by the runner at its timeout)
+    outcome: str = field(default="ended", repr=False)
 
     def next_sequence_id(self) -> int:
         # itertools.count.__next__ is atomic under the GIL: safe from several threads of one attempt.
@@ -63,6 +71,27 @@ class RolloutScope:
         return len(ends)
 
 
+    def end(self) -> int:
+        """The attempt is over (its rollout returned, or ran past its timeout): nothing started from now on
+        in its context is stored (:func:`current_scope`), and the spans still open are ended now, marked
+        stopped (``agl.span.stopped``, status error "still open when the rollout <outcome>"), so that the stored
+        tree is the one the attempt ended with. Otherwise work the runner could not stop (a framework's model
+        call on a worker thread, a sync agent past its timeout) ended its spans seconds later, after the
+        attempt was reported: stored in the finished attempt without their parents (the agent spans end
+        later still), or lost when the store had closed. Their code's own later ``end()`` is ignored
+        quietly. Returns how many were ended. Safe to call twice."""
+        self.ended = True
+        spans = list(self.open_spans.values())
+        for span in sorted(spans, key=lambda s: s.sequence_id, reverse=True):  # the innermost first
+            if span.end_time is not None:
+                continue
+            span.set_attribute(semconv.SPAN_STOPPED, True)
+            span.set_status(StatusCode.ERROR, f"still open when the rollout {self.outcome}")
+            span.cut = True
+            span.end()
+        return len(spans)
+
+
 _current_scope: contextvars.ContextVar[Optional[RolloutScope]] = contextvars.ContextVar("agl_rollout", default=None)
 
 
@@ -83,6 +112,17 @@ def ended_scope() -> Optional[RolloutScope]:
     """The attempt whose rollout has returned, when the calling code still runs in its context (else None)."""
     scope = _current_scope.get()
     return scope if scope is not None and scope.ended else None
+
+
+def refuse_calls_after_timeout() -> None:
+    """Raise :class:`agl.errors.RolloutTimedOutError` in code that still runs for a rollout that ran past its
+    timeout. The LLM client hooks call it before each request: a sync agent cannot be stopped, so past its
+    timeout its thread went on calling the model beside the rollouts that replaced it, taking the server's
+    batch slots from them (under load, the next wave then timed out too). Its next model call now fails,
+    which ends most agents; work of a rollout that returned in time (a task it keeps) is not affected."""
+    scope = _current_scope.get()
+    if scope is not None and scope.ended and scope.outcome == "timed out":
+        raise RolloutTimedOutError(scope.rollout_id)
 
 
 def in_operation() -> bool:
@@ -173,3 +213,4 @@ def rollout_scope(
     finally:
         exit_scope(token)
         scope.end_open_work()
+        scope.end()

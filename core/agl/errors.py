@@ -128,3 +128,16 @@ class MissingTokenIdsError(AglError, ValueError):
         self.span_id = span_id
         self.agent_name = agent_name
         self.reason = reason
+
+
+class RolloutTimedOutError(AglError, TimeoutError):
+    """A model call made by the agent of a rollout that ran past its timeout and was ended: refused before it
+    reaches the model server (see :func:`agl.context.refuse_calls_after_timeout`)."""
+
+    def __init__(self, rollout_id: str) -> None:
+        super().__init__(
+            f"agl: rollout {rollout_id} ran past its timeout and was ended; this model call from its agent, still "
+            "running where agl could not stop it (a sync agent, or a framework's worker thread), is refused so "
+            "that it does not take the model server from the rollouts running now. Make the agent finish within "
+            "the rollout timeout, or raise it (Trainer(rollout_timeout=...))"
+        )

@@ -82,7 +82,7 @@ class AglSpan(otel_trace.Span):
     __slots__ = (
         "name", "trace_id", "span_id", "parent_id", "trace_state", "attributes", "events", "start_time",
         "end_time", "status_code", "status_description", "rollout_id", "attempt_id", "sequence_id",
-        "generation", "deferred", "_processor", "_span_context",
+        "generation", "deferred", "scope", "cut", "_processor", "_span_context",
     )
 
     def __init__(
@@ -112,6 +112,8 @@ class AglSpan(otel_trace.Span):
         self.sequence_id = 0
         self.generation = 0
         self.deferred: Optional[Dict[str, Any]] = None
+        self.scope: Any = None  # the agl.context.RolloutScope it is stored in, if any
+        self.cut = False  # ended by its rollout's end (agl.context.RolloutScope.end): later calls are expected
         self._processor = processor
         self._span_context: Optional[SpanContext] = None
 
@@ -216,4 +218,6 @@ class AglSpan(otel_trace.Span):
 
 
 def _ignored(span: AglSpan, method: str) -> None:
+    if span.cut:  # the code that made it goes on after its rollout ended it: nothing to tell the user
+        return
     logger.warning("%s on the ended span %r is ignored", method, span.name)

@@ -259,6 +259,7 @@ class Runner:
                 raise RolloutTimeout(f"rollout {rollout.rollout_id} ran past its timeout of {timeout} s") from None
         except RolloutTimeout as exc:
             status, error = "timeout", str(exc)
+            scope.outcome = "timed out"
             if not self._cancelled(future, rollout.rollout_id):
                 self._abandon_stuck_agent()
         except Exception as exc:  # noqa: BLE001 - the agent's failure is data, not a runner crash
@@ -271,6 +272,8 @@ class Runner:
             logger.info("rollout %s: its agent returned after its runner %s was left behind (%s); result not recorded",
                         rollout.rollout_id, self.runner_id, self.abandoned)
             return rollout, []
+        # what the agent's threads still have open is ended now, so the attempt keeps the tree it ended with
+        scope.end()
         if not self.tracer.flush(self.flush_timeout):
             logger.warning("spans of rollout %s were not all stored within %s s", rollout.rollout_id, self.flush_timeout)
         dropped = self.tracer.stats().dropped - dropped_before
@@ -392,7 +395,7 @@ class Runner:
                     scope.end_open_work()  # streams the agent stopped reading end inside its rollout
                 return self._episode_reward(self._returned_reward(result, scope), scope)
         finally:
-            scope.ended = True  # what still runs in its context records nothing into it (agl.context.current_scope)
+            scope.end()  # what still runs in its context records nothing into it (agl.context.current_scope)
             exit_scope(token)
 
     def _await_on_agent_loop(self, awaitable: Any, rollout_id: str) -> Any:

@@ -186,6 +186,8 @@ class StoreSpanProcessor:
 
     def on_end(self, span: AglSpan) -> None:
         self.open_steps.pop(span.span_id, None)
+        if span.scope is not None:
+            span.scope.open_spans.pop(span.span_id, None)
         if span.rollout_id is None or span.generation != self.generation:
             self.stats.unscoped += 1
             if not self._warned_unscoped:
@@ -474,6 +476,8 @@ class Tracer:
             span.attempt_id = scope.attempt_id
             span.sequence_id = scope.next_sequence_id()
             span.generation = self.processor.generation
+            span.scope = scope
+            scope.open_spans[span.span_id] = span
             if kind in STEP_SPAN_KINDS:
                 self.processor.open_steps[span.span_id] = kind
         for hook in self._start_hooks:

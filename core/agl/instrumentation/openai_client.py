@@ -33,7 +33,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.context import RolloutScope, current_scope
+from agl.context import RolloutScope, current_scope, refuse_calls_after_timeout
 from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.context_keys import SUPPRESS_LLM_SPAN
 from agl.instrumentation.openai_payloads import (
@@ -452,6 +452,7 @@ def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...,
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not instrumentor.hooks_live:  # a method bound while hooked, called after agl.uninstrument()
             return wrapped(*args, **kwargs)
+        refuse_calls_after_timeout()
         try:
             call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
         except Exception as exc:  # noqa: BLE001
@@ -478,6 +479,7 @@ def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not instrumentor.hooks_live:  # a method bound while hooked, called after agl.uninstrument()
             return wrapped(*args, **kwargs)
+        refuse_calls_after_timeout()
         try:
             call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
         except Exception as exc:  # noqa: BLE001

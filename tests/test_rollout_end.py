@@ -1,0 +1,164 @@
+"""What an attempt holds when its rollout ends while work it started is still going on (a framework's model call
+on a worker thread that a timeout cannot stop, a task the rollout left running): the spans still open are ended
+then, marked stopped, and what that work does afterwards is not stored.
+
+Found by the async-frameworks probe (session 25): CrewAI's ``kickoff_async`` runs the crew in
+``asyncio.to_thread``; at a rollout timeout its in-flight model call ended 3 s after the attempt was reported and
+was stored into the finished attempt without its parents (those ended later still, or were lost with the store)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import openai
+import pytest
+
+import agl
+from agl import semconv
+from agl.errors import RolloutTimedOutError
+from agl.store import SqliteLightningStore
+from agl.testing import FakeOpenAIServer, FakeReply
+
+_WORK_DONE = threading.Event()
+
+
+def _slow_crew(base_url: str) -> None:
+    """What a framework does on its own worker thread: an agent span around a model call."""
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    try:
+        with agl.operation("crew_agent"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "slow"}])
+    finally:
+        _WORK_DONE.set()
+
+
+@agl.rollout
+async def _times_out(task: Dict[str, Any], llm: agl.LLM) -> float:
+    await asyncio.to_thread(_slow_crew, llm.get_base_url())  # the thread goes on when this is cancelled
+    return 1.0
+
+
+def _spans(store: SqliteLightningStore, rollout_id: str) -> List[agl.Span]:
+    return list(store.query_spans(rollout_id))
+
+
+def test_a_timed_out_attempt_keeps_the_tree_it_ended_with_and_nothing_that_ends_later(
+    tmp_path: Path, fake_openai: FakeOpenAIServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_openai.script(FakeReply(content="late answer", delay=1.5))
+    _WORK_DONE.clear()
+    store = SqliteLightningStore(tmp_path / "s.db")
+    resources = {"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")}
+    trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=0.4,
+                          initial_resources=resources)
+    with caplog.at_level(logging.WARNING):
+        (row,) = trainer.dev(_times_out, [{"q": 1}], print_table=False)
+        assert row.status in ("timeout", "failed") and "timeout" in (row.error or ""), row  # (the store may end it first)
+        before = _spans(store, row.rollout_id)
+        assert _WORK_DONE.wait(10), "the worker thread's model call did not end"
+        time.sleep(0.3)
+        agl.get_tracer().flush(5)
+    after = _spans(store, row.rollout_id)
+    assert [s.span_id for s in after] == [s.span_id for s in before], "a span was stored after the attempt ended"
+    root = next(s for s in after if s.parent_id is None)
+    (operation,) = [s for s in after if s.kind == "chain"]  # the agl.operation
+    (call,) = [s for s in after if s.kind == "llm"]
+    assert operation.parent_id == root.span_id and call.parent_id == operation.span_id
+    for span in (operation, call):
+        assert span.attributes.get(semconv.SPAN_STOPPED) is True, span
+        assert span.status == "error" and "still open when the rollout timed out" in (span.error or "")
+        assert span.end_time <= root.end_time + 1_000_000_000
+    assert not [r for r in caplog.records if "on the ended span" in r.getMessage()]
+
+
+def test_a_span_ended_by_its_rollout_ignores_its_own_late_end_quietly(
+    sink: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracer = agl.get_tracer()
+    with caplog.at_level(logging.WARNING):
+        with agl.rollout_scope("ro-1", "at-1") as scope:
+            outer = tracer.start_span("outer", "agent")
+            inner = tracer.start_span("inner", "tool", parent=outer)
+            done = tracer.start_span("done", "tool", parent=outer)
+            done.end()
+        assert scope.ended and not scope.open_spans
+        inner.set_attribute("late", 1)
+        inner.end()
+        outer.end()
+        tracer.flush(5)
+    by_name = {s.name: s for s in sink.spans}
+    assert set(by_name) == {"outer", "inner", "done"}
+    assert by_name["inner"].attributes.get(semconv.SPAN_STOPPED) is True and "late" not in by_name["inner"].attributes
+    assert semconv.SPAN_STOPPED not in by_name["done"].attributes and by_name["done"].status != "error"
+    assert "still open when the rollout ended" in (by_name["outer"].error or "")
+    assert not [r for r in caplog.records if "on the ended span" in r.getMessage()]
+
+
+_SEEN: List[BaseException] = []
+_AGENT_DONE = threading.Event()
+
+
+@agl.rollout
+def _slow_sync(task: Dict[str, Any], llm: agl.LLM) -> float:
+    client = openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0)
+    time.sleep(task["delay"])  # a slow step a sync agent cannot be interrupted in
+    try:
+        client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}])
+    except BaseException as exc:
+        _SEEN.append(exc)
+        raise
+    finally:
+        if task["q"] == "late":
+            _AGENT_DONE.set()
+    return 1.0
+
+
+def test_the_agent_of_a_timed_out_rollout_can_no_longer_call_the_model(
+    tmp_path: Path, fake_openai: FakeOpenAIServer
+) -> None:
+    """The main-job probe (session 25): a sync agent past its timeout went on calling the policy server beside
+    the rollouts that replaced it (under load the next wave timed out too). Its next model call is refused."""
+    _SEEN.clear()
+    _AGENT_DONE.clear()
+    store = SqliteLightningStore(tmp_path / "s.db")
+    trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=1.0,
+                          initial_resources={"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
+    # the next rollout runs from 1.0 to 1.8 s: the late call (at 1.5 s) comes while the pool is still hooked
+    late, following = trainer.dev(_slow_sync, [{"q": "late", "delay": 1.5}, {"q": "next", "delay": 0.8}],
+                                  print_table=False)
+    assert _AGENT_DONE.wait(10)
+    assert late.status in ("timeout", "failed") and "timeout" in (late.error or "")
+    assert following.status == "succeeded" and following.llm_calls == 1
+    assert [r["body"]["messages"][0]["content"] for r in fake_openai.requests] == ["next"]
+    assert len(_SEEN) == 1 and isinstance(_SEEN[0], RolloutTimedOutError) and late.rollout_id in str(_SEEN[0])
+    assert [s.kind for s in store.query_spans(late.rollout_id) if s.kind == "llm"] == []
+
+
+@pytest.fixture
+def instrumented() -> Any:
+    agl.instrument()
+    yield
+    agl.uninstrument()
+
+
+def test_a_rollout_that_returned_in_time_leaves_its_kept_work_free_to_call_the_model(
+    fake_openai: FakeOpenAIServer, instrumented: Any
+) -> None:
+    """Only a timed-out rollout's calls are refused: a task a rollout keeps (it returned in time) still calls
+    the model, unrecorded."""
+    client = openai.OpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=0)
+    with agl.rollout_scope("ro-in-time", "at-1") as scope:
+        context = contextvars.copy_context()
+    assert scope.ended
+    reply = context.run(client.chat.completions.create, model="m", messages=[{"role": "user", "content": "kept"}])
+    assert reply.choices[0].message.content is not None
+    scope.outcome = "timed out"
+    with pytest.raises(RolloutTimedOutError, match="ro-in-time ran past its timeout"):
+        context.run(client.chat.completions.create, model="m", messages=[{"role": "user", "content": "late"}])
+    assert [r["body"]["messages"][0]["content"] for r in fake_openai.requests] == ["kept"]
