@@ -79,7 +79,8 @@ class RolloutScope:
         call on a worker thread, a sync agent past its timeout) ended its spans seconds later, after the
         attempt was reported: stored in the finished attempt without their parents (the agent spans end
         later still), or lost when the store had closed. Their code's own later ``end()`` is ignored
-        quietly. Returns how many were ended. Safe to call twice."""
+        quietly. Returns how many were ended. Safe to call twice. The runner calls it; :func:`rollout_scope`
+        does not, as code that uses it may hand work to threads that goes on after its ``with`` block."""
         self.ended = True
         spans = list(self.open_spans.values())
         for span in sorted(spans, key=lambda s: s.sequence_id, reverse=True):  # the innermost first
@@ -213,4 +214,3 @@ def rollout_scope(
     finally:
         exit_scope(token)
         scope.end_open_work()
-        scope.end()
