@@ -3,6 +3,7 @@ that says what is wrong, and nothing on disk is touched. Training itself: tests/
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -214,13 +215,15 @@ def test_apo_whose_optimizer_fails_mid_search_still_saves_the_best_prompt_so_far
         ("on_step=print", "on_step='print': a Python callable: only the Python API sets it"),
         ("eval_every=two", "eval_every='two': expected a whole number >= 0"),
         ("eval_every=-1", "eval_every=-1: expected a whole number >= 0"),
-        ("lr=fast", "lr='fast': expected a number > 0"),
-        ('success_threshold="high"', "success_threshold='high': expected a number"),
+        ("lr=fast", "lr='fast': expected a finite number > 0"),
+        ('success_threshold="high"', "success_threshold='high': expected a finite number"),
         ('steps="3"', "steps='3': expected a whole number >= 0 or null"),
         ('lora={"r": "eight"}', "lora={'r': 'eight'}: r 'eight': expected a whole number >= 1"),
         ("lora=8", "lora=8: expected a JSON object"),
         ("micro_batch_size=true", "micro_batch_size=True: expected a whole number >= 1"),
-        ("clip_eps=[1]", "clip_eps=[1]: expected a number > 0"),
+        ("clip_eps=[1]", "clip_eps=[1]: expected a finite number > 0"),
+        ("max_grad_norm=1e999", "max_grad_norm=inf: expected a finite number > 0"),
+        ("kl_coef=-1e999", "kl_coef=-inf: expected a finite number >= 0"),
         ("old_logprobs=new", "old_logprobs='new': expected one of 'sample', 'recompute'"),
         ("colour=1", "colour=1: TorchGRPO has no setting 'colour'"),
     ],
@@ -275,3 +278,39 @@ def test_serving_a_checkpoint_pointer_or_adapter_says_what_to_export(files: Path
             main(["serve", "--model", str(path), "--port", "0"])
         assert what in str(exc.value.code)
         assert f"agl export-model {source} --out {target}), then agl serve --model {target}" in str(exc.value.code)
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--lr", "inf"], "lr=inf: expected a finite number > 0"),
+        (["--temperature", "inf"], "temperature=inf: expected a finite number > 0"),
+        (["--minutes", "nan"], "--minutes must be a positive, finite number of minutes, got nan"),
+        (["--minutes", "inf"], "--minutes must be a positive, finite number of minutes, got inf"),
+    ],
+)
+def test_check_refuses_infinite_and_nan_numbers(
+    files: Path, monkeypatch: pytest.MonkeyPatch, flags: List[str], expected: str
+) -> None:
+    """--lr inf passed --check, and its run made every weight NaN after step 1 and still ended "done"; --minutes
+    nan was silently no budget."""
+    monkeypatch.setitem(sys.modules, "agl.algorithm.torch_grpo", None)
+    assert expected in _fails([*_base(files), *flags, "--check"])
+
+
+def test_ctrl_c_before_the_first_checkpoint_does_not_offer_to_continue_one(files: Path) -> None:
+    """The run had written metrics.csv (before step 1) and its published resources, but no checkpoint: the line
+    said "continue it from its last checkpoint"."""
+    from agl.train_cli import _interrupted
+
+    out = files / "run"
+    args = argparse.Namespace(algorithm="grpo", store=None)
+    assert _interrupted(args, out).endswith(f"nothing to resume in {out}: run the command again")
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "published_resources.txt").write_text("rs-1\n")
+    (out / "metrics.csv").write_text("\r\n")  # what a run before step 1 left
+    message = _interrupted(args, out)
+    assert "last checkpoint" not in message and "interrupted before the first checkpoint" in message
+    assert message.endswith("start it again from the untrained model with: the same agl train command with --resume")
+    (out / "checkpoints" / "latest").write_text("step-000001")
+    assert "continue it from its last checkpoint with: " in _interrupted(args, out)

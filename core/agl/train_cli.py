@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -119,7 +120,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.algorithm == "apo":
         _check_apo_out(out, args.resume, args.check)
-    _check_out(out, args.resume, args.check)
+    check_out(out, args.resume, args.check)
     if args.agent_match:
         try:
             re.compile(args.agent_match)
@@ -163,7 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         try:
             result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
         except KeyboardInterrupt:  # Ctrl-C: one line that says what is left, not a traceback
-            with _no_second_interrupt():
+            with no_second_interrupt():
                 message = _interrupted(args, out)
                 log(logging.WARNING, message)
                 print(message, file=sys.stderr)
@@ -181,7 +182,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _no_second_interrupt() -> Iterator[None]:
+def no_second_interrupt() -> Iterator[None]:
     """A Ctrl-C pressed again while the message is written does not turn it into a traceback."""
     import signal
     import threading
@@ -199,12 +200,28 @@ def _no_second_interrupt() -> Iterator[None]:
 def _interrupted(args: argparse.Namespace, out: Path) -> str:
     if args.algorithm != "grpo":
         return f"agl train: interrupted; the run's store is {args.store or out / 'store.db'}"
-    if not (out / "metrics.csv").exists():  # stopped while loading the model: nothing to continue
-        return f"agl train: interrupted before the first step; nothing to resume in {out}: run the command again"
-    resume = shlex.join(["agl", *(a for a in sys.argv[1:] if a != "--resume"), "--resume"]) \
-        if sys.argv[1:2] == ["train"] else "the same agl train command with --resume"
-    return (f"agl train: interrupted; the run so far is in {out} (checkpoints in {out / 'checkpoints'}, metrics "
-            f"in {out / 'metrics.csv'}); continue it from its last checkpoint with: {resume}")
+    resume = with_resume(["agl", *sys.argv[1:]]) if sys.argv[1:2] == ["train"] \
+        else "the same agl train command with --resume"
+    return interrupted_message("agl train", out, resume)
+
+
+def with_resume(command: Sequence[str]) -> str:
+    """``command`` (the words the user ran) as one shell line that continues its run: with ``--resume`` once."""
+    return shlex.join([*(word for word in command if word != "--resume"), "--resume"])
+
+
+def interrupted_message(prog: str, out: Path, resume: str) -> str:
+    """The line a Ctrl-C'd TorchGRPO run in ``out`` ends with (``agl train``, the main job): where the run is
+    and how to go on (``resume``: the command with ``--resume``). Only a checkpoint can be continued; a run
+    stopped before its first one but after its start wrote into ``out`` is refused a plain rerun
+    (:func:`check_out`), so it is started afresh there with ``--resume``, which finds no checkpoint."""
+    if (out / "checkpoints" / "latest").exists():
+        return (f"{prog}: interrupted; the run so far is in {out} (checkpoints in {out / 'checkpoints'}, metrics "
+                f"in {out / 'metrics.csv'}); continue it from its last checkpoint with: {resume}")
+    if holds_run(out):
+        return (f"{prog}: interrupted before the first checkpoint, so no training is kept; {out} holds the run's "
+                f"start (store, log): start it again from the untrained model with: {resume}")
+    return f"{prog}: interrupted before the first step; nothing to resume in {out}: run the command again"
 
 
 @contextlib.contextmanager
@@ -251,22 +268,28 @@ def _check_task_ids(path: str, tasks: Sequence[Any]) -> None:
         raise SystemExit(f"agl: {path}: {exc}") from None
 
 
-def _check_out(out: Path, resume: bool, check: bool) -> None:
+def check_out(out: Path, resume: bool, check: bool, prog: str = "agl") -> None:
     """Refuse to start a fresh run in a folder that holds one: its checkpoints would be resumed, its metrics
-    and rollouts mixed with the new run's. Nothing is deleted here; the user decides. A store with no rollout
-    is no run (a start that failed before its first step, e.g. on a model name that does not exist)."""
+    and rollouts mixed with the new run's. Nothing is deleted here; the user decides. ``agl train`` and the
+    main job (``prog`` starts the message) both call it."""
     if check:  # --check writes nothing
         return
-    holds_run = out.is_dir() and (
-        any((out / name).exists() for name in ("checkpoints", "metrics.csv")) or _has_rollouts(out / "store.db")
-    )
-    if resume and not holds_run:
-        raise SystemExit(f"agl: --resume: {out} holds no run to continue (no checkpoints, metrics or store there)")
-    if holds_run and not resume:
+    held = holds_run(out)
+    if resume and not held:
+        raise SystemExit(f"{prog}: --resume: {out} holds no run to continue (no checkpoints, metrics or store there)")
+    if held and not resume:
         raise SystemExit(
-            f"agl: {out} already holds a training run: pass --resume to continue it, or choose another --out "
+            f"{prog}: {out} already holds a training run: pass --resume to continue it, or choose another --out "
             "(or delete the folder)"
         )
+
+
+def holds_run(out: Path) -> bool:
+    """Whether ``out`` holds a training run. A store with no rollout is none (a start that failed before its
+    first step, e.g. on a model name that does not exist)."""
+    return out.is_dir() and (
+        any((out / name).exists() for name in ("checkpoints", "metrics.csv")) or _has_rollouts(out / "store.db")
+    )
 
 
 def _has_rollouts(db: Path) -> bool:
@@ -325,8 +348,7 @@ def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> 
     settings: Dict[str, Any] = {"output_dir": out, "checkpoint_dir": out / "checkpoints", "resume": args.resume}
     settings.update(user)
     if args.minutes is not None:
-        if args.minutes <= 0:
-            raise SystemExit("agl: --minutes must be positive")
+        check_minutes(args.minutes)
         settings["time_budget_s"] = round(args.minutes * 60 - (time.monotonic() - _STARTED) - _SUMMARY_RESERVE_S, 1)
     try:
         from agl.algorithm.torch_grpo import TorchGRPO
@@ -343,6 +365,14 @@ def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> 
     shown = {k: v for k, v in settings.items() if k not in _OUT_OWNED}
     print("agl train: TorchGRPO(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")")
     return algorithm
+
+
+def check_minutes(minutes: float, prog: str = "agl") -> None:
+    """``--minutes`` (``agl train``, the main job) must be a positive, finite number: NaN would be no budget at
+    all (every comparison with it is false), and infinity is better said by leaving the flag out."""
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise SystemExit(f"{prog}: --minutes must be a positive, finite number of minutes, got {minutes} (leave it "
+                         "out for no time budget)")
 
 
 # What each TorchGRPO keyword takes from --set / --config (JSON values), checked before torch is imported and
@@ -441,7 +471,7 @@ def _wrong(value: Any, kind: Any, low: Optional[float], exclusive: bool, nullabl
     if isinstance(kind, tuple):
         expected = "one of " + ", ".join(map(repr, kind))
     else:
-        expected = {_INT: "a whole number", _NUM: "a number", _STR: "text", _OBJ: "a JSON object"}[kind]
+        expected = {_INT: "a whole number", _NUM: "a finite number", _STR: "text", _OBJ: "a JSON object"}[kind]
     if low is not None:
         expected += f" {'>' if exclusive else '>='} {low}"
     if nullable:
@@ -455,7 +485,7 @@ def _wrong(value: Any, kind: Any, low: Optional[float], exclusive: bool, nullabl
     elif kind == _INT:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind == _NUM:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     elif kind == _STR:
         ok = isinstance(value, str) and bool(value.strip())
     else:
@@ -567,7 +597,7 @@ def _fit_apo(trainer: Any, agent: Any, train_tasks: Any, val_tasks: Any, out: Pa
     try:
         result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
     except KeyboardInterrupt:  # Ctrl-C: save what was scored, one line, no traceback
-        with _no_second_interrupt():
+        with no_second_interrupt():
             if _save_apo(trainer.algorithm.result, out):
                 print(f"agl train: interrupted; the best prompt so far is saved; {go_on}", file=sys.stderr)
             else:

@@ -10,13 +10,14 @@ between generation phases. It prints held-out success before and after training 
 ``metrics.csv``, ``train.log`` and ``reward_curve.png`` under ``--out`` (default ``.agl/main_job``).
 
 ``--minutes`` is the wall-time budget of the whole command (imports and model loading included):
-training stops early enough for the final evaluation to fit.
+training stops early enough for the final evaluation to fit. A second run into the same ``--out`` stops and asks
+for ``--resume`` (continue the run there) or another ``--out``, as ``agl train`` does: it never replaces a run.
+Ctrl-C ends it with one line: where the checkpoints are (one per step) and the command that continues them.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ STARTED = time.monotonic()
 import agl  # noqa: E402
 from agl.algorithm.torch_grpo import TorchGRPO  # noqa: E402
 from agl.dataset import load_dataset  # noqa: E402
+from agl.train_cli import check_minutes, check_out, interrupted_message, no_second_interrupt, with_resume  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -44,11 +46,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the second (greedy, temperature 0) evaluation before and after training")
     parser.add_argument("--out", default=".agl/main_job", help="output folder (metrics, log, curve, store)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-
+    check_minutes(args.minutes, prog="main job")
     out = Path(args.out)
-    if out.exists() and not args.resume:
-        shutil.rmtree(out)  # a fresh run: old metrics and checkpoints would be resumed or mixed in
+    check_out(out, args.resume, check=False, prog="main job")  # a trained run is never replaced
     out.mkdir(parents=True, exist_ok=True)
     train = load_dataset(DATA / "main_job_train.jsonl")
     heldout = load_dataset(DATA / "main_job_heldout.jsonl")[: args.heldout]
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         # the budget counts from here (imports are done); 15 s are left for the summary and shutting down
         time_budget_s=args.minutes * 60 - (time.monotonic() - STARTED) - 15,
         checkpoint_dir=out / "checkpoints",
-        checkpoint_every=5,
+        checkpoint_every=1,  # a LoRA checkpoint is 59 MB, saved in 0.3 s: Ctrl-C loses no step
         resume=args.resume,
         output_dir=out,
         server_batch_size=16,
@@ -84,14 +86,20 @@ def main(argv: list[str] | None = None) -> int:
         runner_mode="thread",  # the agents only wait on HTTP; the model lives in this process
         rollout_timeout=300,
     )
-    result = trainer.fit(math_agent, train, val_dataset=heldout)
+    try:
+        result = trainer.fit(math_agent, train, val_dataset=heldout)
+    except KeyboardInterrupt:  # Ctrl-C: one line saying how to go on, not a traceback
+        with no_second_interrupt():
+            print(interrupted_message("main job", out, with_resume(_command(argv))), file=sys.stderr)
+        return 130
     total = time.monotonic() - STARTED
     print(f"\nmain job: {total / 60:.1f} min wall time in all; results in {out}")
     if result.steps == 0:
         print(
             "main job: no training step ran: the held-out evaluations took the whole budget (this machine is slower "
-            "or busier than the 20-70 s per evaluation the README measured). Rerun with more time (--minutes 20) "
-            "or a smaller evaluation (--heldout 20 --no-greedy-eval).", file=sys.stderr,
+            "or busier than the 20-70 s per evaluation the README measured). Rerun with --resume (with no checkpoint "
+            f"in {out} it starts afresh there) and more time (--minutes 20) or a smaller evaluation (--heldout 20 "
+            "--no-greedy-eval).", file=sys.stderr,
         )
         return 1
     if result.improvement is not None:
@@ -100,6 +108,16 @@ def main(argv: list[str] | None = None) -> int:
             f"({result.improvement * 100:+.0f} points)"
         )
     return 0
+
+
+def _command(argv: list[str]) -> list[str]:
+    """This script's command line as the user would type it again (the path relative to the current folder)."""
+    script = Path(__file__).resolve()
+    try:
+        script = script.relative_to(Path.cwd().resolve())
+    except ValueError:  # run from outside the repository: the absolute path
+        pass
+    return ["python", str(script), *argv]
 
 
 if __name__ == "__main__":

@@ -439,13 +439,36 @@ def test_a_budget_that_ends_before_the_first_step_says_so_and_does_not_evaluate_
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """The README's main job on a slow machine: the first evaluations used the budget up, no step ran, and the
-    run evaluated the same weights again as "after training" (+0.0 points), with one INFO line in train.log."""
+    run evaluated the same weights again as "after training" (+0.0 points), with one INFO line in train.log.
+    Once the first evaluation has used the budget up, the extra (greedy) one is skipped: it ran, and only then
+    did the run find that no step fits (4 more minutes of the main job on a busy machine)."""
     algo = _algo(tmp_path, steps=3, time_budget_s=0.0, extra_evals={"greedy": {"temperature": 0.0}})
     trainer = _trainer(tmp_path, algo)
     result = trainer.fit(chat_agent, TASKS, val_dataset=VAL)
     assert result.steps == 0 and result.before is not None and result.after is None and result.extra == {}
     assert result.improvement is None
-    assert [(e["name"], e["step"]) for e in algo.state.evaluations] == [("val", 0), ("greedy", 0)]
-    assert len(trainer.store.query_rollouts(mode="val")) == 2 * len(VAL)  # each evaluation once
-    assert "no training step ran" in (tmp_path / "run" / "train.log").read_text()
+    assert [(e["name"], e["step"]) for e in algo.state.evaluations] == [("val", 0)]
+    assert len(trainer.store.query_rollouts(mode="val")) == len(VAL)  # the first evaluation once, no other
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "skipping the untrained policy's greedy evaluation: after the val one" in log
+    assert "no training step ran" in log
     assert "after training" not in capfd.readouterr().out
+
+
+def test_an_update_that_makes_the_weights_non_finite_stops_the_run_and_keeps_the_last_good_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """lr=inf turned the weights into NaN after step 1; every later rollout failed to sample, the NaN weights
+    replaced the good checkpoints, and the run still ended "done"."""
+    from agl.algorithm.torch_grpo import TrainingDivergedError
+
+    algo = _algo(tmp_path, steps=3, checkpoint_every=1)
+    algo.on_step = lambda row: algo.optimizer.param_groups[0].update(lr=float("inf"))  # step 2 diverges
+    with pytest.raises(TrainingDivergedError, match="step 2's update made trainable weights NaN or infinite"):
+        _trainer(tmp_path, algo).fit(chat_agent, TASKS)
+    path = latest_checkpoint(tmp_path / "ckpt")
+    assert path is not None and path.name == "step-000001"
+    adapter = path / "adapter" / "adapter_model.safetensors"
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(str(adapter)).values())

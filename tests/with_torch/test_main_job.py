@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,3 +76,65 @@ def test_main_job_that_cannot_train_in_its_budget_fails_and_says_what_to_do(
     told = capsys.readouterr()
     assert "no training step ran" in told.err and "--minutes" in told.err
     assert "after training" not in told.out
+
+
+def test_main_job_out_of_budget_skips_the_greedy_evaluation_and_writes_no_empty_metrics(
+    job: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The budget was spent by the sampled evaluation, yet the greedy one ran too (4 more minutes on a busy
+    machine) before the job said no step fits; metrics.csv was left as one blank line ("\\r\\n", no header)."""
+    out = tmp_path / "job"
+    assert job.main(["--model", "tiny", "--minutes", "0.01", "--heldout", "2", "--out", str(out)]) == 1
+    log = (out / "train.log").read_text()
+    assert "[val] held-out success" in log and "[greedy] held-out success" not in log
+    assert "skipping the untrained policy's greedy evaluation" in log and "no training step ran" in log
+    assert not (out / "metrics.csv").exists()  # no step, no row: no file rather than a headerless one
+    assert "Rerun with --resume" in capsys.readouterr().err  # a plain rerun is refused: the folder holds the run
+    assert job.main(["--model", "tiny", "--minutes", "0.01", "--heldout", "2", "--out", str(out), "--resume"]) == 1
+
+
+def test_main_job_never_replaces_a_run_in_its_out_folder(job: Any, tmp_path: Path) -> None:
+    """A second run of the README command deleted the first (checkpoints and store) without a word."""
+    out = tmp_path / "job"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step-000005")
+    with pytest.raises(SystemExit) as exc:
+        job.main(["--model", "tiny", "--steps", "0", "--heldout", "1", "--no-greedy-eval", "--out", str(out)])
+    assert "already holds a training run: pass --resume" in str(exc.value.code)
+    assert (out / "checkpoints" / "latest").read_text() == "step-000005"
+
+
+@pytest.mark.parametrize("minutes", ["nan", "inf", "0"])
+def test_main_job_wants_a_finite_positive_budget(job: Any, tmp_path: Path, minutes: str) -> None:
+    """--minutes nan was no budget at all (every comparison with NaN is false)."""
+    with pytest.raises(SystemExit, match="--minutes must be a positive, finite number"):
+        job.main(["--model", "tiny", "--steps", "0", "--heldout", "1", "--no-greedy-eval", "--minutes", minutes,
+                  "--out", str(tmp_path / "job")])
+    assert not (tmp_path / "job").exists()
+
+
+def test_ctrl_c_of_the_main_job_says_how_to_resume_and_loses_no_step(tmp_path: Path) -> None:
+    """Ctrl-C printed a 30-line traceback, no word of --resume, and lost the steps since the last of every
+    5th checkpoint."""
+    out = tmp_path / "job"
+    args = ["--model", "tiny", "--steps", "8", "--heldout", "2", "--no-greedy-eval", "--out", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB / "train.py"), *args], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("step 3/8"):
+                break
+        proc.send_signal(signal.SIGINT)
+        err, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    command = f"python {JOB / 'train.py'} {' '.join(args)} --resume"
+    assert err.splitlines()[-1].endswith(f"continue it from its last checkpoint with: {command}")
+    steps = [int(row["step"]) for row in csv.DictReader((out / "metrics.csv").open())]
+    saved = int((out / "checkpoints" / "latest").read_text().removeprefix("step-"))
+    # a checkpoint every step: step 2's was saved before step 3 began (step 3's may be cut short by Ctrl-C)
+    assert steps[-1] >= 3 and saved >= steps[-1] - 1

@@ -234,3 +234,12 @@ def test_train_log_has_the_resumes_warning_and_the_error_that_stopped_the_run(fi
     assert "cancelled 1 rollouts that an earlier run" in log
     assert "3 steps in a row had nothing to train on" in log
     assert log.count("cancelled 1 rollouts") == 1
+
+
+def test_greedy_training_sampling_points_to_greedy_evaluation(files: Path) -> None:
+    """sampling={"temperature": 0} was told to use --temperature 0, which is refused in turn."""
+    with pytest.raises(SystemExit) as exc:
+        main(_train(files, "--temperature", "0.7", "--set", 'sampling={"temperature": 0}', "--check"))
+    message = str(exc.value.code)
+    assert "--temperature 0" not in message and "temperature=0 (" not in message
+    assert "extra_evals={'greedy': {'temperature': 0.0}}" in message and "val_sampling" in message

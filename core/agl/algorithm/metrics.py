@@ -96,6 +96,12 @@ class MetricsLog:
         return bool(new)
 
     def _rewrite_csv(self) -> None:
+        """The CSV of ``rows``. With no row yet there is no column to write a header of: no file then (an
+        earlier run's in this folder is removed, as its rows are no longer this run's), rather than one holding
+        a blank line that CSV readers fail on."""
+        if not self._columns:
+            self.csv_path.unlink(missing_ok=True)
+            return
         with self.csv_path.open("w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=self._columns)
             writer.writeheader()

@@ -67,7 +67,7 @@ from agl.algorithm.grpo_loss import (
 from agl.algorithm.metrics import MetricsLog, ascii_curve, plot_reward_curve
 from agl.algorithm.trainable import DEFAULT_LORA, LoraSpec, TrainablePolicy
 from agl.dataset import as_tasks
-from agl.errors import IllegalTransitionError
+from agl.errors import AglError, IllegalTransitionError
 from agl.lightningrl.types import Sample
 from agl.http_thread import WILDCARD_HOSTS, advertised_url
 from agl.models import attention_kernels, load_policy
@@ -77,6 +77,10 @@ from agl.types import LLM, Rollout, Task
 logger = logging.getLogger("agl.train")
 
 _DEFAULT = object()  # "not given": lora's default is LoRA, None means full fine-tuning
+
+
+class TrainingDivergedError(AglError, RuntimeError):
+    """An update made the trainable weights NaN or infinite: TorchGRPO stops before serving or saving them."""
 
 
 @dataclass
@@ -316,7 +320,7 @@ class TorchGRPO(Algorithm):
                     f"{self.batch_tasks} tasks x {self.group_size} rollouts, serving at {self.server.base_url}"
                     + (f", resumed at step {self.state.step}" if resumed else "")
                 )
-                before = self._first_evaluations(val_tasks, metrics)
+                before = self._first_evaluations(val_tasks, metrics, started)
                 after = self._train(train_tasks, val_tasks, total_steps, adapter, metrics, started)
                 extra: Dict[str, Tuple[Evaluation, Evaluation]] = {}
                 if self.state.step == 0:  # nothing trained: "after" would evaluate the same weights again
@@ -463,14 +467,29 @@ class TorchGRPO(Algorithm):
     # ------------------------------------------------------------------------------------------------------
     # evaluation
     # ------------------------------------------------------------------------------------------------------
-    def _first_evaluations(self, val_tasks: List[Task], metrics: MetricsLog) -> Dict[str, Evaluation]:
-        """The untrained policy's evaluations by name (kept in the checkpoint: a resumed run reports them)."""
+    def _first_evaluations(self, val_tasks: List[Task], metrics: MetricsLog, started: float) -> Dict[str, Evaluation]:
+        """The untrained policy's evaluations by name (kept in the checkpoint: a resumed run reports them).
+
+        In a fresh run, once the evaluations made so far leave the time budget no room for a step (they take as
+        long again at the end), the extra ones are skipped: no step will run, so they would only delay the "no
+        training step" message (the main job on a busy machine: 4 more minutes after the budget was spent)."""
         out: Dict[str, Evaluation] = {}
         if not val_tasks:
             return out
-        for name in ["val", *self.extra_evals]:
+        names = ["val", *self.extra_evals]
+        for i, name in enumerate(names):
             saved = [e for e in self.state.evaluations if e["step"] == 0 and e.get("name") == name]
-            out[name] = Evaluation.from_row(saved[0]) if saved else self._evaluate(val_tasks, metrics, name)
+            if saved:
+                out[name] = Evaluation.from_row(saved[0])
+                continue
+            if i > 0 and self.state.step == 0 and self._over_budget(started):
+                logger.warning(
+                    "skipping the untrained policy's %s evaluation: after the %s one, the time budget of %.0f s "
+                    "leaves no room for a training step (%.0f s gone)",
+                    ", ".join(names[i:]), ", ".join(out), self.time_budget_s, time.monotonic() - started,
+                )
+                break
+            out[name] = self._evaluate(val_tasks, metrics, name)
         return out
 
     def _final_evaluation(
@@ -525,7 +544,7 @@ class TorchGRPO(Algorithm):
         # Between batches of rollouts the server keeps the training settings (each batch sets its own).
         self.server.request_defaults = dict(self._sampling_of[resources_id])
         while self.state.step < total_steps:
-            if self.time_budget_s is not None and time.monotonic() - started + self._still_needed_s() > self.time_budget_s:
+            if self._over_budget(started):
                 metrics.note(f"time budget of {self.time_budget_s:.0f} s reached after {self.state.step} steps")
                 if self.state.step == 0:
                     self._say_nothing_trained(time.monotonic() - started)
@@ -550,6 +569,7 @@ class TorchGRPO(Algorithm):
             equal_in_a_row = equal_in_a_row + 1 if _all_groups_equal(batch.samples) else 0
             with self.server.paused():
                 stats = self.update(batch.samples)
+                self._stop_if_diverged()
             self.trainer.learned_from(rollouts)
             resources_id = self._publish(self._train_sampling())
             self.state.policy_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
@@ -604,6 +624,12 @@ class TorchGRPO(Algorithm):
             self.time_budget_s, elapsed_s, evaluations,
         )
 
+    def _over_budget(self, started: float) -> bool:
+        """Whether one more step and the final evaluations would run past ``time_budget_s``."""
+        if self.time_budget_s is None:
+            return False
+        return time.monotonic() - started + self._still_needed_s() > self.time_budget_s
+
     def _still_needed_s(self) -> float:
         """Time one more step and the final evaluations need: as long as the last step and the first
         evaluations took."""
@@ -623,6 +649,20 @@ class TorchGRPO(Algorithm):
                 self.state.epoch += 1
                 self.state.cursor = 0
         return chosen
+
+    def _stop_if_diverged(self) -> None:
+        """Stop at the update that made a trainable weight NaN or infinite (a learning rate far too high), before
+        the weights are served or saved: every later rollout would fail to sample, and the checkpoints kept (the
+        newest two) would soon all be broken ones, the run still ending "done"."""
+        assert self.policy is not None
+        if all(bool(torch.isfinite(p).all()) for p in self.policy.parameters()):
+            return
+        kept = f"the checkpoint of step {self._saved_step} in {self.checkpoint_dir} is the last good one" \
+            if self._saved_step else "no checkpoint was saved before it"
+        raise TrainingDivergedError(
+            f"step {self.state.step + 1}'s update made trainable weights NaN or infinite, so the run stopped before "
+            f"serving or saving them; {kept}. Lower lr (now {self.lr:g}) or max_grad_norm and resume, or start again"
+        )
 
     def _save(self) -> None:
         if self.checkpoint_dir is None:
@@ -838,9 +878,8 @@ def _check_training_sampling(sampling: Mapping[str, Any], *, temperature: float,
         wanted = sampling["temperature"]
         raise ValueError(
             f"sampling has temperature={wanted!r} but TorchGRPO(temperature={temperature!r}): the rollouts would be "
-            f"sampled at {wanted!r} while the loss computes every logprob at {temperature!r}. Set the training "
-            f"temperature with temperature={wanted!r} (agl train: --temperature {wanted!r}) and leave it out of "
-            "sampling; val_sampling and extra_evals may set their own"
+            f"sampled at {wanted!r} while the loss computes every logprob at {temperature!r}. "
+            + _temperature_advice(wanted)
         )
     if sampling.get("seed") is not None and group_size > 1:
         raise ValueError(
@@ -849,6 +888,22 @@ def _check_training_sampling(sampling: Mapping[str, Any], *, temperature: float,
             "rewards equal and no advantage left to train on. Leave seed out of sampling (TorchGRPO(seed=...) "
             "seeds the run); val_sampling and extra_evals may fix one"
         )
+
+
+def _temperature_advice(wanted: Any) -> str:
+    """Where a temperature put in ``sampling`` belongs: TorchGRPO's own ``temperature``, unless it is greedy
+    (0), which training refuses and only evaluations take."""
+    if isinstance(wanted, (int, float)) and wanted <= 0:
+        return (
+            "Training samples at a temperature > 0 (greedy rollouts of a group are all alike: nothing to learn); "
+            "for greedy evaluation leave temperature out of sampling and set val_sampling={'temperature': 0.0} "
+            "or extra_evals={'greedy': {'temperature': 0.0}} (agl train: --set 'extra_evals={\"greedy\": "
+            "{\"temperature\": 0}}')"
+        )
+    return (
+        f"Set the training temperature with temperature={wanted!r} (agl train: --temperature {wanted!r}) and leave "
+        "it out of sampling; val_sampling and extra_evals may set their own"
+    )
 
 
 def _check_positive(**values: int) -> None:
