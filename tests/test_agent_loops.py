@@ -11,7 +11,6 @@ import multiprocessing
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
