@@ -1,7 +1,7 @@
 """The event loop all async agents of a process share (agl.agent_loops): concurrent thread runners share
 async clients, the loop outlives runner pools, a blocked loop is replaced, it is closed at exit, forked
-children leave it alone. Real thread runners, the real ``openai`` client (and LangChain's ``ChatOpenAI``)
-against the fake OpenAI server."""
+children leave it alone. Real thread runners, the real ``openai`` client against the fake OpenAI server
+(LangChain's ``ChatOpenAI``: tests/integrations/test_langchain.py)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,6 @@ async def _module_level_client(question: str) -> str:
     return reply.choices[0].message.content or ""
 
 
-async def _chat_openai_per_rollout(question: str) -> str:
-    from langchain_openai import ChatOpenAI  # a new one per rollout: langchain-openai shares its httpx client
-
-    model = ChatOpenAI(model="fake", base_url=str(_CLIENT["client"].base_url), api_key="x")
-    return str((await model.ainvoke(question)).content)
-
-
 _ASK: Dict[str, Callable[[str], Any]] = {}
 
 
@@ -55,17 +48,15 @@ async def _asks_the_model(task: dict) -> float:
     return float(bool(await _ASK["ask"](task["question"])))
 
 
-@pytest.mark.parametrize("ask", ["module-level AsyncOpenAI", "ChatOpenAI per rollout"])
 def test_concurrent_thread_runners_share_async_clients(
-    tmp_path: Path, fake_openai: FakeOpenAIServer, instrumented: None, ask: str
+    tmp_path: Path, fake_openai: FakeOpenAIServer, instrumented: None
 ) -> None:
     """Every thread runner ran its async rollouts on an event loop of its own, so a client shared across
-    rollouts (a module-level AsyncOpenAI, as docs/training.md advises; LangChain's process-wide httpx client)
-    had its connection pool's asyncio locks bound to one runner's loop: the other runners' rollouts failed at
-    random with "... is bound to a different event loop", and their llm spans had no token ids."""
-    if ask == "ChatOpenAI per rollout":
-        pytest.importorskip("langchain_openai")
-    _ASK["ask"] = _module_level_client if ask.startswith("module") else _chat_openai_per_rollout
+    rollouts (a module-level AsyncOpenAI, as docs/training.md advises; LangChain's process-wide httpx client:
+    tests/integrations/test_langchain.py) had its connection pool's asyncio locks bound to one runner's loop:
+    the other runners' rollouts failed at random with "... is bound to a different event loop", and their llm
+    spans had no token ids."""
+    _ASK["ask"] = _module_level_client
     _CLIENT["client"] = openai.AsyncOpenAI(base_url=fake_openai.base_url, api_key="x")
     _LOOPS.clear()
     fake_openai.script(*[FakeReply(delay=0.1 * (i % 4)) for i in range(16)])  # the rollouts overlap

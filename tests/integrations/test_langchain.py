@@ -1196,3 +1196,31 @@ def test_an_error_inside_the_adapter_never_reaches_the_agent(fake_openai, instru
 
 def test_the_example_runs_as_its_docstring_says(dev_example) -> None:
     dev_example("langgraph_agent.py:langgraph_calc_agent", "^(solve|check)$")
+
+
+# -- thread runners share one event loop for async rollouts (agl.agent_loops) ---------------------------------
+_BASE_URL: Dict[str, str] = {}
+
+
+@agl.rollout
+async def _chat_openai_per_rollout(task: dict) -> float:
+    model = ChatOpenAI(model="fake", base_url=_BASE_URL["url"], api_key="x")  # langchain-openai shares its httpx client
+    return float(bool((await model.ainvoke(task["question"])).content))
+
+
+def test_chat_openai_in_async_rollouts_of_concurrent_thread_runners(tmp_path, fake_openai, instrumented) -> None:
+    """Each thread runner ran its async rollouts on an event loop of its own, and langchain-openai caches one
+    httpx.AsyncClient per process even for a ChatOpenAI built per rollout: its pool's asyncio locks were bound
+    to one runner's loop, and other runners' rollouts failed at random ("... is bound to a different event
+    loop": 1 of 8 in the async-frameworks probe, 3 of 6 inside a LangGraph graph)."""
+    _BASE_URL["url"] = fake_openai.base_url
+    fake_openai.script(*[FakeReply(delay=0.1 * (i % 4)) for i in range(16)])  # the rollouts overlap
+    store = SqliteLightningStore(tmp_path / "s.db")
+    trainer = agl.Trainer(store=store, n_runners=4, runner_mode="thread", progress=False)
+    rows = trainer.dev(_chat_openai_per_rollout, [{"question": f"What is {i} plus 2?"} for i in range(16)],
+                       print_table=False)
+    assert [(r.status, r.error) for r in rows] == [("succeeded", None)] * 16
+    assert len({rollout.attempt.runner_id for rollout in store.query_rollouts()}) > 1, "the runners took turns"
+    for row in rows:
+        (llm,) = [s for s in store.query_spans(row.rollout_id) if s.kind == "llm"]
+        assert llm.attributes[semconv.PROMPT_TOKEN_IDS] and llm.attributes[semconv.RESPONSE_TOKEN_IDS]
