@@ -25,8 +25,10 @@ Why it looks like this:
   there by call id (older langchain-core sends tool events none: then the matching call in the node's
   inputs). A call that a node answers with an error without running any tool (an unknown tool name, a call
   middleware blocked) gets an error tool span of its own when that node ends, since its output holds it.
-- Runs LangChain never ends: a model call whose task is cancelled (``asyncio.wait_for`` around ``ainvoke``)
-  gets no end event, so model and retriever runs leave the table with the run they ran in.
+- Runs LangChain never ends leave the table with the run they ran in, their spans ended as stopped: a model
+  call whose task is cancelled (``asyncio.wait_for`` around ``ainvoke``) gets no end event; nor does a node
+  whose task ``asyncio.run`` cancels on its way out (a caller that left ``astream()`` early) while its end
+  event waits in the task LangChain's ``shielded`` made for it, which that cancels before it ever runs.
 - Not failures: LangGraph's control flow (``interrupt()``), and a caller that stops a run (breaks out of a
   graph stream, cancels its task): those spans end without error status.
 """
@@ -105,6 +107,7 @@ class _Run:
     is_agent: bool = False
     node: Optional[_Node] = None  # the node that runs started inside this one run in (none inside a tool run)
     call_id: Optional[str] = None  # a tool run's: the model's call it answers
+    parent_id: Optional[UUID] = None  # the run it ran in, if that one is in the table
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         self._lock = threading.Lock()
         self._runs: Dict[UUID, _Run] = {}
         self._failed_tools: Dict[UUID, List[_FailedTool]] = {}  # by the run the tools ran in
-        self._pass_throughs: Dict[UUID, Set[UUID]] = {}  # model and retriever runs, by the run they ran in
+        self._children: Dict[UUID, Set[UUID]] = {}  # the runs in the table, by the run they ran in
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def disable(self) -> None:
@@ -153,7 +156,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         with self._lock:
             runs, self._runs = list(self._runs.values()), {}
             failed, self._failed_tools = [t for tools in self._failed_tools.values() for t in tools], {}
-            self._pass_throughs = {}
+            self._children = {}
         for tool in failed:
             with contextlib.suppress(Exception):
                 tool.span.end(end_time=tool.end_time)
@@ -203,7 +206,7 @@ class AglCallbackHandler(BaseCallbackHandler):
             if node is not None:
                 node.nested = True
             node = _Node(run_id, inputs)
-        self._put(run_id, span, parent, info, name, plan is not None and plan.kind == "agent", node)
+        self._put(run_id, span, parent, info, name, plan is not None and plan.kind == "agent", node, parent_run_id)
 
     @_callback
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
@@ -264,7 +267,7 @@ class AglCallbackHandler(BaseCallbackHandler):
             call_id = self._claim_call(parent.node, name, arguments, call_id)
         span = start_tool_span(name, FRAMEWORK, arguments, call_id=call_id, parent=_parent_of(parent))
         # no node: runs inside a tool answer no call
-        self._put(run_id, span, parent, parent_info(metadata), call_id=call_id)
+        self._put(run_id, span, parent, parent_info(metadata), call_id=call_id, parent_id=parent_run_id)
 
     @_callback
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
@@ -407,10 +410,8 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     def _pass_through(self, run_id: UUID, parent_run_id: Optional[UUID]) -> None:
         parent = self._get(parent_run_id)
-        self._put(run_id, None, parent, replace(parent.info, named_agent=False) if parent else ParentInfo(None, False))
-        if parent is not None and parent_run_id is not None:
-            with self._lock:
-                self._pass_throughs.setdefault(parent_run_id, set()).add(run_id)
+        info = replace(parent.info, named_agent=False) if parent else ParentInfo(None, False)
+        self._put(run_id, None, parent, info, parent_id=parent_run_id)
         _leaf_run.set((run_id, _config_run_id()))
 
     def _end_pass_through(self, run_id: UUID) -> None:
@@ -428,11 +429,15 @@ class AglCallbackHandler(BaseCallbackHandler):
         name: str = "",
         is_agent: bool = False,
         node: Optional[_Node] = None,
+        parent_id: Optional[UUID] = None,
         call_id: Optional[str] = None,
     ) -> None:
         anchor = span if span is not None else (parent.anchor if parent else None)
+        parent_id = parent_id if parent is not None else None
         with self._lock:
-            self._runs[run_id] = _Run(span, anchor, info, name, is_agent, node, call_id)
+            self._runs[run_id] = _Run(span, anchor, info, name, is_agent, node, call_id, parent_id)
+            if parent_id is not None:
+                self._children.setdefault(parent_id, set()).add(run_id)
 
     def _get(self, run_id: Optional[UUID]) -> Optional[_Run]:
         if run_id is None:
@@ -441,19 +446,36 @@ class AglCallbackHandler(BaseCallbackHandler):
             return self._runs.get(run_id)
 
     def _end(self, run_id: UUID, outputs: Any = None) -> Optional[_Run]:
-        """Take an ended run out of the table, after ending the failed tools that ran in it."""
+        """Take an ended run out of the table, after ending the failed tools that ran in it and the runs still
+        open in it (:meth:`_take_orphans`)."""
         self._settle(run_id, outputs)
         with self._lock:
-            self._drop_pass_throughs(run_id)
-            return self._runs.pop(run_id, None)
+            run = self._runs.pop(run_id, None)
+            if run is not None and run.parent_id is not None:
+                siblings = self._children.get(run.parent_id)
+                if siblings is not None:
+                    siblings.discard(run_id)
+                    if not siblings:
+                        del self._children[run.parent_id]
+            orphans = self._take_orphans(run_id)
+        for orphan_id, orphan in orphans:
+            self._settle(orphan_id, None)
+            if orphan.span is not None:
+                orphan.span.set_attribute(semconv.SPAN_STOPPED, True)
+                finish_span(orphan.span)
+        return run
 
-    def _drop_pass_throughs(self, run_id: UUID) -> None:
-        """Take the model and retriever runs that ran in an ended run out of the table (lock held): any still
-        there never got an end event, which LangChain does not send when the task awaiting a model is
-        cancelled (``asyncio.wait_for`` around ``ainvoke``). They have no span to end."""
-        for child in self._pass_throughs.pop(run_id, ()):
-            self._runs.pop(child, None)
-            self._drop_pass_throughs(child)
+    def _take_orphans(self, run_id: UUID) -> List[Tuple[UUID, _Run]]:
+        """Take the runs still open in an ended run out of the table (lock held), the innermost first: they
+        never got an end event and never will (see the module's docstring), so their spans end now, marked
+        stopped like a run its caller stopped, rather than stay open until the rollout ends."""
+        orphans: List[Tuple[UUID, _Run]] = []
+        for child_id in self._children.pop(run_id, ()):
+            orphans.extend(self._take_orphans(child_id))
+            child = self._runs.pop(child_id, None)
+            if child is not None:
+                orphans.append((child_id, child))
+        return orphans
 
 
 def _config_run_id() -> Optional[UUID]:

@@ -842,6 +842,34 @@ def test_a_caller_leaving_a_graph_stream_early_is_no_error(fake_openai, instrume
     assert instrumented._handler._failed_tools == {}
 
 
+def test_runs_that_get_no_end_event_end_as_stopped_with_the_run_they_ran_in(fake_openai, instrumented, sink):
+    """The event order LangChain delivered when ``asyncio.run`` ended a graph whose ``astream()`` its caller had
+    left (seen in CI, 1 run in ~100): the node's end event waited in the task ``shielded`` made for it, which
+    ``asyncio.run`` cancelled before it ran, so the graph's run ended (``GeneratorExit``) and the node's never
+    did. Its span then stayed open (stored only when the rollout ended) and its run in the table for good.
+    Driven here through LangChain's own callback managers, in that order; a late end event is ignored."""
+    with agl.rollout_scope("ro-orphans", "at-1"):
+        graph = CallbackManager(handlers=[]).on_chain_start(None, {"messages": []}, name="LangGraph")
+        node_manager = graph.get_child("graph:step:1")
+        node_manager.add_metadata({"langgraph_node": "a", "langgraph_step": 1})  # children inherit it
+        node = node_manager.on_chain_start(None, {}, name="a")
+        step = node.get_child("seq:step:1").on_chain_start(None, {}, name="a")
+        tool = step.get_child().on_tool_start({"name": "add"}, "{}", inputs={"a": 1, "b": 2})
+        graph.on_chain_error(GeneratorExit())
+        node.on_chain_end({"messages": []})  # late: the span has ended already
+    spans = sink.of("ro-orphans")
+    assert [(s.kind, s.name, s.status) for s in spans] == [
+        ("chain", "LangGraph", "unset"),
+        ("agent", "invoke_agent a", "unset"),
+        ("tool", "execute_tool add", "unset"),
+    ]
+    assert all(s.attributes[semconv.SPAN_STOPPED] is True for s in spans)
+    assert spans[2].end_time <= spans[1].end_time <= spans[0].end_time  # the innermost first
+    assert instrumented._handler is not None and instrumented._handler._runs == {}
+    assert instrumented._handler._children == {}
+    del tool
+
+
 def test_model_calls_cancelled_by_a_timeout_leave_nothing_in_the_handlers_table(fake_openai, instrumented, sink):
     """``asyncio.wait_for`` around ``ainvoke`` cancels the model call: LangChain then sends no end event for
     the model's run (only the chains around it get one), and each timeout left that run in the table."""
@@ -857,7 +885,7 @@ def test_model_calls_cancelled_by_a_timeout_leave_nothing_in_the_handlers_table(
         asyncio.run(time_out_three_times())
     assert len(of_kind(sink.of("ro-timeouts"), "llm")) == 3
     assert instrumented._handler is not None and instrumented._handler._runs == {}
-    assert instrumented._handler._pass_throughs == {}
+    assert instrumented._handler._children == {}
 
 
 # -- concurrency: rollouts in threads and asyncio tasks, LangGraph's own thread pool ----------------------------
