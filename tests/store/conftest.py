@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import pytest
 from agl.store import InMemoryLightningStore, LightningStore, SqliteLightningStore
 from agl.store.remote import RemoteLightningStore
-from agl.store.server import ServerThread, TokenSet, create_app
+from agl.store.server import ServerLimits, ServerThread, TokenSet, create_app
 from agl.testing.postgres import PostgresServer, PostgresUnavailableError, postgres_for_tests
 from agl.types import Rollout, Span
 
@@ -23,11 +23,14 @@ _span_ids = itertools.count(1)
 class ServedStore(RemoteLightningStore):
     """The HTTP backends under test: a real uvicorn server on 127.0.0.1 over a store (a SQLite file, or a
     PostgreSQL database, whose rollout-cycle calls the server makes on its event loop), and its client.
-    Closing the client also stops the server and closes the store behind it."""
+    Closing the client also stops the server and closes the store behind it. The server's reap timer is off
+    (an hour): the contract tests call ``reap_expired()`` themselves and read what it returned, which the timer
+    took first now and then; test_http_server.py tests the timer."""
 
     def __init__(self, backing: LightningStore) -> None:
         self.backing = backing
-        self.server = ServerThread(create_app(self.backing, tokens=TokenSet({"test": "test-token"}))).start()
+        app = create_app(self.backing, tokens=TokenSet({"test": "test-token"}), limits=ServerLimits(reap_interval=3600))
+        self.server = ServerThread(app).start()
         super().__init__(self.server.url, token="test-token", retries=2)
 
     def close(self) -> None:
