@@ -224,6 +224,7 @@ def test_apo_whose_optimizer_fails_mid_search_still_saves_the_best_prompt_so_far
         ("clip_eps=[1]", "clip_eps=[1]: expected a finite number > 0"),
         ("max_grad_norm=1e999", "max_grad_norm=inf: expected a finite number > 0"),
         ("kl_coef=-1e999", "kl_coef=-inf: expected a finite number >= 0"),
+        (f"lr={10**400}", f"lr={10**400}: expected a finite number > 0"),  # was OverflowError
         ("old_logprobs=new", "old_logprobs='new': expected one of 'sample', 'recompute'"),
         ("colour=1", "colour=1: TorchGRPO has no setting 'colour'"),
     ],

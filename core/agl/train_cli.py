@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from agl.checks import is_finite_number
+
 _STARTED = time.monotonic()  # --minutes counts the whole command, imports included, as the main job does
 _SUMMARY_RESERVE_S = 15.0  # left of --minutes for the summary and shutting down
 
@@ -485,7 +487,7 @@ def _wrong(value: Any, kind: Any, low: Optional[float], exclusive: bool, nullabl
     elif kind == _INT:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind == _NUM:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = is_finite_number(value)
     elif kind == _STR:
         ok = isinstance(value, str) and bool(value.strip())
     else:

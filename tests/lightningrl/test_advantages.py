@@ -217,7 +217,7 @@ def test_failed_rollouts_filled_with_configured_reward() -> None:
 def test_no_silent_zero() -> None:
     with pytest.raises(TypeError):
         FailedRollouts()  # type: ignore[call-arg]
-    for bad in (None, float("nan"), float("inf"), True, "0"):
+    for bad in (None, float("nan"), float("inf"), True, "0", 10**400):
         with pytest.raises(ValueError):
             FailedRollouts(reward=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):

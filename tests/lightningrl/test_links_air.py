@@ -212,6 +212,8 @@ def test_air_config_validation() -> None:
         AIRConfig.from_config({"tool_okay": 1.0})
     with pytest.raises(ValueError, match="finite number"):
         AIRConfig(tool_ok=float("nan"))
+    with pytest.raises(ValueError, match="finite number"):
+        AIRConfig(tool_error=-(10**400))  # an int too large for a float: was OverflowError
     with pytest.raises(ValueError, match="not a valid regular expression"):
         AIRConfig(format="(")
     with pytest.raises(TypeError):

@@ -241,7 +241,7 @@ def test_complete_needs_a_final_status(store: LightningStore, status: str) -> No
     assert store.get_rollout(rollout.rollout_id) == rollout
 
 
-@pytest.mark.parametrize("reward", [float("nan"), float("inf"), "1.0"])
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), "1.0", pytest.param(10**400, id="int-beyond-float")])
 def test_complete_refuses_a_reward_that_is_not_a_finite_number(store: LightningStore, reward: Any) -> None:
     # every backend alike, the HTTP client before sending (JSON would carry a NaN as null: no reward)
     store.enqueue_rollout("x")

@@ -11,6 +11,7 @@ import copy
 import logging
 import math
 import random
+import re
 import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
@@ -93,6 +94,26 @@ def test_a_sampling_temperature_other_than_the_training_temperature_is_refused()
     algo = TorchGRPO(model=("m", "t"), temperature=0.7, sampling={"temperature": 0.7},
                      val_sampling={"temperature": 0.0}, extra_evals={"hot": {"temperature": 1.5}})
     assert algo._train_sampling()["temperature"] == 0.7
+
+
+@pytest.mark.parametrize(
+    "setting, expected",
+    [
+        ({"lr": math.inf}, "lr must be a finite number > 0, got inf"),
+        ({"lr": 10**400}, "lr must be a finite number > 0, got 1000"),
+        ({"clip_eps": math.nan}, "clip_eps must be a finite number > 0, got nan"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm must be a finite number > 0, got 0.0"),
+        ({"kl_coef": -0.1}, "kl_coef must be a finite number >= 0, got -0.1"),
+        ({"temperature": math.nan}, "temperature must be a finite number > 0 for training rollouts"),
+        ({"success_threshold": math.nan}, "success_threshold must be a finite number, got nan"),
+        ({"time_budget_s": math.nan}, "time_budget_s must be a number of seconds or None"),
+    ],
+)
+def test_non_finite_numeric_settings_are_refused_when_built(setting: Dict[str, Any], expected: str) -> None:
+    """TorchGRPO(lr=inf) from Python was built, ran its rollouts, and stopped at the first update with NaN
+    weights (TrainingDivergedError); a NaN time budget never ran out."""
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        TorchGRPO(model=("m", "t"), **setting)
 
 
 def test_a_fixed_seed_in_training_sampling_is_refused_when_groups_have_several_rollouts() -> None:

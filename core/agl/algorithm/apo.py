@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import re
 import statistics
@@ -29,6 +28,7 @@ from typing import Any, Dict, Generic, List, Mapping, Optional, Sequence, Set, T
 
 from agl import semconv
 from agl.algorithm.base import Algorithm
+from agl.checks import check_count, check_number
 from agl.dataset import as_tasks
 from agl.errors import AglError
 from agl.serving.sampling import openai_arguments
@@ -166,10 +166,10 @@ class APO(Algorithm, Generic[T_task]):
                       gradient_batch_size=gradient_batch_size, val_batch_size=val_batch_size,
                       max_transcripts=max_transcripts)
         for name in _COUNTS:
-            _check_count(name, counts[name])
-        _check_number("request_timeout", request_timeout, positive=True)
+            check_count(name, counts[name])
+        check_number("request_timeout", request_timeout, positive=True)
         if diversity_temperature is not None:
-            _check_number("diversity_temperature", diversity_temperature, positive=False)
+            check_number("diversity_temperature", diversity_temperature, positive=False)
         self.optimizer = _optimizer_llm(optimizer, gradient_model)
         is_client = not isinstance(optimizer, (LLM, Mapping))
         self.gradient_model = gradient_model or self.optimizer.model
@@ -443,22 +443,6 @@ def _rounds(rounds: Optional[int], beam_rounds: Optional[int]) -> int:
         raise ValueError(f"rounds={rounds} and beam_rounds={beam_rounds} disagree: give one of them")
     chosen = rounds if rounds is not None else beam_rounds
     return DEFAULT_ROUNDS if chosen is None else chosen
-
-
-def _check_count(name: str, value: Any) -> None:
-    """A count setting, checked when APO is built (so ``agl train --check`` finds it), not after the first
-    rollouts and optimizer calls: ``--set rounds=2.0`` and YAML/JSON configs give floats."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be a whole number, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-
-
-def _check_number(name: str, value: Any, positive: bool) -> None:
-    """A finite number, above 0 when ``positive``, else at least 0."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (value <= 0 if positive else value < 0):
-        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 def _reward(rollout: Rollout) -> float:

@@ -65,6 +65,7 @@ from agl.algorithm.grpo_loss import (
     split_micro_batches,
 )
 from agl.algorithm.metrics import MetricsLog, ascii_curve, plot_reward_curve
+from agl.checks import check_number, is_finite_number
 from agl.algorithm.trainable import DEFAULT_LORA, LoraSpec, TrainablePolicy
 from agl.dataset import as_tasks
 from agl.errors import AglError, IllegalTransitionError
@@ -214,9 +215,16 @@ class TorchGRPO(Algorithm):
             logger.warning("group_size=1: GRPO compares rollouts of the same task, every advantage will be 0")
         if old_logprobs not in ("sample", "recompute"):
             raise ValueError(f'old_logprobs must be "sample" or "recompute", got {old_logprobs!r}')
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for training rollouts (got {temperature}); use "
-                             "val_sampling={'temperature': 0.0} for greedy evaluation")
+        if not (is_finite_number(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0 for training rollouts (got {temperature}); "
+                             "use val_sampling={'temperature': 0.0} for greedy evaluation")
+        for name, value in (("lr", lr), ("clip_eps", clip_eps), ("max_grad_norm", max_grad_norm)):
+            check_number(name, value, positive=True)
+        check_number("kl_coef", kl_coef, positive=False)
+        if not is_finite_number(success_threshold):
+            raise ValueError(f"success_threshold must be a finite number, got {success_threshold!r}")
+        if time_budget_s is not None and time_budget_s != time_budget_s:  # NaN: no step would ever be over budget
+            raise ValueError("time_budget_s must be a number of seconds or None (no budget), got nan")
         self.model_spec = model
         self.lora = dict(DEFAULT_LORA) if lora is _DEFAULT else lora
         self.lr = lr

@@ -32,6 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Literal, Sequence, Tuple, Union
 
+from agl.checks import is_finite_number
 from agl.lightningrl.types import Sample
 from agl.types import Rollout
 
@@ -50,7 +51,7 @@ class FailedRollouts:
     reward: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
+        if not is_finite_number(self.reward):
             raise ValueError(f"FailedRollouts.reward must be a finite number, got {self.reward!r}")
 
 

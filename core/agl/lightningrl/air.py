@@ -31,12 +31,12 @@ id in the call's output message, else the previous call of the same agent.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Pattern, Set, Tuple, Union
 
 from agl import semconv
+from agl.checks import is_finite_number
 from agl.lightningrl.links import CallLinks, output_message, tool_calls_of
 from agl.types import Span
 
@@ -64,7 +64,7 @@ class AIRConfig:
                         object.__setattr__(self, "format", re.compile(value))
                     except re.error as exc:
                         raise ValueError(f"AIRConfig.format {value!r} is not a valid regular expression: {exc}") from None
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            elif not is_finite_number(value):
                 raise ValueError(f"AIRConfig.{f.name} must be a finite number, got {value!r}")
 
     @classmethod

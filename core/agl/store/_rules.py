@@ -7,13 +7,13 @@ caller gets, when an attempt expires) is decided here once.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any, Callable, Optional, Sequence, Set, Tuple
 
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, to_json
 
+from agl.checks import is_finite_number
 from agl.errors import DuplicateRolloutError, IllegalTransitionError, InvalidSpanError, StaleAttemptError
 from agl.types import TERMINAL_ROLLOUT_STATUSES, Span, array_as_json
 
@@ -36,7 +36,7 @@ def check_completion(status: str, reward: Optional[float]) -> Optional[float]:
             f"complete_attempt needs a final status ({', '.join(sorted(COMPLETE_STATUSES))}), got {status!r}; "
             "report progress of a running attempt with heartbeat()"
         )
-    if reward is not None and (not isinstance(reward, (int, float)) or not math.isfinite(reward)):
+    if reward is not None and not (isinstance(reward, bool) or is_finite_number(reward)):
         raise ValueError(
             f"complete_attempt got reward {reward!r} ({type(reward).__name__}): a reward must be a finite int or "
             "float, or None"
