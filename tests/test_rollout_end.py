@@ -124,16 +124,22 @@ def test_the_agent_of_a_timed_out_rollout_can_no_longer_call_the_model(
     tmp_path: Path, fake_openai: FakeOpenAIServer
 ) -> None:
     """The main-job probe (session 25): a sync agent past its timeout went on calling the policy server beside
-    the rollouts that replaced it (under load the next wave timed out too). Its next model call is refused."""
+    the rollouts that replaced it (under load the next wave timed out too). Its next model call is refused,
+    also once dev() has returned: the Trainer, which hooked the OpenAI client for the run (no
+    agl.instrument()), keeps that hook while such an agent runs (the timeout probe, session 26: its calls
+    reached the server after the Trainer unhooked)."""
     _SEEN.clear()
     _AGENT_DONE.clear()
     store = SqliteLightningStore(tmp_path / "s.db")
     trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=1.0,
                           initial_resources={"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
-    # the next rollout runs from 1.0 to 1.8 s: the late call (at 1.5 s) comes while the pool is still hooked
-    late, following = trainer.dev(_slow_sync, [{"q": "late", "delay": 1.5}, {"q": "next", "delay": 0.8}],
-                                  print_table=False)
-    assert _AGENT_DONE.wait(10)
+    try:
+        late, following = trainer.dev(_slow_sync, [{"q": "late", "delay": 1.5}, {"q": "next", "delay": 0.1}],
+                                      print_table=False)
+        assert not _AGENT_DONE.is_set(), "the late call came before dev() returned: it tests nothing"
+        assert _AGENT_DONE.wait(10)
+    finally:
+        agl.uninstrument()  # what the Trainer kept hooked
     assert late.status in ("timeout", "failed") and "timeout" in (late.error or "")
     assert following.status == "succeeded" and following.llm_calls == 1
     assert [r["body"]["messages"][0]["content"] for r in fake_openai.requests] == ["next"]
@@ -163,3 +169,117 @@ def test_a_rollout_that_returned_in_time_leaves_its_kept_work_free_to_call_the_m
     with pytest.raises(RolloutTimedOutError, match="ro-in-time ran past its timeout"):
         context.run(client.chat.completions.create, model="m", messages=[{"role": "user", "content": "late"}])
     assert [r["body"]["messages"][0]["content"] for r in fake_openai.requests] == ["kept"]
+
+
+_B_STARTED = threading.Event()
+_B_CANCELLED = threading.Event()
+
+
+@agl.rollout
+async def _ignores_then_polite(task: Dict[str, Any]) -> float:
+    """``stubborn`` catches its cancellation and returns once ``polite`` (the next rollout) has started, after
+    its runner gave up on it; ``polite`` sleeps past its timeout, as a plain coroutine any cancellation ends."""
+    if task["kind"] == "stubborn":
+        deadline = time.monotonic() + 15
+        while not _B_STARTED.is_set() and time.monotonic() < deadline:
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                pass
+        return 0.5
+    _B_STARTED.set()
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        _B_CANCELLED.set()
+        raise
+    return 1.0
+
+
+def test_an_abandoned_async_rollout_ending_late_leaves_the_next_one_cancellable_at_its_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeout probe (session 26): the runner gave up on a rollout that ignored its cancellation; when that
+    one's task ended, during the next rollout, its agent thread cleared the runner's handle on the next one's
+    task, which then ran on past its own timeout, uncancelled (and the runner left a second agent thread)."""
+    from agl import agent_loops
+
+    _B_STARTED.clear()
+    _B_CANCELLED.clear()
+    monkeypatch.setattr("agl.runner.CANCEL_GRACE_S", 1.5)  # (5 s by default) how long the stubborn one is given
+    store = SqliteLightningStore(tmp_path / "s.db")
+    trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=1.5)
+    try:
+        with caplog.at_level(logging.WARNING, "agl.runner"):
+            stubborn, polite = trainer.dev(_ignores_then_polite, [{"kind": "stubborn"}, {"kind": "polite"}],
+                                           print_table=False)
+        cancelled_at_its_timeout = _B_CANCELLED.is_set()  # (before the loop's close cancels what is left)
+    finally:  # an uncancelled coroutine would go on on the loop kept for the process, into the next tests
+        agent_loops.close()
+    assert _B_STARTED.is_set()
+    assert cancelled_at_its_timeout, "the next rollout was not cancelled at its timeout"
+    for row in (stubborn, polite):
+        assert row.status in ("timeout", "failed") and "timeout" in (row.error or ""), row  # (the store may end it first)
+    (warning,) = [r.getMessage() for r in caplog.records if "did not stop at its timeout" in r.getMessage()]
+    assert stubborn.rollout_id in warning and "catches CancelledError" in warning
+
+
+_LATE_RETURN: Dict[str, threading.Thread] = {}
+
+
+@agl.rollout
+def _returns_after_its_timeout(task: Dict[str, Any]) -> float:
+    """A sync agent busy past its timeout that then returns a reward (no span of its own after the timeout)."""
+    _LATE_RETURN["thread"] = threading.current_thread()
+    time.sleep(task["delay"])
+    return 1.0
+
+
+def test_a_sync_agent_past_its_timeout_is_named_and_its_late_return_makes_no_reward_span(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeout probe (session 26): a runner that gave up on an agent said so only at INFO, as for one cancelled
+    cleanly; and when the agent returned on its abandoned thread, the runner's own reward span for it set off the
+    tracer's warning about tasks a rollout left running (wrong advice), using up that said-once warning."""
+    tracer = agl.get_tracer()
+    monkeypatch.setattr(tracer, "_warned_late", False)  # said once per process: an earlier test may have
+    monkeypatch.setattr(tracer, "_warned_late_timed_out", False, raising=False)
+    _LATE_RETURN.clear()
+    store = SqliteLightningStore(tmp_path / "s.db")
+    trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=0.5)
+    with caplog.at_level(logging.WARNING):
+        (row,) = trainer.dev(_returns_after_its_timeout, [{"delay": 2.0}], print_table=False)
+        _LATE_RETURN["thread"].join(10)  # the abandoned agent thread leaves once the agent has returned
+        assert not _LATE_RETURN["thread"].is_alive()
+    assert row.status in ("timeout", "failed") and "timeout" in (row.error or ""), row
+    stuck = [r for r in caplog.records if "did not stop at its timeout" in r.getMessage()]
+    assert len(stuck) == 1 and stuck[0].levelno == logging.WARNING and stuck[0].name == "agl.runner"
+    message = stuck[0].getMessage()
+    assert row.rollout_id in message and "sync agent cannot be interrupted" in message
+    assert "agent thread running" in message and "runner_mode='process'" in message
+    assert not [r for r in caplog.records if r.name == "agl.tracer"], "a span was started after the timeout"
+    assert not tracer._warned_late
+
+
+def test_a_span_after_a_timeout_is_told_apart_from_one_in_a_task_a_rollout_left_running(
+    sink: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each late span has its own said-once warning, worded from how its rollout ended."""
+    tracer = agl.get_tracer()
+    monkeypatch.setattr(tracer, "_warned_late", False)
+    monkeypatch.setattr(tracer, "_warned_late_timed_out", False, raising=False)
+    contexts = {}
+    for rollout_id in ("ro-timed-out", "ro-returned"):
+        with agl.rollout_scope(rollout_id, "at-1") as scope:
+            contexts[rollout_id] = contextvars.copy_context()
+        scope.outcome = "timed out" if rollout_id == "ro-timed-out" else scope.outcome
+        scope.end()
+    with caplog.at_level(logging.WARNING, "agl.tracer"):
+        for rollout_id in ("ro-timed-out", "ro-timed-out", "ro-returned", "ro-returned"):
+            contexts[rollout_id].run(lambda: tracer.start_span(f"late {rollout_id}", "tool").end())
+    timed_out, returned = [r.getMessage() for r in caplog.records]  # one each, though each came twice
+    assert "'late ro-timed-out' started after its rollout ro-timed-out timed out" in timed_out
+    assert "went on past the timeout" in timed_out and "raise rollout_timeout" in timed_out
+    assert "left running" not in timed_out and "cancel it before returning" not in timed_out
+    assert "'late ro-returned' started after its rollout ro-returned had returned" in returned
+    assert "cancel it before returning" in returned

@@ -34,6 +34,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from agl import agent_loops, semconv
+from agl.checks import check_number
 from agl.context import RolloutScope, enter_scope, exit_scope, running
 from agl.emitters import reward_number
 from agl.errors import AglError, StaleAttemptError, StoreUnavailableError
@@ -190,6 +191,30 @@ class _Heartbeat:
         self._stop.set()
 
 
+class _AsyncRun:
+    """Where one rollout's agent thread puts the agent-loop task of an async agent, for its runner to cancel at
+    the rollout's timeout. One per rollout, not a runner field: a runner's agent threads overlap (one it left
+    behind past a timeout goes on beside its fresh one), and the late end of an abandoned rollout's task
+    cleared the field that then held the next rollout's task, which was not cancelled at its own timeout."""
+
+    def __init__(self) -> None:
+        self.run: Optional[agent_loops.AgentRun] = None  # None: a sync agent, or its coroutine not started yet
+
+
+_OPTIONAL_TIMINGS = ("rollout_timeout", "outage_timeout")  # None: no limit
+_TIMINGS = ("heartbeat_interval", "flush_timeout") + _OPTIONAL_TIMINGS
+
+
+def check_runner_settings(**settings: Any) -> None:
+    """Refuse runner timings that would break runs quietly (a NaN timeout never fires, a negative one fires at
+    once, a heartbeat interval of 0 spins). :class:`RunnerPool` calls it too, before it starts any process;
+    settings other than these timings are not looked at."""
+    for name in _TIMINGS:
+        value = settings.get(name)
+        if name in settings and not (value is None and name in _OPTIONAL_TIMINGS):
+            check_number(name, value, positive=name != "flush_timeout")
+
+
 class Runner:
     """Runs rollouts of one agent against one store."""
 
@@ -210,6 +235,8 @@ class Runner:
         a completion raises StoreUnavailableError) before it raises StoreOutageError; None: for ever. ``agl
         runner`` sets it so that runners whose store server is gone for good exit (a Kubernetes Job of them
         then ends)."""
+        check_runner_settings(heartbeat_interval=heartbeat_interval, rollout_timeout=rollout_timeout,
+                              flush_timeout=flush_timeout, outage_timeout=outage_timeout)
         self.agent = agent
         self.store = store
         self.runner_id = runner_id or new_id(f"runner-{os.getpid()}")
@@ -227,7 +254,7 @@ class Runner:
         self._timeouts_warned: Set[float] = set()  # heartbeat timeouts too short for heartbeat_interval, said once
         self.agent_name = rollout_agent_name(agent)
         self._executor = _AgentThread()
-        self._running_task: Optional[agent_loops.AgentRun] = None  # the async rollout running now
+        self._exits_when_stuck = False  # set by run_forever: a runner process leaves after an agent it gave up on
         self.tracer.set_store(store)
 
     # -- one rollout ---------------------------------------------------------------------------------------
@@ -251,7 +278,8 @@ class Runner:
         status, reward, error = "succeeded", None, None
         try:
             resources = self._resources(rollout)
-            future = self._executor.submit(self._execute, rollout, resources, scope)
+            async_run = _AsyncRun()
+            future = self._executor.submit(self._execute, rollout, resources, scope, async_run)
             timeout = rollout.config.timeout_seconds or self.rollout_timeout
             try:
                 reward = future.result(timeout=timeout)
@@ -260,8 +288,8 @@ class Runner:
         except RolloutTimeout as exc:
             status, error = "timeout", str(exc)
             scope.outcome = "timed out"
-            if not self._cancelled(future, rollout.rollout_id):
-                self._abandon_stuck_agent()
+            if not self._cancelled(future, async_run.run, rollout.rollout_id):
+                self._abandon_stuck_agent(rollout.rollout_id, timeout, async_run.run is not None)
         except Exception as exc:  # noqa: BLE001 - the agent's failure is data, not a runner crash
             status, error = "failed", _bounded("".join(traceback.format_exception_only(type(exc), exc)).strip())
             logger.info("rollout %s failed: %s", rollout.rollout_id, error)
@@ -377,7 +405,9 @@ class Runner:
         update = self.store.get_resources(rollout.resources_id)
         return dict(update.resources) if update is not None else {}
 
-    def _execute(self, rollout: Rollout, resources: NamedResources, scope: RolloutScope) -> Optional[float]:
+    def _execute(
+        self, rollout: Rollout, resources: NamedResources, scope: RolloutScope, async_run: _AsyncRun
+    ) -> Optional[float]:
         """Runs on the agent thread: the whole rollout under one root span of kind ``agent``."""
         token = enter_scope(scope)
         try:
@@ -390,22 +420,23 @@ class Runner:
                 try:
                     result = self.agent.run(rollout.input, resources, rollout)
                     if inspect.isawaitable(result):
-                        result = self._await_on_agent_loop(result, rollout.rollout_id)
+                        result = self._await_on_agent_loop(result, rollout.rollout_id, async_run)
                 finally:
                     scope.end_open_work()  # streams the agent stopped reading end inside its rollout
+                if scope.outcome == "timed out":  # reported as a timeout already: its reward judges nothing
+                    return None
                 return self._episode_reward(self._returned_reward(result, scope), scope)
         finally:
             scope.end()  # what still runs in its context records nothing into it (agl.context.current_scope)
             exit_scope(token)
 
-    def _await_on_agent_loop(self, awaitable: Any, rollout_id: str) -> Any:
+    def _await_on_agent_loop(self, awaitable: Any, rollout_id: str, async_run: _AsyncRun) -> Any:
         """On the agent thread: run the coroutine the agent returned on the process's agent loop, in this
         thread's context (the rollout scope and the root span), and wait for it. ``_cancelled`` cancels it."""
-        run = self._running_task = agent_loops.start(awaitable, contextvars.copy_context())
+        run = async_run.run = agent_loops.start(awaitable, contextvars.copy_context())
         try:
             return run.result()
         finally:
-            self._running_task = None
             self._say_tasks_left_running(run.left_running, rollout_id)
 
     def _say_tasks_left_running(self, left: List["asyncio.Task[Any]"], rollout_id: str) -> None:
@@ -460,10 +491,11 @@ class Runner:
                 pass
         return returned
 
-    def _cancelled(self, future: "concurrent.futures.Future[Any]", rollout_id: str) -> bool:
-        """Cancel the timed-out rollout if it is a coroutine; True once its thread is free again. One that does
-        not end in time because the shared loop is blocked has that loop replaced (AgentRun.give_up)."""
-        run = self._running_task
+    def _cancelled(
+        self, future: "concurrent.futures.Future[Any]", run: Optional[agent_loops.AgentRun], rollout_id: str
+    ) -> bool:
+        """Cancel the timed-out rollout if it is a coroutine (``run``); True once its thread is free again. One
+        that does not end in time because the shared loop is blocked has that loop replaced (AgentRun.give_up)."""
         if run is None:
             return False
         run.cancel()
@@ -476,12 +508,31 @@ class Runner:
             pass
         return True
 
-    def _abandon_stuck_agent(self) -> None:
+    def _abandon_stuck_agent(self, rollout_id: str, timeout: Optional[float], is_async: bool) -> None:
         # The agent thread cannot be killed; leave it and take a fresh one. A process runner exits after
         # reporting so no thread leaks for long.
         self.stuck = True
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._executor = _AgentThread()
+        self._say_agent_left_running(rollout_id, timeout, is_async)
+
+    def _say_agent_left_running(self, rollout_id: str, timeout: Optional[float], is_async: bool) -> None:
+        """Warn, naming the rollout, that its agent did not stop at its timeout: otherwise only an INFO line
+        said it timed out, as for an agent cancelled cleanly, while its thread (and an async agent's task, on
+        the loop every async rollout shares) went on unseen, one more for each such rollout."""
+        why = (f"its coroutine did not end within {CANCEL_GRACE_S:g} s of its cancellation (it catches "
+               "CancelledError, or blocks the event loop)") if is_async else "its sync agent cannot be interrupted"
+        fate = (f"runner process {self.runner_id} leaves after reporting it and its pool starts a fresh one"
+                if self._exits_when_stuck else
+                f"runner {self.runner_id} leaves its agent thread running and goes on with a fresh one")
+        logger.warning(
+            "rollout %s did not stop at its timeout of %s s: %s. It is reported as timed out; %s. What the agent "
+            "does from now on is not stored, and its model calls through the OpenAI client are refused "
+            "(RolloutTimedOutError). Make the agent finish within the timeout, raise rollout_timeout%s",
+            rollout_id, timeout, why, fate,
+            "" if self._exits_when_stuck else ", or use runner_mode='process', whose runner process is replaced "
+            "when its agent does not stop",
+        )
 
     # -- loop ----------------------------------------------------------------------------------------------
     def run_forever(
@@ -504,6 +555,7 @@ class Runner:
         has none: the pool of a runner process ends that attempt if it has to kill the process.
         """
         should_stop = stop.is_set if hasattr(stop, "is_set") else stop  # threading or multiprocessing Event
+        self._exits_when_stuck = exit_when_stuck
         done = 0
         claimed: List[Rollout] = []  # claimed with the last completion: run even if a stop came meanwhile
 

@@ -26,7 +26,7 @@ from agl import agent_loops
 from agl.errors import StaleAttemptError, StoreAuthError, StoreClosedError, StoreUnavailableError
 from agl.instrumentation import instrumented
 from agl.litagent import LitAgent
-from agl.runner import Runner, StoreOutageError
+from agl.runner import Runner, StoreOutageError, check_runner_settings
 from agl.store.base import LightningStore
 from agl.tracer import get_tracer
 from agl.types import Rollout
@@ -202,6 +202,7 @@ class RunnerPool:
     ) -> None:
         if n_runners < 1:
             raise ValueError(f"n_runners must be at least 1, got {n_runners}")
+        check_runner_settings(**(runner_kwargs or {}))
         if mode == "process" and not getattr(store, "multiprocess_safe", False):
             raise ValueError(
                 f"{type(store).__name__} lives inside one process, so process runners cannot share it: "
@@ -261,6 +262,12 @@ class RunnerPool:
         thread = _RunnerThread(runner, self._stop, self._current[index])
         thread.start()
         return thread
+
+    @property
+    def left_agents_running(self) -> bool:
+        """Whether a thread runner of this pool gave up on an agent that did not stop at its rollout's timeout
+        (its thread runs on; a runner process would have left with it)."""
+        return any(runner.stuck for runner in self._runners)
 
     def check(self) -> int:
         """Replace workers that died (crashed, killed, or left after a stuck agent). Returns how many.

@@ -382,7 +382,8 @@ class Tracer:
             max_queue=max_queue, batch_size=batch_size, writer=writer or os.environ.get(WRITER_ENV) or "thread"
         )
         self._start_hooks: Tuple[StartHook, ...] = ()  # replaced, never mutated: start_span reads it unlocked
-        self._warned_late = False
+        self._warned_late = False  # a span in a task a rollout left running when it returned (said once)
+        self._warned_late_timed_out = False  # a span of an agent that went on past its rollout's timeout (said once)
         self._hooks_lock = threading.Lock()
 
     def set_store(self, store: Any) -> None:
@@ -469,7 +470,7 @@ class Tracer:
             start_time if start_time is not None else time.time_ns(), self.processor,
         )
         scope = current_scope()
-        if scope is None and not self._warned_late:
+        if scope is None and not (self._warned_late and self._warned_late_timed_out):
             self._warn_if_late(name)  # only reads a context variable: no cost on the rollout's own spans
         if scope is not None:
             span.rollout_id = scope.rollout_id
@@ -485,9 +486,31 @@ class Tracer:
         return span
 
     def _warn_if_late(self, name: str) -> None:
-        """Once: a span started in the context of a rollout that has returned (see ``current_scope``)."""
+        """Once for each way a rollout ends: a span started in the context of a rollout that has returned (see
+        ``current_scope``), or that timed out. They call for different fixes, and the first must not use up
+        the warning of the other: the agent of a timed-out rollout that returns on its abandoned thread is no
+        task the rollout left running, and cancelling one before returning is no advice for it."""
         ended = ended_scope()
         if ended is None:
+            return
+        if ended.outcome == "timed out":
+            self._warn_late_after_timeout(name, ended.rollout_id)
+        else:
+            self._warn_late_after_return(name, ended.rollout_id)
+
+    def _warn_late_after_timeout(self, name: str, rollout_id: str) -> None:
+        if self._warned_late_timed_out:
+            return
+        self._warned_late_timed_out = True
+        logger.warning(
+            "span %r started after its rollout %s timed out: its agent went on past the timeout (a sync agent "
+            "cannot be interrupted; an async one caught CancelledError), and what it does now is not stored, as "
+            "the attempt was reported as timed out. Make the agent finish within rollout_timeout, or raise "
+            "rollout_timeout. Said once; tracer stats().unscoped counts such spans", name, rollout_id,
+        )
+
+    def _warn_late_after_return(self, name: str, rollout_id: str) -> None:
+        if self._warned_late:
             return
         self._warned_late = True
         logger.warning(
@@ -495,7 +518,7 @@ class Tracer:
             "stream it stopped reading, an agent run or runtime it keeps going): it is not stored, as it is not "
             "part of what the rollout's reward judged. To stop such a run, cancel it before returning (OpenAI "
             "Agents SDK: result.cancel(); AutoGen: close the stream or stop the runtime). Said once; tracer "
-            "stats().unscoped counts such spans", name, ended.rollout_id,
+            "stats().unscoped counts such spans", name, rollout_id,
         )
 
     @staticmethod

@@ -212,6 +212,7 @@ class Trainer:
             return
         agent = as_agent(agent)
         hooked_here = self._hook_for_run()
+        left_running = False
         try:
             pool = RunnerPool(agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs)
             self._pool = pool.start()
@@ -220,9 +221,21 @@ class Trainer:
             finally:
                 self._pool = None
                 pool.stop()
+                left_running = pool.left_agents_running
         finally:
             if hooked_here:
-                uninstrument(hooked_here)
+                self._unhook_after_run(hooked_here, left_running)
+
+    @staticmethod
+    def _unhook_after_run(hooked_here: List[str], left_running: bool) -> None:
+        """Unhook what :meth:`_hook_for_run` hooked, but keep the OpenAI client hooked while an agent the runners
+        gave up on at its timeout still runs: the hook is what refuses its calls (RolloutTimedOutError), and
+        without it they would reach the model server, unrecorded, beside whatever runs next."""
+        keep = ["openai"] if left_running and "openai" in hooked_here else []
+        if keep:
+            logger.info("the OpenAI client stays instrumented after this run: an agent past its rollout's timeout "
+                        "still runs, and its model calls are refused")
+        uninstrument([name for name in hooked_here if name not in keep])
 
     def _hook_for_run(self) -> List[str]:
         """Hook what recording this run needs and nothing hooks yet; returns the names to unhook after it.

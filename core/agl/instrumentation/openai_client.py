@@ -8,6 +8,10 @@ classes with ``wrapt``; everything built on them goes through the wrapper too: `
 openai_views`) and the SDK's ``chat.completions.stream()`` / ``responses.stream()`` helpers. After
 uninstrumenting, a method bound while hooked passes its calls through unrecorded.
 
+Past a rollout's timeout, its agent's calls are refused (:func:`agl.context.refuse_calls_after_timeout`), also
+through a method bound while hooked and called after uninstrumenting, and so is each retry the SDK sends for a
+call that was in flight at the timeout (:func:`_refuse_timed_out_attempt`).
+
 Guarantees to the user's program:
 - arguments, return values and exceptions pass through unchanged (same objects), except that inside a
   rollout ``extra_body`` gains ``return_token_ids`` (in a new dict, the user's own value winning); a server
@@ -72,6 +76,13 @@ _TARGETS: Tuple[Tuple[str, str, str, bool], ...] = (
     ("openai.resources.completions", "AsyncCompletions", COMPLETIONS, True),
 )
 _METHODS = ("create", "parse")
+# Where the SDK builds each HTTP attempt of a call, the first and every retry, sync and async clients alike:
+# ``BaseClient._build_request``, a private method, in openai 1.66 up to 3.x. Its retry loop calls it before
+# the ``try`` around the send, so an error raised there ends the call at once instead of being retried.
+# (``_prepare_request``, the SDK's documented per-request hook, is not usable: ``OpenAI`` and ``AsyncOpenAI``
+# override it without calling ``super()`` since openai 2.x.) A release without it is not hooked: see
+# :func:`_refuse_timed_out_attempt`.
+_ATTEMPT_TARGET = ("openai._base_client", "BaseClient", "_build_request")
 _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"  # set by with_raw_response ("true") / with_streaming_response
 _STREAMING_RESPONSE = "stream"  # the header's value from with_streaming_response: the body is read later
 _MARK = "_agl_openai_wrapper"  # on our wrapper functions, to recognise a class another instance hooked
@@ -448,11 +459,28 @@ def _wants_token_ids(request_token_ids: Optional[bool], scope: Optional[RolloutS
     return scope is not None and scope.request_token_ids
 
 
+def _refuse_timed_out_attempt(
+    wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
+    """Refuse each attempt the SDK sends for a rollout that ran past its timeout, its own retries included.
+
+    The ``create`` wrappers refuse a timed-out agent's *next* call, but a call already in flight at the
+    timeout went on retrying inside the SDK (``max_retries``, LangChain's too), and each retry reached the
+    model server beside the rollouts that replaced it. Outside such a scope this costs one context-variable
+    read. Hooked on :data:`_ATTEMPT_TARGET`, a private SDK method: in an openai release without it, only the
+    ``create`` wrappers refuse (a debug line says so when instrumenting)."""
+    refuse_calls_after_timeout()
+    return wrapped(*args, **kwargs)
+
+
+setattr(_refuse_timed_out_attempt, _MARK, True)
+
+
 def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        refuse_calls_after_timeout()  # before hooks_live: also once the Trainer has taken its hooks out
         if not instrumentor.hooks_live:  # a method bound while hooked, called after agl.uninstrument()
             return wrapped(*args, **kwargs)
-        refuse_calls_after_timeout()
         try:
             call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
         except Exception as exc:  # noqa: BLE001
@@ -477,9 +505,9 @@ def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...
     """Returns the coroutine at once, like the SDK: argument errors still raise at call time, not at await."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        refuse_calls_after_timeout()  # before hooks_live: also once the Trainer has taken its hooks out
         if not instrumentor.hooks_live:  # a method bound while hooked, called after agl.uninstrument()
             return wrapped(*args, **kwargs)
-        refuse_calls_after_timeout()
         try:
             call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
         except Exception as exc:  # noqa: BLE001
@@ -582,17 +610,24 @@ class OpenAIInstrumentor(Instrumentor):
         self.request_token_ids = request_token_ids
         for module_name, class_name, api, is_async in _TARGETS:
             cls = _resolve(module_name, class_name)
+            make = _async_wrapper if is_async else _sync_wrapper
             for method in _METHODS:
-                if cls is None or method not in vars(cls):
-                    logger.debug("agl: openai has no %s.%s.%s here; not hooked", module_name, class_name, method)
-                    continue
-                if _hooked_by_agl(vars(cls)[method]):
-                    continue  # another OpenAIInstrumentor already traces it: one span per request
-                make = _async_wrapper if is_async else _sync_wrapper
-                handle = wrapt.wrap_function_wrapper(cls, method, make(api, self))
-                self._hooks.append((cls, method, handle))
+                self._hook(module_name, class_name, cls, method, make(api, self))
             if cls is not None:
                 self._views.extend(hook_views(cls))  # after the methods: views built from now on bind the hooks
+        module_name, class_name, method = _ATTEMPT_TARGET
+        self._hook(module_name, class_name, _resolve(module_name, class_name), method, _refuse_timed_out_attempt)
+
+    def _hook(self, module_name: str, class_name: str, cls: Optional[type], method: str, wrapper: Any) -> None:
+        """Wrap ``cls.method`` with ``wrapper`` (one of agl's, marked); skipped if the class or method is not
+        there in this openai release, or agl's wrapper is on it already (another OpenAIInstrumentor's)."""
+        if cls is None or method not in vars(cls):
+            logger.debug("agl: openai has no %s.%s.%s here; not hooked", module_name, class_name, method)
+            return
+        if _hooked_by_agl(vars(cls)[method]):
+            return  # another OpenAIInstrumentor already hooks it: one span (one check) per request
+        handle = wrapt.wrap_function_wrapper(cls, method, wrapper)
+        self._hooks.append((cls, method, handle))
 
     def _uninstrument(self) -> None:
         views, self._views = self._views, []
