@@ -18,8 +18,8 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from agl import __version__
 from agl.litagent import LitAgent, as_agent
+from agl.span_retention import delete_spans_in_batches
 
-PRUNE_BATCH = 1000  # rollouts per delete_spans call of `agl store prune`
 FINISHED = ["succeeded", "failed", "cancelled"]
 UNFINISHED = ["queued", "running"]
 
@@ -284,9 +284,7 @@ def cmd_store_prune(args: argparse.Namespace) -> int:
     latest = finished[max(len(finished) - args.keep_last, 0) :]
     kept = {_step_group(r) for r in latest + store.query_rollouts(status=UNFINISHED, mode=args.mode)}
     doomed = [r.rollout_id for r in finished if _step_group(r) not in kept]
-    deleted = 0
-    for start in range(0, len(doomed), PRUNE_BATCH):  # bounded transactions (and HTTP bodies)
-        deleted += store.delete_spans(doomed[start : start + PRUNE_BATCH])
+    deleted = delete_spans_in_batches(store, doomed)
     print(f"deleted {deleted} spans of {len(doomed)} finished rollouts; the rollouts and their rewards stay, and "
           f"so do the spans of {len(finished) - len(doomed)} finished rollouts (the task groups of the last "
           f"{len(latest)}, whole) and of every unfinished rollout and its task group")

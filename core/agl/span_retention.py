@@ -21,6 +21,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("agl.trainer")
 
+DELETE_BATCH = 1000  # rollouts per delete_spans call: bounded transactions (and HTTP bodies)
+
+
+def delete_spans_in_batches(store: "LightningStore", rollout_ids: Sequence[str]) -> int:
+    """``store.delete_spans`` in batches of :data:`DELETE_BATCH` rollouts; returns how many spans it deleted."""
+    return sum(store.delete_spans(rollout_ids[i : i + DELETE_BATCH]) for i in range(0, len(rollout_ids), DELETE_BATCH))
+
 
 class SpanRetention:
     """Deletes the spans of training steps older than the last ``steps`` (None: keeps every span)."""
@@ -47,7 +54,7 @@ class SpanRetention:
         while len(self._kept) > self.steps:
             ids = self._kept.popleft()
             try:
-                self.deleted += self.store.delete_spans(ids)
+                self.deleted += delete_spans_in_batches(self.store, ids)
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 logger.warning(
                     "could not delete the spans of %d rollouts of an old step (they stay): %s", len(ids), exc

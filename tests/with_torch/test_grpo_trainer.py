@@ -411,7 +411,8 @@ def test_span_retention_keeps_the_last_steps_spans_and_every_rollout(tmp_path: P
 
 def test_a_resumed_run_with_span_retention_deletes_the_earlier_runs_spans_in_turn(tmp_path: Path) -> None:
     """The retention window lived in the process: after a crash and --resume, the spans of the steps before
-    the crash (up to the whole window) stayed in the store for good."""
+    the crash (up to the whole window) stayed in the store for good. Only this run's: the resumed run deleted
+    the spans of every finished training rollout in the store, another experiment's too."""
 
     def crash_after_step_2(row: Dict[str, Any]) -> None:
         if row["step"] == 2:
@@ -421,15 +422,22 @@ def test_a_resumed_run_with_span_retention_deletes_the_earlier_runs_spans_in_tur
         return agl.Trainer(algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread",
                            progress=False, span_retention_steps=1)
 
+    other = agl.Trainer(algorithm=_algo(tmp_path, steps=1, output_dir=tmp_path / "other", checkpoint_dir=None),
+                        store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False)
+    other.fit(chat_agent, TASKS)  # another experiment in the same store, keeping every span
+    others = {r.rollout_id for r in other.store.query_rollouts(mode="train")}
+    assert len(others) == 6 and all(other.store.query_spans(i) for i in others)
     first = trainer_of(_algo(tmp_path, steps=4, eval_every=0, on_step=crash_after_step_2))
     with pytest.raises(RuntimeError, match="went down"):
         first.fit(chat_agent, TASKS)
     store = first.store
-    with_spans = [r for r in store.query_rollouts(mode="train") if store.query_spans(r.rollout_id)]
+    ours = [r for r in store.query_rollouts(mode="train") if r.rollout_id not in others]
+    with_spans = [r for r in ours if store.query_spans(r.rollout_id)]
     assert len(with_spans) == 6, "the crashed run kept its last step's spans"
     resumed = trainer_of(_algo(tmp_path, steps=4, eval_every=0))
     resumed.fit(chat_agent, TASKS)
-    train = resumed.store.query_rollouts(mode="train")
+    assert all(resumed.store.query_spans(i) for i in others), "the other experiment's spans were deleted"
+    train = [r for r in resumed.store.query_rollouts(mode="train") if r.rollout_id not in others]
     assert len(train) == 24
     spans = [len(resumed.store.query_spans(r.rollout_id)) for r in train]
     assert spans[:18] == [0] * 18 and all(n >= 2 for n in spans[18:]), "only the last step's spans are left"

@@ -405,10 +405,14 @@ class TorchGRPO(Algorithm):
     def _retain_earlier_runs(self) -> None:
         """A resumed run's store holds the training rollouts of the runs before it, whose span retention
         window ended with their process (their spans stayed for good). They count as one step older than
-        this run's first, so the window deletes them in turn (with ``span_retention_steps`` set)."""
+        this run's first, so the window deletes them in turn (with ``span_retention_steps`` set). Only the
+        rollouts of resources those runs published: a store shared with other experiments or trainers keeps
+        theirs (every finished training rollout was taken, another run's spans deleted with no word)."""
         if self.trainer.span_retention.steps is None:
             return
-        earlier = self.store.query_rollouts(mode="train", status=["succeeded", "failed", "cancelled"])
+        ours = published_resources(self.checkpoint_dir)
+        finished = self.store.query_rollouts(mode="train", status=["succeeded", "failed", "cancelled"])
+        earlier = [r for r in finished if r.resources_id in ours]
         if earlier:
             self.trainer.learned_from(earlier)
 
