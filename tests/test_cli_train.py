@@ -315,3 +315,19 @@ def test_ctrl_c_before_the_first_checkpoint_does_not_offer_to_continue_one(files
     assert message.endswith("start it again from the untrained model with: the same agl train command with --resume")
     (out / "checkpoints" / "latest").write_text("step-000001")
     assert "continue it from its last checkpoint with: " in _interrupted(args, out)
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--rollout-timeout", "-1", "--rollout-timeout must be a positive, finite number of seconds, got -1.0"),
+        ("--rollout-timeout", "nan", "--rollout-timeout must be a positive, finite number of seconds, got nan"),
+        ("--span-retention-steps", "-1", "--span-retention-steps must be >= 0 (the training steps whose spans"),
+    ],
+)
+def test_check_refuses_run_settings_the_run_would_trip_over(files: Path, flag: str, value: str, expected: str) -> None:
+    """--check passed these; the run then failed with a traceback after making OUT/store.db
+    (--span-retention-steps -1), or ran with a timeout that never fires (nan)."""
+    message = _fails([*_base(files), flag, value, "--check"])
+    assert message == f"agl: {expected}" or message.startswith(f"agl: {expected}")
+    assert not (files / "run").exists()

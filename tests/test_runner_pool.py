@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -470,3 +471,36 @@ def test_a_heartbeat_timeout_not_longer_than_the_heartbeat_interval_is_refused_o
     ) == 1, caplog.text
     runner.close()
     store.close()
+
+
+@pytest.mark.parametrize(
+    "setting, expected",
+    [
+        ({"rollout_timeout": float("nan")}, "rollout_timeout must be a finite number > 0, got nan"),
+        ({"rollout_timeout": -1.0}, "rollout_timeout must be a finite number > 0, got -1.0"),
+        ({"heartbeat_interval": 0.0}, "heartbeat_interval must be a finite number > 0, got 0.0"),
+        ({"outage_timeout": float("inf")}, "outage_timeout must be a finite number > 0, got inf"),
+        ({"flush_timeout": -1}, "flush_timeout must be a finite number >= 0, got -1"),
+    ],
+)
+def test_runner_timings_that_would_break_runs_quietly_are_refused(tmp_path: Path, setting: Any, expected: str) -> None:
+    """A NaN rollout timeout never fired and a negative one timed every rollout out at once; a pool checks
+    them before it starts any runner process (else each process would die at start, one after another)."""
+    store = SqliteLightningStore(tmp_path / "s.db")
+    agent = agl.rollout(lambda task: 1.0)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        Runner(agent, store, **setting)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        RunnerPool(agent, store, 2, mode="process", runner_kwargs=setting)
+    store.close()
+
+
+def test_agl_runner_refuses_bad_seconds_in_one_line(tmp_path: Path) -> None:
+    from agl.cli import main
+
+    base = ["runner", "--agent", "x:y", "--store", str(tmp_path / "s.db")]
+    for flag, value, expected in [("--rollout-timeout", "nan", "> 0, got nan"), ("--stop-timeout", "-1", ">= 0, got -1.0")]:
+        with pytest.raises(SystemExit) as exc:
+            main([*base, flag, value])
+        assert exc.value.code == f"agl: {flag} must be a finite number of seconds {expected}"
+    assert not (tmp_path / "s.db").exists()

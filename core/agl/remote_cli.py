@@ -165,6 +165,20 @@ def first_contact(url: str, token: Optional[str], wait_s: float) -> Tuple[Any, A
             time.sleep(min(1.0, max(0.0, wait_s - waited)))
 
 
+def _check_seconds(args: argparse.Namespace, **positive: bool) -> None:
+    """Each named option, when given, is a finite number of seconds: above 0 where ``positive``, else >= 0."""
+    from agl.checks import check_number
+
+    for name, above_zero in positive.items():
+        value = getattr(args, name)
+        if value is not None:
+            try:
+                check_number(name, value, positive=above_zero)
+            except ValueError:
+                raise SystemExit(f"agl: --{name.replace('_', '-')} must be a finite number of seconds "
+                                 f"{'> 0' if above_zero else '>= 0'}, got {value}") from None
+
+
 def cmd_runner(args: argparse.Namespace) -> int:
     import agl
     from agl.cli import load_agent
@@ -172,6 +186,8 @@ def cmd_runner(args: argparse.Namespace) -> int:
 
     if args.n_runners < 1:
         raise SystemExit("agl: --n-runners must be at least 1")
+    _check_seconds(args, heartbeat_interval=True, rollout_timeout=True, outage_timeout=True, stop_timeout=False,
+                   wait_for_store=False)
     agent = load_agent(args.agent)
     store, stats = first_contact(args.store, args.token, args.wait_for_store)
     store.ride_out_outages(args.outage_timeout)  # from now on, ride out restarts of a store server or database

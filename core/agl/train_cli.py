@@ -130,6 +130,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise SystemExit(f"agl: --agent-match {args.agent_match!r} is not a regular expression: {exc}") from None
     if args.n_runners < 0:
         raise SystemExit("agl: --n-runners must be >= 0 (0: only runners on other machines, `agl runner`)")
+    if not (is_finite_number(args.rollout_timeout) and args.rollout_timeout > 0):
+        raise SystemExit(f"agl: --rollout-timeout must be a positive, finite number of seconds, got {args.rollout_timeout}")
+    if args.span_retention_steps is not None and args.span_retention_steps < 0:
+        raise SystemExit(f"agl: --span-retention-steps must be >= 0 (the training steps whose spans are kept), got "
+                         f"{args.span_retention_steps}")
     adapter = _adapter(args)
     agent = load_agent(args.agent)
     train_tasks = load_tasks(args.data)
