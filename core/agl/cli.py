@@ -192,15 +192,31 @@ def _say_runners_are_awaited(args: argparse.Namespace, store: Any) -> None:
           f"another terminal: agl runner --store {where} --agent {args.agent}", file=sys.stderr, flush=True)
 
 
+_OPENED_STORES: List[Any] = []  # closed by main() when the command ends
+
+
 def _existing_store(target: Optional[str]) -> Any:
-    """The store a reading command looks at: never a new, empty SQLite file made by a mistyped path."""
+    """The store a reading command looks at: never a new, empty SQLite file made by a mistyped path. main()
+    closes it when the command ends: a SQLite store's last connection then folds its write-ahead log into the
+    file and deletes it (left open, `agl store prune` left a log as large as what it deleted beside the file)."""
     from agl.errors import StoreNotFoundError
     from agl.store import open_store
 
     try:
-        return open_store(target, create=False)
+        store = open_store(target, create=False)
     except StoreNotFoundError as exc:
         raise SystemExit(f"agl: {exc}") from None
+    _OPENED_STORES.append(store)
+    return store
+
+
+def _close_opened_stores() -> None:
+    while _OPENED_STORES:
+        store = _OPENED_STORES.pop()
+        try:
+            store.close()
+        except Exception as exc:  # noqa: BLE001 - the command's own result stands
+            logging.getLogger("agl").warning("could not close the store %r: %s", store, exc)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -508,6 +524,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BrokenPipeError:  # `agl store rollouts | head`: the reader left; say nothing more, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush too
         return 128 + signal.SIGPIPE
+    finally:
+        _close_opened_stores()
 
 
 if __name__ == "__main__":
