@@ -133,13 +133,10 @@ def test_the_agent_of_a_timed_out_rollout_can_no_longer_call_the_model(
     store = SqliteLightningStore(tmp_path / "s.db")
     trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=1.0,
                           initial_resources={"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
-    try:
-        late, following = trainer.dev(_slow_sync, [{"q": "late", "delay": 1.5}, {"q": "next", "delay": 0.1}],
-                                      print_table=False)
-        assert not _AGENT_DONE.is_set(), "the late call came before dev() returned: it tests nothing"
-        assert _AGENT_DONE.wait(10)
-    finally:
-        agl.uninstrument()  # what the Trainer kept hooked
+    late, following = trainer.dev(_slow_sync, [{"q": "late", "delay": 1.5}, {"q": "next", "delay": 0.1}],
+                                  print_table=False)
+    assert not _AGENT_DONE.is_set(), "the late call came before dev() returned: it tests nothing"
+    assert _AGENT_DONE.wait(10)
     assert late.status in ("timeout", "failed") and "timeout" in (late.error or "")
     assert following.status == "succeeded" and following.llm_calls == 1
     assert [r["body"]["messages"][0]["content"] for r in fake_openai.requests] == ["next"]
@@ -150,6 +147,14 @@ def test_the_agent_of_a_timed_out_rollout_can_no_longer_call_the_model(
 @pytest.fixture
 def instrumented() -> Any:
     agl.instrument()
+    yield
+    agl.uninstrument()
+
+
+@pytest.fixture(autouse=True)
+def _unhooked_after() -> Any:
+    """A Trainer whose runners gave up on an agent keeps the OpenAI client hooked (see the test above): take it
+    out after each test, so that the next tests start with nothing instrumented."""
     yield
     agl.uninstrument()
 
