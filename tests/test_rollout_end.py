@@ -22,6 +22,7 @@ import pytest
 import agl
 from agl import semconv
 from agl.errors import RolloutTimedOutError
+from agl.instrumentation.base import any_instrumented
 from agl.store import SqliteLightningStore
 from agl.testing import FakeOpenAIServer, FakeReply
 
@@ -142,6 +143,10 @@ def test_the_agent_of_a_timed_out_rollout_can_no_longer_call_the_model(
     assert [r["body"]["messages"][0]["content"] for r in fake_openai.requests] == ["next"]
     assert len(_SEEN) == 1 and isinstance(_SEEN[0], RolloutTimedOutError) and late.rollout_id in str(_SEEN[0])
     assert [s.kind for s in store.query_spans(late.rollout_id) if s.kind == "llm"] == []
+    # the next run takes the kept hook over, hooks the rest for itself, and unhooks everything after it
+    (again,) = trainer.dev(_slow_sync, [{"q": "again", "delay": 0.0}], print_table=False)
+    assert again.status == "succeeded" and again.llm_calls == 1
+    assert not any_instrumented(), "the kept OpenAI hook outlived the next run"
 
 
 @pytest.fixture

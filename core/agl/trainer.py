@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 from agl.algorithm.base import Algorithm, Baseline
 from agl.dataset import as_tasks
-from agl.instrumentation import instrument, uninstrument
+from agl.instrumentation import instrument, instrumented, uninstrument
 from agl.instrumentation.base import any_instrumented, is_hooked
 from agl.litagent import LitAgent, as_agent
 from agl.runner_pool import RunnerMode, RunnerPool
@@ -25,6 +25,10 @@ from agl.store.base import EnqueueRequest
 from agl.types import Resource, Rollout, RolloutConfig, RolloutMode, parse_resources
 
 logger = logging.getLogger("agl.trainer")
+
+# Hooks a Trainer set up for a run and kept past it (Trainer._unhook_after_run); the next run that hooks for
+# itself takes them over, so that it hooks the rest as if nothing were hooked and unhooks them all after.
+_kept_hooks: List[str] = []
 
 QUIET_WAIT_S = 60.0  # a wait in which no rollout finished for this long says what it waits for
 
@@ -230,11 +234,14 @@ class Trainer:
     def _unhook_after_run(hooked_here: List[str], left_running: bool) -> None:
         """Unhook what :meth:`_hook_for_run` hooked, but keep the OpenAI client hooked while an agent the runners
         gave up on at its timeout still runs: the hook is what refuses its calls (RolloutTimedOutError), and
-        without it they would reach the model server, unrecorded, beside whatever runs next."""
+        without it they would reach the model server, unrecorded, beside whatever runs next. The next run that
+        hooks for itself takes the kept hook over (:meth:`_hook_for_run`): it would otherwise see the OpenAI
+        client hooked, hook nothing else (no thread pools, no framework adapter) and leave it hooked for good."""
         keep = ["openai"] if left_running and "openai" in hooked_here else []
         if keep:
             logger.info("the OpenAI client stays instrumented after this run: an agent past its rollout's timeout "
                         "still runs, and its model calls are refused")
+            _kept_hooks[:] = keep
         uninstrument([name for name in hooked_here if name not in keep])
 
     def _hook_for_run(self) -> List[str]:
@@ -246,6 +253,14 @@ class Trainer:
         agent and tool spans and no LLM call, so nothing to train on."""
         if not self.instrument:
             return []
+        kept = [name for name in _kept_hooks if is_hooked(name)]
+        _kept_hooks.clear()
+        state = instrumented()
+        if kept and state is not None and not state["frameworks"] and not is_hooked("thread_pools"):  # only those
+            hooked = kept + instrument()
+            logger.info("instrumenting %s for this run (the OpenAI client was still hooked by an earlier one)",
+                        ", ".join(hooked))
+            return hooked
         if not any_instrumented():
             hooked = instrument()
             logger.info("agl.instrument() was not called: instrumenting %s for this run", ", ".join(hooked))
