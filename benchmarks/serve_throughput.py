@@ -19,7 +19,7 @@ from typing import Any, List, Tuple
 import openai
 import torch
 
-from agl.models import load_policy
+from agl.serving.models import load_policy
 from agl.serving import PolicyServer
 
 TOPICS = ["the sea", "a cat", "autumn", "a robot", "the moon", "coffee", "a city", "rain"]

@@ -35,7 +35,7 @@ from pydantic_core import to_json
 
 from agl.store import EnqueueRequest, InMemoryLightningStore, LightningStore, SqliteLightningStore
 from agl.store.base import AsyncRolloutCalls
-from agl.store.server import ServerLimits, TokenSet, create_app
+from agl.store.http.server import ServerLimits, TokenSet, create_app
 from agl.types import LLM, Rollout
 
 _spec = importlib.util.spec_from_file_location("store_benchmark", Path(__file__).parent / "store.py")
@@ -154,7 +154,7 @@ def cycle_stores(postgres: bool) -> Iterator[List[Tuple[str, Callable[[], Lightn
         ]
         if postgres:
             try:
-                from agl.store.postgres import PostgresLightningStore
+                from agl.store.postgres.store import PostgresLightningStore
                 from agl.testing.postgres import TemporaryPostgres
 
                 server = stack.enter_context(TemporaryPostgres(durable=True))

@@ -99,7 +99,7 @@ Backend = Tuple[str, Callable[[], LightningStore]]
 def postgres_backends() -> Iterator[List[Backend]]:
     """The PostgreSQL rows: a throwaway server (each measurement in a new database), or none with a note why."""
     try:
-        from agl.store.postgres import PostgresLightningStore
+        from agl.store.postgres.store import PostgresLightningStore
         from agl.testing.postgres import PostgresUnavailableError, TemporaryPostgres
     except ImportError as exc:
         print(f"(PostgreSQL skipped: {exc})")

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
 from agl.store import EnqueueRequest
-from agl.store.remote import RemoteLightningStore
+from agl.store.http.client import RemoteLightningStore
 from agl.types import LLM, Rollout, Span
 
 TOKEN = "bench-token"

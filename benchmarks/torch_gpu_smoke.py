@@ -34,7 +34,7 @@ import agl
 import openai
 import torch
 from agl.algorithm.torch_grpo import TorchGRPO
-from agl.models import load_policy
+from agl.serving.models import load_policy
 from agl.serving import PolicyServer
 
 sys.path.insert(0, str(Path(__file__).parent))

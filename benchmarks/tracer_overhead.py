@@ -47,10 +47,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import openai
 import wrapt
 
-from agl.context import RolloutScope, enter_scope, exit_scope
+from agl.tracing.context import RolloutScope, enter_scope, exit_scope
 from agl.instrumentation import openai_client
 from agl.instrumentation.openai_client import OpenAIInstrumentor
-from agl.tracer import get_tracer
+from agl.tracing.tracer import get_tracer
 
 try:
     import httpx2 as httpx_module  # what openai >= 3 uses

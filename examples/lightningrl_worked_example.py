@@ -31,7 +31,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 import agl
-from agl.inspection import render
+from agl.cli.inspection import render
 from agl.lightningrl import Batch, LightningRL
 from agl.testing import FakeOpenAIServer, FakeReply
 

@@ -23,7 +23,7 @@ from typing import Any, Dict, List
 from openai import OpenAI
 
 import agl
-from agl.models import smollm2_tokenizer
+from agl.serving.models import smollm2_tokenizer
 
 agl.instrument()  # the one line: LLM calls become spans with token ids
 

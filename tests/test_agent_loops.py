@@ -1,4 +1,4 @@
-"""The event loop all async agents of a process share (agl.agent_loops): concurrent thread runners share
+"""The event loop all async agents of a process share (agl.runtime.agent_loops): concurrent thread runners share
 async clients, the loop outlives runner pools, a blocked loop is replaced, it is closed at exit, forked
 children leave it alone. Real thread runners, the real ``openai`` client against the fake OpenAI server
 (LangChain's ``ChatOpenAI``: tests/integrations/test_langchain.py)."""
@@ -18,8 +18,9 @@ from typing import Any, Callable, Dict, Iterator, List
 import agl
 import openai
 import pytest
-from agl import agent_loops, runner as runner_module, semconv
-from agl.runner import Runner
+from agl.runtime import agent_loops, runner as runner_module
+from agl import semconv
+from agl.runtime.runner import Runner
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.testing import FakeOpenAIServer, FakeReply
 
@@ -118,7 +119,7 @@ def test_each_rollout_is_told_only_of_the_tasks_it_left_running(
     store = SqliteLightningStore(tmp_path / "s.db")
     trainer = agl.Trainer(store=store, n_runners=2, runner_mode="thread", progress=False)
     try:
-        with caplog.at_level(logging.WARNING, "agl.runner"):
+        with caplog.at_level(logging.WARNING, "agl.runtime.runner"):
             rows = trainer.dev(_leaves_a_task, [{"who": "a"}, {"who": "b"}], print_table=False)
     finally:
         for task in _LEFT_TASKS:
@@ -149,7 +150,7 @@ def test_a_rollout_that_blocks_the_loop_gets_it_replaced_for_later_rollouts(
     store.enqueue_many([EnqueueRequest(input={"block": True}), EnqueueRequest(input={"block": False})])
     runner = Runner(_blocks_or_not, store, rollout_timeout=0.3)
     try:
-        with caplog.at_level(logging.WARNING, "agl.agent_loops"):
+        with caplog.at_level(logging.WARNING, "agl.runtime.agent_loops"):
             blocked = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
         assert blocked.status == "failed" and "timeout" in blocked.error and runner.stuck, "it cannot be cancelled"
         fine = runner.run_rollout(store.dequeue_rollout(runner.runner_id))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import agl
-from agl.cli import load_agent
+from agl.cli.common import load_agent
 from agl.cli import main as agl_main
 from agl.store import SqliteLightningStore
 
@@ -193,7 +193,7 @@ def test_agl_dev_with_no_runners_refuses_a_store_in_memory(project: Path) -> Non
 def test_store_hints_never_show_a_database_password() -> None:
     """`agl dev` ends with an `agl inspect ... --store URL` hint (and --n-runners 0 with an `agl runner` one):
     a PostgreSQL URL was printed with its password, into terminals and CI logs."""
-    from agl.cli import store_argument
+    from agl.cli.common import store_argument
 
     shown = store_argument("postgresql://agl:s3cr3t@db.example:5432/agl")
     assert "s3cr3t" not in shown and "db.example" in shown

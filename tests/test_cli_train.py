@@ -302,7 +302,7 @@ def test_check_refuses_infinite_and_nan_numbers(
 def test_ctrl_c_before_the_first_checkpoint_does_not_offer_to_continue_one(files: Path) -> None:
     """The run had written metrics.csv (before step 1) and its published resources, but no checkpoint: the line
     said "continue it from its last checkpoint"."""
-    from agl.train_cli import _interrupted
+    from agl.cli.train import _interrupted
 
     out = files / "run"
     args = argparse.Namespace(algorithm="grpo", store=None)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import agl
-from agl.dataset import as_tasks, load_dataset
+from agl.runtime.dataset import as_tasks, load_dataset
 
 ROWS = [{"id": "a", "question": "1+1", "answer": 2}, {"id": "b", "question": "2+3", "answer": 5}]
 

@@ -223,7 +223,7 @@ def test_reading_commands_refuse_a_store_that_does_not_exist_and_create_none(tmp
 
 
 def test_cli_loads_agents_in_every_form_and_names_what_is_wrong(tmp_path, monkeypatch):
-    from agl.cli import load_agent
+    from agl.cli.common import load_agent
 
     (tmp_path / "agl_cli_test_file_agents.py").write_text(
         "import agl\n"
@@ -258,7 +258,7 @@ def test_cli_loads_agents_in_every_form_and_names_what_is_wrong(tmp_path, monkey
 def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai, instrumented):
     """Plain Python: the runner's root agent span is named after the function; nested agent spans
     (here made with the adapter kit, as framework adapters do) take over inside."""
-    from agl.agent_match import select_llm_calls
+    from agl.lightningrl.agent_match import select_llm_calls
     from agl.instrumentation.framework import agent_span
 
     @agl.rollout
@@ -344,7 +344,7 @@ def test_a_trainer_waiting_on_runners_that_do_not_exist_says_so(monkeypatch, cap
 def test_inspect_shows_an_error_as_one_line_of_the_tree():
     """A failed AutoGen team put its whole traceback (~40 lines) on the rollout, team and agent lines of the
     tree, three times over; and the marks of abandoned streams and unparsed answers were not shown."""
-    from agl.inspection import describe
+    from agl.cli.inspection import describe
     from agl.types import Span
 
     traceback_text = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\nValueError: boom"

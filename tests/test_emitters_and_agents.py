@@ -17,7 +17,7 @@ from opentelemetry import trace as otel_trace
 
 import agl
 from agl import semconv
-from agl.runner import Runner
+from agl.runtime.runner import Runner
 from agl.store import SqliteLightningStore
 
 
@@ -292,14 +292,14 @@ def test_of_several_llm_resources_the_llm_argument_gets_main_llm_else_the_first_
 ):
     """``main_llm`` is the resource the trainers update: a judge LLM listed before it must not be the one the
     agent runs (and is trained) through. Without a ``main_llm``, the first, said once, not once per rollout."""
-    from agl import litagent
+    from agl.runtime import litagent
 
     monkeypatch.setattr(litagent, "_warned_several", set())
     judge = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="judge")
     policy = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="policy")
     got = []
     agent = agl.rollout(lambda task, llm: got.append(llm.model) or 1.0)
-    with caplog.at_level("WARNING", logger="agl.litagent"):
+    with caplog.at_level("WARNING", logger="agl.runtime.litagent"):
         for resources in ({"judge": judge, "main_llm": policy}, {"judge": judge, "other": policy}, {"judge": judge, "other": policy}):
             store.add_resources(resources)
             store.enqueue_rollout({"q": 1})
@@ -318,7 +318,7 @@ def test_of_several_prompt_templates_the_argument_gets_the_one_apo_optimizes(sto
     """APO's docs and `agl train --algorithm apo` name the optimized template ``prompt``; the
     ``prompt_template`` argument preferred only a resource named ``prompt_template``, so with a second
     template listed first (a tool's prompt) the agent ran with that one, and APO's edits changed nothing."""
-    from agl import litagent
+    from agl.runtime import litagent
 
     monkeypatch.setattr(litagent, "_warned_several", set())
     got = []
@@ -470,7 +470,7 @@ def test_a_hung_async_agent_is_cancelled_and_its_thread_goes_on(store):
 
 
 def test_an_async_agent_that_ignores_its_cancellation_is_abandoned(store, monkeypatch):
-    monkeypatch.setattr(agl.runner, "CANCEL_GRACE_S", 0.2)
+    monkeypatch.setattr(agl.runtime.runner, "CANCEL_GRACE_S", 0.2)
     release = threading.Event()
 
     async def agent(task):
@@ -509,7 +509,7 @@ def test_a_result_that_comes_after_the_store_gave_up_on_the_attempt_is_ignored_a
     claimed = store.dequeue_rollout(runner.runner_id)
     result = {}
     worker = threading.Thread(target=lambda: result.update(done=runner.run_rollout(claimed)))
-    with caplog.at_level("WARNING", logger="agl.runner"):
+    with caplog.at_level("WARNING", logger="agl.runtime.runner"):
         worker.start()
         assert started.wait(10)
         assert runner.tracer.flush(10)  # the reward span is stored (a span batch counts as a heartbeat) ...
@@ -568,7 +568,7 @@ def test_failing_heartbeats_are_logged_and_retried_without_failing_the_rollout(t
     store.enqueue_rollout({"q": 1})
     runner = Runner(agl.rollout(lambda task: time.sleep(0.5) or 1.0), store, heartbeat_interval=0.05)
     try:
-        with caplog.at_level("WARNING", logger="agl.runner"):
+        with caplog.at_level("WARNING", logger="agl.runtime.runner"):
             done = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
     finally:
         runner.close()
@@ -585,7 +585,7 @@ def test_a_heartbeat_the_store_refuses_as_stale_stops_the_heartbeats_and_says_wh
     store.enqueue_rollout({"q": 1}, config=agl.RolloutConfig(heartbeat_timeout_seconds=0.1, max_attempts=2))
     runner = Runner(agl.rollout(lambda task: time.sleep(1.2) or 1.0), store, heartbeat_interval=0.6)
     claimed = store.dequeue_rollout(runner.runner_id)
-    with caplog.at_level("WARNING", logger="agl.runner"):
+    with caplog.at_level("WARNING", logger="agl.runtime.runner"):
         worker, result = _run_in_thread(runner, claimed)
         time.sleep(0.2)
         assert [r.status for r in store.reap_expired()] == ["queued"]
@@ -702,11 +702,11 @@ def test_a_stop_during_a_rollout_claims_nothing_more(tmp_path):
 def test_emitting_outside_a_rollout_stores_nothing_and_says_so_once(monkeypatch, caplog):
     """An agent tried in a plain script (no Trainer, no Runner): its emits neither raise nor go anywhere,
     and one warning says how to run it so that they are stored."""
-    from agl import emitters
+    from agl.tracing import emitters
 
     monkeypatch.setattr(emitters, "_warned_outside", False)
     before = agl.get_tracer().stats().enqueued
-    with caplog.at_level("WARNING", logger="agl.emitters"):
+    with caplog.at_level("WARNING", logger="agl.tracing.emitters"):
         agl.emit_reward(1.0)
         agl.emit_message("hi")
         agl.emit_object({"a": 1})

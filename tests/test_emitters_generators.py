@@ -12,8 +12,8 @@ from openai import OpenAI
 
 import agl
 from agl import semconv
-from agl.runner import Runner
-from agl.span_encoding import ITERATOR_MARK
+from agl.runtime.runner import Runner
+from agl.tracing.encoding import ITERATOR_MARK
 from agl.store import SqliteLightningStore
 
 

@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from agl import semconv
-from agl.context import rollout_scope
+from agl.tracing.context import rollout_scope
 from agl.instrumentation.openai_client import OpenAIInstrumentor
-from agl.serving.proxy import ATTEMPT_HEADER, CLIENT_TRACED_HEADER, ROLLOUT_HEADER, LLMProxy
+from agl.instrumentation.proxy import ATTEMPT_HEADER, CLIENT_TRACED_HEADER, ROLLOUT_HEADER, LLMProxy
 from agl.store import InMemoryLightningStore
 from agl.testing import FakeOpenAIServer, FakeReply, ListSink, tracer_writes_to
 from agl.types import ProxyLLM, Rollout

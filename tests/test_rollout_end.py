@@ -212,15 +212,15 @@ def test_an_abandoned_async_rollout_ending_late_leaves_the_next_one_cancellable_
     """The timeout probe (session 26): the runner gave up on a rollout that ignored its cancellation; when that
     one's task ended, during the next rollout, its agent thread cleared the runner's handle on the next one's
     task, which then ran on past its own timeout, uncancelled (and the runner left a second agent thread)."""
-    from agl import agent_loops
+    from agl.runtime import agent_loops
 
     _B_STARTED.clear()
     _B_CANCELLED.clear()
-    monkeypatch.setattr("agl.runner.CANCEL_GRACE_S", 1.5)  # (5 s by default) how long the stubborn one is given
+    monkeypatch.setattr("agl.runtime.runner.CANCEL_GRACE_S", 1.5)  # (5 s by default) how long the stubborn one is given
     store = SqliteLightningStore(tmp_path / "s.db")
     trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=1.5)
     try:
-        with caplog.at_level(logging.WARNING, "agl.runner"):
+        with caplog.at_level(logging.WARNING, "agl.runtime.runner"):
             stubborn, polite = trainer.dev(_ignores_then_polite, [{"kind": "stubborn"}, {"kind": "polite"}],
                                            print_table=False)
         cancelled_at_its_timeout = _B_CANCELLED.is_set()  # (before the loop's close cancels what is left)
@@ -263,11 +263,11 @@ def test_a_sync_agent_past_its_timeout_is_named_and_its_late_return_makes_no_rew
         assert not _LATE_RETURN["thread"].is_alive()
     assert row.status in ("timeout", "failed") and "timeout" in (row.error or ""), row
     stuck = [r for r in caplog.records if "did not stop at its timeout" in r.getMessage()]
-    assert len(stuck) == 1 and stuck[0].levelno == logging.WARNING and stuck[0].name == "agl.runner"
+    assert len(stuck) == 1 and stuck[0].levelno == logging.WARNING and stuck[0].name == "agl.runtime.runner"
     message = stuck[0].getMessage()
     assert row.rollout_id in message and "sync agent cannot be interrupted" in message
     assert "agent thread running" in message and "runner_mode='process'" in message
-    assert not [r for r in caplog.records if r.name == "agl.tracer"], "a span was started after the timeout"
+    assert not [r for r in caplog.records if r.name == "agl.tracing.tracer"], "a span was started after the timeout"
     assert not tracer._warned_late
 
 
@@ -284,7 +284,7 @@ def test_a_span_after_a_timeout_is_told_apart_from_one_in_a_task_a_rollout_left_
             contexts[rollout_id] = contextvars.copy_context()
         scope.outcome = "timed out" if rollout_id == "ro-timed-out" else scope.outcome
         scope.end()
-    with caplog.at_level(logging.WARNING, "agl.tracer"):
+    with caplog.at_level(logging.WARNING, "agl.tracing.tracer"):
         for rollout_id in ("ro-timed-out", "ro-timed-out", "ro-returned", "ro-returned"):
             contexts[rollout_id].run(lambda: tracer.start_span(f"late {rollout_id}", "tool").end())
     timed_out, returned = [r.getMessage() for r in caplog.records]  # one each, though each came twice

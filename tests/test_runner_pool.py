@@ -12,9 +12,9 @@ from typing import Any
 
 import agl
 import pytest
-from agl import agent_loops
-from agl.runner import Runner
-from agl.runner_pool import RunnerPool
+from agl.runtime import agent_loops
+from agl.runtime.runner import Runner
+from agl.runtime.runner_pool import RunnerPool
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.types import RolloutConfig
 
@@ -34,7 +34,7 @@ def test_stop_bounds_the_whole_stop_not_each_stuck_runner(tmp_path: Path, caplog
         assert time.monotonic() < deadline, "the runners never started their rollouts"
         time.sleep(0.05)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="agl.runner_pool"):
+    with caplog.at_level(logging.WARNING, logger="agl.runtime.runner_pool"):
         pool.stop(timeout=1.0)
     elapsed = time.monotonic() - started
     # one shared 1 s deadline, then the kills (before: 1 s per stuck runner, in turn)
@@ -80,7 +80,7 @@ def test_a_runner_says_its_rollout_was_cancelled_not_timed_out(tmp_path: Path, c
         while store.get_rollout(rollout.rollout_id).status != "running":
             assert time.monotonic() < deadline, "the rollout never started"
             time.sleep(0.05)
-        with caplog.at_level(logging.WARNING, logger="agl.runner"):
+        with caplog.at_level(logging.WARNING, logger="agl.runtime.runner"):
             store.cancel_rollout(rollout.rollout_id)
             time.sleep(1.0)  # a few heartbeats
         assert f"of {rollout.rollout_id} was cancelled (cancel_rollout)" in caplog.text
@@ -179,7 +179,7 @@ def test_an_agent_that_cannot_be_pickled_for_a_spawned_runner_is_refused_with_wh
 def test_the_start_method_is_fork_on_linux_spawn_on_macos_and_agl_start_method_chooses(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from agl import runner_pool
+    from agl.runtime import runner_pool
 
     monkeypatch.delenv("AGL_START_METHOD", raising=False)
     monkeypatch.setattr(runner_pool.sys, "platform", "linux")
@@ -198,8 +198,8 @@ def test_runners_the_store_refuses_stop_the_pool_with_what_to_do(tmp_path: Path)
     and was respawned, forever, each printing a traceback; the crash-loop guard never fired, since the pool
     looks at its workers once a second and it counted deaths within a second of the start."""
     from agl.errors import StoreAuthError
-    from agl.store.remote import RemoteLightningStore
-    from agl.store.server import ServerThread, TokenSet, create_app
+    from agl.store.http.client import RemoteLightningStore
+    from agl.store.http.server import ServerThread, TokenSet, create_app
 
     backing = SqliteLightningStore(tmp_path / "store.db")
     server = ServerThread(create_app(backing, tokens=TokenSet({"trainer": "good"}))).start()
@@ -260,7 +260,7 @@ _KEPT: dict = {}
 
 async def _keeps_working():
     """Stands for an SDK's background run whose stream the agent stopped reading: it goes on making calls."""
-    from agl.tracer import get_tracer
+    from agl.tracing.tracer import get_tracer
 
     while True:
         await asyncio.sleep(0.05)
@@ -321,10 +321,10 @@ def test_tasks_a_rollout_left_running_record_nothing_into_it_after_it_returned(
 
 
 def test_closing_a_runner_twice_is_quiet(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from agl.runner import Runner
+    from agl.runtime.runner import Runner
 
     runner = Runner(_abandons_a_stream, SqliteLightningStore(tmp_path / "s.db"))
-    with caplog.at_level(logging.WARNING, "agl.runner"):
+    with caplog.at_level(logging.WARNING, "agl.runtime.runner"):
         runner.close()
         runner.close()  # (the second found its executor shut down and logged that it could not schedule)
     assert not caplog.records
@@ -338,7 +338,7 @@ def test_a_rollout_timeout_the_store_recorded_first_is_not_reported_again(
     problem."""
     import asyncio
 
-    from agl.runner import Runner
+    from agl.runtime.runner import Runner
 
     @agl.rollout
     async def hangs(task: dict) -> float:
@@ -356,14 +356,14 @@ def test_a_rollout_timeout_the_store_recorded_first_is_not_reported_again(
         store.reap_expired()
         time.sleep(0.05)
     try:
-        with caplog.at_level(logging.INFO, logger="agl.runner"):
+        with caplog.at_level(logging.INFO, logger="agl.runtime.runner"):
             ended = runner.run_rollout(rollout)
     finally:
         runner.close()
     (attempt,) = store.query_attempts(rollout.rollout_id)
     assert (ended.status, attempt.status) == ("failed", "timeout")
     assert attempt.error and "ended by the store" in attempt.error  # the store was first, as meant here
-    runner_records = [r for r in caplog.records if r.name == "agl.runner"]
+    runner_records = [r for r in caplog.records if r.name == "agl.runtime.runner"]
     assert not [r for r in runner_records if r.levelno >= logging.WARNING], [r.getMessage() for r in runner_records]
     assert any("timed out (the store had ended attempt" in r.getMessage() for r in runner_records)
     store.close()
@@ -375,8 +375,8 @@ def test_stop_does_not_wait_out_a_store_outage_to_record_a_killed_runners_attemp
     """SIGTERM to a busy `agl runner` while its store server was down: the busy runner was killed after the stop
     timeout, then ending its attempt rode out the outage (10 minutes for `agl runner`), so a process manager's
     grace period, set a little above --stop-timeout, ran out first. Now stop waits a few seconds and says so."""
-    from agl.store.remote import RemoteLightningStore
-    from agl.store.server import ServerThread, create_app
+    from agl.store.http.client import RemoteLightningStore
+    from agl.store.http.server import ServerThread, create_app
 
     backing = SqliteLightningStore(tmp_path / "store.db")
     server = ServerThread(create_app(backing, allow_anonymous=True)).start()
@@ -391,7 +391,7 @@ def test_stop_does_not_wait_out_a_store_outage_to_record_a_killed_runners_attemp
             time.sleep(0.05)
         server.stop()  # the store server is gone while the runner is busy
         started = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="agl.runner_pool"):
+        with caplog.at_level(logging.WARNING, logger="agl.runtime.runner_pool"):
             pool.stop(timeout=0.5, reason="the test stops it")
         elapsed = time.monotonic() - started
     finally:
@@ -436,7 +436,7 @@ def test_a_heartbeat_in_flight_as_the_runner_completes_is_no_timeout_warning(
     store = HeartbeatInFlightAtTheEnd(tmp_path / "store.db")
     (rollout,) = store.enqueue_many([EnqueueRequest(input={})])
     runner = Runner(agl.rollout(lambda task: 1.0 if store.beating.wait(30) else 0.0), store, heartbeat_interval=0.01)
-    with caplog.at_level(logging.INFO, logger="agl.runner"):
+    with caplog.at_level(logging.INFO, logger="agl.runtime.runner"):
         runner.run_rollout(store.dequeue_rollout(runner.runner_id))
         beats = [t for t in threading.enumerate() if t.name == "agl-heartbeat"]
         for beat in beats:
@@ -462,7 +462,7 @@ def test_a_heartbeat_timeout_not_longer_than_the_heartbeat_interval_is_refused_o
     store = SqliteLightningStore(tmp_path / "store.db")
     store.enqueue_many([EnqueueRequest(input={}, config=RolloutConfig(heartbeat_timeout_seconds=3.0))] * 2)
     runner = Runner(agl.rollout(lambda task: 1.0), store, heartbeat_interval=5.0)
-    with caplog.at_level(logging.WARNING, logger="agl.runner"):
+    with caplog.at_level(logging.WARNING, logger="agl.runtime.runner"):
         for _ in range(2):
             runner.run_rollout(store.dequeue_rollout(runner.runner_id))
     assert caplog.text.count(

@@ -20,7 +20,7 @@ from typing import Any, Callable, List
 
 import agl
 import pytest
-from agl.runner_pool import RunnerPool
+from agl.runtime.runner_pool import RunnerPool
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.types import RolloutConfig
 

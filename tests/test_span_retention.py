@@ -12,7 +12,7 @@ import agl
 import pytest
 from agl.errors import StoreUnavailableError
 from agl.store import SqliteLightningStore
-from agl.store.server import ServerThread, TokenSet, create_app
+from agl.store.http.server import ServerThread, TokenSet, create_app
 from agl.types import Rollout, Span
 
 

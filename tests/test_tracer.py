@@ -12,9 +12,9 @@ from opentelemetry import trace as otel_trace
 
 import agl
 from agl import semconv
-from agl.context import rollout_scope
-from agl.span_encoding import Computed
-from agl.tracer import Tracer
+from agl.tracing.context import rollout_scope
+from agl.tracing.encoding import Computed
+from agl.tracing.tracer import Tracer
 
 
 class ListSink:
@@ -484,7 +484,7 @@ def test_spans_reach_a_new_store_while_the_old_store_server_is_down(tmp_path, ca
     import socket
 
     from agl.store import SqliteLightningStore
-    from agl.store.remote import RemoteLightningStore
+    from agl.store.http.client import RemoteLightningStore
 
     with socket.socket() as sock:  # a port nobody listens on: connections are refused, as after a server stops
         sock.bind(("127.0.0.1", 0))

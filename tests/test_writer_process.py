@@ -12,10 +12,10 @@ import time
 import pytest
 
 from agl import semconv
-from agl.context import rollout_scope
-from agl.span_encoding import Computed
+from agl.tracing.context import rollout_scope
+from agl.tracing.encoding import Computed
 from agl.store import InMemoryLightningStore, SqliteLightningStore
-from agl.tracer import Tracer
+from agl.tracing.tracer import Tracer
 
 
 @pytest.fixture()
@@ -76,7 +76,7 @@ def test_a_killed_writer_process_loses_nothing(tracer, store, caplog):
     os.kill(pid, signal.SIGSTOP)
     make_spans(tracer, rollout_id, attempt_id, 200, "during")  # shipped into the pipe, never acknowledged
     assert tracer.processor._in_flight, "the test must kill the child with batches in flight"
-    with caplog.at_level(logging.WARNING, logger="agl.tracer"):
+    with caplog.at_level(logging.WARNING, logger="agl.tracing.tracer"):
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while tracer.processor.writer_pid is not None and time.monotonic() < deadline:
@@ -93,7 +93,7 @@ def test_a_killed_writer_process_loses_nothing(tracer, store, caplog):
 def test_a_store_other_processes_cannot_share_keeps_the_thread(caplog):
     store = InMemoryLightningStore()
     t = Tracer(writer="process")
-    with caplog.at_level(logging.WARNING, logger="agl.tracer"):
+    with caplog.at_level(logging.WARNING, logger="agl.tracing.tracer"):
         t.set_store(store)
     assert t.processor.writer_pid is None
     assert "InMemoryLightningStore is not" in caplog.text

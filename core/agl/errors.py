@@ -132,7 +132,7 @@ class MissingTokenIdsError(AglError, ValueError):
 
 class RolloutTimedOutError(AglError, TimeoutError):
     """A model call made by the agent of a rollout that ran past its timeout and was ended: refused before it
-    reaches the model server (see :func:`agl.context.refuse_calls_after_timeout`)."""
+    reaches the model server (see :func:`agl.tracing.context.refuse_calls_after_timeout`)."""
 
     def __init__(self, rollout_id: str) -> None:
         super().__init__(

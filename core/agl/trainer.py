@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from agl.algorithm.base import Algorithm, Baseline
-from agl.dataset import as_tasks
+from agl.runtime.dataset import as_tasks
 from agl.instrumentation import instrument, instrumented, uninstrument
 from agl.instrumentation.base import any_instrumented, is_hooked
-from agl.litagent import LitAgent, as_agent
-from agl.runner_pool import RunnerMode, RunnerPool
-from agl.span_retention import SpanRetention
+from agl.runtime.litagent import LitAgent, as_agent
+from agl.runtime.runner_pool import RunnerMode, RunnerPool
+from agl.runtime.span_retention import SpanRetention
 from agl.store import LightningStore, open_store
 from agl.store.base import EnqueueRequest
 from agl.types import Resource, Rollout, RolloutConfig, RolloutMode, parse_resources
@@ -32,7 +32,7 @@ _kept_hooks: List[str] = []
 
 QUIET_WAIT_S = 60.0  # a wait in which no rollout finished for this long says what it waits for
 
-AgentLike = Union[LitAgent[Any], Callable[..., Any]]  # a plain rollout function is wrapped (agl.litagent.as_agent)
+AgentLike = Union[LitAgent[Any], Callable[..., Any]]  # a plain rollout function is wrapped (agl.runtime.litagent.as_agent)
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Trainer:
         n_workers: Optional[int] = None,
     ) -> None:
         """``span_retention_steps``: keep the spans of the last N training steps and delete older ones (their
-        rollouts and rewards stay, validation spans stay); None keeps every span. See agl.span_retention.
+        rollouts and rewards stay, validation spans stay); None keeps every span. See agl.runtime.span_retention.
 
         ``store_outage_timeout``: with a store server (``store="http://..."``) or PostgreSQL, how long each
         store call of the trainer and its runners keeps trying through an outage (a server restart) before the
@@ -127,7 +127,7 @@ class Trainer:
     ) -> List[Rollout]:
         """Enqueue ``n_per_task`` rollouts per task and wait for all of them; returns them in task order.
 
-        Items without an id are named by position and mode (:func:`agl.dataset.as_tasks`): ``task-<i>`` for
+        Items without an id are named by position and mode (:func:`agl.runtime.dataset.as_tasks`): ``task-<i>`` for
         ``mode="train"``, ``val-<i>`` for ``mode="val"``, so validation and training tasks never share an id.
 
         Needs runners: this trainer's pool (inside ``fit``/``dev``, or ``with trainer.runners(agent):``), or
@@ -153,7 +153,7 @@ class Trainer:
         return self._wait(rollouts, description, timeout)
 
     def _wait(self, rollouts: List[Rollout], description: str, timeout: Optional[float]) -> List[Rollout]:
-        from agl.progress import progress_bar
+        from agl._util.progress import progress_bar
 
         ids = [r.rollout_id for r in rollouts]
         pending = set(ids)
@@ -289,7 +289,7 @@ class Trainer:
             rollouts = self.run_tasks(dev_dataset, mode=mode, description="dev")
         summaries = [self.summarize(r) for r in rollouts]
         if print_table:
-            from agl.progress import print_rollout_table
+            from agl._util.progress import print_rollout_table
 
             print_rollout_table(summaries)
         return summaries

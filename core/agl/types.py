@@ -9,9 +9,18 @@ from __future__ import annotations
 import os
 import random
 import time
-from typing import Any, Dict, List, Literal, Optional, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Type, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+def _no_rollout() -> Optional[Tuple[str, str]]:
+    return None
+
+
+# ``(rollout_id, attempt_id)`` of the rollout the caller runs in. The rollout context (agl.tracing.context)
+# sits above these types and sets this when imported: before that, no rollout can be running.
+current_rollout_ids: Callable[[], Optional[Tuple[str, str]]] = _no_rollout
 
 RolloutStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 AttemptStatus = Literal["running", "succeeded", "failed", "timeout", "unresponsive", "cancelled"]
@@ -24,7 +33,7 @@ TERMINAL_ATTEMPT_STATUSES: frozenset[str] = frozenset(
 )
 
 
-# Ids (and span ids, see agl.otel_span) come from a generator of agl's own, seeded from os.urandom and
+# Ids (and span ids, see agl.tracing.spans) come from a generator of agl's own, seeded from os.urandom and
 # reseeded in forked children: agents often call random.seed(...) (per task, for reproducibility), which
 # would make ids repeat; and uuid4 costs a system call per id (three per rollout on the store's hot path).
 _rng = random.Random()
@@ -226,11 +235,9 @@ class ProxyLLM(LLM):
         calls ``llm.get_base_url()`` reaches the proxy under its own rollout unchanged."""
         base = self.endpoint.rstrip("/")
         if rollout_id is None and attempt_id is None:
-            from agl.context import current_scope
-
-            scope = current_scope()
-            if scope is not None:
-                rollout_id, attempt_id = scope.rollout_id, scope.attempt_id
+            ids = current_rollout_ids()
+            if ids is not None:
+                rollout_id, attempt_id = ids
         if rollout_id is None or attempt_id is None:
             return base
         prefix, sep, suffix = base.rpartition("/v1")

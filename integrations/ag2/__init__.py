@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Tuple
 
 from agl.instrumentation.base import Instrumentor, requirement_problem
 from agl.instrumentation.framework import PatchSet
-from agl.instrumentation.safety import report_internal_error
+from agl._util.safety import report_internal_error
 
 logger = logging.getLogger("agl.instrumentation")
 

@@ -17,7 +17,7 @@ import contextvars
 import threading
 from typing import Awaitable, Callable, ContextManager, Dict, Iterator, Optional, Tuple, TypeVar
 
-from agl.instrumentation.safety import report_internal_error
+from agl._util.safety import report_internal_error
 
 T = TypeVar("T")
 

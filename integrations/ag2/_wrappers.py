@@ -30,11 +30,11 @@ from typing import Any, Callable, ContextManager, Dict, List, Tuple
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.context import current_scope
+from agl.tracing.context import current_scope
 from agl.instrumentation.framework import PatchSet, agent_span, set_tool_result, tool_span
-from agl.instrumentation.safety import guard
+from agl._util.safety import guard
 from agl.integrations.ag2._context import ContextHandoff, enter_guarded, in_context
-from agl.tracer import get_tracer
+from agl.tracing.tracer import get_tracer
 
 FRAMEWORK = "ag2"
 _AGENT_MODULE = "autogen.agentchat.conversable_agent"

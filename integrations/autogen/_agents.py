@@ -22,9 +22,9 @@ from opentelemetry.trace import Span
 
 from agl import semconv
 from agl.instrumentation.framework import finish_span, start_agent_span
-from agl.instrumentation.safety import guard, guarded
+from agl._util.safety import guard, guarded
 from agl.integrations.autogen._streams import iterate_in_span
-from agl.tracer import get_tracer
+from agl.tracing.tracer import get_tracer
 
 FRAMEWORK = "autogen"
 _SPEAKING = otel_context.create_key("agl.autogen.speaking_agent")

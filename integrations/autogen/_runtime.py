@@ -5,7 +5,7 @@ Such a task inherits the contextvars of the loop, that is of whichever code call
 not of the code that sent the message. A runtime started in one rollout and kept for the next ones (the
 runner keeps its event loop across rollouts) handled every later rollout's messages in the first
 rollout's context: once that rollout had returned, the agent, tool and ``llm`` spans made while handling
-them were not stored (``agl.context.current_scope``), and their parent was a span of the first rollout.
+them were not stored (``agl.tracing.context.current_scope``), and their parent was a span of the first rollout.
 
 AutoGen offers no public hook that runs where a message is sent: intervention handlers run in the
 processing loop, and the envelope's telemetry metadata carries only an OpenTelemetry trace parent
@@ -25,9 +25,9 @@ from typing import Any, Callable, Coroutine, Dict, Optional, Tuple
 
 from opentelemetry import context as otel_context
 
-from agl.context import RolloutScope, current_scope, ended_scope, enter_scope, exit_scope
+from agl.tracing.context import RolloutScope, current_scope, ended_scope, enter_scope, exit_scope
 from agl.instrumentation.framework import PatchSet
-from agl.instrumentation.safety import guard
+from agl._util.safety import guard
 
 _RUNTIME_MODULE = "autogen_core._single_threaded_agent_runtime"
 _ENVELOPES = ("SendMessageEnvelope", "PublishMessageEnvelope")

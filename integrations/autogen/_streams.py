@@ -22,7 +22,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Span
 
 from agl.instrumentation.framework import finish_span
-from agl.instrumentation.safety import guard
+from agl._util.safety import guard
 
 T = TypeVar("T")
 

@@ -16,9 +16,9 @@ from typing import Any, Callable, Dict, Tuple
 
 import wrapt
 
-from agl.context import propagate
+from agl.tracing.context import propagate
 from agl.instrumentation.framework import PatchSet
-from agl.instrumentation.safety import guarded
+from agl._util.safety import guarded
 
 
 class _ContextBound(wrapt.ObjectProxy):  # type: ignore[misc]

@@ -17,10 +17,10 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Span
 
 from agl.instrumentation.framework import finish_tool, start_tool_span
-from agl.instrumentation.safety import guard, guarded
+from agl._util.safety import guard, guarded
 from agl.instrumentation.tool_failures import mark_tool_failed
 from agl.integrations.autogen._agents import FRAMEWORK
-from agl.tracer import record_exception
+from agl.tracing.tracer import record_exception
 
 _TOOL_CALL = otel_context.create_key("agl.autogen.tool_call")
 

@@ -19,7 +19,7 @@ import importlib
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from agl.context import carry_scope
+from agl.tracing.context import carry_scope
 from agl.instrumentation.framework import PatchSet
 
 

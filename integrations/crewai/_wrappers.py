@@ -5,7 +5,7 @@ makes for a request nests under the agent span of the CrewAI agent that made it 
 provider calls ``chat.completions.create`` / ``responses.create`` on the ``openai`` client).
 
 Rules every wrapper follows:
-- an error in agl's own code is reported (:func:`~agl.instrumentation.safety.report_internal_error`) and
+- an error in agl's own code is reported (:func:`~agl._util.safety.report_internal_error`) and
   the user's call runs without that span; an error of the user's call is re-raised unchanged;
 - one span per logical step: CrewAI re-enters the same step (``akickoff`` -> ``kickoff_async``, an
   agent's retry calling ``execute_task`` again, a structured tool calling its original), so a wrapper
@@ -28,10 +28,10 @@ from opentelemetry import trace as otel_trace
 
 from agl import semconv
 from agl.instrumentation.framework import finish_span, finish_tool, start_agent_span, start_tool_span
-from agl.instrumentation.safety import guard, report_internal_error
+from agl._util.safety import guard, report_internal_error
 from agl.instrumentation.tool_failures import mark_tool_failed, record_failed_tool_call
 from agl.integrations.crewai._threads import in_running_loop
-from agl.tracer import get_tracer
+from agl.tracing.tracer import get_tracer
 
 logger = logging.getLogger("agl.integrations.crewai")
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from agl.instrumentation.base import Instrumentor, hooks_owner
-from agl.instrumentation.context_keys import register_parent_resolver, unregister_parent_resolver
+from agl.tracing.context_keys import register_parent_resolver, unregister_parent_resolver
+from agl.tracing.tracer import register_callback_handler
 from agl.instrumentation.framework import PatchSet
-from agl.instrumentation.safety import guard
+from agl._util.safety import guard
 
 if TYPE_CHECKING:
     from agl.integrations.langchain._handler import AglCallbackHandler
@@ -52,6 +53,9 @@ def callback_handler() -> "AglCallbackHandler":
             "instrument=False), after which no callbacks=[...] is needed at all"
         )
     return handler
+
+
+register_callback_handler("langchain", callback_handler)
 
 
 class LangChainInstrumentor(Instrumentor):

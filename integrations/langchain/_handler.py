@@ -59,7 +59,7 @@ from agl.instrumentation.framework import (
     start_chain_span,
     start_tool_span,
 )
-from agl.instrumentation.safety import report_internal_error
+from agl._util.safety import report_internal_error
 from agl.instrumentation.tool_failures import mark_tool_failed, record_failed_tool_call
 from agl.integrations.langchain._runs import (
     ParentInfo,
@@ -69,7 +69,7 @@ from agl.integrations.langchain._runs import (
     plan_chain_run,
     run_name,
 )
-from agl.tracer import record_exception
+from agl.tracing.tracer import record_exception
 
 FRAMEWORK = "langchain"
 F = TypeVar("F", bound=Callable[..., Any])

@@ -19,7 +19,7 @@ from typing import Any, Tuple
 
 from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.framework import PatchSet
-from agl.instrumentation.safety import guard
+from agl._util.safety import guard
 
 logger = logging.getLogger("agl.instrumentation")
 

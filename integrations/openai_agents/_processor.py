@@ -61,9 +61,9 @@ from opentelemetry.trace import StatusCode
 
 from agl import semconv
 from agl.instrumentation.framework import finish_span, finish_tool, start_agent_span, start_tool_span
-from agl.instrumentation.safety import guarded
+from agl._util.safety import guarded
 from agl.integrations.openai_agents._tool_calls import ToolCall, requested_calls, take_call_id
-from agl.tracer import get_tracer
+from agl.tracing.tracer import get_tracer
 
 FRAMEWORK = "openai_agents"
 HANDOFF_FROM = "openai_agents.handoff.from_agent"

@@ -22,10 +22,10 @@ from agents.tracing.traces import NoOpTrace
 
 from agl import semconv
 from agl.instrumentation.framework import PatchSet
-from agl.instrumentation.safety import guarded
+from agl._util.safety import guarded
 from agl.integrations.openai_agents._processor import AglTracingProcessor
-from agl.otel_span import AglSpan
-from agl.tracer import get_tracer
+from agl.tracing.spans import AglSpan
+from agl.tracing.tracer import get_tracer
 
 logger = logging.getLogger("agl.instrumentation")
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import agl.instrumentation
-from agl.context import RolloutScope, enter_scope, exit_scope
+from agl.tracing.context import RolloutScope, enter_scope, exit_scope
 from agl.instrumentation.openai_client import OpenAIInstrumentor
 from agl.testing import FakeOpenAIServer, ListSink, tracer_writes_to
 from agl.types import Span
@@ -58,7 +58,7 @@ def _rollout(rollout_id: str = "", attempt_id: str = "at-1", **options: Any) -> 
         yield scope
     finally:
         exit_scope(token)
-        scope.end_open_work()  # as agl.context.rollout_scope and the runner do
+        scope.end_open_work()  # as agl.tracing.context.rollout_scope and the runner do
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import json
 from agl import semconv
 from agl.instrumentation.framework import finish_tool, start_tool_span
 from agl.testing.sink import ListSink, tracer_writes_to
-from agl.tracer import get_tracer
+from agl.tracing.tracer import get_tracer
 
 
 def test_tool_arguments_are_what_the_tool_was_called_with_even_if_it_changes_them(rollout) -> None:

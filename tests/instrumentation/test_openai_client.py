@@ -17,14 +17,15 @@ from openai.resources.responses import AsyncResponses, Responses
 
 import agl.instrumentation
 from agl import semconv
-from agl.context import propagate
-from agl.instrumentation import openai_client, openai_payloads, openai_streams
-from agl.instrumentation.context_keys import llm_span_already_open
+from agl.tracing.context import propagate
+from agl.instrumentation import openai_client
+from agl.openai_wire import payloads, streams
+from agl.tracing.context_keys import llm_span_already_open
 from agl.instrumentation.openai_client import OpenAIInstrumentor
-from agl.instrumentation.safety import internal_error_count
+from agl._util.safety import internal_error_count
 from agl.testing import FakeReply
 from agl.testing.fake_policy import fake_logprob, render_assistant, tool_call_from_spec
-from agl.tracer import get_tracer
+from agl.tracing.tracer import get_tracer
 
 MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
 TOOLS = [
@@ -554,8 +555,8 @@ def test_internal_errors_in_streams_and_on_the_writer_thread_are_contained(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("bug in agl")
 
-    monkeypatch.setattr(openai_streams.ChatStreamAccumulator, "add", broken)  # on the caller's thread
-    monkeypatch.setattr(openai_payloads, "_responses_output_messages", broken)  # on the writer thread
+    monkeypatch.setattr(streams.ChatStreamAccumulator, "add", broken)  # on the caller's thread
+    monkeypatch.setattr(payloads, "_responses_output_messages", broken)  # on the writer thread
     fake_openai.script(FakeReply(content="one two"), FakeReply(content="three"))
     before = internal_error_count()
     with rollout() as scope:
@@ -750,7 +751,7 @@ def test_a_call_made_in_a_thread_without_the_rollouts_context_is_said_once(clien
     """A thread of the agent's own does not inherit contextvars: its calls are outside the rollout and lost.
     Before, only a debug line said so (users saw 'no llm calls' and empty triplets); now a warning says how
     to carry the context, once. agl.propagate's call lands in the rollout."""
-    from agl import tracer as tracer_module
+    from agl.tracing import tracer as tracer_module
 
     monkeypatch.setattr(tracer_module.get_tracer().processor, "_warned_stray_call", False)
     ask = lambda: client.chat.completions.create(model="fake-model", messages=MESSAGES)  # noqa: E731
@@ -760,7 +761,7 @@ def test_a_call_made_in_a_thread_without_the_rollouts_context_is_said_once(clien
         thread.start()
         thread.join()
 
-    with caplog.at_level("WARNING", logger="agl.tracer"):
+    with caplog.at_level("WARNING", logger="agl.tracing.tracer"):
         with agl.rollout_scope("ro-stray", "at-1"):
             in_thread(ask)
             in_thread(ask)
@@ -830,7 +831,7 @@ def test_a_failure_reported_inside_a_responses_stream_marks_the_span(sink, rollo
     )
     with rollout() as scope:
         call, _ = openai_client._begin("responses", None, {"model": "fake-model", "input": "hi", "stream": True}, None)
-        accumulator = openai_streams.ResponsesStreamAccumulator(with_logprobs=False)
+        accumulator = streams.ResponsesStreamAccumulator(with_logprobs=False)
         accumulator.add(SimpleNamespace(type="response.failed", response=failed))
         call.end_stream(accumulator, None)
     (span,) = sink.of(scope.rollout_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from agl.instrumentation.safety import guard, guarded, internal_error_count, report_internal_error
+from agl._util.safety import guard, guarded, internal_error_count, report_internal_error
 
 
 def test_errors_are_counted_per_site_and_logged_once(caplog):

@@ -13,7 +13,7 @@ import pytest
 
 import agl
 from agl import semconv
-from agl.inspection import describe
+from agl.cli.inspection import describe
 from agl.instrumentation import token_id_refusals
 from agl.lightningrl import LightningRL
 from agl.store import SqliteLightningStore

@@ -26,10 +26,10 @@ pytest.importorskip("autogen" if CLASSIC else "ag2")
 
 import agl  # noqa: E402
 from agl import semconv  # noqa: E402
-from agl.agent_match import select_llm_calls  # noqa: E402
-from agl.context import rollout_scope  # noqa: E402
+from agl.lightningrl.agent_match import select_llm_calls  # noqa: E402
+from agl.tracing.context import rollout_scope  # noqa: E402
 from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
-from agl.instrumentation.safety import internal_error_count  # noqa: E402
+from agl._util.safety import internal_error_count  # noqa: E402
 from agl.integrations.ag2 import AG2Instrumentor  # noqa: E402
 from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
 from agl.lightningrl.links import CallLinks  # noqa: E402

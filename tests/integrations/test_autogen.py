@@ -36,7 +36,7 @@ from opentelemetry import trace as otel_trace  # noqa: E402
 import agl  # noqa: E402
 import agl.instrumentation  # noqa: E402
 from agl import semconv  # noqa: E402
-from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
 from agl.integrations.autogen import AutoGenInstrumentor  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
 from agl.testing import FakeReply, assert_tool_reward_credited  # noqa: E402

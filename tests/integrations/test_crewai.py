@@ -28,9 +28,9 @@ from crewai.tools import tool  # noqa: E402
 
 import agl  # noqa: E402
 from agl import semconv  # noqa: E402
-from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
-from agl.context import rollout_scope  # noqa: E402
-from agl.instrumentation.safety import internal_error_count  # noqa: E402
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
+from agl.tracing.context import rollout_scope  # noqa: E402
+from agl._util.safety import internal_error_count  # noqa: E402
 from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
 from agl.lightningrl.links import CallLinks  # noqa: E402
 from agl.lightningrl.tree import build_tree  # noqa: E402

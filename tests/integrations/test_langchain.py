@@ -32,14 +32,14 @@ from langgraph.types import Command  # noqa: E402
 import agl  # noqa: E402
 import agl.instrumentation  # noqa: E402
 from agl import semconv  # noqa: E402
-from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
-from agl.instrumentation import context_keys  # noqa: E402
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
+from agl.tracing import context_keys
 from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
-from agl.instrumentation.safety import internal_error_count  # noqa: E402
+from agl._util.safety import internal_error_count  # noqa: E402
 from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
 from agl.lightningrl.links import CallLinks  # noqa: E402
 from agl.lightningrl.tree import build_tree  # noqa: E402
-from agl.tracer import get_tracer  # noqa: E402
+from agl.tracing.tracer import get_tracer  # noqa: E402
 from agl.integrations.langchain import LangChainInstrumentor  # noqa: E402
 from agl.integrations.langchain._handler import AglCallbackHandler  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
@@ -1226,7 +1226,7 @@ def test_the_example_runs_as_its_docstring_says(dev_example) -> None:
     dev_example("langgraph_agent.py:langgraph_calc_agent", "^(solve|check)$")
 
 
-# -- thread runners share one event loop for async rollouts (agl.agent_loops) ---------------------------------
+# -- thread runners share one event loop for async rollouts (agl.runtime.agent_loops) ---------------------------------
 _BASE_URL: Dict[str, str] = {}
 
 

@@ -33,9 +33,9 @@ from opentelemetry import trace as otel_trace  # noqa: E402
 
 import agl  # noqa: E402
 from agl import semconv  # noqa: E402
-from agl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
-from agl.context import rollout_scope  # noqa: E402
-from agl.instrumentation.safety import internal_error_count  # noqa: E402
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
+from agl.tracing.context import rollout_scope  # noqa: E402
+from agl._util.safety import internal_error_count  # noqa: E402
 from agl.integrations.openai_agents import OpenAIAgentsInstrumentor  # noqa: E402
 from agl.integrations.openai_agents._processor import AglTracingProcessor  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402

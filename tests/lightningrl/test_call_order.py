@@ -11,13 +11,13 @@ from pathlib import Path
 import httpx
 
 from agl import semconv
-from agl.agent_match import select_llm_calls
-from agl.inspection import span_tree
+from agl.lightningrl.agent_match import select_llm_calls
+from agl.cli.inspection import span_tree
 from agl.lightningrl import LightningRL
 from agl.lightningrl.links import CallLinks
 from agl.lightningrl.tree import build_tree
 from agl.store import SqliteLightningStore
-from agl.store.server import ServerThread, TokenSet, create_app
+from agl.store.http.server import ServerThread, TokenSet, create_app
 from agl.types import Span
 
 TOKEN = "order-token"

@@ -8,13 +8,13 @@ from openai import OpenAI
 
 import agl
 from agl import semconv
-from agl.instrumentation.context_keys import register_parent_resolver, unregister_parent_resolver
+from agl.tracing.context_keys import register_parent_resolver, unregister_parent_resolver
 from agl.instrumentation.framework import agent_span, start_agent_span
 from agl.lightningrl.air import AIRConfig, air_rewards
 from agl.lightningrl.links import CallLinks
 from agl.lightningrl.synthetic import TraceBuilder
 from agl.lightningrl.tree import build_tree
-from agl.tracer import get_tracer
+from agl.tracing.tracer import get_tracer
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl import semconv
-from agl.agent_match import PolicyMatcher, select_llm_calls
+from agl.lightningrl.agent_match import PolicyMatcher, select_llm_calls
 from agl.errors import MissingTokenIdsError
 from agl.lightningrl.retokenize import Retokenizer
 from agl.lightningrl.synthetic import TraceBuilder

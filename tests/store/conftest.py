@@ -10,8 +10,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 from agl.store import InMemoryLightningStore, LightningStore, SqliteLightningStore
-from agl.store.remote import RemoteLightningStore
-from agl.store.server import ServerLimits, ServerThread, TokenSet, create_app
+from agl.store.http.client import RemoteLightningStore
+from agl.store.http.server import ServerLimits, ServerThread, TokenSet, create_app
 from agl.testing.postgres import PostgresServer, PostgresUnavailableError, postgres_for_tests
 from agl.types import Rollout, Span
 

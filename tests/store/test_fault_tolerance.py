@@ -19,8 +19,8 @@ from typing import Callable, Iterator, List, Optional
 
 import pytest
 from agl.store import EnqueueRequest, SqliteLightningStore
-from agl.store.remote import RemoteLightningStore
-from agl.store.server import ServerThread, TokenSet, create_app
+from agl.store.http.client import RemoteLightningStore
+from agl.store.http.server import ServerThread, TokenSet, create_app
 from agl.types import RolloutConfig
 
 TOKEN = "ft-token"
@@ -423,7 +423,7 @@ def test_an_agent_error_larger_than_the_servers_body_limit_is_reported_cut(tmp_p
     server's body limit, the runner crashed on it, and the rollout ended as "runner presumed dead", its real
     error lost. The runner keeps the head and tail of a long error."""
     import agl
-    from agl.store.server import ServerLimits
+    from agl.store.http.server import ServerLimits
 
     @agl.rollout
     def parser(task):

@@ -16,8 +16,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 import httpx
 import pytest
 from agl.store import SqliteLightningStore
-from agl.store.otlp import _pb_bytes_field, _pb_varint, _read_varint
-from agl.store.server import ServerThread, TokenSet, create_app
+from agl.store.http.otlp import _pb_bytes_field, _pb_varint, _read_varint
+from agl.store.http.server import ServerThread, TokenSet, create_app
 from agl.types import Rollout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -309,7 +309,7 @@ def test_an_unknown_id_refuses_only_its_spans_and_the_server_says_so(ingest: Ing
         _json_span("3" * 16, _ids(good.rollout_id, other.attempt.attempt_id)),  # the attempt of another rollout
         _json_span("4" * 16, _ids("ro-stale-json", good.attempt.attempt_id)),
     )
-    with caplog.at_level("WARNING", logger="agl.store.server"):
+    with caplog.at_level("WARNING", logger="agl.store.http.server"):
         for _ in range(3):  # the same bad batch again and again: logged once per rollout and reason
             response = ingest.http.post("/v1/traces", json=body, headers=HEADERS)
             assert response.status_code == 200, response.text
@@ -319,7 +319,7 @@ def test_an_unknown_id_refuses_only_its_spans_and_the_server_says_so(ingest: Ing
     assert "2 span(s) refused: unknown rollout id 'ro-stale-json'" in message and "set agl.rollout.id" in message
     assert f"unknown attempt id '{other.attempt.attempt_id}' for rollout '{good.rollout_id}'" in message
     assert [s.span_id for s in ingest.store.query_spans(good.rollout_id)] == ["1" * 16]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "agl.store.server"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agl.store.http.server"]
     stale = [w for w in warnings if "ro-stale-json" in w]
     assert len(stale) == 1 and "OTLP /v1/traces: 2 span(s) for rollout ro-stale-json refused" in stale[0]
     assert sum(other.attempt.attempt_id in w for w in warnings) == 1
@@ -409,7 +409,7 @@ def test_mistyped_agl_attributes_refuse_their_span_naming_the_attribute(ingest: 
 
 
 def test_a_gzip_body_inflating_past_the_limit_gets_413(tmp_path: Path) -> None:
-    from agl.store.server import ServerLimits
+    from agl.store.http.server import ServerLimits
 
     store = SqliteLightningStore(tmp_path / "small.db")
     server = ServerThread(create_app(store, tokens=TokenSet({"t": TOKEN}), limits=ServerLimits(max_body_bytes=10_000))).start()

@@ -29,9 +29,9 @@ from agl.errors import (
 )
 from agl.store import EnqueueRequest, LightningStore, SqliteLightningStore, open_store
 from agl.store.memory import InMemoryLightningStore
-from agl.store.postgres import PostgresLightningStore
-from agl.store.remote import RemoteLightningStore
-from agl.store.server import ServerLimits, ServerThread, TokenSet, create_app
+from agl.store.postgres.store import PostgresLightningStore
+from agl.store.http.client import RemoteLightningStore
+from agl.store.http.server import ServerLimits, ServerThread, TokenSet, create_app
 from agl.types import LLM, RolloutConfig
 
 TOKEN = "s3cret-token"
@@ -749,10 +749,10 @@ def test_a_runner_on_a_sqlite_file_that_does_not_exist_makes_it_and_says_so(
 ) -> None:
     """Runner and trainer may start in either order, so the file is made; but a mistyped path would leave
     the runners waiting for nothing without a word."""
-    from agl.remote_cli import open_runner_store
+    from agl.cli.remote import open_runner_store
 
     path = tmp_path / "typo.db"
-    with caplog.at_level("WARNING", logger="agl.remote_cli"):
+    with caplog.at_level("WARNING", logger="agl.cli.remote"):
         store = open_runner_store(str(path), None)
         store.close()
         open_runner_store(str(path), None).close()  # it exists now: nothing to say

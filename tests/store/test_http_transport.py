@@ -1,4 +1,4 @@
-"""The store client's HTTP transport (agl.store._http) against a real HTTP/1.1 server on 127.0.0.1."""
+"""The store client's HTTP transport (agl.store.http.transport) against a real HTTP/1.1 server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Iterator, List, Tuple
 
 import pytest
 
-from agl.store._http import ConnectionPool, TransportError
+from agl.store.http.transport import ConnectionPool, TransportError
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -263,7 +263,7 @@ def test_https_verifies_the_server_against_ssl_cert_file(monkeypatch: pytest.Mon
 
 def test_a_trainer_sets_the_outage_timeout_of_a_store_server_client_unless_it_has_its_own() -> None:
     import agl
-    from agl.store.remote import RemoteLightningStore
+    from agl.store.http.client import RemoteLightningStore
 
     default = RemoteLightningStore("http://127.0.0.1:9")  # nothing is sent until a call
     own = RemoteLightningStore("http://127.0.0.1:9", outage_timeout=5.0)

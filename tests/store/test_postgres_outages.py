@@ -16,8 +16,8 @@ import psycopg
 import pytest
 from agl.errors import AglError, StoreUnavailableError
 from agl.store import EnqueueRequest
-from agl.store._postgres_schema import COMPLETE
-from agl.store.postgres import PostgresLightningStore
+from agl.store.postgres.schema import COMPLETE
+from agl.store.postgres.store import PostgresLightningStore
 from agl.testing.postgres import PostgresServer, TemporaryPostgres
 
 # A piece of the completion's SQL text, which psycopg sends with each of a connection's first executions.
@@ -89,7 +89,7 @@ def proxied(postgres_dsn: str) -> Iterator[tuple]:
 
 def _runner(store: PostgresLightningStore, outage_timeout: float) -> Any:
     import agl
-    from agl.runner import Runner
+    from agl.runtime.runner import Runner
 
     @agl.rollout
     def agent(task: Any) -> float:
@@ -120,7 +120,7 @@ def test_a_connection_cut_while_a_completion_commits_does_not_stop_the_runner(pr
 
 def test_a_completion_unconfirmed_for_the_outage_timeout_ends_the_runner_saying_so(proxied: tuple) -> None:
     """...and only an outage longer than the runner's outage timeout ends it, with a message that is true."""
-    from agl.runner import StoreOutageError
+    from agl.runtime.runner import StoreOutageError
 
     proxy, url, _ = proxied
     store = PostgresLightningStore(url, reconnect_timeout=0.5)
@@ -169,7 +169,7 @@ def test_connections_end_within_a_bounded_time_on_a_silent_network(postgres_dsn:
 
 def test_a_runner_waiting_for_its_database_does_not_log_its_password(caplog: pytest.LogCaptureFixture) -> None:
     """`agl runner --wait-for-store` printed postgresql://agl:secret@... every 10 s and in its last error."""
-    from agl.remote_cli import first_contact
+    from agl.cli.remote import first_contact
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -217,8 +217,8 @@ def test_the_store_server_answers_503_while_its_database_is_down_and_clients_rid
 ) -> None:
     """`agl store serve` answered a database outage with 500 "the store server failed" and a traceback per
     call, as for a bug. It is a 503 now, logged in one line; clients retry it until the database is back."""
-    from agl.store.remote import RemoteLightningStore
-    from agl.store.server import ServerThread, create_app
+    from agl.store.http.client import RemoteLightningStore
+    from agl.store.http.server import ServerThread, create_app
 
     with TemporaryPostgres() as database:
         backing = PostgresLightningStore(database.create_database(), reconnect_timeout=0.3)

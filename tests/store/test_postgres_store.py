@@ -35,8 +35,8 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import EnqueueRequest, open_store
-from agl.store._postgres_schema import INSERT_ROLLOUT, claim_statement
-from agl.store.postgres import PostgresLightningStore
+from agl.store.postgres.schema import INSERT_ROLLOUT, claim_statement
+from agl.store.postgres.store import PostgresLightningStore
 from agl.testing.postgres import (
     PostgresServer,
     PostgresUnavailableError,
@@ -148,7 +148,7 @@ def test_forked_processes_share_the_store_object(
         assert proc.exitcode == 0
     claimed = [line for out in outs for line in out.read_text().split("\n") if line]
     assert len(claimed) == len(set(claimed)) == 120 and set(claimed) == ids
-    with caplog.at_level(logging.WARNING, logger="agl.store.postgres"):
+    with caplog.at_level(logging.WARNING, logger="agl.store.postgres.store"):
         assert store.stats().rollouts["succeeded"] == 120
     assert "retrying" not in caplog.text, "the children must not have closed the parent's connection"
     store.close()
@@ -303,7 +303,7 @@ def test_reconnects_after_sessions_are_killed_and_keeps_committed_spans(
     assert store.add_spans(first) == 3
     assert postgres_server.terminate_connections(_dbname(postgres_dsn)) >= 1
     second = [make_span(rollout, i) for i in range(3, 5)]
-    with caplog.at_level(logging.WARNING, logger="agl.store.postgres"):
+    with caplog.at_level(logging.WARNING, logger="agl.store.postgres.store"):
         assert store.add_spans(second) == 2
     assert "retrying" in caplog.text, "the killed session was noticed and replaced"
     assert store.query_spans(rollout.rollout_id) == first + second
@@ -322,7 +322,7 @@ def test_a_statement_on_a_session_the_server_ended_is_retried_whatever_the_libpq
     failed under load). A connection lost for another reason while committing stays unknown."""
     import psycopg
 
-    from agl.store import postgres as pg
+    from agl.store.postgres.store import store as pg
 
     conn = psycopg.connect(postgres_dsn, autocommit=True)
     conn.execute("SELECT 1")
@@ -486,7 +486,7 @@ def test_a_wait_gives_up_once_the_database_is_down_for_longer_than_the_reconnect
 
 def test_a_database_or_role_that_does_not_exist_is_refused_at_once_not_waited_for(postgres_dsn: str) -> None:
     """`agl runner --wait-for-store` waited its whole 120 s for a mistyped database, retried as an outage."""
-    from agl.remote_cli import first_contact
+    from agl.cli.remote import first_contact
 
     parts = urlsplit(postgres_dsn)
     no_database = parts._replace(path="/no_such_db").geturl()
@@ -691,7 +691,7 @@ def test_async_calls_reconnect_after_sessions_are_killed_and_on_a_new_event_loop
 
     assert len(asyncio.run(claim())) == 1  # its own event loop, as every asyncio.run
     assert postgres_server.terminate_connections(_dbname(postgres_dsn)) >= 1
-    with caplog.at_level(logging.WARNING, logger="agl.store.postgres"):
+    with caplog.at_level(logging.WARNING, logger="agl.store.postgres.store"):
         assert len(asyncio.run(claim())) == 1  # a new loop, and the killed sessions are replaced
     assert store.stats().rollouts["running"] == 2
     store.close()
@@ -719,8 +719,8 @@ def test_async_calls_of_a_stopped_server_are_a_clear_error_and_resume_after_rest
 def test_closing_the_store_under_a_running_server_closes_its_async_connections(
     postgres_server: PostgresServer, postgres_dsn: str
 ) -> None:
-    from agl.store.remote import RemoteLightningStore
-    from agl.store.server import ServerThread, TokenSet, create_app
+    from agl.store.http.client import RemoteLightningStore
+    from agl.store.http.server import ServerThread, TokenSet, create_app
 
     store = PostgresLightningStore(postgres_dsn)
     server = ServerThread(create_app(store, tokens=TokenSet({"t": "token"}))).start()

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import pytest
 from agl.store import SqliteLightningStore
-from agl.store import sqlite as sqlite_module
+from agl.store.sqlite.store import store as sqlite_module
 
 fork = multiprocessing.get_context("fork")
 HEAVY = {"payload": "x" * 9_000}  # an LLM span with its token ids is a row of this size
@@ -91,7 +91,7 @@ def test_a_forked_child_checkpoints_on_its_own_thread(sqlite_store: SqliteLightn
 def test_closed_stores_leave_nothing_behind_in_the_checkpoint_thread(tmp_path: Path, make_span: Any) -> None:
     """A process that opens and closes many store files (a test suite, a trainer making scratch stores)
     does not accumulate per-file state in the process-wide checkpoint thread."""
-    from agl.store._checkpoints import checkpointer
+    from agl.store.sqlite.checkpoints import checkpointer
 
     for i in range(5):
         store = SqliteLightningStore(tmp_path / f"store-{i}.db")

@@ -77,7 +77,7 @@ def _one_call_then_exit(store: SqliteLightningStore) -> None:
 
 def test_forks_while_other_threads_use_the_store_leave_no_child_blocked(tmp_path: Path) -> None:
     """A fork while another thread is inside SQLite copies SQLite's process-wide mutexes locked; the
-    child's first call then blocks for good (7 of 100 forks before agl.fork_safety's hold, 0 of 300 after).
+    child's first call then blocks for good (7 of 100 forks before agl._util.fork_safety's hold, 0 of 300 after).
     Runner processes are forked from a trainer whose store, tracer writer and server threads are busy."""
     store = SqliteLightningStore(tmp_path / "busy.db")
     stop = threading.Event()
@@ -147,7 +147,7 @@ def test_a_fork_waits_for_the_store_operations_in_flight_and_holds_new_ones(tmp_
 def test_a_fork_does_not_wait_forever_for_a_stuck_operation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from agl.store import sqlite as sqlite_module
+    from agl.store.sqlite.store import store as sqlite_module
 
     monkeypatch.setattr(sqlite_module, "FORK_WAIT_S", 0.2)
     store = SqliteLightningStore(tmp_path / "stuck.db")

@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 
-from agl.models import load_policy
+from agl.serving.models import load_policy
 from agl.serving import PolicyServer
 
 

@@ -11,7 +11,7 @@ import torch
 
 import agl
 from agl import semconv
-from agl.runner import Runner
+from agl.runtime.runner import Runner
 from agl.store import SqliteLightningStore
 
 ONE_VALUE = [

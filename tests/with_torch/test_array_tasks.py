@@ -14,10 +14,10 @@ import torch
 
 import agl
 from agl import semconv
-from agl.dataset import as_tasks
+from agl.runtime.dataset import as_tasks
 from agl.store import InMemoryLightningStore, LightningStore, SqliteLightningStore
-from agl.store.remote import RemoteLightningStore
-from agl.store.server import ServerThread, TokenSet, create_app
+from agl.store.http.client import RemoteLightningStore
+from agl.store.http.server import ServerThread, TokenSet, create_app
 
 
 def test_the_same_array_task_repeated_keeps_its_id() -> None:

@@ -16,7 +16,7 @@ from agl.algorithm.grpo_loss import (
 from agl.algorithm.torch_grpo import TorchGRPO
 from agl.lightningrl.advantages import grpo_advantages
 from agl.lightningrl.types import Sample
-from agl.models import load_policy
+from agl.serving.models import load_policy
 
 TEMPERATURE = 0.8
 

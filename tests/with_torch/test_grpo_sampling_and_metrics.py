@@ -16,7 +16,7 @@ import openai
 import pytest
 from agl.algorithm.metrics import format_line, plot_reward_curve
 from agl.algorithm.torch_grpo import TorchGRPO
-from agl.models import load_policy
+from agl.serving.models import load_policy
 
 TASKS = [{"task_id": f"t{i}", "question": f"Say something about the number {i}."} for i in range(2)]
 VAL = [{"task_id": f"v{i}", "question": f"Count to {i}."} for i in range(2)]

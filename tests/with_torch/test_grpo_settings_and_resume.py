@@ -24,7 +24,7 @@ from agl.algorithm.checkpoint import TrainerState, load_checkpoint, save_checkpo
 from agl.algorithm.grpo_loss import collate, policy_loss
 from agl.algorithm.torch_grpo import TorchGRPO
 from agl.lightningrl.types import Sample
-from agl.models import load_policy
+from agl.serving.models import load_policy
 
 TASKS = [{"task_id": f"t{i}", "question": f"Say something about the number {i}."} for i in range(2)]
 

@@ -15,7 +15,7 @@ import torch
 from agl.algorithm.checkpoint import CheckpointError, latest_checkpoint
 from agl.algorithm.grpo_loss import collate
 from agl.algorithm.torch_grpo import TorchGRPO
-from agl.models import load_policy
+from agl.serving.models import load_policy
 from agl.store.base import EnqueueRequest
 
 TASKS = [{"task_id": f"t{i}", "question": f"Say something about the number {i}."} for i in range(6)]
@@ -282,7 +282,7 @@ def test_sampling_settings_the_policy_server_cannot_apply_fail_at_once() -> None
 def test_a_policy_server_on_all_interfaces_is_published_at_an_address_other_machines_reach(tmp_path: Path) -> None:
     """The server always listened on 127.0.0.1 and was published so: `agl runner`s on other machines (the
     store server's layout: trainer on the GPU box, n_runners=0) were sent to their own loopback."""
-    from agl.http_thread import outbound_ip
+    from agl._util.http_thread import outbound_ip
 
     algo = _algo(tmp_path, steps=1, eval_every=0, server_host="0.0.0.0")
     trainer = _trainer(tmp_path, algo)

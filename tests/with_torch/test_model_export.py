@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from agl.algorithm.checkpoint import CheckpointError, TrainerState, save_checkpoint
 from agl.algorithm.model_export import MANIFEST, export_model
 from agl.cli import main as agl_main
-from agl.models import load_policy
+from agl.serving.models import load_policy
 
 PROBE = "What is 2 + 3? Answer:"
 

@@ -13,7 +13,7 @@ import pytest
 
 import agl.instrumentation
 from agl import semconv
-from agl.context import rollout_scope
+from agl.tracing.context import rollout_scope
 from agl.instrumentation.openai_client import OpenAIInstrumentor
 from agl.lightningrl.retokenize import Retokenizer
 from agl.lightningrl.transitions import extract_transitions
@@ -27,7 +27,7 @@ ANSWER = "a ripe pear and some more words"
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from agl.models import smollm2_tokenizer
+    from agl.serving.models import smollm2_tokenizer
 
     return smollm2_tokenizer()
 

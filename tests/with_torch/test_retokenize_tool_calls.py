@@ -24,7 +24,7 @@ from agl.lightningrl.retokenize import (
     Retokenizer,
 )
 from agl.lightningrl.synthetic import TraceBuilder
-from agl.models import smollm2_tokenizer
+from agl.serving.models import smollm2_tokenizer
 from agl.testing import FakeReply
 from agl.types import Rollout, Span
 

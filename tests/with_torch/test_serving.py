@@ -25,9 +25,9 @@ import agl
 import agl.instrumentation
 from agl import semconv
 from agl.instrumentation.openai_client import OpenAIInstrumentor
-from agl.models import load_policy
+from agl.serving.models import load_policy
 from agl.serving import PolicyServer, SamplingParams
-from agl.serving.chat_format import render_prompt
+from agl.openai_wire.chat_format import render_prompt
 from agl.testing import ListSink, tracer_writes_to
 
 MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]

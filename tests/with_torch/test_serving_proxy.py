@@ -16,7 +16,7 @@ from agl import semconv
 from agl.lightningrl.transitions import extract_transitions
 from agl.lightningrl.tree import build_tree
 from agl.serving import PolicyServer
-from agl.serving.proxy import LLMProxy
+from agl.instrumentation.proxy import LLMProxy
 from agl.store import InMemoryLightningStore
 from agl.types import Rollout
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import torch
 
-from agl.models import load_policy
+from agl.serving.models import load_policy
 from agl.serving import PolicyServer
 from agl.serving.store_watch import StoreWatcher, checkpoint_of
 from agl.store import open_store

@@ -10,7 +10,7 @@ from typing import Any, List, Tuple
 
 import pytest
 
-from agl.serving.chat_format import BadRequest
+from agl.openai_wire.chat_format import BadRequest
 from agl.serving.engine import Failed, Finished, GenerationEngine, SamplingParams
 from agl.serving.openai_api import parse_request
 from agl.serving.structured import GrammarError, Grammars, TokenMask, answer_schema, response_grammar

@@ -218,7 +218,7 @@ def test_requests_are_sampled_as_verls_agent_loop_samples(fake_openai: FakeOpenA
 
 
 def test_the_proxy_caps_a_token_limit_of_any_name(fake_openai: FakeOpenAIServer) -> None:
-    from agl.serving.proxy import LLMProxy
+    from agl.instrumentation.proxy import LLMProxy
 
     with LLMProxy(fake_openai.base_url) as proxy:
         proxy.set_sampling({"temperature": 1.0, "max_tokens": 64})

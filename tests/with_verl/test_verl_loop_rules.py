@@ -161,7 +161,7 @@ def test_async_training_rollouts_keep_their_sampling_while_validation_runs(fake_
 
 
 def test_the_proxy_holds_each_sampling_profile_to_its_own_url(fake_openai: FakeOpenAIServer) -> None:
-    from agl.serving.proxy import LLMProxy
+    from agl.instrumentation.proxy import LLMProxy
 
     with LLMProxy(fake_openai.base_url, model="m") as proxy:
         proxy.set_sampling({"temperature": 1.0, "max_tokens": 64}, "rollout.temperature")

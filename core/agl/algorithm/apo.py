@@ -29,9 +29,9 @@ from typing import Any, Dict, Generic, List, Mapping, Optional, Sequence, Set, T
 from agl import semconv
 from agl.algorithm.base import Algorithm
 from agl.checks import check_count, check_number
-from agl.dataset import as_tasks
+from agl.runtime.dataset import as_tasks
 from agl.errors import AglError
-from agl.serving.sampling import openai_arguments
+from agl.openai_wire.sampling import openai_arguments
 from agl.types import LLM, PromptTemplate, Rollout, Span, Task, call_order_key
 
 logger = logging.getLogger("agl.apo")

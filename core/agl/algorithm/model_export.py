@@ -21,7 +21,7 @@ import torch
 
 from agl.algorithm.checkpoint import CheckpointError, TrainerState, latest_checkpoint
 from agl.errors import AglError
-from agl.models import load_policy
+from agl.serving.models import load_policy
 
 logger = logging.getLogger(__name__)
 

@@ -67,11 +67,11 @@ from agl.algorithm.grpo_loss import (
 from agl.algorithm.metrics import MetricsLog, ascii_curve, plot_reward_curve
 from agl.checks import check_number, is_finite_number
 from agl.algorithm.trainable import DEFAULT_LORA, LoraSpec, TrainablePolicy
-from agl.dataset import as_tasks
+from agl.runtime.dataset import as_tasks
 from agl.errors import AglError, IllegalTransitionError
 from agl.lightningrl.types import Sample
-from agl.http_thread import WILDCARD_HOSTS, advertised_url
-from agl.models import attention_kernels, load_policy
+from agl._util.http_thread import WILDCARD_HOSTS, advertised_url
+from agl.serving.models import attention_kernels, load_policy
 from agl.serving.openai_api import REQUEST_SETTINGS
 from agl.types import LLM, Rollout, Task
 

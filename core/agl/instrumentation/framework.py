@@ -9,7 +9,7 @@
 - :func:`finish_tool` records a tool's result or exception on its span and ends it.
 
 Adapters never make ``llm`` spans: the OpenAI-client layer makes exactly one per request, nested in the
-agent span that is current (or resolved, see :mod:`agl.instrumentation.context_keys`).
+agent span that is current (or resolved, see :mod:`agl.tracing.context_keys`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import wrapt
 from opentelemetry import trace as otel_trace
 
 from agl import semconv
-from agl.span_encoding import tool_value
-from agl.tracer import encode_attribute, get_tracer, record_exception
+from agl.tracing.encoding import tool_value
+from agl.tracing.tracer import encode_attribute, get_tracer, record_exception
 
 
 class PatchSet:

@@ -8,7 +8,7 @@ classes with ``wrapt``; everything built on them goes through the wrapper too: `
 openai_views`) and the SDK's ``chat.completions.stream()`` / ``responses.stream()`` helpers. After
 uninstrumenting, a method bound while hooked passes its calls through unrecorded.
 
-Past a rollout's timeout, its agent's calls are refused (:func:`agl.context.refuse_calls_after_timeout`), also
+Past a rollout's timeout, its agent's calls are refused (:func:`agl.tracing.context.refuse_calls_after_timeout`), also
 through a method bound while hooked and called after uninstrumenting, and so is each retry the SDK sends for a
 call that was in flight at the timeout (:func:`_refuse_timed_out_attempt`).
 
@@ -17,11 +17,11 @@ Guarantees to the user's program:
   rollout ``extra_body`` gains ``return_token_ids`` (in a new dict, the user's own value winning); a server
   that rejects that parameter gets the call again as the user wrote it
   (:mod:`agl.instrumentation.token_id_refusals`);
-- an error in agl's code is reported through :mod:`agl.instrumentation.safety` and the call goes on;
+- an error in agl's code is reported through :mod:`agl._util.safety` and the call goes on;
 - the caller's thread only reads a few fields; JSON and per-token work happen on the tracer's writer.
 
 If a framework adapter already opened an ``llm`` span for the request (see
-:mod:`agl.instrumentation.context_keys`), the attributes go onto that span instead of a new one.
+:mod:`agl.tracing.context_keys`), the attributes go onto that span instead of a new one.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.context import RolloutScope, current_scope, refuse_calls_after_timeout
+from agl.tracing.context import RolloutScope, current_scope, refuse_calls_after_timeout
 from agl.instrumentation.base import Instrumentor
-from agl.instrumentation.context_keys import SUPPRESS_LLM_SPAN
-from agl.instrumentation.openai_payloads import (
+from agl.tracing.context_keys import SUPPRESS_LLM_SPAN
+from agl.openai_wire.payloads import (
     CHAT,
     COMPLETIONS,
     RESPONSES,
@@ -52,11 +52,11 @@ from agl.instrumentation.openai_payloads import (
     record_response,
     request_attributes,
 )
-from agl.instrumentation.openai_streams import Accumulator, AsyncStreamProxy, StreamProxy, new_accumulator
+from agl.openai_wire.streams import Accumulator, AsyncStreamProxy, StreamProxy, new_accumulator
 from agl.instrumentation.openai_views import CurrentView, hook_views, unhook_views
-from agl.instrumentation.safety import report_internal_error
+from agl._util.safety import report_internal_error
 from agl.instrumentation.token_id_refusals import is_refusal, refuses, remember, server_of
-from agl.tracer import get_tracer, record_exception
+from agl.tracing.tracer import get_tracer, record_exception
 
 logger = logging.getLogger("agl.instrumentation")
 

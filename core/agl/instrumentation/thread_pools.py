@@ -4,7 +4,7 @@ A ``ThreadPoolExecutor`` runs its tasks in worker threads that do not inherit th
 so an LLM call an agent makes in a pool (parallel tool calls, a fan-out over documents,
 ``loop.run_in_executor``) belonged to no rollout: it was not stored or trained on. ``agl.instrument()``
 hooks ``ThreadPoolExecutor.submit``: inside a rollout, each task carries the submitter's rollout scope and
-OpenTelemetry context (:func:`agl.context.carry_scope`), captured at submit time, so a pool made in one
+OpenTelemetry context (:func:`agl.tracing.context.carry_scope`), captured at submit time, so a pool made in one
 rollout and reused in the next serves each with its own. Outside rollouts ``submit`` is unchanged. Plain
 ``threading.Thread`` is left alone (a long-lived thread would keep the rollout it started in); use
 ``agl.propagate`` there.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agl.context import carry_scope, current_scope
+from agl.tracing.context import carry_scope, current_scope
 from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.framework import PatchSet
 

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Pattern, Sequence, Tuple, Union
 
-from agl.agent_match import AgentMatch
+from agl.lightningrl.agent_match import AgentMatch
 from agl.lightningrl.advantages import (
     ADVANTAGE_ESTIMATORS,
     FailedRolloutPolicy,
@@ -264,7 +264,7 @@ class LightningRL:
     # -- a batch ---------------------------------------------------------------------------------------------
     def build_batch(self, store: "LightningStore", rollouts: Sequence[Rollout], *, progress: bool = True) -> Batch:
         """The batch of finished ``rollouts``, reading each one's latest attempt's spans from ``store``."""
-        from agl.progress import progress_bar
+        from agl._util.progress import progress_bar
 
         with progress_bar("LightningRL batch", total=len(rollouts), enabled=progress) as advance:
 

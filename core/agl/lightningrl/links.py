@@ -16,7 +16,7 @@ nearest ancestor that is an llm span (emitted while the call was current: that c
 call that caused the tool, as above) or an ``agl.operation`` span (every llm call made in the operation).
 If no ancestor is one of these (the operation span was lost), the reward's own
 ``agl.operation.span_id`` names the operation. The calls *made in an operation* are the llm spans that
-carry its span id in ``agl.operation.span_id`` (set when they start, see agl.emitters), or lie below it in
+carry its span id in ``agl.operation.span_id`` (set when they start, see agl.tracing.emitters), or lie below it in
 the tree, including those of operations nested in it. A reward linked to ``k`` calls gives each ``r / k``,
 so the step rewards of a rollout add up to what was emitted.
 """

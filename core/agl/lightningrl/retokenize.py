@@ -21,7 +21,7 @@ What is encoded:
   ``{"name": <name>, "arguments": <arguments as sent>}``.
 
 Responses API input (``{"instructions", "input"}``) and its flat function tools become chat messages and
-chat tools by the policy server's own mapping (:mod:`agl.serving.responses_api`), so a conversation renders
+chat tools by the policy server's own mapping (:mod:`agl.openai_wire.responses`), so a conversation renders
 the same whichever API carried it: instructions as a system message, message items by role, a turn's
 function calls joined to its assistant message, their outputs as tool messages.
 
@@ -47,7 +47,7 @@ it under that reason (one warning per span), so one span never sinks a batch:
 A prompt whose history holds tool calls that the template drops is still encoded (it is what such a
 template gives), with one warning per Retokenizer.
 
-agl's own server renders tools and tool calls in its own format (:mod:`agl.serving.chat_format`), not the
+agl's own server renders tools and tool calls in its own format (:mod:`agl.openai_wire.chat_format`), not the
 tokenizer's template, and always returns token ids, so its calls never need re-tokenizing; the
 re-tokenizer follows the tokenizer's template, which is what a server that returns no ids (vLLM without
 ``return_token_ids``, llama.cpp, Ollama) applies.
@@ -61,10 +61,10 @@ import logging
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agl import semconv
-from agl.instrumentation.openai_payloads import COMPLETIONS, RESPONSES
+from agl.openai_wire.payloads import COMPLETIONS, RESPONSES
 from agl.lightningrl.links import output_message, tool_calls_of
-from agl.serving import responses_api  # torch-free: the Responses -> chat mapping of agl's server
-from agl.serving.chat_format import BadRequest
+from agl.openai_wire import responses
+from agl.openai_wire.chat_format import BadRequest
 from agl.types import Span
 
 logger = logging.getLogger("agl.lightningrl")
@@ -124,7 +124,7 @@ class Retokenizer:
         messages = chat_messages(span)
         tools = _json(span.attributes.get(semconv.TOOL_DEFINITIONS)) or None
         if tools and span.attributes.get(semconv.LLM_API) == RESPONSES:
-            tools = responses_api.chat_tools(tools) or None
+            tools = responses.chat_tools(tools) or None
         answer = output_message(span)
         if self._hf_template:
             messages = [_normalised(m) for m in messages]
@@ -237,7 +237,7 @@ def chat_messages(span: Span) -> List[Dict[str, Any]]:
         return [dict(m) for m in recorded if isinstance(m, Mapping)]
     if isinstance(recorded, Mapping) and "input" in recorded:
         try:
-            return responses_api.conversation(recorded)
+            return responses.conversation(recorded)
         except (BadRequest, KeyError, TypeError, AttributeError) as exc:
             raise RetokenizeError(f"span {span.span_id}: its Responses API input has no chat form: {exc}") from None
     raise RetokenizeError(f"span {span.span_id} has no {semconv.INPUT_MESSAGES} to re-tokenize")

@@ -5,7 +5,7 @@ Every llm span of the attempt ends up in exactly one of four places, so the coun
 
     llm spans = filtered_by_agent + filtered_by_call + sum(skipped.values()) + len(transitions)
 
-- **filtered_by_agent**: its agent's name does not match ``agent_match`` (see ``agl.agent_match``);
+- **filtered_by_agent**: its agent's name does not match ``agent_match`` (see ``agl.lightningrl.agent_match``);
 - **filtered_by_call**: ``llm_call_match`` (a regex, ``re.search``) matches neither the span's name
   (``chat {model}``) nor its ``gen_ai.request.model``;
 - **skipped**, by reason: the request failed (``llm call failed``), or the call has no response tokens
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Pattern, Union
 
 from agl import semconv
-from agl.agent_match import AgentMatch, PolicyMatcher
+from agl.lightningrl.agent_match import AgentMatch, PolicyMatcher
 from agl.errors import MissingTokenIdsError
 from agl.lightningrl.links import output_message, tool_calls_of
 from agl.lightningrl.retokenize import RetokenizeError, Retokenizer

@@ -1,6 +1,6 @@
 """agl's policy server: an OpenAI-compatible API over a transformers causal LM, with exact token ids.
 
-    from agl.models import load_policy
+    from agl.serving.models import load_policy
     from agl.serving import PolicyServer
 
     model, tokenizer = load_policy("smollm2")
@@ -11,7 +11,7 @@
     server.set_version(1)
 
 The names below are imported on first use: they need torch and transformers, while other modules of this
-package (``agl.serving.proxy``, in front of vLLM) must import without them. See docs/serving.md.
+package (``agl.instrumentation.proxy``, in front of vLLM) must import without them. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _EXPORTS = {
     "EngineStats": "agl.serving.engine",
     "Generation": "agl.serving.engine",
     "GenerationEngine": "agl.serving.engine",
-    "LLMProxy": "agl.serving.proxy",
+    "LLMProxy": "agl.instrumentation.proxy",
     "SamplingParams": "agl.serving.engine",
     "PolicyServer": "agl.serving.server",
     "WeightsError": "agl.serving.weights",

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from agl.serving.chat_format import BadRequest, ParsedOutput, partial_suffix_start
+from agl.openai_wire.chat_format import BadRequest, ParsedOutput, partial_suffix_start
 from agl.serving.engine import Generation, Token
 from agl.serving.openai_api import (
     MAX_TOP_LOGPROBS,
@@ -32,7 +32,7 @@ from agl.serving.openai_api import (
     sse,
     usage,
 )
-from agl.serving.responses_api import VERSION_FIELD, token_logprobs
+from agl.openai_wire.responses import VERSION_FIELD, token_logprobs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for this API
 

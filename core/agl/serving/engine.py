@@ -44,8 +44,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from agl.models import attention_kernels
-from agl.serving.chat_format import partial_suffix_start
+from agl.serving.models import attention_kernels
+from agl.openai_wire.chat_format import partial_suffix_start
 from agl.serving.structured import GrammarError, Grammars, TokenMask
 
 logger = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ import time
 import uuid
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from agl.serving.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, BadRequest, ParsedOutput, ToolCall
+from agl.openai_wire.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, BadRequest, ParsedOutput, ToolCall
 from agl.serving.engine import Generation, SamplingParams, Token
-from agl.serving.responses_api import VERSION_FIELD, token_logprobs
+from agl.openai_wire.responses import VERSION_FIELD, token_logprobs
 from agl.serving.structured import answer_schema, response_grammar
 
 VERSION_HEADER = "x-agl-resources-version"

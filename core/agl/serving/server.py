@@ -7,7 +7,7 @@ in-process trainer can share the model object: it steps the optimizer inside ``w
 and then calls ``server.set_version(n)``. A server in another process (``agl serve``) gets new weights with
 :meth:`PolicyServer.load_weights`.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/responses`` (see :mod:`agl.serving.responses_api`) and
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/responses`` (see :mod:`agl.openai_wire.responses`) and
 the legacy ``POST /v1/completions`` for agents that send their own prompt text or token ids (see
 :mod:`agl.serving.completions_api`), each plain and streamed; ``GET /v1/models``, ``GET /health``.
 """
@@ -26,8 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agl.http_thread import ThreadedServer
-from agl.serving.chat_format import (
+from agl._util.http_thread import ThreadedServer
+from agl.openai_wire.chat_format import (
     CONTEXT_LENGTH_EXCEEDED,
     BadRequest,
     ParsedOutput,
@@ -43,7 +43,7 @@ from agl.serving.completions_api import (
     prompt_token_ids,
     streamable_text,
 )
-from agl.serving.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, unless_disconnected
+from agl._util.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, unless_disconnected
 from agl.serving.engine import (
     EngineStats,
     Failed,
@@ -63,8 +63,8 @@ from agl.serving.openai_api import (
     error_body,
     parse_request,
 )
-from agl.serving.responses_api import AnswerWriter, ResponsesWriter, in_responses_terms, to_chat_body
-from agl.serving.sampling import with_defaults
+from agl.openai_wire.responses import AnswerWriter, ResponsesWriter, in_responses_terms, to_chat_body
+from agl.openai_wire.sampling import with_defaults
 from agl.serving.structured import response_grammar
 from agl.serving.weights import WeightLoader, WeightsSource
 
@@ -418,7 +418,7 @@ async def _answer(path: str, version: int, events: "asyncio.Queue[Any]", handle:
     """The response to a submitted request: its stream, or the finished answer (the generation is cancelled
     if this ends otherwise).
 
-    ``_generate`` runs it under :func:`~agl.serving.disconnect.unless_disconnected`, which cancels it when the
+    ``_generate`` runs it under :func:`~agl._util.disconnect.unless_disconnected`, which cancels it when the
     client leaves: Starlette does not cancel a handler then, and a non-streamed request whose client timed
     out stayed in the batch until ``max_tokens``, each SDK retry adding one more. A stream, once started,
     is stopped by its own loop (Starlette cancels it when the client leaves).

@@ -12,7 +12,7 @@ The answer then always parses and matches the schema, unless it is cut at ``max_
 - Whitespace is fixed: ``", "`` between items, ``": "`` after keys, nothing else (as ``json.dumps`` writes).
   Flexible whitespace would let a weak model pad an answer with blanks until ``max_tokens``.
 - With tools offered, the answer is either that JSON or one or more tool calls in the server's tool call
-  format (:mod:`agl.serving.chat_format`), each call naming an offered tool with arguments valid under its
+  format (:mod:`agl.openai_wire.chat_format`), each call naming an offered tool with arguments valid under its
   ``parameters``: an agent that has tools and an output type can still call its tools.
 - ``tool_choice`` ``"required"`` or a named function forces calls the same way: the answer is one or more
   calls, arguments valid under the tool's ``parameters``; a named function gets exactly one call, as on
@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from agl.serving.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, BadRequest
+from agl.openai_wire.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, BadRequest
 
 #: llguidance's JSON options: fixed whitespace, as ``json.dumps`` separates items and keys
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

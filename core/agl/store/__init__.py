@@ -10,7 +10,7 @@ from typing import Optional
 from agl.errors import StoreAddressError, StoreNotFoundError, UnsupportedStoreError
 from agl.store.base import EnqueueRequest, LightningStore, StoreStats
 from agl.store.memory import InMemoryLightningStore
-from agl.store.sqlite import SqliteLightningStore
+from agl.store.sqlite.store import SqliteLightningStore
 
 __all__ = [
     "DEFAULT_STORE_PATH",
@@ -46,11 +46,11 @@ def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> Lig
     - ``"sqlite:///relative.db"``, ``"sqlite:////absolute.db"`` or a path ending in ``.db``, ``.sqlite`` or
       ``.sqlite3``: a SQLite file, created with its folder if missing.
     - ``"http://host:port"`` (or https): a store server (``agl store serve``), through
-      :class:`~agl.store.remote.RemoteLightningStore`; the token comes from ``$AGL_STORE_TOKEN``.
+      :class:`~agl.store.http.client.RemoteLightningStore`; the token comes from ``$AGL_STORE_TOKEN``.
 
     - ``"postgresql://user:password@host:5432/database"`` (or ``postgres://``), or a libpq ``key=value``
       string (``"host=db port=5432 dbname=agl user=agl"``): a PostgreSQL database, through
-      :class:`~agl.store.postgres.PostgresLightningStore` (the ``postgres`` extra).
+      :class:`~agl.store.postgres.store.PostgresLightningStore` (the ``postgres`` extra).
     """
     if url_or_path is None:
         url_or_path = os.environ.get("AGL_STORE") or DEFAULT_STORE_PATH
@@ -67,14 +67,14 @@ def open_store(url_or_path: Optional[str] = None, *, create: bool = True) -> Lig
             )
         return _sqlite(path, create)
     if scheme in ("http", "https"):
-        from agl.store.remote import RemoteLightningStore  # token from $AGL_STORE_TOKEN
+        from agl.store.http.client import RemoteLightningStore  # token from $AGL_STORE_TOKEN
 
         return RemoteLightningStore(target)
     if not scheme and target.lower().endswith(_SQLITE_SUFFIXES):
         return _sqlite(os.path.expanduser(target), create)
     if scheme in ("postgresql", "postgres") or (not scheme and _LIBPQ_KEY_VALUE.match(target)):
         try:
-            from agl.store.postgres import PostgresLightningStore  # psycopg is the `postgres` extra
+            from agl.store.postgres.store import PostgresLightningStore  # psycopg is the `postgres` extra
         except ImportError as exc:
             raise UnsupportedStoreError(f"store URL {target!r}: {exc}") from exc
         return PostgresLightningStore(target)

@@ -22,8 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from agl.http_thread import ThreadedServer
-from agl.serving.chat_format import BadRequest
+from agl._util.http_thread import ThreadedServer
+from agl.openai_wire.chat_format import BadRequest
 from agl.testing import fake_chat, fake_completions, fake_responses
 from agl.testing.fake_policy import ChatTool, FakeReply, FakeTokenizer, Generation, ToolChoice, generate
 

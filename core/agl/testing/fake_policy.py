@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agl.serving.responses_api import message_text
+from agl.openai_wire.responses import message_text
 
 ToolCallSpec = Mapping[str, Any]
 """A scripted call, ``{"name": "add", "arguments": {"a": 1} | '{"a": 1}', "id"?: "call_..."}``."""

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from agl.serving import responses_api
+from agl.openai_wire import responses
 from agl.testing.fake_policy import ChatTool, Generation, ToolChoice
 
 Body = Mapping[str, Any]
@@ -23,8 +23,8 @@ Item = dict[str, Any]
 
 def conversation(body: Body) -> tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]:
     """The Responses request as chat messages, chat-format tools and the tool choice (the policy server's
-    own mapping, :mod:`agl.serving.responses_api`)."""
-    return responses_api.conversation(body), responses_api.chat_tools(body.get("tools") or []), body.get("tool_choice")
+    own mapping, :mod:`agl.openai_wire.responses`)."""
+    return responses.conversation(body), responses.chat_tools(body.get("tools") or []), body.get("tool_choice")
 
 
 def missing_field(body: Body) -> str | None:
@@ -107,7 +107,7 @@ class _Rendering:
         self.created_at = time.time()
         # As agl's policy server: asked with include, or with top_logprobs alone (which OpenAI ignores)
         self.with_logprobs = (
-            responses_api.LOGPROBS_INCLUDE in (body.get("include") or []) or body.get("top_logprobs") is not None
+            responses.LOGPROBS_INCLUDE in (body.get("include") or []) or body.get("top_logprobs") is not None
         )
         self._items = self._build_items()
 
@@ -119,7 +119,7 @@ class _Rendering:
 
     def response(self, status: str, output: list[Item]) -> dict[str, Any]:
         model = self.body.get("model") or "fake-model"
-        return responses_api.response_object(self.body, self.response_id, self.created_at, model, status, output)
+        return responses.response_object(self.body, self.response_id, self.created_at, model, status, output)
 
     def _build_items(self) -> list[Item]:
         gen = self.gen

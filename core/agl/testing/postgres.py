@@ -45,8 +45,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 
-from agl.store._postgres_schema import RESET, SCHEMA_VERSION
-from agl.store.postgres import PostgresLightningStore, redacted
+from agl.store.postgres.schema import RESET, SCHEMA_VERSION
+from agl.store.postgres.store import PostgresLightningStore, redacted
 
 logger = logging.getLogger("agl.testing.postgres")
 

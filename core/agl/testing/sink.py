@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, List, Optional, TypeVar
 
-from agl.tracer import get_tracer
+from agl.tracing.tracer import get_tracer
 from agl.types import Span
 
 

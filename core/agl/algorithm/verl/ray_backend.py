@@ -22,7 +22,7 @@ import os
 from typing import Any, Dict
 
 from agl.algorithm.verl.config import VERLConfig
-from agl.algorithm.verl.trainer import Serving
+from agl.algorithm.verl.backend import Serving
 
 logger = logging.getLogger("agl.verl")
 

@@ -25,13 +25,14 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Literal, Mapping, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 from agl.algorithm.base import Algorithm, EmptySteps
+from agl.algorithm.verl.backend import PolicyBackend, Serving
 from agl.algorithm.verl.config import ConfigInput, VERLConfig, VERLConfigError, as_verl_config
-from agl.dataset import as_tasks
+from agl.runtime.dataset import as_tasks
 from agl.errors import NoTrainableSamples
-from agl.serving.sampling import openai_arguments
+from agl.openai_wire.sampling import openai_arguments
 from agl.store.base import EnqueueRequest
 from agl.types import ProxyLLM, Rollout, Task
 
@@ -41,36 +42,6 @@ AdvantageSource = Literal["lightningrl", "verl"]
 _LIGHTNINGRL_ESTIMATORS = ("grpo", "rloo")
 _ROLLOUT = "actor_rollout_ref.rollout"
 _VAL_PROFILE = "val"  # the proxy's sampling profile of validation rollouts (LLMProxy.profile_url)
-
-
-@dataclass
-class Serving:
-    """Where the backend serves the policy: OpenAI-compatible base URLs and the served model name."""
-
-    upstreams: List[str]
-    model: str
-    pad_token_id: int = 0
-
-
-class PolicyBackend(Protocol):
-    """What the loop needs from the GPU side."""
-
-    def start(self, total_steps: int) -> Serving:
-        """Start workers and inference servers (``total_steps`` sizes the LR schedule); the servers answer
-        with the initial weights on return."""
-
-    def data_parallel_size(self) -> int:
-        """Rows of a batch must be a multiple of this (and of the number of mini batches times it)."""
-
-    def update(self, batch: Any, step: int, mini_batches: int) -> Dict[str, float]:
-        """Train on ``batch`` (a verl DataProto) in ``mini_batches`` mini batches, push the new weights to
-        the servers; they serve again when this returns. Returns metrics."""
-
-    def save_checkpoint(self, step: int) -> None:
-        ...
-
-    def stop(self) -> None:
-        ...
 
 
 @dataclass
@@ -177,7 +148,7 @@ class VERL(Algorithm):
     # -- the adapter -------------------------------------------------------------------------------------------
     def lightningrl(self) -> Any:
         """The trainer's adapter as a LightningRL, with verl's estimator unless the adapter chose one."""
-        from agl.agent_match import PolicyMatcher
+        from agl.lightningrl.agent_match import PolicyMatcher
         from agl.lightningrl.adapter import LightningRL
 
         adapter = self.adapter
@@ -203,7 +174,7 @@ class VERL(Algorithm):
 
     # -- run ---------------------------------------------------------------------------------------------------
     def run(self, train_dataset: Optional[Sequence[Any]], val_dataset: Optional[Sequence[Any]]) -> TrainingSummary:
-        from agl.serving.proxy import LLMProxy
+        from agl.instrumentation.proxy import LLMProxy
 
         if not train_dataset:
             raise ValueError("agl.VERL needs a train_dataset: trainer.fit(agent, train_dataset=[...])")
@@ -339,7 +310,7 @@ class VERL(Algorithm):
 
     def _wait_for_groups(self, in_flight: "OrderedDict[str, _Group]", count: int) -> List["_Group"]:
         """Block until ``count`` groups are complete; remove and return the oldest complete ones."""
-        from agl.progress import progress_bar
+        from agl._util.progress import progress_bar
 
         deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
         total = sum(len(g.rollout_ids) for g in in_flight.values())
@@ -482,4 +453,4 @@ def _format_metrics(metrics: Mapping[str, float]) -> str:
     return ", ".join(f"{k}={metrics[k]:.4g}" for k in keys) or f"{len(metrics)} metrics"
 
 
-__all__ = ["PolicyBackend", "Serving", "StepResult", "TrainingSummary", "VERL"]
+__all__ = ["StepResult", "TrainingSummary", "VERL"]

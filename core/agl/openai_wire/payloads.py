@@ -1,0 +1,393 @@
+"""What the OpenAI instrumentation records: request and response objects of the ``openai`` SDK as attributes.
+
+Everything is handed to the tracer as *deferred* attributes (``Tracer.set_deferred``): scalars go in as
+they are, skipping OpenTelemetry's per-attribute validation on the caller's thread, and what costs per
+token or per message (JSON, walking pydantic models, logprob lists) is only evaluated on the writer
+thread: plain references (token id lists, message list snapshots) and callables the writer calls
+(building a chat message from Responses items, collecting logprobs). The caller pays a few microseconds
+whatever the length of the conversation. Only the finish reasons are returned for the span itself,
+because a deferred list of strings would be stored as a JSON string instead of a list.
+
+Token ids follow vLLM's ``return_token_ids``: ``prompt_token_ids`` on the response (chat: on the first
+stream chunk), ``token_ids`` on each chat choice (chat stream: per chunk, for its delta), and
+``prompt_token_ids``/``response_token_ids`` on a Responses API response, ``prompt_token_ids`` and
+``token_ids`` on each choice of a (legacy) Completions API response (streamed: ``prompt_token_ids`` on the
+first chunk's choice). agl's policy server also puts the policy version that answered in a top-level
+``agl_resources_version`` (chat streams: on every chunk).
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from agl import semconv
+from agl.tracing.encoding import Computed
+
+CHAT = "chat.completions"
+RESPONSES = "responses"
+COMPLETIONS = "completions"  # the legacy text API: a prompt string or prompt token ids in, text out
+
+SPAN_PREFIX = {CHAT: "chat", RESPONSES: "responses", COMPLETIONS: "text_completion"}  # span name: "<prefix> <model>"
+_OPERATION = {CHAT: "chat", RESPONSES: "chat", COMPLETIONS: "text_completion"}  # gen_ai.operation.name
+
+TOKEN_IDS_REQUEST = "return_token_ids"  # vLLM's request flag, sent in extra_body
+RESOURCES_VERSION_FIELD = "agl_resources_version"  # agl's policy server: the policy version that answered
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # Responses API: ask for output text logprobs
+# Sent with every call the client-side tracer records, so an agl proxy on the way (agl.instrumentation.proxy)
+# forwards it without recording it a second time.
+CLIENT_TRACED_HEADER = "x-agl-client-traced"
+
+_COMMON_NUMBERS = (("temperature", semconv.REQUEST_TEMPERATURE), ("top_p", semconv.REQUEST_TOP_P))
+_MAX_TOKENS = {
+    CHAT: ("max_completion_tokens", "max_tokens"), RESPONSES: ("max_output_tokens",), COMPLETIONS: ("max_tokens",)
+}
+
+
+# --- requests ----------------------------------------------------------------------------------------------
+
+
+def request_attributes(api: str, kwargs: Mapping[str, Any], stream: bool) -> Dict[str, Any]:
+    """Attributes known before the call: provider, API, model and the sampling parameters given."""
+    attrs: Dict[str, Any] = {
+        semconv.OPERATION_NAME: _OPERATION[api],
+        semconv.PROVIDER_NAME: "openai",
+        semconv.LLM_API: api,
+        semconv.LLM_STREAM: stream,
+    }
+    model = kwargs.get("model")
+    if isinstance(model, str):
+        attrs[semconv.REQUEST_MODEL] = model
+    for key, attr in _COMMON_NUMBERS:
+        value = kwargs.get(key)
+        if _is_number(value):
+            attrs[attr] = value
+    for key in _MAX_TOKENS[api]:
+        value = kwargs.get(key)
+        if _is_number(value):
+            attrs[semconv.REQUEST_MAX_TOKENS] = value
+            break
+    stop = stop_sequences(kwargs.get("stop"))
+    if stop:
+        attrs[semconv.REQUEST_STOP_SEQUENCES] = stop
+    n = kwargs.get("n")  # the Responses API has no n
+    choices = n if _is_int(n) else None
+    if api == COMPLETIONS:
+        prompts = prompt_count(kwargs.get("prompt"))
+        if prompts > 1:  # a batch (LangChain's OpenAI LLM sends one for generate/batch): n choices per prompt
+            choices = prompts * (choices or 1)
+    if choices is not None:
+        attrs[semconv.REQUEST_CHOICE_COUNT] = choices
+    return attrs
+
+
+def stop_sequences(stop: Any) -> List[str]:
+    """The request's ``stop`` strings (chat and Completions: a string or a list of them). A call that ends on one
+    reports finish reason ``stop`` as if the model had sampled its end token, so re-tokenization needs them."""
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, (list, tuple)):
+        return [s for s in stop if isinstance(s, str) and s]
+    return []
+
+
+def prompt_count(prompt: Any) -> int:
+    """How many prompts a Completions API request holds: text or token ids are one, a list of them several."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple)):
+        return len(prompt)
+    return 1
+
+
+def add_request_payloads(api: str, call_kwargs: Dict[str, Any], deferred: Dict[str, Any]) -> None:
+    """Input messages and tool definitions, snapshotted as they are at call time.
+
+    Agents append to their message list after the call returns; a shallow copy keeps what was sent. A
+    one-shot iterable (generator) is materialized and the list sent instead, so the SDK still sees it all.
+    Responses API input is recorded as ``{"instructions", "input"}`` (see docs/semconv.md); a Completions
+    API prompt (text, or token ids: a tuple, which the garbage collector stops tracking) as ``agl.llm.prompt``.
+    """
+    if api == CHAT:
+        messages = _snapshot(call_kwargs, "messages")
+        if messages is not None:
+            deferred[semconv.INPUT_MESSAGES] = messages
+    elif api == COMPLETIONS:
+        prompt = one_prompt(call_kwargs.get("prompt"))
+        if isinstance(prompt, str):
+            deferred[semconv.LLM_PROMPT] = prompt
+        elif isinstance(prompt, (list, tuple)) and prompt and _is_int(prompt[0]) and _is_int(prompt[-1]):
+            deferred[semconv.LLM_PROMPT] = tuple(prompt)  # the ends stand for the whole (no per-id work here)
+        return
+    else:
+        source = call_kwargs.get("input")
+        instructions = call_kwargs.get("instructions")
+        deferred[semconv.INPUT_MESSAGES] = {
+            "instructions": instructions if isinstance(instructions, str) else None,
+            "input": source if isinstance(source, str) else _snapshot(call_kwargs, "input"),
+        }
+    tools = _snapshot(call_kwargs, "tools")
+    if tools:
+        deferred[semconv.TOOL_DEFINITIONS] = tools
+
+
+def one_prompt(prompt: Any) -> Any:
+    """A Completions API prompt without the one-element batch around it (LangChain's ``OpenAI`` LLM sends
+    ``[text]``); several prompts stay a list (a batch: only choice 0's ids are recorded, and the request's
+    choice count says so, as for ``n > 1``)."""
+    if isinstance(prompt, (list, tuple)) and len(prompt) == 1 and isinstance(prompt[0], (str, list, tuple)):
+        return prompt[0]
+    return prompt
+
+
+def ask_for_token_ids(call_kwargs: Dict[str, Any]) -> bool:
+    """Add ``return_token_ids`` to the call's ``extra_body``, in a new dict; the user's own value wins.
+
+    Returns whether agl added it (False: the user set it themselves, or ``extra_body`` is not a mapping).
+    """
+    extra = call_kwargs.get("extra_body")
+    if extra is None:
+        call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True}
+        return True
+    if isinstance(extra, collections.abc.Mapping) and TOKEN_IDS_REQUEST not in extra:
+        call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True, **extra}
+        return True
+    return False
+
+
+def mark_client_traced(call_kwargs: Dict[str, Any]) -> None:
+    """Add ``CLIENT_TRACED_HEADER`` to the call's ``extra_headers``, in a new dict; the user's own value wins."""
+    headers = call_kwargs.get("extra_headers")
+    if headers is None:
+        call_kwargs["extra_headers"] = {CLIENT_TRACED_HEADER: "1"}
+    elif isinstance(headers, collections.abc.Mapping):
+        call_kwargs["extra_headers"] = {CLIENT_TRACED_HEADER: "1", **headers}
+
+
+def logprobs_requested(api: str, kwargs: Mapping[str, Any]) -> bool:
+    """Whether the response will carry logprobs worth recording (decided once, before the call)."""
+    if api == CHAT:
+        return kwargs.get("logprobs") is True
+    if api == COMPLETIONS:  # an int (0: the sampled tokens only); true is how agl's server reads the chat spelling
+        logprobs = kwargs.get("logprobs")
+        return logprobs is True or _is_int(logprobs)
+    include = kwargs.get("include")
+    return isinstance(include, (list, tuple)) and LOGPROBS_INCLUDE in include
+
+
+def _snapshot(call_kwargs: Dict[str, Any], key: str) -> Optional[List[Any]]:
+    value = call_kwargs.get(key)
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, collections.abc.Iterable) and not isinstance(value, (str, bytes, collections.abc.Mapping)):
+        materialized = list(value)
+        call_kwargs[key] = materialized
+        return list(materialized)
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- responses ---------------------------------------------------------------------------------------------
+
+
+def chat_completion_attributes(completion: Any, deferred: Dict[str, Any]) -> List[str]:
+    """Record a non-streamed ``ChatCompletion`` (token ids and logprobs of its first choice).
+
+    Logprobs are recorded whenever the response has them, as from a stream: also when a proxy asked for them
+    rather than the agent (agl's LLM proxy in front of vLLM does), so the trainer gets the server's logprobs
+    whichever side records the call. Returns the finish reasons.
+    """
+    _record_header(completion, deferred)
+    choices = completion.choices
+    deferred[semconv.OUTPUT_MESSAGES] = [choice.message for choice in choices]
+    first = choices[0] if choices else None
+    record_token_ids(_extra(completion, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
+    record_resources_version(_extra(completion, RESOURCES_VERSION_FIELD), deferred)
+    if first is not None and first.logprobs is not None and first.logprobs.content:
+        deferred[semconv.RESPONSE_LOGPROBS] = _chat_logprobs(first.logprobs.content)
+    return [c.finish_reason for c in choices if c.finish_reason]
+
+
+def completion_attributes(completion: Any, deferred: Dict[str, Any]) -> List[str]:
+    """Record a non-streamed (legacy) ``Completion``: choice texts as assistant messages, choice 0's token ids
+    and logprobs (whenever it has them, as for chat). A prompt sent as token ids is the prompt, whether or not
+    the server echoes it back.
+
+    Returns the finish reasons.
+    """
+    _record_header(completion, deferred)
+    choices = completion.choices
+    deferred[semconv.OUTPUT_MESSAGES] = [{"role": "assistant", "content": choice.text} for choice in choices]
+    first = choices[0] if choices else None
+    record_completion_token_ids(_extra(first, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
+    record_resources_version(_extra(completion, RESOURCES_VERSION_FIELD), deferred)
+    if first is not None and first.logprobs is not None and first.logprobs.token_logprobs:
+        deferred[semconv.RESPONSE_LOGPROBS] = list(first.logprobs.token_logprobs)
+    return [c.finish_reason for c in choices if c.finish_reason]
+
+
+def _record_header(completion: Any, deferred: Dict[str, Any]) -> None:
+    """Id, model and usage of a chat or text completion (the Responses API names its usage fields apart)."""
+    record_response_ids(completion.id, completion.model, deferred)
+    usage = completion.usage
+    if usage is not None:
+        record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+
+
+def record_completion_token_ids(
+    prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any], complete: bool = True
+) -> None:
+    """``record_token_ids``, the request's own prompt ids standing in for those a server that sent the response
+    ids left out (the source then stays ``absent`` for a server that sends no ids at all)."""
+    if prompt_ids is None and response_ids is not None:
+        prompt = deferred.get(semconv.LLM_PROMPT)
+        if isinstance(prompt, tuple):
+            prompt_ids = prompt
+    record_token_ids(prompt_ids, response_ids, deferred, complete)
+
+
+def record_response(api: str, response: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
+    """Record a parsed, non-streamed response of ``api``; returns the finish reasons."""
+    if api == CHAT:
+        return chat_completion_attributes(response, deferred)
+    if api == COMPLETIONS:
+        return completion_attributes(response, deferred)
+    return response_attributes(response, deferred, with_logprobs)
+
+
+def response_attributes(response: Any, deferred: Dict[str, Any], with_logprobs: bool) -> List[str]:
+    """Record a Responses API ``Response`` (also the final one of a stream). Returns the finish reasons.
+
+    The Responses API has no finish reason: the status (``completed``) or why it is incomplete
+    (``max_output_tokens``) stands in for it.
+    """
+    record_response_ids(response.id, response.model, deferred)
+    usage = response.usage
+    if usage is not None:
+        record_usage(usage.input_tokens, usage.output_tokens, deferred)
+    output = response.output
+    deferred[semconv.OUTPUT_MESSAGES] = Computed(functools.partial(_responses_output_messages, output))
+    record_token_ids(_extra(response, "prompt_token_ids"), _extra(response, "response_token_ids"), deferred)
+    record_resources_version(_extra(response, RESOURCES_VERSION_FIELD), deferred)
+    if with_logprobs or _carries_logprobs(output):
+        deferred[semconv.RESPONSE_LOGPROBS] = _responses_logprobs(output)
+    incomplete = response.incomplete_details
+    reason = getattr(incomplete, "reason", None) if incomplete is not None else response.status
+    return [reason] if reason else []
+
+
+def _extra(obj: Any, key: str) -> Any:
+    """A field the SDK does not model (vLLM's token ids), kept by its pydantic models as an extra."""
+    extra = getattr(obj, "model_extra", None)
+    return extra.get(key) if extra else None
+
+
+def record_response_ids(response_id: Optional[str], model: Optional[str], deferred: Dict[str, Any]) -> None:
+    """Set when the server sent them (a deferred None would be stored as the string ``null``)."""
+    if response_id is not None:
+        deferred[semconv.RESPONSE_ID] = response_id
+    if model is not None:
+        deferred[semconv.RESPONSE_MODEL] = model
+
+
+def record_usage(input_tokens: Optional[int], output_tokens: Optional[int], deferred: Dict[str, Any]) -> None:
+    if input_tokens is not None:
+        deferred[semconv.USAGE_INPUT_TOKENS] = input_tokens
+    if output_tokens is not None:
+        deferred[semconv.USAGE_OUTPUT_TOKENS] = output_tokens
+
+
+def record_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any], complete: bool = True) -> None:
+    """Token ids go to the writer as tuples; the source says whether the server sent them.
+
+    ``complete``: the server finished its answer. A stream that ended before (abandoned by the agent, cut by
+    the server) may just not have reached its ids (a Responses stream sends them with its last event, a chat
+    stream closed unread has none yet): whether the server returns ids is then unknown, so without ids no
+    source is recorded rather than ``absent``, which LightningRL reads as a server that never returns them.
+
+    A tuple of ints is dropped from the garbage collector's tracking, a list is not: thousands of queued
+    lists of token ids would make every full collection on the agent's thread walk each id.
+    """
+    if prompt_ids is not None:
+        deferred[semconv.PROMPT_TOKEN_IDS] = tuple(prompt_ids)
+    if response_ids is not None:
+        deferred[semconv.RESPONSE_TOKEN_IDS] = tuple(response_ids)
+    if prompt_ids is not None or response_ids is not None:
+        deferred[semconv.TOKEN_IDS_SOURCE] = "server"
+    elif complete:
+        deferred[semconv.TOKEN_IDS_SOURCE] = "absent"
+
+
+def record_resources_version(version: Any, deferred: Dict[str, Any]) -> None:
+    """The policy version an agl server reported (other servers send none and nothing is recorded)."""
+    if isinstance(version, int) and not isinstance(version, bool):
+        deferred[semconv.RESOURCES_VERSION] = version
+
+
+def _chat_logprobs(content: Sequence[Any]) -> Computed:
+    return Computed(lambda: [token.logprob for token in content])
+
+
+def _responses_output_messages(output: Sequence[Any]) -> List[Dict[str, Any]]:
+    """Responses output items as one assistant message in the chat format, like the chat API records.
+
+    Only text and function calls are kept (reasoning and hosted-tool items have no chat equivalent).
+    """
+    texts: List[str] = []
+    calls: List[Dict[str, Any]] = []
+    for item in output or ():
+        kind = getattr(item, "type", None)
+        if kind == "message":
+            texts.extend(part.text for part in item.content if getattr(part, "type", None) == "output_text")
+        elif kind == "function_call":
+            calls.append(function_call(item.call_id, item.name, item.arguments))
+    return [assistant_message(texts, calls)]
+
+
+def function_call(call_id: Optional[str], name: Optional[str], arguments: Optional[str]) -> Dict[str, Any]:
+    """A Responses API function call as a chat tool call."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def assistant_message(texts: List[str], calls: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The one assistant message a Responses answer (whole, or what arrived of a stream) is recorded as."""
+    message: Dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _carries_logprobs(output: Sequence[Any]) -> bool:
+    """Whether a Responses answer holds logprobs although the request did not ``include`` them: a server
+    that fills in its own default (agl's policy server under a trainer: ``logprobs: true``) or honours
+    ``top_logprobs`` alone. A few attribute reads; the list itself is read on the writer."""
+    return any(
+        getattr(part, "logprobs", None)
+        for item in output or ()
+        if getattr(item, "type", None) == "message"
+        for part in item.content or ()
+    )
+
+
+def _responses_logprobs(output: Sequence[Any]) -> Computed:
+    def fill() -> List[float]:
+        values: List[float] = []
+        for item in output or ():
+            if getattr(item, "type", None) != "message":
+                continue
+            for part in item.content:
+                values.extend(logprob_of(lp) for lp in getattr(part, "logprobs", None) or ())
+        return values
+
+    return Computed(fill)
+
+
+def logprob_of(entry: Any) -> float:
+    """A Responses output-text logprob: a model on current SDKs, a plain dict on openai < 1.91."""
+    return entry["logprob"] if isinstance(entry, dict) else entry.logprob

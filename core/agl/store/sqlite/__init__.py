@@ -1,0 +1,2 @@
+"""The SQLite store: one file, many processes (``store``), its schema and row conversions (``schema``) and its
+background WAL checkpoints (``checkpoints``)."""

@@ -1,0 +1,852 @@
+"""The embedded default store: one SQLite file that several processes share safely.
+
+Why it is built this way:
+- WAL mode with ``synchronous=NORMAL``: readers never block the writer and a commit does not fsync (a power
+  cut may lose the last commits, never corrupt the file); ``busy_timeout`` queues writers of other processes.
+- One connection per thread, reopened after ``os.fork`` (SQLite connections must not cross a fork). The
+  object pickles as its path and options, so it can be handed to ``multiprocessing`` children.
+- Every state change is one ``BEGIN IMMEDIATE`` transaction: it takes the write lock before reading, so
+  two processes can never claim the same rollout or end the same attempt twice. Threads of one process
+  queue on a lock first, which is cheaper than SQLite's sleeping busy handler.
+- Waiters in any process are woken through a :class:`~agl.store.doorbell.Doorbell`, not by polling.
+
+The schema and row conversions live in :mod:`agl.store.sqlite.schema`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sqlite3
+import threading
+import time
+import urllib.parse
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from pydantic_core import from_json
+
+from agl.errors import (
+    AglError,
+    DuplicateResourcesError,
+    StoreAddressError,
+    StoreClosedError,
+    StoreNotFoundError,
+    UnknownAttemptError,
+    UnknownResourcesError,
+    UnknownRolloutError,
+)
+from agl._util.fork_safety import hold_across_fork, keep_unused
+from agl.store import _rules
+from agl.store.sqlite.checkpoints import BACKSTOP_PAGES, WAL_SIZE_LIMIT, checkpointer
+from agl.store.sqlite.schema import (
+    ATTEMPT_COLS,
+    SPAN_ROWS_PER_INSERT,
+    NEXT_QUEUE_POS,
+    ROLLOUT_COLS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SELECT_ROLLOUTS,
+    SPAN_COLS,
+    attempt_from_row,
+    json_list,
+    rollout_from_row,
+    insert_spans_sql,
+    span_from_row,
+    span_to_row,
+)
+from agl.store._waiting import wait_until
+from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.store.doorbell import Doorbell
+from agl.types import (
+    TERMINAL_ROLLOUT_STATUSES,
+    Attempt,
+    AttemptStatus,
+    Resource,
+    ResourcesUpdate,
+    Rollout,
+    RolloutMode,
+    RolloutStatus,
+    Span,
+    new_id,
+    parse_resources,
+)
+
+logger = logging.getLogger("agl.store.sqlite.store")
+
+FORK_WAIT_S = 10.0  # how long a fork waits for this process's store operations in flight (agl._util.fork_safety)
+
+_NEXT_DEADLINE = "SELECT min(deadline) FROM attempts WHERE status = 'running' AND deadline IS NOT NULL"
+
+# complete_attempt's read: the rollout with the attempt it names (a SELECT_ROLLOUTS row, but that attempt
+# rather than the latest: they are the same when it is live), then the attempt's aid.
+_COMPLETING = (
+    f"SELECT {ROLLOUT_COLS}, {ATTEMPT_COLS}, a.aid FROM rollouts r "
+    "LEFT JOIN attempts a ON a.rollout_id = r.rollout_id AND a.attempt_id = ? WHERE r.rollout_id = ?"
+)
+_ROLLOUT_AT = {column.strip()[2:]: i for i, column in enumerate(ROLLOUT_COLS.split(","))}
+_ATTEMPT_AT = {column.strip()[2:]: len(_ROLLOUT_AT) + i for i, column in enumerate(ATTEMPT_COLS.split(","))}
+_COMPLETING_AID = len(_ROLLOUT_AT) + len(_ATTEMPT_AT)
+
+
+def _check_live(
+    row: Optional[Sequence[Any]], rollout_id: str, attempt_id: str, aid_at: int, status_at: int, rollout_status_at: int
+) -> None:
+    """Raise unless ``row`` (a rollout left-joined with the attempt named) shows that attempt still running."""
+    if row is None:
+        raise UnknownRolloutError(rollout_id)
+    if row[aid_at] is None:
+        raise UnknownAttemptError(rollout_id, attempt_id)
+    if row[status_at] != "running":
+        raise _rules.stale_error(rollout_id, attempt_id, row[status_at], row[rollout_status_at])
+
+
+# The live attempt's row joined with its rollout's bookkeeping; see _live_attempt.
+_LIVE_ATTEMPT = (
+    "SELECT a.aid, a.status, r.status, a.start_time, r.timeout_seconds, r.heartbeat_timeout_seconds, "
+    "r.n_attempts, r.max_attempts, a.last_heartbeat FROM rollouts r "
+    "LEFT JOIN attempts a ON a.rollout_id = r.rollout_id AND a.attempt_id = ? WHERE r.rollout_id = ?"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _agl_tables() -> Dict[str, Tuple[str, ...]]:
+    """agl's tables and their columns, read from an in-memory database made from ``SCHEMA`` (one source)."""
+    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+        conn.executescript(SCHEMA)
+        return _tables(conn)
+
+
+def _tables(conn: sqlite3.Connection) -> Dict[str, Tuple[str, ...]]:
+    """The file's own tables (not SQLite's internal ones) and their columns; reads only."""
+    names = [row[0] for row in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name"
+    )]
+    return {name: tuple(c for (c,) in conn.execute("SELECT name FROM pragma_table_info(?)", (name,))) for name in names}
+
+
+def _foreign_tables(conn: sqlite3.Connection) -> Dict[str, Tuple[str, ...]]:
+    """The tables of the file that carry one of agl's table names with other columns (another application's
+    ``spans``): agl would read that application's rows as its own and fail on its first write."""
+    agl = _agl_tables()
+    return {name: cols for name, cols in _tables(conn).items() if name in agl and cols != agl[name]}
+
+
+def _not_a_store(path: str, tables: Dict[str, Tuple[str, ...]]) -> str:
+    """Why the SQLite file at ``path`` (holding ``tables``) is not an agl store, and what to pass instead."""
+    agl = _agl_tables()
+    clashes = [f"its table {name!r} has other columns ({', '.join(cols)})"
+               for name, cols in tables.items() if name in agl and cols != agl[name]]
+    what = (f"a SQLite database (tables: {', '.join(tables)}) but not an agl store"
+            + (f" ({'; '.join(clashes)})" if clashes else "")) if tables else "an empty SQLite file, not an agl store"
+    return (f"{path} is {what}; agl left it untouched: pass the store file an agl run wrote (e.g. its OUT/store.db), "
+            "or a path that does not exist yet for a new store")
+
+
+def _newer_agl_error(path: str, version: int) -> AglError:
+    return AglError(
+        f"{path} was written by a newer agl (store schema {version}, this agl knows {SCHEMA_VERSION}): "
+        "upgrade agl, or use another store file"
+    )
+
+
+def check_existing_store(path: str, busy_timeout: float = 30.0) -> None:
+    """Raise unless ``path`` is an agl store this agl can read, writing nothing to the file: a missing file
+    raises StoreNotFoundError, another application's SQLite database (or an empty file) StoreAddressError."""
+    if not os.path.exists(path):
+        raise StoreNotFoundError(f"no store at {path}: the file does not exist")
+    uri = f"file:{urllib.parse.quote(path)}?mode=rw"  # never creates the file
+    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=busy_timeout)) as conn:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = _tables(conn)
+    if version > SCHEMA_VERSION:
+        raise _newer_agl_error(path, version)
+    agl = _agl_tables()
+    if version == 0 or any(tables.get(name) != cols for name, cols in agl.items()):
+        raise StoreAddressError(_not_a_store(path, tables))
+
+
+class _Operation:
+    """``with store._session as conn``: this thread's connection for one operation of ``store``.
+
+    ``close()`` waits for the operations in flight: closing a connection while another thread's statement
+    runs on it crashes the interpreter (a segfault in CPython's sqlite3 module), e.g. when a store is closed
+    while the tracer's writer still writes to it. A class rather than a generator-based context manager:
+    every store call passes through here, and this costs a third as much.
+    """
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: "SqliteLightningStore") -> None:
+        self.store = store
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.store._begin_operation()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.store._end_operation()
+
+
+class _WriteTransaction:
+    """``with store._write() as conn``: one write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back
+    on any exception), under this process's write lock, inside one operation (``_Operation``). A class
+    rather than a generator-based context manager for the same reason: two of these per rollout cycle."""
+
+    __slots__ = ("store", "conn")
+
+    def __init__(self, store: "SqliteLightningStore") -> None:
+        self.store = store
+
+    def __enter__(self) -> sqlite3.Connection:
+        store = self.store
+        conn = self.conn = store._begin_operation()
+        try:
+            store._write_lock.acquire()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except BaseException:
+                store._write_lock.release()
+                raise
+        except BaseException:
+            store._end_operation()
+            raise
+        return conn
+
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
+        conn, store = self.conn, self.store
+        try:
+            if exc_type is None:
+                conn.execute("COMMIT")
+                checkpointer.written(store.path)
+        finally:
+            try:
+                if conn.in_transaction:  # an exception, or a failed COMMIT (else the next BEGIN would fail)
+                    conn.execute("ROLLBACK")
+            finally:
+                store._write_lock.release()
+                store._end_operation()
+
+
+class SqliteLightningStore(LightningStore):
+    """A LightningStore in one SQLite file, shared by every thread and process that opens the same path."""
+
+    multiprocess_safe: ClassVar[bool] = True
+
+    def __init__(self, path: "str | os.PathLike[str]", *, busy_timeout: float = 30.0, create: bool = True) -> None:
+        """Open (creating if needed) the store at ``path``; ``busy_timeout`` bounds waiting for the write lock.
+
+        ``create=False`` (what only reads: ``agl inspect``, ``agl export``): ``path`` must already be an agl
+        store; a missing file, or a SQLite file of another application, raises before anything is written to it
+        (no schema, no WAL switch, no ``user_version``), so a mistyped ``--store`` never alters someone's database.
+        """
+        self.path = os.path.abspath(os.fspath(path))
+        self.busy_timeout = busy_timeout
+        if not create:
+            check_existing_store(self.path, busy_timeout)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._closed = False
+        self._queue_bell = Doorbell(self.path, "queue")  # work was enqueued or requeued
+        self._done_bell = Doorbell(self.path, "done")  # a rollout finished, or there is a new deadline to watch
+        self._reset_process_state()
+        hold_across_fork(self)
+        if create:
+            self._create_schema()
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._local = threading.local()
+        self._conns: List[Tuple[threading.Thread, sqlite3.Connection]] = []  # strong refs: see agl._util.fork_safety
+        self._conns_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._in_flight = 0  # operations between _begin_operation and _end_operation, in this process
+        self._in_flight_lock = threading.Lock()  # taken directly on every operation: Condition's methods cost more
+        self._idle = threading.Condition(self._in_flight_lock)
+        self._forking = False  # a fork waits for the operations in flight; new ones wait for the fork
+        self._fork_held = False  # _before_fork holds _in_flight_lock for the fork under way
+        self._session = _Operation(self)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"path": self.path, "busy_timeout": self.busy_timeout}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"SqliteLightningStore({self.path!r})"
+
+    # -- connections and transactions ----------------------------------------------------------------------
+    def _closed_error(self) -> StoreClosedError:
+        return StoreClosedError(f"{self!r} was closed; open the file again with SqliteLightningStore(path)")
+
+    def _begin_operation(self) -> sqlite3.Connection:
+        """This thread's connection, counted as in use until ``_end_operation`` (see ``_Operation``)."""
+        if os.getpid() != self._pid:  # forked: the parent's connections and locks are not ours
+            keep_unused(conn for _, conn in self._conns)
+            self._reset_process_state()
+        with self._in_flight_lock:
+            while self._forking:
+                self._idle.wait()
+            if self._closed:
+                raise self._closed_error()
+            self._in_flight += 1
+        try:
+            return self._conn()
+        except BaseException:
+            self._end_operation()
+            raise
+
+    def _end_operation(self) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
+            if (self._closed or self._forking) and not self._in_flight:
+                self._idle.notify_all()
+
+    def _before_fork(self) -> None:
+        """Before ``os.fork``: no thread of this process may be inside SQLite (see ``agl._util.fork_safety``).
+
+        Holds new operations and waits up to ``FORK_WAIT_S`` for those in flight, then keeps
+        ``_in_flight_lock`` through the fork, so no operation starts before ``_after_fork``."""
+        if os.getpid() != self._pid:
+            return  # a store inherited from a parent and unused here: its locks are the parent's copies
+        self._in_flight_lock.acquire()
+        self._fork_held = True
+        self._forking = True
+        if not self._idle.wait_for(lambda: self._in_flight == 0, timeout=FORK_WAIT_S):
+            logger.warning(
+                "%r: forking while %d store operation(s) still run in other threads; the child may block in "
+                "its first store call", self, self._in_flight,
+            )
+
+    def _after_fork(self) -> None:
+        """After ``os.fork``, in the parent and in the child: operations may start again."""
+        if not self._fork_held:
+            return
+        self._fork_held = False
+        self._forking = False
+        self._idle.notify_all()
+        self._in_flight_lock.release()
+
+    def _conn(self) -> sqlite3.Connection:
+        """This thread's connection (made on first use); only inside ``_session``."""
+        conn: Optional[sqlite3.Connection] = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA cache_size = -32000")  # KiB: 32 MB per connection
+            # checkpoints run on a background thread (agl.store.sqlite.checkpoints); a commit runs one only as a
+            # backstop, when back-to-back writes never let that thread's checkpoints restart the WAL
+            conn.execute(f"PRAGMA wal_autocheckpoint = {BACKSTOP_PAGES}")
+            conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
+            with self._conns_lock:
+                # close the connections of threads that ended (runners start a heartbeat thread per rollout)
+                for thread, old in self._conns:
+                    if not thread.is_alive():
+                        old.close()
+                self._conns = [(t, c) for t, c in self._conns if t.is_alive()]
+                self._conns.append((threading.current_thread(), conn))
+            self._local.conn = conn
+        return conn
+
+    def _write(self) -> "_WriteTransaction":
+        """One write transaction holding the database's write lock from its first statement."""
+        return _WriteTransaction(self)
+
+    def _create_schema(self) -> None:
+        with self._session as conn:
+            # 8 KiB pages (SQLite's default is 4): an LLM span with its token ids is a ~9 KB row, which 4 KiB
+            # pages split into an overflow chain; inserting it costs ~30% less this way. Only a new, empty
+            # file takes it; an existing store keeps its page size.
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise _newer_agl_error(self.path, version)
+            if version == 0 and _foreign_tables(conn):  # before the first write: another app's file stays as it was
+                raise StoreAddressError(_not_a_store(self.path, _tables(conn)))
+            conn.execute("PRAGMA page_size = 8192")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode != "wal":
+            logger.warning("%s: SQLite refused WAL mode (journal_mode=%s); is it on a network drive?", self.path, mode)
+        if version < SCHEMA_VERSION:
+            with self._write() as c:
+                for statement in SCHEMA.split(";"):
+                    if statement.strip():
+                        c.execute(statement)
+                c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        """Refuse new operations, wait (up to ``busy_timeout``) for those in flight, then close the connections.
+
+        Connections another thread is still using after that wait are left open (closing them under a running
+        statement would crash the process); the garbage collector closes them when that thread lets go."""
+        if os.getpid() != self._pid:
+            self._closed = True
+            return  # the parent's connections are not ours to close
+        with self._idle:
+            self._closed = True
+            idle = self._idle.wait_for(lambda: self._in_flight == 0, timeout=self.busy_timeout)
+            with self._conns_lock:
+                conns, self._conns = self._conns, []
+        checkpointer.release(self.path)  # before the store's own: the last connection to close folds the WAL
+        me = threading.current_thread()
+        with self._idle:  # no fork while a connection closes (see _before_fork); not nested with release's lock
+            for thread, conn in conns:
+                if idle or thread is me or not thread.is_alive():
+                    conn.close()
+        if not idle:
+            logger.warning("%r closed while operations were still running in other threads", self)
+
+    def file_size(self) -> int:
+        """Bytes the store takes on disk: the database file and its write-ahead log."""
+        return sum(os.path.getsize(p) for p in (self.path, f"{self.path}-wal") if os.path.exists(p))
+
+    def vacuum(self) -> bool:
+        """Give the space of deleted rows back to the file system. Without this SQLite keeps the file's size
+        and reuses the space for new rows, which is enough to stop a pruned store from growing. Rewrites the
+        whole file (seconds per GB) while every writer waits; meant for ``agl store prune --vacuum``.
+
+        The rewritten file goes through the write-ahead log; False when another process still reads an older
+        snapshot (waited for up to ``busy_timeout``), so the log could not be folded back yet: the file
+        shrinks at a later checkpoint, after that reader is done, and until then takes more space, not less."""
+        with self._session as conn:
+            conn.execute("VACUUM")
+            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        return not busy
+
+    # -- shared steps --------------------------------------------------------------------------------------
+    @staticmethod
+    def _select_one(c: sqlite3.Connection, rollout_id: str) -> Rollout:
+        row = c.execute(f"{SELECT_ROLLOUTS} WHERE r.rollout_id = ?", (rollout_id,)).fetchone()
+        if row is None:
+            raise UnknownRolloutError(rollout_id)
+        return rollout_from_row(row)
+
+    @staticmethod
+    def _live_attempt(c: sqlite3.Connection, rollout_id: str, attempt_id: str) -> Tuple[Any, ...]:
+        """``_LIVE_ATTEMPT``'s row; raises unless the attempt exists and is still running."""
+        row = c.execute(_LIVE_ATTEMPT, (attempt_id, rollout_id)).fetchone()
+        _check_live(row, rollout_id, attempt_id, 0, 1, 2)
+        return row
+
+    @staticmethod
+    def _end_attempt(
+        c: sqlite3.Connection,
+        rollout_id: str,
+        aid: int,
+        status: str,
+        error: Optional[str],
+        reward: Optional[float],
+        n_attempts: int,
+        max_attempts: int,
+        now: float,
+    ) -> Dict[str, Any]:
+        """End the live attempt ``aid`` and move the rollout on per the shared retry rule; returns the rollout
+        columns it set (and their values)."""
+        c.execute("UPDATE attempts SET status = ?, end_time = ?, error = ? WHERE aid = ?", (status, now, error, aid))
+        nxt = _rules.next_rollout_status(status, n_attempts, max_attempts)
+        if nxt == "succeeded":
+            changes: Dict[str, Any] = {"status": nxt, "final_reward": reward, "error": None, "end_time": now}
+        elif nxt == "queued":
+            changes = {"status": nxt, "error": error}
+        else:
+            changes = {"status": nxt, "error": error, "end_time": now}
+        assignments = ", ".join(f"{column} = ?" for column in changes)
+        if nxt == "queued":
+            assignments += f", queue_pos = {NEXT_QUEUE_POS}"  # to the back of the queue
+        c.execute(f"UPDATE rollouts SET {assignments} WHERE rollout_id = ?", (*changes.values(), rollout_id))
+        return changes
+
+    def _ring_for(self, statuses: Iterable[str]) -> None:
+        """After a commit: wake runners for requeued work, and waiters for finished rollouts."""
+        statuses = set(statuses)
+        if "queued" in statuses:
+            self._queue_bell.ring()
+        if statuses & TERMINAL_ROLLOUT_STATUSES:
+            self._done_bell.ring()
+
+    def _reap(self) -> Tuple[List[Rollout], Optional[float]]:
+        """End expired attempts; return the changed rollouts and the next pending deadline."""
+        with self._session as conn:
+            next_deadline = conn.execute(_NEXT_DEADLINE).fetchone()[0]
+        now = time.time()
+        if next_deadline is None or next_deadline > now:
+            return [], next_deadline  # the common case: one indexed read, no write lock
+        changed: List[Rollout] = []
+        with self._write() as c:
+            expired = c.execute(
+                "SELECT a.aid, a.rollout_id, a.start_time, r.timeout_seconds, r.heartbeat_timeout_seconds, "
+                "r.n_attempts, r.max_attempts FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
+                "WHERE a.status = 'running' AND a.deadline <= ?",
+                (now,),
+            ).fetchall()
+            for aid, rollout_id, start, timeout, hb_timeout, n_attempts, max_attempts in expired:
+                status, error = _rules.expiry(start, now, timeout, hb_timeout)
+                self._end_attempt(c, rollout_id, aid, status, error, None, n_attempts, max_attempts, now)
+                changed.append(self._select_one(c, rollout_id))
+            next_deadline = c.execute(_NEXT_DEADLINE).fetchone()[0]
+        self._ring_for(r.status for r in changed)
+        return changed, next_deadline
+
+    # -- rollouts ------------------------------------------------------------------------------------------
+    def enqueue_many(self, requests: Sequence[EnqueueRequest]) -> List[Rollout]:
+        if not requests:
+            return []
+        _rules.check_request_ids(requests)
+        now = time.time()
+        rows = [
+            (
+                request.rollout_id or new_id("ro"),
+                request.task_id or new_id("task"),
+                _rules.encode_json(request.input, "rollout input"),
+                request.mode,
+                request.resources_id,
+                request.config.max_attempts,
+                request.config.timeout_seconds,
+                request.config.heartbeat_timeout_seconds,
+                _rules.encode_json(request.metadata, "rollout metadata"),
+                now,
+            )
+            for request in requests
+        ]
+        resources_ids = {r.resources_id for r in requests if r.resources_id is not None}
+        with self._write() as c:
+            for resources_id in resources_ids:
+                if c.execute("SELECT 1 FROM resources WHERE resources_id = ?", (resources_id,)).fetchone() is None:
+                    raise UnknownResourcesError(resources_id)
+            chosen = [r.rollout_id for r in requests if r.rollout_id is not None]
+            if chosen:
+                sql = "SELECT 1 FROM rollouts WHERE rollout_id = ?"
+                _rules.check_new_rollout_ids(requests, lambda i: c.execute(sql, (i,)).fetchone() is not None)
+            base = c.execute(f"SELECT {NEXT_QUEUE_POS}").fetchone()[0]
+            c.executemany(
+                "INSERT INTO rollouts (rollout_id, task_id, input, mode, resources_id, max_attempts, timeout_seconds, "
+                "heartbeat_timeout_seconds, metadata, create_time, status, queue_pos) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?)",
+                [row + (base + i,) for i, row in enumerate(rows)],
+            )
+        self._queue_bell.ring()
+        # the same columns a SELECT_ROLLOUTS row has: status, counters and times of a new rollout, no attempt
+        return [
+            rollout_from_row(r[:4] + ("queued",) + r[4:9] + (0, None, None, now, None, None, None, None)) for r in rows
+        ]
+
+    def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
+        _rules.check_claim(runner_id, limit)
+
+        def attempt() -> Tuple[Optional[List[Rollout]], Optional[float]]:
+            claimed, next_expiry = self._claim(runner_id, limit)
+            return claimed or None, next_expiry
+
+        return wait_until(self._queue_bell.listen, timeout, attempt) or []
+
+    def _claim(self, runner_id: str, limit: int) -> Tuple[List[Rollout], Optional[float]]:
+        """Reap, then claim up to ``limit`` queued rollouts in one transaction; also returns the next expiry."""
+        _, next_expiry = self._reap()
+        with self._session as conn:
+            queued = conn.execute("SELECT 1 FROM rollouts WHERE queue_pos IS NOT NULL LIMIT 1").fetchone()
+        if queued is None:
+            return [], next_expiry  # nothing queued: no need for the write lock
+        now = time.time()
+        with self._write() as c:
+            rows = c.execute(
+                f"SELECT {ROLLOUT_COLS}, r.seq FROM rollouts r "
+                "WHERE r.queue_pos IS NOT NULL ORDER BY r.queue_pos LIMIT ?",
+                (limit,),
+            ).fetchall()
+            aid = c.execute("SELECT coalesce(max(aid), 0) FROM attempts").fetchone()[0]
+            attempts = []  # INSERT INTO attempts parameters, one per claimed rollout
+            for row in rows:
+                aid += 1
+                deadline = _rules.attempt_deadline(now, now, row[7], row[8])
+                attempts.append((aid, row[0], new_id("at"), row[10] + 1, runner_id, now, now, deadline))
+            c.executemany(
+                "UPDATE rollouts SET status = 'running', queue_pos = NULL, n_attempts = ?, latest_aid = ?, "
+                "start_time = coalesce(start_time, ?) WHERE seq = ?",
+                [(a[3], a[0], now, row[16]) for row, a in zip(rows, attempts)],
+            )
+            c.executemany(
+                "INSERT INTO attempts (aid, rollout_id, attempt_id, sequence, runner_id, status, start_time, "
+                "last_heartbeat, deadline) VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?)",
+                attempts,
+            )
+        claimed = [  # the SELECT_ROLLOUTS row each claimed rollout now has
+            rollout_from_row(
+                row[:4]
+                + ("running",)
+                + row[5:10]
+                + (a[3],)
+                + row[11:14]
+                + (row[14] or now, row[15])
+                + (a[1], a[2], a[3], runner_id, "running", now, None, now, None)
+            )
+            for row, a in zip(rows, attempts)
+        ]
+        deadlines = [a[7] for a in attempts if a[7] is not None]
+        if deadlines:
+            self._done_bell.ring()  # a waiter sleeping until the next expiry must learn of these
+            next_expiry = min(deadlines + ([next_expiry] if next_expiry is not None else []))
+        return claimed, next_expiry
+
+    def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
+        now = time.time()
+        with self._write() as c:
+            aid, _, _, start, timeout, hb_timeout, _, _, _ = self._live_attempt(c, rollout_id, attempt_id)
+            deadline = _rules.attempt_deadline(start, now, timeout, hb_timeout)
+            c.execute("UPDATE attempts SET last_heartbeat = ?, deadline = ? WHERE aid = ?", (now, deadline, aid))
+            row = c.execute(f"SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.aid = ?", (aid,)).fetchone()
+        return attempt_from_row(row)
+
+    def complete_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus,
+        *,
+        reward: Optional[float] = None,
+        error: Optional[str] = None,
+    ) -> Rollout:
+        reward = _rules.check_completion(status, reward)
+        error = _rules.free_text(error)
+        now = time.time()
+        with self._write() as c:
+            row = c.execute(_COMPLETING, (attempt_id, rollout_id)).fetchone()
+            _check_live(row, rollout_id, attempt_id, _COMPLETING_AID, _ATTEMPT_AT["status"], _ROLLOUT_AT["status"])
+            n_attempts, max_attempts = row[_ROLLOUT_AT["n_attempts"]], row[_ROLLOUT_AT["max_attempts"]]
+            aid = row[_COMPLETING_AID]
+            changes = self._end_attempt(c, rollout_id, aid, status, error, reward, n_attempts, max_attempts, now)
+        # the rollout as it now is, from the row read before the change: one query less per completion
+        values = list(row[:_COMPLETING_AID])
+        for column, value in changes.items():
+            values[_ROLLOUT_AT[column]] = value
+        for column, value in (("status", status), ("end_time", now), ("error", error)):
+            values[_ATTEMPT_AT[column]] = value
+        rollout = rollout_from_row(values)
+        self._ring_for([rollout.status])
+        return rollout
+
+    def cancel_rollout(self, rollout_id: str) -> Rollout:
+        now = time.time()
+        with self._write() as c:
+            row = c.execute("SELECT status, latest_aid FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
+            if row is None:
+                raise UnknownRolloutError(rollout_id)
+            status, aid = row
+            if status not in ("queued", "running", "cancelled"):
+                raise _rules.cancel_error(rollout_id, status)
+            if status == "running":
+                c.execute("UPDATE attempts SET status = 'cancelled', end_time = ? WHERE aid = ?", (now, aid))
+            if status != "cancelled":
+                c.execute(
+                    "UPDATE rollouts SET status = 'cancelled', end_time = ?, queue_pos = NULL WHERE rollout_id = ?",
+                    (now, rollout_id),
+                )
+            rollout = self._select_one(c, rollout_id)
+        if status != "cancelled":
+            self._done_bell.ring()
+        return rollout
+
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        with self._session as conn:
+            return self._select_one(conn, rollout_id)
+
+    def query_rollouts(
+        self,
+        *,
+        status: Optional[Iterable[RolloutStatus]] = None,
+        rollout_ids: Optional[Iterable[str]] = None,
+        task_id: Optional[str] = None,
+        mode: Optional[RolloutMode] = None,
+        limit: Optional[int] = None,
+        offset: int = 0,
+    ) -> List[Rollout]:
+        where: List[str] = ["1"]
+        params: List[Any] = []
+        if status is not None:
+            where.append("r.status IN (SELECT value FROM json_each(?))")
+            params.append(json_list(status))
+        if rollout_ids is not None:
+            where.append("r.rollout_id IN (SELECT value FROM json_each(?))")
+            params.append(json_list(rollout_ids))
+        if task_id is not None:
+            where.append("r.task_id = ?")
+            params.append(task_id)
+        if mode is not None:
+            where.append("r.mode = ?")
+            params.append(mode)
+        sql = f"{SELECT_ROLLOUTS} WHERE {' AND '.join(where)} ORDER BY r.seq LIMIT ? OFFSET ?"
+        with self._session as conn:
+            rows = conn.execute(sql, params + [-1 if limit is None else limit, offset]).fetchall()
+        return [rollout_from_row(row) for row in rows]
+
+    def query_attempts(self, rollout_id: str) -> List[Attempt]:
+        sql = f"SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.rollout_id = ? ORDER BY a.sequence"
+        with self._session as conn:
+            rows = conn.execute(sql, (rollout_id,)).fetchall()
+            if not rows:
+                self._select_one(conn, rollout_id)  # raises if the rollout is unknown
+        return [attempt_from_row(row) for row in rows]
+
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> List[Rollout]:
+        ids = list(dict.fromkeys(rollout_ids))
+        pending = self._pending(ids, check_known=True)
+
+        def attempt() -> Tuple[Optional[bool], Optional[float]]:
+            nonlocal pending
+            _, next_expiry = self._reap()
+            pending = self._pending(pending, check_known=False)
+            return (None if pending else True), next_expiry
+
+        if pending:
+            wait_until(self._done_bell.listen, timeout, attempt)
+        done = {r.rollout_id: r for r in self.query_rollouts(rollout_ids=ids) if r.is_terminal}
+        return [done[i] for i in ids if i in done]
+
+    def _pending(self, ids: Sequence[str], *, check_known: bool) -> List[str]:
+        """Those of ``ids`` that are not terminal yet (raising for unknown ids when ``check_known``)."""
+        with self._session as conn:
+            rows = conn.execute(
+                "SELECT rollout_id, status FROM rollouts WHERE rollout_id IN (SELECT value FROM json_each(?))",
+                (json_list(ids),),
+            ).fetchall()
+        status = dict(rows)
+        if check_known and len(status) < len(ids):
+            raise UnknownRolloutError(next(i for i in ids if i not in status))
+        return [i for i in ids if status.get(i) not in TERMINAL_ROLLOUT_STATUSES]
+
+    def reap_expired(self) -> List[Rollout]:
+        return self._reap()[0]
+
+    def renew_heartbeats(self) -> int:
+        now = time.time()
+        with self._write() as c:
+            running = c.execute(
+                "SELECT a.aid, a.start_time, r.timeout_seconds, r.heartbeat_timeout_seconds FROM attempts a "
+                "JOIN rollouts r ON r.rollout_id = a.rollout_id "
+                "WHERE a.status = 'running' AND a.deadline IS NOT NULL AND r.heartbeat_timeout_seconds IS NOT NULL"
+            ).fetchall()
+            c.executemany(
+                "UPDATE attempts SET last_heartbeat = ?, deadline = ? WHERE aid = ?",
+                [(now, _rules.attempt_deadline(start, now, timeout, hb), aid) for aid, start, timeout, hb in running],
+            )
+        return len(running)
+
+    # -- spans ---------------------------------------------------------------------------------------------
+    def add_spans(self, spans: Sequence[Span]) -> int:
+        if not spans:
+            return 0
+        rows = [span_to_row(_rules.storable_span(span)) for span in spans]  # encoded before taking the write lock
+        now = time.time()
+        with self._write() as c:
+            aids: Dict[Tuple[str, str], int] = {}
+            beats = []
+            for row in rows:
+                key = (row[0], row[1])
+                if key in aids:
+                    continue
+                found = c.execute(_LIVE_ATTEMPT, (key[1], key[0])).fetchone()
+                if found is None:
+                    raise UnknownRolloutError(key[0])
+                if found[0] is None:
+                    raise UnknownAttemptError(key[0], key[1])
+                aids[key] = found[0]
+                if found[1] == "running" and _rules.span_heartbeat_due(found[8], now, found[5]):
+                    beats.append((now, _rules.attempt_deadline(found[3], now, found[4], found[5]), found[0]))
+            before = c.total_changes
+            for start in range(0, len(rows), SPAN_ROWS_PER_INSERT):
+                chunk = rows[start : start + SPAN_ROWS_PER_INSERT]
+                params = [value for row in chunk for value in (aids[(row[0], row[1])],) + row]
+                c.execute(insert_spans_sql(len(chunk)), params)
+            stored = c.total_changes - before
+            c.executemany("UPDATE attempts SET last_heartbeat = ?, deadline = ? WHERE aid = ?", beats)
+        return stored
+
+    def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
+        with self._session as conn:
+            if attempt_id == "latest":
+                sql = (
+                    f"SELECT {SPAN_COLS} FROM spans s WHERE s.aid = (SELECT latest_aid FROM rollouts WHERE rollout_id = ?) "
+                    "ORDER BY s.sequence_id, s.rowid"
+                )
+                rows = conn.execute(sql, (rollout_id,)).fetchall()
+            elif attempt_id is None:
+                sql = (
+                    f"SELECT {SPAN_COLS} FROM attempts a JOIN spans s ON s.aid = a.aid WHERE a.rollout_id = ? "
+                    "ORDER BY a.sequence, s.sequence_id, s.rowid"
+                )
+                rows = conn.execute(sql, (rollout_id,)).fetchall()
+            else:
+                sql = (
+                    f"SELECT {SPAN_COLS} FROM attempts a JOIN spans s ON s.aid = a.aid "
+                    "WHERE a.rollout_id = ? AND a.attempt_id = ? ORDER BY s.sequence_id, s.rowid"
+                )
+                rows = conn.execute(sql, (rollout_id, attempt_id)).fetchall()
+            if not rows:  # only now find out whether the ids exist, to keep the common path one query
+                self._select_one(conn, rollout_id)
+                if attempt_id not in ("latest", None):
+                    sql = "SELECT 1 FROM attempts WHERE rollout_id = ? AND attempt_id = ?"
+                    if conn.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
+                        raise UnknownAttemptError(rollout_id, attempt_id)  # type: ignore[arg-type]
+            return [span_from_row(row) for row in rows]
+
+    def delete_spans(self, rollout_ids: Sequence[str]) -> int:
+        ids = list(dict.fromkeys(rollout_ids))
+        listed = (json_list(ids),)
+        with self._write() as c:
+            sql = "SELECT rollout_id, status FROM rollouts WHERE rollout_id IN (SELECT value FROM json_each(?))"
+            status = dict(c.execute(sql, listed).fetchall())
+            for rollout_id in ids:  # every id is checked before anything is deleted: all or nothing
+                if rollout_id not in status:
+                    raise UnknownRolloutError(rollout_id)
+                _rules.check_spans_deletable(rollout_id, status[rollout_id])
+            before = c.total_changes
+            c.execute(
+                "DELETE FROM spans WHERE aid IN "
+                "(SELECT aid FROM attempts WHERE rollout_id IN (SELECT value FROM json_each(?)))",
+                listed,
+            )
+            return c.total_changes - before
+
+    # -- resources -----------------------------------------------------------------------------------------
+    def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        _rules.check_id(resources_id, "resources_id")
+        encoded = _rules.encode_json(parse_resources(dict(resources)), "resources")
+        now = time.time()
+        with self._write() as c:
+            if resources_id is not None:
+                if c.execute("SELECT 1 FROM resources WHERE resources_id = ?", (resources_id,)).fetchone():
+                    raise DuplicateResourcesError(resources_id)
+            else:
+                resources_id = new_id("res")
+            version = c.execute("SELECT coalesce(max(version), 0) + 1 FROM resources").fetchone()[0]
+            c.execute("INSERT INTO resources VALUES (?, ?, ?, ?)", (version, resources_id, encoded, now))
+        return ResourcesUpdate(
+            resources_id=resources_id, version=version, resources=parse_resources(from_json(encoded)), create_time=now
+        )
+
+    def get_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
+        with self._session as conn:
+            if resources_id is None:
+                row = conn.execute("SELECT * FROM resources ORDER BY version DESC LIMIT 1").fetchone()
+                if row is None:
+                    return None
+            else:
+                row = conn.execute("SELECT * FROM resources WHERE resources_id = ?", (resources_id,)).fetchone()
+                if row is None:
+                    raise UnknownResourcesError(resources_id)
+            version, rid, encoded, create_time = row
+            return ResourcesUpdate(
+                resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=create_time
+            )
+
+    # -- misc ----------------------------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        with self._session as conn:
+            conn.execute("BEGIN")  # one snapshot for every count
+            try:
+                counts = {status: 0 for status in _rules.ROLLOUT_STATUSES}
+                counts.update(conn.execute("SELECT status, count(*) FROM rollouts GROUP BY status").fetchall())
+                n_attempts, n_spans, n_versions = conn.execute(
+                    "SELECT (SELECT count(*) FROM attempts), (SELECT count(*) FROM spans), (SELECT count(*) FROM resources)"
+                ).fetchone()
+            finally:
+                conn.execute("COMMIT")
+            return StoreStats(rollouts=counts, attempts=n_attempts, spans=n_spans, resources_versions=n_versions)
