@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from agl import semconv
 from agl.types import Span, call_order_key
@@ -155,16 +155,34 @@ def build_tree(spans: Iterable[Span], *, tolerance_ns: int = DEFAULT_TOLERANCE_N
         names = ", ".join(f"{rid}/{aid}" for rid, aid in attempts)
         raise ValueError(f"build_tree takes the spans of one attempt, got {len(attempts)}: {names}")
     repairs = RepairReport()
+    by_id = _deduplicated(ordered, repairs)
+    kept = list(by_id.values())  # still in call order
+    parent, orphans = _known_parents(kept, by_id, repairs)
+    orphans += _break_cycles(kept, by_id, parent, repairs)
+    placed_later = set(orphans)
+    children: Dict[Optional[str], List[str]] = {None: []}
+    for s in kept:
+        if s.span_id not in placed_later:
+            children.setdefault(parent[s.span_id], []).append(s.span_id)
+    touched = _reparent_by_time(orphans, kept, by_id, parent, children, tolerance_ns, repairs)
+    return _assemble(by_id, parent, children, touched, repairs)
 
-    # 1. De-duplicate: the first copy in call order wins.
+
+def _deduplicated(ordered: List[Span], repairs: RepairReport) -> Dict[str, Span]:
+    """1. The spans by id, in call order: the first copy in call order wins."""
     by_id: Dict[str, Span] = {}
     for s in ordered:
         if s.span_id in by_id:
             repairs.duplicates += 1
         else:
             by_id[s.span_id] = s
-    kept = list(by_id.values())  # still in call order
+    return by_id
 
+
+def _known_parents(
+    kept: List[Span], by_id: Dict[str, Span], repairs: RepairReport
+) -> Tuple[Dict[str, Optional[str]], List[str]]:
+    """Each span's parent where that parent is among the spans; the others (orphans) get None for now."""
     parent: Dict[str, Optional[str]] = {}
     orphans: List[str] = []
     for s in kept:
@@ -177,8 +195,15 @@ def build_tree(spans: Iterable[Span], *, tolerance_ns: int = DEFAULT_TOLERANCE_N
             if s.parent_id == s.span_id:  # a span that is its own parent: a cycle of one
                 repairs.cycles_broken += 1
             orphans.append(s.span_id)
+    return parent, orphans
 
-    # 2. Break cycles: follow each chain of parents; a chain that runs into itself is a cycle.
+
+def _break_cycles(
+    kept: List[Span], by_id: Dict[str, Span], parent: Dict[str, Optional[str]], repairs: RepairReport
+) -> List[str]:
+    """2. Follow each chain of parents; a chain that runs into itself is a cycle, cut at its first span in call
+    order (which becomes an orphan, returned)."""
+    cut_loose: List[str] = []
     state: Dict[str, int] = {}  # 1 on the chain being followed, 2 done
     for s in kept:
         chain: List[str] = []
@@ -191,46 +216,62 @@ def build_tree(spans: Iterable[Span], *, tolerance_ns: int = DEFAULT_TOLERANCE_N
             cycle = chain[chain.index(sid):]
             cut = min(cycle, key=lambda i: _order_key(by_id[i]))
             parent[cut] = None
-            orphans.append(cut)
+            cut_loose.append(cut)
             repairs.cycles_broken += 1
         for i in chain:
             state[i] = 2
+    return cut_loose
 
-    placed_later = set(orphans)
-    children: Dict[Optional[str], List[str]] = {None: []}
-    for s in kept:
-        if s.span_id not in placed_later:
-            children.setdefault(parent[s.span_id], []).append(s.span_id)
 
-    # 3. Re-parent orphans by time containment (orphans in call order, so the result is order-free).
-    touched = {None}  # children lists that got orphans appended and need sorting again
-    if orphans:
-        by_start = sorted(kept, key=lambda s: (s.start_time, s.span_id))
-        starts = [s.start_time for s in by_start]
-        for oid in sorted(orphans, key=lambda i: _order_key(by_id[i])):
-            o = by_id[oid]
-            own = _subtree(oid, children)
-            best: Optional[Span] = None
-            # Candidates start at most tolerance_ns after the orphan; scan those, latest start first, and
-            # stop once an earlier start could only make a longer container than the best one found.
-            for j in range(bisect.bisect_right(starts, o.start_time + tolerance_ns) - 1, -1, -1):
-                c = by_start[j]
-                if best is not None and o.end_time - tolerance_ns - c.start_time > _length(best):
-                    break
-                if c.span_id in own or c.end_time + tolerance_ns < o.end_time:
-                    continue
-                if best is None or _container_key(c) < _container_key(best):
-                    best = c
-            if best is None:
-                repairs.attached_to_root += 1
-                children[None].append(oid)
-            else:
-                repairs.reparented_by_time += 1
-                parent[oid] = best.span_id
-                children.setdefault(best.span_id, []).append(oid)
-                touched.add(best.span_id)
+def _reparent_by_time(
+    orphans: List[str],
+    kept: List[Span],
+    by_id: Dict[str, Span],
+    parent: Dict[str, Optional[str]],
+    children: Dict[Optional[str], List[str]],
+    tolerance_ns: int,
+    repairs: RepairReport,
+) -> Set[Optional[str]]:
+    """3. Re-parent orphans by time containment (orphans in call order, so the result is order-free). Returns
+    the parents whose children lists got orphans appended and need sorting again."""
+    touched: Set[Optional[str]] = {None}
+    if not orphans:
+        return touched
+    by_start = sorted(kept, key=lambda s: (s.start_time, s.span_id))
+    starts = [s.start_time for s in by_start]
+    for oid in sorted(orphans, key=lambda i: _order_key(by_id[i])):
+        o = by_id[oid]
+        own = _subtree(oid, children)
+        best: Optional[Span] = None
+        # Candidates start at most tolerance_ns after the orphan; scan those, latest start first, and
+        # stop once an earlier start could only make a longer container than the best one found.
+        for j in range(bisect.bisect_right(starts, o.start_time + tolerance_ns) - 1, -1, -1):
+            c = by_start[j]
+            if best is not None and o.end_time - tolerance_ns - c.start_time > _length(best):
+                break
+            if c.span_id in own or c.end_time + tolerance_ns < o.end_time:
+                continue
+            if best is None or _container_key(c) < _container_key(best):
+                best = c
+        if best is None:
+            repairs.attached_to_root += 1
+            children[None].append(oid)
+        else:
+            repairs.reparented_by_time += 1
+            parent[oid] = best.span_id
+            children.setdefault(best.span_id, []).append(oid)
+            touched.add(best.span_id)
+    return touched
 
-    # 4. Nodes, children in call order (built from ``kept``, so only lists with orphans need a sort).
+
+def _assemble(
+    by_id: Dict[str, Span],
+    parent: Dict[str, Optional[str]],
+    children: Dict[Optional[str], List[str]],
+    touched: Set[Optional[str]],
+    repairs: RepairReport,
+) -> TraceTree:
+    """4. Nodes, children in call order (built from the kept spans, so only lists with orphans need a sort)."""
     rank = {sid: i for i, sid in enumerate(by_id)}
     nodes = {sid: TreeNode(s, parent[sid]) for sid, s in by_id.items()}
     for pid, kids in children.items():

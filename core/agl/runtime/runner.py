@@ -27,7 +27,6 @@ import contextvars
 import inspect
 import logging
 import os
-import queue
 import threading
 import time
 import traceback
@@ -40,6 +39,7 @@ from agl.tracing.context import RolloutScope, enter_scope, exit_scope, running
 from agl.tracing.emitters import reward_number
 from agl.errors import AglError, StaleAttemptError, StoreUnavailableError
 from agl.runtime.litagent import LitAgent
+from agl.runtime.runner_threads import AgentThread, Heartbeat
 from agl.store.base import LightningStore
 from agl.tracing.tracer import Tracer, get_tracer
 from agl.types import NamedResources, Rollout, new_id
@@ -91,105 +91,6 @@ class StoreOutageError(StoreUnavailableError):
     """A runner gave up: its store did not answer for its whole ``outage_timeout``. The only store error that
     ends a runner (its pool then stops too, as a fresh runner would meet the same outage): any shorter one is
     ridden out."""
-
-
-def _how_it_ended(store: LightningStore, rollout_id: str, attempt_id: str) -> str:
-    """Why the store ended a running attempt, for the runner's log: a user cancelling the rollout is not the
-    store timing it out, and the two call for different looks (at the trainer, or at the runner's health)."""
-    try:
-        status = next((a.status for a in store.query_attempts(rollout_id) if a.attempt_id == attempt_id), None)
-    except Exception:  # noqa: BLE001 - only for a log line
-        status = None
-    if status == "cancelled":
-        return "was cancelled (cancel_rollout); its result will not be recorded"
-    return "was ended by the store (timed out?)"
-
-
-class _AgentThread:
-    """The runner's agent thread: a one-thread executor (``submit`` returns a Future) whose thread is a daemon.
-
-    A ThreadPoolExecutor's threads are joined when the interpreter exits, so an agent the runner had left
-    behind (stuck past its timeout, or busy past its pool's stop timeout) kept the whole process alive until
-    it returned: ``agl runner --runner-mode thread`` outlived its ``--stop-timeout``."""
-
-    def __init__(self) -> None:
-        self._tasks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # (future, fn, args), or None: leave
-        self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
-        self._shut_down = False
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
-        future: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
-        with self._lock:
-            if self._shut_down:
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            self._tasks.put((future, fn, args))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="agl-agent", daemon=True)
-                self._thread.start()
-        return future
-
-    def _work(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            future, fn, args = task
-            del task
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-            del future, fn, args
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._lock:
-            if self._shut_down:
-                return
-            self._shut_down = True
-            while cancel_futures:
-                try:
-                    task = self._tasks.get_nowait()
-                except queue.Empty:
-                    break
-                if task is not None:
-                    task[0].cancel()
-            self._tasks.put(None)  # the thread leaves once its current task returns
-            thread = self._thread
-        if wait and thread is not None:
-            thread.join()
-
-
-class _Heartbeat:
-    """Heartbeats one attempt every ``interval`` seconds until stopped."""
-
-    def __init__(self, store: LightningStore, rollout_id: str, attempt_id: str, interval: float) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(store, rollout_id, attempt_id, interval), name="agl-heartbeat", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, store: LightningStore, rollout_id: str, attempt_id: str, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                store.heartbeat(rollout_id, attempt_id)
-            except StaleAttemptError:  # the store ended the attempt; the result will be refused too (said then)
-                if self._stop.is_set():  # a beat in flight as the runner completed the attempt itself: no news
-                    return
-                logger.warning("attempt %s of %s %s", attempt_id, rollout_id, _how_it_ended(store, rollout_id, attempt_id))
-                return
-            except Exception as exc:  # noqa: BLE001 - a flaky store must not kill the rollout
-                if self._stop.is_set():  # stopped meanwhile (its runner abandoned, the store closed after): moot
-                    return
-                logger.warning("heartbeat for %s failed: %s", rollout_id, exc)
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class _AsyncRun:
@@ -251,10 +152,10 @@ class Runner:
         self._closed = False
         self._warned_left_running = False
         self.abandoned: Optional[str] = None  # why the pool left this runner behind (see abandon)
-        self._heartbeat: Optional[_Heartbeat] = None  # of the rollout running now
+        self._heartbeat: Optional[Heartbeat] = None  # of the rollout running now
         self._timeouts_warned: Set[float] = set()  # heartbeat timeouts too short for heartbeat_interval, said once
         self.agent_name = rollout_agent_name(agent)
-        self._executor = _AgentThread()
+        self._executor = AgentThread()
         self._exits_when_stuck = False  # set by run_forever: a runner process leaves after an agent it gave up on
         self.tracer.set_store(store)
 
@@ -275,7 +176,7 @@ class Runner:
         self._check_heartbeat_timeout(rollout)
         scope = RolloutScope(rollout.rollout_id, attempt_id, rollout.mode, self.request_token_ids)
         dropped_before = self.tracer.stats().dropped
-        heartbeat = self._heartbeat = _Heartbeat(self.store, rollout.rollout_id, attempt_id, self.heartbeat_interval)
+        heartbeat = self._heartbeat = Heartbeat(self.store, rollout.rollout_id, attempt_id, self.heartbeat_interval)
         status, reward, error = "succeeded", None, None
         try:
             resources = self._resources(rollout)
@@ -514,7 +415,7 @@ class Runner:
         # reporting so no thread leaks for long.
         self.stuck = True
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._executor = _AgentThread()
+        self._executor = AgentThread()
         self._say_agent_left_running(rollout_id, timeout, is_async)
 
     def _say_agent_left_running(self, rollout_id: str, timeout: Optional[float], is_async: bool) -> None:

@@ -171,7 +171,6 @@ def samples_to_dataproto(
     even then (a skipped step still reports its ``agl/batch/*`` metrics).
     """
     from verl import DataProto
-    from verl.utils.model import compute_position_id_with_mask
 
     if overlong_prompt not in ("drop", "truncate"):
         raise ValueError(f'overlong_prompt must be "drop" or "truncate", got {overlong_prompt!r}')
@@ -193,8 +192,25 @@ def samples_to_dataproto(
             "(agl.llm.prompt_token_ids) and that data.max_prompt_length / max_response_length fit the agent's calls."
         )
     report.samples_out = len(rows)
-    n, P, R = len(rows), max_prompt_length, max_response_length
+    tensors = _tensors(samples, rows, max_prompt_length, max_response_length, pad_token_id, precomputed_advantages)
+    non_tensors = {
+        "uid": np.array([row.sample.task_id for row in rows], dtype=object),
+        "rollout_id": np.array([row.sample.rollout_id for row in rows], dtype=object),
+        "task_id": np.array([row.sample.task_id for row in rows], dtype=object),
+        "agl_padding": np.zeros(len(rows), dtype=bool),
+    }
+    meta = dict(meta_info or {})
+    meta["agl"] = asdict(report)
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta), report
 
+
+def _tensors(
+    samples: Sequence[Sample], rows: List[_Row], P: int, R: int, pad_token_id: int, precomputed_advantages: bool
+) -> Dict[str, torch.Tensor]:
+    """The batch's tensors: prompts left-padded to ``P``, responses right-padded to ``R``."""
+    from verl.utils.model import compute_position_id_with_mask
+
+    n = len(rows)
     prompts = torch.full((n, P), pad_token_id, dtype=torch.long)
     responses = torch.full((n, R), pad_token_id, dtype=torch.long)
     attention = torch.zeros((n, P + R), dtype=torch.long)
@@ -231,15 +247,7 @@ def samples_to_dataproto(
         tensors["returns"] = advantages.clone()
     if logprobs is not None:
         tensors["rollout_log_probs"] = logprobs
-    non_tensors = {
-        "uid": np.array([row.sample.task_id for row in rows], dtype=object),
-        "rollout_id": np.array([row.sample.rollout_id for row in rows], dtype=object),
-        "task_id": np.array([row.sample.task_id for row in rows], dtype=object),
-        "agl_padding": np.zeros(n, dtype=bool),
-    }
-    meta = dict(meta_info or {})
-    meta["agl"] = asdict(report)
-    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta), report
+    return tensors
 
 
 def pad_to_divisor(data: "DataProto", divisor: int, report: Optional[ConversionReport] = None) -> "DataProto":
