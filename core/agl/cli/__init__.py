@@ -67,6 +67,3 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         close_opened_stores()
 
-
-if __name__ == "__main__":
-    sys.exit(main())
