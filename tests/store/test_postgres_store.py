@@ -322,7 +322,7 @@ def test_a_statement_on_a_session_the_server_ended_is_retried_whatever_the_libpq
     failed under load). A connection lost for another reason while committing stays unknown."""
     import psycopg
 
-    from agl.store.postgres import store as pg
+    from agl.store.postgres import failures as pg
 
     conn = psycopg.connect(postgres_dsn, autocommit=True)
     conn.execute("SELECT 1")

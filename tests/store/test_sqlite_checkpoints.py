@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import pytest
 from agl.store import SqliteLightningStore
-from agl.store.sqlite import store as sqlite_module
+from agl.store.sqlite import database as sqlite_module
 
 fork = multiprocessing.get_context("fork")
 HEAVY = {"payload": "x" * 9_000}  # an LLM span with its token ids is a row of this size

@@ -147,7 +147,7 @@ def test_a_fork_waits_for_the_store_operations_in_flight_and_holds_new_ones(tmp_
 def test_a_fork_does_not_wait_forever_for_a_stuck_operation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from agl.store.sqlite import store as sqlite_module
+    from agl.store.sqlite import database as sqlite_module
 
     monkeypatch.setattr(sqlite_module, "FORK_WAIT_S", 0.2)
     store = SqliteLightningStore(tmp_path / "stuck.db")

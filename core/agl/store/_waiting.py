@@ -2,7 +2,7 @@
 
 Each backend brings its own way of being woken (SQLite: a doorbell socket; PostgreSQL: LISTEN/NOTIFY);
 what a waiter does with it (check, subscribe, check again, sleep until woken, the caller's deadline or
-the next attempt expiry) is decided here once.
+the next attempt expiry) is decided here once, and so is their ``wait_for_rollouts``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ import contextlib
 import contextvars
 import threading
 import time
-from typing import Callable, ContextManager, Iterator, Optional, Protocol, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeVar
+
+from agl.errors import UnknownRolloutError
+from agl.types import TERMINAL_ROLLOUT_STATUSES, Rollout
 
 T = TypeVar("T")
 
@@ -71,3 +74,45 @@ def wait_until(
             if next_expiry is not None:
                 waits.append(max(0.0, next_expiry - time.time()))
             waiter.wait(min(waits) if waits else None)
+
+
+def wait_for_rollouts(
+    query_rollouts: Callable[..., List[Rollout]],
+    rollout_ids: Sequence[str],
+    timeout: Optional[float],
+    statuses: Callable[[Sequence[str]], Dict[str, str]],
+    reap: Callable[[], Tuple[Any, Optional[float]]],
+    wait: Callable[[Optional[float], Callable[[], Tuple[Optional[bool], Optional[float]]]], object],
+) -> List[Rollout]:
+    """``wait_for_rollouts(rollout_ids, timeout)`` of a backend that keeps rollouts in a database, whose
+    ``query_rollouts`` this is.
+
+    ``statuses(ids)``: the stored status of each of ``ids`` that exists; ``reap()``: ends expired attempts,
+    returning (anything, the next attempt expiry); ``wait(timeout, attempt)``: :func:`wait_until` on the
+    backend's wake-up for rollouts that ended. An id of no rollout raises UnknownRolloutError.
+    """
+    ids = list(dict.fromkeys(rollout_ids))
+    pending = _pending(ids, statuses, check_known=True)
+
+    def attempt() -> Tuple[Optional[bool], Optional[float]]:
+        nonlocal pending
+        _, next_expiry = reap()
+        pending = _pending(pending, statuses, check_known=False)
+        return (None if pending else True), next_expiry
+
+    if pending:
+        wait(timeout, attempt)
+    done = {r.rollout_id: r for r in query_rollouts(rollout_ids=ids) if r.is_terminal}
+    return [done[i] for i in ids if i in done]
+
+
+def _pending(
+    ids: Sequence[str], statuses: Callable[[Sequence[str]], Dict[str, str]], *, check_known: bool
+) -> List[str]:
+    """Those of ``ids`` that are not terminal yet (raising for unknown ids when ``check_known``)."""
+    if not ids:
+        return []
+    status = statuses(ids)
+    if check_known and len(status) < len(ids):
+        raise UnknownRolloutError(next(i for i in ids if i not in status))
+    return [i for i in ids if status.get(i) not in TERMINAL_ROLLOUT_STATUSES]

@@ -7,7 +7,8 @@ on the event loop saves that but makes every request wait for every other reques
 connection waits for PostgreSQL on the loop itself: no thread, and other requests go on meanwhile.
 
 A pool belongs to the event loop it was made on (asyncio objects and connections cannot move between
-loops); :meth:`PostgresLightningStore._async_pool` makes a new one when the running loop changes.
+loops); :meth:`~agl.store.postgres.database.PostgresDatabase._async_pool` makes a new one when the running
+loop changes.
 """
 
 from __future__ import annotations

@@ -10,55 +10,38 @@ Why it is built this way:
   queue on a lock first, which is cheaper than SQLite's sleeping busy handler.
 - Waiters in any process are woken through a :class:`~agl.store.doorbell.Doorbell`, not by polling.
 
-The schema and row conversions live in :mod:`agl.store.sqlite.schema`.
+The schema and row conversions live in :mod:`agl.store.sqlite.schema`, the connections, transactions and fork
+safety in :mod:`agl.store.sqlite.database`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-import os
 import sqlite3
-import threading
 import time
-import urllib.parse
 from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pydantic_core import from_json
 
-from agl.errors import (
-    AglError,
-    DuplicateResourcesError,
-    StoreAddressError,
-    StoreClosedError,
-    StoreNotFoundError,
-    UnknownAttemptError,
-    UnknownResourcesError,
-    UnknownRolloutError,
-)
-from agl._util.fork_safety import hold_across_fork, keep_unused
+from agl.errors import DuplicateResourcesError, UnknownAttemptError, UnknownResourcesError, UnknownRolloutError
 from agl.store import _rules
-from agl.store.sqlite.checkpoints import BACKSTOP_PAGES, WAL_SIZE_LIMIT, checkpointer
+from agl.store._waiting import wait_for_rollouts, wait_until
+from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.store.sqlite.database import SqliteDatabase
 from agl.store.sqlite.schema import (
     ATTEMPT_COLS,
-    SPAN_ROWS_PER_INSERT,
     NEXT_QUEUE_POS,
     ROLLOUT_COLS,
-    SCHEMA,
-    SCHEMA_VERSION,
     SELECT_ROLLOUTS,
     SPAN_COLS,
+    SPAN_ROWS_PER_INSERT,
     attempt_from_row,
+    insert_spans_sql,
     json_list,
     rollout_from_row,
-    insert_spans_sql,
     span_from_row,
     span_to_row,
 )
-from agl.store._waiting import wait_until
-from agl.store.base import EnqueueRequest, LightningStore, StoreStats
-from agl.store.doorbell import Doorbell
 from agl.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
@@ -72,10 +55,6 @@ from agl.types import (
     new_id,
     parse_resources,
 )
-
-logger = logging.getLogger("agl.store.sqlite.store")
-
-FORK_WAIT_S = 10.0  # how long a fork waits for this process's store operations in flight (agl._util.fork_safety)
 
 _NEXT_DEADLINE = "SELECT min(deadline) FROM attempts WHERE status = 'running' AND deadline IS NOT NULL"
 
@@ -110,161 +89,13 @@ _LIVE_ATTEMPT = (
 )
 
 
-@functools.lru_cache(maxsize=None)
-def _agl_tables() -> Dict[str, Tuple[str, ...]]:
-    """agl's tables and their columns, read from an in-memory database made from ``SCHEMA`` (one source)."""
-    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
-        conn.executescript(SCHEMA)
-        return _tables(conn)
+class SqliteLightningStore(SqliteDatabase, LightningStore):
+    """A LightningStore in one SQLite file, shared by every thread and process that opens the same path.
 
-
-def _tables(conn: sqlite3.Connection) -> Dict[str, Tuple[str, ...]]:
-    """The file's own tables (not SQLite's internal ones) and their columns; reads only."""
-    names = [row[0] for row in conn.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name"
-    )]
-    return {name: tuple(c for (c,) in conn.execute("SELECT name FROM pragma_table_info(?)", (name,))) for name in names}
-
-
-def _foreign_tables(conn: sqlite3.Connection) -> Dict[str, Tuple[str, ...]]:
-    """The tables of the file that carry one of agl's table names with other columns (another application's
-    ``spans``): agl would read that application's rows as its own and fail on its first write."""
-    agl = _agl_tables()
-    return {name: cols for name, cols in _tables(conn).items() if name in agl and cols != agl[name]}
-
-
-def _not_a_store(path: str, tables: Dict[str, Tuple[str, ...]]) -> str:
-    """Why the SQLite file at ``path`` (holding ``tables``) is not an agl store, and what to pass instead."""
-    agl = _agl_tables()
-    clashes = [f"its table {name!r} has other columns ({', '.join(cols)})"
-               for name, cols in tables.items() if name in agl and cols != agl[name]]
-    what = (f"a SQLite database (tables: {', '.join(tables)}) but not an agl store"
-            + (f" ({'; '.join(clashes)})" if clashes else "")) if tables else "an empty SQLite file, not an agl store"
-    return (f"{path} is {what}; agl left it untouched: pass the store file an agl run wrote (e.g. its OUT/store.db), "
-            "or a path that does not exist yet for a new store")
-
-
-def _newer_agl_error(path: str, version: int) -> AglError:
-    return AglError(
-        f"{path} was written by a newer agl (store schema {version}, this agl knows {SCHEMA_VERSION}): "
-        "upgrade agl, or use another store file"
-    )
-
-
-def check_existing_store(path: str, busy_timeout: float = 30.0) -> None:
-    """Raise unless ``path`` is an agl store this agl can read, writing nothing to the file: a missing file
-    raises StoreNotFoundError, another application's SQLite database (or an empty file) StoreAddressError."""
-    if not os.path.exists(path):
-        raise StoreNotFoundError(f"no store at {path}: the file does not exist")
-    uri = f"file:{urllib.parse.quote(path)}?mode=rw"  # never creates the file
-    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=busy_timeout)) as conn:
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        tables = _tables(conn)
-    if version > SCHEMA_VERSION:
-        raise _newer_agl_error(path, version)
-    agl = _agl_tables()
-    if version == 0 or any(tables.get(name) != cols for name, cols in agl.items()):
-        raise StoreAddressError(_not_a_store(path, tables))
-
-
-class _Operation:
-    """``with store._session as conn``: this thread's connection for one operation of ``store``.
-
-    ``close()`` waits for the operations in flight: closing a connection while another thread's statement
-    runs on it crashes the interpreter (a segfault in CPython's sqlite3 module), e.g. when a store is closed
-    while the tracer's writer still writes to it. A class rather than a generator-based context manager:
-    every store call passes through here, and this costs a third as much.
+    Its connections, transactions and fork safety come from :class:`~agl.store.sqlite.database.SqliteDatabase`.
     """
 
-    __slots__ = ("store",)
-
-    def __init__(self, store: "SqliteLightningStore") -> None:
-        self.store = store
-
-    def __enter__(self) -> sqlite3.Connection:
-        return self.store._begin_operation()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.store._end_operation()
-
-
-class _WriteTransaction:
-    """``with store._write() as conn``: one write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back
-    on any exception), under this process's write lock, inside one operation (``_Operation``). A class
-    rather than a generator-based context manager for the same reason: two of these per rollout cycle."""
-
-    __slots__ = ("store", "conn")
-
-    def __init__(self, store: "SqliteLightningStore") -> None:
-        self.store = store
-
-    def __enter__(self) -> sqlite3.Connection:
-        store = self.store
-        conn = self.conn = store._begin_operation()
-        try:
-            store._write_lock.acquire()
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-            except BaseException:
-                store._write_lock.release()
-                raise
-        except BaseException:
-            store._end_operation()
-            raise
-        return conn
-
-    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
-        conn, store = self.conn, self.store
-        try:
-            if exc_type is None:
-                conn.execute("COMMIT")
-                checkpointer.written(store.path)
-        finally:
-            try:
-                if conn.in_transaction:  # an exception, or a failed COMMIT (else the next BEGIN would fail)
-                    conn.execute("ROLLBACK")
-            finally:
-                store._write_lock.release()
-                store._end_operation()
-
-
-class SqliteLightningStore(LightningStore):
-    """A LightningStore in one SQLite file, shared by every thread and process that opens the same path."""
-
     multiprocess_safe: ClassVar[bool] = True
-
-    def __init__(self, path: "str | os.PathLike[str]", *, busy_timeout: float = 30.0, create: bool = True) -> None:
-        """Open (creating if needed) the store at ``path``; ``busy_timeout`` bounds waiting for the write lock.
-
-        ``create=False`` (what only reads: ``agl inspect``, ``agl export``): ``path`` must already be an agl
-        store; a missing file, or a SQLite file of another application, raises before anything is written to it
-        (no schema, no WAL switch, no ``user_version``), so a mistyped ``--store`` never alters someone's database.
-        """
-        self.path = os.path.abspath(os.fspath(path))
-        self.busy_timeout = busy_timeout
-        if not create:
-            check_existing_store(self.path, busy_timeout)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self._closed = False
-        self._queue_bell = Doorbell(self.path, "queue")  # work was enqueued or requeued
-        self._done_bell = Doorbell(self.path, "done")  # a rollout finished, or there is a new deadline to watch
-        self._reset_process_state()
-        hold_across_fork(self)
-        if create:
-            self._create_schema()
-
-    def _reset_process_state(self) -> None:
-        self._pid = os.getpid()
-        self._local = threading.local()
-        self._conns: List[Tuple[threading.Thread, sqlite3.Connection]] = []  # strong refs: see agl._util.fork_safety
-        self._conns_lock = threading.Lock()
-        self._write_lock = threading.Lock()
-        self._in_flight = 0  # operations between _begin_operation and _end_operation, in this process
-        self._in_flight_lock = threading.Lock()  # taken directly on every operation: Condition's methods cost more
-        self._idle = threading.Condition(self._in_flight_lock)
-        self._forking = False  # a fork waits for the operations in flight; new ones wait for the fork
-        self._fork_held = False  # _before_fork holds _in_flight_lock for the fork under way
-        self._session = _Operation(self)
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"path": self.path, "busy_timeout": self.busy_timeout}
@@ -274,143 +105,6 @@ class SqliteLightningStore(LightningStore):
 
     def __repr__(self) -> str:
         return f"SqliteLightningStore({self.path!r})"
-
-    # -- connections and transactions ----------------------------------------------------------------------
-    def _closed_error(self) -> StoreClosedError:
-        return StoreClosedError(f"{self!r} was closed; open the file again with SqliteLightningStore(path)")
-
-    def _begin_operation(self) -> sqlite3.Connection:
-        """This thread's connection, counted as in use until ``_end_operation`` (see ``_Operation``)."""
-        if os.getpid() != self._pid:  # forked: the parent's connections and locks are not ours
-            keep_unused(conn for _, conn in self._conns)
-            self._reset_process_state()
-        with self._in_flight_lock:
-            while self._forking:
-                self._idle.wait()
-            if self._closed:
-                raise self._closed_error()
-            self._in_flight += 1
-        try:
-            return self._conn()
-        except BaseException:
-            self._end_operation()
-            raise
-
-    def _end_operation(self) -> None:
-        with self._in_flight_lock:
-            self._in_flight -= 1
-            if (self._closed or self._forking) and not self._in_flight:
-                self._idle.notify_all()
-
-    def _before_fork(self) -> None:
-        """Before ``os.fork``: no thread of this process may be inside SQLite (see ``agl._util.fork_safety``).
-
-        Holds new operations and waits up to ``FORK_WAIT_S`` for those in flight, then keeps
-        ``_in_flight_lock`` through the fork, so no operation starts before ``_after_fork``."""
-        if os.getpid() != self._pid:
-            return  # a store inherited from a parent and unused here: its locks are the parent's copies
-        self._in_flight_lock.acquire()
-        self._fork_held = True
-        self._forking = True
-        if not self._idle.wait_for(lambda: self._in_flight == 0, timeout=FORK_WAIT_S):
-            logger.warning(
-                "%r: forking while %d store operation(s) still run in other threads; the child may block in "
-                "its first store call", self, self._in_flight,
-            )
-
-    def _after_fork(self) -> None:
-        """After ``os.fork``, in the parent and in the child: operations may start again."""
-        if not self._fork_held:
-            return
-        self._fork_held = False
-        self._forking = False
-        self._idle.notify_all()
-        self._in_flight_lock.release()
-
-    def _conn(self) -> sqlite3.Connection:
-        """This thread's connection (made on first use); only inside ``_session``."""
-        conn: Optional[sqlite3.Connection] = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA synchronous = NORMAL")
-            conn.execute("PRAGMA cache_size = -32000")  # KiB: 32 MB per connection
-            # checkpoints run on a background thread (agl.store.sqlite.checkpoints); a commit runs one only as a
-            # backstop, when back-to-back writes never let that thread's checkpoints restart the WAL
-            conn.execute(f"PRAGMA wal_autocheckpoint = {BACKSTOP_PAGES}")
-            conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
-            with self._conns_lock:
-                # close the connections of threads that ended (runners start a heartbeat thread per rollout)
-                for thread, old in self._conns:
-                    if not thread.is_alive():
-                        old.close()
-                self._conns = [(t, c) for t, c in self._conns if t.is_alive()]
-                self._conns.append((threading.current_thread(), conn))
-            self._local.conn = conn
-        return conn
-
-    def _write(self) -> "_WriteTransaction":
-        """One write transaction holding the database's write lock from its first statement."""
-        return _WriteTransaction(self)
-
-    def _create_schema(self) -> None:
-        with self._session as conn:
-            # 8 KiB pages (SQLite's default is 4): an LLM span with its token ids is a ~9 KB row, which 4 KiB
-            # pages split into an overflow chain; inserting it costs ~30% less this way. Only a new, empty
-            # file takes it; an existing store keeps its page size.
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise _newer_agl_error(self.path, version)
-            if version == 0 and _foreign_tables(conn):  # before the first write: another app's file stays as it was
-                raise StoreAddressError(_not_a_store(self.path, _tables(conn)))
-            conn.execute("PRAGMA page_size = 8192")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if mode != "wal":
-            logger.warning("%s: SQLite refused WAL mode (journal_mode=%s); is it on a network drive?", self.path, mode)
-        if version < SCHEMA_VERSION:
-            with self._write() as c:
-                for statement in SCHEMA.split(";"):
-                    if statement.strip():
-                        c.execute(statement)
-                c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-    def close(self) -> None:
-        """Refuse new operations, wait (up to ``busy_timeout``) for those in flight, then close the connections.
-
-        Connections another thread is still using after that wait are left open (closing them under a running
-        statement would crash the process); the garbage collector closes them when that thread lets go."""
-        if os.getpid() != self._pid:
-            self._closed = True
-            return  # the parent's connections are not ours to close
-        with self._idle:
-            self._closed = True
-            idle = self._idle.wait_for(lambda: self._in_flight == 0, timeout=self.busy_timeout)
-            with self._conns_lock:
-                conns, self._conns = self._conns, []
-        checkpointer.release(self.path)  # before the store's own: the last connection to close folds the WAL
-        me = threading.current_thread()
-        with self._idle:  # no fork while a connection closes (see _before_fork); not nested with release's lock
-            for thread, conn in conns:
-                if idle or thread is me or not thread.is_alive():
-                    conn.close()
-        if not idle:
-            logger.warning("%r closed while operations were still running in other threads", self)
-
-    def file_size(self) -> int:
-        """Bytes the store takes on disk: the database file and its write-ahead log."""
-        return sum(os.path.getsize(p) for p in (self.path, f"{self.path}-wal") if os.path.exists(p))
-
-    def vacuum(self) -> bool:
-        """Give the space of deleted rows back to the file system. Without this SQLite keeps the file's size
-        and reuses the space for new rows, which is enough to stop a pruned store from growing. Rewrites the
-        whole file (seconds per GB) while every writer waits; meant for ``agl store prune --vacuum``.
-
-        The rewritten file goes through the write-ahead log; False when another process still reads an older
-        snapshot (waited for up to ``busy_timeout``), so the log could not be folded back yet: the file
-        shrinks at a later checkpoint, after that reader is done, and until then takes more space, not less."""
-        with self._session as conn:
-            conn.execute("VACUUM")
-            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
-        return not busy
 
     # -- shared steps --------------------------------------------------------------------------------------
     @staticmethod
@@ -686,31 +380,16 @@ class SqliteLightningStore(LightningStore):
         return [attempt_from_row(row) for row in rows]
 
     def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> List[Rollout]:
-        ids = list(dict.fromkeys(rollout_ids))
-        pending = self._pending(ids, check_known=True)
+        wait = functools.partial(wait_until, self._done_bell.listen)
+        return wait_for_rollouts(self.query_rollouts, rollout_ids, timeout, self._statuses, self._reap, wait)
 
-        def attempt() -> Tuple[Optional[bool], Optional[float]]:
-            nonlocal pending
-            _, next_expiry = self._reap()
-            pending = self._pending(pending, check_known=False)
-            return (None if pending else True), next_expiry
-
-        if pending:
-            wait_until(self._done_bell.listen, timeout, attempt)
-        done = {r.rollout_id: r for r in self.query_rollouts(rollout_ids=ids) if r.is_terminal}
-        return [done[i] for i in ids if i in done]
-
-    def _pending(self, ids: Sequence[str], *, check_known: bool) -> List[str]:
-        """Those of ``ids`` that are not terminal yet (raising for unknown ids when ``check_known``)."""
+    def _statuses(self, ids: Sequence[str]) -> Dict[str, str]:
         with self._session as conn:
             rows = conn.execute(
                 "SELECT rollout_id, status FROM rollouts WHERE rollout_id IN (SELECT value FROM json_each(?))",
                 (json_list(ids),),
             ).fetchall()
-        status = dict(rows)
-        if check_known and len(status) < len(ids):
-            raise UnknownRolloutError(next(i for i in ids if i not in status))
-        return [i for i in ids if status.get(i) not in TERMINAL_ROLLOUT_STATUSES]
+        return dict(rows)
 
     def reap_expired(self) -> List[Rollout]:
         return self._reap()[0]

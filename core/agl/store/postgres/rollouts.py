@@ -1,0 +1,373 @@
+"""The rollout cycle of the PostgreSQL store (:class:`PostgresRollouts`): enqueue, claim with
+``FOR UPDATE SKIP LOCKED``, heartbeats, completion, cancel, reaping expired attempts, and waiting on
+notifications for work or for rollouts to end."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple, TypeVar
+
+from psycopg import errors as pg_errors
+from pydantic_core import from_json
+
+from agl.errors import UnknownAttemptError, UnknownResourcesError, UnknownRolloutError
+from agl.store import _rules
+from agl.store._waiting import wait_for_rollouts, wait_until
+from agl.store.base import EnqueueRequest
+from agl.store.postgres.database import PostgresDatabase
+from agl.store.postgres.schema import (
+    ATTEMPT_COLS,
+    COMPLETE,
+    DONE_CHANNEL,
+    END_ATTEMPT,
+    EXPIRED,
+    HEARTBEAT,
+    INSERT_ROLLOUT,
+    LIVE_ATTEMPT,
+    NEXT_DEADLINE,
+    QUEUE_CHANNEL,
+    RENEW_HEARTBEATS,
+    ROLLOUT_FAILED,
+    ROLLOUT_REQUEUED,
+    ROLLOUT_SUCCEEDED,
+    SELECT_ROLLOUTS,
+    SERVER_START,
+    claim_statement,
+)
+from agl.store.sqlite.schema import attempt_from_row, rollout_from_row
+from agl.types import (
+    Attempt,
+    AttemptStatus,
+    Rollout,
+    RolloutMode,
+    RolloutStatus,
+    new_id,
+)
+
+T = TypeVar("T")
+
+ROLLOUT_EXISTS = "SELECT 1 FROM agl_rollouts WHERE rollout_id = %s"
+
+
+def _unknown(rollout_exists: bool, rollout_id: str, attempt_id: str) -> Exception:
+    """For an attempt that was not found: UnknownRolloutError, or UnknownAttemptError if the rollout exists."""
+    return UnknownAttemptError(rollout_id, attempt_id) if rollout_exists else UnknownRolloutError(rollout_id)
+
+
+class PostgresRollouts(PostgresDatabase):
+    """The rollout and attempt calls of the LightningStore contract on PostgreSQL, and the steps they share."""
+
+    # -- shared steps (inside a transaction) ---------------------------------------------------------------
+    @staticmethod
+    def _select_one(c: Any, rollout_id: str) -> Rollout:
+        row = c.execute(f"{SELECT_ROLLOUTS} WHERE r.rollout_id = %s", (rollout_id,)).fetchone()
+        if row is None:
+            raise UnknownRolloutError(rollout_id)
+        return rollout_from_row(row)
+
+    @staticmethod
+    def _live_attempt(c: Any, rollout_id: str, attempt_id: str) -> Tuple[Any, ...]:
+        """``LIVE_ATTEMPT``'s row (rollout and attempt locked); raises unless the attempt exists and is running."""
+        row = c.execute(LIVE_ATTEMPT, (rollout_id, attempt_id)).fetchone()
+        if row is None:
+            PostgresRollouts._raise_unknown(c, rollout_id, attempt_id)
+        if row[1] != "running":
+            raise _rules.stale_error(rollout_id, attempt_id, row[1], row[2])
+        return row
+
+    @staticmethod
+    def _raise_unknown(c: Any, rollout_id: str, attempt_id: str) -> NoReturn:
+        """For an attempt that was not found: UnknownRolloutError, or UnknownAttemptError if the rollout exists."""
+        raise _unknown(c.execute(ROLLOUT_EXISTS, (rollout_id,)).fetchone() is not None, rollout_id, attempt_id)
+
+    @staticmethod
+    def _end_attempt(
+        c: Any,
+        rollout_id: str,
+        aid: int,
+        status: str,
+        error: Optional[str],
+        reward: Optional[float],
+        n_attempts: int,
+        max_attempts: int,
+        now: float,
+    ) -> Rollout:
+        """End the live attempt ``aid``, move the rollout on per the shared retry rule and notify who waits for
+        that (at commit); return the rollout as it now is. One statement: one round trip."""
+        nxt = _rules.next_rollout_status(status, n_attempts, max_attempts)
+        params: List[Any]
+        if nxt == "succeeded":
+            rollout_update, params = ROLLOUT_SUCCEEDED, [reward, now]
+        elif nxt == "queued":
+            rollout_update, params = ROLLOUT_REQUEUED, [error]
+        else:
+            rollout_update, params = ROLLOUT_FAILED, [error, now]
+        channel = QUEUE_CHANNEL if nxt == "queued" else DONE_CHANNEL
+        sql = END_ATTEMPT.format(rollout_update=rollout_update)
+        return rollout_from_row(c.execute(sql, [status, now, error, aid, *params, rollout_id, channel]).fetchone())
+
+    def _local_time(self, server_time: Optional[float]) -> Optional[float]:
+        """A server-clock time on this machine's clock (what the wait loop sleeps against)."""
+        return None if server_time is None else server_time - self._clock_offset
+
+    def _reap(self) -> Tuple[List[Rollout], Optional[float]]:
+        """End expired attempts; return the changed rollouts and the next pending deadline (server clock)."""
+        next_deadline = self._run(lambda c: c.execute(NEXT_DEADLINE).fetchone()[0], write=False)
+        now = self._now()
+        if next_deadline is None or next_deadline > now:
+            return [], next_deadline  # the common case: one indexed read, no transaction
+
+        def work(c: Any) -> Tuple[List[Rollout], Optional[float]]:
+            # a restarted database: its runners could not beat while it was down (see renew_heartbeats)
+            c.execute(RENEW_HEARTBEATS, {"t": c.execute(SERVER_START).fetchone()[0]})
+            changed: List[Rollout] = []
+            for aid, rollout_id, start, timeout, hb_timeout, n_attempts, max_attempts in c.execute(
+                EXPIRED, (now,)
+            ).fetchall():
+                status, error = _rules.expiry(start, now, timeout, hb_timeout)
+                ended = self._end_attempt(c, rollout_id, aid, status, error, None, n_attempts, max_attempts, now)
+                changed.append(ended)
+            return changed, c.execute(NEXT_DEADLINE).fetchone()[0]
+
+        return self._run(work)
+
+    def _wait(
+        self, channel: str, timeout: Optional[float], attempt: Callable[[], Tuple[Optional[T], Optional[float]]]
+    ) -> Optional[T]:
+        """:func:`~agl.store._waiting.wait_until`, woken by ``channel``'s notifications."""
+
+        def listen() -> Any:
+            return self._state()[1].listen(channel)
+
+        def local_attempt() -> Tuple[Optional[T], Optional[float]]:
+            result, next_expiry = attempt()
+            return result, self._local_time(next_expiry)
+
+        return wait_until(listen, timeout, local_attempt)
+
+    # -- rollouts ------------------------------------------------------------------------------------------
+    def enqueue_many(self, requests: Sequence[EnqueueRequest]) -> List[Rollout]:
+        if not requests:
+            self._state()
+            return []
+        _rules.check_request_ids(requests)
+        now = self._now()
+        rollouts = [
+            Rollout(
+                rollout_id=request.rollout_id or new_id("ro"),
+                task_id=request.task_id or new_id("task"),
+                input=request.input,
+                mode=request.mode,
+                resources_id=request.resources_id,
+                config=request.config.model_copy(),
+                metadata=request.metadata,
+                create_time=now,
+            )
+            for request in requests
+        ]
+        encoded = [
+            (_rules.encode_json(r.input, "rollout input"), _rules.encode_json(r.metadata, "rollout metadata"))
+            for r in rollouts
+        ]
+        resources_ids = list(dict.fromkeys(r.resources_id for r in requests if r.resources_id is not None))
+        chosen = [r.rollout_id for r in requests if r.rollout_id is not None]
+
+        def work(c: Any) -> None:
+            if resources_ids:
+                sql = "SELECT resources_id FROM agl_resources WHERE resources_id = ANY(%s)"
+                known = {row[0] for row in c.execute(sql, (resources_ids,))}
+                for resources_id in resources_ids:
+                    if resources_id not in known:
+                        raise UnknownResourcesError(resources_id)
+            if chosen:
+                sql = "SELECT rollout_id FROM agl_rollouts WHERE rollout_id = ANY(%s)"
+                stored = {row[0] for row in c.execute(sql, (chosen,))}
+                _rules.check_new_rollout_ids(requests, stored.__contains__)
+            with c.cursor() as cur:
+                cur.executemany(
+                    INSERT_ROLLOUT,
+                    [
+                        (r.rollout_id, r.task_id, inp, r.mode, r.resources_id, r.config.max_attempts,
+                         r.config.timeout_seconds, r.config.heartbeat_timeout_seconds, meta, now)
+                        for r, (inp, meta) in zip(rollouts, encoded)
+                    ],
+                )
+            c.execute(f"NOTIFY {QUEUE_CHANNEL}")
+
+        try:
+            self._run(work)
+        except pg_errors.UniqueViolation:  # another machine stored a chosen id since our check: say which
+            self._run(work)
+        # what the caller gets back went through JSON as the stored copy did, and aliases nothing of theirs
+        return [
+            r.model_copy(update={"input": from_json(inp), "metadata": from_json(meta)})
+            for r, (inp, meta) in zip(rollouts, encoded)
+        ]
+
+    def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
+        _rules.check_claim(runner_id, limit)
+
+        def attempt() -> Tuple[Optional[List[Rollout]], Optional[float]]:
+            claimed, next_expiry = self._claim(runner_id, limit)
+            return claimed or None, next_expiry
+
+        return self._wait(QUEUE_CHANNEL, timeout, attempt) or []
+
+    def _claim(self, runner_id: str, limit: int) -> Tuple[List[Rollout], Optional[float]]:
+        """Claim up to ``limit`` queued rollouts (reaping first if an attempt expired); also returns the next
+        expiry. One statement, which also tells whether an attempt has expired: only then is there more."""
+        claimed, deadlines, next_before, now = self._claim_once(runner_id, limit)
+        if next_before is not None and next_before <= now:
+            reaped, next_before = self._reap()
+            if reaped and len(claimed) < limit:  # the reap may have requeued some: claim them in this call
+                more, more_deadlines, _, _ = self._claim_once(runner_id, limit - len(claimed))
+                claimed += more
+                deadlines += more_deadlines
+        return claimed, min((d for d in deadlines + [next_before] if d is not None), default=None)
+
+    def _claim_once(
+        self, runner_id: str, limit: int
+    ) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
+        """One claim statement: the claimed rollouts, their attempts' deadlines, the earliest deadline of the
+        attempts that were running before, and the time of the claim."""
+        params = self._claim_params(runner_id, limit)
+        sql = claim_statement(limit)
+        return self._claimed(self._run(lambda c: c.execute(sql, params).fetchall(), single=True), params["now"])
+
+    def _claim_params(self, runner_id: str, limit: int) -> Dict[str, Any]:
+        attempt_ids = [new_id("at") for _ in range(limit)]
+        return {"now": self._now(), "runner_id": runner_id, "attempt_ids": attempt_ids}
+
+    @staticmethod
+    def _claimed(rows: List[Tuple[Any, ...]], now: float) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
+        claimed = [row for row in rows if row[0] is not None]
+        return [rollout_from_row(row[:25]) for row in claimed], [row[25] for row in claimed], rows[0][27], now
+
+    def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
+        def work(c: Any) -> Attempt:
+            now = self._now()
+            aid, _, _, start, timeout, hb_timeout, _, _ = self._live_attempt(c, rollout_id, attempt_id)
+            deadline = _rules.attempt_deadline(start, now, timeout, hb_timeout)
+            return attempt_from_row(c.execute(HEARTBEAT, (now, deadline, aid)).fetchone())
+
+        return self._run(work)
+
+    def complete_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus,
+        *,
+        reward: Optional[float] = None,
+        error: Optional[str] = None,
+    ) -> Rollout:
+        params = self._complete_params(rollout_id, attempt_id, status, reward, error)
+        row = self._run(lambda c: c.execute(COMPLETE, params).fetchone(), single=True)
+        if row is None:
+            return self._run(lambda c: self._raise_unknown(c, rollout_id, attempt_id), write=False)
+        return self._completed(row, rollout_id, attempt_id)
+
+    def _complete_params(
+        self, rollout_id: str, attempt_id: str, status: AttemptStatus, reward: Optional[float], error: Optional[str]
+    ) -> Dict[str, Any]:
+        reward = _rules.check_completion(status, reward)
+        return {
+            "rollout_id": rollout_id,
+            "attempt_id": attempt_id,
+            "status": status,
+            "reward": reward,
+            "error": _rules.free_text(error),
+            "now": self._now(),
+            "on_retry": _rules.next_rollout_status(status, n_attempts=1, max_attempts=2),
+            "on_last": _rules.next_rollout_status(status, n_attempts=2, max_attempts=2),
+        }
+
+    @staticmethod
+    def _completed(row: Tuple[Any, ...], rollout_id: str, attempt_id: str) -> Rollout:
+        """The rollout COMPLETE returned, or the error for an attempt that was no longer running."""
+        attempt_status, rollout_status = row[:2]
+        if attempt_status != "running":
+            raise _rules.stale_error(rollout_id, attempt_id, attempt_status, rollout_status)
+        return rollout_from_row(row[2:27])
+
+    def cancel_rollout(self, rollout_id: str) -> Rollout:
+        def work(c: Any) -> Rollout:
+            now = self._now()
+            row = c.execute(
+                "SELECT status, latest_aid FROM agl_rollouts WHERE rollout_id = %s FOR UPDATE", (rollout_id,)
+            ).fetchone()
+            if row is None:
+                raise UnknownRolloutError(rollout_id)
+            status, aid = row
+            if status not in ("queued", "running", "cancelled"):
+                raise _rules.cancel_error(rollout_id, status)
+            if status == "running":
+                c.execute(
+                    "UPDATE agl_attempts SET status = 'cancelled', end_time = %s, deadline = NULL WHERE aid = %s",
+                    (now, aid),
+                )
+            if status != "cancelled":
+                c.execute(
+                    "UPDATE agl_rollouts SET status = 'cancelled', end_time = %s, queue_pos = NULL "
+                    "WHERE rollout_id = %s",
+                    (now, rollout_id),
+                )
+                c.execute(f"NOTIFY {DONE_CHANNEL}")  # sent at commit
+            return self._select_one(c, rollout_id)
+
+        return self._run(work)
+
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        return self._run(lambda c: self._select_one(c, rollout_id), write=False)
+
+    def query_rollouts(
+        self,
+        *,
+        status: Optional[Iterable[RolloutStatus]] = None,
+        rollout_ids: Optional[Iterable[str]] = None,
+        task_id: Optional[str] = None,
+        mode: Optional[RolloutMode] = None,
+        limit: Optional[int] = None,
+        offset: int = 0,
+    ) -> List[Rollout]:
+        where: List[str] = ["TRUE"]
+        params: List[Any] = []
+        if status is not None:
+            where.append("r.status = ANY(%s)")
+            params.append(list(status))
+        if rollout_ids is not None:
+            where.append("r.rollout_id = ANY(%s)")
+            params.append(list(rollout_ids))
+        if task_id is not None:
+            where.append("r.task_id = %s")
+            params.append(task_id)
+        if mode is not None:
+            where.append("r.mode = %s")
+            params.append(mode)
+        sql = f"{SELECT_ROLLOUTS} WHERE {' AND '.join(where)} ORDER BY r.seq LIMIT %s OFFSET %s"
+        rows = self._run(lambda c: c.execute(sql, params + [limit, offset]).fetchall(), write=False)
+        return [rollout_from_row(row) for row in rows]
+
+    def query_attempts(self, rollout_id: str) -> List[Attempt]:
+        def work(c: Any) -> List[Attempt]:
+            sql = f"SELECT {ATTEMPT_COLS} FROM agl_attempts a WHERE a.rollout_id = %s ORDER BY a.sequence"
+            rows = c.execute(sql, (rollout_id,)).fetchall()
+            if not rows:
+                self._select_one(c, rollout_id)  # raises if the rollout is unknown
+            return [attempt_from_row(row) for row in rows]
+
+        return self._run(work, write=False)
+
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> List[Rollout]:
+        wait = functools.partial(self._wait, DONE_CHANNEL)
+        return wait_for_rollouts(self.query_rollouts, rollout_ids, timeout, self._statuses, self._reap, wait)
+
+    def _statuses(self, ids: Sequence[str]) -> Dict[str, str]:
+        sql = "SELECT rollout_id, status FROM agl_rollouts WHERE rollout_id = ANY(%s)"
+        return dict(self._run(lambda c: c.execute(sql, (list(ids),)).fetchall(), write=False))
+
+    def reap_expired(self) -> List[Rollout]:
+        return self._reap()[0]
+
+    def renew_heartbeats(self) -> int:
+        return self._run(lambda c: c.execute(RENEW_HEARTBEATS, {"t": self._now()}).rowcount)
