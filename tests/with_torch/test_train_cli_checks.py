@@ -156,7 +156,8 @@ def test_the_settings_table_covers_torchgrpo_exactly() -> None:
     """--set values are checked from a table in train_cli (no torch import); it must follow TorchGRPO's
     signature: a new keyword needs its entry, a removed one must go."""
     from agl.algorithm.torch_grpo import TorchGRPO
-    from agl.cli.train import _GRPO_SPEC, _OUT_OWNED, _PYTHON_ONLY
+    from agl.algorithm.torch_grpo_config import JSON_SETTINGS as _GRPO_SPEC, PYTHON_ONLY as _PYTHON_ONLY
+    from agl.cli.train import _OUT_OWNED
 
     assert set(_GRPO_SPEC) | set(_PYTHON_ONLY) | set(_OUT_OWNED) == set(inspect.signature(TorchGRPO).parameters)
 

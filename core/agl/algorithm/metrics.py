@@ -233,3 +233,11 @@ def _console_warnings() -> Optional[logging.Handler]:
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     agl_logger.addHandler(handler)
     return handler
+
+
+def console(text: str) -> None:
+    """Print a trainer's message (a step's line, an evaluation, the summary) to stderr as it is: no markup,
+    no highlighting, long lines not wrapped."""
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False).print(text, markup=False, soft_wrap=True)

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch
 
-DEFAULT_LORA: Dict[str, Any] = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
-"""LoRA on every linear layer of the transformer blocks; peft excludes the LM head for ``all-linear``."""
-
-LoraSpec = Union[None, Mapping[str, Any], Any]  # None: full fine-tuning; a dict of LoraConfig fields; a LoraConfig
+from agl.algorithm.torch_grpo_config import DEFAULT_LORA, LoraSpec
 
 
 def lora_config(spec: LoraSpec) -> Any:

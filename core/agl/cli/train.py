@@ -18,19 +18,21 @@ import logging
 import math
 import os
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
+from agl.algorithm.torch_grpo_config import json_problems
 from agl.checks import is_finite_number
+from agl.cli.export_model import add_export_model_parser  # noqa: F401  (agl.cli adds the command from here)
+from agl.cli.run_folder import check_out, interrupted_message, no_second_interrupt, with_resume
+from agl.cli.train_apo import apo_algorithm, check_apo_out, fit_apo
+from agl.cli.train_settings import GRPO_FLAGS, adapter_settings, grpo_flags_given, keyword_sets
 
 _STARTED = time.monotonic()  # --minutes counts the whole command, imports included, as the main job does
 _SUMMARY_RESERVE_S = 15.0  # left of --minutes for the summary and shutting down
 
-# TorchGRPO keywords that have their own flag (dest name == keyword)
-_GRPO_FLAGS = ("model", "steps", "group_size", "batch_tasks", "lr", "temperature", "max_tokens")
 #: the verl key each TorchGRPO flag corresponds to (``--minutes`` has none: verl counts steps or epochs)
 _VERL_KEYS = {
     "model": "actor_rollout_ref.model.path",
@@ -121,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     if args.algorithm == "apo":
-        _check_apo_out(out, args.resume, args.check)
+        check_apo_out(out, args.resume, args.check)
     check_out(out, args.resume, args.check)
     if args.agent_match:
         try:
@@ -149,7 +151,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     elif args.algorithm == "verl":
         algorithm = _verl(args, config)
     else:
-        algorithm, resources = _apo(args, config)
+        algorithm, resources = apo_algorithm(args, config)
     print(f"agl train: {len(train_tasks)} training tasks, {len(val_tasks or [])} held-out tasks")
     if args.check:
         return 0
@@ -166,7 +168,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         span_retention_steps=args.span_retention_steps,
     )
     if args.algorithm == "apo":
-        return _fit_apo(trainer, agent, train_tasks, val_tasks, out)
+        return fit_apo(trainer, agent, train_tasks, val_tasks, out)
     with _train_log(out if args.algorithm == "grpo" else None) as log:
         try:
             result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
@@ -188,47 +190,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def no_second_interrupt() -> Iterator[None]:
-    """A Ctrl-C pressed again while the message is written does not turn it into a traceback."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def _interrupted(args: argparse.Namespace, out: Path) -> str:
     if args.algorithm != "grpo":
         return f"agl train: interrupted; the run's store is {args.store or out / 'store.db'}"
     resume = with_resume(["agl", *sys.argv[1:]]) if sys.argv[1:2] == ["train"] \
         else "the same agl train command with --resume"
     return interrupted_message("agl train", out, resume)
-
-
-def with_resume(command: Sequence[str]) -> str:
-    """``command`` (the words the user ran) as one shell line that continues its run: with ``--resume`` once."""
-    return shlex.join([*(word for word in command if word != "--resume"), "--resume"])
-
-
-def interrupted_message(prog: str, out: Path, resume: str) -> str:
-    """The line a Ctrl-C'd TorchGRPO run in ``out`` ends with (``agl train``, the main job): where the run is
-    and how to go on (``resume``: the command with ``--resume``). Only a checkpoint can be continued; a run
-    stopped before its first one but after its start wrote into ``out`` is refused a plain rerun
-    (:func:`check_out`), so it is started afresh there with ``--resume``, which finds no checkpoint."""
-    if (out / "checkpoints" / "latest").exists():
-        return (f"{prog}: interrupted; the run so far is in {out} (checkpoints in {out / 'checkpoints'}, metrics "
-                f"in {out / 'metrics.csv'}); continue it from its last checkpoint with: {resume}")
-    if holds_run(out):
-        return (f"{prog}: interrupted before the first checkpoint, so no training is kept; {out} holds the run's "
-                f"start (store, log): start it again from the untrained model with: {resume}")
-    return f"{prog}: interrupted before the first step; nothing to resume in {out}: run the command again"
 
 
 @contextlib.contextmanager
@@ -275,39 +242,6 @@ def _check_task_ids(path: str, tasks: Sequence[Any]) -> None:
         raise SystemExit(f"agl: {path}: {exc}") from None
 
 
-def check_out(out: Path, resume: bool, check: bool, prog: str = "agl") -> None:
-    """Refuse to start a fresh run in a folder that holds one: its checkpoints would be resumed, its metrics
-    and rollouts mixed with the new run's. Nothing is deleted here; the user decides. ``agl train`` and the
-    main job (``prog`` starts the message) both call it."""
-    if check:  # --check writes nothing
-        return
-    held = holds_run(out)
-    if resume and not held:
-        raise SystemExit(f"{prog}: --resume: {out} holds no run to continue (no checkpoints, metrics or store there)")
-    if held and not resume:
-        raise SystemExit(
-            f"{prog}: {out} already holds a training run: pass --resume to continue it, or choose another --out "
-            "(or delete the folder)"
-        )
-
-
-def holds_run(out: Path) -> bool:
-    """Whether ``out`` holds a training run. A store with no rollout is none (a start that failed before its
-    first step, e.g. on a model name that does not exist)."""
-    return out.is_dir() and (
-        any((out / name).exists() for name in ("checkpoints", "metrics.csv")) or _has_rollouts(out / "store.db")
-    )
-
-
-def _has_rollouts(db: Path) -> bool:
-    if not db.exists():
-        return False
-    from agl.store import SqliteLightningStore
-
-    with SqliteLightningStore(db) as store:
-        return sum(store.stats().rollouts.values()) > 0
-
-
 #: settings of the run's files and resuming: ``agl train`` decides them from --out and --resume
 _OUT_OWNED = {
     "output_dir": "everything the run writes (metrics.csv, train.log, checkpoints, store) goes under --out: "
@@ -323,7 +257,7 @@ def _lora_fields_problem(user: Mapping[str, Any]) -> List[str]:
     the way out with other bad settings: otherwise it would come only once those are fixed. Imports peft (and
     torch), which a run with good settings does anyway."""
     lora = user.get("lora")
-    if not isinstance(lora, dict) or any(p.startswith("lora=") for p in grpo_setting_problems({"lora": lora})):
+    if not isinstance(lora, dict) or any(p.startswith("lora=") for p in json_problems({"lora": lora})):
         return []
     try:
         from agl.algorithm.trainable import lora_config
@@ -337,17 +271,17 @@ def _lora_fields_problem(user: Mapping[str, Any]) -> List[str]:
 
 
 def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> Any:
-    sets = _keyword_sets(args.settings)  # a malformed flag is named before torch is even imported
+    sets = keyword_sets(args.settings)  # a malformed flag is named before torch is even imported
     user = {**config, **sets}
     owned = [f"agl: {'--set' if key in sets else '--config'} {key}: {_OUT_OWNED[key]}" for key in _OUT_OWNED
              if key in user]
     if owned:
         raise SystemExit("\n".join(owned))
-    for name in _GRPO_FLAGS:
+    for name in GRPO_FLAGS:
         value = getattr(args, name)
         if value is not None:
             user[name] = value
-    problems = grpo_setting_problems(user)
+    problems = json_problems(user)
     if problems:
         problems += _lora_fields_problem(user)  # every bad setting at once, also the LoRA fields only peft knows
         problems[-1] += " (TorchGRPO's settings: docs/training.md)"
@@ -382,126 +316,6 @@ def check_minutes(minutes: float, prog: str = "agl") -> None:
                          "out for no time budget)")
 
 
-# What each TorchGRPO keyword takes from --set / --config (JSON values), checked before torch is imported and
-# before any training, so that --check finds a wrong type or range. tests/with_torch/test_train_cli_checks.py
-# keeps this table equal to TorchGRPO's signature.
-_INT, _NUM, _STR, _OBJ = "int", "number", "str", "object"
-_GRPO_SPEC: Dict[str, Any] = {
-    # name: (kind, lowest allowed or None, lowest exclusive?, None allowed?, note)
-    "model": (_STR, None, False, False, "smollm2, tiny, or a Hugging Face name or path"),
-    "lora": (_OBJ, None, False, True, 'LoraConfig fields such as {"r": 8}, or null for full fine-tuning'),
-    "lr": (_NUM, 0, True, False, ""),
-    "group_size": (_INT, 1, False, False, ""),
-    "batch_tasks": (_INT, 1, False, False, ""),
-    "steps": (_INT, 0, False, True, "null: as many as `epochs` passes over --data take"),
-    "epochs": (_INT, 1, False, False, ""),
-    "ppo_epochs": (_INT, 1, False, False, ""),
-    "micro_batch_size": (_INT, 1, False, False, ""),
-    "grad_accum": (_INT, 1, False, True, ""),
-    "clip_eps": (_NUM, 0, True, False, ""),
-    "kl_coef": (_NUM, 0, False, False, ""),
-    "max_grad_norm": (_NUM, 0, True, False, ""),
-    "old_logprobs": (("sample", "recompute"), None, False, False, ""),
-    "temperature": (_NUM, 0, True, False, ""),
-    "max_tokens": (_INT, 1, False, False, ""),
-    "sampling": (_OBJ, None, False, True, 'e.g. {"top_p": 0.9}'),
-    "val_sampling": (_OBJ, None, False, True, 'e.g. {"temperature": 0.0}'),
-    "extra_evals": (_OBJ, None, False, True, 'names to sampling settings, e.g. {"greedy": {"temperature": 0.0}}'),
-    "success_threshold": (_NUM, None, False, False, "the reward that counts as a success"),
-    "eval_every": (_INT, 0, False, False, "0: evaluate only before and after training"),
-    "time_budget_s": (_NUM, 0, True, True, "or --minutes"),
-    "checkpoint_every": (_INT, 1, False, False, ""),
-    "seed": (_INT, None, False, False, ""),
-    "device": (_STR, None, False, True, "cpu, cuda, cuda:1 ..."),
-    "dtype": (_STR, None, False, True, "float32, bfloat16 or float16"),
-    "torch_threads": (_INT, 1, False, True, ""),
-    "server_batch_size": (_INT, 1, False, False, ""),
-    "server_host": (_STR, None, False, False, ""),
-    "server_port": (_INT, 0, False, False, "0 picks a free port"),
-    "server_url": (_STR, None, False, True, ""),
-    "model_name": (_STR, None, False, False, ""),
-    "resource_name": (_STR, None, False, False, ""),
-}
-#: TorchGRPO keywords that only the Python API can set
-_PYTHON_ONLY = {"on_step": "a Python callable: only the Python API sets it, TorchGRPO(on_step=...)"}
-#: LoraConfig fields whose type is checked before peft (and torch) is imported
-_LORA_SPEC = {
-    "r": (_INT, 1, False, False, ""),
-    "lora_alpha": (_NUM, 0, True, False, ""),
-    "lora_dropout": (_NUM, 0, False, False, "a fraction below 1"),
-}
-
-
-def grpo_setting_problems(settings: Mapping[str, Any]) -> List[str]:
-    """One line per TorchGRPO setting whose name, type or range is wrong (name, value, what it takes),
-    without importing torch; empty when all are fine."""
-    problems = []
-    for key, value in settings.items():
-        if key in _PYTHON_ONLY:
-            problems.append(f"{key}={value!r}: {_PYTHON_ONLY[key]}")
-        elif key not in _GRPO_SPEC:
-            problems.append(f"{key}={value!r}: TorchGRPO has no setting {key!r}")
-        else:
-            wrong = _wrong(value, *_GRPO_SPEC[key])
-            if wrong:
-                problems.append(f"{key}={value!r}: {wrong}")
-            elif key == "lora" and value is not None:
-                problems.extend(f"lora={value!r}: {field} {wrong}" for field, wrong in _lora_problems(value))
-            elif key == "extra_evals" and value is not None:
-                problems.extend(
-                    f"extra_evals={value!r}: {name!r} must map to an object of sampling settings"
-                    for name, inner in value.items() if not isinstance(inner, dict)
-                )
-    return problems
-
-
-def _lora_problems(lora: Mapping[str, Any]) -> List[Tuple[str, str]]:
-    out = []
-    for field, spec in _LORA_SPEC.items():
-        if field in lora:
-            wrong = _wrong(lora[field], *spec)
-            if wrong:
-                out.append((field, f"{lora[field]!r}: {wrong}"))
-    if isinstance(lora.get("lora_dropout"), (int, float)) and not isinstance(lora["lora_dropout"], bool) \
-            and lora["lora_dropout"] >= 1:
-        out.append(("lora_dropout", f"{lora['lora_dropout']!r}: expected a fraction below 1"))
-    target = lora.get("target_modules")
-    if "target_modules" in lora and target is not None and not isinstance(target, str) and not (
-        isinstance(target, list) and all(isinstance(t, str) for t in target)
-    ):
-        out.append(("target_modules", f"{target!r}: expected a module name, a list of names, or \"all-linear\""))
-    return out
-
-
-def _wrong(value: Any, kind: Any, low: Optional[float], exclusive: bool, nullable: bool, note: str) -> str:
-    """What ``value`` should be instead, or "" when it fits."""
-    if isinstance(kind, tuple):
-        expected = "one of " + ", ".join(map(repr, kind))
-    else:
-        expected = {_INT: "a whole number", _NUM: "a finite number", _STR: "text", _OBJ: "a JSON object"}[kind]
-    if low is not None:
-        expected += f" {'>' if exclusive else '>='} {low}"
-    if nullable:
-        expected += " or null"
-    if note:
-        expected += f" ({note})"
-    if value is None:
-        return "" if nullable else f"expected {expected}"
-    if isinstance(kind, tuple):
-        ok = value in kind
-    elif kind == _INT:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind == _NUM:
-        ok = is_finite_number(value)
-    elif kind == _STR:
-        ok = isinstance(value, str) and bool(value.strip())
-    else:
-        ok = isinstance(value, dict)
-    if ok and low is not None:
-        ok = value > low if exclusive else value >= low
-    return "" if ok else f"expected {expected}"
-
-
 def _adapter(args: argparse.Namespace) -> Any:
     """The Trainer's adapter settings from ``--agent-match`` and ``--adapter``, checked now (so ``--check``
     catches a bad one) but handed over as a dict: the verl algorithm fills in its own estimator where the
@@ -509,139 +323,13 @@ def _adapter(args: argparse.Namespace) -> Any:
     return adapter_settings(args.adapter_settings, args.agent_match) or None
 
 
-def adapter_settings(
-    items: Sequence[str], agent_match: Optional[str], base: Optional[Mapping[str, Any]] = None
-) -> Dict[str, Any]:
-    """LightningRL settings as ``agl train`` and ``agl export`` take them: ``base`` (``--config``), then each
-    ``--adapter KEY=VALUE``, then ``--agent-match``; checked by ``LightningRL.from_config``, a bad one exits
-    with its name."""
-    from agl.lightningrl import LightningRL
-
-    settings = {**(base or {}), **_keyword_sets(items, "--adapter")}
-    if agent_match:
-        settings["agent_match"] = agent_match
-    if settings:
-        try:
-            LightningRL.from_config(settings)
-        except (TypeError, ValueError) as exc:
-            raise SystemExit(f"agl: bad LightningRL settings: {exc} (see docs/lightningrl.md)") from None
-    return settings
-
-
-def _keyword_sets(settings: Sequence[str], flag: str = "--set") -> Dict[str, Any]:
-    """``--set key=value`` for TorchGRPO or APO (and ``--adapter`` for LightningRL): the value as JSON when it
-    parses (numbers, null, lists), else text."""
-    result: Dict[str, Any] = {}
-    for item in settings:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"agl: {flag} {item!r} must look like KEY=VALUE")
-        try:
-            result[key.strip()] = json.loads(raw)
-        except ValueError:
-            result[key.strip()] = raw
-    return result
-
-
-def _grpo_only(args: argparse.Namespace) -> Sequence[str]:
-    return [f"--{name.replace('_', '-')}" for name in (*_GRPO_FLAGS, "minutes") if getattr(args, name) is not None]
-
-
-def _apo(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
-    """APO and the resources it starts from: the seed prompt and the agent's model, from the apo flags."""
-    from agl.algorithm.apo import APO
-    from agl.cli.common import prompt_setting
-    from agl.types import LLM, PromptTemplate
-
-    if _grpo_only(args):
-        raise SystemExit(f"agl: {', '.join(_grpo_only(args))} set TorchGRPO; --algorithm apo changes no weights "
-                         "(its settings: --set beam_width=N --set rounds=N ...)")
-    missing = [flag for flag in ("prompt", "llm_endpoint", "llm_model", "optimizer_endpoint", "optimizer_model")
-               if not getattr(args, flag)]
-    if missing:
-        raise SystemExit("agl: --algorithm apo needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
-                         + " (the seed prompt, the agent's model, and the model that edits the prompt)")
-    prompt = prompt_setting(args.prompt)
-    api_key = os.environ.get(args.api_key_env) or None
-    optimizer_key = (os.environ.get(args.optimizer_api_key_env) or None) if args.optimizer_api_key_env else api_key
-    settings = {**config, **_keyword_sets(args.settings)}
-    try:
-        algorithm = APO(LLM(endpoint=args.optimizer_endpoint, model=args.optimizer_model, api_key=optimizer_key),
-                        **settings)
-    except (TypeError, ValueError) as exc:
-        raise SystemExit(f"agl: bad apo settings: {exc} (APO's settings: docs/prompt-optimization.md)") from None
-    resources = {
-        "main_llm": LLM(endpoint=args.llm_endpoint, model=args.llm_model, api_key=api_key),
-        "prompt": PromptTemplate(template=prompt),
-    }
-    print("agl train: APO(" + ", ".join(f"{k}={v!r}" for k, v in settings.items()) + ")")
-    return algorithm, resources
-
-
-def _check_apo_out(out: Path, resume: bool, check: bool) -> None:
-    """APO keeps no checkpoints: ``--resume`` would search again from ``--prompt`` and replace the saved
-    results, maybe with worse ones. The way to go on is a new run seeded with the best prompt. A folder that
-    holds APO results (its store may be elsewhere, ``--store``) or rollouts is not written into either."""
-    go_on = f"start a new --out seeded with the best prompt so far: --prompt @{out / 'best_prompt.txt'}"
-    if resume:
-        raise SystemExit(f"agl: --resume: an APO run keeps no checkpoints and cannot be continued; {go_on}")
-    if check:  # --check writes nothing
-        return
-    saved = [name for name in ("best_prompt.txt", "apo_history.json") if (out / name).exists()]
-    if saved:
-        raise SystemExit(f"agl: {out} already holds the results of an APO run ({', '.join(saved)}); {go_on}")
-    if _has_rollouts(out / "store.db"):
-        raise SystemExit(f"agl: {out} already holds an APO run that saved no prompt: choose another --out (or "
-                         "delete the folder)")
-
-
-def _fit_apo(trainer: Any, agent: Any, train_tasks: Any, val_tasks: Any, out: Path) -> int:
-    """Run APO and save its prompts; whatever stops it early (the optimizer failing, Ctrl-C) still leaves the
-    best so far in ``out``."""
-    from agl.algorithm.apo import APOError
-
-    go_on = f"run again with a new --out and --prompt @{out / 'best_prompt.txt'} to search further"
-    try:
-        result = trainer.fit(agent, train_tasks, val_dataset=val_tasks)
-    except KeyboardInterrupt:  # Ctrl-C: save what was scored, one line, no traceback
-        with no_second_interrupt():
-            if _save_apo(trainer.algorithm.result, out):
-                print(f"agl train: interrupted; the best prompt so far is saved; {go_on}", file=sys.stderr)
-            else:
-                print("agl train: interrupted before the seed prompt was scored; nothing to save", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        saved = _save_apo(trainer.algorithm.result, out)
-        if not (saved and isinstance(exc, APOError)):
-            raise
-        print(f"agl train: APO stopped early: {exc}. The best prompt so far is saved; {go_on}", file=sys.stderr)
-        return 1
-    _save_apo(result, out)
-    print(f"agl train: done; the run is in {out}")
-    return 0
-
-
-def _save_apo(result: Any, out: Path) -> bool:
-    """The best prompt as text, and every prompt tried with its score, under ``out``; False when no prompt
-    was scored (``result`` None or empty), and nothing is written."""
-    if result is None or not result.history:
-        return False
-    (out / "best_prompt.txt").write_text(result.best.template)
-    history = [{"template": c.template, "score": c.score, "round": c.round, "parent": c.parent,
-                "critique": c.critique} for c in result.history]
-    (out / "apo_history.json").write_text(json.dumps(history, indent=2))
-    print(f"agl train: best prompt scores {result.best.score:.3f} (seed {result.seed.score:.3f}); "
-          f"{len(result.history)} prompts tried; saved to {out / 'best_prompt.txt'}\n{result.best.template}")
-    return True
-
-
 def _verl(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
-    grpo_only = _grpo_only(args)
+    grpo_only = grpo_flags_given(args)
     if grpo_only:
         instead = [
             f"--set {_VERL_KEYS[name]}={getattr(args, name)}" if name in _VERL_KEYS else "trainer.total_epochs or "
             "trainer.total_training_steps instead of --minutes"
-            for name in (*_GRPO_FLAGS, "minutes") if getattr(args, name) is not None
+            for name in (*GRPO_FLAGS, "minutes") if getattr(args, name) is not None
         ]
         raise SystemExit(
             f"agl: {', '.join(grpo_only)} set TorchGRPO; with --algorithm verl use verl's keys instead: "
@@ -663,29 +351,3 @@ def _verl(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
         except VERLConfigError as exc:
             raise SystemExit(f"agl: the verl settings are valid, but this machine cannot train them: {exc}") from None
     return algorithm
-
-
-def add_export_model_parser(sub: Any) -> None:
-    """``agl export-model RUN|CHECKPOINT --out DIR [--model M]``: the trained policy as an HF model folder."""
-    export = sub.add_parser(
-        "export-model",
-        help="write a TorchGRPO checkpoint's trained policy as a Hugging Face model folder (LoRA merged)",
-        description="Merge a checkpoint's training (LoRA adapter or full weights) into its base model and save "
-        "config, safetensors weights and tokenizer to --out, for vLLM, transformers or `agl serve --model DIR`.",
-    )
-    export.add_argument("checkpoint", help="an `agl train --out` folder, a checkpoint_dir, or one step-NNNNNN folder")
-    export.add_argument("--out", required=True, help="the folder to write (must be new or empty)")
-    export.add_argument("--model", help="the base model (default: the one the checkpoint was trained from)")
-    export.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
-    export.add_argument("--overwrite", action="store_true", help="write into a folder that is not empty")
-    export.set_defaults(func=cmd_export_model)
-
-
-def cmd_export_model(args: argparse.Namespace) -> int:
-    from agl.algorithm.model_export import MANIFEST, export_model
-
-    out = export_model(args.checkpoint, args.out, model=args.model, dtype=args.dtype, overwrite=args.overwrite)
-    manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-    print(f"agl export-model: step {manifest['step']} of {manifest['checkpoint']} ({manifest['base_model']}) -> {out}")
-    print(f"serve it with: agl serve --model {out}")
-    return 0

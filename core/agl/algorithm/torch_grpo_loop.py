@@ -1,0 +1,220 @@
+"""TorchGRPO's training loop: each step runs ``group_size`` rollouts of ``batch_tasks`` tasks, turns them into
+samples, updates the policy with the server paused and publishes the next version, logs the step's row and
+checkpoints it; the loop ends at ``steps`` (or ``epochs``), the time budget, or an update that diverged."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from agl.algorithm.base import EmptySteps
+from agl.algorithm.metrics import MetricsLog, console
+from agl.algorithm.torch_grpo_evaluation import Evaluation, final_rewards
+from agl.errors import AglError
+from agl.lightningrl.types import Sample
+from agl.types import Rollout, Task
+
+logger = logging.getLogger("agl.train")
+
+
+class TrainingDivergedError(AglError, RuntimeError):
+    """An update made the trainable weights NaN or infinite: TorchGRPO stops before serving or saving them."""
+
+
+class TrainingLoop:
+    """The part of :class:`~agl.algorithm.torch_grpo.TorchGRPO` that runs its training steps (its settings,
+    ``state``, ``server`` and ``update`` are TorchGRPO's)."""
+
+    def _total_steps(self, n_tasks: int) -> int:
+        if self.steps is not None:
+            return self.steps
+        return self.epochs * math.ceil(n_tasks / self.batch_tasks)
+
+    def _train(
+        self,
+        train_tasks: List[Task],
+        val_tasks: List[Task],
+        total_steps: int,
+        adapter: Any,
+        metrics: MetricsLog,
+        started: float,
+    ) -> Optional[Evaluation]:
+        last_eval: Optional[Evaluation] = None
+        empty_steps = EmptySteps(limit=3)
+        equal_in_a_row = 0  # steps in a row whose every group had equal rewards (before this one)
+        resources_id = self._publish(self._train_sampling())
+        # Between batches of rollouts the server keeps the training settings (each batch sets its own).
+        self.server.request_defaults = dict(self._sampling_of[resources_id])
+        while self.state.step < total_steps:
+            if self._over_budget(started):
+                metrics.note(f"time budget of {self.time_budget_s:.0f} s reached after {self.state.step} steps")
+                if self.state.step == 0:
+                    self._say_nothing_trained(time.monotonic() - started)
+                break
+            step_started = time.monotonic()
+            tasks = self._next_tasks(train_tasks)
+            rollouts = self._run_rollouts(
+                tasks, resources_id, mode="train", n_per_task=self.group_size,
+                description=f"step {self.state.step + 1}: rollouts",
+            )
+            rollouts_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
+            generated = time.monotonic()
+            batch = adapter.build_batch(self.store, rollouts, progress=False)
+            if batch.samples:
+                # A batch whose groups all agreed trains nothing either, but still counts as trained here: a
+                # policy that solves (or fails) every task of a batch is not a broken setup, and it may
+                # disagree again on the next tasks. It is warned about at every step (docs/training.md).
+                empty_steps.trained()
+                self._warn_if_all_equal(batch.samples, equal_in_a_row)
+            else:  # the step still counts: its rollouts ran, and a resumed run must not repeat it
+                empty_steps.nothing(self.state.step + 1, batch.report.why_empty(adapter.agent_match))
+            equal_in_a_row = equal_in_a_row + 1 if _all_groups_equal(batch.samples) else 0
+            with self.server.paused():
+                stats = self.update(batch.samples)
+                self._stop_if_diverged()
+            self.trainer.learned_from(rollouts)
+            resources_id = self._publish(self._train_sampling())
+            self.state.policy_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
+            self.server.set_version(self.state.policy_version)
+            self.state.step += 1
+            row = self._row(rollouts, batch, stats, step_started, generated, rollouts_version)
+            if val_tasks and self.eval_every and self.state.step % self.eval_every == 0:
+                last_eval = self._evaluate(val_tasks, metrics)
+                row["val_success"] = last_eval.success
+            console(metrics.log(row, total_steps=total_steps))
+            self.state.rows = metrics.rows
+            if self.state.step % self.checkpoint_every == 0 or self.state.step == total_steps:
+                self._save()
+            if self.on_step is not None:  # after the checkpoint: a failing tracker loses no training
+                try:
+                    self.on_step(dict(row))
+                except BaseException:
+                    self._save_if_behind()
+                    raise
+        self._save_if_behind()  # a time budget stops between checkpoints: its last steps are kept too
+        return last_eval
+
+    def _warn_if_all_equal(self, samples: Sequence[Sample], before: int) -> None:
+        """Warn (console and ``train.log``) when every group of the step's batch had equal rewards: every
+        advantage is 0, so the step does no optimizer step (a KL term alone only pulls toward the reference).
+        ``before``: such steps in a row before this one."""
+        if not _all_groups_equal(samples):
+            return
+        n_groups = len({(s.policy, s.mode, s.task_id) for s in samples})
+        rewards = sorted({s.reward for s in samples if s.reward is not None})
+        seen = ", ".join(f"{r:g}" for r in rewards[:5]) + (", ..." if len(rewards) > 5 else "")
+        logger.warning(
+            "step %d: all %d groups had equal rewards: nothing to learn from this step; every advantage is 0, "
+            "so %s (%d such steps in a row; rewards seen: %s).%s A reward that never varies (a constant, a bug), "
+            "tasks too easy or too hard for the policy, greedy sampling, a fixed sampling seed (an agent that "
+            "passes its own `seed`) or group_size=1 give this; it does not stop the run",
+            self.state.step + 1, n_groups,
+            "only the KL term updates the policy" if self.kl_coef > 0 else "no optimizer step",
+            before + 1, seen or "none",
+            " The rollouts of every group were token for token identical: a fixed `seed` in the agent's requests "
+            "(or greedy sampling) does this." if _groups_identical(samples) else "",
+        )
+
+    def _say_nothing_trained(self, elapsed_s: float) -> None:
+        """The budget ends before step 1 when the first evaluations take most of it (a slow or busy machine):
+        the run would otherwise end quietly, reporting the untrained policy twice as "before" and "after"."""
+        evaluations = sum(e["seconds"] for e in self.state.evaluations if e["step"] == 0)
+        logger.warning(
+            "no training step ran: the time budget of %.0f s would be used up before one step and the final "
+            "evaluations could finish (%.0f s gone; the first evaluations took %.0f s, and the final ones need as "
+            "long). Give the run more time, or evaluate on fewer tasks (or fewer evaluation settings).",
+            self.time_budget_s, elapsed_s, evaluations,
+        )
+
+    def _over_budget(self, started: float) -> bool:
+        """Whether one more step and the final evaluations would run past ``time_budget_s``."""
+        if self.time_budget_s is None:
+            return False
+        return time.monotonic() - started + self._still_needed_s() > self.time_budget_s
+
+    def _still_needed_s(self) -> float:
+        """Time one more step and the final evaluations need: as long as the last step and the first
+        evaluations took."""
+        last_step = self.state.rows[-1].get("step_time_s", 0.0) if self.state.rows else 0.0
+        return last_step + sum(e["seconds"] for e in self.state.evaluations if e["step"] == 0)
+
+    def _next_tasks(self, train_tasks: List[Task]) -> List[Task]:
+        """The next ``batch_tasks`` tasks of a per-epoch shuffled order (seeded, so resuming continues it)."""
+        chosen: List[Task] = []
+        while len(chosen) < min(self.batch_tasks, len(train_tasks)):
+            order = list(range(len(train_tasks)))
+            random.Random(self.seed * 100_003 + self.state.epoch).shuffle(order)
+            take = order[self.state.cursor : self.state.cursor + self.batch_tasks - len(chosen)]
+            chosen.extend(train_tasks[i] for i in take)
+            self.state.cursor += len(take)
+            if self.state.cursor >= len(order):
+                self.state.epoch += 1
+                self.state.cursor = 0
+        return chosen
+
+    def _stop_if_diverged(self) -> None:
+        """Stop at the update that made a trainable weight NaN or infinite (a learning rate far too high), before
+        the weights are served or saved: every later rollout would fail to sample, and the checkpoints kept (the
+        newest two) would soon all be broken ones, the run still ending "done"."""
+        assert self.policy is not None
+        if all(bool(torch.isfinite(p).all()) for p in self.policy.parameters()):
+            return
+        kept = f"the checkpoint of step {self._saved_step} in {self.checkpoint_dir} is the last good one" \
+            if self._saved_step else "no checkpoint was saved before it"
+        raise TrainingDivergedError(
+            f"step {self.state.step + 1}'s update made trainable weights NaN or infinite, so the run stopped before "
+            f"serving or saving them; {kept}. Lower lr (now {self.lr:g}) or max_grad_norm and resume, or start again"
+        )
+
+    def _row(
+        self, rollouts: List[Rollout], batch: Any, stats: Dict[str, float], started: float, generated: float,
+        rollouts_version: int,
+    ) -> Dict[str, float]:
+        """The step's metrics row. ``policy_version``: the version published after its update (the server's
+        from then on, the checkpoint's); ``rollouts_version``: the one its rollouts ran with."""
+        rewards = final_rewards(rollouts)
+        # As in the evaluations, a failed rollout counts as reward 0 in reward_mean/std (it already counts as
+        # no success in success_rate); failed_rollouts says how many there were.
+        counted = rewards + [0.0] * (len(rollouts) - len(rewards))
+        gen_s = generated - started
+        gen_tokens = sum(len(s.response_ids) for s in batch.samples)
+        row: Dict[str, float] = {
+            "step": self.state.step,
+            "policy_version": self.state.policy_version,
+            "rollouts_version": rollouts_version,
+            "reward_mean": statistics.fmean(counted) if counted else float("nan"),
+            "reward_std": statistics.pstdev(counted) if len(counted) > 1 else 0.0,
+            "success_rate": sum(r >= self.success_threshold for r in rewards) / len(rollouts),
+            "rollouts": len(rollouts),
+            "failed_rollouts": len(rollouts) - len(rewards),
+            "gen_s": gen_s,
+            "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
+            **stats,
+            "lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else float("nan"),
+            "step_time_s": time.monotonic() - started,
+        }
+        if stats.get("train_tokens"):
+            row["train_tokens_per_s"] = stats.get("train_tokens", 0.0) * self.ppo_epochs / stats["train_s"]
+        return row
+
+
+def _all_groups_equal(samples: Sequence[Sample]) -> bool:
+    """True when there are samples and every one has advantage 0 (every group's rewards were equal)."""
+    return bool(samples) and all(s.advantage == 0.0 for s in samples)
+
+
+def _groups_identical(samples: Sequence[Sample]) -> bool:
+    """True when every group has more than one rollout and all of a group's rollouts generated the same
+    tokens (the same seed, or greedy sampling, on the same prompt)."""
+    groups: Dict[Any, Dict[str, List[Tuple[int, ...]]]] = {}
+    for s in samples:
+        groups.setdefault((s.policy, s.mode, s.task_id), {}).setdefault(s.rollout_id, []).append(tuple(s.response_ids))
+    return bool(groups) and all(
+        len(rollouts) > 1 and len({tuple(r) for r in rollouts.values()}) == 1 for rollouts in groups.values()
+    )
