@@ -6,7 +6,9 @@ answers and (inside rollouts) the server's token ids are captured. ``chat.comple
 classes with ``wrapt``; everything built on them goes through the wrapper too: ``with_raw_response``,
 ``with_streaming_response`` (also of a client used before instrumenting: :mod:`agl.instrumentation.
 openai_views`) and the SDK's ``chat.completions.stream()`` / ``responses.stream()`` helpers. After
-uninstrumenting, a method bound while hooked passes its calls through unrecorded.
+uninstrumenting, a method bound while hooked passes its calls through unrecorded. Streams are proxied by
+:mod:`agl.instrumentation.openai_stream_proxies`, raw and streaming responses by
+:mod:`~agl.instrumentation.openai_raw_responses`; what is recorded is built by :mod:`agl.openai_wire`.
 
 Past a rollout's timeout, its agent's calls are refused (:func:`agl.tracing.context.refuse_calls_after_timeout`), also
 through a method bound while hooked and called after uninstrumenting, and so is each retry the SDK sends for a
@@ -26,6 +28,7 @@ If a framework adapter already opened an ``llm`` span for the request (see
 
 from __future__ import annotations
 
+import collections.abc
 import importlib
 import inspect
 import logging
@@ -40,19 +43,17 @@ from agl import semconv
 from agl.tracing.context import RolloutScope, current_scope, refuse_calls_after_timeout
 from agl.instrumentation.base import Instrumentor
 from agl.tracing.context_keys import SUPPRESS_LLM_SPAN
+from agl.openai_wire.apis import CHAT, CLIENT_TRACED_HEADER, COMPLETIONS, RESPONSES, TOKEN_IDS_REQUEST
 from agl.openai_wire.payloads import (
-    CHAT,
-    COMPLETIONS,
-    RESPONSES,
     SPAN_PREFIX,
     add_request_payloads,
-    ask_for_token_ids,
     logprobs_requested,
-    mark_client_traced,
     record_response,
     request_attributes,
 )
-from agl.openai_wire.streams import Accumulator, AsyncStreamProxy, StreamProxy, new_accumulator
+from agl.openai_wire.streams import Accumulator, new_accumulator
+from agl.instrumentation.openai_raw_responses import RawStreamResponse, UnreadResponse, body_read, body_untouched
+from agl.instrumentation.openai_stream_proxies import AsyncStreamProxy, StreamProxy
 from agl.instrumentation.openai_views import CurrentView, hook_views, unhook_views
 from agl._util.safety import report_internal_error
 from agl.instrumentation.token_id_refusals import is_refusal, refuses, remember, server_of
@@ -186,9 +187,9 @@ class LlmCall:
         response). Read in pieces (``iter_bytes``, ...), the body is gone: the span ends without it."""
         if self.ended:
             return
-        if _body_read(response):
+        if body_read(response):
             self.end_read(response)
-        elif _body_untouched(response):
+        elif body_untouched(response):
             self.end_stream(None, None, semconv.STREAM_ABANDONED)
         else:
             self._end(None, None, None)
@@ -199,7 +200,7 @@ class LlmCall:
 
         An async response's ``parse()`` is a coroutine; its ``_parse()`` (the SDK's parse without the
         structured-output post-parser, present since openai 1.0) reads the same body at once."""
-        if self.ended or not _body_read(response):
+        if self.ended or not body_read(response):
             return
         reasons: List[str] = []
         try:
@@ -280,121 +281,28 @@ class LlmCall:
                 report_internal_error("openai.end", exc)
 
 
-class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
-    """A raw response to a streamed request (``with_raw_response`` / ``with_streaming_response``, as the
-    Agents SDK streams the Responses API): ``parse()`` returns the stream, which is proxied like a plain
-    streamed call so the span gets the reassembled output and token ids. If the body is never parsed, the
-    span ends when the response is closed, with what the request said."""
+def ask_for_token_ids(call_kwargs: Dict[str, Any]) -> bool:
+    """Add ``return_token_ids`` to the call's ``extra_body``, in a new dict; the user's own value wins.
 
-    def __init__(self, wrapped: Any, call: "LlmCall", is_async: bool) -> None:
-        super().__init__(wrapped)
-        self._self_call = call
-        self._self_is_async = is_async
-        self._self_stream: Any = None  # the proxied stream parse() handed out
-
-    def _self_proxied(self, stream: Any) -> Any:
-        try:
-            proxy = self._self_call._proxy_stream(stream, self._self_is_async)
-        except Exception as exc:  # noqa: BLE001
-            report_internal_error("openai.raw_stream", exc)
-            proxy = None
-        if proxy is None:
-            self._self_call.end_stream(None, None)
-            return stream
-        self._self_stream = proxy
-        return proxy
-
-    def parse(self, *args: Any, **kwargs: Any) -> Any:
-        parsed = self.__wrapped__.parse(*args, **kwargs)
-        if self._self_is_async and inspect.isawaitable(parsed):
-            return self._self_parse_async(parsed)
-        return self._self_proxied(parsed)
-
-    async def _self_parse_async(self, parsed: Any) -> Any:
-        return self._self_proxied(await parsed)
-
-    def close(self) -> Any:
-        result = self.__wrapped__.close()
-        if self._self_is_async and inspect.isawaitable(result):
-            return self._self_close_async(result)
-        self._self_closed()
-        return result
-
-    async def _self_close_async(self, result: Any) -> Any:
-        try:
-            return await result
-        finally:
-            self._self_closed()
-
-    def _self_closed(self) -> None:
-        """The response is closed (its ``with`` block left): a stream read partly ends with what arrived, one
-        never parsed with nothing (both marked abandoned); a no-op if the stream already ended the span."""
-        if self._self_stream is not None:
-            self._self_stream._self_close()
-        else:
-            self._self_call.end_stream(None, None, semconv.STREAM_ABANDONED)
+    Returns whether agl added it (False: the user set it themselves, or ``extra_body`` is not a mapping).
+    """
+    extra = call_kwargs.get("extra_body")
+    if extra is None:
+        call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True}
+        return True
+    if isinstance(extra, collections.abc.Mapping) and TOKEN_IDS_REQUEST not in extra:
+        call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True, **extra}
+        return True
+    return False
 
 
-class UnreadResponse(wrapt.ObjectProxy):  # type: ignore[misc]
-    """A non-streamed response through ``with_streaming_response``: the body is the user's to read, when they
-    choose, so the call is recorded when they read it (``read``, ``text``, ``json``, ``parse``) or the
-    response is closed (the ``with`` block left), and its span ends then."""
-
-    def __init__(self, wrapped: Any, call: "LlmCall", is_async: bool) -> None:
-        super().__init__(wrapped)
-        self._self_call = call
-        self._self_is_async = is_async
-
-    def read(self, *args: Any, **kwargs: Any) -> Any:
-        return self._self_then(self.__wrapped__.read, args, kwargs, self._self_call.end_read)
-
-    def text(self, *args: Any, **kwargs: Any) -> Any:
-        return self._self_then(self.__wrapped__.text, args, kwargs, self._self_call.end_read)
-
-    def json(self, *args: Any, **kwargs: Any) -> Any:
-        return self._self_then(self.__wrapped__.json, args, kwargs, self._self_call.end_read)
-
-    def parse(self, *args: Any, **kwargs: Any) -> Any:
-        return self._self_then(self.__wrapped__.parse, args, kwargs, self._self_call.end_read)
-
-    def close(self, *args: Any, **kwargs: Any) -> Any:
-        return self._self_then(self.__wrapped__.close, args, kwargs, self._self_call.end_unread)
-
-    def _self_then(self, method: Callable[..., Any], args: Any, kwargs: Any, record: Callable[[Any], None]) -> Any:
-        """Call the SDK's ``method``, then ``record`` the response, also when it raised (a parse error comes
-        after the body was read). Async responses: the same, once the coroutine is awaited."""
-        if self._self_is_async:
-            return self._self_then_async(method(*args, **kwargs), record)
-        try:
-            return method(*args, **kwargs)
-        finally:
-            self._self_record(record)
-
-    async def _self_then_async(self, coroutine: Any, record: Callable[[Any], None]) -> Any:
-        try:
-            return await coroutine
-        finally:
-            self._self_record(record)
-
-    def _self_record(self, record: Callable[[Any], None]) -> None:
-        try:
-            record(self.__wrapped__)
-        except Exception as exc:  # noqa: BLE001
-            report_internal_error("openai.response", exc)
-
-
-def _body_read(response: Any) -> bool:
-    """Whether the body of an SDK ``APIResponse`` has been read whole (httpx keeps it then)."""
-    try:
-        response.http_response.content
-    except Exception:  # noqa: BLE001 - httpx.ResponseNotRead, or the body was streamed away
-        return False
-    return True
-
-
-def _body_untouched(response: Any) -> bool:
-    """Whether nothing of the body has been read (its stream was never consumed)."""
-    return not getattr(response.http_response, "is_stream_consumed", True)
+def mark_client_traced(call_kwargs: Dict[str, Any]) -> None:
+    """Add ``CLIENT_TRACED_HEADER`` to the call's ``extra_headers``, in a new dict; the user's own value wins."""
+    headers = call_kwargs.get("extra_headers")
+    if headers is None:
+        call_kwargs["extra_headers"] = {CLIENT_TRACED_HEADER: "1"}
+    elif isinstance(headers, collections.abc.Mapping):
+        call_kwargs["extra_headers"] = {CLIENT_TRACED_HEADER: "1", **headers}
 
 
 def _ask_raw_for_parse(call_kwargs: Dict[str, Any]) -> None:
@@ -476,16 +384,27 @@ def _refuse_timed_out_attempt(
 setattr(_refuse_timed_out_attempt, _MARK, True)
 
 
+def _start(
+    api: str, instrumentor: "OpenAIInstrumentor", wrapped: Callable[..., Any], instance: Any, kwargs: Dict[str, Any]
+) -> Optional[Tuple[LlmCall, Dict[str, Any]]]:
+    """What both wrappers do first: refuse a timed-out agent's call, then :func:`_begin` recording it. None:
+    the call goes as the user wrote it, unrecorded (unhooked, or agl failed before the request)."""
+    refuse_calls_after_timeout()  # before hooks_live: also once the Trainer has taken its hooks out
+    if not instrumentor.hooks_live:  # a method bound while hooked, called after agl.uninstrument()
+        return None
+    try:
+        return _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
+    except Exception as exc:  # noqa: BLE001
+        report_internal_error("openai.request", exc)
+        return None
+
+
 def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        refuse_calls_after_timeout()  # before hooks_live: also once the Trainer has taken its hooks out
-        if not instrumentor.hooks_live:  # a method bound while hooked, called after agl.uninstrument()
+        started = _start(api, instrumentor, wrapped, instance, kwargs)
+        if started is None:
             return wrapped(*args, **kwargs)
-        try:
-            call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
-        except Exception as exc:  # noqa: BLE001
-            report_internal_error("openai.request", exc)
-            return wrapped(*args, **kwargs)
+        call, call_kwargs = started
         token = otel_context.attach(call.context) if call.context is not None else None
         try:
             result = _send(wrapped, args, call_kwargs, call)
@@ -505,14 +424,10 @@ def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...
     """Returns the coroutine at once, like the SDK: argument errors still raise at call time, not at await."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        refuse_calls_after_timeout()  # before hooks_live: also once the Trainer has taken its hooks out
-        if not instrumentor.hooks_live:  # a method bound while hooked, called after agl.uninstrument()
+        started = _start(api, instrumentor, wrapped, instance, kwargs)
+        if started is None:
             return wrapped(*args, **kwargs)
-        try:
-            call, call_kwargs = _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
-        except Exception as exc:  # noqa: BLE001
-            report_internal_error("openai.request", exc)
-            return wrapped(*args, **kwargs)
+        call, call_kwargs = started
         try:
             coroutine = wrapped(*args, **call_kwargs)
         except BaseException as exc:

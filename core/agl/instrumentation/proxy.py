@@ -9,9 +9,10 @@ For every ``chat/completions``, ``responses`` and (legacy) ``completions`` reque
   ``logprobs: true`` (completions: ``logprobs: 0``, the sampled tokens' only); the response goes back to the
   agent as the server sent it;
 - forwards streams chunk by chunk while reassembling them, holding back only the final ``[DONE]``;
-- writes one ``llm`` span per call to the store, in the same format and with the same attributes as agl's
-  client-side OpenAI instrumentation (the same code builds them: :mod:`agl.openai_wire.payloads`
-  and :mod:`~agl.openai_wire.streams`), before the agent sees the end of the response, so a
+- writes one ``llm`` span per call to the store (:mod:`agl.instrumentation.proxy_calls`), in the same format
+  and with the same attributes as agl's client-side OpenAI instrumentation (the same code builds them:
+  :mod:`agl.openai_wire.payloads` and :mod:`~agl.openai_wire.streams`), before the agent sees the end of the
+  response, so a
   rollout that finished has all its spans stored; a request whose agent went away before the answer came
   (its client timed out, and an SDK retries it as a new request) is cancelled upstream and recorded as a
   failed call (``error.type`` ``ClientDisconnected``), which LightningRL skips: the agent never saw that
@@ -43,9 +44,7 @@ import itertools
 import json
 import logging
 import re
-import secrets
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -54,33 +53,18 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agl import semconv
-from agl._util.http_thread import ThreadedServer, advertised_url
-from agl.openai_wire.payloads import (
-    CHAT,
-    CLIENT_TRACED_HEADER,
-    COMPLETIONS,
-    RESPONSES,
-    SPAN_PREFIX,
-    TOKEN_IDS_REQUEST,
-    add_request_payloads,
-    logprobs_requested,
-    record_response,
-    record_token_ids,
-    request_attributes,
-)
-from agl.openai_wire.streams import Accumulator, new_accumulator
 from agl._util.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, unless_disconnected
-from agl.openai_wire.sampling import with_defaults
-from agl.tracing.tracer import encode_attribute
+from agl._util.http_thread import ThreadedServer, advertised_url
+from agl.instrumentation.proxy_calls import CLIENT_DISCONNECTED, FRAMEWORK_NAME, ProxyCall
+from agl.openai_wire.apis import API_PATHS, CLIENT_TRACED_HEADER, NOT_AN_OBJECT, error_body, error_message
+from agl.openai_wire.sampling import with_defaults, with_token_cap
+from agl.openai_wire.sse import is_done
 from agl.types import ProxyLLM, Span
 
 logger = logging.getLogger("agl.proxy")
 
 ROLLOUT_HEADER = "x-agl-rollout-id"
 ATTEMPT_HEADER = "x-agl-attempt-id"
-FRAMEWORK_NAME = "agl.proxy"
-_APIS = {"chat/completions": CHAT, "responses": RESPONSES, "completions": COMPLETIONS}
 # Hop-by-hop and length headers are the proxy's own business on each side.
 _DROP_REQUEST_HEADERS = {
     "host", "content-length", "connection", "accept-encoding", ROLLOUT_HEADER, ATTEMPT_HEADER, CLIENT_TRACED_HEADER
@@ -88,7 +72,6 @@ _DROP_REQUEST_HEADERS = {
 _KEEP_RESPONSE_HEADERS = {"content-type", "x-request-id", "retry-after"}
 _PROFILE_PREFIX = "/sampling"
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9_-]+")
-CLIENT_DISCONNECTED = "ClientDisconnected"  # error.type of a call whose agent went away before its answer
 
 
 @dataclass
@@ -264,9 +247,7 @@ class LLMProxy:
         body = with_defaults(body, sampling, [k for k in sampling if k != "max_tokens"])
         cap = sampling.get("max_tokens")
         if isinstance(cap, int):
-            names = ("max_output_tokens",) if api == RESPONSES else ("max_tokens", "max_completion_tokens")
-            given = [n for n in names if isinstance(body.get(n), int) and not isinstance(body.get(n), bool)]
-            body = {**body, **{n: min(body[n], cap) for n in given}} if given else {**body, names[0]: cap}
+            body = with_token_cap(body, api, cap)
         expected, asked = sampling.get("temperature"), body.get("temperature")
         if (
             temperature_from
@@ -366,7 +347,7 @@ class LLMProxy:
         await gate.enter(self.stats)
         release = True
         try:
-            api = _APIS.get(path.strip("/")) if request.method == "POST" else None
+            api = API_PATHS.get(path.strip("/")) if request.method == "POST" else None
             if api is None:
                 return await self._forward_plain(request, path)
             raw = await request.body()
@@ -375,14 +356,14 @@ class LLMProxy:
             except ValueError:
                 body = None
             if not isinstance(body, dict):
-                return _error(400, "the request body must be a JSON object")
+                return _error(400, NOT_AN_OBJECT)
             if route is None:
                 self.stats.unrouted += 1
             elif request.headers.get(CLIENT_TRACED_HEADER):
                 self.stats.client_traced += 1
                 route = None
             body = self._apply_sampling(api, body, profile)
-            call = _Call(self, api, body, route, request.headers.get("traceparent"))
+            call = ProxyCall(self, api, body, route, request.headers.get("traceparent"))
             if body.get("stream"):
                 response, release = await self._stream(request, path, call, gate)
                 return response  # a relayed stream leaves the gate itself, when it ends
@@ -411,7 +392,7 @@ class LLMProxy:
             return _error(502, f"the agl proxy could not reach the model server at {url}: {exc!r}")
         return _relay(upstream, upstream.content)
 
-    async def _complete(self, request: Request, path: str, call: "_Call") -> Response:
+    async def _complete(self, request: Request, path: str, call: ProxyCall) -> Response:
         assert self._client is not None
         url = self._upstream_url(path, request.url.query)
         try:
@@ -421,19 +402,15 @@ class LLMProxy:
         except ClientDisconnected:
             return await self._client_gone(call)
         except httpx.HTTPError as exc:
-            self.stats.upstream_errors += 1
-            message = f"the agl proxy could not reach the model server at {url}: {exc!r}"
-            await self._record(call.failed("UpstreamUnreachable", message))
-            return _error(502, message)
+            return await self._unreachable(call, url, exc)
         content = upstream.content
         if upstream.status_code >= 400:
-            self.stats.upstream_errors += 1
-            await self._record(call.failed(f"HTTP {upstream.status_code}", _error_message(content)))
+            await self._upstream_failed(call, upstream.status_code, content)
         else:
             await self._record(call.completed(content))
         return _relay(upstream, content)
 
-    async def _stream(self, request: Request, path: str, call: "_Call", gate: _Gate) -> Tuple[Response, bool]:
+    async def _stream(self, request: Request, path: str, call: ProxyCall, gate: _Gate) -> Tuple[Response, bool]:
         """The relayed stream, or the error response; the flag says whether the caller still holds the gate."""
         assert self._client is not None
         url = self._upstream_url(path, request.url.query)
@@ -443,17 +420,13 @@ class LLMProxy:
         except ClientDisconnected:
             return await self._client_gone(call), True
         except httpx.HTTPError as exc:
-            self.stats.upstream_errors += 1
-            message = f"the agl proxy could not reach the model server at {url}: {exc!r}"
-            await self._record(call.failed("UpstreamUnreachable", message))
-            return _error(502, message), True
+            return await self._unreachable(call, url, exc), True
         if upstream.status_code >= 400:
             try:
                 content = await upstream.aread()
             finally:
                 await upstream.aclose()
-            self.stats.upstream_errors += 1
-            await self._record(call.failed(f"HTTP {upstream.status_code}", _error_message(content)))
+            await self._upstream_failed(call, upstream.status_code, content)
             return _relay(upstream, content), True
 
         async def relay() -> AsyncIterator[bytes]:
@@ -461,7 +434,7 @@ class LLMProxy:
             error: Optional[BaseException] = None
             try:
                 async for line in upstream.aiter_lines():
-                    if held or line.strip() == "data: [DONE]":
+                    if held or is_done(line):
                         held.append(f"{line}\n".encode())  # with its blank line, or the event never ends
                         continue
                     call.add_sse_line(line)
@@ -484,7 +457,19 @@ class LLMProxy:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() in _KEEP_RESPONSE_HEADERS}
         return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers), False
 
-    async def _client_gone(self, call: "_Call") -> Response:
+    async def _unreachable(self, call: ProxyCall, url: str, exc: Exception) -> Response:
+        """The model server could not be reached: a failed call, and a 502 for the agent."""
+        self.stats.upstream_errors += 1
+        message = f"the agl proxy could not reach the model server at {url}: {exc!r}"
+        await self._record(call.failed("UpstreamUnreachable", message))
+        return _error(502, message)
+
+    async def _upstream_failed(self, call: ProxyCall, status: int, content: bytes) -> None:
+        """The model server answered an error (relayed to the agent as it is): a failed call."""
+        self.stats.upstream_errors += 1
+        await self._record(call.failed(f"HTTP {status}", error_message(content)))
+
+    async def _client_gone(self, call: ProxyCall) -> Response:
         """The agent disconnected before the model server answered (its client timed out or gave up); the
         upstream request was cancelled with it.
 
@@ -518,174 +503,10 @@ class LLMProxy:
             )
 
 
-class _Call:
-    """One generation request: the body sent upstream and what becomes its span."""
-
-    def __init__(
-        self, proxy: LLMProxy, api: str, body: Dict[str, Any], route: Optional[Tuple[str, str]], traceparent: Optional[str]
-    ) -> None:
-        self.proxy = proxy
-        self.api = api
-        self.route = route
-        self.start_ns = time.time_ns()
-        stream = bool(body.get("stream"))
-        if proxy.model:
-            body["model"] = proxy.model
-        body[TOKEN_IDS_REQUEST] = True
-        if api == CHAT and proxy.logprobs and not body.get("logprobs"):
-            body["logprobs"] = True
-        elif api == COMPLETIONS and proxy.logprobs and body.get("logprobs") is None:
-            body["logprobs"] = 0
-        self.body = body
-        self.with_logprobs = logprobs_requested(api, body)
-        self.deferred: Dict[str, Any] = {}
-        if route is not None:
-            self.deferred = request_attributes(api, body, stream)
-            add_request_payloads(api, body, self.deferred)
-        self.accumulator: Optional[Accumulator] = None
-        if stream and route is not None:
-            self.accumulator = new_accumulator(api, self.with_logprobs)
-        self.sse_event: Optional[str] = None
-        self.trace_id, self.parent_id = _parse_traceparent(traceparent)
-
-    def completed(self, content: bytes) -> Optional[Span]:
-        if self.route is None:
-            return None
-        reasons: List[str] = []
-        try:
-            data = json.loads(content)
-            reasons = record_response(self.api, _sdk_response(self.api, data), self.deferred, self.with_logprobs)
-        except Exception as exc:  # noqa: BLE001 - a reply we cannot read is still the agent's reply
-            logger.warning("agl proxy could not read the model's reply: %s", exc)
-            record_token_ids(None, None, self.deferred)
-            return self._span(reasons, ("UnreadableResponse", f"{type(exc).__name__}: {exc}"))
-        return self._span(reasons, None)
-
-    def add_sse_line(self, line: str) -> None:
-        """Feed one SSE line of the upstream stream to the accumulator (``event:`` names the next data)."""
-        if self.accumulator is None:
-            return
-        if line.startswith("event:"):
-            self.sse_event = line[6:].strip()
-            return
-        if not line.startswith("data:"):
-            return
-        try:
-            data = json.loads(line[5:].strip())
-            if self.api == RESPONSES:
-                self.accumulator.add(_responses_event(data, self.sse_event))
-            else:
-                self.accumulator.add(_sdk_chunk(self.api, data))
-        except Exception as exc:  # noqa: BLE001 - keep relaying; the span says what could not be read
-            logger.warning("agl proxy could not read a streamed chunk: %s", exc)
-            self.accumulator = None
-
-    def streamed(self, error: Optional[BaseException]) -> Optional[Span]:
-        if self.route is None:
-            return None
-        accumulator = self.accumulator
-        if accumulator is None:
-            record_token_ids(None, None, self.deferred)
-            return self._span([], ("UnreadableStream", "the proxy could not read the streamed reply"))
-        reasons = accumulator.record(self.deferred)
-        failure = accumulator.failure
-        if error is not None:
-            failure = (type(error).__name__, f"the stream ended early: {type(error).__name__}: {error}")
-        return self._span(reasons, failure)
-
-    def failed(self, error_type: str, message: str) -> Optional[Span]:
-        if self.route is None:
-            return None
-        record_token_ids(None, None, self.deferred)
-        return self._span([], (error_type, message))
-
-    def _span(self, reasons: List[str], failure: Optional[Tuple[str, str]]) -> Span:
-        assert self.route is not None
-        rollout_id, attempt_id = self.route
-        attributes: Dict[str, Any] = {semconv.SPAN_KIND: "llm", semconv.FRAMEWORK: FRAMEWORK_NAME}
-        for key, value in self.deferred.items():
-            attributes[key] = encode_attribute(value)
-        if reasons:
-            attributes[semconv.RESPONSE_FINISH_REASONS] = reasons
-        if failure is not None:
-            attributes[semconv.ERROR_TYPE] = failure[0]
-        model = self.body.get("model")
-        prefix = SPAN_PREFIX[self.api]
-        return Span(
-            rollout_id=rollout_id,
-            attempt_id=attempt_id,
-            sequence_id=self.proxy.next_sequence_id(rollout_id, attempt_id),
-            trace_id=self.trace_id or secrets.token_hex(16),
-            span_id=secrets.token_hex(8),
-            parent_id=self.parent_id,
-            name=f"{prefix} {model}" if isinstance(model, str) and model else prefix,
-            kind="llm",
-            start_time=self.start_ns,
-            end_time=time.time_ns(),
-            status="error" if failure is not None else "ok",
-            error=failure[1] if failure is not None else None,
-            attributes=attributes,
-        )
-
-
-def _sdk_response(api: str, data: Dict[str, Any]) -> Any:
-    """A non-streamed reply as the SDK object the instrumentation reads (built without validation: the reply
-    goes to the agent as sent, whatever the SDK would think of it)."""
-    if api == CHAT:
-        from openai.types.chat import ChatCompletion
-
-        return ChatCompletion.construct(**data)
-    if api == COMPLETIONS:
-        from openai.types import Completion
-
-        return Completion.construct(**data)
-    from openai.types.responses import Response as ResponsesResponse
-
-    return ResponsesResponse.construct(**data)
-
-
-def _sdk_chunk(api: str, data: Dict[str, Any]) -> Any:
-    """A chat or completions stream chunk as the SDK object the accumulator reads."""
-    if api == CHAT:
-        from openai.types.chat import ChatCompletionChunk
-
-        return ChatCompletionChunk.construct(**data)
-    from openai.types import Completion
-
-    return Completion.construct(**data)
-
-
-def _responses_event(data: Dict[str, Any], event: Optional[str]) -> Any:
-    """A Responses stream event as the SDK hands it to the accumulator on the client side: its typed model
-    (built without validation, as the SDK builds it), so every field the accumulator reads (the snapshot's
-    ``response``, a delta's ``output_index`` and ``logprobs``, a server's extra ``token_ids``) is there. The
-    SSE ``event:`` line names the type of a data line that does not."""
-    from openai._models import construct_type
-    from openai.types.responses import ResponseStreamEvent
-
-    if not data.get("type") and event:
-        data = {**data, "type": event}
-    return construct_type(type_=ResponseStreamEvent, value=data)
-
-
 def _header_route(request: Request) -> Optional[Tuple[str, str]]:
     """The rollout and attempt a client that cannot change its URL names in headers, if it names both."""
     rollout_id, attempt_id = request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER)
     return (rollout_id, attempt_id) if rollout_id and attempt_id else None
-
-
-def _parse_traceparent(value: Optional[str]) -> Tuple[Optional[str], Optional[str]]:
-    """W3C ``traceparent`` (``00-<32 hex trace>-<16 hex span>-<flags>``) to (trace id, parent span id)."""
-    if not value:
-        return None, None
-    parts = value.strip().split("-")
-    if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
-        return None, None
-    try:
-        int(parts[1], 16), int(parts[2], 16)
-    except ValueError:
-        return None, None
-    return parts[1], parts[2]
 
 
 def _relay(upstream: httpx.Response, content: bytes) -> Response:
@@ -693,19 +514,12 @@ def _relay(upstream: httpx.Response, content: bytes) -> Response:
     return Response(content=content, status_code=upstream.status_code, headers=headers)
 
 
-def _error_message(content: bytes) -> str:
-    try:
-        error = json.loads(content).get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-    except (ValueError, AttributeError):
-        pass
-    return content[:500].decode("utf-8", "replace")
-
-
 def _error(status: int, message: str) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": kind}}, status_code=status)
+    return JSONResponse(error_body(message, status, None, kind, kind), status_code=status)
 
 
-__all__ = ["ATTEMPT_HEADER", "CLIENT_TRACED_HEADER", "LLMProxy", "ProxyStats", "ROLLOUT_HEADER"]
+__all__ = [
+    "ATTEMPT_HEADER", "CLIENT_DISCONNECTED", "CLIENT_TRACED_HEADER", "FRAMEWORK_NAME", "LLMProxy", "ProxyStats",
+    "ROLLOUT_HEADER",
+]

@@ -21,7 +21,7 @@ import logging
 import threading
 from typing import Any, Optional, Set
 
-from agl.openai_wire.payloads import TOKEN_IDS_REQUEST
+from agl.openai_wire.apis import TOKEN_IDS_REQUEST
 
 logger = logging.getLogger("agl.instrumentation")
 

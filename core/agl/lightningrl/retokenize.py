@@ -61,10 +61,11 @@ import logging
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agl import semconv
-from agl.openai_wire.payloads import COMPLETIONS, RESPONSES
 from agl.lightningrl.links import output_message, tool_calls_of
 from agl.openai_wire import responses
-from agl.openai_wire.chat_format import BadRequest
+from agl.openai_wire.apis import COMPLETIONS, RESPONSES, BadRequest
+from agl.openai_wire.chat_completions import message_text
+from agl.openai_wire.chat_format import assistant_text, call_text
 from agl.types import Span
 
 logger = logging.getLogger("agl.lightningrl")
@@ -219,15 +220,15 @@ def render_answer(message: Mapping[str, Any]) -> str:
     """The answer as text: content, then one ``{"name": ..., "arguments": ...}`` line per tool call."""
     content = message.get("content")
     if isinstance(content, list):
-        content = "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
-    parts = [content] if content else []
+        content = message_text(content)
+    lines = []
     for call in tool_calls_of(dict(message)):
         function = call.get("function") or {}
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {})
-        parts.append('{"name": ' + json.dumps(function.get("name", "")) + ', "arguments": ' + arguments + "}")
-    return "\n".join(parts)
+        lines.append(call_text(function.get("name", ""), arguments))
+    return assistant_text(content, lines)
 
 
 def chat_messages(span: Span) -> List[Dict[str, Any]]:

@@ -35,6 +35,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from agl.openai_wire.apis import CONTEXT_LENGTH_EXCEEDED, BadRequest
+from agl.openai_wire.chat_completions import message_text
+from agl.openai_wire.stops import partial_suffix_start
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.DOTALL)
@@ -49,20 +53,6 @@ TOOLS_INSTRUCTIONS = (
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
-
-
-#: OpenAI's error code for a prompt (plus max_tokens) beyond the model's context, which clients match on
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-
-
-class BadRequest(ValueError):
-    """A request that cannot be served as sent (answered with 400); ``param`` names the offending field,
-    ``code`` is OpenAI's machine-readable error code where it has one (:data:`CONTEXT_LENGTH_EXCEEDED`)."""
-
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 @dataclass
@@ -122,13 +112,29 @@ def to_plain_messages(messages: Sequence[Any]) -> List[Dict[str, str]]:
 
 def render_assistant(content: str, calls: Sequence[Tuple[str, Any]]) -> str:
     """An assistant turn with tool calls, in the canonical form the model is asked to write."""
-    blocks = [render_tool_call(name, arguments) for name, arguments in calls]
-    return "\n".join(([content] if content else []) + blocks)
+    return assistant_text(content, [render_tool_call(name, arguments) for name, arguments in calls])
 
 
 def render_tool_call(name: str, arguments: Any) -> str:
     body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
     return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+
+
+def assistant_text(content: Optional[str], calls: Sequence[str]) -> str:
+    """An assistant turn as model text: the content, then each call written out, one per line."""
+    return "\n".join(([content] if content else []) + list(calls))
+
+
+def call_text_prefix(name: str) -> str:
+    """What a call written as a bare JSON line (:func:`call_text`) starts with, up to its arguments."""
+    return '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
+def call_text(name: str, arguments: str) -> str:
+    """A tool call as one bare JSON line, its ``arguments`` text embedded as it is (not re-encoded): how agl's
+    fake model writes its calls and LightningRL's re-tokenizer renders them for a tokenizer without a chat
+    template of its own."""
+    return call_text_prefix(name) + arguments + "}"
 
 
 def _with_tools(plain: List[Dict[str, str]], functions: List[Dict[str, Any]]) -> List[Dict[str, str]]:
@@ -171,24 +177,17 @@ def _history_calls(calls: Any, where: str) -> List[Tuple[str, Any]]:
 
 def _text(content: Any, where: str) -> str:
     """Message content as text: a string, None, or a list of ``{"type": "text", "text": ...}`` parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
     if isinstance(content, list):
-        texts: List[str] = []
         for part in content:
-            if isinstance(part, Mapping) and part.get("type") in ("text", "input_text") and isinstance(
-                part.get("text"), str
-            ):
-                texts.append(part["text"])
-            else:
+            is_text = isinstance(part, Mapping) and part.get("type") in ("text", "input_text")
+            if not (is_text and isinstance(part.get("text"), str)):
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise BadRequest(
                     f"{where} has a {kind!r} part: this server's model reads text only; send text parts", where
                 )
-        return "".join(texts)
-    raise BadRequest(f"{where} must be a string, null or a list of text parts", where)
+    elif content is not None and not isinstance(content, str):
+        raise BadRequest(f"{where} must be a string, null or a list of text parts", where)
+    return message_text(content)
 
 
 # --- output ------------------------------------------------------------------------------------------------
@@ -285,12 +284,8 @@ def streamable_prefix(text: str, tools_offered: bool, stops: Sequence[str] = ())
     return text[:end].rstrip()
 
 
-def partial_suffix_start(text: str, markers: Sequence[str]) -> int:
-    """Where the longest tail of ``text`` that is a proper prefix of one of ``markers`` starts."""
-    start = len(text)
-    for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), 0, -1):
-            if marker.startswith(text[-size:]):
-                start = min(start, len(text) - size)
-                break
-    return start
+__all__ = [
+    "CONTEXT_LENGTH_EXCEEDED", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "BadRequest", "ParsedOutput", "ToolCall",
+    "assistant_text", "call_text", "call_text_prefix", "parse_output", "partial_suffix_start", "render_assistant",
+    "render_prompt", "render_tool_call", "streamable_prefix", "to_plain_messages",
+]

@@ -20,29 +20,21 @@ from __future__ import annotations
 
 import collections.abc
 import functools
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agl import semconv
+from agl.openai_wire.apis import CHAT, COMPLETIONS, LOGPROBS_INCLUDE, RESOURCES_VERSION_FIELD, RESPONSES
+from agl.openai_wire.apis import is_int, is_number
+from agl.openai_wire.chat_completions import assistant_message, tool_call
+from agl.openai_wire.logprobs import carries_logprobs, chat_logprob_values, output_text_logprobs
+from agl.openai_wire.sampling import TOKEN_LIMIT_NAMES
+from agl.openai_wire.stops import stop_sequences
 from agl.tracing.encoding import Computed
-
-CHAT = "chat.completions"
-RESPONSES = "responses"
-COMPLETIONS = "completions"  # the legacy text API: a prompt string or prompt token ids in, text out
 
 SPAN_PREFIX = {CHAT: "chat", RESPONSES: "responses", COMPLETIONS: "text_completion"}  # span name: "<prefix> <model>"
 _OPERATION = {CHAT: "chat", RESPONSES: "chat", COMPLETIONS: "text_completion"}  # gen_ai.operation.name
 
-TOKEN_IDS_REQUEST = "return_token_ids"  # vLLM's request flag, sent in extra_body
-RESOURCES_VERSION_FIELD = "agl_resources_version"  # agl's policy server: the policy version that answered
-LOGPROBS_INCLUDE = "message.output_text.logprobs"  # Responses API: ask for output text logprobs
-# Sent with every call the client-side tracer records, so an agl proxy on the way (agl.instrumentation.proxy)
-# forwards it without recording it a second time.
-CLIENT_TRACED_HEADER = "x-agl-client-traced"
-
 _COMMON_NUMBERS = (("temperature", semconv.REQUEST_TEMPERATURE), ("top_p", semconv.REQUEST_TOP_P))
-_MAX_TOKENS = {
-    CHAT: ("max_completion_tokens", "max_tokens"), RESPONSES: ("max_output_tokens",), COMPLETIONS: ("max_tokens",)
-}
 
 
 # --- requests ----------------------------------------------------------------------------------------------
@@ -61,18 +53,18 @@ def request_attributes(api: str, kwargs: Mapping[str, Any], stream: bool) -> Dic
         attrs[semconv.REQUEST_MODEL] = model
     for key, attr in _COMMON_NUMBERS:
         value = kwargs.get(key)
-        if _is_number(value):
+        if is_number(value):
             attrs[attr] = value
-    for key in _MAX_TOKENS[api]:
+    for key in TOKEN_LIMIT_NAMES[api]:
         value = kwargs.get(key)
-        if _is_number(value):
+        if is_number(value):
             attrs[semconv.REQUEST_MAX_TOKENS] = value
             break
     stop = stop_sequences(kwargs.get("stop"))
     if stop:
         attrs[semconv.REQUEST_STOP_SEQUENCES] = stop
     n = kwargs.get("n")  # the Responses API has no n
-    choices = n if _is_int(n) else None
+    choices = n if is_int(n) else None
     if api == COMPLETIONS:
         prompts = prompt_count(kwargs.get("prompt"))
         if prompts > 1:  # a batch (LangChain's OpenAI LLM sends one for generate/batch): n choices per prompt
@@ -80,16 +72,6 @@ def request_attributes(api: str, kwargs: Mapping[str, Any], stream: bool) -> Dic
     if choices is not None:
         attrs[semconv.REQUEST_CHOICE_COUNT] = choices
     return attrs
-
-
-def stop_sequences(stop: Any) -> List[str]:
-    """The request's ``stop`` strings (chat and Completions: a string or a list of them). A call that ends on one
-    reports finish reason ``stop`` as if the model had sampled its end token, so re-tokenization needs them."""
-    if isinstance(stop, str):
-        return [stop] if stop else []
-    if isinstance(stop, (list, tuple)):
-        return [s for s in stop if isinstance(s, str) and s]
-    return []
 
 
 def prompt_count(prompt: Any) -> int:
@@ -115,7 +97,7 @@ def add_request_payloads(api: str, call_kwargs: Dict[str, Any], deferred: Dict[s
         prompt = one_prompt(call_kwargs.get("prompt"))
         if isinstance(prompt, str):
             deferred[semconv.LLM_PROMPT] = prompt
-        elif isinstance(prompt, (list, tuple)) and prompt and _is_int(prompt[0]) and _is_int(prompt[-1]):
+        elif isinstance(prompt, (list, tuple)) and prompt and is_int(prompt[0]) and is_int(prompt[-1]):
             deferred[semconv.LLM_PROMPT] = tuple(prompt)  # the ends stand for the whole (no per-id work here)
         return
     else:
@@ -139,37 +121,13 @@ def one_prompt(prompt: Any) -> Any:
     return prompt
 
 
-def ask_for_token_ids(call_kwargs: Dict[str, Any]) -> bool:
-    """Add ``return_token_ids`` to the call's ``extra_body``, in a new dict; the user's own value wins.
-
-    Returns whether agl added it (False: the user set it themselves, or ``extra_body`` is not a mapping).
-    """
-    extra = call_kwargs.get("extra_body")
-    if extra is None:
-        call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True}
-        return True
-    if isinstance(extra, collections.abc.Mapping) and TOKEN_IDS_REQUEST not in extra:
-        call_kwargs["extra_body"] = {TOKEN_IDS_REQUEST: True, **extra}
-        return True
-    return False
-
-
-def mark_client_traced(call_kwargs: Dict[str, Any]) -> None:
-    """Add ``CLIENT_TRACED_HEADER`` to the call's ``extra_headers``, in a new dict; the user's own value wins."""
-    headers = call_kwargs.get("extra_headers")
-    if headers is None:
-        call_kwargs["extra_headers"] = {CLIENT_TRACED_HEADER: "1"}
-    elif isinstance(headers, collections.abc.Mapping):
-        call_kwargs["extra_headers"] = {CLIENT_TRACED_HEADER: "1", **headers}
-
-
 def logprobs_requested(api: str, kwargs: Mapping[str, Any]) -> bool:
     """Whether the response will carry logprobs worth recording (decided once, before the call)."""
     if api == CHAT:
         return kwargs.get("logprobs") is True
     if api == COMPLETIONS:  # an int (0: the sampled tokens only); true is how agl's server reads the chat spelling
         logprobs = kwargs.get("logprobs")
-        return logprobs is True or _is_int(logprobs)
+        return logprobs is True or is_int(logprobs)
     include = kwargs.get("include")
     return isinstance(include, (list, tuple)) and LOGPROBS_INCLUDE in include
 
@@ -185,14 +143,6 @@ def _snapshot(call_kwargs: Dict[str, Any], key: str) -> Optional[List[Any]]:
     return None
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 # --- responses ---------------------------------------------------------------------------------------------
 
 
@@ -203,14 +153,12 @@ def chat_completion_attributes(completion: Any, deferred: Dict[str, Any]) -> Lis
     rather than the agent (agl's LLM proxy in front of vLLM does), so the trainer gets the server's logprobs
     whichever side records the call. Returns the finish reasons.
     """
-    _record_header(completion, deferred)
     choices = completion.choices
-    deferred[semconv.OUTPUT_MESSAGES] = [choice.message for choice in choices]
     first = choices[0] if choices else None
-    record_token_ids(_extra(completion, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
-    record_resources_version(_extra(completion, RESOURCES_VERSION_FIELD), deferred)
+    ids = (_extra(completion, "prompt_token_ids"), _extra(first, "token_ids"))
+    _record_completion(completion, deferred, [choice.message for choice in choices], record_token_ids, ids)
     if first is not None and first.logprobs is not None and first.logprobs.content:
-        deferred[semconv.RESPONSE_LOGPROBS] = _chat_logprobs(first.logprobs.content)
+        deferred[semconv.RESPONSE_LOGPROBS] = Computed(functools.partial(chat_logprob_values, first.logprobs.content))
     return [c.finish_reason for c in choices if c.finish_reason]
 
 
@@ -221,23 +169,30 @@ def completion_attributes(completion: Any, deferred: Dict[str, Any]) -> List[str
 
     Returns the finish reasons.
     """
-    _record_header(completion, deferred)
     choices = completion.choices
-    deferred[semconv.OUTPUT_MESSAGES] = [{"role": "assistant", "content": choice.text} for choice in choices]
     first = choices[0] if choices else None
-    record_completion_token_ids(_extra(first, "prompt_token_ids"), _extra(first, "token_ids"), deferred)
-    record_resources_version(_extra(completion, RESOURCES_VERSION_FIELD), deferred)
+    messages = [{"role": "assistant", "content": choice.text} for choice in choices]
+    ids = (_extra(first, "prompt_token_ids"), _extra(first, "token_ids"))
+    _record_completion(completion, deferred, messages, record_completion_token_ids, ids)
     if first is not None and first.logprobs is not None and first.logprobs.token_logprobs:
         deferred[semconv.RESPONSE_LOGPROBS] = list(first.logprobs.token_logprobs)
     return [c.finish_reason for c in choices if c.finish_reason]
 
 
-def _record_header(completion: Any, deferred: Dict[str, Any]) -> None:
-    """Id, model and usage of a chat or text completion (the Responses API names its usage fields apart)."""
-    record_response_ids(completion.id, completion.model, deferred)
-    usage = completion.usage
-    if usage is not None:
-        record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+def _record_completion(
+    completion: Any,
+    deferred: Dict[str, Any],
+    messages: List[Any],
+    record_ids: Callable[..., None],
+    ids: Tuple[Any, Any],
+) -> None:
+    """What a chat and a text completion record alike: id, model and usage (the Responses API names its usage
+    fields apart), the output ``messages``, the token ``ids`` (prompt, response) as ``record_ids`` records
+    them, and the policy version."""
+    record_completion_header(completion.id, completion.model, completion.usage, deferred)
+    deferred[semconv.OUTPUT_MESSAGES] = messages
+    record_ids(*ids, deferred)
+    record_resources_version(_extra(completion, RESOURCES_VERSION_FIELD), deferred)
 
 
 def record_completion_token_ids(
@@ -275,8 +230,8 @@ def response_attributes(response: Any, deferred: Dict[str, Any], with_logprobs: 
     deferred[semconv.OUTPUT_MESSAGES] = Computed(functools.partial(_responses_output_messages, output))
     record_token_ids(_extra(response, "prompt_token_ids"), _extra(response, "response_token_ids"), deferred)
     record_resources_version(_extra(response, RESOURCES_VERSION_FIELD), deferred)
-    if with_logprobs or _carries_logprobs(output):
-        deferred[semconv.RESPONSE_LOGPROBS] = _responses_logprobs(output)
+    if with_logprobs or carries_logprobs(output):
+        deferred[semconv.RESPONSE_LOGPROBS] = Computed(functools.partial(output_text_logprobs, output))
     incomplete = response.incomplete_details
     reason = getattr(incomplete, "reason", None) if incomplete is not None else response.status
     return [reason] if reason else []
@@ -294,6 +249,16 @@ def record_response_ids(response_id: Optional[str], model: Optional[str], deferr
         deferred[semconv.RESPONSE_ID] = response_id
     if model is not None:
         deferred[semconv.RESPONSE_MODEL] = model
+
+
+def record_completion_header(
+    response_id: Optional[str], model: Optional[str], usage: Any, deferred: Dict[str, Any]
+) -> None:
+    """Id, model and usage of a chat or text completion, whole or streamed (the Responses API names its usage
+    fields apart)."""
+    record_response_ids(response_id, model, deferred)
+    if usage is not None:
+        record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
 
 
 def record_usage(input_tokens: Optional[int], output_tokens: Optional[int], deferred: Dict[str, Any]) -> None:
@@ -326,12 +291,8 @@ def record_token_ids(prompt_ids: Any, response_ids: Any, deferred: Dict[str, Any
 
 def record_resources_version(version: Any, deferred: Dict[str, Any]) -> None:
     """The policy version an agl server reported (other servers send none and nothing is recorded)."""
-    if isinstance(version, int) and not isinstance(version, bool):
+    if is_int(version):
         deferred[semconv.RESOURCES_VERSION] = version
-
-
-def _chat_logprobs(content: Sequence[Any]) -> Computed:
-    return Computed(lambda: [token.logprob for token in content])
 
 
 def _responses_output_messages(output: Sequence[Any]) -> List[Dict[str, Any]]:
@@ -346,48 +307,21 @@ def _responses_output_messages(output: Sequence[Any]) -> List[Dict[str, Any]]:
         if kind == "message":
             texts.extend(part.text for part in item.content if getattr(part, "type", None) == "output_text")
         elif kind == "function_call":
-            calls.append(function_call(item.call_id, item.name, item.arguments))
-    return [assistant_message(texts, calls)]
+            calls.append(tool_call(item.call_id, item.name, item.arguments))
+    return [assistant_message("".join(texts) if texts else None, calls)]
 
 
-def function_call(call_id: Optional[str], name: Optional[str], arguments: Optional[str]) -> Dict[str, Any]:
-    """A Responses API function call as a chat tool call."""
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+def sdk_response(api: str, data: Dict[str, Any]) -> Any:
+    """A non-streamed answer's JSON as the SDK object the recording reads (built without validation: a proxy
+    relays the answer as sent, whatever the SDK would think of it)."""
+    if api == CHAT:
+        from openai.types.chat import ChatCompletion
 
+        return ChatCompletion.construct(**data)
+    if api == COMPLETIONS:
+        from openai.types import Completion
 
-def assistant_message(texts: List[str], calls: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The one assistant message a Responses answer (whole, or what arrived of a stream) is recorded as."""
-    message: Dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
-    if calls:
-        message["tool_calls"] = calls
-    return message
+        return Completion.construct(**data)
+    from openai.types.responses import Response as ResponsesResponse
 
-
-def _carries_logprobs(output: Sequence[Any]) -> bool:
-    """Whether a Responses answer holds logprobs although the request did not ``include`` them: a server
-    that fills in its own default (agl's policy server under a trainer: ``logprobs: true``) or honours
-    ``top_logprobs`` alone. A few attribute reads; the list itself is read on the writer."""
-    return any(
-        getattr(part, "logprobs", None)
-        for item in output or ()
-        if getattr(item, "type", None) == "message"
-        for part in item.content or ()
-    )
-
-
-def _responses_logprobs(output: Sequence[Any]) -> Computed:
-    def fill() -> List[float]:
-        values: List[float] = []
-        for item in output or ():
-            if getattr(item, "type", None) != "message":
-                continue
-            for part in item.content:
-                values.extend(logprob_of(lp) for lp in getattr(part, "logprobs", None) or ())
-        return values
-
-    return Computed(fill)
-
-
-def logprob_of(entry: Any) -> float:
-    """A Responses output-text logprob: a model on current SDKs, a plain dict on openai < 1.91."""
-    return entry["logprob"] if isinstance(entry, dict) else entry.logprob
+    return ResponsesResponse.construct(**data)

@@ -1,4 +1,5 @@
-"""The Responses API (``POST /v1/responses``) of the policy server, on top of its chat completions path.
+"""The Responses API (``POST /v1/responses``) on the wire: a request as the chat request it stands for, and the
+``response`` object, its output items and its stream events.
 
 The OpenAI Agents SDK talks Responses by default (as do ``ChatOpenAI(use_responses_api=True)``, AutoGen's
 ``OpenAIAgent``, AG2's ``OpenAIResponsesConfig`` and CrewAI's ``api="responses"``), so an agent must be able to
@@ -8,34 +9,36 @@ tools → chat tools) and generated exactly like one: the same conversation yiel
 whichever API carried it. The answer is a ``response`` object (or its event stream) with, as on the chat
 path, top-level ``prompt_token_ids``, ``response_token_ids`` and ``agl_resources_version`` (streamed: the prompt ids
 on ``response.created`` too, and each text delta's ids as its ``token_ids``, as vLLM puts them on chat chunks).
+The policy server's writer is :mod:`agl.serving.responses_api`.
 
 The server keeps no state: ``previous_response_id``, ``conversation`` and stored prompts get a 400 saying to
 send the whole conversation as ``input``.
 
-This module imports no torch: the input mapping also serves agl's fake OpenAI server (``agl.testing``).
+This module imports no torch: the input mapping also serves agl's fake OpenAI server (``agl.testing``) and
+LightningRL's re-tokenizer, the objects and events the fake server's answers too.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import re
 import time
-import uuid
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Protocol, Sequence
+from typing import Any, Dict, List, Mapping, Sequence
 
-from agl.openai_wire.chat_format import BadRequest, ParsedOutput
-
-if TYPE_CHECKING:
-    from agl.serving.engine import Generation, Token
-
-LOGPROBS_INCLUDE = "message.output_text.logprobs"
-VERSION_FIELD = "agl_resources_version"
+from agl.openai_wire.apis import (
+    CHAT,
+    LOGPROBS_INCLUDE,
+    TOKEN_IDS_REQUEST,
+    BadRequest,
+    is_int,
+    refuse_unknown,
+    require_object,
+)
+from agl.openai_wire.chat_completions import message_text, tool_call
+from agl.openai_wire.sampling import TOKEN_LIMIT_NAMES
 
 # Accepted and ignored: they change nothing about the answer this server gives.
 _IGNORED = frozenset(
     {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-     "truncation", "reasoning", "include", "stream_options", "max_tool_calls", "background", "return_token_ids"}
+     "truncation", "reasoning", "include", "stream_options", "max_tool_calls", "background", TOKEN_IDS_REQUEST}
 )
 _SUPPORTED = frozenset(
     {"model", "input", "instructions", "tools", "tool_choice", "stream", "temperature", "top_p", "max_output_tokens",
@@ -44,55 +47,7 @@ _SUPPORTED = frozenset(
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 
 
-def token_logprobs(tokenizer: Any, tokens: Sequence["Token"]) -> List[Dict[str, Any]]:
-    """Sampled tokens' logprob entries as both APIs carry them: text, logprob, UTF-8 bytes, top alternatives."""
-    return [
-        {**_logprob_entry(tokenizer, t.token_id, t.logprob),
-         "top_logprobs": [_logprob_entry(tokenizer, i, lp) for i, lp in t.top_logprobs]}
-        for t in tokens
-    ]
-
-
-def _logprob_entry(tokenizer: Any, token_id: int, logprob: float) -> Dict[str, Any]:
-    text = tokenizer.decode([token_id])
-    return {"token": text, "logprob": logprob, "bytes": list(token_bytes(tokenizer, token_id, text))}
-
-
-def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
-    """The token's own bytes, so that joining a response's ``bytes`` rebuilds its UTF-8 text (OpenAI's purpose
-    for the field). ``text`` (the token decoded alone) serves unless it holds U+FFFD: the token is part of a
-    multi-byte character, whose decoded text is the replacement character, not its bytes. Those come from
-    the vocabulary piece: byte-level BPE (GPT-2, SmolLM2, Qwen, Llama 3) spells each byte as one character,
-    SentencePiece writes a lone byte as ``<0xNN>``."""
-    if "\ufffd" not in text:
-        return text.encode("utf-8")
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if isinstance(piece, str):
-        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
-        if byte:
-            return bytes([int(byte.group(1), 16)])
-        decoder = _byte_decoder()
-        if piece and all(c in decoder for c in piece):
-            return bytes(decoder[c] for c in piece)
-    return text.encode("utf-8")  # no byte-level view of this vocabulary: what it decodes to
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_decoder() -> Dict[str, int]:
-    """GPT-2's byte-level alphabet, character to byte: printable bytes stand for themselves, the others
-    for the characters from U+0100 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
-
-
-def message_text(content: Any) -> str:
-    """The text of a chat/responses message content, which is a string or a list of typed parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+# --- requests ----------------------------------------------------------------------------------------------
 
 
 def conversation(body: Mapping[str, Any]) -> List[Dict[str, Any]]:
@@ -121,8 +76,7 @@ def _append_input_item(messages: List[Dict[str, Any]], item: Mapping[str, Any]) 
     if kind == "message":
         messages.append({"role": item["role"], "content": message_text(item.get("content"))})
     elif kind == "function_call":
-        function = {"name": item["name"], "arguments": item["arguments"]}
-        call = {"id": item["call_id"], "type": "function", "function": function}
+        call = tool_call(name=item["name"], arguments=item["arguments"], call_id=item["call_id"])
         if not messages or messages[-1]["role"] != "assistant":
             messages.append({"role": "assistant", "content": None})
         messages[-1].setdefault("tool_calls", []).append(call)
@@ -163,8 +117,7 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
     Raises :class:`BadRequest` naming the Responses parameter; the chat path then checks the shared ones
     (temperature, top_p, tool_choice, top_logprobs) with the same names.
     """
-    if not isinstance(body, Mapping):
-        raise BadRequest("the request body must be a JSON object")
+    require_object(body)
     for key in _STATEFUL:
         if body.get(key):
             raise BadRequest(
@@ -172,13 +125,7 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
                 "conversation as 'input'",
                 key,
             )
-    unknown = sorted(k for k in set(body) - _SUPPORTED if k not in _STATEFUL)
-    if unknown:
-        raise BadRequest(
-            f"unsupported parameter(s) {', '.join(map(repr, unknown))}: agl's policy server accepts "
-            f"{', '.join(sorted(_SUPPORTED - _IGNORED))}",
-            unknown[0],
-        )
+    refuse_unknown(body, _SUPPORTED, _IGNORED, passed=_STATEFUL)
     if body.get("background"):
         raise BadRequest("background responses are not supported: leave 'background' out", "background")
     items = body.get("input")
@@ -194,7 +141,7 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
     if not isinstance(tools, list) or any(not isinstance(t, Mapping) or t.get("type") != "function" for t in tools):
         raise BadRequest("'tools' must be a list of function tools ({'type': 'function', 'name': ...})", "tools")
     max_tokens = body.get("max_output_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
         raise BadRequest("max_output_tokens must be a positive integer", "max_output_tokens")
     try:
         messages = conversation(body)
@@ -247,7 +194,7 @@ def in_responses_terms(exc: BadRequest) -> BadRequest:
     param = exc.param or ""
     if param.startswith("messages"):
         param = "input"
-    elif param in ("max_tokens", "max_completion_tokens"):
+    elif param in TOKEN_LIMIT_NAMES[CHAT]:
         param = "max_output_tokens"
     elif param == "response_format":
         param = "text.format"
@@ -257,19 +204,7 @@ def in_responses_terms(exc: BadRequest) -> BadRequest:
     return BadRequest(message, param or None, exc.code)
 
 
-class AnswerWriter(Protocol):
-    """What the server asks of either API's writer (the chat ``openai_api.ResponseWriter`` and
-    :class:`ResponsesWriter`): the finished object, and a stream as SSE lines."""
-
-    def final(self, gen: "Generation", parsed: ParsedOutput) -> Dict[str, Any]: ...
-
-    def stream_start(self, prompt_ids: List[int]) -> List[str]: ...
-
-    def stream_text(self, text: str, tokens: Sequence["Token"], first: bool) -> List[str]: ...
-
-    def stream_finish(self, gen: "Generation", parsed: ParsedOutput, sent: str, pending: Sequence["Token"]) -> List[str]: ...
-
-    def stream_error(self, error: Dict[str, Any]) -> str: ...
+# --- answers -----------------------------------------------------------------------------------------------
 
 
 def response_object(
@@ -299,136 +234,99 @@ def response_object(
     }
 
 
-class ResponsesWriter:
-    """The ``response`` object and stream events of one request (one response id, item ids fixed once)."""
+def finish_response(
+    result: Dict[str, Any], prompt_ids: List[int], response_ids: List[int], cut: bool = False, token_ids: bool = True
+) -> Dict[str, Any]:
+    """``result`` (a :func:`response_object`) made the finished one: ``incomplete`` when ``max_output_tokens``
+    cut the answer (``cut``), else completed now; usage; and, with ``token_ids``, vLLM-style
+    ``prompt_token_ids`` and ``response_token_ids``."""
+    if cut:
+        result["status"] = "incomplete"
+        result["incomplete_details"] = {"reason": "max_output_tokens"}
+    else:
+        result["completed_at"] = time.time()
+    prompt, answer = len(prompt_ids), len(response_ids)
+    result["usage"] = {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": answer,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + answer,
+    }
+    if token_ids:
+        result["prompt_token_ids"] = prompt_ids
+        result["response_token_ids"] = response_ids
+    return result
 
-    def __init__(self, body: Mapping[str, Any], model_name: str, tokenizer: Any, version: int, with_logprobs: bool) -> None:
-        self.body = body
-        self.model_name = model_name
-        self.tokenizer = tokenizer
-        self.version = version
-        self.with_logprobs = with_logprobs
-        self.response_id = "resp_" + uuid.uuid4().hex
-        self.message_id = "msg_" + uuid.uuid4().hex
-        self.created_at = time.time()
-        self._sequence = 0
 
-    # --- objects ----------------------------------------------------------------------------------------------
+def output_text(text: str, logprobs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """A message's ``output_text`` content part (its logprobs: :mod:`agl.openai_wire.logprobs` entries)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
-    def final(self, gen: "Generation", parsed: ParsedOutput) -> Dict[str, Any]:
-        """The finished ``response`` object."""
-        result = self._shell("completed", self.items(gen, parsed))
-        if gen.finish_reason == "length":
-            result["status"] = "incomplete"
-            result["incomplete_details"] = {"reason": "max_output_tokens"}
-        else:
-            result["completed_at"] = time.time()
-        prompt, answer = len(gen.prompt_ids), len(gen.response_ids)
-        result["usage"] = {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": answer,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + answer,
-        }
-        result["prompt_token_ids"] = gen.prompt_ids
-        result["response_token_ids"] = gen.response_ids
-        return result
 
-    def items(self, gen: "Generation", parsed: ParsedOutput) -> List[Dict[str, Any]]:
-        """The output items: the message, then the function calls.
+def message_item(item_id: str, text: str, logprobs: List[Dict[str, Any]], status: str) -> Dict[str, Any]:
+    """An assistant ``message`` output item with one ``output_text`` part."""
+    part = output_text(text, logprobs)
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
-        The answer's logprobs (of all its tokens, the calls' included) ride on the message's ``output_text``
-        part, the one place the Responses format has for them. An answer of calls only therefore gets a
-        message with empty text ahead of its calls when logprobs were asked for (a trainer asks for them):
-        without it, the recorder found no logprobs for a tool-call turn and the trainer lost the server's
-        (those of grammar-forced tokens among them). Sent back as input, an empty message followed by the
-        calls renders the same prompt as the calls alone.
-        """
-        items: List[Dict[str, Any]] = []
-        logprobs = self.logprobs(gen.tokens)
-        if parsed.content or not parsed.tool_calls or logprobs:
-            items.append(self._message(parsed.content or "", logprobs, "completed"))
-        for call in parsed.tool_calls:
-            items.append(
-                {"id": "fc_" + call.call_id, "type": "function_call", "call_id": call.call_id, "name": call.name,
-                 "arguments": call.arguments, "status": "completed"}
-            )
-        return items
 
-    def logprobs(self, tokens: Sequence["Token"]) -> List[Dict[str, Any]]:
-        return token_logprobs(self.tokenizer, tokens) if self.with_logprobs else []
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str) -> Dict[str, Any]:
+    """A completed ``function_call`` output item."""
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": "completed"}
 
-    def _message(self, text: str, logprobs: List[Dict[str, Any]], status: str) -> Dict[str, Any]:
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
-        return {"id": self.message_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
-    def _shell(self, status: str, output: List[Dict[str, Any]]) -> Dict[str, Any]:
-        shell = response_object(self.body, self.response_id, self.created_at, self.model_name, status, output)
-        shell[VERSION_FIELD] = self.version
-        return shell
+# --- stream events (without their sequence numbers) -------------------------------------------------------
 
-    # --- the stream, as the server's streaming loop drives it (``AnswerWriter``) ------------------------------
 
-    def stream_start(self, prompt_ids: List[int]) -> List[str]:
-        """``response.created`` and ``response.in_progress``, with the prompt's ids; each text delta carries
-        its tokens' ids (``token_ids``), so a stream the agent stops reading still has the ids of what it read
-        (the final response carries them all again)."""
-        shell = self._shell("in_progress", [])
-        shell["prompt_token_ids"] = prompt_ids
-        return [self.sse({"type": kind, "response": shell}) for kind in ("response.created", "response.in_progress")]
+def opening_events(shell: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """``response.created`` and ``response.in_progress``, both with the ``in_progress`` response ``shell``."""
+    return [{"type": kind, "response": shell} for kind in ("response.created", "response.in_progress")]
 
-    def stream_text(self, text: str, tokens: Sequence["Token"], first: bool) -> List[str]:
-        """A text delta; the first one opens the message item and its text part."""
-        return [self.sse(event) for event in (self._message_opened() if first else []) + [self._text_delta(text, tokens)]]
 
-    def stream_finish(self, gen: "Generation", parsed: ParsedOutput, sent: str, pending: Sequence["Token"]) -> List[str]:
-        """After the streamed text (a prefix of the final content): its rest, the message closed, each tool
-        call, then ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``)."""
-        final = self.final(gen, parsed)
-        events: List[Dict[str, Any]] = []
-        for index, item in enumerate(final["output"]):
-            if item["type"] == "message":
-                part = item["content"][0]
-                events += [] if sent else self._message_opened()
-                rest = part["text"][len(sent) :]
-                events += [self._text_delta(rest, pending)] if rest else []
-                where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-                events.append({"type": "response.output_text.done", **where, "text": part["text"], "logprobs": part["logprobs"]})
-                events.append({"type": "response.content_part.done", **where, "part": part})
-            else:
-                started = {**item, "status": "in_progress", "arguments": ""}
-                where = {"item_id": item["id"], "output_index": index}
-                events += [
-                    {"type": "response.output_item.added", "output_index": index, "item": started},
-                    {"type": "response.function_call_arguments.delta", **where, "delta": item["arguments"]},
-                    {"type": "response.function_call_arguments.done", **where, "arguments": item["arguments"]},
-                ]
-            events.append({"type": "response.output_item.done", "output_index": index, "item": item})
-        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        events.append({"type": kind, "response": final})
-        return [self.sse(event) for event in events]
+def message_opened(item_id: str, index: int) -> List[Dict[str, Any]]:
+    """The message item at ``index`` added, then its (empty) text part."""
+    where = {"item_id": item_id, "output_index": index, "content_index": 0}
+    item = {**message_item(item_id, "", [], "in_progress"), "content": []}
+    return [
+        {"type": "response.output_item.added", "output_index": index, "item": item},
+        {"type": "response.content_part.added", **where, "part": output_text("", [])},
+    ]
 
-    def stream_error(self, error: Dict[str, Any]) -> str:
-        """An ``error`` event; its top-level ``error`` makes the ``openai`` client raise ``APIError``."""
-        return self.sse({"type": "error", **error})
 
-    def _message_opened(self) -> List[Dict[str, Any]]:
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        item = {**self._message("", [], "in_progress"), "content": []}
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [
-            {"type": "response.output_item.added", "output_index": 0, "item": item},
-            {"type": "response.content_part.added", **where, "part": part},
-        ]
+def text_delta(item_id: str, index: int, text: str, logprobs: List[Dict[str, Any]], **fields: Any) -> Dict[str, Any]:
+    """A piece of the message's text (``fields``: what a server adds, agl's the ``token_ids`` behind it)."""
+    where = {"item_id": item_id, "output_index": index, "content_index": 0}
+    return {"type": "response.output_text.delta", **where, "delta": text, "logprobs": logprobs, **fields}
 
-    def _text_delta(self, text: str, tokens: Sequence["Token"]) -> Dict[str, Any]:
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        return {"type": "response.output_text.delta", **where, "delta": text, "logprobs": self.logprobs(tokens),
-                "token_ids": [t.token_id for t in tokens]}
 
-    def sse(self, event: Dict[str, Any]) -> str:
-        """One named SSE event with its sequence number (Responses streams end without ``[DONE]``)."""
-        event["sequence_number"] = self._sequence
-        self._sequence += 1
-        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+def message_closed(item: Dict[str, Any], index: int) -> List[Dict[str, Any]]:
+    """The finished message ``item``'s text and text part done (the item itself: :func:`item_done`)."""
+    part = item["content"][0]
+    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+    return [
+        {"type": "response.output_text.done", **where, "text": part["text"], "logprobs": part["logprobs"]},
+        {"type": "response.content_part.done", **where, "part": part},
+    ]
+
+
+def function_call_events(item: Dict[str, Any], index: int, pieces: Sequence[str]) -> List[Dict[str, Any]]:
+    """The function call ``item`` added, its arguments in ``pieces``, then done (the item itself: :func:`item_done`)."""
+    started = {**item, "status": "in_progress", "arguments": ""}
+    where = {"item_id": item["id"], "output_index": index}
+    return [
+        {"type": "response.output_item.added", "output_index": index, "item": started},
+        *({"type": "response.function_call_arguments.delta", **where, "delta": piece} for piece in pieces),
+        {"type": "response.function_call_arguments.done", **where, "arguments": item["arguments"]},
+    ]
+
+
+def item_done(item: Dict[str, Any], index: int) -> Dict[str, Any]:
+    return {"type": "response.output_item.done", "output_index": index, "item": item}
+
+
+__all__ = [
+    "LOGPROBS_INCLUDE", "chat_tools", "conversation", "finish_response", "function_call_events", "function_call_item",
+    "in_responses_terms", "item_done", "message_closed", "message_item", "message_opened", "message_text",
+    "opening_events", "output_text", "response_object", "text_delta", "to_chat_body",
+]

@@ -12,8 +12,14 @@ import functools
 import inspect
 from typing import Any, Collection, Dict, FrozenSet, Mapping, Tuple
 
+from agl.openai_wire.apis import CHAT, COMPLETIONS, RESPONSES, is_int
+
 # The names a request may give its token limit: chat (both), completions, Responses API.
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# Per API, in the order they are read (the first one given counts).
+TOKEN_LIMIT_NAMES = {
+    CHAT: ("max_completion_tokens", "max_tokens"), RESPONSES: ("max_output_tokens",), COMPLETIONS: ("max_tokens",)
+}
 
 
 def with_defaults(body: Dict[str, Any], defaults: Mapping[str, Any], keys: Collection[str]) -> Dict[str, Any]:
@@ -24,6 +30,17 @@ def with_defaults(body: Dict[str, Any], defaults: Mapping[str, Any], keys: Colle
         given.add("max_tokens")
     missing = {k: v for k, v in defaults.items() if k in keys and k not in given and v is not None}
     return {**body, **missing} if missing else body
+
+
+def with_token_cap(body: Dict[str, Any], api: str, cap: int) -> Dict[str, Any]:
+    """``body`` (a new dict) with each token limit it gives lowered to ``cap``, or ``cap`` as its ``max_tokens``
+    (Responses: ``max_output_tokens``) when it gives none. A chat or Completions body is read with both chat
+    names."""
+    names = TOKEN_LIMIT_NAMES[RESPONSES] if api == RESPONSES else TOKEN_LIMIT_NAMES[CHAT]
+    given = [n for n in names if is_int(body.get(n))]
+    if given:
+        return {**body, **{n: min(body[n], cap) for n in given}}
+    return {**body, ("max_output_tokens" if api == RESPONSES else "max_tokens"): cap}
 
 
 def openai_arguments(sampling: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -42,4 +59,4 @@ def _chat_arguments() -> FrozenSet[str]:
     return frozenset(inspect.signature(Completions.create).parameters) - {"self", "messages", "model", "extra_body"}
 
 
-__all__ = ["TOKEN_LIMITS", "openai_arguments", "with_defaults"]
+__all__ = ["TOKEN_LIMITS", "TOKEN_LIMIT_NAMES", "openai_arguments", "with_defaults", "with_token_cap"]

@@ -1,39 +1,29 @@
-"""Streamed OpenAI responses: proxies that hand every item to the user unchanged and reassemble the answer.
+"""Streamed OpenAI answers reassembled: accumulators that read a stream's items (the SDK's chunk and event
+objects) and record the answer they add up to, as a non-streamed one is recorded (:mod:`agl.openai_wire.
+payloads`), also when the stream ended early.
 
-A streamed call returns before the model has answered, so its span ends when the stream does: exhausted,
-closed (``close()``, ``with`` exit, garbage collection) or failed (error status). The proxies are
-``wrapt.ObjectProxy`` objects, so ``isinstance(s, openai.Stream)``, ``s.response`` and the SDK's own stream
-helpers (``chat.completions.stream()`` iterates the stream ``create`` returned) keep working.
-
-Per item the accumulators do a few attribute reads and list appends; joining text and building messages
-waits for the writer thread (a callable deferred attribute).
+The client hook feeds them from the SDK's streams (:mod:`agl.instrumentation.openai_stream_proxies`), the
+recording proxy from the SSE lines it relays (:func:`sdk_stream_item`). Per item they do a few attribute
+reads and list appends; joining text and building messages waits for the writer thread (a callable deferred
+attribute).
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
-
-import wrapt
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 from agl import semconv
-from agl.tracing.context import current_scope
+from agl.openai_wire.apis import CHAT, COMPLETIONS, RESOURCES_VERSION_FIELD, RESPONSES
+from agl.openai_wire.chat_completions import assistant_message, tool_call
+from agl.openai_wire.logprobs import chat_logprob_values, logprob_of
 from agl.openai_wire.payloads import (
-    CHAT,
-    COMPLETIONS,
-    RESOURCES_VERSION_FIELD,
-    assistant_message,
-    function_call,
-    logprob_of,
+    record_completion_header,
     record_completion_token_ids,
     record_resources_version,
-    record_response_ids,
     record_token_ids,
-    record_usage,
     response_attributes,
 )
-from agl._util.safety import report_internal_error
 from agl.tracing.encoding import Computed
 
 Failure = Tuple[str, str]  # (error.type, message) of a failure the server reported inside the stream
@@ -55,17 +45,6 @@ class Accumulator(Protocol):
 
         Called also for a stream that ended before the server finished (``finished()`` False): what arrived
         is recorded, and no token id source unless ids arrived (see ``record_token_ids``)."""
-        ...
-
-
-class StreamOwner(Protocol):
-    """The instrumented call a stream belongs to (``LlmCall``); ending it twice does nothing."""
-
-    def end_stream(
-        self, accumulator: Optional[Accumulator], error: Optional[BaseException], unfinished: Optional[str] = None
-    ) -> None:
-        """``unfinished``: the flag attribute saying why the answer is incomplete (``agl.llm.stream_abandoned``
-        or ``agl.llm.stream_truncated``), None for a stream that ended with the whole answer or an error."""
         ...
 
 
@@ -111,12 +90,7 @@ class _Choice:
             message["content"] = "".join(self.content)
         if self.tool_calls:
             message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": "".join(call.arguments)},
-                }
-                for _, call in sorted(self.tool_calls.items())
+                tool_call(call.id, call.name, "".join(call.arguments)) for _, call in sorted(self.tool_calls.items())
             ]
         return message
 
@@ -160,10 +134,7 @@ class _TokenStream:
             self.response_ids.extend(ids)
 
     def _record_header(self, deferred: Dict[str, Any]) -> None:
-        record_response_ids(self.response_id, self.model, deferred)
-        usage = self.usage
-        if usage is not None:
-            record_usage(usage.prompt_tokens, usage.completion_tokens, deferred)
+        record_completion_header(self.response_id, self.model, self.usage, deferred)
         record_resources_version(self.version, deferred)
         if self.logprobs:
             deferred[semconv.RESPONSE_LOGPROBS] = self.logprobs
@@ -202,7 +173,7 @@ class ChatStreamAccumulator(_TokenStream):
                 self._add_ids(choice)
                 logprobs = choice.logprobs
                 if logprobs is not None and logprobs.content:
-                    self.logprobs.extend([token.logprob for token in logprobs.content])
+                    self.logprobs.extend(chat_logprob_values(logprobs.content))
 
     def finished(self) -> bool:
         return bool(self.choices) and all(state.finish_reason for state in self.choices.values())
@@ -373,10 +344,8 @@ _DELTA_EVENTS = frozenset({"response.output_text.delta", "response.function_call
 
 def _partial_messages(items: List[_OutputItem]) -> List[Dict[str, Any]]:
     texts = ["".join(item.parts) for item in items if item.kind == "message"]
-    calls = [
-        function_call(item.call_id, item.name, "".join(item.parts)) for item in items if item.kind == "function_call"
-    ]
-    return [assistant_message([t for t in texts if t], calls)]
+    calls = [tool_call(item.call_id, item.name, "".join(item.parts)) for item in items if item.kind == "function_call"]
+    return [assistant_message("".join(texts) or None, calls)]
 
 
 def new_accumulator(api: str, with_logprobs: bool) -> Accumulator:
@@ -388,154 +357,23 @@ def new_accumulator(api: str, with_logprobs: bool) -> Accumulator:
     return ResponsesStreamAccumulator(with_logprobs)
 
 
-# --- proxies -----------------------------------------------------------------------------------------------
+def sdk_stream_item(api: str, data: Dict[str, Any], event: Optional[str] = None) -> Any:
+    """A streamed item's JSON as the SDK object the accumulator reads on the client side, built without
+    validation as the SDK builds it: a chat or completions chunk, or a Responses event as its typed model, so
+    every field the accumulator reads (the snapshot's ``response``, a delta's ``output_index`` and
+    ``logprobs``, a server's extra ``token_ids``) is there. ``event``: the SSE ``event:`` name, the type of a
+    Responses event whose data does not say it."""
+    if api == RESPONSES:
+        from openai._models import construct_type
+        from openai.types.responses import ResponseStreamEvent
 
+        if not data.get("type") and event:
+            data = {**data, "type": event}
+        return construct_type(type_=ResponseStreamEvent, value=data)
+    if api == CHAT:
+        from openai.types.chat import ChatCompletionChunk
 
-class _StreamProxyBase(wrapt.ObjectProxy):  # type: ignore[misc]
-    """Shared state: the owning call, the accumulator (None once it failed) and the end-once logic."""
+        return ChatCompletionChunk.construct(**data)
+    from openai.types import Completion
 
-    def __init__(self, stream: Any, owner: StreamOwner, accumulator: Accumulator) -> None:
-        super().__init__(stream)
-        self._self_owner: Optional[StreamOwner] = owner
-        self._self_accumulator: Optional[Accumulator] = accumulator
-        self._self_scope = current_scope()
-        if self._self_scope is not None:  # a stream the agent stops reading ends with its attempt
-            self._self_scope.open_work(id(self), _abandon_later(weakref.ref(self)))
-
-    def _self_add(self, item: Any) -> None:
-        accumulator = self._self_accumulator
-        if accumulator is None:
-            return
-        try:
-            accumulator.add(item)
-        except Exception as exc:  # noqa: BLE001 - a stream we cannot read is still the user's stream
-            report_internal_error("openai.stream_item", exc)
-            self._self_accumulator = None
-
-    def _self_end(self, error: Optional[BaseException], unfinished: Optional[str] = None) -> None:
-        owner = self._self_owner
-        if owner is not None:
-            self._self_owner = None
-            if self._self_scope is not None:
-                self._self_scope.work_done(id(self))
-            owner.end_stream(self._self_accumulator, error, unfinished)
-
-    def _self_unless_finished(self, flag: str) -> Optional[str]:
-        """``flag`` if the server had not yet said the response was complete when the stream ended."""
-        accumulator = self._self_accumulator
-        return flag if accumulator is not None and not accumulator.finished() else None
-
-    def _self_run_out(self) -> None:
-        """The stream ran out. Without the answer's end (a finish reason, the Responses API's final event)
-        the server or something on the way (a proxy, a load balancer's timeout) closed it mid-answer, which
-        the SDK does not report: the span is marked ``agl.llm.stream_truncated``, not stored as complete."""
-        self._self_end(None, self._self_unless_finished(semconv.STREAM_TRUNCATED))
-
-    def _self_close(self) -> None:
-        """The stream is closed, or dropped, before it ran out: its span ends with what had arrived, marked
-        ``agl.llm.stream_abandoned`` unless the server had already said the response was complete (the
-        agent broke out of its loop, left its ``with`` block, or stopped reading mid-answer)."""
-        self._self_end(None, self._self_unless_finished(semconv.STREAM_ABANDONED))
-
-    def _self_abandon(self) -> None:
-        """The stream's attempt ended while the stream was still open: the agent stopped reading it."""
-        try:
-            self._self_close()
-        except Exception as exc:  # noqa: BLE001
-            report_internal_error("openai.stream_abandoned", exc)
-
-    def __del__(self) -> None:
-        # Collected before its attempt ended (or outside any attempt): it still ends its span with what it saw.
-        try:
-            if self._self_owner is not None:
-                self._self_close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
-
-
-def _abandon_later(proxy: "weakref.ReferenceType[_StreamProxyBase]") -> Callable[[], None]:
-    """What the attempt's end calls; a weak reference, so a stream the agent drops is still collected (and
-    ended) at once, not kept until the attempt ends."""
-
-    def abandon() -> None:
-        stream = proxy()
-        if stream is not None:
-            stream._self_abandon()
-
-    return abandon
-
-
-class StreamProxy(_StreamProxyBase):
-    """Wraps ``openai.Stream``."""
-
-    def __iter__(self) -> "StreamProxy":
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            item = self.__wrapped__.__next__()
-        except StopIteration:
-            self._self_run_out()
-            raise
-        except BaseException as exc:
-            self._self_end(exc)
-            raise
-        self._self_add(item)
-        return item
-
-    def __enter__(self) -> "StreamProxy":
-        self.__wrapped__.__enter__()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> Any:
-        try:
-            return self.__wrapped__.__exit__(*exc_info)
-        finally:
-            self._self_close()
-
-    def close(self) -> Any:
-        try:
-            return self.__wrapped__.close()
-        finally:
-            self._self_close()
-
-
-class AsyncStreamProxy(_StreamProxyBase):
-    """Wraps ``openai.AsyncStream``."""
-
-    def __aiter__(self) -> "AsyncStreamProxy":
-        return self
-
-    async def __anext__(self) -> Any:
-        try:
-            item = await self.__wrapped__.__anext__()
-        except StopAsyncIteration:
-            self._self_run_out()
-            raise
-        except BaseException as exc:
-            self._self_end(exc)
-            raise
-        self._self_add(item)
-        return item
-
-    async def __aenter__(self) -> "AsyncStreamProxy":
-        await self.__wrapped__.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> Any:
-        try:
-            return await self.__wrapped__.__aexit__(*exc_info)
-        finally:
-            self._self_close()
-
-    async def close(self) -> Any:
-        try:
-            return await self.__wrapped__.close()
-        finally:
-            self._self_close()
-
-    async def aclose(self) -> Any:
-        try:
-            return await self.__wrapped__.aclose()
-        finally:
-            self._self_close()
+    return Completion.construct(**data)

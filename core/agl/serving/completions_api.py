@@ -16,28 +16,28 @@ chunk's ``token_ids`` behind its text) and agl's ``agl_resources_version`` on ev
 from __future__ import annotations
 
 import dataclasses
-import time
-import uuid
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
-from agl.openai_wire.chat_format import BadRequest, ParsedOutput, partial_suffix_start
-from agl.serving.engine import Generation, Token
-from agl.serving.openai_api import (
-    MAX_TOP_LOGPROBS,
-    ChatRequest,
+from agl.openai_wire.apis import RESOURCES_VERSION_FIELD as VERSION_FIELD
+from agl.openai_wire.apis import (
+    TOKEN_IDS_REQUEST,
     is_int,
-    optional_bool,
-    parse_request,
+    refuse_unknown,
     require,
-    sse,
-    usage,
+    require_object,
+    response_header,
 )
-from agl.openai_wire.responses import VERSION_FIELD, token_logprobs
+from agl.openai_wire.chat_format import ParsedOutput
+from agl.openai_wire.logprobs import completion_logprobs, token_logprobs, top_by_text
+from agl.openai_wire.sse import DONE, data_event
+from agl.openai_wire.stops import streamable_text
+from agl.serving.generation import Generation, Token
+from agl.serving.openai_api import MAX_TOP_LOGPROBS, ChatRequest, optional_bool, parse_request, usage
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for this API
 
 # Accepted and ignored: token ids are always returned, and the user changes nothing about the answer.
-_IGNORED = frozenset({"user", "return_token_ids"})
+_IGNORED = frozenset({"user", TOKEN_IDS_REQUEST})
 # Checked by the chat path under the same names (``parse_request``).
 _SHARED = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
            "presence_penalty", "frequency_penalty", "logit_bias")
@@ -59,20 +59,13 @@ class CompletionRequest:
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     """Check a ``/v1/completions`` body; raises :class:`BadRequest` naming the parameter."""
-    if not isinstance(body, Mapping):
-        raise BadRequest("the request body must be a JSON object")
+    require_object(body)
     require(
         "response_format" not in body,
         "response_format",
         "response_format is not part of the Completions API: use /v1/chat/completions for structured output",
     )
-    unknown = sorted(set(body) - _SUPPORTED)
-    if unknown:
-        raise BadRequest(
-            f"unsupported parameter(s) {', '.join(map(repr, unknown))}: agl's policy server's /v1/completions "
-            f"accepts {', '.join(sorted(_SUPPORTED - _IGNORED))}",
-            unknown[0],
-        )
+    refuse_unknown(body, _SUPPORTED, _IGNORED, "agl's policy server's /v1/completions")
     require(
         not optional_bool(body, "echo"),
         "echo",
@@ -127,16 +120,6 @@ def prompt_token_ids(tokenizer: Any, prompt: Union[str, List[int]], vocab_size: 
     return list(prompt)
 
 
-def streamable_text(text: str, stops: Sequence[str]) -> str:
-    """How much of the text generated so far a stream may send without taking anything back: all of it but
-    a trailing partial character and a tail that could still grow into a stop string.
-
-    Unlike the chat path's ``streamable_prefix``, whitespace is sent as written: the text is not stripped.
-    """
-    text = text.rstrip("\ufffd")
-    return text[: partial_suffix_start(text, stops)]
-
-
 class CompletionWriter:
     """The ``text_completion`` object, or its chunks, for one request (the server's ``AnswerWriter``).
 
@@ -148,12 +131,7 @@ class CompletionWriter:
         self.request = request
         self.tokenizer = tokenizer
         self.version = version
-        self.header = {
-            "id": "cmpl-" + uuid.uuid4().hex,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-        }
+        self.header = response_header("cmpl-", model_name, "text_completion", system_fingerprint=False)
         self._offset = 0  # text_offset of the next token: a stream's chunks continue each other's offsets
 
     def final(self, gen: Generation, parsed: ParsedOutput) -> Dict[str, Any]:
@@ -176,11 +154,11 @@ class CompletionWriter:
         rest = gen.text[len(sent) :] if gen.text.startswith(sent) else ""
         lines = [self._chunk(rest, pending, finish=gen.finish_reason)]
         if self.request.chat.include_usage:
-            lines.append(sse({**self.header, "choices": [], "usage": usage(gen), VERSION_FIELD: self.version}))
-        return lines + ["data: [DONE]\n\n"]
+            lines.append(data_event({**self.header, "choices": [], "usage": usage(gen), VERSION_FIELD: self.version}))
+        return lines + [DONE]
 
     def stream_error(self, error: Dict[str, Any]) -> str:
-        return sse(error)
+        return data_event(error)
 
     # --- parts -------------------------------------------------------------------------------------------
 
@@ -191,7 +169,7 @@ class CompletionWriter:
         if self.request.chat.include_usage:
             chunk["usage"] = None  # as OpenAI sends it: only the last chunk has the usage
         chunk[VERSION_FIELD] = self.version
-        return sse(chunk)
+        return data_event(chunk)
 
     def _choice(
         self, text: str, tokens: Sequence[Token], finish: Optional[str], prompt_ids: Optional[List[int]]
@@ -215,21 +193,14 @@ class CompletionWriter:
         if self.request.logprobs is None:
             return None
         entries = token_logprobs(self.tokenizer, tokens)
-        offsets = []
-        for entry in entries:
-            offsets.append(self._offset)
-            self._offset += len(entry["token"])
-        return {
-            "tokens": [entry["token"] for entry in entries],
-            "token_logprobs": [entry["logprob"] for entry in entries],
-            "top_logprobs": [_by_text(entry["top_logprobs"]) if self.request.logprobs else None for entry in entries],
-            "text_offset": offsets,
-        }
+        tokens_text = [entry["token"] for entry in entries]
+        values = [entry["logprob"] for entry in entries]
+        top = [top_by_text(entry["top_logprobs"]) if self.request.logprobs else None for entry in entries]
+        logprobs, self._offset = completion_logprobs(tokens_text, values, top, self._offset)
+        return logprobs
 
 
-def _by_text(alternatives: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
-    """Alternatives keyed by their text; where two tokens decode alike, the more likely one (listed first)."""
-    top: Dict[str, float] = {}
-    for alternative in alternatives:
-        top.setdefault(alternative["token"], alternative["logprob"])
-    return top
+__all__ = [
+    "DEFAULT_MAX_TOKENS", "CompletionRequest", "CompletionWriter", "parse_completion_request", "prompt_token_ids",
+    "streamable_text",
+]

@@ -38,132 +38,35 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from agl.openai_wire.stops import stop_position as _stop_position
+from agl.serving.generation import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineStats,
+    Event,
+    Failed,
+    Finished,
+    Generation,
+    Listener,
+    RequestHandle,
+    SamplingParams,
+    Started,
+    Step,
+    Token,
+)
 from agl.serving.models import attention_kernels
-from agl.openai_wire.chat_format import partial_suffix_start
+from agl.serving.nucleus import nucleus as _nucleus
+from agl.serving.nucleus import sorted_nucleus as _sorted_nucleus  # noqa: F401 - benchmarks/sampling.py reads it here
 from agl.serving.structured import GrammarError, Grammars, TokenMask
 
 logger = logging.getLogger(__name__)
-
-#: finish reasons: the model ended its answer (end-of-sequence token or a stop string), or max_tokens
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_CANCELLED = "cancelled"
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request. ``temperature == 0`` (or below ``GREEDY_BELOW``) is greedy; ``seed=None``
-    draws a random seed."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: Tuple[str, ...] = ()
-    seed: Optional[int] = None
-    top_logprobs: int = 0
-    grammar: Optional[str] = None  # the answer must follow it (agl.serving.structured.response_grammar)
-    # (open, close) tags of blocks stop strings do not apply inside: tool calls, whose markup a stop such
-    # as "\n" or "}" would cut (OpenAI's stop does not cut function arguments either)
-    stop_free_blocks: Optional[Tuple[str, str]] = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclasses.dataclass
-class Token:
-    """One sampled token: its id, its logprob (see the module docs) and the top alternatives asked for."""
-
-    token_id: int
-    logprob: float
-    top_logprobs: List[Tuple[int, float]]
-
-
-@dataclasses.dataclass
-class Generation:
-    """A finished request. ``response_ids`` are every sampled token, the end-of-sequence token included.
-
-    ``text`` is the decoded answer without a final end-of-sequence token and cut before a stop string;
-    the ids still include the tokens that spelled the stop string, because they were sampled.
-    """
-
-    prompt_ids: List[int]
-    response_ids: List[int]
-    tokens: List[Token]
-    text: str
-    finish_reason: str
-    version: int
-
-    @property
-    def logprobs(self) -> List[float]:
-        return [t.logprob for t in self.tokens]
-
-
-# Events a request's listener receives, in order: Started, Step* (one per sampled token), then Finished
-# or Failed. The listener runs on the worker thread and must return quickly.
-@dataclasses.dataclass
-class Started:
-    version: int
-
-
-@dataclasses.dataclass
-class Step:
-    """A token was sampled; ``text`` is the whole answer so far (cut before a stop string)."""
-
-    token: Token
-    text: str
-
-
-@dataclasses.dataclass
-class Finished:
-    generation: Generation
-
-
-@dataclasses.dataclass
-class Failed:
-    error: BaseException
-
-
-Event = Any  # Started | Step | Finished | Failed
-Listener = Callable[[Event], None]
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters since the engine started: how much batching actually happened."""
-
-    requests: int = 0
-    prefills: int = 0  # forward passes over new prompts (a group of requests admitted together)
-    decode_steps: int = 0  # forward passes over the running batch
-    row_steps: int = 0  # sum of the batch sizes of those decode steps
-    max_batch: int = 0  # most requests in one forward pass
-    generated_tokens: int = 0
-
-    @property
-    def mean_batch(self) -> float:
-        return self.row_steps / self.decode_steps if self.decode_steps else 0.0
-
-
-class RequestHandle:
-    """What :meth:`GenerationEngine.submit` returns: cancel a request the client no longer wants."""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
 
 @dataclasses.dataclass
 class _Request:
@@ -597,80 +500,6 @@ def _draw(logprobs: Any, generator: Any) -> int:
     return index
 
 
-def _nucleus(logprobs: Any, top_p: float) -> Any:
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``; renormalize.
-
-    On the CPU the nucleus is looked for among the ``k`` most likely tokens first (``topk``), widening ``k``
-    only when their mass falls short: sorting a 49K vocabulary costs ~3.7 ms there, for every row at every
-    step, while a nucleus rarely holds more than a few hundred tokens (``topk`` of 256: ~0.15 ms). On a GPU
-    the sort is cheaper than the tries (each reads their mass back to the host): an H200 took 0.23 ms per
-    row to sort and 0.45-1.0 ms to try (``benchmarks/sampling.py``).
-    """
-    if logprobs.device.type == "cpu":
-        for k in _NUCLEUS_CANDIDATES:
-            if k >= logprobs.shape[-1]:
-                break
-            top, order = torch.topk(logprobs, k)  # descending
-            shares = top.exp()
-            before = shares.cumsum(-1) - shares  # mass of the more likely tokens
-            if float(before[-1] + shares[-1]) >= top_p:
-                keep = before < top_p
-                keep[0] = True  # a top_p below float32's range (1e-300) rounds to 0 and would keep nothing
-                kept = torch.full_like(logprobs, float("-inf"))
-                kept[order[keep]] = top[keep]
-                return torch.log_softmax(kept, dim=-1)
-    return _sorted_nucleus(logprobs, top_p)
-
-
-def _sorted_nucleus(logprobs: Any, top_p: float) -> Any:
-    """The nucleus by sorting the whole vocabulary: a token is dropped once the mass before it reached top_p."""
-    ordered, order = torch.sort(logprobs, descending=True)
-    shares = ordered.exp()
-    beyond = shares.cumsum(-1) - shares >= top_p
-    beyond[0] = False  # the most likely token stays, even for a top_p that rounds to 0 in float32
-    drop = torch.zeros_like(shares, dtype=torch.bool).scatter(0, order, beyond)
-    return torch.log_softmax(logprobs.masked_fill(drop, float("-inf")), dim=-1)
-
-
-#: how many of the most likely tokens ``_nucleus`` looks at on the CPU before sorting the whole vocabulary
-_NUCLEUS_CANDIDATES = (256, 4096)
-
-
-def _stop_position(text: str, stops: Sequence[str], free: Optional[Tuple[str, str]] = None) -> Optional[int]:
-    """Where the first stop string starts, ignoring matches that overlap a ``free`` block (see SamplingParams).
-
-    A match overlapping a tail that may still become an opening tag waits: the text is searched again
-    after every token, so it is cut there once the tail turns out to be no tag.
-    """
-    blocks = _blocks(text, free) if free else []
-    first: Optional[int] = None
-    for stop in filter(None, stops):
-        at = text.find(stop)
-        while at >= 0 and (first is None or at < first):
-            if not any(start < at + len(stop) and at < end for start, end in blocks):
-                first = at
-                break
-            at = text.find(stop, at + 1)
-    return first
-
-
-def _blocks(text: str, tags: Tuple[str, str]) -> List[Tuple[int, int]]:
-    """The ``[start, end)`` spans of the blocks ``tags`` open and close; an unclosed one or a trailing
-    partial opening tag runs to the end of the text."""
-    opening, closing = tags
-    spans: List[Tuple[int, int]] = []
-    at = text.find(opening)
-    while at >= 0:
-        close = text.find(closing, at + len(opening))
-        end = len(text) if close < 0 else close + len(closing)
-        spans.append((at, end))
-        at = text.find(opening, end)
-    tail = partial_suffix_start(text, (opening,))
-    if tail < len(text) and not (spans and spans[-1][1] == len(text)):
-        spans.append((tail, len(text)))
-    return spans
-
-
 # --- helpers -----------------------------------------------------------------------------------------------
 
 _seeds = random.SystemRandom()
@@ -730,3 +559,9 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset:
     elif isinstance(configured, (list, tuple)):
         ids.update(int(i) for i in configured)
     return frozenset(ids)
+
+
+__all__ = [
+    "FINISH_CANCELLED", "FINISH_LENGTH", "FINISH_STOP", "GREEDY_BELOW", "EngineStats", "Event", "Failed", "Finished",
+    "Generation", "GenerationEngine", "Listener", "RequestHandle", "SamplingParams", "Started", "Step", "Token",
+]

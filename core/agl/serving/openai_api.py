@@ -15,23 +15,26 @@ saying what to send instead, rather than being silently ignored.
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
-import uuid
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from agl.openai_wire.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, BadRequest, ParsedOutput, ToolCall
-from agl.serving.engine import Generation, SamplingParams, Token
-from agl.openai_wire.responses import VERSION_FIELD, token_logprobs
+from agl.openai_wire import chat_completions as chat
+from agl.openai_wire.apis import CHAT, TOKEN_IDS_REQUEST, BadRequest, is_int, refuse_unknown, require, require_object
+from agl.openai_wire.apis import RESOURCES_VERSION_FIELD as VERSION_FIELD
+from agl.openai_wire.apis import error_body, response_header
+from agl.openai_wire.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedOutput, ToolCall
+from agl.openai_wire.logprobs import token_logprobs
+from agl.openai_wire.sampling import TOKEN_LIMIT_NAMES
+from agl.openai_wire.sse import DONE, data_event
+from agl.openai_wire.stops import checked_stops
+from agl.serving.generation import Generation, SamplingParams, Token
 from agl.serving.structured import answer_schema, response_grammar
 
 VERSION_HEADER = "x-agl-resources-version"
 MAX_TOP_LOGPROBS = 20
-MAX_STOPS = 4
 
 # Accepted and ignored: they change nothing about the answer this server gives.
 _IGNORED = frozenset(
-    {"user", "metadata", "store", "service_tier", "return_token_ids", "prompt_cache_key", "safety_identifier"}
+    {"user", "metadata", "store", "service_tier", TOKEN_IDS_REQUEST, "prompt_cache_key", "safety_identifier"}
 )
 _SUPPORTED = frozenset(
     {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "temperature", "top_p", "max_tokens",
@@ -99,15 +102,8 @@ class ChatRequest:
 
 def parse_request(body: Any) -> ChatRequest:
     """Check a ``/v1/chat/completions`` body; raises :class:`BadRequest` with a message for the client."""
-    if not isinstance(body, Mapping):
-        raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - _SUPPORTED)
-    if unknown:
-        raise BadRequest(
-            f"unsupported parameter(s) {', '.join(map(repr, unknown))}: agl's policy server accepts "
-            f"{', '.join(sorted(_SUPPORTED - _IGNORED))}",
-            unknown[0],
-        )
+    require_object(body)
+    refuse_unknown(body, _SUPPORTED, _IGNORED)
     n = body.get("n")
     require(n is None or (is_int(n) and n == 1), "n", "only n=1 is supported: send one request per sample")
     for penalty in ("presence_penalty", "frequency_penalty"):
@@ -142,21 +138,12 @@ def parse_request(body: Any) -> ChatRequest:
         max_tokens=_max_tokens(body),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_top_p(body),
-        stop=_stops(body.get("stop")),
+        stop=checked_stops(body.get("stop")),
         seed=_seed(body.get("seed")),
         answer_schema=answer_schema(body.get("response_format")),
         forced_tool=forced_tool,
         parallel_tool_calls=body.get("parallel_tool_calls") is None or optional_bool(body, "parallel_tool_calls"),
     )
-
-
-def require(condition: bool, param: str, message: str) -> None:
-    if not condition:
-        raise BadRequest(message, param)
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def optional_bool(body: Mapping[str, Any], key: str) -> bool:
@@ -181,21 +168,12 @@ def _top_p(body: Mapping[str, Any]) -> float:
 
 
 def _max_tokens(body: Mapping[str, Any]) -> Optional[int]:
-    for key in ("max_completion_tokens", "max_tokens"):
+    for key in TOKEN_LIMIT_NAMES[CHAT]:
         value = body.get(key)
         if value is not None:
             require(is_int(value) and value >= 1, key, f"{key} must be a positive integer")
             return int(value)
     return None
-
-
-def _stops(stop: Any) -> Tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    ok = isinstance(stops, list) and len(stops) <= MAX_STOPS and all(isinstance(s, str) and s for s in stops)
-    require(ok, "stop", f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
-    return tuple(stops)
 
 
 def _seed(seed: Any) -> Optional[int]:
@@ -238,25 +216,13 @@ class ResponseWriter:
         self.request = request
         self.tokenizer = tokenizer
         self.version = version
-        self.header = {
-            "id": "chatcmpl-" + uuid.uuid4().hex,
-            "created": int(time.time()),
-            "model": model_name,
-            "system_fingerprint": None,
-        }
+        self.header = response_header("chatcmpl-", model_name)  # ("object" follows: completion or chunk)
 
     def final(self, gen: Generation, parsed: ParsedOutput) -> Dict[str, Any]:
         """The finished ``chat.completion`` object."""
-        message: Dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
-        if parsed.tool_calls:
-            message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": self._logprobs(gen.tokens),
-            "finish_reason": finish_reason(gen, parsed),
-            "token_ids": gen.response_ids,
-        }
+        message = chat.assistant_message(parsed.content, [_tool_call(call) for call in parsed.tool_calls], refusal=None)
+        logprobs = self._logprobs(gen.tokens)
+        choice = chat.choice(message, logprobs, finish_reason(gen, parsed), token_ids=gen.response_ids)
         return {
             **self.header,
             "object": "chat.completion",
@@ -273,13 +239,7 @@ class ResponseWriter:
         finish: Optional[str] = None,
         prompt_ids: Optional[List[int]] = None,
     ) -> Dict[str, Any]:
-        choice = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": self._logprobs(tokens),
-            "finish_reason": finish,
-            "token_ids": [t.token_id for t in tokens],
-        }
+        choice = chat.chunk_choice(delta, self._logprobs(tokens), finish, token_ids=[t.token_id for t in tokens])
         chunk: Dict[str, Any] = {**self.header, "object": "chat.completion.chunk", "choices": [choice]}
         if prompt_ids is not None:
             chunk["prompt_token_ids"] = prompt_ids
@@ -319,16 +279,16 @@ class ResponseWriter:
     # --- the stream, as the server's streaming loop drives it (``AnswerWriter``) ---------------------------
 
     def stream_start(self, prompt_ids: List[int]) -> List[str]:
-        return [sse(self.chunk({"role": "assistant", "content": ""}, prompt_ids=prompt_ids))]
+        return [data_event(self.chunk({"role": "assistant", "content": ""}, prompt_ids=prompt_ids))]
 
     def stream_text(self, text: str, tokens: Sequence[Token], first: bool) -> List[str]:
-        return [sse(self.chunk({"content": text}, tokens))]
+        return [data_event(self.chunk({"content": text}, tokens))]
 
     def stream_finish(self, gen: Generation, parsed: ParsedOutput, sent: str, pending: Sequence[Token]) -> List[str]:
-        return [sse(chunk) for chunk in self.stream_end(gen, parsed, sent, pending)] + ["data: [DONE]\n\n"]
+        return [data_event(chunk) for chunk in self.stream_end(gen, parsed, sent, pending)] + [DONE]
 
     def stream_error(self, error: Dict[str, Any]) -> str:
-        return sse(error)
+        return data_event(error)
 
     def _logprobs(self, tokens: Sequence[Token]) -> Optional[Dict[str, Any]]:
         if not self.request.logprobs:
@@ -343,19 +303,14 @@ def finish_reason(gen: Generation, parsed: ParsedOutput) -> str:
 
 
 def usage(gen: Generation) -> Dict[str, Any]:
-    prompt, completion = len(gen.prompt_ids), len(gen.response_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return chat.usage(len(gen.prompt_ids), len(gen.response_ids))
 
 
 def _tool_call(call: ToolCall) -> Dict[str, Any]:
-    return {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return chat.tool_call(call.call_id, call.name, call.arguments)
 
 
-def error_body(message: str, status: int, param: Optional[str] = None, code: Optional[str] = None) -> Dict[str, Any]:
-    """OpenAI's error object, which the ``openai`` client turns into ``BadRequestError`` etc."""
-    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def sse(data: Mapping[str, Any]) -> str:
-    return f"data: {json.dumps(data)}\n\n"
+__all__ = [
+    "MAX_TOP_LOGPROBS", "REQUEST_SETTINGS", "VERSION_FIELD", "VERSION_HEADER", "BadRequest", "ChatRequest",
+    "ResponseWriter", "error_body", "finish_reason", "is_int", "optional_bool", "parse_request", "require", "usage",
+]

@@ -7,7 +7,7 @@ in-process trainer can share the model object: it steps the optimizer inside ``w
 and then calls ``server.set_version(n)``. A server in another process (``agl serve``) gets new weights with
 :meth:`PolicyServer.load_weights`.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/responses`` (see :mod:`agl.openai_wire.responses`) and
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/responses`` (see :mod:`agl.serving.responses_api`) and
 the legacy ``POST /v1/completions`` for agents that send their own prompt text or token ids (see
 :mod:`agl.serving.completions_api`), each plain and streamed; ``GET /v1/models``, ``GET /health``.
 """
@@ -26,24 +26,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agl._util.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, unless_disconnected
 from agl._util.http_thread import ThreadedServer
-from agl.openai_wire.chat_format import (
-    CONTEXT_LENGTH_EXCEEDED,
-    BadRequest,
-    ParsedOutput,
-    parse_output,
-    render_prompt,
-    streamable_prefix,
-)
+from agl.openai_wire.apis import API_PATHS, CHAT, COMPLETIONS, CONTEXT_LENGTH_EXCEEDED, RESPONSES, BadRequest
+from agl.openai_wire.chat_format import ParsedOutput, parse_output, render_prompt, streamable_prefix
+from agl.openai_wire.responses import in_responses_terms, to_chat_body
+from agl.openai_wire.sampling import with_defaults
+from agl.openai_wire.stops import streamable_text
 from agl.serving.completions_api import (
     DEFAULT_MAX_TOKENS as COMPLETIONS_DEFAULT_MAX_TOKENS,
     CompletionRequest,
     CompletionWriter,
     parse_completion_request,
     prompt_token_ids,
-    streamable_text,
 )
-from agl._util.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, unless_disconnected
 from agl.serving.engine import (
     EngineStats,
     Failed,
@@ -63,8 +59,7 @@ from agl.serving.openai_api import (
     error_body,
     parse_request,
 )
-from agl.openai_wire.responses import AnswerWriter, ResponsesWriter, in_responses_terms, to_chat_body
-from agl.openai_wire.sampling import with_defaults
+from agl.serving.responses_api import AnswerWriter, ResponsesWriter
 from agl.serving.structured import response_grammar
 from agl.serving.weights import WeightLoader, WeightsSource
 
@@ -285,17 +280,8 @@ def _create_app(server: PolicyServer) -> FastAPI:
         version = server.engine.version
         return _versioned({"object": "list", "data": [model], VERSION_FIELD: version}, version)
 
-    @app.post("/v1/chat/completions")
-    async def _chat(request: Request) -> Response:
-        return await _generate(server, request, _chat_job)
-
-    @app.post("/v1/responses")
-    async def _responses(request: Request) -> Response:
-        return await _generate(server, request, _responses_job)
-
-    @app.post("/v1/completions")
-    async def _completions(request: Request) -> Response:
-        return await _generate(server, request, _completions_job)
+    for path, api in API_PATHS.items():
+        app.post(f"/v1/{path}")(_endpoint(server, _JOBS[api]))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -310,6 +296,13 @@ def _create_app(server: PolicyServer) -> FastAPI:
         return _error(request.url.path, exc.status_code, message, server.engine.version, code=f"unknown_{what}")
 
     return app
+
+
+def _endpoint(server: PolicyServer, job_for: Callable[[PolicyServer, Any], "_Job"]) -> Callable[[Request], Any]:
+    async def generate(request: Request) -> Response:
+        return await _generate(server, request, job_for)
+
+    return generate
 
 
 @dataclasses.dataclass
@@ -383,6 +376,9 @@ def _completions_job(server: PolicyServer, body: Any) -> _Job:
         streamable=lambda text: streamable_text(text, request.chat.stop),
         writer=lambda version: CompletionWriter(request, server.model_name, server.tokenizer, version),
     )
+
+
+_JOBS = {CHAT: _chat_job, RESPONSES: _responses_job, COMPLETIONS: _completions_job}
 
 
 async def _generate(

@@ -7,12 +7,12 @@ choice), because that is what agl's instrumentation reads when it trains on real
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from agl.openai_wire import chat_completions as chat
+from agl.openai_wire.apis import response_header
+from agl.openai_wire.sse import DONE, data_event
 from agl.testing.fake_policy import ChatTool, Generation, ToolChoice
 
 Body = Mapping[str, Any]
@@ -29,23 +29,9 @@ def missing_field(body: Body) -> str | None:
 
 def completion(gen: Generation, body: Body, token_ids: bool) -> dict[str, Any]:
     """The non-streamed ``chat.completion`` object."""
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": gen.content,
-        "refusal": None,
-        "annotations": [],
-    }
-    if gen.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in gen.tool_calls
-        ]
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": message,
-        "logprobs": _logprobs(gen, body, gen.response_ids, 0),
-        "finish_reason": gen.finish_reason,
-    }
+    calls = [chat.tool_call(c.call_id, c.name, c.arguments) for c in gen.tool_calls]
+    message = chat.assistant_message(gen.content, calls, refusal=None, annotations=[])
+    choice = chat.choice(message, _logprobs(gen, body, gen.response_ids, 0), gen.finish_reason)
     result = {**_header(body, "chat.completion"), "choices": [choice], "usage": _usage(gen)}
     if token_ids:
         choice["token_ids"] = gen.response_ids
@@ -56,8 +42,8 @@ def completion(gen: Generation, body: Body, token_ids: bool) -> dict[str, Any]:
 def sse_events(gen: Generation, body: Body, token_ids: bool) -> Iterator[str]:
     """The streamed answer as SSE lines, ``data: [DONE]`` last."""
     for chunk in chunks(gen, body, token_ids):
-        yield f"data: {json.dumps(chunk)}\n\n"
-    yield "data: [DONE]\n\n"
+        yield data_event(chunk)
+    yield DONE
 
 
 def chunks(gen: Generation, body: Body, token_ids: bool) -> Iterator[dict[str, Any]]:
@@ -68,12 +54,7 @@ def chunks(gen: Generation, body: Body, token_ids: bool) -> Iterator[dict[str, A
     position = 0
     for index, (delta, ids) in enumerate(deltas):
         last = index == len(deltas) - 1
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": _logprobs(gen, body, ids, position),
-            "finish_reason": gen.finish_reason if last else None,
-        }
+        choice = chat.chunk_choice(delta, _logprobs(gen, body, ids, position), gen.finish_reason if last else None)
         chunk: dict[str, Any] = {**header, "choices": [choice]}
         if token_ids:
             choice["token_ids"] = ids
@@ -98,8 +79,7 @@ def _deltas(gen: Generation) -> list[tuple[dict[str, Any], list[int]]]:
     deltas += [({"content": piece}, encode(piece)) for piece in gen.text_pieces()]
     for index, call in enumerate(gen.tool_calls):
         separator = "\n" if index or gen.content else ""
-        function = {"name": call.name, "arguments": ""}
-        head = {"index": index, "id": call.call_id, "type": "function", "function": function}
+        head = {"index": index, **chat.tool_call(call.call_id, call.name, "")}
         deltas.append(({"tool_calls": [head]}, encode(separator + call.render_prefix())))
         pieces = call.argument_pieces()
         for number, piece in enumerate(pieces):
@@ -111,13 +91,7 @@ def _deltas(gen: Generation) -> list[tuple[dict[str, Any], list[int]]]:
 
 
 def _header(body: Body, object_type: str) -> dict[str, Any]:
-    return {
-        "id": "chatcmpl-" + uuid.uuid4().hex,
-        "object": object_type,
-        "created": int(time.time()),
-        "model": body.get("model") or "fake-model",
-        "system_fingerprint": None,
-    }
+    return response_header("chatcmpl-", body.get("model") or "fake-model", object_type)
 
 
 def _logprobs(gen: Generation, body: Body, ids: list[int], start: int) -> dict[str, Any] | None:
@@ -125,11 +99,8 @@ def _logprobs(gen: Generation, body: Body, ids: list[int], start: int) -> dict[s
 
 
 def _usage(gen: Generation) -> dict[str, Any]:
-    prompt, completion_tokens = len(gen.prompt_ids), len(gen.response_ids)
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt + completion_tokens,
+        **chat.usage(len(gen.prompt_ids), len(gen.response_ids)),
         "prompt_tokens_details": {"cached_tokens": 0},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }

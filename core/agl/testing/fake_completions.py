@@ -12,12 +12,13 @@ prompt in order: the first by the script (or the default policy), the others by 
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from agl.openai_wire import chat_completions
+from agl.openai_wire.apis import response_header
+from agl.openai_wire.logprobs import completion_logprobs
+from agl.openai_wire.sse import DONE, data_event
 from agl.testing.fake_policy import (
     ChatTool,
     FakeReply,
@@ -113,10 +114,10 @@ def sse_events(gen: Generation, body: Body, token_ids: bool) -> Iterator[str]:
             choice["token_ids"] = ids
         tokens += len(ids)
         characters += len(piece)
-        yield f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
+        yield data_event({**header, "choices": [choice]})
     if (body.get("stream_options") or {}).get("include_usage"):
-        yield f"data: {json.dumps({**header, 'choices': [], 'usage': _usage(gen)})}\n\n"
-    yield "data: [DONE]\n\n"
+        yield data_event({**header, "choices": [], "usage": _usage(gen)})
+    yield DONE
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -140,29 +141,14 @@ def _logprobs(gen: Generation, body: Body, ids: list[int], start: tuple[int, int
         return None
     first, offset = start
     tokens = [gen.tokenizer.token_text(token_id) for token_id in ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [fake_logprob(first + i) for i in range(len(ids))],
-        "top_logprobs": [{token: fake_logprob(first + i)} for i, token in enumerate(tokens)],
-        "text_offset": offsets,
-    }
+    logprobs = [fake_logprob(first + i) for i in range(len(ids))]
+    top = [{token: fake_logprob(first + i)} for i, token in enumerate(tokens)]
+    return completion_logprobs(tokens, logprobs, top, offset)[0]
 
 
 def _header(body: Body) -> dict[str, Any]:
-    return {
-        "id": "cmpl-" + uuid.uuid4().hex,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.get("model") or "fake-model",
-        "system_fingerprint": None,
-    }
+    return response_header("cmpl-", body.get("model") or "fake-model", "text_completion")
 
 
 def _usage(*gens: Generation) -> dict[str, Any]:
-    prompt = sum(len(gen.prompt_ids) for gen in gens)
-    completion_tokens = sum(len(gen.response_ids) for gen in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+    return chat_completions.usage(sum(len(gen.prompt_ids) for gen in gens), sum(len(gen.response_ids) for gen in gens))

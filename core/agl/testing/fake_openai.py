@@ -23,7 +23,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from agl._util.http_thread import ThreadedServer
-from agl.openai_wire.chat_format import BadRequest
+from agl.openai_wire.apis import (
+    API_PATHS,
+    CHAT,
+    COMPLETIONS,
+    NOT_AN_OBJECT,
+    RESPONSES,
+    TOKEN_IDS_REQUEST,
+    BadRequest,
+    error_body,
+)
 from agl.testing import fake_chat, fake_completions, fake_responses
 from agl.testing.fake_policy import ChatTool, FakeReply, FakeTokenizer, Generation, ToolChoice, generate
 
@@ -146,19 +155,16 @@ def _create_app(server: FakeOpenAIServer) -> FastAPI:
         model = {"id": "fake-model", "object": "model", "created": 0, "owned_by": "agl"}
         return {"object": "list", "data": [model]}
 
-    @app.post("/v1/chat/completions")
-    async def _chat(request: Request) -> Response:
-        return await _generate(server, request, _CHAT)
-
-    @app.post("/v1/responses")
-    async def _responses(request: Request) -> Response:
-        return await _generate(server, request, _RESPONSES)
-
-    @app.post("/v1/completions")
-    async def _completions(request: Request) -> Response:
-        return await _generate(server, request, _COMPLETIONS)
-
+    for path, api in API_PATHS.items():
+        app.post(f"/v1/{path}")(_endpoint(server, _WIRE_APIS[api]))
     return app
+
+
+def _endpoint(server: FakeOpenAIServer, api: _WireApi) -> Callable[[Request], Any]:
+    async def generate(request: Request) -> Response:
+        return await _generate(server, request, api)
+
+    return generate
 
 
 Conversation = tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]
@@ -194,6 +200,7 @@ _COMPLETIONS = _WireApi(
     fake_completions.sse_events,
     fake_completions.answer,
 )
+_WIRE_APIS = {CHAT: _CHAT, RESPONSES: _RESPONSES, COMPLETIONS: _COMPLETIONS}
 
 
 async def _generate(server: FakeOpenAIServer, request: Request, api: _WireApi) -> Response:
@@ -204,14 +211,16 @@ async def _generate(server: FakeOpenAIServer, request: Request, api: _WireApi) -
         body = None
     server._record(request, body)
     if not isinstance(body, dict):
-        return error_response(400, "the request body must be a JSON object")
+        return error_response(400, NOT_AN_OBJECT)
     missing = api.missing_field(body)
     if missing:
         return error_response(400, f"missing required parameter: '{missing}'")
-    if server.reject_token_ids and "return_token_ids" in body:  # api.openai.com's words
+    if server.reject_token_ids and TOKEN_IDS_REQUEST in body:  # api.openai.com's words
         if api is _RESPONSES:
-            return error_response(400, "Unknown parameter: 'return_token_ids'.", "return_token_ids", "unknown_parameter")
-        return error_response(400, "Unrecognized request argument supplied: return_token_ids", code=None)
+            return error_response(
+                400, f"Unknown parameter: '{TOKEN_IDS_REQUEST}'.", TOKEN_IDS_REQUEST, "unknown_parameter"
+            )
+        return error_response(400, f"Unrecognized request argument supplied: {TOKEN_IDS_REQUEST}", code=None)
     try:
         conversation = api.conversation(body)
     except BadRequest as exc:  # e.g. a Responses input item type agl does not map; no scripted reply is used
@@ -222,7 +231,7 @@ async def _generate(server: FakeOpenAIServer, request: Request, api: _WireApi) -
     if reply is not None and reply.is_error:
         return error_response(reply.status_code, reply.error_message or f"fake error {reply.status_code}")
     gen = api.answer(reply, conversation, body, server.tokenizer)
-    token_ids = server.always_token_ids or bool(body.get("return_token_ids"))
+    token_ids = server.always_token_ids or bool(body.get(TOKEN_IDS_REQUEST))
     if body.get("stream"):
         break_after = reply.break_stream_after if reply is not None else None
         events = _stream(api.as_sse(gen, body, token_ids), break_after)
@@ -243,5 +252,5 @@ def error_response(status_code: int, message: str, param: str | None = None, cod
     error_type = _ERROR_TYPES.get(
         status_code, "server_error" if status_code >= 500 else "invalid_request_error"
     )
-    error = {"message": message, "type": error_type, "param": param, "code": error_type if code == "" else code}
-    return JSONResponse({"error": error}, status_code=status_code)
+    body = error_body(message, status_code, param, error_type if code == "" else code, error_type)
+    return JSONResponse(body, status_code=status_code)

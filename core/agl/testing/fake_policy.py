@@ -15,7 +15,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agl.openai_wire.responses import message_text
+from agl.openai_wire.chat_completions import message_text
+from agl.openai_wire.chat_format import assistant_text, call_text, call_text_prefix
+from agl.openai_wire.logprobs import logprob_entry
 
 ToolCallSpec = Mapping[str, Any]
 """A scripted call, ``{"name": "add", "arguments": {"a": 1} | '{"a": 1}', "id"?: "call_..."}``."""
@@ -73,10 +75,10 @@ class GeneratedToolCall:
         rendering equals ``json.dumps({"name": name, "arguments": args})``. Streams send the prefix with the
         call's header, so the token ids of the deltas still concatenate to the ids of this text.
         """
-        return self.render_prefix() + self.arguments + "}"
+        return call_text(self.name, self.arguments)
 
     def render_prefix(self) -> str:
-        return '{"name": ' + json.dumps(self.name) + ', "arguments": '
+        return call_text_prefix(self.name)
 
     def argument_pieces(self) -> list[str]:
         """The arguments as streamed: short fragments, at least one so every call gets a delta."""
@@ -100,8 +102,7 @@ def render_assistant(content: str | None, tool_calls: Sequence[GeneratedToolCall
     Used for both the response token ids and the chat template, so a later prompt that replays this turn
     contains exactly the ids the model produced (the property RL training relies on).
     """
-    parts = [content] if content else []
-    return "\n".join(parts + [call.render() for call in tool_calls])
+    return assistant_text(content, [call.render() for call in tool_calls])
 
 
 class FakeTokenizer:
@@ -169,12 +170,7 @@ class Generation:
     def logprobs(self, ids: Sequence[int], start: int) -> list[dict[str, Any]]:
         """Chat-style logprob entries for ``ids``, which begin at response position ``start``."""
         return [
-            {
-                "token": self.tokenizer.token_text(token_id),
-                "logprob": fake_logprob(start + offset),
-                "bytes": [token_id],
-                "top_logprobs": [],
-            }
+            logprob_entry(self.tokenizer.token_text(token_id), fake_logprob(start + offset), [token_id], [])
             for offset, token_id in enumerate(ids)
         ]
 

@@ -8,13 +8,14 @@ yields the same prompt token ids whichever API carried it.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from agl.openai_wire import responses
+from agl.openai_wire.apis import LOGPROBS_INCLUDE
+from agl.openai_wire.sse import named_event
 from agl.testing.fake_policy import ChatTool, Generation, ToolChoice
 
 Body = Mapping[str, Any]
@@ -40,61 +41,38 @@ def sse_events(gen: Generation, body: Body, token_ids: bool) -> Iterator[str]:
     """The streamed answer as named SSE events (Responses streams end without ``[DONE]``)."""
     for number, event in enumerate(events(gen, body, token_ids)):
         event["sequence_number"] = number
-        yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+        yield named_event(event)
 
 
 def events(gen: Generation, body: Body, token_ids: bool) -> Iterator[dict[str, Any]]:
     """The event sequence OpenAI sends, without sequence numbers."""
     rendering = _Rendering(gen, body)
-    in_progress = rendering.response("in_progress", [])
-    yield {"type": "response.created", "response": in_progress}
-    yield {"type": "response.in_progress", "response": in_progress}
+    yield from responses.opening_events(rendering.response("in_progress", []))
     for index, item in enumerate(rendering.items()):
-        is_message = item["type"] == "message"
-        started = {**item, "status": "in_progress", **({"content": []} if is_message else {"arguments": ""})}
-        yield {"type": "response.output_item.added", "output_index": index, "item": started}
-        yield from (_message_events if is_message else _call_events)(rendering, item, index)
-        yield {"type": "response.output_item.done", "output_index": index, "item": item}
+        yield from (_message_events if item["type"] == "message" else _call_events)(rendering, item, index)
+        yield responses.item_done(item, index)
     yield {"type": "response.completed", "response": _completed(rendering, token_ids)}
 
 
 def _message_events(rendering: _Rendering, item: Item, index: int) -> Iterator[dict[str, Any]]:
-    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-    part = item["content"][0]
-    yield {"type": "response.content_part.added", **where, "part": {**part, "text": "", "logprobs": []}}
+    yield from responses.message_opened(item["id"], index)
     position = 0
     for piece in rendering.gen.text_pieces():
         ids = rendering.gen.tokenizer.encode(piece)
-        logprobs = rendering.logprobs(ids, position)
-        yield {"type": "response.output_text.delta", **where, "delta": piece, "logprobs": logprobs}
+        yield responses.text_delta(item["id"], index, piece, rendering.logprobs(ids, position))
         position += len(ids)
-    yield {"type": "response.output_text.done", **where, "text": part["text"], "logprobs": part["logprobs"]}
-    yield {"type": "response.content_part.done", **where, "part": part}
+    yield from responses.message_closed(item, index)
 
 
 def _call_events(rendering: _Rendering, item: Item, index: int) -> Iterator[dict[str, Any]]:
-    where = {"item_id": item["id"], "output_index": index}
     call = next(c for c in rendering.gen.tool_calls if c.call_id == item["call_id"])
-    for piece in call.argument_pieces():
-        yield {"type": "response.function_call_arguments.delta", **where, "delta": piece}
-    yield {"type": "response.function_call_arguments.done", **where, "arguments": call.arguments}
+    yield from responses.function_call_events(item, index, call.argument_pieces())
 
 
 def _completed(rendering: _Rendering, token_ids: bool) -> dict[str, Any]:
-    result = rendering.response("completed", rendering.items())
     gen = rendering.gen
-    result["completed_at"] = time.time()
-    result["usage"] = {
-        "input_tokens": len(gen.prompt_ids),
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": len(gen.response_ids),
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": len(gen.prompt_ids) + len(gen.response_ids),
-    }
-    if token_ids:
-        result["prompt_token_ids"] = gen.prompt_ids
-        result["response_token_ids"] = gen.response_ids
-    return result
+    result = rendering.response("completed", rendering.items())
+    return responses.finish_response(result, gen.prompt_ids, gen.response_ids, token_ids=token_ids)
 
 
 class _Rendering:
@@ -107,7 +85,7 @@ class _Rendering:
         self.created_at = time.time()
         # As agl's policy server: asked with include, or with top_logprobs alone (which OpenAI ignores)
         self.with_logprobs = (
-            responses.LOGPROBS_INCLUDE in (body.get("include") or []) or body.get("top_logprobs") is not None
+            LOGPROBS_INCLUDE in (body.get("include") or []) or body.get("top_logprobs") is not None
         )
         self._items = self._build_items()
 
@@ -126,18 +104,8 @@ class _Rendering:
         items: list[Item] = []
         if gen.content is not None and (gen.content or not gen.tool_calls):
             logprobs = self.logprobs(gen.tokenizer.encode(gen.content), 0)
-            text = {"type": "output_text", "text": gen.content, "annotations": [], "logprobs": logprobs}
-            message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant"}
-            items.append({**message, "status": "completed", "content": [text]})
+            items.append(responses.message_item("msg_" + uuid.uuid4().hex, gen.content, logprobs, "completed"))
         for call in gen.tool_calls:
-            items.append(
-                {
-                    "id": "fc_" + uuid.uuid4().hex,
-                    "type": "function_call",
-                    "call_id": call.call_id,
-                    "name": call.name,
-                    "arguments": call.arguments,
-                    "status": "completed",
-                }
-            )
+            item_id = "fc_" + uuid.uuid4().hex
+            items.append(responses.function_call_item(item_id, call.call_id, call.name, call.arguments))
         return items
