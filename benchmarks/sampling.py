@@ -27,7 +27,9 @@ import time
 from typing import Callable, List
 
 import torch
-from agl.serving.engine import _draw, _nucleus, _sorted_nucleus
+from agl.serving.engine import _draw
+from agl.serving.nucleus import nucleus as _nucleus
+from agl.serving.nucleus import sorted_nucleus as _sorted_nucleus
 
 
 def median_us(call: Callable[[torch.Tensor], object], rows: List[torch.Tensor], device: torch.device) -> float:

@@ -27,7 +27,8 @@ STARTED = time.monotonic()
 import agl  # noqa: E402
 from agl.algorithm.torch_grpo import TorchGRPO  # noqa: E402
 from agl.runtime.dataset import load_dataset  # noqa: E402
-from agl.cli.train import check_minutes, check_out, interrupted_message, no_second_interrupt, with_resume  # noqa: E402
+from agl.cli.run_folder import check_out, interrupted_message, no_second_interrupt, with_resume  # noqa: E402
+from agl.cli.train import check_minutes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from agl.instrumentation.base import Instrumentor, hooks_owner
 from agl.tracing.context_keys import register_parent_resolver, unregister_parent_resolver
-from agl.tracing.tracer import register_callback_handler
+from agl.tracing.callback_handlers import register_callback_handler
 from agl.instrumentation.framework import PatchSet
 from agl._util.safety import guard
 

@@ -22,10 +22,10 @@ from agl.serving.engine import (
     Started,
     Step,
     _draw,
-    _nucleus,
-    _sorted_nucleus,
-    _stop_position,
 )
+from agl.serving.nucleus import nucleus as _nucleus
+from agl.serving.nucleus import sorted_nucleus as _sorted_nucleus
+from agl.openai_wire.stops import stop_position as _stop_position
 from agl.serving.weights import WeightLoader, WeightsError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     from agl.cli.serve import add_serve_command
 
     add_serve_command(sub, STORE_HELP)  # agl serve (the policy server)
-    from agl.cli.train import add_export_model_parser, add_train_parser
+    from agl.cli.export_model import add_export_model_parser
+    from agl.cli.train import add_train_parser
 
     add_train_parser(sub, STORE_HELP)  # agl train
     add_export_model_parser(sub)  # agl export-model

@@ -25,7 +25,6 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 from agl.algorithm.torch_grpo_config import json_problems
 from agl.checks import is_finite_number
-from agl.cli.export_model import add_export_model_parser  # noqa: F401  (agl.cli adds the command from here)
 from agl.cli.run_folder import check_out, interrupted_message, no_second_interrupt, with_resume
 from agl.cli.train_apo import apo_algorithm, check_apo_out, fit_apo
 from agl.cli.train_settings import GRPO_FLAGS, adapter_settings, grpo_flags_given, keyword_sets

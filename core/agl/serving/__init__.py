@@ -20,11 +20,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "EngineStats": "agl.serving.engine",
-    "Generation": "agl.serving.engine",
+    "EngineStats": "agl.serving.generation",
+    "Generation": "agl.serving.generation",
     "GenerationEngine": "agl.serving.engine",
     "LLMProxy": "agl.instrumentation.proxy",
-    "SamplingParams": "agl.serving.engine",
+    "SamplingParams": "agl.serving.generation",
     "PolicyServer": "agl.serving.server",
     "WeightsError": "agl.serving.weights",
 }

@@ -44,7 +44,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from agl.openai_wire.stops import stop_position as _stop_position
+from agl.openai_wire.stops import stop_position
 from agl.serving.generation import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -62,8 +62,7 @@ from agl.serving.generation import (
     Token,
 )
 from agl.serving.models import attention_kernels
-from agl.serving.nucleus import nucleus as _nucleus
-from agl.serving.nucleus import sorted_nucleus as _sorted_nucleus  # noqa: F401 - benchmarks/sampling.py reads it here
+from agl.serving.nucleus import nucleus
 from agl.serving.structured import GrammarError, Grammars, TokenMask
 
 logger = logging.getLogger(__name__)
@@ -408,7 +407,7 @@ class _Batch:
         ids = row.ids
         ended = ids[-1] in request.eos_ids
         row.text = self.engine.tokenizer.decode(ids[:-1] if ended else ids)
-        cut = _stop_position(row.text, request.params.stop, request.params.stop_free_blocks)
+        cut = stop_position(row.text, request.params.stop, request.params.stop_free_blocks)
         if cut is not None:
             row.text = row.text[:cut]
         if ended or cut is not None:
@@ -463,7 +462,7 @@ def _sample(logits: Any, row: _Row) -> Token:
     else:
         logprobs = torch.log_softmax(allowed / params.temperature, dim=-1)
         if params.top_p < 1:
-            logprobs = _nucleus(logprobs, params.top_p)
+            logprobs = nucleus(logprobs, params.top_p)
         token_id = _draw(logprobs, row.generator)
     if row.grammar is not None:
         row.grammar.advance(token_id)

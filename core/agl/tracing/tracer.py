@@ -36,6 +36,7 @@ from opentelemetry.trace import StatusCode
 
 from agl import semconv
 from agl.tracing.context import current_scope, ended_scope, rollouts_running
+from agl.tracing.callback_handlers import callback_handlers
 from agl.tracing.context_keys import resolve_parent
 from agl.tracing.spans import AglSpan, clean_attributes, new_id
 from agl.tracing.encoding import Finished, encode_attribute, finished, without_callables
@@ -558,23 +559,14 @@ class Tracer:
         """Agent Lightning's ``self.tracer.get_langchain_handler()``, so agents that pass it in
         ``callbacks=[...]`` run unchanged: the handler the LangChain adapter already adds to every callback
         manager (no ``callbacks=`` is needed with agl; passing it records nothing twice). The adapter
-        registers it (:func:`register_callback_handler`): the tracer sits below the framework adapters."""
-        handler = _callback_handlers.get("langchain")
+        registers it (:mod:`agl.tracing.callback_handlers`): the tracer sits below the framework adapters."""
+        handler = callback_handlers.get("langchain")
         if handler is None:
             raise RuntimeError(
                 "agl is not recording LangChain in this process: call agl.instrument() with LangChain "
                 "installed (pip install 'agl[langchain]'), after which no callbacks=[...] is needed at all"
             )
         return handler()
-
-
-# A framework adapter's callback handler, by framework, for code that asks the tracer for it (Agent Lightning).
-_callback_handlers: Dict[str, Callable[[], Any]] = {}
-
-
-def register_callback_handler(framework: str, handler: Callable[[], Any]) -> None:
-    """Let ``get_<framework>_handler()`` return ``handler()``; called by the adapter when it is imported."""
-    _callback_handlers[framework] = handler
 
 
 def _innermost(current: otel_trace.Span, running: Optional[otel_trace.Span]) -> otel_trace.Span:
