@@ -13,9 +13,11 @@
   ``openai<3``, the OpenAI Agents SDK ``openai>=3``).
 - ``lowest``: the core suite with agl's own requirements at their lower bounds (pyproject.toml's ``>=``).
 - ``pythons``: the core suite on Python 3.10, 3.12 and 3.13 (``nox -t pythons``; those found on PATH).
+- ``lint``: ruff (lint + format check) and mypy over the tree.
 - ``benchmarks``: prints the speed figures of benchmarks/ (figures, not pass/fail).
 
-`nox -t ci` runs what CI runs: the core suite (also at the lowest versions), torch, verl and every framework's latest line(s).
+`nox -t ci` runs what CI runs: lint, the core suite (also at the lowest versions), torch, verl and every framework's
+latest line(s).
 `nox -t matrix` runs every framework session (oldest and latest); see docs/integrations.md.
 """
 
@@ -42,8 +44,13 @@ def _constraints(session: nox.Session) -> str:
 def _core_suite(session: nox.Session, *constraints: str) -> None:
     session.install(*constraints, "-e", ".[dev,postgres,parquet]")  # the store suite runs on a real PostgreSQL too
     session.run(
-        "python", "-m", "pytest", "-q",
-        "--ignore=tests/integrations", "--ignore=tests/with_torch", "--ignore=tests/with_verl",
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "--ignore=tests/integrations",
+        "--ignore=tests/with_torch",
+        "--ignore=tests/with_verl",
         *session.posargs,
     )
 
@@ -65,7 +72,6 @@ def lowest(session: nox.Session) -> None:
 def _lowest_constraints(session: nox.Session) -> str:
     """``name==low`` for every ``>=low`` of the runtime, postgres and parquet requirements."""
     import tomllib
-
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -104,6 +110,15 @@ def verl(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", "tests/with_verl", *session.posargs)
 
 
+@nox.session(python=PYTHON, tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format) and mypy over the whole tree (pyproject.toml holds their settings)."""
+    session.install("-e", ".[dev,postgres]", "ruff>=0.8", "mypy>=1.13")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+
+
 def _framework_session(framework: str, requirements: Path) -> None:
     def run(session: nox.Session) -> None:
         session.env["CREWAI_DISABLE_TELEMETRY"] = "true"  # (OTEL_SDK_DISABLED would do too: agl uses no SDK)
@@ -126,6 +141,9 @@ for _req in sorted(ROOT.glob("integrations/*/requirements-*.txt")):
 def benchmarks(session: nox.Session) -> None:
     session.install("-e", ".[dev,postgres]")
     for script in (
-        "benchmarks/store.py", "benchmarks/tracer_overhead.py", "benchmarks/dev_latency.py", "benchmarks/server_overhead.py"
+        "benchmarks/store.py",
+        "benchmarks/tracer_overhead.py",
+        "benchmarks/dev_latency.py",
+        "benchmarks/server_overhead.py",
     ):
         session.run("python", script)

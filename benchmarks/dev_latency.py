@@ -38,7 +38,7 @@ def main() -> None:
         rows = trainer.dev(one_call, tasks, print_table=False)
         elapsed = time.perf_counter() - start
     ok = sum(r.status == "succeeded" for r in rows)
-    print(f"Trainer.dev: 20 one-call tasks, 4 runner processes, SQLite store")
+    print("Trainer.dev: 20 one-call tasks, 4 runner processes, SQLite store")
     print(f"  wall time      {elapsed:8.3f} s   (target <= 1 s; reference framework 20.7 s)")
     print(f"  succeeded      {ok:8d} / {len(rows)}")
     print(f"  llm spans      {sum(r.llm_calls for r in rows):8d}")

@@ -27,6 +27,7 @@ import time
 from typing import Callable, List
 
 import torch
+
 from agl.serving.engine import _draw
 from agl.serving.nucleus import nucleus as _nucleus
 from agl.serving.nucleus import sorted_nucleus as _sorted_nucleus

@@ -19,8 +19,8 @@ from typing import Any, List, Tuple
 import openai
 import torch
 
-from agl.serving.models import load_policy
 from agl.serving import PolicyServer
+from agl.serving.models import load_policy
 
 TOPICS = ["the sea", "a cat", "autumn", "a robot", "the moon", "coffee", "a city", "rain"]
 
@@ -53,7 +53,10 @@ def served(base_url: str, clients: int, per_client: int, max_tokens: int) -> Tup
         with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=600) as client:
             for round_ in range(per_client):
                 completion = client.chat.completions.create(
-                    model="policy", messages=question(index), max_tokens=max_tokens, temperature=0.7,
+                    model="policy",
+                    messages=question(index),
+                    max_tokens=max_tokens,
+                    temperature=0.7,
                     seed=index * 1000 + round_,
                 )
                 tokens += completion.usage.completion_tokens

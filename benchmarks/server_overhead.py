@@ -4,7 +4,8 @@
 
 The app of ``agl store serve`` (``create_app``) over an in-memory store is called as an ASGI app, in this
 process, with the requests a runner makes (and ``/healthz``, which has no token check and no store call:
-the floor of a request through FastAPI's stack, which the runner's hot requests skip, see DirectRoutes). No uvicorn, no network, no client: the figure is FastAPI's routing, dependency solving,
+the floor of a request through FastAPI's stack, which the runner's hot requests skip, see DirectRoutes). No uvicorn,
+no network, no client: the figure is FastAPI's routing, dependency solving,
 validation and response, plus agl's handlers and a store call that costs a few microseconds. It is what
 to measure when changing the server's HTTP layer; ``store_load.py`` gives the end-to-end figures.
 
@@ -49,11 +50,24 @@ TOKEN = "bench-token"
 
 def scope(method: str, path: str, body: bytes, query: bytes = b"") -> Dict[str, Any]:
     return {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
-        "headers": [(b"host", b"bench"), (b"authorization", f"Bearer {TOKEN}".encode()),
-                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000), "state": {},
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "root_path": "",
+        "headers": [
+            (b"host", b"bench"),
+            (b"authorization", f"Bearer {TOKEN}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
     }
 
 
@@ -93,8 +107,12 @@ async def measure(n: int) -> List[Tuple[str, float]]:
         ("GET /v1/resources", "GET", "/v1/resources", b""),
         ("GET /v1/stats", "GET", "/v1/stats", b""),
         ("POST .../heartbeat", "POST", attempt + "/heartbeat", b""),
-        ("POST /v1/rollouts/dequeue (nothing queued)", "POST", "/v1/rollouts/dequeue",
-         b'{"runner_id": "bench", "limit": 1, "timeout": 0}'),
+        (
+            "POST /v1/rollouts/dequeue (nothing queued)",
+            "POST",
+            "/v1/rollouts/dequeue",
+            b'{"runner_id": "bench", "limit": 1, "timeout": 0}',
+        ),
     ]
     results = []
     async with app.router.lifespan_context(app):

@@ -149,9 +149,11 @@ def main() -> None:
             every = f"{', '.join(f'{c:,.0f}' for c in cycles)} / {', '.join(f'{s:,.0f}' for s in spans)}"
             print(f"{name:<10} {statistics.median(cycles):>18,.0f} {statistics.median(spans):>12,.0f}   ({every})")
         print(f"{'target':<10} {CYCLES_TARGET:>18,} {SPANS_TARGET:>12,}   (SQLite)")
-        print(f"({BATCH} rollouts per batch, {SPANS_PER_ROLLOUT} spans per rollout, span batches of {SPAN_BATCH}; "
-              f"each run on a new store holding {args.prefill:,} finished rollouts; {args.repeat} runs in process, "
-              "1 for PostgreSQL; PG async: PostgreSQL with synchronous_commit=off)")
+        print(
+            f"({BATCH} rollouts per batch, {SPANS_PER_ROLLOUT} spans per rollout, span batches of {SPAN_BATCH}; "
+            f"each run on a new store holding {args.prefill:,} finished rollouts; {args.repeat} runs in process, "
+            "1 for PostgreSQL; PG async: PostgreSQL with synchronous_commit=off)"
+        )
 
 
 if __name__ == "__main__":

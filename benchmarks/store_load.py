@@ -67,7 +67,19 @@ class Server:
     def __init__(self, store: str, log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "agl.cli", "store", "serve", "--store", store, "--port", str(self.port), "--token", TOKEN]
+        cmd = [
+            sys.executable,
+            "-m",
+            "agl.cli",
+            "store",
+            "serve",
+            "--store",
+            store,
+            "--port",
+            str(self.port),
+            "--token",
+            TOKEN,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
         probe = RemoteLightningStore(self.url, token=TOKEN, retries=0)
         deadline = time.monotonic() + 60
@@ -117,9 +129,7 @@ def cpu_now() -> Tuple[float, float]:
     fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     busy = (sum(fields) - fields[3] - fields[4]) / ticks
     postgres = sum(
-        process_cpu_seconds(int(pid))
-        for pid in os.listdir("/proc")
-        if pid.isdigit() and _comm(pid) == "postgres"
+        process_cpu_seconds(int(pid)) for pid in os.listdir("/proc") if pid.isdigit() and _comm(pid) == "postgres"
     )
     return busy, postgres
 
@@ -236,7 +246,10 @@ def measure(location: str, n_clients: int, args: argparse.Namespace, log: Path) 
         quotas = [n_rollouts // n_clients + (1 if i < n_rollouts % n_clients else 0) for i in range(n_clients)]
         ids: List[str] = []
         for start in range(0, n_rollouts, 500):
-            batch = [EnqueueRequest(input={"i": i}, resources_id=resources.resources_id) for i in range(start, min(n_rollouts, start + 500))]
+            batch = [
+                EnqueueRequest(input={"i": i}, resources_id=resources.resources_id)
+                for i in range(start, min(n_rollouts, start + 500))
+            ]
             ids += [r.rollout_id for r in trainer.enqueue_many(batch)]
         jobs = [
             (_rollout_client, server.url, f"runner-{i}", q, args.spans_per_rollout, args.separate_calls)
@@ -265,7 +278,11 @@ def measure(location: str, n_clients: int, args: argparse.Namespace, log: Path) 
             "rollouts/s": finished / rollout_s,
             "spans/s": spans_sent / span_s,
             "server rollouts/cpu-s": finished / rollout_cpu,
-            "cpu ms": (1000 * (busy_after - busy) / finished, 1000 * rollout_cpu / finished, 1000 * (db_after - db) / finished),
+            "cpu ms": (
+                1000 * (busy_after - busy) / finished,
+                1000 * rollout_cpu / finished,
+                1000 * (db_after - db) / finished,
+            ),
             "server spans/cpu-s": spans_sent / span_cpu,
             "rss": rss,
             "peak": peak,
@@ -302,36 +319,54 @@ def main() -> int:
     parser.add_argument("--spans-per-rollout", type=int, default=4)
     parser.add_argument("--span-batches", type=int, default=3, help="batches of 1,000 spans per client")
     parser.add_argument("--max-procs", type=int, default=8, help="client processes at most (threads beyond)")
-    parser.add_argument("--separate-calls", action="store_true",
-                        help="complete_attempt then dequeue as two calls, instead of complete_and_dequeue as the Runner does")
+    parser.add_argument(
+        "--separate-calls",
+        action="store_true",
+        help="complete_attempt then dequeue as two calls, instead of complete_and_dequeue as the Runner does",
+    )
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     backends = [b.strip() for b in args.backends.split(",")]
-    print(f"{os.cpu_count()} CPUs; server: `agl store serve` in its own process; clients: RemoteLightningStore, "
-          f"one per runner, over at most {args.max_procs} processes")
-    print(f"{'backend':<9} {'clients':>7} {'client layout':<22} {'rollouts/s':>11} {'spans/s':>9} "
-          f"{'per server CPU-s: rollouts':>27} {'spans':>8} {'CPU ms/rollout: all server db':>30} "
-          f"{'server RSS / peak MB':>21}  lost")
+    print(
+        f"{os.cpu_count()} CPUs; server: `agl store serve` in its own process; clients: RemoteLightningStore, "
+        f"one per runner, over at most {args.max_procs} processes"
+    )
+    print(
+        f"{'backend':<9} {'clients':>7} {'client layout':<22} {'rollouts/s':>11} {'spans/s':>9} "
+        f"{'per server CPU-s: rollouts':>27} {'spans':>8} {'CPU ms/rollout: all server db':>30} "
+        f"{'server RSS / peak MB':>21}  lost"
+    )
     any_lost = False
     with tempfile.TemporaryDirectory() as tmp, store_locations(backends, tmp) as locations:
         for backend, fresh in locations.items():
             for n in counts:
                 row = measure(fresh(), n, args, Path(tmp) / f"server-{backend}-{n}.log")
                 any_lost |= bool(row["lost"])
-                print(f"{backend:<9} {n:>7} {row['layout']:<22} {row['rollouts/s']:>11,.0f} {row['spans/s']:>9,.0f} "
-                      f"{row['server rollouts/cpu-s']:>27,.0f} {row['server spans/cpu-s']:>8,.0f} "
-                      f"{'':>12}{row['cpu ms'][0]:>6.2f} {row['cpu ms'][1]:>6.2f} {row['cpu ms'][2]:>4.2f} "
-                      f"{row['rss']:>10,.0f} / {row['peak']:<8,.0f}  {row['lost'] or 'nothing'}", flush=True)
-    print(f"targets with 8 clients: >= {ROLLOUTS_TARGET} rollouts/s, >= {SPANS_TARGET:,} spans/s (batches of "
-          f"{SPAN_BATCH}); reference framework: 84 rollouts/s, 3,450 spans/s")
+                print(
+                    f"{backend:<9} {n:>7} {row['layout']:<22} {row['rollouts/s']:>11,.0f} {row['spans/s']:>9,.0f} "
+                    f"{row['server rollouts/cpu-s']:>27,.0f} {row['server spans/cpu-s']:>8,.0f} "
+                    f"{'':>12}{row['cpu ms'][0]:>6.2f} {row['cpu ms'][1]:>6.2f} {row['cpu ms'][2]:>4.2f} "
+                    f"{row['rss']:>10,.0f} / {row['peak']:<8,.0f}  {row['lost'] or 'nothing'}",
+                    flush=True,
+                )
+    print(
+        f"targets with 8 clients: >= {ROLLOUTS_TARGET} rollouts/s, >= {SPANS_TARGET:,} spans/s (batches of "
+        f"{SPAN_BATCH}); reference framework: 84 rollouts/s, 3,450 spans/s"
+    )
     step = "complete_attempt, then dequeue" if args.separate_calls else "complete_and_dequeue (as agl's Runner)"
-    print(f"a rollout = get_resources (read once per client and version) + add_spans({args.spans_per_rollout}) + "
-          f"{step}; {args.rollouts} rollouts per row")
-    print("'CPU ms/rollout': CPU time of the whole machine (all processes, clients included), of the server "
-          "process, and of PostgreSQL's processes per rollout during the rollouts phase (where the time goes; it moves "
-          "with the VM's speed too: compare within one run)")
-    print("'per server CPU-s': work done per second of the server process's own CPU time, which the other "
-          "processes on this machine do not skew (the server is one process: one core's worth at most)")
+    print(
+        f"a rollout = get_resources (read once per client and version) + add_spans({args.spans_per_rollout}) + "
+        f"{step}; {args.rollouts} rollouts per row"
+    )
+    print(
+        "'CPU ms/rollout': CPU time of the whole machine (all processes, clients included), of the server "
+        "process, and of PostgreSQL's processes per rollout during the rollouts phase (where the time goes; it moves "
+        "with the VM's speed too: compare within one run)"
+    )
+    print(
+        "'per server CPU-s': work done per second of the server process's own CPU time, which the other "
+        "processes on this machine do not skew (the server is one process: one core's worth at most)"
+    )
     return 1 if any_lost else 0
 
 

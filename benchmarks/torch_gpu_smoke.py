@@ -30,15 +30,16 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-import agl
 import openai
 import torch
+
+import agl
 from agl.algorithm.torch_grpo import TorchGRPO
-from agl.serving.models import load_policy
 from agl.serving import PolicyServer
+from agl.serving.models import load_policy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_throughput import served  # noqa: E402  (the same client loop as the CPU benchmark)
+from serve_throughput import served  # the same client loop as the CPU benchmark
 
 TASKS = [{"task_id": f"t{i}", "question": f"List a few numbers after {i}."} for i in range(32)]
 
@@ -64,7 +65,9 @@ OPERATION_TOOL = {  # bounded arguments, so that even a random model's constrain
     "function": {
         "name": "pick",
         "parameters": {
-            "type": "object", "properties": {"op": {"enum": ["add", "sub"]}}, "required": ["op"],
+            "type": "object",
+            "properties": {"op": {"enum": ["add", "sub"]}},
+            "required": ["op"],
             "additionalProperties": False,
         },
     },
@@ -87,14 +90,23 @@ def check_apis(base_url: str) -> List[str]:
         with client.responses.stream(model="policy", input=question, max_output_tokens=16, temperature=0) as stream:
             streamed = list(stream)[-1].response  # "response.incomplete" when cut at max_output_tokens
         chat_ids = ids(chat.choices[0], "token_ids")
-        if not chat_ids or ids(plain, "response_token_ids") != chat_ids or ids(streamed, "response_token_ids") != chat_ids:
+        if (
+            not chat_ids
+            or ids(plain, "response_token_ids") != chat_ids
+            or ids(streamed, "response_token_ids") != chat_ids
+        ):
             failures.append("greedy chat, Responses and streamed Responses answers have different token ids")
         if not plain.output_text == streamed.output_text == (chat.choices[0].message.content or ""):
             failures.append("greedy chat, Responses and streamed Responses answers have different text")
         sampled = [
             client.chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": question}], max_tokens=16, temperature=1.0,
-                top_p=0.9, seed=7, logprobs=True,
+                model="policy",
+                messages=[{"role": "user", "content": question}],
+                max_tokens=16,
+                temperature=1.0,
+                top_p=0.9,
+                seed=7,
+                logprobs=True,
             )
             for _ in range(2)
         ]
@@ -103,7 +115,9 @@ def check_apis(base_url: str) -> List[str]:
         if not all(math.isfinite(t.logprob) for t in sampled[0].choices[0].logprobs.content):
             failures.append("a top-p sample has a token of logprob -inf (drawn outside its nucleus)")
         structured = client.chat.completions.create(
-            model="policy", messages=[{"role": "user", "content": question}], max_tokens=40,
+            model="policy",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=40,
             response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}},
         )
         try:
@@ -113,13 +127,19 @@ def check_apis(base_url: str) -> List[str]:
         except ValueError:
             failures.append(f"a structured answer is not JSON: {structured.choices[0].message.content!r}")
         forced = client.chat.completions.create(
-            model="policy", messages=[{"role": "user", "content": "Pick an operation."}], max_tokens=64,
-            temperature=1.0, tools=[OPERATION_TOOL], tool_choice={"type": "function", "function": {"name": "pick"}},
+            model="policy",
+            messages=[{"role": "user", "content": "Pick an operation."}],
+            max_tokens=64,
+            temperature=1.0,
+            tools=[OPERATION_TOOL],
+            tool_choice={"type": "function", "function": {"name": "pick"}},
         )
         calls = forced.choices[0].message.tool_calls or []
         try:
-            ok = len(calls) == 1 and calls[0].function.name == "pick" and (
-                json.loads(calls[0].function.arguments).get("op") in ("add", "sub")
+            ok = (
+                len(calls) == 1
+                and calls[0].function.name == "pick"
+                and (json.loads(calls[0].function.arguments).get("op") in ("add", "sub"))
             )
         except ValueError:
             ok = False
@@ -139,8 +159,12 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=".agl/torch_gpu_smoke")
     parser.add_argument("--max-drift", type=float, default=0.05, help="mean |served - recomputed| logprob allowed")
-    parser.add_argument("--runner-mode", choices=["thread", "process"], default="thread",
-                        help="runners as threads of this process (default) or as separate processes")
+    parser.add_argument(
+        "--runner-mode",
+        choices=["thread", "process"],
+        default="thread",
+        help="runners as threads of this process (default) or as separate processes",
+    )
     parser.add_argument("--allow-cpu", action="store_true", help="run on a machine without a GPU (checks the script)")
     args = parser.parse_args(argv)
 

@@ -47,9 +47,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import openai
 import wrapt
 
-from agl.tracing.context import RolloutScope, enter_scope, exit_scope
 from agl.instrumentation import openai_client
 from agl.instrumentation.openai_client import OpenAIInstrumentor
+from agl.tracing.context import RolloutScope, enter_scope, exit_scope
 from agl.tracing.tracer import get_tracer
 
 try:
@@ -153,7 +153,7 @@ def calls(client: openai.OpenAI, n: int) -> Tuple[float, float]:
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
-def hot_path(store: "Store", instrumentor: OpenAIInstrumentor, n: int, rounds: int) -> Tuple[float, int]:
+def hot_path(store: Store, instrumentor: OpenAIInstrumentor, n: int, rounds: int) -> Tuple[float, int]:
     """Calling-thread CPU microseconds per call spent in agl's wrapper around an instant ``create``.
 
     Returns the median over ``rounds`` rollouts of ``n`` calls, and how many spans were stored.
@@ -264,7 +264,11 @@ def rollout_then_flush(store: Store, client: openai.OpenAI) -> Tuple[float, str]
 
 
 def measure_writer(
-    writer: str, store: Store, fast: openai.OpenAI, slow: openai.OpenAI, instrumentor: OpenAIInstrumentor,
+    writer: str,
+    store: Store,
+    fast: openai.OpenAI,
+    slow: openai.OpenAI,
+    instrumentor: OpenAIInstrumentor,
     args: argparse.Namespace,
 ) -> Dict[str, Any]:
     """Every writer-dependent figure for one span writer (``thread`` or ``process``)."""
@@ -290,8 +294,15 @@ def measure_writer(
     stored += store.count(rollout_id)
     expected += FLUSH_SPANS
     instrumentor.uninstrument()
-    return {"latent": latent, "cpu": cpu_bound, "collections": collections, "flushes": flushes,
-            "queued_flush_ms": queued_flush_ms, "stored": stored, "expected": expected}
+    return {
+        "latent": latent,
+        "cpu": cpu_bound,
+        "collections": collections,
+        "flushes": flushes,
+        "queued_flush_ms": queued_flush_ms,
+        "stored": stored,
+        "expected": expected,
+    }
 
 
 def main() -> None:
@@ -339,38 +350,72 @@ def main() -> None:
     def ratio(result: Dict[str, Any]) -> str:
         return f"{(result['base'] + result['wall']) / result['base']:.3f}x"
 
-    def per_writer(label: str, value: Callable[[Dict[str, Any]], str], target: str = "",
-                   ok: Optional[Callable[[Dict[str, Any]], bool]] = None) -> Tuple[str, List[str], str, List[Any]]:
-        return (label, [value(results[w]) for w in writers], target,
-                [None if ok is None else ok(results[w]) for w in writers])
+    def per_writer(
+        label: str,
+        value: Callable[[Dict[str, Any]], str],
+        target: str = "",
+        ok: Optional[Callable[[Dict[str, Any]], bool]] = None,
+    ) -> Tuple[str, List[str], str, List[Any]]:
+        return (
+            label,
+            [value(results[w]) for w in writers],
+            target,
+            [None if ok is None else ok(results[w]) for w in writers],
+        )
 
     rows = [
-        ("hot path: agl code per call, calling thread (us)", [f"{hot_us:.1f}"] * len(writers), per_call,
-         [hot_us <= CALL_TARGET_US] * len(writers)),
+        (
+            "hot path: agl code per call, calling thread (us)",
+            [f"{hot_us:.1f}"] * len(writers),
+            per_call,
+            [hot_us <= CALL_TARGET_US] * len(writers),
+        ),
         per_writer(f"uninstrumented call, {latency} (us)", lambda r: f"{r['latent']['base']:.0f}"),
-        per_writer(f"overhead per call, {latency}, flush included (us)", lambda r: f"{r['latent']['wall']:.1f}",
-                   per_call, lambda r: r["latent"]["wall"] <= CALL_TARGET_US),
+        per_writer(
+            f"overhead per call, {latency}, flush included (us)",
+            lambda r: f"{r['latent']['wall']:.1f}",
+            per_call,
+            lambda r: r["latent"]["wall"] <= CALL_TARGET_US,
+        ),
         per_writer("  middle half of the rounds (us)", lambda r: quartiles(r["latent"])),
         per_writer("  of which the end-of-round flush (us)", lambda r: f"{r['latent']['flush']:.1f}"),
         per_writer("  calling thread CPU only (us)", lambda r: f"{r['latent']['cpu']:.1f}"),
         per_writer("  ratio", lambda r: ratio(r["latent"])),
         per_writer("uninstrumented call, CPU-bound, 0 ms (us)", lambda r: f"{r['cpu']['base']:.0f}"),
-        per_writer("overhead per call, CPU-bound, writer and flush included (us)", lambda r: f"{r['cpu']['wall']:.1f}",
-                   per_call, lambda r: r["cpu"]["wall"] <= CALL_TARGET_US),
+        per_writer(
+            "overhead per call, CPU-bound, writer and flush included (us)",
+            lambda r: f"{r['cpu']['wall']:.1f}",
+            per_call,
+            lambda r: r["cpu"]["wall"] <= CALL_TARGET_US,
+        ),
         per_writer("  middle half of the rounds (us)", lambda r: quartiles(r["cpu"])),
         per_writer("  of which the end-of-round flush (us)", lambda r: f"{r['cpu']['flush']:.1f}"),
         per_writer("  calling thread CPU only (us)", lambda r: f"{r['cpu']['cpu']:.1f}"),
         per_writer("  ratio", lambda r: ratio(r["cpu"])),
-        per_writer("GC collections per 1,000 instrumented calls (gen0/1/2)",
-                   lambda r: "/".join(f"{c:.1f}" for c in r["collections"])),
-        per_writer(f"end-of-rollout flush, {FLUSH_SPANS} calls, {latency} (ms)", lambda r: f"{r['flushes']['latent']:.1f}",
-                   per_flush, lambda r: r["flushes"]["latent"] <= FLUSH_TARGET_MS),
-        per_writer(f"end-of-rollout flush, {FLUSH_SPANS} calls, CPU-bound (ms)", lambda r: f"{r['flushes']['cpu']:.1f}",
-                   per_flush, lambda r: r["flushes"]["cpu"] <= FLUSH_TARGET_MS),
+        per_writer(
+            "GC collections per 1,000 instrumented calls (gen0/1/2)",
+            lambda r: "/".join(f"{c:.1f}" for c in r["collections"]),
+        ),
+        per_writer(
+            f"end-of-rollout flush, {FLUSH_SPANS} calls, {latency} (ms)",
+            lambda r: f"{r['flushes']['latent']:.1f}",
+            per_flush,
+            lambda r: r["flushes"]["latent"] <= FLUSH_TARGET_MS,
+        ),
+        per_writer(
+            f"end-of-rollout flush, {FLUSH_SPANS} calls, CPU-bound (ms)",
+            lambda r: f"{r['flushes']['cpu']:.1f}",
+            per_flush,
+            lambda r: r["flushes"]["cpu"] <= FLUSH_TARGET_MS,
+        ),
         per_writer(f"writer: {FLUSH_SPANS} spans all queued, one flush (ms)", lambda r: f"{r['queued_flush_ms']:.0f}"),
         per_writer("  = per span (us)", lambda r: f"{r['queued_flush_ms'] * 1e3 / FLUSH_SPANS:.0f}"),
-        per_writer("spans stored / expected", lambda r: f"{r['stored']}/{r['expected']}", "all",
-                   lambda r: r["stored"] == r["expected"]),
+        per_writer(
+            "spans stored / expected",
+            lambda r: f"{r['stored']}/{r['expected']}",
+            "all",
+            lambda r: r["stored"] == r["expected"],
+        ),
     ]
     hot_ok = hot_stored == HOT_CALLS * args.rounds
     header = "".join(f" {w + ' writer':>15} met" for w in writers)

@@ -86,8 +86,10 @@ def main() -> None:
         per_span.append(cpu / spans)
         print(f"{spans:>10} {samples:>9} {wall:>8.2f} {spans / wall:>10,.0f} {1e6 * cpu / spans:>12.2f}")
     if len(per_span) > 1:
-        print(f"per-span CPU cost, {args.sizes[-1]:,} vs {args.sizes[0]:,} spans: {per_span[-1] / per_span[0]:.2f}x "
-              "(1.0 = linear)")
+        print(
+            f"per-span CPU cost, {args.sizes[-1]:,} vs {args.sizes[0]:,} spans: {per_span[-1] / per_span[0]:.2f}x "
+            "(1.0 = linear)"
+        )
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

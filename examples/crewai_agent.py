@@ -14,10 +14,10 @@ import os
 
 os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")  # keep CrewAI's own telemetry offline
 
-from crewai import LLM, Agent, Crew, Task  # noqa: E402
-from crewai.tools import tool  # noqa: E402
+from crewai import LLM, Agent, Crew, Task
+from crewai.tools import tool
 
-import agl  # noqa: E402
+import agl
 
 agl.instrument()  # the one line: crews, agents, tools and LLM calls become spans with token ids
 

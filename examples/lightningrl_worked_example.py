@@ -101,16 +101,20 @@ def show(title: str, batch: Batch) -> None:
     print(f"\n=== {title}")
     print(f"report: {batch.report}")
     advantage = {s.span_ids[0]: (s.advantage, s.loss_weight) for s in batch.samples}
-    print(f"{'rollout':<8} {'step':>4} {'agent':<9} {'policy':<8} {'prompt':>6} {'resp':>4} "
-          f"{'step rewards':<40} {'reward':>7} {'adv':>7} {'weight':>6}")
+    print(
+        f"{'rollout':<8} {'step':>4} {'agent':<9} {'policy':<8} {'prompt':>6} {'resp':>4} "
+        f"{'step rewards':<40} {'reward':>7} {'adv':>7} {'weight':>6}"
+    )
     rollouts: List[str] = []
     for t in batch.transitions:
         if t.rollout_id not in rollouts:
             rollouts.append(t.rollout_id)
         adv, weight = advantage[t.span_id]
         steps = json.dumps({k: round(v, 3) for k, v in t.step_rewards.items()})
-        print(f"{'#' + str(rollouts.index(t.rollout_id) + 1):<8} {t.step:>4} {t.agent_name:<9} {t.policy:<8} "
-              f"{len(t.prompt_ids):>6} {len(t.response_ids):>4} {steps:<40} {t.reward:>7.3f} {adv:>7.3f} {weight:>6.3f}")
+        print(
+            f"{'#' + str(rollouts.index(t.rollout_id) + 1):<8} {t.step:>4} {t.agent_name:<9} {t.policy:<8} "
+            f"{len(t.prompt_ids):>6} {len(t.response_ids):>4} {steps:<40} {t.reward:>7.3f} {adv:>7.3f} {weight:>6.3f}"
+        )
 
 
 def main() -> None:
@@ -139,8 +143,10 @@ def main() -> None:
     common = {"credit": "discounted", "gamma": 0.9, "air": {"tool_ok": 0.1}}
     settings = [
         ('agent_match="writer|rewriter"', {"agent_match": "writer|rewriter", **common}),
-        ('agent_match={"writer": "author", "checker": "critic"}',
-         {"agent_match": {"writer": "author", "checker": "critic"}, **common}),
+        (
+            'agent_match={"writer": "author", "checker": "critic"}',
+            {"agent_match": {"writer": "author", "checker": "critic"}, **common},
+        ),
     ]
     for title, config in settings:
         show(title, LightningRL.from_config(config).build_batch(trainer.store, rollouts, progress=False))

@@ -87,7 +87,9 @@ def arithmetic_tasks(n: int, seed: int) -> List[Dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="validate the config and the machine, then exit")
-    parser.add_argument("--steps-smoke", action="store_true", help=f"tiny batches: {SMOKE_STEPS} steps to check the pipeline")
+    parser.add_argument(
+        "--steps-smoke", action="store_true", help=f"tiny batches: {SMOKE_STEPS} steps to check the pipeline"
+    )
     parser.add_argument("--store", default="sqlite:///runs/verl_calc.db", help="where rollouts and spans go")
     parser.add_argument("--runners", type=int, default=32, help="agent threads (rollouts run at once)")
     parser.add_argument("--async-groups", type=int, default=0, help="task groups generated while a step trains")

@@ -61,8 +61,8 @@ def dev_example(tmp_path: Path) -> Callable[[str, str], List[Rollout]]:
     Returns the rollouts."""
 
     def run(target: str, agent_match: str) -> List[Rollout]:
-        from agl.lightningrl.agent_match import select_llm_calls
         from agl.cli import main
+        from agl.lightningrl.agent_match import select_llm_calls
         from agl.store import SqliteLightningStore
 
         db = tmp_path / "example.db"

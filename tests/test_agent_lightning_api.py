@@ -36,7 +36,9 @@ def test_seed_style_dev_run(tmp_path, fake_openai, instrumented):
         n_runners=1,
         store=str(tmp_path / "s.db"),
         initial_resources={
-            "main_llm": agl.LLM(endpoint=fake_openai.base_url, model="gpt-4.1-nano", sampling_parameters={"temperature": 0.7})
+            "main_llm": agl.LLM(
+                endpoint=fake_openai.base_url, model="gpt-4.1-nano", sampling_parameters={"temperature": 0.7}
+            )
         },
         progress=False,
     )
@@ -117,7 +119,9 @@ def test_the_seeds_dry_run_against_a_hosted_api(tmp_path, instrumented):
                     n_workers=1,
                     store=str(tmp_path / "s.db"),
                     initial_resources={
-                        "main_llm": agl.LLM(endpoint=hosted.base_url, model="gpt-4.1-nano", sampling_parameters={"temperature": 0.7})
+                        "main_llm": agl.LLM(
+                            endpoint=hosted.base_url, model="gpt-4.1-nano", sampling_parameters={"temperature": 0.7}
+                        )
                     },
                     progress=False,
                 )
@@ -207,8 +211,12 @@ def test_trained_agents_is_the_agent_match_when_the_adapter_names_none(
     agl.LitAgent.__init__(agent, trained_agents=trained_agents)
     given = LightningRL(credit="broadcast") if adapter == "instance" else adapter
     trainer = agl.Trainer(
-        algorithm=BatchOfTrainingRollouts(), n_runners=1, runner_mode="thread", store=str(tmp_path / "s.db"),
-        adapter=given, initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+        algorithm=BatchOfTrainingRollouts(),
+        n_runners=1,
+        runner_mode="thread",
+        store=str(tmp_path / "s.db"),
+        adapter=given,
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
         progress=False,
     )
     with caplog.at_level("WARNING", logger="agl.trainer"):
@@ -216,5 +224,8 @@ def test_trained_agents_is_the_agent_match_when_the_adapter_names_none(
     assert report.llm_spans == 1 and report.transitions == transitions
     assert trainer.adapter is given  # the Trainer's own setting is left as it was
     ignored = [r.getMessage() for r in caplog.records if "is ignored" in r.getMessage()]
-    assert ignored == (["the agent's trained_agents='^writer$' is ignored: the Trainer's adapter selects agent_match='LitQA'"]
-                       if adapter == {"agent_match": "LitQA"} else [])
+    assert ignored == (
+        ["the agent's trained_agents='^writer$' is ignored: the Trainer's adapter selects agent_match='LitQA'"]
+        if adapter == {"agent_match": "LitQA"}
+        else []
+    )

@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
 
-import agl
 import openai
 import pytest
-from agl.runtime import agent_loops, runner as runner_module
+
+import agl
 from agl import semconv
+from agl.runtime import agent_loops
+from agl.runtime import runner as runner_module
 from agl.runtime.runner import Runner
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.testing import FakeOpenAIServer, FakeReply
@@ -36,7 +38,9 @@ def instrumented() -> Iterator[None]:
 
 
 async def _module_level_client(question: str) -> str:
-    reply = await _CLIENT["client"].chat.completions.create(model="fake", messages=[{"role": "user", "content": question}])
+    reply = await _CLIENT["client"].chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": question}]
+    )
     return reply.choices[0].message.content or ""
 
 
@@ -84,7 +88,9 @@ def test_a_module_level_async_client_works_in_every_dev_run_of_a_process(
     _LOOPS.clear()
     _ASK["ask"] = _module_level_client
     _CLIENT["client"] = openai.AsyncOpenAI(base_url=fake_openai.base_url, api_key="x")
-    trainer = agl.Trainer(store=SqliteLightningStore(tmp_path / "s.db"), n_runners=2, runner_mode="thread", progress=False)
+    trainer = agl.Trainer(
+        store=SqliteLightningStore(tmp_path / "s.db"), n_runners=2, runner_mode="thread", progress=False
+    )
     tasks = [{"question": "What is 1 plus 2?"}, {"question": "What is 3 plus 4?"}]
     for run in ("first", "second"):
         rows = trainer.dev(_asks_the_model, tasks, print_table=False)
@@ -92,7 +98,7 @@ def test_a_module_level_async_client_works_in_every_dev_run_of_a_process(
     assert len(_LOOPS) == 4 and all(loop is _LOOPS[0] for loop in _LOOPS) and not _LOOPS[0].is_closed()
 
 
-_LEFT_TASKS: List["asyncio.Task[Any]"] = []
+_LEFT_TASKS: List[asyncio.Task[Any]] = []
 
 
 async def _left_by_a() -> None:
@@ -125,7 +131,9 @@ def test_each_rollout_is_told_only_of_the_tasks_it_left_running(
         for task in _LEFT_TASKS:
             agent_loops.loop().call_soon_threadsafe(task.cancel)
     assert [r.status for r in rows] == ["succeeded", "succeeded"]
-    said = {r.getMessage().split()[1]: r.getMessage() for r in caplog.records if "asyncio task(s) running" in r.getMessage()}
+    said = {
+        r.getMessage().split()[1]: r.getMessage() for r in caplog.records if "asyncio task(s) running" in r.getMessage()
+    }
     for row, own, other in ((rows[0], "_left_by_a", "_left_by_b"), (rows[1], "_left_by_b", "_left_by_a")):
         assert "left 1 asyncio task(s) running" in said[row.rollout_id] and own in said[row.rollout_id]
         assert other not in said[row.rollout_id]
@@ -214,13 +222,26 @@ def test_the_loop_is_closed_at_interpreter_exit(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent(_EXIT_SCRIPT))
     done = subprocess.run(
         [sys.executable, "-X", "dev", "-W", "default::ResourceWarning", str(script)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "stream closed", "dev ['succeeded'] None", "stream closed", "dev ['succeeded'] None", "devs done", "runtime ended",
+        "stream closed",
+        "dev ['succeeded'] None",
+        "stream closed",
+        "dev ['succeeded'] None",
+        "devs done",
+        "runtime ended",
     ], done.stderr
-    for trouble in ("destroyed but it is pending", "unclosed event loop", "Event loop is closed", "Traceback", "did not finish"):
+    for trouble in (
+        "destroyed but it is pending",
+        "unclosed event loop",
+        "Event loop is closed",
+        "Traceback",
+        "did not finish",
+    ):
         assert trouble not in done.stderr, done.stderr
 
 

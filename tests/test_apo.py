@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
-import agl
 import openai
 import pytest
+
+import agl
 from agl.algorithm.apo import APO, APOError, transcript
 from agl.testing.fake_openai import FakeOpenAIServer
 from agl.testing.fake_policy import FakeReply
@@ -80,14 +81,13 @@ def test_beam_search_finds_the_better_prompt_and_publishes_it(tmp_path, fake_ope
         FakeReply(content="<prompt>Think, then answer: {question}</prompt>"),
         FakeReply(content=f"<prompt>{GOOD}</prompt>"),
     )
-    algorithm = APO(_optimizer_llm(optimizer), beam_width=2, branch_factor=2, rounds=2,
-                    gradient_batch_size=2, val_batch_size=4)
+    algorithm = APO(
+        _optimizer_llm(optimizer), beam_width=2, branch_factor=2, rounds=2, gradient_batch_size=2, val_batch_size=4
+    )
     trainer = _trainer(tmp_path, fake_openai, algorithm)
     result = trainer.fit(agent, TASKS, val_dataset=TASKS[:4])
 
-    assert [c.template for c in result.history] == [
-        SEED, GOOD, "Answer: {question}", "Think, then answer: {question}"
-    ]
+    assert [c.template for c in result.history] == [SEED, GOOD, "Answer: {question}", "Think, then answer: {question}"]
     assert [c.score for c in result.history] == [0.25, 1.0, 0.25, 0.25]
     assert [c.parent for c in result.history] == [None, 0, 1, 0]
     assert result.history[1].critique == "The prompt never asks for a short answer."
@@ -102,7 +102,9 @@ def test_beam_search_finds_the_better_prompt_and_publishes_it(tmp_path, fake_ope
     by_resources: Dict[str, List[str]] = {}
     for r in val:
         by_resources.setdefault(r.resources_id, []).append(r.task_id)
-    assert len(by_resources) == 4 and all(sorted(t) == sorted(next(iter(by_resources.values()))) for t in by_resources.values())
+    assert len(by_resources) == 4 and all(
+        sorted(t) == sorted(next(iter(by_resources.values()))) for t in by_resources.values()
+    )
     assert all(len(t) == 4 for t in by_resources.values())
 
     requests = _contents(optimizer)
@@ -113,8 +115,11 @@ def test_beam_search_finds_the_better_prompt_and_publishes_it(tmp_path, fake_ope
     assert "[assistant] " in critique
     edit = requests[1]
     assert "The prompt never asks for a short answer." in edit and "{question}" in edit and SEED in edit
-    assert all(r["body"]["model"] == "optimizer-model" and r["body"]["temperature"] == 1.0
-               for r in optimizer.requests if r["path"].endswith("/chat/completions"))
+    assert all(
+        r["body"]["model"] == "optimizer-model" and r["body"]["temperature"] == 1.0
+        for r in optimizer.requests
+        if r["path"].endswith("/chat/completions")
+    )
 
 
 def test_prompt_optimization_of_an_agent_on_a_hosted_model(tmp_path, optimizer) -> None:
@@ -126,8 +131,14 @@ def test_prompt_optimization_of_an_agent_on_a_hosted_model(tmp_path, optimizer) 
     optimizer.script(FakeReply(content="It never asks for concision."), FakeReply(content=f"<prompt>{GOOD}</prompt>"))
     try:
         with FakeOpenAIServer(reject_token_ids=True) as hosted:
-            algorithm = APO(_optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=1,
-                            gradient_batch_size=2, val_batch_size=2)
+            algorithm = APO(
+                _optimizer_llm(optimizer),
+                beam_width=1,
+                branch_factor=1,
+                rounds=1,
+                gradient_batch_size=2,
+                val_batch_size=2,
+            )
             trainer = _trainer(tmp_path, hosted, algorithm)
             result = trainer.fit(agent, TASKS, val_dataset=TASKS[:2])
     finally:
@@ -138,8 +149,9 @@ def test_prompt_optimization_of_an_agent_on_a_hosted_model(tmp_path, optimizer) 
 
 def test_span_retention_deletes_critiqued_rollouts_spans_after_the_critique(tmp_path, fake_openai, optimizer) -> None:
     optimizer.script(FakeReply(content="It never asks for concision."), FakeReply(content=f"<prompt>{GOOD}</prompt>"))
-    algorithm = APO(_optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=1,
-                    gradient_batch_size=2, val_batch_size=2)
+    algorithm = APO(
+        _optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=1, gradient_batch_size=2, val_batch_size=2
+    )
     trainer = _trainer(tmp_path, fake_openai, algorithm, span_retention_steps=0)
     result = trainer.fit(agent, TASKS, val_dataset=TASKS[:2])
     assert result.best.template == GOOD
@@ -152,8 +164,11 @@ def test_span_retention_deletes_critiqued_rollouts_spans_after_the_critique(tmp_
 
 def test_a_trainer_without_a_prompt_template_is_told_how_to_add_one(tmp_path, fake_openai, optimizer) -> None:
     trainer = agl.Trainer(
-        algorithm=APO(_optimizer_llm(optimizer)), store=str(tmp_path / "store.db"), n_runners=1,
-        runner_mode="thread", progress=False,
+        algorithm=APO(_optimizer_llm(optimizer)),
+        store=str(tmp_path / "store.db"),
+        n_runners=1,
+        runner_mode="thread",
+        progress=False,
         initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
     )
     with pytest.raises(APOError, match=r"initial_resources=\{'prompt': agl.PromptTemplate"):
@@ -173,11 +188,15 @@ def test_an_unreachable_optimizer_names_the_model_and_url(tmp_path, fake_openai)
 def test_an_optimizer_failing_mid_search_keeps_the_best_so_far(tmp_path, fake_openai, optimizer) -> None:
     failure = FakeReply(status_code=500, error_message="overloaded")
     optimizer.script(
-        FakeReply(content="Ask for concision."), FakeReply(content=f"<prompt>{GOOD}</prompt>"),  # round 1
-        failure, failure, failure,  # round 2's critique: the first try and the client's two retries
+        FakeReply(content="Ask for concision."),
+        FakeReply(content=f"<prompt>{GOOD}</prompt>"),  # round 1
+        failure,
+        failure,
+        failure,  # round 2's critique: the first try and the client's two retries
     )
-    algorithm = APO(_optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=2,
-                    gradient_batch_size=1, val_batch_size=2)
+    algorithm = APO(
+        _optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=2, gradient_batch_size=1, val_batch_size=2
+    )
     trainer = _trainer(tmp_path, fake_openai, algorithm)
     with pytest.raises(APOError, match="optimizer model 'optimizer-model' .* failed") as caught:
         trainer.fit(agent, TASKS)
@@ -193,11 +212,19 @@ def test_agent_lightning_apo_code_runs_unchanged(tmp_path, fake_openai, optimize
     optimizer.script(FakeReply(content="Ask for concision."), FakeReply(content=f"<prompt>{GOOD}</prompt>"))
     algo = agl.APO(
         openai.AsyncOpenAI(base_url=optimizer.base_url, api_key="sk-test"),
-        val_batch_size=2, gradient_batch_size=1, beam_width=1, branch_factor=1, beam_rounds=1,
+        val_batch_size=2,
+        gradient_batch_size=1,
+        beam_width=1,
+        branch_factor=1,
+        beam_rounds=1,
         diversity_temperature=0.7,
     )
     trainer = agl.Trainer(
-        algorithm=algo, n_runners=2, store=str(tmp_path / "store.db"), runner_mode="thread", progress=False,
+        algorithm=algo,
+        n_runners=2,
+        store=str(tmp_path / "store.db"),
+        runner_mode="thread",
+        progress=False,
         adapter=agl.TraceToMessages(),
         initial_resources={
             "main_llm": agl.LLM(endpoint=fake_openai.base_url, model="agent-model"),
@@ -229,15 +256,20 @@ def test_replies_without_a_prompt_are_refused_and_a_prompt_without_placeholders_
         FakeReply(content="Sure! Here is an improved version. Let me know if you need more."),
         FakeReply(content="<prompt>Be concise. Answer the question."),  # never closed: the rest is the prompt
     )
-    llm = agl.LLM(endpoint=optimizer.base_url, model="optimizer-model", sampling_parameters={"top_k": 20, "temperature": 0.5})
+    llm = agl.LLM(
+        endpoint=optimizer.base_url, model="optimizer-model", sampling_parameters={"top_k": 20, "temperature": 0.5}
+    )
     algorithm = APO(llm, beam_width=1, branch_factor=4, rounds=1, gradient_batch_size=1, val_batch_size=2)
     result = _trainer(tmp_path, fake_openai, algorithm, prompt=seed).fit(agent, TASKS)
     assert [c.template for c in result.history] == [seed, "Be concise. Answer the question."]
     assert result.refused == 3 and result.best.template == "Be concise. Answer the question."
     edit = _contents(optimizer)[1]
     assert "{question}" not in edit and "no placeholders" in edit
-    assert all(r["body"]["top_k"] == 20 and r["body"]["temperature"] == 0.5
-               for r in optimizer.requests if r["path"].endswith("/chat/completions"))
+    assert all(
+        r["body"]["top_k"] == 20 and r["body"]["temperature"] == 0.5
+        for r in optimizer.requests
+        if r["path"].endswith("/chat/completions")
+    )
 
 
 def test_settings_are_checked() -> None:
@@ -254,17 +286,34 @@ def test_transcript_shows_new_messages_tool_calls_and_failures() -> None:
     from agl.types import Rollout, Span
 
     def span(seq: int, kind: str, **attrs: Any) -> Span:
-        return Span(rollout_id="r", attempt_id="a", sequence_id=seq, trace_id="t", span_id=f"s{seq}", name=kind,
-                    kind=kind, start_time=seq, end_time=seq, attributes=attrs)
+        return Span(
+            rollout_id="r",
+            attempt_id="a",
+            sequence_id=seq,
+            trace_id="t",
+            span_id=f"s{seq}",
+            name=kind,
+            kind=kind,
+            start_time=seq,
+            end_time=seq,
+            attributes=attrs,
+        )
 
     first_in = [{"role": "system", "content": "S"}, {"role": "user", "content": "U" * 800}]
     first_out = [{"role": "assistant", "content": "", "tool_calls": [{"name": "calc", "arguments": "{}"}]}]
     spans = [
         span(0, "llm", **{semconv.INPUT_MESSAGES: first_in, semconv.OUTPUT_MESSAGES: first_out}),
-        span(1, "tool", **{semconv.TOOL_NAME: "calc", semconv.TOOL_CALL_ARGUMENTS: "1+1",
-                           semconv.TOOL_CALL_RESULT: "2"}),
-        span(2, "llm", **{semconv.INPUT_MESSAGES: first_in + first_out + [{"role": "tool", "content": "2"}],
-                          semconv.OUTPUT_MESSAGES: '[{"role": "assistant", "content": "It is 2."}]'}),
+        span(
+            1, "tool", **{semconv.TOOL_NAME: "calc", semconv.TOOL_CALL_ARGUMENTS: "1+1", semconv.TOOL_CALL_RESULT: "2"}
+        ),
+        span(
+            2,
+            "llm",
+            **{
+                semconv.INPUT_MESSAGES: first_in + first_out + [{"role": "tool", "content": "2"}],
+                semconv.OUTPUT_MESSAGES: '[{"role": "assistant", "content": "It is 2."}]',
+            },
+        ),
     ]
     failed = Rollout(rollout_id="r", task_id="t", input={}, status="failed", error="ValueError: boom")
     text = transcript(spans, failed, limit=100)

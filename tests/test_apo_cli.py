@@ -12,15 +12,15 @@ import sys
 from pathlib import Path
 from typing import Any, List
 
-import agl
 import pytest
+from test_apo_robustness import MALFORMED, BodyServer, chat
+
+import agl
 from agl.cli import main
 from agl.testing.fake_openai import FakeOpenAIServer
 from agl.testing.fake_policy import FakeReply
 
-from test_apo_robustness import MALFORMED, BodyServer, chat
-
-AGENT = '''
+AGENT = """
 import os, signal
 import agl
 
@@ -34,9 +34,21 @@ def agent(task, prompt_template: agl.PromptTemplate, llm: agl.LLM) -> float:
         except FileExistsError:
             pass
     return 1.0 if "concise" in text else 0.5
-'''
-SMALL = ["--set", "rounds=2", "--set", "beam_width=1", "--set", "branch_factor=1", "--set", "gradient_batch_size=1",
-         "--set", "val_batch_size=3", "--n-runners", "2"]
+"""
+SMALL = [
+    "--set",
+    "rounds=2",
+    "--set",
+    "beam_width=1",
+    "--set",
+    "branch_factor=1",
+    "--set",
+    "gradient_batch_size=1",
+    "--set",
+    "val_batch_size=3",
+    "--n-runners",
+    "2",
+]
 
 
 @pytest.fixture()
@@ -47,9 +59,28 @@ def files(tmp_path: Path) -> Path:
 
 
 def _args(files: Path, agent_url: str, optimizer_url: str, *extra: str) -> List[str]:
-    return ["train", f"{files}/apo_agent.py:agent", "--data", str(files / "train.jsonl"), "--out", str(files / "run"),
-            "--algorithm", "apo", "--prompt", "Answer {q}", "--llm-endpoint", agent_url, "--llm-model", "agent-model",
-            "--optimizer-endpoint", optimizer_url, "--optimizer-model", "optimizer-model", *SMALL, *extra]
+    return [
+        "train",
+        f"{files}/apo_agent.py:agent",
+        "--data",
+        str(files / "train.jsonl"),
+        "--out",
+        str(files / "run"),
+        "--algorithm",
+        "apo",
+        "--prompt",
+        "Answer {q}",
+        "--llm-endpoint",
+        agent_url,
+        "--llm-model",
+        "agent-model",
+        "--optimizer-endpoint",
+        optimizer_url,
+        "--optimizer-model",
+        "optimizer-model",
+        *SMALL,
+        *extra,
+    ]
 
 
 def _run(args: List[str]) -> Any:
@@ -68,8 +99,9 @@ def _fails(args: List[str]) -> str:
 
 def test_a_malformed_optimizer_reply_still_saves_the_best_prompt(files, fake_openai, capsys) -> None:
     """``{"choices": []}`` in round 2: a traceback, exit 1, and neither best_prompt.txt nor apo_history.json."""
-    with BodyServer(chat("Ask for brevity."), chat("<prompt>Be concise: {q}</prompt>"),
-                    MALFORMED["empty_choices"]) as junk:
+    with BodyServer(
+        chat("Ask for brevity."), chat("<prompt>Be concise: {q}</prompt>"), MALFORMED["empty_choices"]
+    ) as junk:
         code = _run(_args(files, fake_openai.base_url, junk.base_url))
     assert code == 1
     assert (files / "run" / "best_prompt.txt").read_text() == "Be concise: {q}"
@@ -81,12 +113,19 @@ def test_a_malformed_optimizer_reply_still_saves_the_best_prompt(files, fake_ope
 def test_ctrl_c_saves_the_best_prompt_so_far_and_exits_130(files, fake_openai) -> None:
     """A traceback and nothing saved; the folder then refused a fresh run."""
     with FakeOpenAIServer() as optimizer:
-        optimizer.script(FakeReply(content="Ask for brevity."), FakeReply(content="<prompt>Be concise: {q}</prompt>"),
-                         FakeReply(content="Say stop."), FakeReply(content="<prompt>Stop now. Be concise: {q}</prompt>"))
+        optimizer.script(
+            FakeReply(content="Ask for brevity."),
+            FakeReply(content="<prompt>Be concise: {q}</prompt>"),
+            FakeReply(content="Say stop."),
+            FakeReply(content="<prompt>Stop now. Be concise: {q}</prompt>"),
+        )
         agl_command = Path(sys.executable).with_name("agl")
         done = subprocess.run(
-            [str(agl_command), *_args(files, fake_openai.base_url, optimizer.base_url)], capture_output=True,
-            text=True, timeout=300, env={**os.environ, "AGL_TEST_MARK": str(files / "interrupted")},
+            [str(agl_command), *_args(files, fake_openai.base_url, optimizer.base_url)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "AGL_TEST_MARK": str(files / "interrupted")},
         )
     assert (files / "interrupted").exists(), done.stderr
     assert done.returncode == 130, done.stderr
@@ -94,7 +133,9 @@ def test_ctrl_c_saves_the_best_prompt_so_far_and_exits_130(files, fake_openai) -
     assert "agl train: interrupted; the best prompt so far is saved" in done.stderr
     assert (files / "run" / "best_prompt.txt").read_text() == "Be concise: {q}"
     assert [h["template"] for h in json.loads((files / "run" / "apo_history.json").read_text())] == [
-        "Answer {q}", "Be concise: {q}"]
+        "Answer {q}",
+        "Be concise: {q}",
+    ]
 
 
 def test_resume_is_refused_and_saved_results_are_never_replaced(files, fake_openai) -> None:
@@ -136,8 +177,17 @@ def test_the_optimizer_key_goes_only_to_the_optimizer_and_is_not_stored(files, f
     monkeypatch.setenv("OPTIMIZER_KEY", "sk-optimizer-secret")
     with FakeOpenAIServer() as optimizer:
         optimizer.script(FakeReply(content="Ask for brevity."), FakeReply(content="<prompt>Be concise: {q}</prompt>"))
-        code = _run(_args(files, fake_openai.base_url, optimizer.base_url, "--set", "rounds=1",
-                          "--optimizer-api-key-env", "OPTIMIZER_KEY"))
+        code = _run(
+            _args(
+                files,
+                fake_openai.base_url,
+                optimizer.base_url,
+                "--set",
+                "rounds=1",
+                "--optimizer-api-key-env",
+                "OPTIMIZER_KEY",
+            )
+        )
         asked = [r for r in optimizer.requests if r["path"].endswith("/chat/completions")]
     assert code == 0 and len(asked) == 2
     assert all(r["headers"]["authorization"] == "Bearer sk-optimizer-secret" for r in asked)

@@ -14,9 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
-import agl
 import openai
 import pytest
+
+import agl
 from agl.algorithm.apo import APO, APOError, transcript
 from agl.testing.fake_openai import FakeOpenAIServer
 from agl.testing.fake_policy import FakeReply
@@ -69,7 +70,7 @@ class BodyServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
-    def __enter__(self) -> "BodyServer":
+    def __enter__(self) -> BodyServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         return self
 
@@ -79,18 +80,29 @@ class BodyServer:
 
 
 def chat(content: Any) -> Tuple[int, str, str]:
-    completion = {"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
-        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]}
+    completion = {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}],
+    }
     return 200, "application/json", json.dumps(completion)
 
 
 MALFORMED = {
-    "empty_choices": (200, "application/json", '{"id": "c", "object": "chat.completion", "created": 0, '
-                      '"model": "m", "choices": []}'),
+    "empty_choices": (
+        200,
+        "application/json",
+        '{"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": []}',
+    ),
     "html_page": (200, "text/html", "<html><body>Please log in to the proxy</body></html>"),
     "error_object": (200, "application/json", '{"error": {"message": "quota exceeded", "type": "billing"}}'),
-    "choices_null": (200, "application/json", '{"id": "c", "object": "chat.completion", "created": 0, '
-                     '"model": "m", "choices": null}'),
+    "choices_null": (
+        200,
+        "application/json",
+        '{"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": null}',
+    ),
 }
 
 
@@ -109,7 +121,11 @@ def instrumented() -> Iterator[None]:
 
 def _trainer(tmp_path: Path, agent_url: str, algorithm: Any, prompt: str = SEED) -> agl.Trainer:
     return agl.Trainer(
-        algorithm=algorithm, store=str(tmp_path / "store.db"), n_runners=3, runner_mode="thread", progress=False,
+        algorithm=algorithm,
+        store=str(tmp_path / "store.db"),
+        n_runners=3,
+        runner_mode="thread",
+        progress=False,
         initial_resources={
             "main_llm": agl.LLM(endpoint=agent_url, model="agent-model"),
             "prompt": agl.PromptTemplate(template=prompt),
@@ -142,8 +158,12 @@ def test_a_malformed_optimizer_reply_is_an_apo_error_and_keeps_the_best_so_far(t
 def test_ctrl_c_publishes_the_best_so_far_and_keeps_the_result(tmp_path, fake_openai, optimizer) -> None:
     """Only an APOError published the best prompt; after Ctrl-C the trainer kept the seed."""
     _interrupt_sent.clear()
-    optimizer.script(FakeReply(content="Ask for concision."), FakeReply(content=f"<prompt>{GOOD}</prompt>"),
-                     FakeReply(content="Say stop."), FakeReply(content=f"<prompt>{STOP}</prompt>"))
+    optimizer.script(
+        FakeReply(content="Ask for concision."),
+        FakeReply(content=f"<prompt>{GOOD}</prompt>"),
+        FakeReply(content="Say stop."),
+        FakeReply(content=f"<prompt>{STOP}</prompt>"),
+    )
     algorithm = _small(optimizer.base_url)
     trainer = _trainer(tmp_path, fake_openai.base_url, algorithm)
     with pytest.raises(KeyboardInterrupt):
@@ -174,11 +194,19 @@ def test_a_round_whose_every_rollout_fails_is_warned_about(tmp_path, fake_openai
 def test_reasoning_and_quoted_prompts_do_not_become_the_prompt(tmp_path, fake_openai, optimizer) -> None:
     """The first <prompt> tag was taken: a reasoning model's thinking ("between <prompt> tags") or a quote of
     the current prompt became the edit, and the reasoning garbage could win."""
-    thinking = ("<think>The user wants the new prompt between <prompt> tags. I should keep {question}.</think>\n"
-                f"<prompt>{GOOD}</prompt>")
-    quoting = f"The current prompt was: <prompt>{SEED}</prompt> Improved: <prompt>Think, then answer: {{question}}</prompt>"
-    optimizer.script(FakeReply(content="Ask for concision."), FakeReply(content=thinking), FakeReply(content=quoting),
-                     FakeReply(content="<think>I will write <prompt>Be concise: {question}</prompt> but"))
+    thinking = (
+        "<think>The user wants the new prompt between <prompt> tags. I should keep {question}.</think>\n"
+        f"<prompt>{GOOD}</prompt>"
+    )
+    quoting = (
+        f"The current prompt was: <prompt>{SEED}</prompt> Improved: <prompt>Think, then answer: {{question}}</prompt>"
+    )
+    optimizer.script(
+        FakeReply(content="Ask for concision."),
+        FakeReply(content=thinking),
+        FakeReply(content=quoting),
+        FakeReply(content="<think>I will write <prompt>Be concise: {question}</prompt> but"),
+    )
     algorithm = _small(optimizer.base_url, rounds=1, branch_factor=3)
     result = _trainer(tmp_path, fake_openai.base_url, algorithm).fit(agent, TASKS)
     assert [c.template for c in result.history] == [SEED, GOOD, "Think, then answer: {question}"]
@@ -203,20 +231,23 @@ def test_an_empty_critique_asks_for_no_edits(tmp_path, fake_openai, optimizer, c
     assert any("critique is empty" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"rounds": 2.0}, "rounds must be a whole number, got 2.0"),
-    ({"rounds": float("inf")}, "rounds must be a whole number"),
-    ({"rounds": "3"}, "rounds must be a whole number, got '3'"),
-    ({"beam_width": 1.5}, "beam_width must be a whole number"),
-    ({"branch_factor": True}, "branch_factor must be a whole number"),
-    ({"gradient_batch_size": 2.5}, "gradient_batch_size must be a whole number"),
-    ({"val_batch_size": 0}, "val_batch_size must be at least 1"),
-    ({"max_transcripts": 1.0}, "max_transcripts must be a whole number"),
-    ({"request_timeout": -1}, "request_timeout must be a finite number > 0"),
-    ({"request_timeout": 0}, "request_timeout must be a finite number > 0"),
-    ({"diversity_temperature": -0.5}, "diversity_temperature must be a finite number >= 0"),
-    ({"rounds": 2, "beam_rounds": 3}, "rounds=2 and beam_rounds=3 disagree"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"rounds": 2.0}, "rounds must be a whole number, got 2.0"),
+        ({"rounds": float("inf")}, "rounds must be a whole number"),
+        ({"rounds": "3"}, "rounds must be a whole number, got '3'"),
+        ({"beam_width": 1.5}, "beam_width must be a whole number"),
+        ({"branch_factor": True}, "branch_factor must be a whole number"),
+        ({"gradient_batch_size": 2.5}, "gradient_batch_size must be a whole number"),
+        ({"val_batch_size": 0}, "val_batch_size must be at least 1"),
+        ({"max_transcripts": 1.0}, "max_transcripts must be a whole number"),
+        ({"request_timeout": -1}, "request_timeout must be a finite number > 0"),
+        ({"request_timeout": 0}, "request_timeout must be a finite number > 0"),
+        ({"diversity_temperature": -0.5}, "diversity_temperature must be a finite number >= 0"),
+        ({"rounds": 2, "beam_rounds": 3}, "rounds=2 and beam_rounds=3 disagree"),
+    ],
+)
 def test_bad_settings_are_refused_when_apo_is_built(settings, message) -> None:
     """Each passed and crashed mid-run (after rollouts and optimizer calls) with a TypeError or ValueError;
     rounds=2 (the default's value) with beam_rounds=3 silently ran 3 rounds."""
@@ -226,14 +257,19 @@ def test_bad_settings_are_refused_when_apo_is_built(settings, message) -> None:
 
 def test_rounds_and_beam_rounds_alone_or_agreeing() -> None:
     llm = {"endpoint": "http://x/v1", "model": "m"}
-    assert [APO(llm).rounds, APO(llm, rounds=3).rounds, APO(llm, beam_rounds=4).rounds,
-            APO(llm, rounds=5, beam_rounds=5).rounds] == [2, 3, 4, 5]
+    assert [
+        APO(llm).rounds,
+        APO(llm, rounds=3).rounds,
+        APO(llm, beam_rounds=4).rounds,
+        APO(llm, rounds=5, beam_rounds=5).rounds,
+    ] == [2, 3, 4, 5]
 
 
 def test_apo_takes_a_task_type_as_agent_lightning_writes_it() -> None:
     """Agent Lightning's example, ``APO[RoomSelectionTask](client, ...)``: TypeError: 'APO' is not subscriptable."""
-    algorithm = agl.APO[Dict[str, Any]](openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k"),
-                                        beam_rounds=1)
+    algorithm = agl.APO[Dict[str, Any]](
+        openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k"), beam_rounds=1
+    )
     assert isinstance(algorithm, APO) and algorithm.rounds == 1
 
 
@@ -244,19 +280,50 @@ def test_transcript_shows_a_call_that_starts_a_new_conversation() -> None:
     from agl.types import Span
 
     def llm(seq: int, inputs: List[Dict[str, str]], output: str) -> Span:
-        return Span(rollout_id="r", attempt_id="a", sequence_id=seq, trace_id="t", span_id=f"s{seq}", name="llm",
-                    kind="llm", start_time=seq, end_time=seq, attributes={
-                        semconv.INPUT_MESSAGES: inputs,
-                        semconv.OUTPUT_MESSAGES: [{"role": "assistant", "content": output}]})
+        return Span(
+            rollout_id="r",
+            attempt_id="a",
+            sequence_id=seq,
+            trace_id="t",
+            span_id=f"s{seq}",
+            name="llm",
+            kind="llm",
+            start_time=seq,
+            end_time=seq,
+            attributes={
+                semconv.INPUT_MESSAGES: inputs,
+                semconv.OUTPUT_MESSAGES: [{"role": "assistant", "content": output}],
+            },
+        )
 
-    planner = [{"role": "system", "content": "Plan."}, {"role": "user", "content": "Q"},
-               {"role": "assistant", "content": "earlier"}, {"role": "user", "content": "again"}]
+    planner = [
+        {"role": "system", "content": "Plan."},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "earlier"},
+        {"role": "user", "content": "again"},
+    ]
     writer = [{"role": "system", "content": "Write concisely: Q"}, {"role": "user", "content": "the plan"}]
-    text = transcript([llm(0, planner, "a plan"), llm(1, writer, "the answer"),
-                       llm(2, writer + [{"role": "assistant", "content": "the answer"},
-                                        {"role": "user", "content": "shorter"}], "short")])
+    text = transcript(
+        [
+            llm(0, planner, "a plan"),
+            llm(1, writer, "the answer"),
+            llm(
+                2,
+                writer + [{"role": "assistant", "content": "the answer"}, {"role": "user", "content": "shorter"}],
+                "short",
+            ),
+        ]
+    )
     assert text.splitlines() == [
-        "[system] Plan.", "[user] Q", "[assistant] earlier", "[user] again", "[assistant] a plan",
-        "[new conversation]", "[system] Write concisely: Q", "[user] the plan", "[assistant] the answer",
-        "[user] shorter", "[assistant] short",
+        "[system] Plan.",
+        "[user] Q",
+        "[assistant] earlier",
+        "[user] again",
+        "[assistant] a plan",
+        "[new conversation]",
+        "[system] Write concisely: Q",
+        "[user] the plan",
+        "[assistant] the answer",
+        "[user] shorter",
+        "[assistant] short",
     ]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import agl
-from agl.cli.common import load_agent
 from agl.cli import main as agl_main
+from agl.cli.common import load_agent
 from agl.store import SqliteLightningStore
 
 AGL = Path(sys.executable).with_name("agl")  # the console script, which puts its own folder on sys.path, not "."
@@ -47,14 +47,20 @@ def project(tmp_path: Path) -> Path:
 
 def agl_cli(project: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(AGL), *args], cwd=project, capture_output=True, text=True, timeout=120,
+        [str(AGL), *args],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PATH": "/usr/bin:/bin", "HOME": str(project)},
     )
 
 
 def test_agl_dev_imports_a_module_of_the_current_folder_as_python_m_does(project: Path) -> None:
     """README's `agl dev MODULE:AGENT` in the project folder gave ModuleNotFoundError with a full traceback."""
-    done = agl_cli(project, "dev", "my_agent:agent", "--data", "tasks.jsonl", "--store", "s.db", "--runner-mode", "thread")
+    done = agl_cli(
+        project, "dev", "my_agent:agent", "--data", "tasks.jsonl", "--store", "s.db", "--runner-mode", "thread"
+    )
     assert done.returncode == 0, done.stderr
     with SqliteLightningStore(project / "s.db") as store:
         assert sorted(r.final_reward for r in store.query_rollouts()) == [0.0, 1.0, 2.0]
@@ -63,12 +69,18 @@ def test_agl_dev_imports_a_module_of_the_current_folder_as_python_m_does(project
 @pytest.mark.parametrize(
     "target, message",
     [
-        ("my_agentz:agent", r"agl: cannot import module 'my_agentz' for 'my_agentz:agent': no module named 'my_agentz' "
-         r"in the current folder \(.*\) or on sys.path .*; pass MODULE:NAME for an importable module, or "
-         r"path/to/file.py:NAME for a file \(e.g. my_agentz.py:agent\)"),
+        (
+            "my_agentz:agent",
+            r"agl: cannot import module 'my_agentz' for 'my_agentz:agent': no module named 'my_agentz' "
+            r"in the current folder \(.*\) or on sys.path .*; pass MODULE:NAME for an importable module, or "
+            r"path/to/file.py:NAME for a file \(e.g. my_agentz.py:agent\)",
+        ),
         ("nopackage.sub:agent", r"agl: cannot import module 'nopackage.sub' .*no module named 'nopackage'.*"),
-        ("my_agent:agnet", r"agl: my_agent \(.*my_agent.py\) has no attribute 'agnet': pass MODULE:NAME with the name "
-         r"of a LitAgent or rollout function defined in it"),
+        (
+            "my_agent:agnet",
+            r"agl: my_agent \(.*my_agent.py\) has no attribute 'agnet': pass MODULE:NAME with the name "
+            r"of a LitAgent or rollout function defined in it",
+        ),
     ],
 )
 def test_a_module_or_attribute_that_does_not_exist_is_one_line(project: Path, target: str, message: str) -> None:
@@ -88,8 +100,12 @@ def test_a_module_that_fails_inside_keeps_its_own_traceback(project: Path) -> No
 
 @pytest.mark.parametrize(
     "flag, value, message",
-    [("--limit", "0", "must be at least 1, got 0"), ("--limit", "-1", "must be at least 1, got -1"),
-     ("--n-runners", "-1", "must be at least 0, got -1"), ("--limit", "two", "invalid positive_int value: 'two'")],
+    [
+        ("--limit", "0", "must be at least 1, got 0"),
+        ("--limit", "-1", "must be at least 1, got -1"),
+        ("--n-runners", "-1", "must be at least 0, got -1"),
+        ("--limit", "two", "invalid positive_int value: 'two'"),
+    ],
 )
 def test_agl_dev_refuses_counts_out_of_range_as_usage_errors(
     project: Path, capsys: pytest.CaptureFixture, flag: str, value: str, message: str
@@ -103,8 +119,23 @@ def test_agl_dev_refuses_counts_out_of_range_as_usage_errors(
 
 def test_agl_dev_limit_runs_the_first_n_tasks(project: Path) -> None:
     store = project / "s.db"
-    assert agl_main(["dev", f"{project / 'my_agent.py'}:agent", "--data", str(project / "tasks.jsonl"), "--limit", "1",
-                     "--store", str(store), "--runner-mode", "thread"]) == 0
+    assert (
+        agl_main(
+            [
+                "dev",
+                f"{project / 'my_agent.py'}:agent",
+                "--data",
+                str(project / "tasks.jsonl"),
+                "--limit",
+                "1",
+                "--store",
+                str(store),
+                "--runner-mode",
+                "thread",
+            ]
+        )
+        == 0
+    )
     with SqliteLightningStore(store) as opened:
         assert [r.input for r in opened.query_rollouts()] == [{"n": 0}]
 
@@ -112,8 +143,23 @@ def test_agl_dev_limit_runs_the_first_n_tasks(project: Path) -> None:
 def test_an_llm_agent_without_a_model_is_told_the_cli_flags(project: Path) -> None:
     """The rollout's error said "pass initial_resources={...} to the Trainer", Python advice for a CLI user."""
     store = project / "s.db"
-    assert agl_main(["dev", f"{project / 'my_agent.py'}:uses_llm", "--data", str(project / "tasks.jsonl"),
-                     "--limit", "1", "--store", str(store), "--runner-mode", "thread"]) == 1
+    assert (
+        agl_main(
+            [
+                "dev",
+                f"{project / 'my_agent.py'}:uses_llm",
+                "--data",
+                str(project / "tasks.jsonl"),
+                "--limit",
+                "1",
+                "--store",
+                str(store),
+                "--runner-mode",
+                "thread",
+            ]
+        )
+        == 1
+    )
     with SqliteLightningStore(store) as opened:
         (rollout,) = opened.query_rollouts()
     assert rollout.status == "failed" and rollout.error
@@ -125,15 +171,21 @@ def test_a_functools_partial_agent_is_named_in_its_error(project: Path) -> None:
     """Building the error message raised AttributeError: 'functools.partial' object has no attribute '__name__'."""
     agent = load_agent(f"{project / 'my_agent.py'}:partial_agent")  # prefix is bound: only the task is left
     assert agent.rollout({"n": 1}, {}, None) == 1.0  # type: ignore[arg-type]
-    with pytest.raises(SystemExit, match=r"functools.partial\(<lambda>, \.\.\.\) has arguments \['k', 'extra'\] that agl "
-                       r"cannot supply"):
+    with pytest.raises(
+        SystemExit,
+        match=r"functools.partial\(<lambda>, \.\.\.\) has arguments \['k', 'extra'\] that agl "
+        r"cannot supply",
+    ):
         load_agent(f"{project / 'my_agent.py'}:partial_needing_more")
 
     def two(task: object, database: object) -> float:
         return 1.0
 
-    with pytest.raises(TypeError, match=r"@agl.rollout function functools.partial\(two, \.\.\.\) has arguments "
-                       r"\['database'\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"@agl.rollout function functools.partial\(two, \.\.\.\) has arguments "
+        r"\['database'\]",
+    ):
         agl.rollout(functools.partial(two))
     with pytest.raises(TypeError, match=r"functools.partial\(two, \.\.\.\) must take the task"):
         agl.rollout(functools.partial(two, 1, 2))
@@ -160,19 +212,40 @@ def test_agl_dev_with_no_runners_says_at_once_how_to_start_them(project: Path) -
     env = {"PATH": "/usr/bin:/bin", "HOME": str(project)}
     log = project / "dev.err"
     with log.open("w") as err:
-        dev = subprocess.Popen([str(AGL), "dev", "my_agent:agent", "--data", "tasks.jsonl", "--n-runners", "0",
-                                "--store", "s.db"], cwd=project, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        dev = subprocess.Popen(
+            [str(AGL), "dev", "my_agent:agent", "--data", "tasks.jsonl", "--n-runners", "0", "--store", "s.db"],
+            cwd=project,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+        )
     runner = None
     try:
-        hint = (f"agl dev: --n-runners 0: no runner starts here; waiting for runners started elsewhere, e.g. in another "
-                f"terminal: agl runner --store {project / 's.db'} --agent my_agent:agent")
+        hint = (
+            f"agl dev: --n-runners 0: no runner starts here; waiting for runners started elsewhere, e.g. in another "
+            f"terminal: agl runner --store {project / 's.db'} --agent my_agent:agent"
+        )
         deadline = time.monotonic() + 30
         while hint not in log.read_text() and time.monotonic() < deadline and dev.poll() is None:
             time.sleep(0.2)
         assert hint in log.read_text(), log.read_text()
-        runner = subprocess.Popen([str(AGL), "runner", "--store", str(project / "s.db"), "--agent", "my_agent:agent",
-                                   "--runner-mode", "thread"], cwd=project, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        runner = subprocess.Popen(
+            [
+                str(AGL),
+                "runner",
+                "--store",
+                str(project / "s.db"),
+                "--agent",
+                "my_agent:agent",
+                "--runner-mode",
+                "thread",
+            ],
+            cwd=project,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         out, _ = dev.communicate(timeout=120)
         assert dev.returncode == 0, log.read_text()
         assert "inspect one: agl inspect" in out
@@ -187,7 +260,8 @@ def test_agl_dev_with_no_runners_refuses_a_store_in_memory(project: Path) -> Non
     done = agl_cli(project, "dev", "my_agent:agent", "--data", "tasks.jsonl", "--n-runners", "0", "--store", "memory")
     assert done.returncode == 1 and done.stderr.strip() == (
         "agl: --n-runners 0 waits for runners started elsewhere, which cannot reach a store in memory: pass "
-        "--store FILE.db (or a store server's http://...), or --n-runners 1 or more")
+        "--store FILE.db (or a store server's http://...), or --n-runners 1 or more"
+    )
 
 
 def test_store_hints_never_show_a_database_password() -> None:

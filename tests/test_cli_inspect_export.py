@@ -34,11 +34,32 @@ def spans_of(rollout: Rollout, parent_of_llm: Optional[str] = None, root_parent:
     rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
     root, llm = hashlib.sha1(aid.encode()).hexdigest()[:16], hashlib.sha1(rid.encode() + aid.encode()).hexdigest()[:16]
     return [
-        Span(rollout_id=rid, attempt_id=aid, sequence_id=1, trace_id=TRACE, span_id=root, parent_id=root_parent,
-             name="agent", kind="agent", start_time=0, end_time=10_000_000, attributes={semconv.AGENT_NAME: "solver"}),
-        Span(rollout_id=rid, attempt_id=aid, sequence_id=2, trace_id=TRACE, span_id=llm,
-             parent_id=parent_of_llm or root, name="chat", kind="llm", start_time=1_000_000, end_time=2_000_000,
-             attributes={semconv.PROMPT_TOKEN_IDS: [1, 2, 3], semconv.RESPONSE_TOKEN_IDS: [4, 5]}),
+        Span(
+            rollout_id=rid,
+            attempt_id=aid,
+            sequence_id=1,
+            trace_id=TRACE,
+            span_id=root,
+            parent_id=root_parent,
+            name="agent",
+            kind="agent",
+            start_time=0,
+            end_time=10_000_000,
+            attributes={semconv.AGENT_NAME: "solver"},
+        ),
+        Span(
+            rollout_id=rid,
+            attempt_id=aid,
+            sequence_id=2,
+            trace_id=TRACE,
+            span_id=llm,
+            parent_id=parent_of_llm or root,
+            name="chat",
+            kind="llm",
+            start_time=1_000_000,
+            end_time=2_000_000,
+            attributes={semconv.PROMPT_TOKEN_IDS: [1, 2, 3], semconv.RESPONSE_TOKEN_IDS: [4, 5]},
+        ),
     ]
 
 
@@ -65,17 +86,26 @@ def exported(path: Path) -> Dict[str, float]:
 def _file_state(path: Path) -> tuple:
     with sqlite3.connect(path) as conn:
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master ORDER BY name")]
-        state = (tables, conn.execute("PRAGMA journal_mode").fetchone()[0], conn.execute("PRAGMA user_version").fetchone()[0])
+        state = (
+            tables,
+            conn.execute("PRAGMA journal_mode").fetchone()[0],
+            conn.execute("PRAGMA user_version").fetchone()[0],
+        )
     conn.close()
     return state + (path.read_bytes(),)
 
 
-@pytest.mark.parametrize("schema, what", [
-    ("CREATE TABLE users (name TEXT); INSERT INTO users VALUES ('ann');", "(tables: users) but not an agl store"),
-    ("CREATE TABLE spans (x TEXT); INSERT INTO spans VALUES ('mine');", "its table 'spans' has other columns (x)"),
-    ("", "is an empty SQLite file, not an agl store"),
-])
-@pytest.mark.parametrize("command", [["store", "stats"], ["store", "rollouts"], ["inspect", "ro-1"], ["export", "o.jsonl"]])
+@pytest.mark.parametrize(
+    "schema, what",
+    [
+        ("CREATE TABLE users (name TEXT); INSERT INTO users VALUES ('ann');", "(tables: users) but not an agl store"),
+        ("CREATE TABLE spans (x TEXT); INSERT INTO spans VALUES ('mine');", "its table 'spans' has other columns (x)"),
+        ("", "is an empty SQLite file, not an agl store"),
+    ],
+)
+@pytest.mark.parametrize(
+    "command", [["store", "stats"], ["store", "rollouts"], ["inspect", "ro-1"], ["export", "o.jsonl"]]
+)
 def test_reading_commands_refuse_another_applications_database_and_leave_it_untouched(
     tmp_path: Path, schema: str, what: str, command: List[str]
 ) -> None:
@@ -117,8 +147,10 @@ def test_export_leaves_out_a_group_with_a_rollout_still_running_and_says_so(tmp_
         running = run_one(store, "partial", None)
     done = agl_cli(tmp_path, "export", "out.jsonl", "--store", str(db), "--agent-match", "solver")
     assert done.returncode == 0, done.stderr
-    assert "1 rollouts are still queued or running: their 1 task groups are left out (2 finished rollouts of them)" \
+    assert (
+        "1 rollouts are still queued or running: their 1 task groups are left out (2 finished rollouts of them)"
         in done.stdout
+    )
     assert set(exported(tmp_path / "out.jsonl")) == set(whole)
     with SqliteLightningStore(db) as store:
         assert running.attempt is not None
@@ -172,16 +204,23 @@ def test_an_export_without_samples_keeps_the_previous_file(tmp_path: Path) -> No
     good = (tmp_path / "good.jsonl").read_bytes()
     done = agl_cli(tmp_path, "export", "good.jsonl", "--store", str(db), "--agent-match", "solvre")
     assert done.returncode == 1
-    assert done.stderr.strip() == ("agl: no samples to export from 2 rollouts; the report above says why "
-                                   "(good.jsonl was not written)")
+    assert done.stderr.strip() == (
+        "agl: no samples to export from 2 rollouts; the report above says why (good.jsonl was not written)"
+    )
     assert (tmp_path / "good.jsonl").read_bytes() == good
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.jsonl", "s.db"]
 
 
-@pytest.mark.parametrize("out, message", [
-    ("nodir/x.jsonl", "cannot export to nodir/x.jsonl: the folder nodir does not exist: create it first (mkdir -p nodir)"),
-    ("x.csv", "cannot export to x.csv: unknown export format 'csv' for x.csv: use one of ['jsonl', 'parquet']"),
-])
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        (
+            "nodir/x.jsonl",
+            "cannot export to nodir/x.jsonl: the folder nodir does not exist: create it first (mkdir -p nodir)",
+        ),
+        ("x.csv", "cannot export to x.csv: unknown export format 'csv' for x.csv: use one of ['jsonl', 'parquet']"),
+    ],
+)
 def test_export_checks_where_it_writes_before_reading_the_store(tmp_path: Path, out: str, message: str) -> None:
     """A missing folder was a FileNotFoundError traceback, and both it and an unknown suffix came only after the
     whole batch was built. The store named here does not exist: the target is checked first."""
@@ -220,8 +259,13 @@ def test_inspect_all_attempts_puts_a_header_over_each(tmp_path: Path, capsys: py
             rollout = store.dequeue_rollout("runner")
             assert rollout is not None and rollout.attempt is not None
             store.add_spans(spans_of(rollout))
-            store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, status,  # type: ignore[arg-type]
-                                   reward=1.0 if status == "succeeded" else None, error="ValueError: boom" if status == "failed" else None)
+            store.complete_attempt(
+                rollout.rollout_id,
+                rollout.attempt.attempt_id,
+                status,  # type: ignore[arg-type]
+                reward=1.0 if status == "succeeded" else None,
+                error="ValueError: boom" if status == "failed" else None,
+            )
             attempts.append(rollout.attempt.attempt_id)
     assert agl_main(["inspect", rollout.rollout_id, "--attempt", "all", "--store", str(db)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -264,8 +308,10 @@ def test_prune_of_a_locked_store_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["store", "rollouts", "--limit", "-3"], "must be at least 0, got -3"),
-     (["export", "out.jsonl", "--limit", "0"], "must be at least 1, got 0")],
+    [
+        (["store", "rollouts", "--limit", "-3"], "must be at least 0, got -3"),
+        (["export", "out.jsonl", "--limit", "0"], "must be at least 1, got 0"),
+    ],
 )
 def test_listing_and_export_limits_out_of_range_are_usage_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture, args: List[str], message: str

@@ -10,15 +10,16 @@ from pathlib import Path
 from typing import List
 
 import pytest
+
 from agl.cli import main
 
-AGENT = '''
+AGENT = """
 import agl
 
 @agl.rollout
 def agent(task, llm: agl.LLM) -> float:
     return 1.0
-'''
+"""
 
 
 @pytest.fixture()
@@ -119,13 +120,13 @@ def test_a_bad_agent_match_regex_is_named_before_anything_runs(files: Path) -> N
     assert "--agent-match '^(solve|answer$' is not a regular expression" in message
 
 
-APO_AGENT = '''
+APO_AGENT = """
 import agl
 
 @agl.rollout
 def agent(task, prompt_template: agl.PromptTemplate, llm: agl.LLM) -> float:
     return 1.0 if "concise" in prompt_template.format(q=task["q"]) else 0.5
-'''
+"""
 
 
 def test_apo_needs_its_prompt_and_models_and_refuses_grpo_flags(files: Path) -> None:
@@ -133,13 +134,43 @@ def test_apo_needs_its_prompt_and_models_and_refuses_grpo_flags(files: Path) -> 
     assert "--algorithm apo needs --llm-endpoint, --llm-model, --optimizer-endpoint, --optimizer-model" in message
     message = _fails([*_base(files), "--algorithm", "apo", "--steps", "3"])
     assert "--steps set TorchGRPO" in message and "--set beam_width=N" in message
-    message = _fails([*_base(files), "--algorithm", "apo", "--prompt", "@" + str(files / "nope.txt"),
-                      "--llm-endpoint", "http://x/v1", "--llm-model", "m",
-                      "--optimizer-endpoint", "http://x/v1", "--optimizer-model", "o"])
+    message = _fails(
+        [
+            *_base(files),
+            "--algorithm",
+            "apo",
+            "--prompt",
+            "@" + str(files / "nope.txt"),
+            "--llm-endpoint",
+            "http://x/v1",
+            "--llm-model",
+            "m",
+            "--optimizer-endpoint",
+            "http://x/v1",
+            "--optimizer-model",
+            "o",
+        ]
+    )
     assert "cannot read --prompt" in message and "nope.txt" in message
-    message = _fails([*_base(files), "--algorithm", "apo", "--prompt", "Answer {q}", "--llm-endpoint", "http://x/v1",
-                      "--llm-model", "m", "--optimizer-endpoint", "http://x/v1", "--optimizer-model", "o",
-                      "--set", "beam_width=0"])
+    message = _fails(
+        [
+            *_base(files),
+            "--algorithm",
+            "apo",
+            "--prompt",
+            "Answer {q}",
+            "--llm-endpoint",
+            "http://x/v1",
+            "--llm-model",
+            "m",
+            "--optimizer-endpoint",
+            "http://x/v1",
+            "--optimizer-model",
+            "o",
+            "--set",
+            "beam_width=0",
+        ]
+    )
     assert "bad apo settings: beam_width must be at least 1" in message
     assert not (files / "run").exists()
 
@@ -154,22 +185,50 @@ def test_apo_from_the_command_line_saves_the_best_prompt(files: Path, fake_opena
     with FakeOpenAIServer() as optimizer:
         optimizer.script(FakeReply(content="Ask for brevity."), FakeReply(content="<prompt>Be concise: {q}</prompt>"))
         try:
-            code = main([
-                "train", f"{files}/apo_agent.py:agent", "--data", str(files / "train.jsonl"), "--out", str(files / "run"),
-                "--algorithm", "apo", "--prompt", "@" + str(files / "prompt.txt"),
-                "--llm-endpoint", fake_openai.base_url, "--llm-model", "agent-model",
-                "--optimizer-endpoint", optimizer.base_url, "--optimizer-model", "optimizer-model",
-                "--set", "rounds=1", "--set", "beam_width=1", "--set", "branch_factor=1",
-                "--set", "gradient_batch_size=2", "--set", "val_batch_size=3", "--n-runners", "2",
-                "--span-retention-steps", "0",
-            ])
+            code = main(
+                [
+                    "train",
+                    f"{files}/apo_agent.py:agent",
+                    "--data",
+                    str(files / "train.jsonl"),
+                    "--out",
+                    str(files / "run"),
+                    "--algorithm",
+                    "apo",
+                    "--prompt",
+                    "@" + str(files / "prompt.txt"),
+                    "--llm-endpoint",
+                    fake_openai.base_url,
+                    "--llm-model",
+                    "agent-model",
+                    "--optimizer-endpoint",
+                    optimizer.base_url,
+                    "--optimizer-model",
+                    "optimizer-model",
+                    "--set",
+                    "rounds=1",
+                    "--set",
+                    "beam_width=1",
+                    "--set",
+                    "branch_factor=1",
+                    "--set",
+                    "gradient_batch_size=2",
+                    "--set",
+                    "val_batch_size=3",
+                    "--n-runners",
+                    "2",
+                    "--span-retention-steps",
+                    "0",
+                ]
+            )
         finally:
             agl.uninstrument()
     assert code == 0
     assert (files / "run" / "best_prompt.txt").read_text() == "Be concise: {q}"
     history = json.loads((files / "run" / "apo_history.json").read_text())
     assert [(h["template"], h["score"], h["critique"]) for h in history] == [
-        ("Answer {q}", 0.5, None), ("Be concise: {q}", 1.0, "Ask for brevity.")
+        ("Answer {q}", 0.5, None),
+        ("Be concise: {q}", 1.0, "Ask for brevity."),
     ]
     store = agl.open_store(str(files / "run" / "store.db"))
     critiqued = store.query_rollouts(mode="train")  # --span-retention-steps 0: spans deleted once critiqued
@@ -188,17 +247,48 @@ def test_apo_whose_optimizer_fails_mid_search_still_saves_the_best_prompt_so_far
     (files / "apo_agent.py").write_text(APO_AGENT)
     failure = FakeReply(status_code=500, error_message="overloaded")
     with FakeOpenAIServer() as optimizer:
-        optimizer.script(FakeReply(content="Ask for brevity."), FakeReply(content="<prompt>Be concise: {q}</prompt>"),
-                         failure, failure, failure)  # round 2's critique, and the client's two retries
+        optimizer.script(
+            FakeReply(content="Ask for brevity."),
+            FakeReply(content="<prompt>Be concise: {q}</prompt>"),
+            failure,
+            failure,
+            failure,
+        )  # round 2's critique, and the client's two retries
         try:
-            code = main([
-                "train", f"{files}/apo_agent.py:agent", "--data", str(files / "train.jsonl"), "--out", str(files / "run"),
-                "--algorithm", "apo", "--prompt", "Answer {q}",
-                "--llm-endpoint", fake_openai.base_url, "--llm-model", "agent-model",
-                "--optimizer-endpoint", optimizer.base_url, "--optimizer-model", "optimizer-model",
-                "--set", "rounds=2", "--set", "beam_width=1", "--set", "branch_factor=1",
-                "--set", "gradient_batch_size=1", "--set", "val_batch_size=3", "--n-runners", "2",
-            ])
+            code = main(
+                [
+                    "train",
+                    f"{files}/apo_agent.py:agent",
+                    "--data",
+                    str(files / "train.jsonl"),
+                    "--out",
+                    str(files / "run"),
+                    "--algorithm",
+                    "apo",
+                    "--prompt",
+                    "Answer {q}",
+                    "--llm-endpoint",
+                    fake_openai.base_url,
+                    "--llm-model",
+                    "agent-model",
+                    "--optimizer-endpoint",
+                    optimizer.base_url,
+                    "--optimizer-model",
+                    "optimizer-model",
+                    "--set",
+                    "rounds=2",
+                    "--set",
+                    "beam_width=1",
+                    "--set",
+                    "branch_factor=1",
+                    "--set",
+                    "gradient_batch_size=1",
+                    "--set",
+                    "val_batch_size=3",
+                    "--n-runners",
+                    "2",
+                ]
+            )
         finally:
             agl.uninstrument()
     assert code == 1
@@ -245,7 +335,7 @@ def test_check_lists_every_wrong_setting_one_line_each(files: Path, monkeypatch:
     message = _fails([*_base(files), "--set", "lr=fast", "--config", '{"eval_every": "two"}', "--steps", "-1"])
     lines = message.splitlines()
     assert all(line.startswith("agl: bad grpo settings: ") for line in lines[:3])
-    names = [line[len("agl: bad grpo settings: "):].split("=")[0] for line in lines[:3]]
+    names = [line[len("agl: bad grpo settings: ") :].split("=")[0] for line in lines[:3]]
     assert names == ["eval_every", "lr", "steps"]
     assert not (files / "run").exists()
 
@@ -269,7 +359,11 @@ def test_serving_a_checkpoint_pointer_or_adapter_says_what_to_export(files: Path
     (step / "state.json").write_text("{}")
     (run / "checkpoints" / "latest").write_text("step-000002")
     cases = {
-        run / "checkpoints" / "latest": ("pointer to a training run's newest checkpoint", run / "checkpoints", run / "model"),
+        run / "checkpoints" / "latest": (
+            "pointer to a training run's newest checkpoint",
+            run / "checkpoints",
+            run / "model",
+        ),
         step / "adapter": ("LoRA adapter of a training checkpoint", step, run / "model-step-000002"),
         step: ("an agl training run or checkpoint", step, run / "model-step-000002"),
         run / "checkpoints": ("an agl training run or checkpoint", run / "checkpoints", run / "model"),

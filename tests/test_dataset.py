@@ -50,9 +50,10 @@ def test_an_algorithm_given_by_name_is_refused_with_what_to_pass():
 
 def test_csv_rows_are_tasks_with_text_values(tmp_path):
     path = tmp_path / "tasks.csv"
-    path.write_text("id,question,answer\na,1+1,2\nb,\"2, plus 3\",5\n")
+    path.write_text('id,question,answer\na,1+1,2\nb,"2, plus 3",5\n')
     assert load_dataset(path) == [
-        {"id": "a", "question": "1+1", "answer": "2"}, {"id": "b", "question": "2, plus 3", "answer": "5"}
+        {"id": "a", "question": "1+1", "answer": "2"},
+        {"id": "b", "question": "2, plus 3", "answer": "5"},
     ]
 
 
@@ -97,7 +98,12 @@ def test_agl_dev_reads_a_parquet_task_file(tmp_path, capsys):
     pq.write_table(pa.Table.from_pylist(ROWS), str(path))
     agent = tmp_path / "echo_agent.py"
     agent.write_text("import agl\n\n@agl.rollout\ndef echo(task):\n    return float(task['answer'])\n")
-    assert main(["dev", f"{agent}:echo", "--data", str(path), "--store", str(tmp_path / "s.db"), "--runner-mode", "thread"]) == 0
+    assert (
+        main(
+            ["dev", f"{agent}:echo", "--data", str(path), "--store", str(tmp_path / "s.db"), "--runner-mode", "thread"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "succeeded" in out and "5" in out
 
@@ -123,14 +129,20 @@ def test_a_table_is_refused_with_how_to_pass_its_rows():
 
 def test_a_dict_is_refused_with_how_to_pass_a_list_of_tasks():
     """Iterated, a dict gave its keys: the agent ran on the tasks 'question' and 'answer', stored and trained on."""
-    with pytest.raises(TypeError, match=r"a dict is not a list of tasks \(iterating it gives its keys, \['question', "
-                       r"'answer'\], as tasks\): pass a list of dicts, one per task; for one task, \[d\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"a dict is not a list of tasks \(iterating it gives its keys, \['question', "
+        r"'answer'\], as tasks\): pass a list of dicts, one per task; for one task, \[d\]",
+    ):
         as_tasks({"question": "2+2?", "answer": "4"})
     columns = {"question": ["2+2?", "3+3?"], "answer": ["4", "6"]}
     with pytest.raises(TypeError, match=r"for columns .*\[dict\(zip\(d, row\)\) for row in zip\(\*d\.values\(\)\)\]"):
         as_tasks(columns)
     rows = [dict(zip(columns, row)) for row in zip(*columns.values())]  # the advice works
-    assert [t.input for t in as_tasks(rows)] == [{"question": "2+2?", "answer": "4"}, {"question": "3+3?", "answer": "6"}]
+    assert [t.input for t in as_tasks(rows)] == [
+        {"question": "2+2?", "answer": "4"},
+        {"question": "3+3?", "answer": "6"},
+    ]
     got = []
     with pytest.raises(TypeError, match="not a list of tasks"):
         agl.Trainer(store="memory", runner_mode="thread", progress=False).dev(agl.rollout(got.append), columns)

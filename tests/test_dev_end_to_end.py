@@ -170,16 +170,22 @@ def test_a_stream_the_agent_stops_reading_is_stored_with_its_rollout(tmp_path, f
     @agl.rollout
     def peeks(task, llm: agl.LLM):
         client = OpenAI(base_url=llm.endpoint, api_key="x", max_retries=0)
-        stream = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hi"}],
-                                                stream=True)
+        stream = client.chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
         chunks = iter(stream)
         next(chunks), next(chunks)  # the first words are enough for this agent
         _KEPT_STREAMS.append(stream)
         return 1.0
 
     fake_openai.script(FakeReply(content="a long answer the agent does not wait for"))
-    trainer = agl.Trainer(n_runners=1, store=str(tmp_path / "s.db"), runner_mode="thread", progress=False,
-                          initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")})
+    trainer = agl.Trainer(
+        n_runners=1,
+        store=str(tmp_path / "s.db"),
+        runner_mode="thread",
+        progress=False,
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
+    )
     (row,) = trainer.dev(peeks, [{"n": 1}], print_table=False)
     (llm,) = [s for s in trainer.store.query_spans(row.rollout_id) if s.kind == "llm"]  # stored with the attempt
     assert llm.attributes[semconv.STREAM_ABANDONED] is True and llm.attributes[semconv.RESPONSE_TOKEN_IDS]
@@ -208,10 +214,16 @@ def test_cli_dev_names_a_missing_data_file(tmp_path):
         agl_main(["dev", "examples/calc_agent.py:calc_agent", "--data", str(tmp_path / "nothing.jsonl")])
 
 
-@pytest.mark.parametrize("command", [
-    ["store", "stats"], ["store", "rollouts"], ["store", "prune", "--keep-last", "0"], ["inspect", "ro-1"],
-    ["export", "out.jsonl"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["store", "stats"],
+        ["store", "rollouts"],
+        ["store", "prune", "--keep-last", "0"],
+        ["inspect", "ro-1"],
+        ["export", "out.jsonl"],
+    ],
+)
 def test_reading_commands_refuse_a_store_that_does_not_exist_and_create_none(tmp_path, command):
     """A mistyped --store must not read as an empty store (and leave a new empty file behind)."""
     missing = tmp_path / "runs" / "typo.db"
@@ -249,7 +261,10 @@ def test_cli_loads_agents_in_every_form_and_names_what_is_wrong(tmp_path, monkey
         (f"{module}:missing", "has no attribute 'missing'"),
         (f"{module}:NUMBER", "is a int, not a LitAgent or a rollout function"),
         (f"{tmp_path / 'absent.py'}:agent", "does not exist"),
-        (f"{module}:needs_a_database", r"needs_a_database: @agl.rollout function .* \['database'\] that agl cannot supply"),
+        (
+            f"{module}:needs_a_database",
+            r"needs_a_database: @agl.rollout function .* \['database'\] that agl cannot supply",
+        ),
     ):
         with pytest.raises(SystemExit, match=message):
             load_agent(target)
@@ -258,13 +273,13 @@ def test_cli_loads_agents_in_every_form_and_names_what_is_wrong(tmp_path, monkey
 def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai, instrumented):
     """Plain Python: the runner's root agent span is named after the function; nested agent spans
     (here made with the adapter kit, as framework adapters do) take over inside."""
-    from agl.lightningrl.agent_match import select_llm_calls
     from agl.instrumentation.framework import agent_span
+    from agl.lightningrl.agent_match import select_llm_calls
 
     @agl.rollout
     def pipeline(task, llm):
         client = OpenAI(base_url=llm.get_base_url(), api_key="x")
-        ask = lambda text: client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": text}])
+        ask = lambda text: client  # noqa: E731 - a one-line helper.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": text}])
         ask("plan")
         with agent_span("write_query", "test"):
             ask("write")
@@ -293,21 +308,33 @@ def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai,
     assert asked(select_llm_calls(spans, "^pipeline$")) == ["plan"]
 
 
-PROMPT_AGENT = '''
+PROMPT_AGENT = """
 import agl
 
 @agl.rollout
 def agent(task, prompt_template: agl.PromptTemplate) -> float:
     return float(prompt_template.format(**task) == "Be concise: 2+2")
-'''
+"""
 
 
 def test_cli_dev_gives_the_agent_a_prompt_from_a_file(tmp_path, fake_openai, instrumented, capsys):
     (tmp_path / "agent.py").write_text(PROMPT_AGENT)
     (tmp_path / "tasks.jsonl").write_text('{"q": "2+2"}\n')
     (tmp_path / "best_prompt.txt").write_text("Be concise: {q}")
-    base = ["dev", f"{tmp_path}/agent.py:agent", "--data", str(tmp_path / "tasks.jsonl"), "--runner-mode", "thread",
-            "--n-runners", "1", "--endpoint", fake_openai.base_url, "--store", str(tmp_path / "dev.db")]
+    base = [
+        "dev",
+        f"{tmp_path}/agent.py:agent",
+        "--data",
+        str(tmp_path / "tasks.jsonl"),
+        "--runner-mode",
+        "thread",
+        "--n-runners",
+        "1",
+        "--endpoint",
+        fake_openai.base_url,
+        "--store",
+        str(tmp_path / "dev.db"),
+    ]
     assert agl_main([*base, "--prompt", "@" + str(tmp_path / "best_prompt.txt")]) == 0
     store = agl.SqliteLightningStore(tmp_path / "dev.db")
     (rollout,) = store.query_rollouts()
@@ -347,18 +374,37 @@ def test_inspect_shows_an_error_as_one_line_of_the_tree():
     from agl.cli.inspection import describe
     from agl.types import Span
 
-    traceback_text = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\nValueError: boom"
+    traceback_text = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\n    g()\nValueError: boom'
 
     def span(kind, error=None, **attributes):
-        return Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=0, trace_id="0" * 32, span_id="1" * 16,
-                    name="s", kind=kind, start_time=0, end_time=1_000_000, status="error" if error else "ok",
-                    error=error, attributes=attributes)
+        return Span(
+            rollout_id="ro-1",
+            attempt_id="at-1",
+            sequence_id=0,
+            trace_id="0" * 32,
+            span_id="1" * 16,
+            name="s",
+            kind=kind,
+            start_time=0,
+            end_time=1_000_000,
+            status="error" if error else "ok",
+            error=error,
+            attributes=attributes,
+        )
 
     assert describe(span("agent", traceback_text)).endswith("ERROR ValueError: boom (+3 lines)")
     assert describe(span("chain", "first line\nsecond")).endswith("ERROR first line (+1 lines)")
     assert describe(span("chain", "x" * 500)).endswith("ERROR " + "x" * 157 + "...")
-    line = describe(span("llm", **{semconv.LLM_STREAM: True, semconv.STREAM_ABANDONED: True,
-                                   semconv.PARSE_ERROR: "ValidationError: 1 validation error\n  Invalid JSON"}))
+    line = describe(
+        span(
+            "llm",
+            **{
+                semconv.LLM_STREAM: True,
+                semconv.STREAM_ABANDONED: True,
+                semconv.PARSE_ERROR: "ValidationError: 1 validation error\n  Invalid JSON",
+            },
+        )
+    )
     assert "stream (abandoned)" in line and "parse error: ValidationError: 1 validation error (+1 lines)" in line
     assert "\n" not in line
 
@@ -375,16 +421,27 @@ def test_inspect_shows_mistyped_agl_attributes_as_they_are_and_does_not_crash(tm
     rollout = store.dequeue_rollout("runner")
 
     def span(n, kind, **attributes):
-        return Span(rollout_id=rollout.rollout_id, attempt_id=rollout.attempt.attempt_id, sequence_id=n,
-                    trace_id="0" * 32, span_id=f"{n:016x}", name=f"s{n}", kind=kind, start_time=n, end_time=n + 1,
-                    attributes=attributes)
+        return Span(
+            rollout_id=rollout.rollout_id,
+            attempt_id=rollout.attempt.attempt_id,
+            sequence_id=n,
+            trace_id="0" * 32,
+            span_id=f"{n:016x}",
+            name=f"s{n}",
+            kind=kind,
+            start_time=n,
+            end_time=n + 1,
+            attributes=attributes,
+        )
 
-    store.add_spans([
-        span(1, "reward", **{semconv.REWARD_VALUE: "1.0"}),
-        span(2, "llm", **{semconv.PROMPT_TOKEN_IDS: 5, semconv.RESPONSE_TOKEN_IDS: {"ids": [1]}}),
-        span(3, "reward", **{semconv.REWARD_VALUE: None, semconv.MESSAGE_BODY: ["a"]}),
-        span(4, "llm", **{semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.RESPONSE_TOKEN_IDS: [3]}),
-    ])
+    store.add_spans(
+        [
+            span(1, "reward", **{semconv.REWARD_VALUE: "1.0"}),
+            span(2, "llm", **{semconv.PROMPT_TOKEN_IDS: 5, semconv.RESPONSE_TOKEN_IDS: {"ids": [1]}}),
+            span(3, "reward", **{semconv.REWARD_VALUE: None, semconv.MESSAGE_BODY: ["a"]}),
+            span(4, "llm", **{semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.RESPONSE_TOKEN_IDS: [3]}),
+        ]
+    )
     store.close()
     assert agl_main(["inspect", rollout.rollout_id, "--store", str(db)]) == 0
     tree = capsys.readouterr().out

@@ -74,7 +74,8 @@ def test_returned_reward_wins_over_a_different_emitted_one(store, caplog):
     # the spans show both, the one that counts last (agl inspect showed only the emitted 0.2 under 0.9)
     spans = rewards_of(store, done.rollout_id)
     assert [(s.attributes[semconv.REWARD_VALUE], s.attributes.get(semconv.REWARD_SOURCE)) for s in spans][-1] == (
-        0.9, "returned"
+        0.9,
+        "returned",
     )
     assert len(spans) == 2
 
@@ -144,7 +145,11 @@ def test_operation_decorators_on_functions_methods_and_coroutines(store):
         text = planner.plan("dinner", depth=2)
         done = asyncio.run(planner.act("ok"))
         fetched = asyncio.run(fetch("k"))
-        return 1.0 if text.startswith("plan") and check(done) and fetched["key"] == "k" and Planner.describe() == "Planner" else 0.0
+        return (
+            1.0
+            if text.startswith("plan") and check(done) and fetched["key"] == "k" and Planner.describe() == "Planner"
+            else 0.0
+        )
 
     done = run_one(store, agl.rollout(agent))
     assert done.status == "succeeded" and done.final_reward == 1.0
@@ -213,7 +218,10 @@ def test_tool_decorator_records_arguments_results_and_errors(store):
 
     done = run_one(store, agl.rollout(agent))
     tools = [s for s in store.query_spans(done.rollout_id) if s.kind == "tool"]
-    assert [json.loads(t.attributes[semconv.TOOL_CALL_ARGUMENTS]) for t in tools] == [{"a": 6, "b": 3}, {"a": 1, "b": 0}]
+    assert [json.loads(t.attributes[semconv.TOOL_CALL_ARGUMENTS]) for t in tools] == [
+        {"a": 6, "b": 3},
+        {"a": 1, "b": 0},
+    ]
     assert tools[0].attributes[semconv.TOOL_CALL_RESULT] == 2.0 and tools[0].status != "error"
     assert tools[1].status == "error" and tools[1].attributes[semconv.ERROR_TYPE] == "ZeroDivisionError"
 
@@ -241,7 +249,10 @@ def test_tool_decorator_on_methods_and_coroutines(store):
     tools = [s for s in store.query_spans(done.rollout_id) if s.kind == "tool"]
     assert [t.attributes[semconv.TOOL_NAME] for t in tools] == ["add", "multiply"]
     # arguments by name, without the method's self
-    assert [json.loads(t.attributes[semconv.TOOL_CALL_ARGUMENTS]) for t in tools] == [{"a": 1, "b": 2}, {"a": 3, "b": 3}]
+    assert [json.loads(t.attributes[semconv.TOOL_CALL_ARGUMENTS]) for t in tools] == [
+        {"a": 1, "b": 2},
+        {"a": 3, "b": 3},
+    ]
     assert [t.attributes[semconv.TOOL_CALL_RESULT] for t in tools] == [3, 9]
 
 
@@ -300,7 +311,11 @@ def test_of_several_llm_resources_the_llm_argument_gets_main_llm_else_the_first_
     got = []
     agent = agl.rollout(lambda task, llm: got.append(llm.model) or 1.0)
     with caplog.at_level("WARNING", logger="agl.runtime.litagent"):
-        for resources in ({"judge": judge, "main_llm": policy}, {"judge": judge, "other": policy}, {"judge": judge, "other": policy}):
+        for resources in (
+            {"judge": judge, "main_llm": policy},
+            {"judge": judge, "other": policy},
+            {"judge": judge, "other": policy},
+        ):
             store.add_resources(resources)
             store.enqueue_rollout({"q": 1})
             runner = Runner(agent, store)
@@ -324,7 +339,10 @@ def test_of_several_prompt_templates_the_argument_gets_the_one_apo_optimizes(sto
     got = []
     agent = agl.rollout(lambda task, prompt_template: got.append(prompt_template.template) or 1.0)
     tool_prompt, optimized = agl.PromptTemplate(template="tool: {x}"), agl.PromptTemplate(template="solve: {x}")
-    for resources in ({"tool": tool_prompt, "prompt": optimized}, {"prompt": tool_prompt, "prompt_template": optimized}):
+    for resources in (
+        {"tool": tool_prompt, "prompt": optimized},
+        {"prompt": tool_prompt, "prompt_template": optimized},
+    ):
         store.add_resources(resources)
         store.enqueue_rollout({"q": 1})
         runner = Runner(agent, store)
@@ -417,7 +435,10 @@ def test_any_real_number_is_a_reward(store, returned):
 def test_a_string_reward_fails_the_rollout_and_says_so(store):
     done = run_one(store, agl.rollout(lambda task: "0.5"))
     assert done.status == "failed"
-    assert "the reward rollout() returned must be a number, None, or a dict with a 'reward' key, got str '0.5'" in done.error
+    assert (
+        "the reward rollout() returned must be a number, None, or a dict with a 'reward' key, got str '0.5'"
+        in done.error
+    )
 
 
 def test_a_hung_agent_times_out_and_the_runner_moves_on(store):
@@ -520,7 +541,9 @@ def test_a_result_that_comes_after_the_store_gave_up_on_the_attempt_is_ignored_a
     runner.close()
     done = result["done"]
     assert (done.status, done.final_reward, done.attempt.status) == ("queued", None, "unresponsive")
-    assert any("result not recorded" in r.getMessage() and "stop working on it" in r.getMessage() for r in caplog.records)
+    assert any(
+        "result not recorded" in r.getMessage() and "stop working on it" in r.getMessage() for r in caplog.records
+    )
     assert [s.kind for s in store.query_spans(done.rollout_id, claimed.attempt.attempt_id)].count("reward") == 1
     retry = store.dequeue_rollout("another-runner")
     assert retry.rollout_id == done.rollout_id and retry.attempt.sequence == 2

@@ -13,8 +13,8 @@ from openai import OpenAI
 import agl
 from agl import semconv
 from agl.runtime.runner import Runner
-from agl.tracing.encoding import ITERATOR_MARK
 from agl.store import SqliteLightningStore
+from agl.tracing.encoding import ITERATOR_MARK
 
 
 @pytest.fixture()
@@ -93,8 +93,13 @@ def test_a_decorated_generator_yields_to_its_caller_and_its_span_covers_the_iter
 
     done = run_one(store, agent)
     assert done.status == "succeeded", done.error
-    assert got == {"operation": [0, 1, 2], "tool": [{"row": 0}, {"row": 1}], "sent": [0, 1, 2],
-                   "returned": ["a", "b"], "first": {"row": 0}}
+    assert got == {
+        "operation": [0, 1, 2],
+        "tool": [{"row": 0}, {"row": 1}],
+        "sent": [0, 1, 2],
+        "returned": ["a", "b"],
+        "first": {"row": 0},
+    }
     spans = store.query_spans(done.rollout_id)
     ops = operations(spans)
     assert ops["numbers"].attributes[semconv.OPERATION_INPUT] == 3
@@ -152,7 +157,9 @@ def test_a_decorated_async_generator_yields_and_its_rewards_are_step_rewards(sto
     spans = store.query_spans(done.rollout_id)
     op = operations(spans)["astream"]
     step = rewards(spans)
-    assert len(step) == 2 and all(r.attributes[semconv.REWARD_SCOPE] == "step" and r.parent_id == op.span_id for r in step)
+    assert len(step) == 2 and all(
+        r.attributes[semconv.REWARD_SCOPE] == "step" and r.parent_id == op.span_id for r in step
+    )
     assert semconv.OPERATION_OUTPUT not in op.attributes  # not the repr of an async generator
     search = tools(spans)["search"]
     assert search.status == "error" and "index gone" in search.error
@@ -233,8 +240,16 @@ def test_iterators_and_files_passed_returned_or_emitted_are_not_consumed(store, 
 
     done = run_one(store, agent)
     assert done.status == "succeeded", done.error
-    assert got == {"first": 1, "rest": [2, 3, 4], "header": "a,b", "rows": ["1,2", "3,4"], "upper": ["X", "Y"],
-                   "firsts": ["a", "d"], "left": ["bc", "e"], "pending": [0, 1, 4]}
+    assert got == {
+        "first": 1,
+        "rest": [2, 3, 4],
+        "header": "a,b",
+        "rows": ["1,2", "3,4"],
+        "upper": ["X", "Y"],
+        "firsts": ["a", "d"],
+        "left": ["bc", "e"],
+        "pending": [0, 1, 4],
+    }
     spans = store.query_spans(done.rollout_id)
     ops, tls = operations(spans), tools(spans)
     assert ops["take_first"].attributes[semconv.OPERATION_INPUT].startswith(ITERATOR_MARK + "<list_iterator")
@@ -297,13 +312,18 @@ def test_one_operation_object_nested_and_in_concurrent_tasks_and_threads(store):
     ops = [s for s in spans if s.name == semconv.SPAN_OPERATION]
     assert len(ops) == 3 + 3 + 2
     by_id = {s.span_id: s for s in ops}
-    nested = sorted((s for s in ops if s.attributes.get(semconv.OPERATION_INPUT) in (0, 1, 2)),
-                    key=lambda s: s.attributes[semconv.OPERATION_INPUT])
+    nested = sorted(
+        (s for s in ops if s.attributes.get(semconv.OPERATION_INPUT) in (0, 1, 2)),
+        key=lambda s: s.attributes[semconv.OPERATION_INPUT],
+    )
     # each entry its own span, nested in the one it was entered in, its own input and output
     assert [s.attributes[semconv.OPERATION_OUTPUT] for s in nested] == [0, 10, 20]
     assert nested[0].parent_id == nested[1].span_id and nested[1].parent_id == nested[2].span_id
-    concurrent = {json.loads(s.attributes[semconv.OPERATION_INPUT])["task"]: s for s in ops
-                  if isinstance(s.attributes.get(semconv.OPERATION_INPUT), str)}
+    concurrent = {
+        json.loads(s.attributes[semconv.OPERATION_INPUT])["task"]: s
+        for s in ops
+        if isinstance(s.attributes.get(semconv.OPERATION_INPUT), str)
+    }
     assert {i: s.attributes[semconv.OPERATION_OUTPUT] for i, s in concurrent.items()} == {0: 0, 1: 1, 2: 2}
     for reward in rewards(spans):
         assert reward.attributes[semconv.REWARD_SCOPE] == "step" and reward.parent_id in by_id

@@ -61,10 +61,7 @@ def test_default_answer_echoes_the_user_and_requests_are_logged(
     assert resp.id.startswith("chatcmpl-") and resp.object == "chat.completion" and resp.created > 0
     assert resp.choices[0].message.content == "FAKE: What is 3 + 4?"
     assert resp.choices[0].finish_reason == "stop"
-    assert (
-        resp.usage is not None
-        and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
-    )
+    assert resp.usage is not None and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     [logged] = fake_openai.requests
     assert logged["path"] == "/v1/chat/completions"
     assert logged["body"]["messages"] == QUESTION
@@ -112,9 +109,17 @@ def test_policy_answers_from_the_tool_after_a_frameworks_nudge_but_not_a_new_que
     """CrewAI follows each tool result with a user message ("Analyze the tool result..."): in a tool loop, a
     user message without numbers after a tool's answer is a nudge, and the answer stands; a new question
     (numbers) calls the tool again; without tools, the message is answered as text."""
-    answered = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
-    ]}, {"role": "tool", "tool_call_id": "call_1", "content": "7"}]
+    answered = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+    ]
     nudge = {"role": "user", "content": "Analyze the tool result. If requirements are met, provide the Final Answer."}
 
     def reply(messages: list, tools: list) -> Any:
@@ -146,9 +151,7 @@ def test_policy_fills_strings_with_the_user_text_and_honours_tool_choice(client:
         "search",
         {"query": "What is 3 + 4?"},
     )
-    no_tools = client.chat.completions.create(
-        model="m", messages=QUESTION, tools=[ADD_TOOL], tool_choice="none"
-    )
+    no_tools = client.chat.completions.create(model="m", messages=QUESTION, tools=[ADD_TOOL], tool_choice="none")
     assert no_tools.choices[0].message.content == "FAKE: What is 3 + 4?"
 
 
@@ -156,16 +159,10 @@ def test_scripted_tool_calls_keep_malformed_arguments_verbatim(
     fake_openai: FakeOpenAIServer, client: openai.OpenAI
 ) -> None:
     fake_openai.script(
-        FakeReply(
-            tool_calls=[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": '{"a": 1,'}]
-        )
+        FakeReply(tool_calls=[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": '{"a": 1,'}])
     )
 
-    calls = (
-        client.chat.completions.create(model="m", messages=QUESTION, tools=[ADD_TOOL])
-        .choices[0]
-        .message.tool_calls
-    )
+    calls = client.chat.completions.create(model="m", messages=QUESTION, tools=[ADD_TOOL]).choices[0].message.tool_calls
 
     assert [c.function.arguments for c in calls or []] == ['{"a": 1}', '{"a": 1,']
 
@@ -201,9 +198,7 @@ def test_streamed_tool_call_with_token_ids(fake_openai: FakeOpenAIServer, client
     tokenizer = fake_openai.tokenizer
     response_ids = [i for c in chunks for i in extra(c.choices[0], "token_ids")]
     assert tokenizer.decode(response_ids) == json.dumps({"name": "add", "arguments": {"a": 3, "b": 4}})
-    assert tokenizer.decode(extra(chunks[0], "prompt_token_ids")) == tokenizer.apply_chat_template(
-        QUESTION, [ADD_TOOL]
-    )
+    assert tokenizer.decode(extra(chunks[0], "prompt_token_ids")) == tokenizer.apply_chat_template(QUESTION, [ADD_TOOL])
     assert all("prompt_token_ids" not in (c.model_extra or {}) for c in chunks[1:])
 
 
@@ -220,9 +215,7 @@ def test_token_ids_match_the_chat_template_and_prefix_the_next_turn(
     fake_openai: FakeOpenAIServer, client: openai.OpenAI
 ) -> None:
     tokenizer = fake_openai.tokenizer
-    first = client.chat.completions.create(
-        model="m", messages=QUESTION, tools=[ADD_TOOL], extra_body=TOKEN_IDS
-    )
+    first = client.chat.completions.create(model="m", messages=QUESTION, tools=[ADD_TOOL], extra_body=TOKEN_IDS)
     prompt_ids, response_ids = extra(first, "prompt_token_ids"), extra(first.choices[0], "token_ids")
     assert tokenizer.decode(prompt_ids) == tokenizer.apply_chat_template(QUESTION, [ADD_TOOL])
     assert first.usage and (first.usage.prompt_tokens, first.usage.completion_tokens) == (
@@ -236,12 +229,8 @@ def test_token_ids_match_the_chat_template_and_prefix_the_next_turn(
         first.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "7"},
     ]
-    second = client.chat.completions.create(
-        model="m", messages=messages, tools=[ADD_TOOL], extra_body=TOKEN_IDS
-    )
-    assert (
-        extra(second, "prompt_token_ids")[: len(prompt_ids) + len(response_ids)] == prompt_ids + response_ids
-    )
+    second = client.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL], extra_body=TOKEN_IDS)
+    assert extra(second, "prompt_token_ids")[: len(prompt_ids) + len(response_ids)] == prompt_ids + response_ids
     assert tokenizer.decode(extra(second.choices[0], "token_ids")) == "The answer is 7."
 
 
@@ -267,9 +256,7 @@ def test_logprobs_one_per_token_plain_and_streamed(client: openai.OpenAI) -> Non
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
 
 
-async def test_async_client_plain_and_streamed(
-    fake_openai: FakeOpenAIServer, async_client: openai.AsyncOpenAI
-) -> None:
+async def test_async_client_plain_and_streamed(fake_openai: FakeOpenAIServer, async_client: openai.AsyncOpenAI) -> None:
     fake_openai.script(FakeReply("hello async"))
     resp = await async_client.chat.completions.create(model="m", messages=QUESTION)
     assert resp.choices[0].message.content == "hello async"
@@ -311,9 +298,7 @@ def test_responses_function_call_round_trip(client: openai.OpenAI) -> None:
 
 def test_responses_streamed_events_with_a_function_call(client: openai.OpenAI) -> None:
     events = list(
-        client.responses.create(
-            model="m", input=QUESTION, tools=[ADD_FUNCTION], stream=True, extra_body=TOKEN_IDS
-        )
+        client.responses.create(model="m", input=QUESTION, tools=[ADD_FUNCTION], stream=True, extra_body=TOKEN_IDS)
     )
 
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -335,9 +320,7 @@ def test_responses_streamed_events_with_a_function_call(client: openai.OpenAI) -
 
 
 def test_responses_stream_helper_with_text_and_logprobs(client: openai.OpenAI) -> None:
-    with client.responses.stream(
-        model="m", input="hi there", include=["message.output_text.logprobs"]
-    ) as stream:
+    with client.responses.stream(model="m", input="hi there", include=["message.output_text.logprobs"]) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
 
@@ -369,10 +352,7 @@ def test_client_retries_consume_the_script(fake_openai: FakeOpenAIServer) -> Non
     fake_openai.script(FakeReply(status_code=500), FakeReply("recovered"))
     retrying = openai.OpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=1)
 
-    assert (
-        retrying.chat.completions.create(model="m", messages=QUESTION).choices[0].message.content
-        == "recovered"
-    )
+    assert retrying.chat.completions.create(model="m", messages=QUESTION).choices[0].message.content == "recovered"
     assert len(fake_openai.requests) == 2
 
 

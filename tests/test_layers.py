@@ -167,7 +167,11 @@ def test_the_package_root_stays_small():
     "module_file, planted, expected",
     [
         ("tracing/tracer.py", "from agl.store import open_store\n", "agl.tracing.tracer (tracing) imports agl.store"),
-        ("types.py", "def later():\n    from agl.runtime import runner\n", "agl.types (foundation) imports agl.runtime.runner"),
+        (
+            "types.py",
+            "def later():\n    from agl.runtime import runner\n",
+            "agl.types (foundation) imports agl.runtime.runner",
+        ),
     ],
 )
 def test_a_planted_upward_import_is_found(tmp_path, module_file, planted, expected):

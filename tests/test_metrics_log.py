@@ -14,8 +14,9 @@ def test_a_step_whose_rollouts_all_failed_says_so_on_its_console_line() -> None:
     """It printed a lone "±0.000" where the reward goes."""
     line = format_line({"step": 1, "reward_mean": float("nan"), "reward_std": 0.0, "success_rate": 0.0}, 2)
     assert "reward - success 0%" in line and "±" not in line
-    assert "reward 0.500 ±0.100 success 50%" in format_line({"step": 2, "reward_mean": 0.5, "reward_std": 0.1,
-                                                             "success_rate": 0.5}, 2)
+    assert "reward 0.500 ±0.100 success 50%" in format_line(
+        {"step": 2, "reward_mean": 0.5, "reward_std": 0.1, "success_rate": 0.5}, 2
+    )
 
 
 def test_metrics_csv_shows_counts_as_counts_and_rows_keep_full_values(tmp_path: Path) -> None:

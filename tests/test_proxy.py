@@ -19,11 +19,11 @@ import openai
 import pytest
 
 from agl import semconv
-from agl.tracing.context import rollout_scope
 from agl.instrumentation.openai_client import OpenAIInstrumentor
 from agl.instrumentation.proxy import ATTEMPT_HEADER, CLIENT_TRACED_HEADER, ROLLOUT_HEADER, LLMProxy
 from agl.store import InMemoryLightningStore
 from agl.testing import FakeOpenAIServer, FakeReply, ListSink, tracer_writes_to
+from agl.tracing.context import rollout_scope
 from agl.types import ProxyLLM, Rollout
 
 QUESTION = [{"role": "user", "content": "What is 3 + 4?"}]
@@ -112,7 +112,9 @@ def test_streamed_tool_call_is_reassembled(
     proxy: LLMProxy, rollout: Rollout, store: InMemoryLightningStore, fake_openai: FakeOpenAIServer
 ) -> None:
     fake_openai.script(FakeReply(tool_calls=[{"name": "add", "arguments": {"a": 3, "b": 4}}]))
-    chunks = list(client_for(proxy, rollout).chat.completions.create(model="fake-model", messages=QUESTION, stream=True))
+    chunks = list(
+        client_for(proxy, rollout).chat.completions.create(model="fake-model", messages=QUESTION, stream=True)
+    )
 
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     (span,) = llm_spans(store, rollout)
@@ -154,7 +156,11 @@ def test_completions_api_asks_for_ids_and_logprobs_and_is_recorded(
         logprobs = [p for c in chunks if c.choices for p in c.choices[0].logprobs.token_logprobs]
     else:
         resp = client.completions.create(model="fake-model", prompt=prompt)
-        text, ids, logprobs = resp.choices[0].text, extra(resp.choices[0], "token_ids"), resp.choices[0].logprobs.token_logprobs
+        text, ids, logprobs = (
+            resp.choices[0].text,
+            extra(resp.choices[0], "token_ids"),
+            resp.choices[0].logprobs.token_logprobs,
+        )
 
     sent = fake_openai.requests[-1]["body"]
     assert sent["return_token_ids"] is True and sent["logprobs"] == 0
@@ -334,7 +340,7 @@ class _GarbageUpstream:
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:  # http.server's name
                 self.rfile.read(int(self.headers.get("content-length") or 0))
                 self.send_response(200)
                 self.send_header("content-type", outer.content_type)
@@ -372,8 +378,9 @@ def test_a_reply_the_proxy_cannot_read_reaches_the_agent_untouched_and_is_record
             assert rollout.attempt is not None
             url = proxy.as_resource("m").get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
             request = {"model": "m", "messages": QUESTION, "stream": stream}
-            reply = httpx.post(f"{url}/chat/completions", json=request,
-                               headers={"traceparent": "00-not-a-valid-header-01"}, timeout=10)
+            reply = httpx.post(
+                f"{url}/chat/completions", json=request, headers={"traceparent": "00-not-a-valid-header-01"}, timeout=10
+            )
             assert (reply.status_code, reply.content) == (200, body)  # what the agent gets: the model server's
             deadline = time.monotonic() + 5
             while not llm_spans(store, rollout) and time.monotonic() < deadline:

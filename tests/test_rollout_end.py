@@ -56,11 +56,14 @@ def test_a_timed_out_attempt_keeps_the_tree_it_ended_with_and_nothing_that_ends_
     _WORK_DONE.clear()
     store = SqliteLightningStore(tmp_path / "s.db")
     resources = {"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")}
-    trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=0.4,
-                          initial_resources=resources)
+    trainer = agl.Trainer(
+        store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=0.4, initial_resources=resources
+    )
     with caplog.at_level(logging.WARNING):
         (row,) = trainer.dev(_times_out, [{"q": 1}], print_table=False)
-        assert row.status in ("timeout", "failed") and "timeout" in (row.error or ""), row  # (the store may end it first)
+        assert row.status in ("timeout", "failed") and "timeout" in (row.error or ""), (
+            row
+        )  # (the store may end it first)
         before = _spans(store, row.rollout_id)
         assert _WORK_DONE.wait(10), "the worker thread's model call did not end"
         time.sleep(0.3)
@@ -132,10 +135,17 @@ def test_the_agent_of_a_timed_out_rollout_can_no_longer_call_the_model(
     _SEEN.clear()
     _AGENT_DONE.clear()
     store = SqliteLightningStore(tmp_path / "s.db")
-    trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=1.0,
-                          initial_resources={"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
-    late, following = trainer.dev(_slow_sync, [{"q": "late", "delay": 1.5}, {"q": "next", "delay": 0.1}],
-                                  print_table=False)
+    trainer = agl.Trainer(
+        store=store,
+        n_runners=1,
+        runner_mode="thread",
+        progress=False,
+        rollout_timeout=1.0,
+        initial_resources={"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+    )
+    late, following = trainer.dev(
+        _slow_sync, [{"q": "late", "delay": 1.5}, {"q": "next", "delay": 0.1}], print_table=False
+    )
     assert not _AGENT_DONE.is_set(), "the late call came before dev() returned: it tests nothing"
     assert _AGENT_DONE.wait(10)
     assert late.status in ("timeout", "failed") and "timeout" in (late.error or "")
@@ -221,15 +231,18 @@ def test_an_abandoned_async_rollout_ending_late_leaves_the_next_one_cancellable_
     trainer = agl.Trainer(store=store, n_runners=1, runner_mode="thread", progress=False, rollout_timeout=1.5)
     try:
         with caplog.at_level(logging.WARNING, "agl.runtime.runner"):
-            stubborn, polite = trainer.dev(_ignores_then_polite, [{"kind": "stubborn"}, {"kind": "polite"}],
-                                           print_table=False)
+            stubborn, polite = trainer.dev(
+                _ignores_then_polite, [{"kind": "stubborn"}, {"kind": "polite"}], print_table=False
+            )
         cancelled_at_its_timeout = _B_CANCELLED.is_set()  # (before the loop's close cancels what is left)
     finally:  # an uncancelled coroutine would go on on the loop kept for the process, into the next tests
         agent_loops.close()
     assert _B_STARTED.is_set()
     assert cancelled_at_its_timeout, "the next rollout was not cancelled at its timeout"
     for row in (stubborn, polite):
-        assert row.status in ("timeout", "failed") and "timeout" in (row.error or ""), row  # (the store may end it first)
+        assert row.status in ("timeout", "failed") and "timeout" in (row.error or ""), (
+            row
+        )  # (the store may end it first)
     (warning,) = [r.getMessage() for r in caplog.records if "did not stop at its timeout" in r.getMessage()]
     assert stubborn.rollout_id in warning and "catches CancelledError" in warning
 
@@ -286,7 +299,7 @@ def test_a_span_after_a_timeout_is_told_apart_from_one_in_a_task_a_rollout_left_
         scope.end()
     with caplog.at_level(logging.WARNING, "agl.tracing.tracer"):
         for rollout_id in ("ro-timed-out", "ro-timed-out", "ro-returned", "ro-returned"):
-            contexts[rollout_id].run(lambda: tracer.start_span(f"late {rollout_id}", "tool").end())
+            contexts[rollout_id].run(lambda: tracer.start_span(f"late {rollout_id}", "tool").end())  # noqa: B023 - run at once
     timed_out, returned = [r.getMessage() for r in caplog.records]  # one each, though each came twice
     assert "'late ro-timed-out' started after its rollout ro-timed-out timed out" in timed_out
     assert "went on past the timeout" in timed_out and "raise rollout_timeout" in timed_out

@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict
 
-import agl
 import pytest
+
+import agl
 from agl.runtime.runner_pool import RunnerPool
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.types import RolloutConfig
@@ -106,9 +107,7 @@ def test_tasks_that_crash_their_runner_fail_alone_and_do_not_stop_the_pool(tmp_p
     three poison tasks made the pool raise "runners keep dying right after they start", ending `agl runner`."""
     store = SqliteLightningStore(tmp_path / "store.db")
     config = RolloutConfig(max_attempts=2, heartbeat_timeout_seconds=300)
-    rollouts = store.enqueue_many(
-        [EnqueueRequest(input={"poison": i < 3}, config=config) for i in range(5)]
-    )
+    rollouts = store.enqueue_many([EnqueueRequest(input={"poison": i < 3}, config=config) for i in range(5)])
     pool = RunnerPool(crashes_on_poison, store, n_runners=2, mode="process").start()
     try:
         deadline = time.monotonic() + 60

@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import agl
 import pytest
+
+import agl
 from agl.runtime import agent_loops
 from agl.runtime.runner import Runner
 from agl.runtime.runner_pool import RunnerPool
@@ -44,7 +45,6 @@ def test_stop_bounds_the_whole_stop_not_each_stuck_runner(tmp_path: Path, caplog
     store.close()
 
 
-
 def test_the_attempt_of_a_runner_process_killed_on_stop_ends_at_once(tmp_path: Path) -> None:
     """Its attempt stayed running until the heartbeat timeout (120 s by default), then failed as unresponsive,
     though the pool knew which attempt the killed runner had: it now ends it as failed, saying why."""
@@ -71,7 +71,9 @@ def naps(task: dict) -> float:
     return 1.0
 
 
-def test_a_runner_says_its_rollout_was_cancelled_not_timed_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_runner_says_its_rollout_was_cancelled_not_timed_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = SqliteLightningStore(tmp_path / "store.db")
     (rollout,) = store.enqueue_many([EnqueueRequest(input={})])
     pool = RunnerPool(naps, store, n_runners=1, mode="thread", runner_kwargs={"heartbeat_interval": 0.1}).start()
@@ -88,6 +90,7 @@ def test_a_runner_says_its_rollout_was_cancelled_not_timed_out(tmp_path: Path, c
     finally:
         pool.stop(timeout=5)
         store.close()
+
 
 @agl.rollout
 def slow(task: dict) -> float:
@@ -113,7 +116,7 @@ def test_stopping_thread_runners_does_not_wait_for_a_busy_agent(tmp_path: Path) 
 
 # --- spawned runner processes (macOS, or $AGL_START_METHOD=spawn) -------------------------------------------
 
-SPAWNED_AGENT = '''
+SPAWNED_AGENT = """
 import agl
 from openai import OpenAI
 
@@ -124,7 +127,7 @@ def ask(task, llm):
     client = OpenAI(base_url=llm.endpoint, api_key="x")
     reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}])
     return float(reply.choices[0].message.content is not None)
-'''
+"""
 
 
 @pytest.fixture
@@ -148,10 +151,14 @@ def test_spawned_runners_run_a_module_level_agent_and_hook_what_the_parent_hooke
     store = SqliteLightningStore(spawned / "store.db")
     try:
         trainer = agl.Trainer(
-            n_runners=2, store=store, progress=False,
+            n_runners=2,
+            store=store,
+            progress=False,
             initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake")},
         )
-        rows = trainer.dev(agl_spawned_agent.ask, [{"q": "What is 2 plus 3?"}, {"q": "What is 4 plus 4?"}], print_table=False)
+        rows = trainer.dev(
+            agl_spawned_agent.ask, [{"q": "What is 2 plus 3?"}, {"q": "What is 4 plus 4?"}], print_table=False
+        )
         assert [(r.status, r.reward, r.llm_calls) for r in rows] == [("succeeded", 1.0, 1)] * 2
         for row in rows:
             (llm,) = [s for s in store.query_spans(row.rollout_id) if s.kind == "llm"]
@@ -169,8 +176,10 @@ def test_an_agent_that_cannot_be_pickled_for_a_spawned_runner_is_refused_with_wh
 
     store = SqliteLightningStore(spawned / "store.db")
     try:
-        with pytest.raises(RuntimeError, match="runner processes start with 'spawn' here.*Define the agent at module level.*"
-                                               "runner_mode='thread'"):
+        with pytest.raises(
+            RuntimeError,
+            match="runner processes start with 'spawn' here.*Define the agent at module level.*runner_mode='thread'",
+        ):
             RunnerPool(local_agent, store, n_runners=1).start()
     finally:
         store.close()
@@ -245,7 +254,9 @@ def test_async_work_an_agent_left_behind_is_finished_when_the_runners_stop(
     import gc
 
     _CLOSED.clear()
-    trainer = agl.Trainer(store=SqliteLightningStore(tmp_path / "s.db"), n_runners=1, runner_mode="thread", progress=False)
+    trainer = agl.Trainer(
+        store=SqliteLightningStore(tmp_path / "s.db"), n_runners=1, runner_mode="thread", progress=False
+    )
     with caplog.at_level(logging.ERROR, "asyncio"):
         rows = trainer.dev(_abandons_a_stream, [{"n": 1}, {"n": 2}], print_table=False)
         gc.collect()
@@ -268,7 +279,7 @@ async def _keeps_working():
             _LEFT.append("call")
 
 
-async def _serves(queue: "asyncio.Queue[Any]"):
+async def _serves(queue: asyncio.Queue[Any]):
     """Stands for a session or runtime an agent starts once and keeps (an MCP session's reader, AutoGen's
     runtime): a task of the first rollout that later rollouts rely on."""
     while True:
@@ -455,7 +466,9 @@ def test_a_heartbeat_timeout_not_longer_than_the_heartbeat_interval_is_refused_o
     3 s that emitted no span ended as "unresponsive ... presumed dead" from healthy runners, and nothing said
     why. The Trainer knows both values and refuses; a runner (maybe on another machine than the trainer that
     set the timeout) warns when it claims such a rollout."""
-    with pytest.raises(ValueError, match=r"heartbeat_timeout=3 s is not longer than heartbeat_interval=5 s \(how often"):
+    with pytest.raises(
+        ValueError, match=r"heartbeat_timeout=3 s is not longer than heartbeat_interval=5 s \(how often"
+    ):
         agl.Trainer(store=str(tmp_path / "a.db"), heartbeat_timeout=3.0)
     agl.Trainer(store=str(tmp_path / "b.db"), heartbeat_timeout=3.0, heartbeat_interval=1.0).store.close()
     agl.Trainer(store=str(tmp_path / "c.db"), heartbeat_timeout=3.0, n_runners=0).store.close()  # runners elsewhere
@@ -465,10 +478,14 @@ def test_a_heartbeat_timeout_not_longer_than_the_heartbeat_interval_is_refused_o
     with caplog.at_level(logging.WARNING, logger="agl.runtime.runner"):
         for _ in range(2):
             runner.run_rollout(store.dequeue_rollout(runner.runner_id))
-    assert caplog.text.count(
-        f"has a heartbeat timeout of 3 s, not longer than runner {runner.runner_id}'s heartbeat interval of 5 s: the "
-        "store will end its attempts as unresponsive while they run"
-    ) == 1, caplog.text
+    assert (
+        caplog.text.count(
+            f"has a heartbeat timeout of 3 s, not longer than runner {runner.runner_id}'s heartbeat interval of 5 s: "
+            f"the "
+            "store will end its attempts as unresponsive while they run"
+        )
+        == 1
+    ), caplog.text
     runner.close()
     store.close()
 
@@ -499,7 +516,10 @@ def test_agl_runner_refuses_bad_seconds_in_one_line(tmp_path: Path) -> None:
     from agl.cli import main
 
     base = ["runner", "--agent", "x:y", "--store", str(tmp_path / "s.db")]
-    for flag, value, expected in [("--rollout-timeout", "nan", "> 0, got nan"), ("--stop-timeout", "-1", ">= 0, got -1.0")]:
+    for flag, value, expected in [
+        ("--rollout-timeout", "nan", "> 0, got nan"),
+        ("--stop-timeout", "-1", ">= 0, got -1.0"),
+    ]:
         with pytest.raises(SystemExit) as exc:
             main([*base, flag, value])
         assert exc.value.code == f"agl: {flag} must be a finite number of seconds {expected}"

@@ -9,7 +9,6 @@ past ``--stop-timeout`` until the agent returned."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -18,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, List
 
-import agl
 import pytest
+
+import agl
 from agl.runtime.runner_pool import RunnerPool
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.types import RolloutConfig
@@ -56,8 +56,9 @@ def test_a_thread_runner_busy_past_the_stop_timeout_has_its_attempt_ended_and_re
     store = SqliteLightningStore(tmp_path / "store.db")
     config = RolloutConfig(max_attempts=2)  # no heartbeat timeout: nothing else would ever end the attempt
     (rollout,) = store.enqueue_many([EnqueueRequest(input={"sleep": 2.0}, config=config)])
-    pool = RunnerPool(naps_then_reports, store, n_runners=1, mode="thread",
-                      runner_kwargs={"heartbeat_interval": 0.1}).start()
+    pool = RunnerPool(
+        naps_then_reports, store, n_runners=1, mode="thread", runner_kwargs={"heartbeat_interval": 0.1}
+    ).start()
     try:
         eventually(lambda: store.get_rollout(rollout.rollout_id).status == "running", 10, "the rollout to start")
         started = time.monotonic()
@@ -74,8 +75,10 @@ def test_a_thread_runner_busy_past_the_stop_timeout_has_its_attempt_ended_and_re
             assert _RETURNED.wait(5), "the agent never returned"
             time.sleep(0.5)  # what the runner does once its agent returns
         (attempt,) = store.query_attempts(rollout.rollout_id)
-        assert (attempt.status, attempt.error) == ("failed", f"runner agl-{attempt.runner_id} was stopped before "
-                                                             "this rollout ended: the test stops it"), "not overwritten"
+        assert (attempt.status, attempt.error) == (
+            "failed",
+            f"runner agl-{attempt.runner_id} was stopped before this rollout ended: the test stops it",
+        ), "not overwritten"
         assert store.get_rollout(rollout.rollout_id).status == "queued"
         warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("agl")]
         assert not [w for w in warnings if "heartbeat" in w or "result not recorded" in w], warnings
@@ -85,7 +88,7 @@ def test_a_thread_runner_busy_past_the_stop_timeout_has_its_attempt_ended_and_re
         store.close()
 
 
-AGENT = '''
+AGENT = """
 import time
 import agl
 
@@ -98,7 +101,7 @@ def agent(task, rollout):
         time.sleep(0.05)
     agl.emit_message("done " + task["name"])
     return 1.0
-'''
+"""
 
 
 def test_agl_runner_in_thread_mode_keeps_what_finishes_within_stop_timeout_and_fails_the_rest_then_exits(
@@ -112,16 +115,36 @@ def test_agl_runner_in_thread_mode_keeps_what_finishes_within_stop_timeout_and_f
     db = tmp_path / "store.db"
     store = SqliteLightningStore(db)
     config = RolloutConfig(max_attempts=2)  # no heartbeat timeout
-    quick, slow = store.enqueue_many([
-        EnqueueRequest(input={"name": "quick", "sleep": 1.5}, config=config),
-        EnqueueRequest(input={"name": "slow", "sleep": 30}, config=config),
-    ])
+    quick, slow = store.enqueue_many(
+        [
+            EnqueueRequest(input={"name": "quick", "sleep": 1.5}, config=config),
+            EnqueueRequest(input={"name": "slow", "sleep": 30}, config=config),
+        ]
+    )
     log = tmp_path / "runner.log"
-    cmd = [sys.executable, "-m", "agl.cli", "runner", "--store", str(db), "--agent", f"{agent}:agent",
-           "--runner-mode", "thread", "--n-runners", "2", "--stop-timeout", "2.5", "--heartbeat-interval", "0.2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agl.cli",
+        "runner",
+        "--store",
+        str(db),
+        "--agent",
+        f"{agent}:agent",
+        "--runner-mode",
+        "thread",
+        "--n-runners",
+        "2",
+        "--stop-timeout",
+        "2.5",
+        "--heartbeat-interval",
+        "0.2",
+    ]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        eventually(lambda: store.stats().rollouts.get("running", 0) == 2, 30, f"both rollouts to start\n{log.read_text()}")
+        eventually(
+            lambda: store.stats().rollouts.get("running", 0) == 2, 30, f"both rollouts to start\n{log.read_text()}"
+        )
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:

@@ -8,8 +8,9 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-import agl
 import pytest
+
+import agl
 from agl.errors import StoreUnavailableError
 from agl.store import SqliteLightningStore
 from agl.store.http.server import ServerThread, TokenSet, create_app
@@ -46,7 +47,11 @@ TASKS = [{"n": i} for i in range(3)]
 def _fit(store: Any, steps: int, retention: Optional[int]) -> Steps:
     algorithm = Steps(steps)
     trainer = agl.Trainer(
-        algorithm=algorithm, store=store, n_runners=2, runner_mode="thread", progress=False,
+        algorithm=algorithm,
+        store=store,
+        n_runners=2,
+        runner_mode="thread",
+        progress=False,
         span_retention_steps=retention,
     )
     trainer.fit(noted_agent, TASKS, val_dataset=[{"n": 9}])
@@ -64,7 +69,9 @@ def test_only_the_last_steps_keep_their_spans(tmp_path: Path, backend: str) -> N
     counts = _span_counts(store, algorithm)
     assert counts[0] == counts[1] == [0] * 6
     assert all(n >= 3 for batch in counts[2:] for n in batch), counts  # operation, message, reward at least
-    assert store.stats().spans == sum(map(sum, counts)) + len(store.query_spans(store.query_rollouts(mode="val")[0].rollout_id))
+    assert store.stats().spans == sum(map(sum, counts)) + len(
+        store.query_spans(store.query_rollouts(mode="val")[0].rollout_id)
+    )
     rewards = [r.final_reward for r in store.query_rollouts(mode="train")]
     assert rewards == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0] * 4, "rollouts and rewards of every step stay"
     (val,) = store.query_rollouts(mode="val")
@@ -98,8 +105,14 @@ def test_a_failed_deletion_is_logged_and_training_goes_on(tmp_path: Path, caplog
         algorithm = _fit(store, steps=3, retention=1)
     assert len(algorithm.batches) == 3, "housekeeping does not end a run"
     warnings = [r.getMessage() for r in caplog.records if "could not delete the spans" in r.getMessage()]
-    assert warnings == ["could not delete the spans of 6 rollouts of an old step (they stay): store server at "
-                        "http://10.0.0.7:4747 is not answering"] * 2
+    assert (
+        warnings
+        == [
+            "could not delete the spans of 6 rollouts of an old step (they stay): store server at "
+            "http://10.0.0.7:4747 is not answering"
+        ]
+        * 2
+    )
     assert all(n >= 3 for batch in _span_counts(store, algorithm) for n in batch)
 
 
@@ -109,7 +122,9 @@ def wordy_agent(task: Dict[str, Any]) -> None:
     agl.emit_reward(1.0)
 
 
-def test_cli_prune_deletes_older_spans_and_vacuum_shrinks_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prune_deletes_older_spans_and_vacuum_shrinks_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from agl.cli import main as agl_main
 
     db = tmp_path / "s.db"
@@ -125,7 +140,10 @@ def test_cli_prune_deletes_older_spans_and_vacuum_shrinks_the_file(tmp_path: Pat
 
     assert agl_main(["store", "prune", "--keep-last", "5", "--vacuum", "--store", str(db)]) == 0
     out = capsys.readouterr().out
-    assert f"deleted {sum(counts[:35])} spans of 35 finished rollouts" in out and "(the task groups of the last 5, whole)" in out
+    assert (
+        f"deleted {sum(counts[:35])} spans of 35 finished rollouts" in out
+        and "(the task groups of the last 5, whole)" in out
+    )
     store = SqliteLightningStore(db)
     assert [len(store.query_spans(i)) for i in ids] == [0] * 35 + counts[35:]
     assert store.stats().rollouts["succeeded"] == 40 and store.stats().rollouts["queued"] == 1
@@ -140,15 +158,29 @@ def test_cli_prune_deletes_older_spans_and_vacuum_shrinks_the_file(tmp_path: Pat
     served = SqliteLightningStore(tmp_path / "served.db")
     served.enqueue_rollout({"n": 1})
     (claimed,) = served.dequeue_many("r", 1)
-    served.add_spans([Span(rollout_id=claimed.rollout_id, attempt_id=claimed.attempt.attempt_id, sequence_id=0,
-                           trace_id="t" * 32, span_id="s" * 16, name="x", kind="annotation", start_time=0, end_time=1)])
+    served.add_spans(
+        [
+            Span(
+                rollout_id=claimed.rollout_id,
+                attempt_id=claimed.attempt.attempt_id,
+                sequence_id=0,
+                trace_id="t" * 32,
+                span_id="s" * 16,
+                name="x",
+                kind="annotation",
+                start_time=0,
+                end_time=1,
+            )
+        ]
+    )
     served.complete_attempt(claimed.rollout_id, claimed.attempt.attempt_id, "succeeded")
     server = ServerThread(create_app(served, tokens=TokenSet({"t": "tok"}))).start()
     try:
         with pytest.MonkeyPatch.context() as env:
             env.setenv("AGL_STORE_TOKEN", "tok")
-            with pytest.raises(SystemExit, match="--vacuum is for a SQLite store file opened directly, not "
-                               "RemoteLightningStore"):
+            with pytest.raises(
+                SystemExit, match="--vacuum is for a SQLite store file opened directly, not RemoteLightningStore"
+            ):
                 agl_main(["store", "prune", "--keep-last", "0", "--vacuum", "--store", server.url])
             assert served.stats().spans == 1, "refused before anything was deleted"
             assert agl_main(["store", "prune", "--keep-last", "0", "--store", server.url]) == 0

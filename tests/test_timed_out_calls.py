@@ -35,14 +35,16 @@ def _ask(base_url: str, is_async: bool) -> None:
         client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=2)
         asyncio.run(client.chat.completions.create(model="m", messages=messages))
     else:
-        openai.OpenAI(base_url=base_url, api_key="x", max_retries=2).chat.completions.create(model="m", messages=messages)
+        openai.OpenAI(base_url=base_url, api_key="x", max_retries=2).chat.completions.create(
+            model="m", messages=messages
+        )
 
 
 def _recording(call: Callable[[], Any]) -> None:
     """Run the agent's model call and keep what it raised, for the test to read once the agent is done."""
     try:
         call()
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - kept for the test to read
         _SEEN.append(exc)
     finally:
         _AGENT_DONE.set()
@@ -83,9 +85,14 @@ def run_one(tmp_path: Path, fake_openai: FakeOpenAIServer) -> Callable[[Any, Dic
     _DEV_RETURNED.clear()
 
     def run(agent: Any, task: Dict[str, Any], after_dev: Callable[[], None] = lambda: None) -> Any:
-        trainer = agl.Trainer(store=SqliteLightningStore(tmp_path / "s.db"), n_runners=1, runner_mode="thread",
-                              progress=False, rollout_timeout=_TIMEOUT_S,
-                              initial_resources={"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
+        trainer = agl.Trainer(
+            store=SqliteLightningStore(tmp_path / "s.db"),
+            n_runners=1,
+            runner_mode="thread",
+            progress=False,
+            rollout_timeout=_TIMEOUT_S,
+            initial_resources={"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+        )
         (row,) = trainer.dev(agent, [task], print_table=False)
         after_dev()
         _DEV_RETURNED.set()

@@ -135,7 +135,10 @@ def test_spans_are_stamped_with_rollout_and_written_off_thread(tracer):
         with t.span("outer", "agent", {semconv.AGENT_NAME: "writer"}) as outer:
             with t.span("inner", "tool"):
                 pass
-            t.set_deferred(outer, {semconv.INPUT_MESSAGES: [{"role": "user", "content": "hi"}], semconv.PROMPT_TOKEN_IDS: [1, 2, 3]})
+            t.set_deferred(
+                outer,
+                {semconv.INPUT_MESSAGES: [{"role": "user", "content": "hi"}], semconv.PROMPT_TOKEN_IDS: [1, 2, 3]},
+            )
     assert t.flush(5)
     assert sink.threads == {"agl-span-writer"}
     inner, outer = sorted(sink.spans, key=lambda s: s.name)
@@ -359,8 +362,13 @@ def test_written_spans_are_complete_pydantic_spans(tracer):
         with pytest.raises(ValueError):
             with t.span("step", "chain", {"n": 1, "tags": ("a", "b")}) as span:
                 span.add_event("note", {"k": 2})
-                t.set_deferred(span, {semconv.OUTPUT_MESSAGES: [{"role": "assistant", "content": "x"}],
-                                      semconv.RESPONSE_TOKEN_IDS: (5, 6)})
+                t.set_deferred(
+                    span,
+                    {
+                        semconv.OUTPUT_MESSAGES: [{"role": "assistant", "content": "x"}],
+                        semconv.RESPONSE_TOKEN_IDS: (5, 6),
+                    },
+                )
                 raise ValueError("boom")
     assert t.flush(5)
     (written,) = sink.spans

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from agl import semconv
+from agl.store import InMemoryLightningStore, SqliteLightningStore
 from agl.tracing.context import rollout_scope
 from agl.tracing.encoding import Computed
-from agl.store import InMemoryLightningStore, SqliteLightningStore
 from agl.tracing.tracer import Tracer
 
 
@@ -34,11 +34,14 @@ def make_spans(tracer, rollout_id, attempt_id, n, prefix="s"):
     with rollout_scope(rollout_id, attempt_id):
         for i in range(n):
             with tracer.span(f"{prefix}{i}", "llm") as span:
-                tracer.set_deferred(span, {
-                    semconv.RESPONSE_TOKEN_IDS: (i, i + 1),
-                    semconv.INPUT_MESSAGES: [{"role": "user", "content": f"q{i}"}],
-                    semconv.RESPONSE_LOGPROBS: Computed(lambda i=i: [-0.5 * i]),  # computed before it is pickled
-                })
+                tracer.set_deferred(
+                    span,
+                    {
+                        semconv.RESPONSE_TOKEN_IDS: (i, i + 1),
+                        semconv.INPUT_MESSAGES: [{"role": "user", "content": f"q{i}"}],
+                        semconv.RESPONSE_LOGPROBS: Computed(lambda i=i: [-0.5 * i]),  # computed before it is pickled
+                    },
+                )
 
 
 @pytest.fixture()

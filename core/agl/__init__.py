@@ -7,13 +7,13 @@ Then run the agent through ``agl.Trainer(...).dev(...)`` or ``.fit(...)``; see R
 """
 
 from agl.algorithm import APO, Algorithm, Baseline, TraceToMessages
-from agl.tracing.context import RolloutScope, propagate, rollout_scope, submit
-from agl.tracing.emitters import emit_exception, emit_message, emit_object, emit_reward, operation
 from agl.instrumentation import instrument, uninstrument
 from agl.lightningrl import LightningRL
 from agl.runtime.litagent import FunctionalLitAgent, LitAgent, rollout
 from agl.runtime.runner import Runner
 from agl.store import InMemoryLightningStore, LightningStore, SqliteLightningStore, open_store
+from agl.tracing.context import RolloutScope, propagate, rollout_scope, submit
+from agl.tracing.emitters import emit_exception, emit_message, emit_object, emit_reward, operation
 from agl.tracing.tool import tool
 from agl.tracing.tracer import get_tracer
 from agl.trainer import Trainer
@@ -29,7 +29,6 @@ from agl.types import (
     Span,
     Task,
 )
-
 
 
 def _installed_version() -> str:

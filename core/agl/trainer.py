@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from agl.algorithm.base import Algorithm, Baseline
-from agl.runtime.dataset import as_tasks
 from agl.instrumentation import instrument, instrumented, uninstrument
 from agl.instrumentation.base import any_instrumented, is_hooked
+from agl.runtime.dataset import as_tasks
 from agl.runtime.litagent import LitAgent, as_agent
 from agl.runtime.runner_pool import RunnerMode, RunnerPool
 from agl.runtime.span_retention import SpanRetention
@@ -32,7 +32,9 @@ _kept_hooks: List[str] = []
 
 QUIET_WAIT_S = 60.0  # a wait in which no rollout finished for this long says what it waits for
 
-AgentLike = Union[LitAgent[Any], Callable[..., Any]]  # a plain rollout function is wrapped (agl.runtime.litagent.as_agent)
+AgentLike = Union[
+    LitAgent[Any], Callable[..., Any]
+]  # a plain rollout function is wrapped (agl.runtime.litagent.as_agent)
 
 
 @dataclass
@@ -91,7 +93,8 @@ class Trainer:
             # the first beat comes one interval after the rollout starts: every rollout longer than the timeout
             # that emits no span would end as "unresponsive ... presumed dead", from runners that are fine
             raise ValueError(
-                f"heartbeat_timeout={heartbeat_timeout:g} s is not longer than heartbeat_interval={heartbeat_interval:g} s "
+                f"heartbeat_timeout={heartbeat_timeout:g} s is not longer than "
+                f"heartbeat_interval={heartbeat_interval:g} s "
                 "(how often the runners send a heartbeat), so the store would declare healthy runners dead: make "
                 "heartbeat_timeout several times heartbeat_interval (raise the one, or lower the other)"
             )
@@ -134,8 +137,10 @@ class Trainer:
         with ``n_runners=0`` runners started elsewhere against the same store (``agl runner --store URL``).
         """
         if self._pool is None and not self._remote_runners_only:
-            raise RuntimeError("run_tasks needs running runners: call it from an algorithm inside fit(), or "
-                               "inside `with trainer.runners(agent):` (or use n_runners=0 with remote runners)")
+            raise RuntimeError(
+                "run_tasks needs running runners: call it from an algorithm inside fit(), or "
+                "inside `with trainer.runners(agent):` (or use n_runners=0 with remote runners)"
+            )
         tasks = as_tasks(dataset, mode=mode)  # tasks without ids: task-<i> for train, val-<i> for val
         requests = [
             EnqueueRequest(
@@ -183,10 +188,17 @@ class Trainer:
         counts = self.store.stats().rollouts
         where = f"{counts.get('queued', 0)} queued, {counts.get('running', 0)} running in the store"
         if self._remote_runners_only and not counts.get("running"):
-            where += ("; this Trainer has n_runners=0: are runners started against this store (agl runner "
-                      "--store URL --agent MODULE:AGENT)?")
-        logger.warning("%s: no rollout finished in the last %.0f s; waiting for %d (%s)",
-                       description, QUIET_WAIT_S, n_pending, where)
+            where += (
+                "; this Trainer has n_runners=0: are runners started against this store (agl runner "
+                "--store URL --agent MODULE:AGENT)?"
+            )
+        logger.warning(
+            "%s: no rollout finished in the last %.0f s; waiting for %d (%s)",
+            description,
+            QUIET_WAIT_S,
+            n_pending,
+            where,
+        )
 
     def learned_from(self, rollouts: Sequence[Rollout]) -> None:
         """Algorithms call this once a training step's update has learnt from ``rollouts``: the spans of steps
@@ -218,7 +230,9 @@ class Trainer:
         hooked_here = self._hook_for_run()
         left_running = False
         try:
-            pool = RunnerPool(agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs)
+            pool = RunnerPool(
+                agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs
+            )
             self._pool = pool.start()
             try:
                 yield pool
@@ -239,8 +253,10 @@ class Trainer:
         client hooked, hook nothing else (no thread pools, no framework adapter) and leave it hooked for good."""
         keep = ["openai"] if left_running and "openai" in hooked_here else []
         if keep:
-            logger.info("the OpenAI client stays instrumented after this run: an agent past its rollout's timeout "
-                        "still runs, and its model calls are refused")
+            logger.info(
+                "the OpenAI client stays instrumented after this run: an agent past its rollout's timeout "
+                "still runs, and its model calls are refused"
+            )
             _kept_hooks[:] = keep
         uninstrument([name for name in hooked_here if name not in keep])
 
@@ -258,8 +274,10 @@ class Trainer:
         state = instrumented()
         if kept and state is not None and not state["frameworks"] and not is_hooked("thread_pools"):  # only those
             hooked = kept + instrument()
-            logger.info("instrumenting %s for this run (the OpenAI client was still hooked by an earlier one)",
-                        ", ".join(hooked))
+            logger.info(
+                "instrumenting %s for this run (the OpenAI client was still hooked by an earlier one)",
+                ", ".join(hooked),
+            )
             return hooked
         if not any_instrumented():
             hooked = instrument()
@@ -269,8 +287,11 @@ class Trainer:
             return []
         before = {name for name in ("openai", "thread_pools") if is_hooked(name)}
         hooked = [name for name in instrument(frameworks=[]) if name not in before]
-        logger.info("the OpenAI client is not instrumented (only a framework adapter is): instrumenting %s for "
-                    "this run, which records the LLM calls", ", ".join(hooked))
+        logger.info(
+            "the OpenAI client is not instrumented (only a framework adapter is): instrumenting %s for "
+            "this run, which records the LLM calls",
+            ", ".join(hooked),
+        )
         return hooked
 
     # -- public entry points -------------------------------------------------------------------------------
@@ -339,7 +360,9 @@ def _with_trained_agents(adapter: Any, trained_agents: Optional[str]) -> Any:
     if current is not None:
         if current != trained_agents:
             logger.warning(
-                "the agent's trained_agents=%r is ignored: the Trainer's adapter selects agent_match=%r", trained_agents, current
+                "the agent's trained_agents=%r is ignored: the Trainer's adapter selects agent_match=%r",
+                trained_agents,
+                current,
             )
         return adapter
     if isinstance(adapter, Mapping):

@@ -28,9 +28,7 @@ RolloutMode = Literal["train", "val"]
 SpanKind = Literal["agent", "llm", "tool", "chain", "reward", "annotation"]
 
 TERMINAL_ROLLOUT_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-TERMINAL_ATTEMPT_STATUSES: frozenset[str] = frozenset(
-    {"succeeded", "failed", "timeout", "unresponsive", "cancelled"}
-)
+TERMINAL_ATTEMPT_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "timeout", "unresponsive", "cancelled"})
 
 
 # Ids (and span ids, see agl.tracing.spans) come from a generator of agl's own, seeded from os.urandom and

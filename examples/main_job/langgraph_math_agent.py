@@ -20,10 +20,11 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Optional, Tuple, TypedDict
 
-import agl
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
+
+import agl
 
 SOLVE_PROMPT = (
     "Translate the request into an arithmetic expression for the calculator. Examples:\n"
@@ -83,7 +84,10 @@ def reward(answer: str, expected: int) -> float:
 @agl.rollout
 def math_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
     model = ChatOpenAI(
-        base_url=llm.get_base_url(), api_key=llm.api_key or "unused", model=llm.model, max_retries=1,
+        base_url=llm.get_base_url(),
+        api_key=llm.api_key or "unused",
+        model=llm.model,
+        max_retries=1,
         **llm.sampling_parameters,
     )
     state = build_graph(model).invoke({"question": task["question"]})

@@ -26,9 +26,9 @@ STARTED = time.monotonic()
 
 import agl  # noqa: E402
 from agl.algorithm.torch_grpo import TorchGRPO  # noqa: E402
-from agl.runtime.dataset import load_dataset  # noqa: E402
 from agl.cli.run_folder import check_out, interrupted_message, no_second_interrupt, with_resume  # noqa: E402
 from agl.cli.train import check_minutes  # noqa: E402
+from agl.runtime.dataset import load_dataset  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="most training steps (the budget usually ends first)")
     parser.add_argument("--model", default="smollm2", help="smollm2 (bundled), tiny (random, smoke tests) or a HF path")
     parser.add_argument("--heldout", type=int, default=50, help="held-out tasks to evaluate on (at most 50)")
-    parser.add_argument("--no-greedy-eval", dest="greedy_eval", action="store_false",
-                        help="skip the second (greedy, temperature 0) evaluation before and after training")
+    parser.add_argument(
+        "--no-greedy-eval",
+        dest="greedy_eval",
+        action="store_false",
+        help="skip the second (greedy, temperature 0) evaluation before and after training",
+    )
     parser.add_argument("--out", default=".agl/main_job", help="output folder (metrics, log, curve, store)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     argv = sys.argv[1:] if argv is None else argv
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             "main job: no training step ran: the held-out evaluations took the whole budget (this machine is slower "
             "or busier than the 20-70 s per evaluation the README measured). Rerun with --resume (with no checkpoint "
             f"in {out} it starts afresh there) and more time (--minutes 20) or a smaller evaluation (--heldout 20 "
-            "--no-greedy-eval).", file=sys.stderr,
+            "--no-greedy-eval).",
+            file=sys.stderr,
         )
         return 1
     if result.improvement is not None:

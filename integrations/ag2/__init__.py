@@ -18,9 +18,9 @@ import importlib.metadata
 import logging
 from typing import Any, ClassVar, Tuple
 
+from agl._util.safety import report_internal_error
 from agl.instrumentation.base import Instrumentor, requirement_problem
 from agl.instrumentation.framework import PatchSet
-from agl._util.safety import report_internal_error
 
 logger = logging.getLogger("agl.instrumentation")
 

@@ -27,8 +27,8 @@ from ag2.middleware import BaseMiddleware, Middleware
 from opentelemetry import trace as otel_trace
 from pydantic_core import to_json
 
-from agl.instrumentation.framework import PatchSet, agent_span, set_tool_result, tool_span
 from agl._util.safety import guard, report_internal_error
+from agl.instrumentation.framework import PatchSet, agent_span, set_tool_result, tool_span
 from agl.instrumentation.tool_failures import mark_tool_failed, record_failed_tool_call
 from agl.integrations.ag2._context import enter_guarded
 from agl.tracing.encoding import Computed

@@ -30,10 +30,10 @@ from typing import Any, Callable, ContextManager, Dict, List, Tuple
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.tracing.context import current_scope
-from agl.instrumentation.framework import PatchSet, agent_span, set_tool_result, tool_span
 from agl._util.safety import guard
+from agl.instrumentation.framework import PatchSet, agent_span, set_tool_result, tool_span
 from agl.integrations.ag2._context import ContextHandoff, enter_guarded, in_context
+from agl.tracing.context import current_scope
 from agl.tracing.tracer import get_tracer
 
 FRAMEWORK = "ag2"

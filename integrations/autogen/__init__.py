@@ -18,9 +18,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Iterator, Optional
 
+from agl._util.safety import guard
 from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.framework import PatchSet
-from agl._util.safety import guard
 from agl.integrations.autogen._agents import agent_call, agent_stream, speaker_selection, team_stream
 from agl.integrations.autogen._runtime import handle_messages_in_sender_context
 from agl.integrations.autogen._threads import bind_context_in_executors

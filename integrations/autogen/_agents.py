@@ -21,8 +21,8 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Span
 
 from agl import semconv
-from agl.instrumentation.framework import finish_span, start_agent_span
 from agl._util.safety import guard, guarded
+from agl.instrumentation.framework import finish_span, start_agent_span
 from agl.integrations.autogen._streams import iterate_in_span
 from agl.tracing.tracer import get_tracer
 

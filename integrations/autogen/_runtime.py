@@ -25,9 +25,9 @@ from typing import Any, Callable, Coroutine, Dict, Optional, Tuple
 
 from opentelemetry import context as otel_context
 
-from agl.tracing.context import RolloutScope, current_scope, ended_scope, enter_scope, exit_scope
-from agl.instrumentation.framework import PatchSet
 from agl._util.safety import guard
+from agl.instrumentation.framework import PatchSet
+from agl.tracing.context import RolloutScope, current_scope, ended_scope, enter_scope, exit_scope
 
 _RUNTIME_MODULE = "autogen_core._single_threaded_agent_runtime"
 _ENVELOPES = ("SendMessageEnvelope", "PublishMessageEnvelope")
@@ -43,7 +43,7 @@ class _SenderContext:
     otel: otel_context.Context
 
     @classmethod
-    def capture(cls) -> "_SenderContext":
+    def capture(cls) -> _SenderContext:
         # An ended scope is kept too (not None): what a task the rollout left running sends is then known
         # to come after that rollout (the tracer says so once), instead of looking like a call made outside
         # every rollout.

@@ -21,8 +21,8 @@ from typing import Any, AsyncGenerator, Callable, Optional, Tuple, TypeVar
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span
 
-from agl.instrumentation.framework import finish_span
 from agl._util.safety import guard
+from agl.instrumentation.framework import finish_span
 
 T = TypeVar("T")
 
@@ -54,7 +54,7 @@ async def iterate_in_span(agen: AsyncGenerator[T, Any], start: SpanStart) -> Asy
                 send = yield item
             except GeneratorExit:
                 raise
-            except BaseException as exc:  # thrown in by the consumer: the wrapped generator decides
+            except BaseException as exc:  # noqa: BLE001 - thrown in by the consumer: the wrapped generator decides
                 thrown = exc
     except GeneratorExit:
         await _close(agen, context)

@@ -16,9 +16,9 @@ from typing import Any, Callable, Dict, Tuple
 
 import wrapt
 
-from agl.tracing.context import propagate
-from agl.instrumentation.framework import PatchSet
 from agl._util.safety import guarded
+from agl.instrumentation.framework import PatchSet
+from agl.tracing.context import propagate
 
 
 class _ContextBound(wrapt.ObjectProxy):  # type: ignore[misc]

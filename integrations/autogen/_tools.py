@@ -16,8 +16,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Span
 
-from agl.instrumentation.framework import finish_tool, start_tool_span
 from agl._util.safety import guard, guarded
+from agl.instrumentation.framework import finish_tool, start_tool_span
 from agl.instrumentation.tool_failures import mark_tool_failed
 from agl.integrations.autogen._agents import FRAMEWORK
 from agl.tracing.tracer import record_exception

@@ -17,9 +17,9 @@ import importlib
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from agl._util.safety import guard
 from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.framework import PatchSet
-from agl._util.safety import guard
 from agl.integrations.crewai import _wrappers as w
 from agl.integrations.crewai._threads import bind_run_func_to_caller, copy_context_on_access, kickoff_outside_loop
 

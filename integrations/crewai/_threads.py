@@ -19,8 +19,8 @@ import importlib
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from agl.tracing.context import carry_scope
 from agl.instrumentation.framework import PatchSet
+from agl.tracing.context import carry_scope
 
 
 class ContextCopyingMethod:

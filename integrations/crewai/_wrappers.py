@@ -27,8 +27,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 
 from agl import semconv
-from agl.instrumentation.framework import finish_span, finish_tool, start_agent_span, start_tool_span
 from agl._util.safety import guard, report_internal_error
+from agl.instrumentation.framework import finish_span, finish_tool, start_agent_span, start_tool_span
 from agl.instrumentation.tool_failures import mark_tool_failed, record_failed_tool_call
 from agl.integrations.crewai._threads import in_running_loop
 from agl.tracing.tracer import get_tracer
@@ -225,8 +225,9 @@ def _warn_if_untraced_model(agent: Any) -> None:
     _warned_litellm = True
     logger.warning(
         "CrewAI agent %r calls its model through LiteLLM, which agl does not trace: its LLM calls are not "
-        "recorded or trained on. Use CrewAI's native OpenAI provider: LLM(model=..., provider=\"openai\", "
-        "base_url=llm.get_base_url()). (Said once.)", agent_name(agent),
+        'recorded or trained on. Use CrewAI\'s native OpenAI provider: LLM(model=..., provider="openai", '
+        "base_url=llm.get_base_url()). (Said once.)",
+        agent_name(agent),
     )
 
 

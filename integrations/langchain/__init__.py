@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
-from agl.instrumentation.base import Instrumentor, hooks_owner
-from agl.tracing.context_keys import register_parent_resolver, unregister_parent_resolver
-from agl.tracing.callback_handlers import register_callback_handler
-from agl.instrumentation.framework import PatchSet
 from agl._util.safety import guard
+from agl.instrumentation.base import Instrumentor, hooks_owner
+from agl.instrumentation.framework import PatchSet
+from agl.tracing.callback_handlers import register_callback_handler
+from agl.tracing.context_keys import register_parent_resolver, unregister_parent_resolver
 
 if TYPE_CHECKING:
     from agl.integrations.langchain._handler import AglCallbackHandler
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["LangChainInstrumentor"]
 
 
-def _adding_handler(handler: "AglCallbackHandler") -> Callable[..., None]:
+def _adding_handler(handler: AglCallbackHandler) -> Callable[..., None]:
     """A wrapper for ``BaseCallbackManager.__init__`` that makes ``handler`` one of the manager's
     inheritable handlers, in new lists so that lists the caller passed in are left untouched."""
 
@@ -41,7 +41,7 @@ def _adding_handler(handler: "AglCallbackHandler") -> Callable[..., None]:
     return wrapper
 
 
-def callback_handler() -> "AglCallbackHandler":
+def callback_handler() -> AglCallbackHandler:
     """The handler ``agl.instrument()`` adds to every LangChain callback manager, for code that passes it in
     ``callbacks=[...]`` as Agent Lightning's ``tracer.get_langchain_handler()`` asks: the manager holds it
     once either way, so nothing is recorded twice."""
@@ -71,7 +71,7 @@ class LangChainInstrumentor(Instrumentor):
     def __init__(self) -> None:
         super().__init__()
         self._patches = PatchSet()
-        self._handler: Optional["AglCallbackHandler"] = None
+        self._handler: Optional[AglCallbackHandler] = None
 
     def _instrument(self, **kwargs: Any) -> None:
         from agl.integrations.langchain._handler import AglCallbackHandler

@@ -50,6 +50,7 @@ from langchain_core.runnables.config import var_child_runnable_config
 from opentelemetry import trace as otel_trace
 
 from agl import semconv
+from agl._util.safety import report_internal_error
 from agl.instrumentation.framework import (
     finish_span,
     finish_tool,
@@ -59,7 +60,6 @@ from agl.instrumentation.framework import (
     start_chain_span,
     start_tool_span,
 )
-from agl._util.safety import report_internal_error
 from agl.instrumentation.tool_failures import mark_tool_failed, record_failed_tool_call
 from agl.integrations.langchain._runs import (
     ParentInfo,
@@ -124,7 +124,7 @@ def _callback(fn: F) -> F:
     site = f"langchain.{fn.__name__}"
 
     @functools.wraps(fn)
-    def wrapper(self: "AglCallbackHandler", *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: AglCallbackHandler, *args: Any, **kwargs: Any) -> Any:
         if not self.enabled:
             return None
         try:

@@ -4,8 +4,8 @@
 exporter), which stays there when the user replaces the list (``set_trace_processors([])``, to keep
 traces away from api.openai.com), and mirrors the SDK's spans as agl spans: each ``Agent`` run becomes an
 ``agent`` span named ``Agent.name`` under which the model requests of that agent nest, function tools
-become ``tool`` spans, handoffs and guardrails ``chain`` spans. The model requests themselves are the OpenAI-client layer's
-``llm`` spans (one per HTTP request, with token ids). The one SDK function patched is the processor
+become ``tool`` spans, handoffs and guardrails ``chain`` spans. The model requests themselves are the OpenAI-client
+layer's ``llm`` spans (one per HTTP request, with token ids). The one SDK function patched is the processor
 list's ``set_processors``, to put agl's processor back after a replacement.
 
 Nothing from the SDK is imported here, so ``agl.instrument()`` works without it installed.
@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Tuple
 
+from agl._util.safety import guard
 from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.framework import PatchSet
-from agl._util.safety import guard
 
 logger = logging.getLogger("agl.instrumentation")
 

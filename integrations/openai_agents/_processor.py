@@ -60,8 +60,8 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.instrumentation.framework import finish_span, finish_tool, start_agent_span, start_tool_span
 from agl._util.safety import guarded
+from agl.instrumentation.framework import finish_span, finish_tool, start_agent_span, start_tool_span
 from agl.integrations.openai_agents._tool_calls import ToolCall, requested_calls, take_call_id
 from agl.tracing.tracer import get_tracer
 

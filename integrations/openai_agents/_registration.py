@@ -21,8 +21,8 @@ from agents.tracing import TraceProvider, TracingProcessor, get_current_trace
 from agents.tracing.traces import NoOpTrace
 
 from agl import semconv
-from agl.instrumentation.framework import PatchSet
 from agl._util.safety import guarded
+from agl.instrumentation.framework import PatchSet
 from agl.integrations.openai_agents._processor import AglTracingProcessor
 from agl.tracing.spans import AglSpan
 from agl.tracing.tracer import get_tracer

@@ -10,9 +10,9 @@ import openai
 import pytest
 
 import agl.instrumentation
-from agl.tracing.context import RolloutScope, enter_scope, exit_scope
 from agl.instrumentation.openai_client import OpenAIInstrumentor
 from agl.testing import FakeOpenAIServer, ListSink, tracer_writes_to
+from agl.tracing.context import RolloutScope, enter_scope, exit_scope
 from agl.types import Span
 
 

@@ -28,7 +28,7 @@ class Toy(Instrumentor):
     """Wraps ``target.greet``: a hooked call returns the text in brackets, once per layer of hooks."""
 
     name = "toy_sharing"
-    hooked: List["Toy"] = []  # the instances whose _instrument ran, in order
+    hooked: List[Toy] = []  # the instances whose _instrument ran, in order
 
     def _instrument(self, **kwargs: Any) -> None:
         self._saved = target.greet
@@ -96,7 +96,9 @@ def test_a_failed_hook_is_undone_and_the_next_instance_tries_again() -> None:
     assert target.greet is ORIGINAL
 
 
-def test_a_users_openai_instrumentor_keeps_recording_after_agl_uninstrument(fake_openai: Any, sink: Any, rollout: Any) -> None:
+def test_a_users_openai_instrumentor_keeps_recording_after_agl_uninstrument(
+    fake_openai: Any, sink: Any, rollout: Any
+) -> None:
     """The OpenAI client layer: a user's own instance hooked while agl.instrument() was on."""
     agl.instrumentation.uninstrument()
     agl.instrumentation.instrument([])

@@ -17,14 +17,14 @@ from openai.resources.responses import AsyncResponses, Responses
 
 import agl.instrumentation
 from agl import semconv
-from agl.tracing.context import propagate
-from agl.instrumentation import openai_client
-from agl.openai_wire import payloads, streams
-from agl.tracing.context_keys import llm_span_already_open
-from agl.instrumentation.openai_client import OpenAIInstrumentor
 from agl._util.safety import internal_error_count
+from agl.instrumentation import openai_client
+from agl.instrumentation.openai_client import OpenAIInstrumentor
+from agl.openai_wire import payloads, streams
 from agl.testing import FakeReply
 from agl.testing.fake_policy import fake_logprob, render_assistant, tool_call_from_spec
+from agl.tracing.context import propagate
+from agl.tracing.context_keys import llm_span_already_open
 from agl.tracing.tracer import get_tracer
 
 MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
@@ -747,7 +747,9 @@ def test_concurrent_rollouts_in_threads_land_in_their_own_rollouts(client, fake_
         assert sorted(s.sequence_id for s in spans) == [0, 1, 2]
 
 
-def test_a_call_made_in_a_thread_without_the_rollouts_context_is_said_once(client, fake_openai, sink, caplog, monkeypatch):
+def test_a_call_made_in_a_thread_without_the_rollouts_context_is_said_once(
+    client, fake_openai, sink, caplog, monkeypatch
+):
     """A thread of the agent's own does not inherit contextvars: its calls are outside the rollout and lost.
     Before, only a debug line said so (users saw 'no llm calls' and empty triplets); now a warning says how
     to carry the context, once. agl.propagate's call lands in the rollout."""
@@ -862,8 +864,9 @@ def _assert_recorded_unparsed(span: Any, fake_openai: Any, content: str) -> None
     assert output_message(span)["content"] == content
 
 
-def test_structured_output_that_does_not_parse_raises_as_before_and_is_recorded(chat_helpers, client, fake_openai,
-                                                                                 sink, rollout):
+def test_structured_output_that_does_not_parse_raises_as_before_and_is_recorded(
+    chat_helpers, client, fake_openai, sink, rollout
+):
     """A structured answer that is not valid JSON raised inside the SDK's ``parse`` and took the completion
     with it: the span had no response and no token ids (`agl export` refused the rollout, the AutoGen path
     even marked the call failed), though that is exactly a sample an RL run must learn from (CrewAI retries
@@ -903,7 +906,9 @@ def test_responses_structured_output_that_does_not_parse_is_recorded(client, fak
     with rollout() as scope:
         with pytest.raises(ValidationError):
             client.responses.parse(model="fake-model", input="hi", text_format=Answer)
-        assert client.responses.parse(model="fake-model", input="hi", text_format=Answer).output_parsed == Answer(value=7)
+        assert client.responses.parse(model="fake-model", input="hi", text_format=Answer).output_parsed == Answer(
+            value=7
+        )
     bad, good = sink.of(scope.rollout_id)
     assert bad.attributes[semconv.PARSE_ERROR].startswith("ValidationError: ") and bad.status != "error"
     assert bad.attributes[semconv.RESPONSE_TOKEN_IDS] == response_ids(fake_openai, "seven")
@@ -918,7 +923,11 @@ def test_async_structured_output_that_does_not_parse_is_recorded(fake_openai, in
 
     async def main() -> None:
         async with openai.AsyncOpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=0) as aclient:
-            helpers = aclient.chat.completions if hasattr(aclient.chat.completions, "parse") else aclient.beta.chat.completions
+            helpers = (
+                aclient.chat.completions
+                if hasattr(aclient.chat.completions, "parse")
+                else aclient.beta.chat.completions
+            )
             with pytest.raises(ValidationError):
                 await helpers.parse(model="fake-model", messages=MESSAGES, response_format=Answer)
 

@@ -82,7 +82,9 @@ def test_a_batch_of_prompts_counts_its_choices_and_records_choice_0(client, fake
     (span,) = sink.of(scope.rollout_id)
     a = span.attributes
     assert a[semconv.REQUEST_CHOICE_COUNT] == 2 * (n or 1)
-    assert a[semconv.PROMPT_TOKEN_IDS] == TOKENIZER.encode("Q: 2+2") and a[semconv.RESPONSE_TOKEN_IDS] == TOKENIZER.encode("4")
+    assert a[semconv.PROMPT_TOKEN_IDS] == TOKENIZER.encode("Q: 2+2") and a[
+        semconv.RESPONSE_TOKEN_IDS
+    ] == TOKENIZER.encode("4")
     assert [m["content"] for m in json.loads(a[semconv.OUTPUT_MESSAGES])] == ["4", completion.choices[1].text]
 
 
@@ -109,16 +111,25 @@ def test_logprobs_zero_records_one_logprob_per_response_token(client, fake_opena
 def test_stream_records_what_the_plain_call_records(client, fake_openai, sink, rollout, prompt):
     with rollout() as scope:
         plain = client.completions.create(model="fake-model", prompt=prompt, logprobs=0)
-        chunks = list(client.completions.create(
-            model="fake-model", prompt=prompt, logprobs=0, stream=True, stream_options={"include_usage": True}
-        ))
+        chunks = list(
+            client.completions.create(
+                model="fake-model", prompt=prompt, logprobs=0, stream=True, stream_options={"include_usage": True}
+            )
+        )
     assert len(chunks) > 2  # one per word, then the usage chunk
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     first, streamed = sink.of(scope.rollout_id)
     assert streamed.attributes[semconv.LLM_STREAM] is True
-    for key in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS,
-                semconv.OUTPUT_MESSAGES, semconv.RESPONSE_FINISH_REASONS, semconv.USAGE_INPUT_TOKENS,
-                semconv.USAGE_OUTPUT_TOKENS, semconv.LLM_PROMPT):
+    for key in (
+        semconv.PROMPT_TOKEN_IDS,
+        semconv.RESPONSE_TOKEN_IDS,
+        semconv.RESPONSE_LOGPROBS,
+        semconv.OUTPUT_MESSAGES,
+        semconv.RESPONSE_FINISH_REASONS,
+        semconv.USAGE_INPUT_TOKENS,
+        semconv.USAGE_OUTPUT_TOKENS,
+        semconv.LLM_PROMPT,
+    ):
         assert streamed.attributes[key] == first.attributes[key], key
     assert streamed.attributes[semconv.RESPONSE_ID] == chunks[0].id
 
@@ -195,8 +206,12 @@ def run_token_in_agent(tmp_path, fake_openai) -> Any:
         initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
         progress=False,
     )
-    fake_openai.script(FakeReply(content="It is 5."), FakeReply(content="Yes, 5."),
-                       FakeReply(content="It is 9."), FakeReply(content="Yes, 9."))
+    fake_openai.script(
+        FakeReply(content="It is 5."),
+        FakeReply(content="Yes, 5."),
+        FakeReply(content="It is 9."),
+        FakeReply(content="Yes, 9."),
+    )
     with trainer.runners(token_in_agent):
         rollouts = trainer.run_tasks([{"question": "2 + 3?", "answer": 5}], n_per_task=2)
     return store, rollouts
@@ -208,7 +223,9 @@ def test_token_in_agent_gives_samples_with_the_servers_ids(tmp_path, fake_openai
     batch = LightningRL().build_batch(store, rollouts, progress=False)
     assert batch.report.samples == 4 and batch.report.retokenized == 0
     requests = [r["body"] for r in fake_openai.requests]
-    sent_prompts: List[List[int]] = [p if isinstance(p, list) else TOKENIZER.encode(p) for p in (r["prompt"] for r in requests)]
+    sent_prompts: List[List[int]] = [
+        p if isinstance(p, list) else TOKENIZER.encode(p) for p in (r["prompt"] for r in requests)
+    ]
     assert sorted(s.prompt_ids for s in batch.samples) == sorted(sent_prompts)
     by_prompt = {tuple(s.prompt_ids): s for s in batch.samples}
     for request, prompt in zip(requests, sent_prompts):
@@ -231,7 +248,9 @@ def test_completion_calls_without_ids_are_retokenized_from_the_prompt(tmp_path, 
     batch = LightningRL(tokenizer=TOKENIZER).build_batch(store, rollouts, progress=False)
     assert batch.report.retokenized == 4
     prompts = sorted(s.prompt_ids for s in batch.samples)
-    sent = sorted(p if isinstance(p, list) else TOKENIZER.encode(p) for p in (r["body"]["prompt"] for r in fake_openai.requests))
+    sent = sorted(
+        p if isinstance(p, list) else TOKENIZER.encode(p) for p in (r["body"]["prompt"] for r in fake_openai.requests)
+    )
     assert prompts == sent
     assert {TOKENIZER.decode(s.response_ids) for s in batch.samples} == {"It is 5.", "Yes, 5.", "It is 9.", "Yes, 9."}
 

@@ -51,7 +51,9 @@ def test_the_fake_judge_rejects_the_flag_as_api_openai_com_does(judge) -> None:
     assert raw.chat.completions.create(model="judge", messages=MESSAGES).choices[0].message.content
 
 
-def test_a_judge_that_refuses_token_ids_answers_inside_a_rollout(client, fake_openai, judge, sink, rollout, caplog) -> None:
+def test_a_judge_that_refuses_token_ids_answers_inside_a_rollout(
+    client, fake_openai, judge, sink, rollout, caplog
+) -> None:
     judge_client = openai.OpenAI(base_url=judge.base_url, api_key="x", max_retries=0)
     judge.script(FakeReply(content="yes"), FakeReply(content="no"))
     with caplog.at_level(logging.WARNING, logger="agl.instrumentation"), rollout() as scope:
@@ -116,10 +118,14 @@ def test_other_errors_and_the_users_own_flag_are_not_sent_again(client, fake_ope
         with pytest.raises(openai.BadRequestError, match="messages must not be empty"):
             client.chat.completions.create(model="fake-model", messages=MESSAGES)
         with pytest.raises(openai.BadRequestError, match="return_token_ids"):  # the user asked: their error
-            judge_client.chat.completions.create(model="judge", messages=MESSAGES, extra_body={"return_token_ids": True})
+            judge_client.chat.completions.create(
+                model="judge", messages=MESSAGES, extra_body={"return_token_ids": True}
+            )
     # one request each: a 400 about something else is the agent's own error, and so is the user's own flag
     assert flags(fake_openai) == [True] and flags(judge) == [True]
-    assert not token_id_refusals.refuses(judge_client.chat.completions) and not token_id_refusals.refuses(client.chat.completions)
+    assert not token_id_refusals.refuses(judge_client.chat.completions) and not token_id_refusals.refuses(
+        client.chat.completions
+    )
     assert [s.status for s in sink.of(scope.rollout_id)] == ["error", "error"]
 
 

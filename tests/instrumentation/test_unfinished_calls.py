@@ -42,7 +42,7 @@ class _ScriptedSSE(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # the body ends when the connection closes: a clean end of the stream
     events: List[Dict[str, Any]] = []
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+    def do_POST(self) -> None:  # http.server's name
         self.rfile.read(int(self.headers["content-length"]))
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
@@ -76,7 +76,10 @@ def sse_server() -> Iterator[Any]:
 
 def chat_chunk(content: str, token_ids: List[int], finish: Any = None, first: bool = False) -> Dict[str, Any]:
     chunk: Dict[str, Any] = {
-        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
         "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish, "token_ids": token_ids}],
     }
     if first:
@@ -120,20 +123,51 @@ def test_an_abandoned_responses_stream_whose_deltas_carry_token_ids_is_trained_o
 ):
     """Like a chat stream: a server that puts each delta's ``token_ids`` on it (and the prompt's on the first
     snapshot) gives the abandoned call its exact ids, trained as what the agent acted on."""
-    shell = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m", "status": "in_progress",
-             "output": [], "prompt_token_ids": [1, 2, 3]}
+    shell = {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 0,
+        "model": "m",
+        "status": "in_progress",
+        "output": [],
+        "prompt_token_ids": [1, 2, 3],
+    }
     where = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
-    base_url = sse_server([
-        {"type": "response.created", "response": shell, "sequence_number": 0},
-        {"type": "response.output_item.added", "output_index": 0, "sequence_number": 1,
-         "item": {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress", "content": []}},
-        {"type": "response.output_text.delta", **where, "delta": "Hel", "token_ids": [10], "logprobs": [],
-         "sequence_number": 2},
-        {"type": "response.output_text.delta", **where, "delta": "lo", "token_ids": [11], "logprobs": [],
-         "sequence_number": 3},
-        {"type": "response.output_text.delta", **where, "delta": " there", "token_ids": [12], "logprobs": [],
-         "sequence_number": 4},
-    ])
+    base_url = sse_server(
+        [
+            {"type": "response.created", "response": shell, "sequence_number": 0},
+            {
+                "type": "response.output_item.added",
+                "output_index": 0,
+                "sequence_number": 1,
+                "item": {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress", "content": []},
+            },
+            {
+                "type": "response.output_text.delta",
+                **where,
+                "delta": "Hel",
+                "token_ids": [10],
+                "logprobs": [],
+                "sequence_number": 2,
+            },
+            {
+                "type": "response.output_text.delta",
+                **where,
+                "delta": "lo",
+                "token_ids": [11],
+                "logprobs": [],
+                "sequence_number": 3,
+            },
+            {
+                "type": "response.output_text.delta",
+                **where,
+                "delta": " there",
+                "token_ids": [12],
+                "logprobs": [],
+                "sequence_number": 4,
+            },
+        ]
+    )
     with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0) as c, rollout() as scope:
         with c.responses.create(model="m", input="hi", stream=True) as events:
             for event in events:
@@ -229,8 +263,10 @@ def test_a_stream_the_server_ends_mid_answer_is_marked_truncated(client, sink, r
     """No finish reason, no ``[DONE]``: the SDK ends the iteration quietly, and the span looked complete."""
     base_url = sse_server([chat_chunk("", [], first=True), chat_chunk("Hello", [10]), chat_chunk(" wor", [11])])
     with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0) as c, rollout() as scope:
-        text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-            model="m", messages=MESSAGES, stream=True))
+        text = "".join(
+            ch.choices[0].delta.content or ""
+            for ch in c.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+        )
     (span,) = sink.of(scope.rollout_id)
     assert text == output_text(span) == "Hello wor"
     assert span.attributes[semconv.STREAM_TRUNCATED] is True and span.status == "unset"

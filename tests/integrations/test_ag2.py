@@ -19,23 +19,23 @@ try:
 except importlib.metadata.PackageNotFoundError:
     pytest.skip("ag2 is not installed", allow_module_level=True)
 
-from agl.instrumentation.base import requirement_problem  # noqa: E402
+from agl.instrumentation.base import requirement_problem
 
 CLASSIC = requirement_problem("ag2<1") is None
 pytest.importorskip("autogen" if CLASSIC else "ag2")
 
 import agl  # noqa: E402
 from agl import semconv  # noqa: E402
-from agl.lightningrl.agent_match import select_llm_calls  # noqa: E402
-from agl.tracing.context import rollout_scope  # noqa: E402
-from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
 from agl._util.safety import internal_error_count  # noqa: E402
+from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
 from agl.integrations.ag2 import AG2Instrumentor  # noqa: E402
+from agl.lightningrl.agent_match import select_llm_calls  # noqa: E402
 from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
 from agl.lightningrl.links import CallLinks  # noqa: E402
 from agl.lightningrl.tree import build_tree  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
 from agl.testing import FakeReply, assert_tool_reward_credited  # noqa: E402
+from agl.tracing.context import rollout_scope  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 pytestmark = pytest.mark.framework("ag2")

@@ -18,29 +18,37 @@ import wrapt
 pytest.importorskip("autogen_agentchat")
 pytest.importorskip("autogen_ext.models.openai")
 
-from autogen_agentchat.agents import AssistantAgent, BaseChatAgent, UserProxyAgent  # noqa: E402
-from autogen_agentchat.base import Response  # noqa: E402
-from autogen_agentchat.conditions import MaxMessageTermination  # noqa: E402
-from autogen_agentchat.messages import BaseChatMessage, TextMessage  # noqa: E402
-from autogen_agentchat.teams import BaseGroupChat, RoundRobinGroupChat, SelectorGroupChat  # noqa: E402
-from autogen_agentchat.teams._group_chat._selector_group_chat import SelectorGroupChatManager  # noqa: E402
-from autogen_core import AgentId, CancellationToken, MessageContext, RoutedAgent, TopicId  # noqa: E402
-from autogen_core import SingleThreadedAgentRuntime, TypeSubscription, message_handler  # noqa: E402
-from autogen_core._single_threaded_agent_runtime import PublishMessageEnvelope, SendMessageEnvelope  # noqa: E402
-from autogen_core.models import UserMessage  # noqa: E402
-from autogen_core.tools import BaseTool, FunctionTool  # noqa: E402
-from autogen_ext.models.openai import OpenAIChatCompletionClient  # noqa: E402
-import openai  # noqa: E402
-from opentelemetry import trace as otel_trace  # noqa: E402
+import openai
+from autogen_agentchat.agents import AssistantAgent, BaseChatAgent, UserProxyAgent
+from autogen_agentchat.base import Response
+from autogen_agentchat.conditions import MaxMessageTermination
+from autogen_agentchat.messages import BaseChatMessage, TextMessage
+from autogen_agentchat.teams import BaseGroupChat, RoundRobinGroupChat, SelectorGroupChat
+from autogen_agentchat.teams._group_chat._selector_group_chat import SelectorGroupChatManager
+from autogen_core import (
+    AgentId,
+    CancellationToken,
+    MessageContext,
+    RoutedAgent,
+    SingleThreadedAgentRuntime,
+    TopicId,
+    TypeSubscription,
+    message_handler,
+)
+from autogen_core._single_threaded_agent_runtime import PublishMessageEnvelope, SendMessageEnvelope
+from autogen_core.models import UserMessage
+from autogen_core.tools import BaseTool, FunctionTool
+from autogen_ext.models.openai import OpenAIChatCompletionClient
+from opentelemetry import trace as otel_trace
 
-import agl  # noqa: E402
-import agl.instrumentation  # noqa: E402
-from agl import semconv  # noqa: E402
-from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
-from agl.integrations.autogen import AutoGenInstrumentor  # noqa: E402
-from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeReply, assert_tool_reward_credited  # noqa: E402
-from agl.types import Span  # noqa: E402
+import agl
+import agl.instrumentation
+from agl import semconv
+from agl.integrations.autogen import AutoGenInstrumentor
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls
+from agl.store import SqliteLightningStore
+from agl.testing import FakeReply, assert_tool_reward_credited
+from agl.types import Span
 
 MODEL_INFO = {
     "vision": False,
@@ -209,7 +217,10 @@ def test_structured_output_is_an_llm_span_of_its_agent(fake_openai, instrumented
 
     async def main() -> None:
         client = OpenAIChatCompletionClient(
-            model="fake-model", base_url=fake_openai.base_url, api_key="x", max_retries=0,
+            model="fake-model",
+            base_url=fake_openai.base_url,
+            api_key="x",
+            max_retries=0,
             model_info={**MODEL_INFO, "json_output": True, "structured_output": True},
         )
         agent = AssistantAgent("solver", model_client=client, output_content_type=Answer)
@@ -244,7 +255,9 @@ def test_a_tool_that_raises_gets_error_status_and_the_model_sees_the_error(fake_
 def test_a_call_of_a_tool_the_agent_lacks_is_an_error_tool_span_without_exception(fake_openai, instrumented, sink):
     """The model names a tool the agent was not given: AutoGen answers an error result without running
     anything (no exception exists). The tool span still fails, with AutoGen's text as the error."""
-    fake_openai.script(FakeReply(tool_calls=[{"name": "multiply", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="6"))
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "multiply", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="6")
+    )
 
     async def main() -> None:
         agent = AssistantAgent("calc", model_client=model_client(fake_openai.base_url), tools=[add])
@@ -268,7 +281,9 @@ def scored_add(a: float, b: float) -> float:
 def test_a_reward_emitted_in_a_tool_is_a_step_reward_for_the_call_that_asked_for_it(fake_openai, instrumented, sink):
     """AutoGen's own OpenTelemetry tracing opens a span inside agl's tool span (with no SDK installed, a
     NonRecordingSpan sharing its context): the reward is still known to be emitted in the tool."""
-    fake_openai.script(FakeReply(tool_calls=[{"name": "scored_add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5"))
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "scored_add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5")
+    )
 
     async def main() -> None:
         agent = AssistantAgent("calc", model_client=model_client(fake_openai.base_url), tools=[scored_add])
@@ -459,7 +474,7 @@ class Solver(RoutedAgent):
 class NoteTaker(RoutedAgent):
     """A core agent subscribed to the notes: asks its model once per note, then says the note is taken."""
 
-    def __init__(self, client: OpenAIChatCompletionClient, taken: Dict[str, "asyncio.Future[None]"]) -> None:
+    def __init__(self, client: OpenAIChatCompletionClient, taken: Dict[str, asyncio.Future[None]]) -> None:
         super().__init__("Takes notes.")
         self._client = client
         self._taken = taken
@@ -477,7 +492,7 @@ class KeptRuntime:
 
     def __init__(self) -> None:
         self.runtime: Optional[SingleThreadedAgentRuntime] = None
-        self.taken: Dict[str, "asyncio.Future[None]"] = {}  # by question: the note on it was taken
+        self.taken: Dict[str, asyncio.Future[None]] = {}  # by question: the note on it was taken
 
     async def get(self, base_url: str) -> SingleThreadedAgentRuntime:
         if self.runtime is None:
@@ -551,9 +566,7 @@ def test_a_runtime_kept_across_rollouts_records_each_message_in_the_rollout_that
         assert all(s.parent_id == root.span_id for s in of_kind(spans, "llm"))
 
 
-def test_a_team_on_a_runtime_kept_across_rollouts_records_each_run_in_its_rollout(
-    fake_openai, instrumented, tmp_path
-):
+def test_a_team_on_a_runtime_kept_across_rollouts_records_each_run_in_its_rollout(fake_openai, instrumented, tmp_path):
     """A team given the user's runtime (``runtime=``) does not start it: before, its participants' turns of the
     second and later rollouts were lost, and even the first rollout's were not under its team span."""
     kept: Dict[str, SingleThreadedAgentRuntime] = {}

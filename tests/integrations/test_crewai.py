@@ -28,16 +28,21 @@ from crewai.tools import tool  # noqa: E402
 
 import agl  # noqa: E402
 from agl import semconv  # noqa: E402
-from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
-from agl.tracing.context import rollout_scope  # noqa: E402
 from agl._util.safety import internal_error_count  # noqa: E402
+from agl.integrations.crewai import (  # noqa: E402
+    _TARGETS,
+    _THREAD_HOPS,
+    CrewAIInstrumentor,
+    _wrappers,
+    resolve_target,
+)
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
 from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
 from agl.lightningrl.links import CallLinks  # noqa: E402
 from agl.lightningrl.tree import build_tree  # noqa: E402
-from agl.integrations.crewai import _THREAD_HOPS, _TARGETS, CrewAIInstrumentor, resolve_target  # noqa: E402
-from agl.integrations.crewai import _wrappers  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
 from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited  # noqa: E402
+from agl.tracing.context import rollout_scope  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 pytestmark = [
@@ -220,9 +225,7 @@ def test_agent_match_selects_exactly_the_writers_calls(
 
 
 # -- tools -------------------------------------------------------------------------------------------------------
-def test_a_tool_that_raises_gets_an_error_status(
-    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any
-) -> None:
+def test_a_tool_that_raises_gets_an_error_status(fake_openai: FakeOpenAIServer, instrumented: None, sink: Any) -> None:
     fake_openai.script(
         FakeReply(tool_calls=[{"name": "explode", "arguments": {"text": "hi"}}]), FakeReply(content="Sorry.")
     )
@@ -647,9 +650,7 @@ def test_crewais_worker_threads_stay_in_the_rollout(
         ]
 
 
-def test_a_streaming_crew_stays_in_the_rollout(
-    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any
-) -> None:
+def test_a_streaming_crew_stays_in_the_rollout(fake_openai: FakeOpenAIServer, instrumented: None, sink: Any) -> None:
     """Crew(stream=True) runs the crew in a thread started when the stream is read; chunks still arrive."""
     script_add(fake_openai, 1, 2)
     crew = solo_crew(fake_llm(fake_openai.base_url), "Streamer", "What is 1 plus 2?")

@@ -19,36 +19,36 @@ pytest.importorskip("langchain_core")
 pytest.importorskip("langgraph")
 pytest.importorskip("langchain_openai")
 
-from langchain_core.callbacks import BaseCallbackHandler, CallbackManager  # noqa: E402
-from langchain_core.callbacks.base import BaseCallbackManager  # noqa: E402
-from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
-from langchain_core.runnables import RunnableLambda  # noqa: E402
-from langchain_core.tools import InjectedToolCallId, StructuredTool, ToolException, tool  # noqa: E402
-from langchain_openai import ChatOpenAI  # noqa: E402
-from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
-from langgraph.prebuilt import ToolNode  # noqa: E402
-from langgraph.types import Command  # noqa: E402
+from langchain_core.callbacks import BaseCallbackHandler, CallbackManager
+from langchain_core.callbacks.base import BaseCallbackManager
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.runnables import RunnableLambda
+from langchain_core.tools import InjectedToolCallId, StructuredTool, ToolException, tool
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode
+from langgraph.types import Command
 
-import agl  # noqa: E402
-import agl.instrumentation  # noqa: E402
-from agl import semconv  # noqa: E402
-from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
+import agl
+import agl.instrumentation
+from agl import semconv
+from agl._util.safety import internal_error_count
+from agl.instrumentation.openai_client import OpenAIInstrumentor
+from agl.integrations.langchain import LangChainInstrumentor
+from agl.integrations.langchain._handler import AglCallbackHandler
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls
+from agl.lightningrl.air import AIRConfig, air_rewards
+from agl.lightningrl.links import CallLinks
+from agl.lightningrl.tree import build_tree
+from agl.store import SqliteLightningStore
+from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited
 from agl.tracing import context_keys
-from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
-from agl._util.safety import internal_error_count  # noqa: E402
-from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
-from agl.lightningrl.links import CallLinks  # noqa: E402
-from agl.lightningrl.tree import build_tree  # noqa: E402
-from agl.tracing.tracer import get_tracer  # noqa: E402
-from agl.integrations.langchain import LangChainInstrumentor  # noqa: E402
-from agl.integrations.langchain._handler import AglCallbackHandler  # noqa: E402
-from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited  # noqa: E402
-from agl.types import Span  # noqa: E402
+from agl.tracing.tracer import get_tracer
+from agl.types import Span
 
 with warnings.catch_warnings():  # LangGraph 1.x deprecates it in favour of langchain.agents.create_agent
     warnings.simplefilter("ignore")
-    from langgraph.prebuilt import create_react_agent  # noqa: E402
+    from langgraph.prebuilt import create_react_agent
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
 
@@ -228,7 +228,10 @@ def test_agent_lightning_code_passing_get_langchain_handler_records_each_call_on
     assert len(of_kind(spans, "llm")) == len(generation_requests(fake_openai)) == 3
     assert len(of_kind(spans, "tool")) == 1
     assert [s.attributes[semconv.AGENT_NAME] for s in of_kind(spans, "agent")][1:] == [
-        "write_query", "tools", "write_query", "rewrite_query"
+        "write_query",
+        "tools",
+        "write_query",
+        "rewrite_query",
     ]
     assert_one_tree(spans)
 
@@ -359,6 +362,7 @@ def test_failed_tool_calls_each_get_the_text_their_own_call_was_answered_with(tm
 def test_a_tool_returning_a_command_records_the_message_the_model_reads(tmp_path, fake_openai, instrumented):
     """A tool that returns ``Command(update=...)`` (to change graph state) was recorded as the Command's
     JSON dump; the model reads the ToolMessage inside it."""
+
     @tool
     def set_flag(value: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> Command:
         """Set a flag."""
@@ -490,11 +494,15 @@ def test_a_reward_emitted_in_a_langchain_tool_is_a_step_reward_for_the_call_that
     tmp_path, fake_openai, instrumented
 ):
     """LangChain's tool run is never current: the emitter asks the adapter's resolver, as the tracer does."""
-    fake_openai.script(FakeReply(tool_calls=[{"name": "graded_add", "arguments": {"a": 1, "b": 2}}]), FakeReply(content="3"))
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "graded_add", "arguments": {"a": 1, "b": 2}}]), FakeReply(content="3")
+    )
 
     @agl.rollout
     def grader(task, llm):
-        create_react_agent(model(llm.get_base_url()), [graded_add]).invoke({"messages": [HumanMessage(task["question"])]})
+        create_react_agent(model(llm.get_base_url()), [graded_add]).invoke(
+            {"messages": [HumanMessage(task["question"])]}
+        )
         return 1.0
 
     ((row, spans),) = run_dev(tmp_path, fake_openai, grader, [{"question": "What is 1 plus 2?"}])
@@ -783,7 +791,7 @@ def test_functional_api_tasks_are_agents_named_after_the_task(fake_openai, instr
     assert instrumented._handler is not None and instrumented._handler._runs == {}
 
 
-def chain_of_two_nodes(llm: Any, first: "tuple[str, str]", second: "tuple[str, str]") -> Any:
+def chain_of_two_nodes(llm: Any, first: tuple[str, str], second: tuple[str, str]) -> Any:
     """START -> first -> second -> END; each node (name, prompt) makes one model call with its prompt."""
     graph = StateGraph(MessagesState)
     for name, prompt in (first, second):
@@ -810,7 +818,9 @@ def test_a_caller_leaving_a_graph_stream_early_is_no_error(fake_openai, instrume
     """Breaking out of ``stream()`` closes it (``GeneratorExit`` in the graph's run); leaving ``astream()`` or
     ``astream_events()`` also cancels the running node (``CancelledError``). The spans end without error
     status, marked as stopped by the caller, and nothing is left in the handler's table."""
-    app = chain_of_two_nodes(model(fake_openai.base_url, streaming=True), ("a", "first one two three four"), ("b", "second"))
+    app = chain_of_two_nodes(
+        model(fake_openai.base_url, streaming=True), ("a", "first one two three four"), ("b", "second")
+    )
     state = {"messages": [HumanMessage("go")]}
 
     async def leave_early() -> None:
@@ -1074,7 +1084,9 @@ def test_retriever_failed_call_and_direct_tool_runs_stay_in_their_node(fake_open
     graph.add_node("research", research)
     graph.add_edge(START, "research")
     fake_openai.script(
-        FakeReply(content="better query"), FakeReply(status_code=500, error_message="overloaded"), FakeReply(content="3")
+        FakeReply(content="better query"),
+        FakeReply(status_code=500, error_message="overloaded"),
+        FakeReply(content="3"),
     )
     with agl.rollout_scope("ro-retriever", "at-1"):
         result = graph.compile().invoke({"messages": [HumanMessage("one plus two?")]})
@@ -1083,7 +1095,9 @@ def test_retriever_failed_call_and_direct_tool_runs_stay_in_their_node(fake_open
     assert_one_tree(spans)
     calls = of_kind(spans, "llm")
     assert [last_input_text(s) for s in calls] == [
-        "rewrite: one plus two?", "this call fails", "answer from better query and 3.0",
+        "rewrite: one plus two?",
+        "this call fails",
+        "answer from better query and 3.0",
     ]
     assert [agent_of(s, spans) for s in calls] == ["research"] * 3
     assert [s.status == "error" for s in calls] == [False, True, False]
@@ -1245,8 +1259,9 @@ def test_chat_openai_in_async_rollouts_of_concurrent_thread_runners(tmp_path, fa
     fake_openai.script(*[FakeReply(delay=0.1 * (i % 4)) for i in range(16)])  # the rollouts overlap
     store = SqliteLightningStore(tmp_path / "s.db")
     trainer = agl.Trainer(store=store, n_runners=4, runner_mode="thread", progress=False)
-    rows = trainer.dev(_chat_openai_per_rollout, [{"question": f"What is {i} plus 2?"} for i in range(16)],
-                       print_table=False)
+    rows = trainer.dev(
+        _chat_openai_per_rollout, [{"question": f"What is {i} plus 2?"} for i in range(16)], print_table=False
+    )
     assert [(r.status, r.error) for r in rows] == [("succeeded", None)] * 16
     assert len({rollout.attempt.runner_id for rollout in store.query_rollouts()}) > 1, "the runners took turns"
     for row in rows:

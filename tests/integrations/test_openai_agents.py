@@ -33,13 +33,13 @@ from opentelemetry import trace as otel_trace  # noqa: E402
 
 import agl  # noqa: E402
 from agl import semconv  # noqa: E402
-from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
-from agl.tracing.context import rollout_scope  # noqa: E402
 from agl._util.safety import internal_error_count  # noqa: E402
 from agl.integrations.openai_agents import OpenAIAgentsInstrumentor  # noqa: E402
 from agl.integrations.openai_agents._processor import AglTracingProcessor  # noqa: E402
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
 from agl.store import SqliteLightningStore  # noqa: E402
 from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited  # noqa: E402
+from agl.tracing.context import rollout_scope  # noqa: E402
 from agl.types import Span  # noqa: E402
 
 pytestmark = pytest.mark.framework("openai_agents")
@@ -295,7 +295,9 @@ def test_the_adapter_hooked_on_its_own_still_gets_its_llm_calls_recorded_by_the_
     fake_openai.script(FakeReply(tool_calls=[{"name": "add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5"))
     db = tmp_path / "x.db"
     trainer = agl.Trainer(
-        store=str(db), runner_mode="thread", progress=False,
+        store=str(db),
+        runner_mode="thread",
+        progress=False,
         initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
     )
     try:
@@ -365,7 +367,9 @@ def graded_add(a: float, b: float) -> float:
 def test_a_reward_emitted_in_a_tool_is_a_step_reward_for_the_call_that_asked_for_it(
     mode: str, fake_openai, instrumented, sink
 ) -> None:
-    fake_openai.script(FakeReply(tool_calls=[{"name": "graded_add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5"))
+    fake_openai.script(
+        FakeReply(tool_calls=[{"name": "graded_add", "arguments": {"a": 2, "b": 3}}]), FakeReply(content="5")
+    )
     rollout_id = _rollout_id()
     with rollout_scope(rollout_id, "at-1"):
         assert _run(Agent(name="calculator", tools=[graded_add]), QUESTION, mode) == "5"
@@ -427,7 +431,9 @@ def test_a_tool_that_timed_out_is_an_error_span_and_an_air_tool_error(fake_opena
     spans = sink.of(rollout_id)
     (tool,) = _of_kind(spans, "tool")
     message = default_tool_timeout_error_message(tool_name="slow", timeout_seconds=0.05)
-    assert tool.status == "error" and tool.error == message and tool.attributes[semconv.ERROR_TYPE] == "ToolTimeoutError"
+    assert (
+        tool.status == "error" and tool.error == message and tool.attributes[semconv.ERROR_TYPE] == "ToolTimeoutError"
+    )
     assert tool.attributes[semconv.TOOL_CALL_RESULT] == message  # what the model was told
     (agent,) = _of_kind(spans, "agent")
     assert agent.status != "error"  # the SDK handled it: the run went on
@@ -459,7 +465,9 @@ def recorded_twice_divide(a: float, b: float) -> float:
     return a / b
 
 
-def test_a_tool_recorded_by_both_agl_tool_and_function_tool_costs_one_air_penalty(fake_openai, instrumented, sink) -> None:
+def test_a_tool_recorded_by_both_agl_tool_and_function_tool_costs_one_air_penalty(
+    fake_openai, instrumented, sink
+) -> None:
     """@function_tool over @agl.tool (the README advertises @agl.tool) makes two nested tool spans for one
     call; AIR counted a failure of it twice."""
     fake_openai.script(
@@ -621,8 +629,11 @@ def test_a_model_request_the_sdk_retried_does_not_fail_the_agent(fake_openai, in
     retry = pytest.importorskip("agents.retry")
     fake_openai.script(FakeReply(status_code=500, error_message="try again"), FakeReply(content="Fine."))
     settings = agents.ModelSettings(
-        retry=retry.ModelRetrySettings(max_retries=1, backoff={"initial_delay": 0.01, "jitter": False},
-                                       policy=retry.retry_policies.http_status([500]))
+        retry=retry.ModelRetrySettings(
+            max_retries=1,
+            backoff={"initial_delay": 0.01, "jitter": False},
+            policy=retry.retry_policies.http_status([500]),
+        )
     )
     rollout_id = _rollout_id()
     with rollout_scope(rollout_id, "at-1"):
@@ -867,7 +878,9 @@ def test_set_trace_processors_after_instrument_leaves_agl_recording(fake_openai,
 
 
 @pytest.mark.parametrize("how", ["set_tracing_disabled", "run_config"])
-def test_an_llm_call_in_a_run_with_tracing_disabled_warns_once(how: str, fake_openai, instrumented, sink, caplog) -> None:
+def test_an_llm_call_in_a_run_with_tracing_disabled_warns_once(
+    how: str, fake_openai, instrumented, sink, caplog
+) -> None:
     """Disabling the SDK's tracing after ``agl.instrument()`` (or for one run) left agl blind to the agents
     with no word: the LLM calls still came, belonging to no SDK agent, so agent_match found nothing."""
     from agents import RunConfig
@@ -882,7 +895,9 @@ def test_an_llm_call_in_a_run_with_tracing_disabled_warns_once(how: str, fake_op
     try:
         with caplog.at_level(logging.WARNING, "agl.instrumentation"), rollout_scope(rollout_id, "at-1"):
             for _ in range(2):  # (a client per event loop)
-                asyncio.run(Runner.run(_calculator(model=_own_model(fake_openai.base_url)), QUESTION, run_config=config))
+                asyncio.run(
+                    Runner.run(_calculator(model=_own_model(fake_openai.base_url)), QUESTION, run_config=config)
+                )
     finally:
         set_tracing_disabled(False)
     warnings = [r.getMessage() for r in caplog.records if "tracing is disabled" in r.getMessage()]

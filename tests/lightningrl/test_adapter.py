@@ -88,8 +88,11 @@ def run(tmp_path, fake_openai, tasks, n_per_task=2) -> Tuple[SqliteLightningStor
 def two_groups(tmp_path, fake_openai, instrumented):
     """Task q1: rollouts rewarded 1 and 0 (the second's answer is scripted wrong); task q2: both 1."""
     fake_openai.script(FakeReply(), FakeReply(), FakeReply(), FakeReply(), FakeReply(content="It is 7."))
-    return run(tmp_path, fake_openai, [{"question": "What is 1 plus 2?", "answer": 3},
-                                       {"question": "What is 2 plus 2?", "answer": 4}])
+    return run(
+        tmp_path,
+        fake_openai,
+        [{"question": "What is 1 plus 2?", "answer": 3}, {"question": "What is 2 plus 2?", "answer": 4}],
+    )
 
 
 def test_default_batch_from_a_sqlite_store(two_groups) -> None:
@@ -118,7 +121,9 @@ def test_default_batch_from_a_sqlite_store(two_groups) -> None:
     assert [s.advantage for s in r0] == pytest.approx([-a] * 3)
     assert [s.advantage for s in q2a + q2b] == [0.0] * 6
     assert all(s.loss_weight == pytest.approx(1 / 3) for s in batch.samples)
-    assert str(report).startswith("4 rollouts (4 used, 0 failed dropped, 0 failed filled); 12 llm spans -> 12 transitions")
+    assert str(report).startswith(
+        "4 rollouts (4 used, 0 failed dropped, 0 failed filled); 12 llm spans -> 12 transitions"
+    )
 
 
 def test_agent_match_mapping_trains_policies_with_their_own_baselines(two_groups) -> None:
@@ -141,7 +146,9 @@ def test_agent_match_mapping_trains_policies_with_their_own_baselines(two_groups
 
 def test_aggregate_merges_the_tool_conversation(two_groups) -> None:
     store, rollouts = two_groups
-    batch = LightningRL.from_config({"agent_match": "^adder$", "aggregate": True}).build_batch(store, rollouts, progress=False)
+    batch = LightningRL.from_config({"agent_match": "^adder$", "aggregate": True}).build_batch(
+        store, rollouts, progress=False
+    )
     assert batch.report.merged_calls == 4 and batch.report.prefix_mismatches == 0
     assert len(batch.samples) == 4 and all(s.loss_weight == 1.0 for s in batch.samples)
     for s in batch.samples:
@@ -153,8 +160,12 @@ def test_aggregate_merges_the_tool_conversation(two_groups) -> None:
 
 
 def test_failed_rollouts_are_dropped_or_filled_and_said_why(tmp_path, fake_openai, instrumented, caplog) -> None:
-    store, rollouts = run(tmp_path, fake_openai, [{"question": "1 plus 2?", "answer": 3},
-                                                  {"question": "1 plus 1?", "answer": 2, "fail": True}], n_per_task=1)
+    store, rollouts = run(
+        tmp_path,
+        fake_openai,
+        [{"question": "1 plus 2?", "answer": 3}, {"question": "1 plus 1?", "answer": 2, "fail": True}],
+        n_per_task=1,
+    )
     assert [r.status for r in rollouts] == ["succeeded", "failed"]
     with caplog.at_level("WARNING", logger="agl.lightningrl"):
         dropped = LightningRL().build_batch(store, rollouts, progress=False)
@@ -181,8 +192,12 @@ def best_of_two(task, llm):
 def test_calls_with_several_choices_are_counted_and_warned(tmp_path, fake_openai, instrumented, caplog) -> None:
     fake_openai.script(*[FakeReply(content="3") for _ in range(4)])
     store = SqliteLightningStore(tmp_path / "n.db")
-    trainer = agl.Trainer(store=store, runner_mode="thread", progress=False,
-                          initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
+    trainer = agl.Trainer(
+        store=store,
+        runner_mode="thread",
+        progress=False,
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+    )
     with trainer.runners(best_of_two):
         rollouts = trainer.run_tasks([{"question": "1 plus 2?"}], n_per_task=2)
     first, second = [s for s in store.query_spans(rollouts[0].rollout_id) if s.kind == "llm"]
@@ -204,14 +219,22 @@ def retrier(task, llm):
         client.chat.completions.create(model=llm.model, messages=messages)
     except openai.InternalServerError:
         pass
-    return 1.0 if "3" in client.chat.completions.create(model=llm.model, messages=messages).choices[0].message.content else 0.0
+    return (
+        1.0
+        if "3" in client.chat.completions.create(model=llm.model, messages=messages).choices[0].message.content
+        else 0.0
+    )
 
 
 def test_a_failed_call_is_skipped_and_the_report_says_so(tmp_path, fake_openai, instrumented) -> None:
     fake_openai.script(FakeReply(status_code=500, error_message="overloaded"), FakeReply(content="3"))
     store = SqliteLightningStore(tmp_path / "f.db")
-    trainer = agl.Trainer(store=store, runner_mode="thread", progress=False,
-                          initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
+    trainer = agl.Trainer(
+        store=store,
+        runner_mode="thread",
+        progress=False,
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+    )
     with trainer.runners(retrier):
         rollouts = trainer.run_tasks([{"question": "1 plus 2?"}], n_per_task=1)
     assert [r.final_reward for r in rollouts] == [1.0]
@@ -249,8 +272,14 @@ def test_retokenized_ids_equal_the_servers_ids(two_groups) -> None:
     ]
 
 
-RESPONSES_TOOLS = [{"type": "function", "name": "add", "description": "Add two numbers.",
-                    "parameters": TOOLS[0]["function"]["parameters"]}]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "add",
+        "description": "Add two numbers.",
+        "parameters": TOOLS[0]["function"]["parameters"],
+    }
+]
 
 
 @agl.rollout
@@ -262,7 +291,13 @@ def parallel_adder(task, llm):
     first = client.responses.create(model=llm.model, instructions="Use the tool.", input=items, tools=RESPONSES_TOOLS)
     items += [item.model_dump(exclude_none=True) for item in first.output]
     for call in [item for item in first.output if item.type == "function_call"]:
-        items.append({"type": "function_call_output", "call_id": call.call_id, "output": f"{add(**json.loads(call.arguments)):g}"})
+        items.append(
+            {
+                "type": "function_call_output",
+                "call_id": call.call_id,
+                "output": f"{add(**json.loads(call.arguments)):g}",
+            }
+        )
     client.responses.create(model=llm.model, instructions="Use the tool.", input=items, tools=RESPONSES_TOOLS)
     return 1.0
 
@@ -271,13 +306,19 @@ def test_retokenized_responses_calls_equal_the_servers_ids(tmp_path, fake_openai
     """Re-tokenizing Responses API calls maps their input items and flat tools to chat the way the server
     does: a turn of text and parallel function calls is one assistant message, tools are chat tools."""
     fake_openai.script(
-        FakeReply(content="Adding.", tool_calls=[{"name": "add", "arguments": {"a": 1, "b": 2}},
-                                                  {"name": "add", "arguments": {"a": 3, "b": 4}}]),
+        FakeReply(
+            content="Adding.",
+            tool_calls=[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": {"a": 3, "b": 4}}],
+        ),
         FakeReply(content="3 and 7."),
     )
     store = SqliteLightningStore(tmp_path / "responses.db")
-    trainer = agl.Trainer(store=store, runner_mode="thread", progress=False,
-                          initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")})
+    trainer = agl.Trainer(
+        store=store,
+        runner_mode="thread",
+        progress=False,
+        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+    )
     with trainer.runners(parallel_adder):
         rollouts = trainer.run_tasks([{"question": "1 plus 2, and 3 plus 4?"}])
     assert [r.status for r in rollouts] == ["succeeded"]
@@ -296,7 +337,9 @@ def test_from_config_forms_and_errors(tmp_path) -> None:
     adapter = LightningRL(agent_match="x")
     assert LightningRL.from_config(adapter) is adapter
     assert LightningRL.from_config(None).estimator == "grpo"
-    trainer = agl.Trainer(store=str(tmp_path / "t.db"), adapter={"agent_match": "w", "estimator": "rloo"}, progress=False)
+    trainer = agl.Trainer(
+        store=str(tmp_path / "t.db"), adapter={"agent_match": "w", "estimator": "rloo"}, progress=False
+    )
     assert LightningRL.from_config(trainer.adapter).estimator == "rloo"
     assert agl.LightningRL is LightningRL
     with pytest.raises(ValueError, match=r"unknown LightningRL setting\(s\) \['agent_mtch'\]"):
@@ -332,8 +375,10 @@ def test_empty_batch() -> None:
     aggregate=st.booleans(),
 )
 def test_batch_accounting(n, statuses, failed, agent_match, credit, aggregate) -> None:
-    pairs = [(r.model_copy(update={"status": statuses[i]}), spans)
-             for i, (r, spans) in enumerate(synthetic_rollouts(n * 40, spans_per_rollout=40, rollouts_per_task=3))]
+    pairs = [
+        (r.model_copy(update={"status": statuses[i]}), spans)
+        for i, (r, spans) in enumerate(synthetic_rollouts(n * 40, spans_per_rollout=40, rollouts_per_task=3))
+    ]
     rollouts = [r for r, _ in pairs]
     adapter = LightningRL.from_config(
         {"agent_match": agent_match, "failed": failed, "aggregate": aggregate, "air": {}, **credit}

@@ -62,12 +62,17 @@ def test_failed_tool_without_call_id_is_matched_by_name_one_to_one() -> None:
     """Two unparsed ``add`` calls excuse two failed ``add`` spans; a third failed ``add`` (the valid call's)
     and a failed ``mul`` (no unparsed ``mul`` call) are tool errors."""
     b = TraceBuilder()
-    call = b.llm([1], [2], content=None, tool_calls=[
-        {"id": "c1", "name": "add", "arguments": BROKEN},
-        {"id": "c2", "name": "add", "arguments": "[1, 2]"},
-        {"id": "c3", "name": "add", "arguments": '{"a": 1, "b": 2}'},
-        {"id": "c4", "name": "mul", "arguments": '{"a": 1, "b": 2}'},
-    ])
+    call = b.llm(
+        [1],
+        [2],
+        content=None,
+        tool_calls=[
+            {"id": "c1", "name": "add", "arguments": BROKEN},
+            {"id": "c2", "name": "add", "arguments": "[1, 2]"},
+            {"id": "c3", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+            {"id": "c4", "name": "mul", "arguments": '{"a": 1, "b": 2}'},
+        ],
+    )
     for _ in range(3):
         b.tool("add", error=True)
     b.tool("mul", error=True)
@@ -89,10 +94,15 @@ def test_name_match_stays_within_the_calling_llm_call() -> None:
 def test_call_id_match_uses_up_the_unparsed_call() -> None:
     """A span matched by call id is not matched again by name: a second failed ``add`` without id is an error."""
     b = TraceBuilder()
-    call = b.llm([1], [2], content=None, tool_calls=[
-        {"id": "c1", "name": "add", "arguments": BROKEN},
-        {"id": "c2", "name": "add", "arguments": '{"a": 1}'},
-    ])
+    call = b.llm(
+        [1],
+        [2],
+        content=None,
+        tool_calls=[
+            {"id": "c1", "name": "add", "arguments": BROKEN},
+            {"id": "c2", "name": "add", "arguments": '{"a": 1}'},
+        ],
+    )
     b.tool("add", call_id="c1", error=True)
     b.tool("add", error=True)
     out = air_of(b.finish(), [call])
@@ -101,10 +111,15 @@ def test_call_id_match_uses_up_the_unparsed_call() -> None:
 
 def test_successful_tool_without_id_does_not_use_up_an_unparsed_call() -> None:
     b = TraceBuilder()
-    call = b.llm([1], [2], content=None, tool_calls=[
-        {"id": "c1", "name": "add", "arguments": '{"a": 1}'},
-        {"id": "c2", "name": "add", "arguments": BROKEN},
-    ])
+    call = b.llm(
+        [1],
+        [2],
+        content=None,
+        tool_calls=[
+            {"id": "c1", "name": "add", "arguments": '{"a": 1}'},
+            {"id": "c2", "name": "add", "arguments": BROKEN},
+        ],
+    )
     b.tool("add")  # the valid call, fine
     b.tool("add", error=True)  # the unparsed one
     out = air_of(b.finish(), [call], AIRConfig(tool_ok=0.5))

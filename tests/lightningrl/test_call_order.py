@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 
 from agl import semconv
-from agl.lightningrl.agent_match import select_llm_calls
 from agl.cli.inspection import span_tree
 from agl.lightningrl import LightningRL
+from agl.lightningrl.agent_match import select_llm_calls
 from agl.lightningrl.links import CallLinks
 from agl.lightningrl.tree import build_tree
 from agl.store import SqliteLightningStore
@@ -27,9 +27,19 @@ OTLP_LLM = "d" * 16
 
 
 def native(rollout_id: str, attempt_id: str, seq: int, span_id: str, kind: str, start: int, end: int, **attrs) -> Span:
-    return Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=seq, trace_id=TRACE, span_id=span_id,
-                parent_id=None if span_id == ROOT else ROOT, name=f"{kind} {seq}", kind=kind, start_time=start,
-                end_time=end, attributes={semconv.AGENT_NAME: "solver", **attrs} if span_id == ROOT else attrs)
+    return Span(
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=seq,
+        trace_id=TRACE,
+        span_id=span_id,
+        parent_id=None if span_id == ROOT else ROOT,
+        name=f"{kind} {seq}",
+        kind=kind,
+        start_time=start,
+        end_time=end,
+        attributes={semconv.AGENT_NAME: "solver", **attrs} if span_id == ROOT else attrs,
+    )
 
 
 def ints(values):
@@ -46,22 +56,43 @@ def test_an_otlp_call_made_first_is_step_0_between_native_spans(tmp_path: Path) 
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
         t0 = 1_795_771_000_000_000_000
         # agl's own spans: the rollout root, then (after the OTLP call) a tool and an llm call
-        store.add_spans([
-            native(rid, aid, 1, ROOT, "agent", t0, t0 + 10_000_000),
-            native(rid, aid, 2, TOOL, "tool", t0 + 3_000_000, t0 + 3_500_000),
-            native(rid, aid, 3, NATIVE_LLM, "llm", t0 + 5_000_000, t0 + 6_000_000, **{
-                semconv.PROMPT_TOKEN_IDS: [60, 124], semconv.RESPONSE_TOKEN_IDS: [105]}),
-        ])
+        store.add_spans(
+            [
+                native(rid, aid, 1, ROOT, "agent", t0, t0 + 10_000_000),
+                native(rid, aid, 2, TOOL, "tool", t0 + 3_000_000, t0 + 3_500_000),
+                native(
+                    rid,
+                    aid,
+                    3,
+                    NATIVE_LLM,
+                    "llm",
+                    t0 + 5_000_000,
+                    t0 + 6_000_000,
+                    **{semconv.PROMPT_TOKEN_IDS: [60, 124], semconv.RESPONSE_TOKEN_IDS: [105]},
+                ),
+            ]
+        )
         # another SDK's call, made first, exported over OTLP without agl.sequence.id
-        otlp_span = {"traceId": TRACE, "spanId": OTLP_LLM, "parentSpanId": ROOT, "name": "chat other-sdk",
-                     "startTimeUnixNano": str(t0 + 1_000_000), "endTimeUnixNano": str(t0 + 2_000_000), "attributes": [
-                         {"key": "agl.rollout.id", "value": {"stringValue": rid}},
-                         {"key": "agl.attempt.id", "value": {"stringValue": aid}},
-                         {"key": "gen_ai.operation.name", "value": {"stringValue": "chat"}},
-                         {"key": "agl.llm.prompt_token_ids", "value": ints([101, 102])},
-                         {"key": "agl.llm.response_token_ids", "value": ints([103])}]}
-        response = httpx.post(server.url + "/v1/traces", json={"resourceSpans": [{"scopeSpans": [{"spans": [otlp_span]}]}]},
-                              headers={"Authorization": f"Bearer {TOKEN}"})
+        otlp_span = {
+            "traceId": TRACE,
+            "spanId": OTLP_LLM,
+            "parentSpanId": ROOT,
+            "name": "chat other-sdk",
+            "startTimeUnixNano": str(t0 + 1_000_000),
+            "endTimeUnixNano": str(t0 + 2_000_000),
+            "attributes": [
+                {"key": "agl.rollout.id", "value": {"stringValue": rid}},
+                {"key": "agl.attempt.id", "value": {"stringValue": aid}},
+                {"key": "gen_ai.operation.name", "value": {"stringValue": "chat"}},
+                {"key": "agl.llm.prompt_token_ids", "value": ints([101, 102])},
+                {"key": "agl.llm.response_token_ids", "value": ints([103])},
+            ],
+        }
+        response = httpx.post(
+            server.url + "/v1/traces",
+            json={"resourceSpans": [{"scopeSpans": [{"spans": [otlp_span]}]}]},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
         assert response.status_code == 200 and response.content == b"{}"
         store.complete_attempt(rid, aid, "succeeded", reward=1.0)
 
@@ -77,7 +108,8 @@ def test_an_otlp_call_made_first_is_step_0_between_native_spans(tmp_path: Path) 
         assert [s.span_id for _, s in span_tree(spans)] == [ROOT, OTLP_LLM, TOOL, NATIVE_LLM], "agl inspect's order"
 
         batch = LightningRL.from_config({"agent_match": None, "aggregate": False}).build_batch(
-            store, store.query_rollouts(), progress=False)
+            store, store.query_rollouts(), progress=False
+        )
         steps = sorted(batch.transitions, key=lambda t: t.step)
         assert [(t.step, t.prompt_ids) for t in steps] == [(0, [101, 102]), (1, [60, 124])]
     finally:
@@ -87,7 +119,8 @@ def test_an_otlp_call_made_first_is_step_0_between_native_spans(tmp_path: Path) 
 
 def test_native_spans_that_start_at_the_same_time_keep_their_sequence_order() -> None:
     spans = [native("ro-1", "at-1", 1, ROOT, "agent", 0, 100)] + [
-        native("ro-1", "at-1", seq, span_id, "llm", 10, 20) for seq, span_id in [(3, "1" * 16), (2, "2" * 16), (4, "0" * 16)]
+        native("ro-1", "at-1", seq, span_id, "llm", 10, 20)
+        for seq, span_id in [(3, "1" * 16), (2, "2" * 16), (4, "0" * 16)]
     ]
     assert [s.sequence_id for s in build_tree(spans).llm_spans()] == [2, 3, 4]
     assert [s.sequence_id for s in CallLinks(build_tree(spans)).ordered] == [1, 2, 3, 4]
@@ -99,11 +132,31 @@ def test_an_unnamed_agent_span_does_not_hide_the_named_agent_around_it() -> None
     unnamed = "9" * 16
     spans = [
         native("ro-1", "at-1", 1, ROOT, "agent", 0, 100),  # named "solver"
-        Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=2, trace_id=TRACE, span_id=unnamed, parent_id=ROOT,
-             name="agent step", kind="agent", start_time=5, end_time=50),
-        Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=3, trace_id=TRACE, span_id=NATIVE_LLM,
-             parent_id=unnamed, name="chat", kind="llm", start_time=10, end_time=20,
-             attributes={semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.RESPONSE_TOKEN_IDS: [3]}),
+        Span(
+            rollout_id="ro-1",
+            attempt_id="at-1",
+            sequence_id=2,
+            trace_id=TRACE,
+            span_id=unnamed,
+            parent_id=ROOT,
+            name="agent step",
+            kind="agent",
+            start_time=5,
+            end_time=50,
+        ),
+        Span(
+            rollout_id="ro-1",
+            attempt_id="at-1",
+            sequence_id=3,
+            trace_id=TRACE,
+            span_id=NATIVE_LLM,
+            parent_id=unnamed,
+            name="chat",
+            kind="llm",
+            start_time=10,
+            end_time=20,
+            attributes={semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.RESPONSE_TOKEN_IDS: [3]},
+        ),
     ]
     tree = build_tree(spans)
     assert tree.enclosing_agent(NATIVE_LLM).span_id == ROOT

@@ -15,8 +15,16 @@ from agl.lightningrl.types import Transition
 
 def steps(*step_rewards: Dict[str, float]) -> List[Transition]:
     return [
-        Transition(rollout_id="r", attempt_id="a", task_id="t", span_id=f"s{i}", step=i, prompt_ids=[1],
-                   response_ids=[2], step_rewards=dict(sr))
+        Transition(
+            rollout_id="r",
+            attempt_id="a",
+            task_id="t",
+            span_id=f"s{i}",
+            step=i,
+            prompt_ids=[1],
+            response_ids=[2],
+            step_rewards=dict(sr),
+        )
         for i, sr in enumerate(step_rewards)
     ]
 

@@ -78,13 +78,43 @@ def test_agl_export_cli(tmp_path, capsys) -> None:
     assert samples and {s.policy for s in samples} == {"author"}
 
     (tmp_path / "c.json").write_text(json.dumps({"credit": "step"}))
-    assert agl_main(["export", str(out), "--store", str(db), "--config", f"@{tmp_path / 'c.json'}", "--agent-match", "^checker$"]) == 0
+    assert (
+        agl_main(
+            [
+                "export",
+                str(out),
+                "--store",
+                str(db),
+                "--config",
+                f"@{tmp_path / 'c.json'}",
+                "--agent-match",
+                "^checker$",
+            ]
+        )
+        == 0
+    )
     assert {s.policy for s in read_jsonl(out)} == {"default"}
 
     # --adapter KEY=VALUE, as agl train takes it, goes over --config; --agent-match over both
-    assert agl_main(["export", str(out), "--store", str(db), "--config", config, "--adapter", 'agent_match={"checker": "critic"}']) == 0
+    assert (
+        agl_main(
+            [
+                "export",
+                str(out),
+                "--store",
+                str(db),
+                "--config",
+                config,
+                "--adapter",
+                'agent_match={"checker": "critic"}',
+            ]
+        )
+        == 0
+    )
     assert {s.policy for s in read_jsonl(out)} == {"critic"}
-    assert agl_main(["export", str(out), "--store", str(db), "--adapter", "credit=step", "--agent-match", "^writer$"]) == 0
+    assert (
+        agl_main(["export", str(out), "--store", str(db), "--adapter", "credit=step", "--agent-match", "^writer$"]) == 0
+    )
     assert {s.policy for s in read_jsonl(out)} == {"default"}
     with pytest.raises(SystemExit, match="bad LightningRL settings: .*gama"):
         agl_main(["export", str(out), "--store", str(db), "--adapter", "gama=0.9"])

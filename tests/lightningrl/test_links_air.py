@@ -8,12 +8,12 @@ from openai import OpenAI
 
 import agl
 from agl import semconv
-from agl.tracing.context_keys import register_parent_resolver, unregister_parent_resolver
 from agl.instrumentation.framework import agent_span, start_agent_span
 from agl.lightningrl.air import AIRConfig, air_rewards
 from agl.lightningrl.links import CallLinks
 from agl.lightningrl.synthetic import TraceBuilder
 from agl.lightningrl.tree import build_tree
+from agl.tracing.context_keys import register_parent_resolver, unregister_parent_resolver
 from agl.tracing.tracer import get_tracer
 
 
@@ -69,7 +69,9 @@ def test_operation_rewards_reach_calls_parented_elsewhere(fake_openai, sink, ins
     assert all(model_runs[s.parent_id].parent_id == format(node.get_span_context().span_id, "016x") for s in llm)
     assert all(o.parent_id == format(node.get_span_context().span_id, "016x") for o in operations)  # in the node
     assert [s.attributes[semconv.OPERATION_SPAN_ID] for s in llm] == [
-        operations[0].span_id, operations[1].span_id, operations[1].span_id
+        operations[0].span_id,
+        operations[1].span_id,
+        operations[1].span_id,
     ]
     rewards = [s for s in spans if s.kind == "reward"]
     assert [r.attributes[semconv.REWARD_SCOPE] for r in rewards] == ["step", "step", "episode"]
@@ -169,7 +171,9 @@ def air_trace():
     b = TraceBuilder()
     calls = {}
     calls["tools"] = b.llm(
-        [1], [2], content=None,
+        [1],
+        [2],
+        content=None,
         tool_calls=[
             {"id": "ok", "name": "t", "arguments": '{"a": 1}'},
             {"id": "bad", "name": "t", "arguments": '{"a": '},
@@ -188,8 +192,15 @@ def air_trace():
 
 def test_air_signals_and_weights() -> None:
     spans, calls = air_trace()
-    config = AIRConfig(tool_ok=0.2, tool_error=-0.5, args_valid=0.1, args_invalid=-0.3, format=r"^ANSWER: \d+$",
-                       format_ok=1.0, format_miss=-1.0)
+    config = AIRConfig(
+        tool_ok=0.2,
+        tool_error=-0.5,
+        args_valid=0.1,
+        args_invalid=-0.3,
+        format=r"^ANSWER: \d+$",
+        format_ok=1.0,
+        format_miss=-1.0,
+    )
     out = air_rewards(links_of(spans), [c.span_id for c in calls.values()], config)
     assert out[calls["tools"].span_id] == pytest.approx(
         {"air.tool_ok": 0.2, "air.tool_error": -0.5, "air.args_valid": 0.2, "air.args_invalid": -0.6}
@@ -225,10 +236,15 @@ def test_a_tool_call_run_more_than_once_counts_once_by_its_last_run() -> None:
     (the same call's tool run twice) each count once, as their last run; the same call id from another
     calling call (a server that numbers calls per answer) is another call."""
     b = TraceBuilder()
-    first = b.llm([1], [2], content=None, tool_calls=[
-        {"id": "call_0", "name": "fetch", "arguments": "{}"},
-        {"id": "call_1", "name": "add", "arguments": '{"a": 1}'},
-    ])
+    first = b.llm(
+        [1],
+        [2],
+        content=None,
+        tool_calls=[
+            {"id": "call_0", "name": "fetch", "arguments": "{}"},
+            {"id": "call_1", "name": "add", "arguments": '{"a": 1}'},
+        ],
+    )
     b.tool("fetch", call_id="call_0", error=True)  # a transient failure, retried
     b.tool("fetch", call_id="call_0")
     b.tool("add", call_id="call_1", error=True)
@@ -246,11 +262,16 @@ def test_a_tool_interrupted_by_its_caller_says_nothing_of_the_call() -> None:
     """A tool cancelled with its run (CancelledError), or stopped by its caller (agl.span.stopped), was not
     judged by its result: it was a tool_error (OpenAI Agents SDK, @agl.tool) or a tool_ok (LangChain)."""
     b = TraceBuilder()
-    call = b.llm([1], [2], content=None, tool_calls=[
-        {"id": "c1", "name": "slow", "arguments": "{}"},
-        {"id": "c2", "name": "slow", "arguments": "{}"},
-        {"id": "c3", "name": "fast", "arguments": "{}"},
-    ])
+    call = b.llm(
+        [1],
+        [2],
+        content=None,
+        tool_calls=[
+            {"id": "c1", "name": "slow", "arguments": "{}"},
+            {"id": "c2", "name": "slow", "arguments": "{}"},
+            {"id": "c3", "name": "fast", "arguments": "{}"},
+        ],
+    )
     b.tool("slow", call_id="c1", error=True, error_type="CancelledError")
     b.tool("slow", call_id="c2", stopped=True)
     b.tool("fast", call_id="c3", error=True)

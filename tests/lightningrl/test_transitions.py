@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl import semconv
-from agl.lightningrl.agent_match import PolicyMatcher, select_llm_calls
 from agl.errors import MissingTokenIdsError
+from agl.lightningrl.agent_match import PolicyMatcher, select_llm_calls
 from agl.lightningrl.retokenize import Retokenizer
 from agl.lightningrl.synthetic import TraceBuilder
 from agl.lightningrl.transitions import (
@@ -249,7 +249,9 @@ def expected_agent(span, by_id) -> Optional[str]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(spans=random_traces(), agent_match=PATTERNS, call_match=st.sampled_from([None, "chat", "nomatch"]), data=st.data())
+@given(
+    spans=random_traces(), agent_match=PATTERNS, call_match=st.sampled_from([None, "chat", "nomatch"]), data=st.data()
+)
 def test_every_llm_span_is_accounted_for(spans, agent_match, call_match, data) -> None:
     rng = random.Random(data.draw(st.integers(0, 1000)))
     # damage: drop some chain spans (their children are re-parented by time), shuffle the rest
@@ -269,7 +271,11 @@ def test_every_llm_span_is_accounted_for(spans, agent_match, call_match, data) -
         policy = matcher.policy_for(expected_agent(s, by_id))
         if policy is None or call_match == "nomatch":
             continue
-        if s.status == "error" or not s.attributes[semconv.RESPONSE_TOKEN_IDS] or not s.attributes[semconv.PROMPT_TOKEN_IDS]:
+        if (
+            s.status == "error"
+            or not s.attributes[semconv.RESPONSE_TOKEN_IDS]
+            or not s.attributes[semconv.PROMPT_TOKEN_IDS]
+        ):
             continue
         expected.append((s.span_id, step, policy))
     assert [(t.span_id, t.step, t.policy) for t in out.transitions] == expected

@@ -293,9 +293,11 @@ def test_arbitrary_parent_links_never_lose_a_span(data):
         start = data.draw(st.integers(0, 50)) * MS
         end = start + data.draw(st.integers(0, 50)) * MS
         kind = data.draw(st.sampled_from(KINDS))
-        spans.append(mk(ids[i], parent, 0, 0, data.draw(st.integers(0, 5)), kind).model_copy(
-            update={"start_time": start, "end_time": end}
-        ))
+        spans.append(
+            mk(ids[i], parent, 0, 0, data.draw(st.integers(0, 5)), kind).model_copy(
+                update={"start_time": start, "end_time": end}
+            )
+        )
     tree = build_tree(spans)
     check_invariants(tree, set(ids))
     assert len(tree.llm_spans()) == sum(s.kind == "llm" for s in spans)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
+
 from agl.store import InMemoryLightningStore, LightningStore, SqliteLightningStore
 from agl.store.http.client import RemoteLightningStore
 from agl.store.http.server import ServerLimits, ServerThread, TokenSet, create_app

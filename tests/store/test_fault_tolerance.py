@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 import pytest
+
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.store.http.client import RemoteLightningStore
 from agl.store.http.server import ServerThread, TokenSet, create_app
@@ -74,14 +75,29 @@ def agent_file(tmp_path: Path) -> Path:
     return path
 
 
-def start_runners(agent_file: Path, url: str, n: int, log: Path, *options: str) -> "subprocess.Popen[bytes]":
+def start_runners(agent_file: Path, url: str, n: int, log: Path, *options: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "AGL_FT_MARKS": str(agent_file.parent / "marks")}
-    cmd = [sys.executable, "-m", "agl.cli", "runner", "--store", url, "--agent", f"{agent_file}:agent",
-           "--n-runners", str(n), "--token", TOKEN, "--heartbeat-interval", "0.2", *options]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agl.cli",
+        "runner",
+        "--store",
+        url,
+        "--agent",
+        f"{agent_file}:agent",
+        "--n-runners",
+        str(n),
+        "--token",
+        TOKEN,
+        "--heartbeat-interval",
+        "0.2",
+        *options,
+    ]
     return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
-def stop(proc: "subprocess.Popen[bytes]", log: Path) -> None:
+def stop(proc: subprocess.Popen[bytes], log: Path) -> None:
     """SIGTERM, as a process manager would; the runner command must leave cleanly and soon."""
     proc.send_signal(signal.SIGTERM)
     try:
@@ -103,7 +119,8 @@ def test_a_runner_killed_mid_rollout_is_replaced_and_its_rollout_retried(tmp_pat
     log = tmp_path / "runner.log"
     config = RolloutConfig(max_attempts=2, heartbeat_timeout_seconds=1.5)
     hang, *others = client.enqueue_many(
-        [EnqueueRequest(input={"hang": True}, config=config)] + [EnqueueRequest(input={}, config=config) for _ in range(3)]
+        [EnqueueRequest(input={"hang": True}, config=config)]
+        + [EnqueueRequest(input={}, config=config) for _ in range(3)]
     )
     runners = start_runners(agent_file, server.url, 2, log)
     try:
@@ -118,13 +135,17 @@ def test_a_runner_killed_mid_rollout_is_replaced_and_its_rollout_retried(tmp_pat
         attempts = client.query_attempts(hang.rollout_id)
         # its pool saw the death and ended the attempt at once, saying how (before: its heartbeat timeout did)
         assert [a.status for a in attempts] == ["failed", "succeeded"]
-        assert "died (killed by signal 9: out of memory or kill -9?) while running this rollout" in (attempts[0].error or "")
+        assert "died (killed by signal 9: out of memory or kill -9?) while running this rollout" in (
+            attempts[0].error or ""
+        )
         assert attempts[0].attempt_id == first_attempt.attempt_id and attempts[0].runner_id != attempts[1].runner_id
         second_pid = (tmp_path / "marks" / f"{hang.rollout_id}-2.pid").read_text()
         assert second_pid != first_pid.read_text(), "the retry ran in another (respawned or other) runner process"
         # the killed attempt's span is kept under its own attempt; the retry starts clean and is complete
         killed = client.query_spans(hang.rollout_id, first_attempt.attempt_id)
-        assert [s.name for s in killed] == ["agl.message"] and killed[0].attributes.get("agl.message.body") == "attempt 1 started"
+        assert [s.name for s in killed] == ["agl.message"] and killed[0].attributes.get(
+            "agl.message.body"
+        ) == "attempt 1 started"
         assert span_names(client, hang.rollout_id) == FULL_ATTEMPT
         assert all(s.attempt_id == attempts[1].attempt_id for s in client.query_spans(hang.rollout_id))
         assert client.stats().rollouts["succeeded"] == 4 and client.stats().attempts == 5
@@ -142,11 +163,22 @@ class ServerProcess:
     def __init__(self, db: Path, log: Path) -> None:
         self.db, self.log, self.port = db, log, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: Optional["subprocess.Popen[bytes]"] = None
+        self.proc: Optional[subprocess.Popen[bytes]] = None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "agl.cli", "store", "serve", "--store", str(self.db), "--port", str(self.port),
-               "--token", TOKEN]
+        cmd = [
+            sys.executable,
+            "-m",
+            "agl.cli",
+            "store",
+            "serve",
+            "--store",
+            str(self.db),
+            "--port",
+            str(self.port),
+            "--token",
+            TOKEN,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
         probe = RemoteLightningStore(self.url, token=TOKEN, retries=0)
         eventually(lambda: _answers(probe), 60, f"the store server to start\n{self.log.read_text()}")
@@ -184,11 +216,16 @@ def test_store_server_killed_and_restarted_mid_batch_loses_nothing(
     n = 60
     trainer = RemoteLightningStore(server_process.url, token=TOKEN)
     config = RolloutConfig(max_attempts=3, heartbeat_timeout_seconds=4.0)
-    ids = [r.rollout_id for r in trainer.enqueue_many([EnqueueRequest(input={"pause": 0.03}, config=config) for _ in range(n)])]
+    ids = [
+        r.rollout_id
+        for r in trainer.enqueue_many([EnqueueRequest(input={"pause": 0.03}, config=config) for _ in range(n)])
+    ]
     log = tmp_path / "runner.log"
     runners = start_runners(agent_file, server_process.url, 3, log)
     try:
-        eventually(lambda: trainer.stats().rollouts["succeeded"] >= n // 4, 60, f"a quarter of the batch\n{log.read_text()}")
+        eventually(
+            lambda: trainer.stats().rollouts["succeeded"] >= n // 4, 60, f"a quarter of the batch\n{log.read_text()}"
+        )
         server_process.kill()
         time.sleep(0.5)
         server_process.start()  # same file, same port: runners and trainer retry through the gap
@@ -218,8 +255,9 @@ def test_a_trainer_without_local_runners_uses_runners_started_elsewhere(tmp_path
     runners = start_runners(agent_file, server.url, 2, log)
     try:
         trainer = agl.Trainer(n_runners=0, store=RemoteLightningStore(server.url, token=TOKEN), progress=False)
-        summaries = trainer.dev(agl.rollout(lambda task: 0.0), dev_dataset=[{"n": i} for i in range(4)],
-                                print_table=False)
+        summaries = trainer.dev(
+            agl.rollout(lambda task: 0.0), dev_dataset=[{"n": i} for i in range(4)], print_table=False
+        )
     finally:
         stop(runners, log)
         server.stop()
@@ -279,7 +317,9 @@ def test_agl_runner_started_before_its_store_server_waits_for_it(tmp_path: Path,
     log = tmp_path / "runner.log"
     runners = start_runners(agent_file, server.url, 1, log)
     try:
-        eventually(lambda: "does not answer yet" in log.read_text(), 60, f"the runner to say it waits\n{log.read_text()}")
+        eventually(
+            lambda: "does not answer yet" in log.read_text(), 60, f"the runner to say it waits\n{log.read_text()}"
+        )
         assert runners.poll() is None, log.read_text()
         server.start()
         trainer = RemoteLightningStore(server.url, token=TOKEN)
@@ -294,13 +334,24 @@ def test_agl_runner_started_before_its_store_server_waits_for_it(tmp_path: Path,
 
 def test_agl_runner_gives_up_on_a_store_that_never_answers_after_wait_for_store(agent_file: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nobody listens there
-    cmd = [sys.executable, "-m", "agl.cli", "runner", "--store", url, "--agent", f"{agent_file}:agent", "--token", TOKEN,
-           "--wait-for-store", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agl.cli",
+        "runner",
+        "--store",
+        url,
+        "--agent",
+        f"{agent_file}:agent",
+        "--token",
+        TOKEN,
+        "--wait-for-store",
+        "2",
+    ]
     env = {**os.environ, "AGL_FT_MARKS": str(agent_file.parent / "marks")}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2, result.stderr
     assert f"the store at {url} did not answer within 2 s (--wait-for-store)" in result.stderr
-
 
 
 def test_a_rollout_killed_after_stop_timeout_is_retried_at_once(tmp_path: Path, agent_file: Path) -> None:
@@ -316,7 +367,9 @@ def test_a_rollout_killed_after_stop_timeout_is_retried_at_once(tmp_path: Path, 
     runners = start_runners(agent_file, server.url, 1, log, "--stop-timeout", "1")
     try:
         marks = agent_file.parent / "marks"
-        eventually(lambda: (marks / f"{rollout.rollout_id}-1.pid").exists(), 60, f"the rollout to start\n{log.read_text()}")
+        eventually(
+            lambda: (marks / f"{rollout.rollout_id}-1.pid").exists(), 60, f"the rollout to start\n{log.read_text()}"
+        )
         stop(runners, log)
         (first,) = trainer.query_attempts(rollout.rollout_id)[:1]
         assert first.status == "failed", log.read_text()
@@ -330,7 +383,9 @@ def test_a_rollout_killed_after_stop_timeout_is_retried_at_once(tmp_path: Path, 
         backing.close()
 
 
-def test_agl_runner_exits_when_its_store_server_is_gone_past_the_outage_timeout(tmp_path: Path, agent_file: Path) -> None:
+def test_agl_runner_exits_when_its_store_server_is_gone_past_the_outage_timeout(
+    tmp_path: Path, agent_file: Path
+) -> None:
     """A store server gone for good: past --outage-timeout the runners went on "asking again" for ever, so a
     Kubernetes Job of them never ended. `agl runner` now exits non-zero, saying so."""
     backing = SqliteLightningStore(tmp_path / "store.db")
@@ -351,6 +406,7 @@ def test_agl_runner_exits_when_its_store_server_is_gone_past_the_outage_timeout(
             runners.kill()
         server.stop()
         backing.close()
+
 
 def test_agl_store_serve_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     """uvicorn re-raised SIGTERM after its graceful shutdown: the process died of it (exit 143, a failure
@@ -405,7 +461,11 @@ def test_agl_runner_reports_a_rollout_that_ended_while_the_store_server_was_down
     log = tmp_path / "runner.log"
     runners = start_runners(agent_file, server_process.url, 1, log)
     try:
-        eventually(lambda: span_names(trainer, rollout.rollout_id)["agl.message"] >= 1, 60, f"the rollout to start\n{log.read_text()}")
+        eventually(
+            lambda: span_names(trainer, rollout.rollout_id)["agl.message"] >= 1,
+            60,
+            f"the rollout to start\n{log.read_text()}",
+        )
         server_process.kill()
         time.sleep(18.0)  # the rollout ends (2 s) and its completion outlasts the client's own retries
         server_process.start()
@@ -433,8 +493,12 @@ def test_an_agent_error_larger_than_the_servers_body_limit_is_reported_cut(tmp_p
     limits = ServerLimits(max_body_bytes=1024 * 1024)
     server = ServerThread(create_app(backing, tokens=TokenSet({"t": TOKEN}), limits=limits)).start()
     try:
-        trainer = agl.Trainer(store=RemoteLightningStore(server.url, token=TOKEN), runner_mode="thread", progress=False,
-                              heartbeat_timeout=15.0)
+        trainer = agl.Trainer(
+            store=RemoteLightningStore(server.url, token=TOKEN),
+            runner_mode="thread",
+            progress=False,
+            heartbeat_timeout=15.0,
+        )
         (row,) = trainer.dev(parser, [{"doc": 1}], print_table=False)
     finally:
         server.stop()

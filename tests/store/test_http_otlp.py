@@ -15,12 +15,13 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from agl.store import SqliteLightningStore
 from agl.store.http.otlp import _pb_bytes_field, _pb_varint, _read_varint
 from agl.store.http.server import ServerThread, TokenSet, create_app
 from agl.types import Rollout
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 DATA = Path(__file__).parent / "data"
 DATA_FILES = ("otlp_export.pb", "otlp_export.json")
@@ -115,23 +116,37 @@ def test_real_exporter_bodies_are_stored_as_agl_spans(ingest: Ingest, name: str,
         "otel.scope.name": "fixture-lib",
         "otel.scope.version": "1.2.3",
     }, "agl.sequence.id became the sequence id and left the attributes"
-    assert chat.sequence_id == 7 and chat.events[0].name == "first_token" and chat.events[0].attributes == {"delay_ms": 3}
+    assert (
+        chat.sequence_id == 7 and chat.events[0].name == "first_token" and chat.events[0].attributes == {"delay_ms": 3}
+    )
     root = next(s for s in spans if s.parent_id is None)
     assert {s.parent_id for s in spans if s is not root} == {root.span_id} and len({s.trace_id for s in spans}) == 1
     assert all(len(s.span_id) == 16 and s.start_time <= s.end_time for s in spans)
-    again = ingest.http.post("/v1/traces", content=gzip.compress(fixture_for(rollout, name)), headers={**headers, "Content-Encoding": "gzip"})
-    assert again.status_code == 200 and len(ingest.store.query_spans(rollout.rollout_id)) == 3, "re-sent spans are ignored"
+    again = ingest.http.post(
+        "/v1/traces", content=gzip.compress(fixture_for(rollout, name)), headers={**headers, "Content-Encoding": "gzip"}
+    )
+    assert again.status_code == 200 and len(ingest.store.query_spans(rollout.rollout_id)) == 3, (
+        "re-sent spans are ignored"
+    )
 
 
 def test_spans_without_agl_ids_are_reported_as_partial_success(ingest: Ingest) -> None:
     rollout = ingest.running()
     assert rollout.attempt is not None
-    ids = [{"key": "agl.rollout.id", "value": {"stringValue": rollout.rollout_id}},
-           {"key": "agl.attempt.id", "value": {"stringValue": rollout.attempt.attempt_id}}]
+    ids = [
+        {"key": "agl.rollout.id", "value": {"stringValue": rollout.rollout_id}},
+        {"key": "agl.attempt.id", "value": {"stringValue": rollout.attempt.attempt_id}},
+    ]
 
     def span(span_id: str, attributes: List[Any]) -> Dict[str, Any]:
-        return {"traceId": "a" * 32, "spanId": span_id, "name": "s", "startTimeUnixNano": "5", "endTimeUnixNano": "6",
-                "attributes": attributes}
+        return {
+            "traceId": "a" * 32,
+            "spanId": span_id,
+            "name": "s",
+            "startTimeUnixNano": "5",
+            "endTimeUnixNano": "6",
+            "attributes": attributes,
+        }
 
     body = {"resourceSpans": [{"scopeSpans": [{"spans": [span("1" * 16, ids), span("2" * 16, [])]}]}]}
     response = ingest.http.post("/v1/traces", json=body, headers=HEADERS)
@@ -176,10 +191,34 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
     max_leaves=12,
 )
-SPAN_FIELDS = ["rollout_id", "attempt_id", "sequence_id", "trace_id", "span_id", "parent_id", "name", "kind",
-               "start_time", "end_time", "status", "error", "attributes", "events"]
-OTLP_SPAN_FIELDS = ["traceId", "spanId", "parentSpanId", "name", "kind", "startTimeUnixNano", "endTimeUnixNano",
-                    "attributes", "events", "status"]
+SPAN_FIELDS = [
+    "rollout_id",
+    "attempt_id",
+    "sequence_id",
+    "trace_id",
+    "span_id",
+    "parent_id",
+    "name",
+    "kind",
+    "start_time",
+    "end_time",
+    "status",
+    "error",
+    "attributes",
+    "events",
+]
+OTLP_SPAN_FIELDS = [
+    "traceId",
+    "spanId",
+    "parentSpanId",
+    "name",
+    "kind",
+    "startTimeUnixNano",
+    "endTimeUnixNano",
+    "attributes",
+    "events",
+    "status",
+]
 
 
 def mutated(base: Dict[str, Any], fields: List[str]) -> st.SearchStrategy[Dict[str, Any]]:
@@ -208,16 +247,25 @@ def fuzz_rollout(ingest: Ingest) -> Rollout:
     return ingest.running()
 
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @FUZZ
 @given(data=st.data())
 def test_fuzz_agl_span_ingestion_never_5xx(ingest: Ingest, fuzz_rollout: Rollout, data: st.DataObject) -> None:
     assert fuzz_rollout.attempt is not None
-    valid = {"rollout_id": fuzz_rollout.rollout_id, "attempt_id": fuzz_rollout.attempt.attempt_id, "sequence_id": 0,
-             "trace_id": "ab" * 16, "span_id": data.draw(st.text(min_size=1, max_size=8)), "name": "n", "start_time": 1,
-             "end_time": 2}
+    valid = {
+        "rollout_id": fuzz_rollout.rollout_id,
+        "attempt_id": fuzz_rollout.attempt.attempt_id,
+        "sequence_id": 0,
+        "trace_id": "ab" * 16,
+        "span_id": data.draw(st.text(min_size=1, max_size=8)),
+        "name": "n",
+        "start_time": 1,
+        "end_time": 2,
+    }
     spans = data.draw(st.lists(mutated(valid, SPAN_FIELDS), max_size=3))
     document = data.draw(st.sampled_from(["spans", "raw"]))
     payload = {"spans": spans} if document == "spans" else data.draw(json_values)
@@ -232,10 +280,18 @@ def test_fuzz_agl_span_ingestion_never_5xx(ingest: Ingest, fuzz_rollout: Rollout
 @given(data=st.data())
 def test_fuzz_otlp_json_ingestion_never_5xx(ingest: Ingest, fuzz_rollout: Rollout, data: st.DataObject) -> None:
     assert fuzz_rollout.attempt is not None
-    ids = [{"key": "agl.rollout.id", "value": {"stringValue": fuzz_rollout.rollout_id}},
-           {"key": "agl.attempt.id", "value": {"stringValue": fuzz_rollout.attempt.attempt_id}}]
-    valid = {"traceId": "c" * 32, "spanId": data.draw(st.from_regex(r"\A[0-9a-f]{16}\Z")), "name": "n",
-             "startTimeUnixNano": "1", "endTimeUnixNano": "2", "attributes": ids}
+    ids = [
+        {"key": "agl.rollout.id", "value": {"stringValue": fuzz_rollout.rollout_id}},
+        {"key": "agl.attempt.id", "value": {"stringValue": fuzz_rollout.attempt.attempt_id}},
+    ]
+    valid = {
+        "traceId": "c" * 32,
+        "spanId": data.draw(st.from_regex(r"\A[0-9a-f]{16}\Z")),
+        "name": "n",
+        "startTimeUnixNano": "1",
+        "endTimeUnixNano": "2",
+        "attributes": ids,
+    }
     spans = data.draw(st.lists(mutated(valid, OTLP_SPAN_FIELDS), max_size=3))
     resource = data.draw(st.sampled_from([{"attributes": ids}, {}]) | json_values)
     payload = {"resourceSpans": [{"resource": resource, "scopeSpans": [{"spans": spans}]}]}
@@ -273,13 +329,21 @@ def test_fuzz_otlp_protobuf_ingestion_never_5xx(ingest: Ingest, fuzz_rollout: Ro
 
 
 def _ids(rollout_id: str, attempt_id: str) -> List[Dict[str, Any]]:
-    return [{"key": "agl.rollout.id", "value": {"stringValue": rollout_id}},
-            {"key": "agl.attempt.id", "value": {"stringValue": attempt_id}}]
+    return [
+        {"key": "agl.rollout.id", "value": {"stringValue": rollout_id}},
+        {"key": "agl.attempt.id", "value": {"stringValue": attempt_id}},
+    ]
 
 
 def _json_span(span_id: str, attributes: List[Dict[str, Any]], start: int = 5) -> Dict[str, Any]:
-    return {"traceId": "d" * 32, "spanId": span_id, "name": "s", "startTimeUnixNano": str(start),
-            "endTimeUnixNano": str(start + 1), "attributes": attributes}
+    return {
+        "traceId": "d" * 32,
+        "spanId": span_id,
+        "name": "s",
+        "startTimeUnixNano": str(start),
+        "endTimeUnixNano": str(start + 1),
+        "attributes": attributes,
+    }
 
 
 def _export(*spans: Dict[str, Any]) -> Dict[str, Any]:
@@ -298,7 +362,9 @@ def _pb_export(*spans: Tuple[str, Dict[str, str]]) -> bytes:
     return _pb_bytes_field(1, _pb_bytes_field(2, encoded))
 
 
-def test_an_unknown_id_refuses_only_its_spans_and_the_server_says_so(ingest: Ingest, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unknown_id_refuses_only_its_spans_and_the_server_says_so(
+    ingest: Ingest, caplog: pytest.LogCaptureFixture
+) -> None:
     """One span with a stale rollout id in a BatchSpanProcessor batch 404ed the whole export: the other
     rollouts' spans were lost, the exporter logged only "404 Not Found" and the server nothing."""
     good, other = ingest.running(), ingest.running()
@@ -325,8 +391,10 @@ def test_an_unknown_id_refuses_only_its_spans_and_the_server_says_so(ingest: Ing
     assert sum(other.attempt.attempt_id in w for w in warnings) == 1
 
     # protobuf: the same, as ExportTraceServiceResponse.partial_success{rejected_spans=1, error_message}
-    pb = _pb_export(("5" * 16, {"agl.rollout.id": good.rollout_id, "agl.attempt.id": good.attempt.attempt_id}),
-                    ("6" * 16, {"agl.rollout.id": "ro-stale-pb", "agl.attempt.id": good.attempt.attempt_id}))
+    pb = _pb_export(
+        ("5" * 16, {"agl.rollout.id": good.rollout_id, "agl.attempt.id": good.attempt.attempt_id}),
+        ("6" * 16, {"agl.rollout.id": "ro-stale-pb", "agl.attempt.id": good.attempt.attempt_id}),
+    )
     answer = ingest.http.post("/v1/traces", content=pb, headers=PB)
     assert answer.status_code == 200
     assert answer.content[:1] == b"\x0a"  # field 1: partial_success
@@ -361,12 +429,16 @@ def test_agl_sequence_id_as_a_string_of_digits_is_the_sequence_id(ingest: Ingest
         response = ingest.http.post("/v1/traces", content=body, headers=PB)
         assert response.status_code == 200
         size, start = _read_varint(response.content, 1)
-        assert response.content[:1] == b"\x0a" and response.content[start:start + 1] == b"\x12", "rejected_spans 0 (omitted)"
+        assert response.content[:1] == b"\x0a" and response.content[start : start + 1] == b"\x12", (
+            "rejected_spans 0 (omitted)"
+        )
         message = response.content
     else:
         attrs = [{"key": k, "value": {"stringValue": v}} for k, v in ids.items()]
-        body = _export(_json_span("a1" * 8, attrs + [{"key": "agl.sequence.id", "value": {"stringValue": "3"}}], start=50),
-                       _json_span("a2" * 8, attrs + [{"key": "agl.sequence.id", "value": {"stringValue": "third"}}], start=50))
+        body = _export(
+            _json_span("a1" * 8, attrs + [{"key": "agl.sequence.id", "value": {"stringValue": "3"}}], start=50),
+            _json_span("a2" * 8, attrs + [{"key": "agl.sequence.id", "value": {"stringValue": "third"}}], start=50),
+        )
         response = ingest.http.post("/v1/traces", json=body, headers=HEADERS)
         assert response.status_code == 200
         partial = response.json()["partialSuccess"]
@@ -390,11 +462,23 @@ def test_mistyped_agl_attributes_refuse_their_span_naming_the_attribute(ingest: 
 
     ints = {"arrayValue": {"values": [{"intValue": "1"}, {"intValue": "2"}]}}
     body = _export(
-        _json_span("b1" * 8, ids + [attr("agl.span.kind", {"stringValue": "reward"}), attr("agl.reward.value", {"stringValue": "1.0"})]),
+        _json_span(
+            "b1" * 8,
+            ids + [attr("agl.span.kind", {"stringValue": "reward"}), attr("agl.reward.value", {"stringValue": "1.0"})],
+        ),
         _json_span("b2" * 8, ids + [attr("agl.llm.prompt_token_ids", {"intValue": "5"})]),
-        _json_span("b3" * 8, ids + [attr("agl.llm.response_token_ids", {"arrayValue": {"values": [{"stringValue": "x"}]}})]),
-        _json_span("b4" * 8, ids + [attr("agl.llm.prompt_token_ids", ints), attr("agl.reward.value", {"intValue": "1"}),
-                                    attr("agl.llm.response_logprobs", {"arrayValue": {"values": [{"doubleValue": -0.5}]}})]),
+        _json_span(
+            "b3" * 8, ids + [attr("agl.llm.response_token_ids", {"arrayValue": {"values": [{"stringValue": "x"}]}})]
+        ),
+        _json_span(
+            "b4" * 8,
+            ids
+            + [
+                attr("agl.llm.prompt_token_ids", ints),
+                attr("agl.reward.value", {"intValue": "1"}),
+                attr("agl.llm.response_logprobs", {"arrayValue": {"values": [{"doubleValue": -0.5}]}}),
+            ],
+        ),
     )
     response = ingest.http.post("/v1/traces", json=body, headers=HEADERS)
     assert response.status_code == 200
@@ -412,11 +496,17 @@ def test_a_gzip_body_inflating_past_the_limit_gets_413(tmp_path: Path) -> None:
     from agl.store.http.server import ServerLimits
 
     store = SqliteLightningStore(tmp_path / "small.db")
-    server = ServerThread(create_app(store, tokens=TokenSet({"t": TOKEN}), limits=ServerLimits(max_body_bytes=10_000))).start()
+    server = ServerThread(
+        create_app(store, tokens=TokenSet({"t": TOKEN}), limits=ServerLimits(max_body_bytes=10_000))
+    ).start()
     try:
-        big = json.dumps(_export(_json_span("c" * 16, [{"key": "pad", "value": {"stringValue": "x" * 50_000}}]))).encode()
+        big = json.dumps(
+            _export(_json_span("c" * 16, [{"key": "pad", "value": {"stringValue": "x" * 50_000}}]))
+        ).encode()
         plain = httpx.post(server.url + "/v1/traces", content=big, headers=JS)
-        packed = httpx.post(server.url + "/v1/traces", content=gzip.compress(big), headers={**JS, "Content-Encoding": "gzip"})
+        packed = httpx.post(
+            server.url + "/v1/traces", content=gzip.compress(big), headers={**JS, "Content-Encoding": "gzip"}
+        )
         assert plain.status_code == 413 and packed.status_code == 413, packed.text
         assert "inflates to more than the 10000-byte request limit" in packed.json()["message"]
     finally:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import httpx
 import pytest
+
 from agl.errors import (
     StaleAttemptError,
     StoreAuthError,
@@ -28,10 +29,10 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import EnqueueRequest, LightningStore, SqliteLightningStore, open_store
-from agl.store.memory import InMemoryLightningStore
-from agl.store.postgres.store import PostgresLightningStore
 from agl.store.http.client import RemoteLightningStore
 from agl.store.http.server import ServerLimits, ServerThread, TokenSet, create_app
+from agl.store.memory import InMemoryLightningStore
+from agl.store.postgres.store import PostgresLightningStore
 from agl.types import LLM, RolloutConfig
 
 TOKEN = "s3cret-token"
@@ -42,7 +43,10 @@ class Served:
     """A server thread over a SQLite file, with a raw httpx client and an agl client."""
 
     def __init__(
-        self, backing: Union[Path, LightningStore], limits: Optional[ServerLimits] = None, tokens: Optional[Dict[str, str]] = None
+        self,
+        backing: Union[Path, LightningStore],
+        limits: Optional[ServerLimits] = None,
+        tokens: Optional[Dict[str, str]] = None,
     ) -> None:
         """``backing``: a SQLite file, or a store (closed with the server)."""
         self.backing = SqliteLightningStore(backing) if isinstance(backing, Path) else backing
@@ -239,7 +243,10 @@ def test_malformed_requests_get_422_naming_the_field_and_change_nothing(served: 
             assert 400 <= response.status_code < 500, (url, raw, response.text)
             assert response.json()["message"]
     deep = b"[" * 100_000 + b"]" * 100_000
-    assert served.http.post("/v1/rollouts", content=deep, headers={**AUTH, "Content-Type": "application/json"}).status_code < 500
+    assert (
+        served.http.post("/v1/rollouts", content=deep, headers={**AUTH, "Content-Type": "application/json"}).status_code
+        < 500
+    )
     nowhere = served.http.get("/v1/nowhere", headers=AUTH)
     assert nowhere.status_code == 404 and "no endpoint GET /v1/nowhere" in nowhere.json()["message"]
     assert served.http.delete("/v1/stats", headers=AUTH).status_code == 405
@@ -260,9 +267,19 @@ def test_unknown_ids_get_404_naming_the_id_and_change_nothing(served: Served) ->
         ("GET", "/v1/rollouts/ro-ghost/spans", None, "ro-ghost"),
         ("POST", f"/v1/rollouts/{rid}/attempts/at-ghost/heartbeat", None, "at-ghost"),
         ("POST", f"/v1/rollouts/{rid}/attempts/at-ghost/complete", {"status": "succeeded"}, "at-ghost"),
-        ("POST", "/v1/rollouts/ro-ghost/attempts/at-1/complete-and-dequeue", {"status": "succeeded", "runner_id": "r"}, "ro-ghost"),
+        (
+            "POST",
+            "/v1/rollouts/ro-ghost/attempts/at-1/complete-and-dequeue",
+            {"status": "succeeded", "runner_id": "r"},
+            "ro-ghost",
+        ),
         ("POST", "/v1/rollouts/wait", {"rollout_ids": [rid, "ro-ghost"]}, "ro-ghost"),
-        ("POST", "/v1/spans", {"spans": [span_json(rollout), span_json(rollout, "bb" * 8, attempt_id="at-ghost")]}, "at-ghost"),
+        (
+            "POST",
+            "/v1/spans",
+            {"spans": [span_json(rollout), span_json(rollout, "bb" * 8, attempt_id="at-ghost")]},
+            "at-ghost",
+        ),
         ("GET", "/v1/resources?resources_id=res-ghost", None, "res-ghost"),
         ("POST", "/v1/rollouts", {"requests": [{"resources_id": "res-ghost"}]}, "res-ghost"),
     ]
@@ -306,12 +323,16 @@ def test_oversize_bodies_get_413_and_change_nothing(tmp_path: Path) -> None:
                 yield b'{"input": "0123456789"},'
             yield b'{"input": 1}]}'
 
-        chunked = served.http.post("/v1/rollouts", content=chunks(), headers={**AUTH, "Content-Type": "application/json"})
+        chunked = served.http.post(
+            "/v1/rollouts", content=chunks(), headers={**AUTH, "Content-Type": "application/json"}
+        )
         assert chunked.status_code == 413
         host, port = served.url.rsplit("/", 1)[-1].split(":")
         with socket.create_connection((host, int(port))) as raw:  # declares more than it sends: answered first
-            raw.sendall(f"POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
-                        + b"Content-Type: application/json\r\nContent-Length: 999999\r\n\r\n{}")
+            raw.sendall(
+                f"POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+                + b"Content-Type: application/json\r\nContent-Length: 999999\r\n\r\n{}"
+            )
             assert raw.recv(4096).startswith(b"HTTP/1.1 413")
         assert snapshot(served.backing) == before
         # the client splits a batch the server finds too large, so the tracer never has to
@@ -344,6 +365,7 @@ def test_an_enqueue_batch_over_the_body_limit_is_sent_in_parts_in_order(tmp_path
         assert served.backing.stats().rollouts["queued"] == 350
     finally:
         served.close()
+
 
 def test_gzip_is_not_a_way_around_the_limit(tmp_path: Path) -> None:
     served = Served(tmp_path / "store.db", limits=ServerLimits(max_body_bytes=4096))
@@ -411,7 +433,9 @@ def test_long_poll_outlasts_the_servers_poll_limit(tmp_path: Path) -> None:
         rollout = served.client.dequeue_rollout("runner-1", timeout=10)
         assert rollout is not None and rollout.input == "late"
         assert 0.6 < time.monotonic() - started < 5
-        threading.Timer(0.5, lambda: served.backing.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded")).start()
+        threading.Timer(
+            0.5, lambda: served.backing.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded")
+        ).start()
         (done,) = served.client.wait_for_rollouts([rollout.rollout_id], timeout=None)
         assert done.status == "succeeded"
     finally:
@@ -423,7 +447,9 @@ def test_a_runner_that_left_mid_poll_claims_nothing(tmp_path: Path) -> None:
     served = Served(tmp_path / "store.db", limits=ServerLimits(poll_slice_seconds=0.05))
     try:
         with pytest.raises(httpx.ReadTimeout):
-            served.http.post("/v1/rollouts/dequeue", json={"runner_id": "ghost", "timeout": 10}, headers=AUTH, timeout=0.3)
+            served.http.post(
+                "/v1/rollouts/dequeue", json={"runner_id": "ghost", "timeout": 10}, headers=AUTH, timeout=0.3
+            )
         time.sleep(0.3)
         queued = served.backing.enqueue_rollout("for a live runner")
         time.sleep(0.3)
@@ -614,7 +640,9 @@ def test_a_server_down_for_longer_than_the_heartbeat_timeout_does_not_end_the_ru
         second.close()
 
 
-def test_retried_calls_apply_once_when_postgresql_calls_run_on_the_event_loop(postgres_dsn: str, make_span: Any) -> None:
+def test_retried_calls_apply_once_when_postgresql_calls_run_on_the_event_loop(
+    postgres_dsn: str, make_span: Any
+) -> None:
     """The server makes PostgreSQL's claim, span insert and completion as coroutines (AsyncRolloutCalls):
     a retry after a lost answer still gets the first answer, from the Idempotency-Key cache."""
     served = Served(PostgresLightningStore(postgres_dsn))
@@ -728,7 +756,9 @@ def test_a_bad_store_address_gets_one_line_saying_what_to_pass(
     assert time.monotonic() - started < 5, "refused at once, not retried"
 
 
-def test_a_store_server_url_may_end_in_v1(served: Served, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_store_server_url_may_end_in_v1(
+    served: Served, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from agl.cli import main
 
     monkeypatch.setenv("AGL_STORE_TOKEN", TOKEN)
@@ -743,6 +773,7 @@ def test_agl_runner_help_names_every_store_it_takes(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         main(["runner", "--help"])
     assert "postgresql://" in capsys.readouterr().out
+
 
 def test_a_runner_on_a_sqlite_file_that_does_not_exist_makes_it_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -815,7 +846,7 @@ def test_an_address_where_another_http_service_answers_says_so(
     from agl.cli import main
 
     class NotAStore(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:  # http.server's name
             body = b'{"detail":"Not Found"}'  # what any FastAPI app answers on a route it lacks
             self.send_response(404)
             self.send_header("Content-Type", "application/json")

@@ -33,7 +33,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             time.sleep(0.5)
             with self.server.lock:  # type: ignore[attr-defined]
                 self.server.busy -= 1  # type: ignore[attr-defined]
-        payload = json.dumps({"path": self.path, "body": body.decode(), "auth": self.headers.get("Authorization")}).encode()
+        payload = json.dumps(
+            {"path": self.path, "body": body.decode(), "auth": self.headers.get("Authorization")}
+        ).encode()
         self.send_response(201)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
@@ -62,7 +64,9 @@ def server() -> Iterator[http.server.ThreadingHTTPServer]:
 
 def _pool(httpd: http.server.ThreadingHTTPServer, prefix: str = "", **kw: object) -> ConnectionPool:
     url = f"http://127.0.0.1:{httpd.server_address[1]}{prefix}"
-    return ConnectionPool(url, {"Authorization": "Bearer t"}, max_connections=kw.pop("max_connections", 4), connect_timeout=2.0)  # type: ignore[arg-type]
+    return ConnectionPool(
+        url, {"Authorization": "Bearer t"}, max_connections=kw.pop("max_connections", 4), connect_timeout=2.0
+    )  # type: ignore[arg-type]
 
 
 def test_requests_reuse_one_kept_alive_connection(server: http.server.ThreadingHTTPServer) -> None:
@@ -161,8 +165,14 @@ class _Scripted:
                     if b"\r\n\r\n" not in data:
                         break
                     head, _, data = data.partition(b"\r\n\r\n")
-                    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                                   if line.lower().startswith(b"content-length:")), 0)
+                    length = next(
+                        (
+                            int(line.split(b":")[1])
+                            for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"content-length:")
+                        ),
+                        0,
+                    )
                     while len(data) < length:
                         data += conn.recv(65536)
                     self.requests.append(head + b"\r\n\r\n" + data[:length])
@@ -173,12 +183,16 @@ class _Scripted:
                         break
 
     def pool(self) -> ConnectionPool:
-        return ConnectionPool(f"http://127.0.0.1:{self.port}", {"Authorization": "Bearer t"}, max_connections=1, connect_timeout=2.0)
+        return ConnectionPool(
+            f"http://127.0.0.1:{self.port}", {"Authorization": "Bearer t"}, max_connections=1, connect_timeout=2.0
+        )
 
 
 def test_chunked_answers_with_extensions_and_trailers_are_read_whole() -> None:
-    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-               b"5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nX-Trailer: 1\r\n\r\n")
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nX-Trailer: 1\r\n\r\n"
+    )
     server = _Scripted([(chunked, False), (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", False)])
     pool = server.pool()
     assert pool.request("POST", "/a", body=b"{}", timeout=5).content == b"hello, world"
@@ -193,8 +207,13 @@ def test_chunked_answers_with_extensions_and_trailers_are_read_whole() -> None:
 def test_informational_answers_are_skipped_and_unframed_answers_end_with_the_connection() -> None:
     early = b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
     unframed = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n" + b'{"n": 1}' * 3000
-    server = _Scripted([(early + unframed, True), (b"HTTP/1.0 201 Created\r\nContent-Length: 0\r\n\r\n", False),
-                        (b"HTTP/1.1 204 No Content\r\n\r\n", False)])
+    server = _Scripted(
+        [
+            (early + unframed, True),
+            (b"HTTP/1.0 201 Created\r\nContent-Length: 0\r\n\r\n", False),
+            (b"HTTP/1.1 204 No Content\r\n\r\n", False),
+        ]
+    )
     pool = server.pool()
     answer = pool.request("GET", "/a", timeout=5)
     assert answer.status == 200 and answer.content == b'{"n": 1}' * 3000
@@ -230,7 +249,12 @@ def test_line_breaks_in_paths_and_headers_are_refused_before_sending() -> None:
     with pytest.raises(ValueError, match="line break"):
         pool.request("GET", "/", headers={"Idempotency-Key": "k\r\nX-Evil: 1"}, timeout=5)
     with pytest.raises(ValueError, match="line break"):
-        ConnectionPool(f"http://127.0.0.1:{server.port}", {"Authorization": "Bearer t\r\nX: y"}, max_connections=1, connect_timeout=1)
+        ConnectionPool(
+            f"http://127.0.0.1:{server.port}",
+            {"Authorization": "Bearer t\r\nX: y"},
+            max_connections=1,
+            connect_timeout=1,
+        )
     assert server.requests == []
     pool.close()
 

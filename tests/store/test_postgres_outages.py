@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+
 from agl.errors import AglError, StoreUnavailableError
 from agl.store import EnqueueRequest
 from agl.store.postgres.schema import COMPLETE
@@ -184,7 +185,9 @@ def test_a_runner_waiting_for_its_database_does_not_log_its_password(caplog: pyt
 
 
 def test_an_unknown_url_parameter_is_a_clear_error(postgres_dsn: str) -> None:
-    with pytest.raises(AglError, match=r'PostgreSQL URL given for the store is not valid: invalid URI query parameter: "bogus"'):
+    with pytest.raises(
+        AglError, match=r'PostgreSQL URL given for the store is not valid: invalid URI query parameter: "bogus"'
+    ):
         PostgresLightningStore(postgres_dsn + "?bogus=1")
 
 

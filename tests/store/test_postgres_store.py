@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
 from urllib.parse import urlsplit
 
-import agl.testing.postgres
 import psycopg
 import pytest
+
+import agl.testing.postgres
 from agl.errors import (
     AglError,
     DuplicateRolloutError,
@@ -211,10 +212,14 @@ def test_a_completion_waiting_behind_another_machines_reap_is_refused(machines: 
     watcher = psycopg.connect(runner.dsn, autocommit=True)
     with psycopg.connect(runner.dsn) as reaper:  # another machine's reap, its transaction still open
         reaper.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s FOR UPDATE", (rollout.rollout_id,))
-        reaper.execute("UPDATE agl_attempts SET status = 'timeout', end_time = 1 WHERE attempt_id = %s",
-                       (rollout.attempt.attempt_id,))
-        reaper.execute("UPDATE agl_rollouts SET status = 'queued', queue_pos = nextval('agl_queue_pos') "
-                       "WHERE rollout_id = %s", (rollout.rollout_id,))
+        reaper.execute(
+            "UPDATE agl_attempts SET status = 'timeout', end_time = 1 WHERE attempt_id = %s",
+            (rollout.attempt.attempt_id,),
+        )
+        reaper.execute(
+            "UPDATE agl_rollouts SET status = 'queued', queue_pos = nextval('agl_queue_pos') WHERE rollout_id = %s",
+            (rollout.rollout_id,),
+        )
         thread = threading.Thread(target=complete)
         thread.start()
         _until(lambda: watcher.execute(_LOCK_WAITERS).fetchone()[0] >= 1, "the completion waits for the lock")
@@ -552,7 +557,8 @@ def test_newer_schema_is_refused(empty_database: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "foreign", ["CREATE TABLE agl_rollouts (x integer)", "CREATE SEQUENCE agl_queue_pos", "CREATE TABLE agl_spans (x int)"]
+    "foreign",
+    ["CREATE TABLE agl_rollouts (x integer)", "CREATE SEQUENCE agl_queue_pos", "CREATE TABLE agl_spans (x int)"],
 )
 def test_foreign_tables_are_refused(empty_database: str, foreign: str) -> None:
     """A leftover sequence gave psycopg's DuplicateTable traceback; only an agl_rollouts table was checked."""
@@ -707,7 +713,9 @@ def test_async_calls_of_a_stopped_server_are_a_clear_error_and_resume_after_rest
         async def claim_and_add() -> int:
             rollout = (await store.aclaim("runner-1"))[0]
             server.kill()
-            with pytest.raises(StoreUnavailableError, match="cannot reach PostgreSQL.*check that the server is running"):
+            with pytest.raises(
+                StoreUnavailableError, match="cannot reach PostgreSQL.*check that the server is running"
+            ):
                 await store.aget_resources()
             server.restart()
             return await store.aadd_spans([make_span(rollout, 0)])
@@ -728,7 +736,10 @@ def test_closing_the_store_under_a_running_server_closes_its_async_connections(
     try:
         client.enqueue_rollout("x")
         assert client.dequeue_rollout("runner-1") is not None  # claimed on the server's loop: an async connection
-        sessions = f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{_dbname(postgres_dsn)}' AND pid <> pg_backend_pid()"
+        sessions = (
+            f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{_dbname(postgres_dsn)}' "
+            "AND pid <> pg_backend_pid()"
+        )
         with psycopg.connect(postgres_dsn, autocommit=True) as admin:
             assert admin.execute(sessions).fetchone()[0] >= 1
             store.close()  # from this thread, while the server's loop runs

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
 from agl.store import SqliteLightningStore
 from agl.store.sqlite import database as sqlite_module
 
@@ -33,7 +34,9 @@ def _eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
     return condition()
 
 
-def test_pages_reach_the_database_file_without_a_commit_checkpointing(sqlite_store: SqliteLightningStore, make_span: Any) -> None:
+def test_pages_reach_the_database_file_without_a_commit_checkpointing(
+    sqlite_store: SqliteLightningStore, make_span: Any
+) -> None:
     # ~500 frames: far below the commits' backstop (BACKSTOP_PAGES), so only the background thread copies them
     path = Path(sqlite_store.path)
     before = path.stat().st_size
@@ -43,7 +46,9 @@ def test_pages_reach_the_database_file_without_a_commit_checkpointing(sqlite_sto
     assert len(sqlite_store.query_spans(sqlite_store.query_rollouts()[0].rollout_id)) == 400
 
 
-def test_back_to_back_writes_keep_the_wal_bounded(tmp_path: Path, make_span: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_back_to_back_writes_keep_the_wal_bounded(
+    tmp_path: Path, make_span: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Passive checkpoints alone never let the WAL restart while writes go on; the commits' backstop does."""
     monkeypatch.setattr(sqlite_module, "BACKSTOP_PAGES", 200)
     store = SqliteLightningStore(tmp_path / "store.db")

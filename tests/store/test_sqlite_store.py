@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, List
 
 import pytest
+
 from agl.errors import AglError, StoreAddressError, StoreNotFoundError
-from agl.store import EnqueueRequest, InMemoryLightningStore, SqliteLightningStore, open_store
-from agl.store import _rules
+from agl.store import EnqueueRequest, InMemoryLightningStore, SqliteLightningStore, _rules, open_store
 from agl.store.doorbell import Doorbell
 from agl.types import LLM, RolloutConfig
 
@@ -309,7 +309,10 @@ def test_closing_while_other_threads_write_raises_there_instead_of_crashing(tmp_
     # closing a connection under another thread's running statement crashes CPython's sqlite3 module
     # (a segfault, seen when a test closed its store while the tracer's writer still wrote to it)
     done = subprocess.run(
-        [sys.executable, "-c", _CLOSE_WHILE_WRITING, str(tmp_path / "closing")], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _CLOSE_WHILE_WRITING, str(tmp_path / "closing")],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
@@ -483,8 +486,11 @@ def test_a_foreign_spans_table_is_refused_before_anything_is_written(tmp_path: P
     WAL), agl's other tables created beside it: its rows read as agl spans, and every span write failed."""
     path = tmp_path / "app.db"
     before = _foreign_file(path, "CREATE TABLE spans (x TEXT); INSERT INTO spans VALUES ('mine');")
-    with pytest.raises(StoreAddressError, match=r"app.db is a SQLite database \(tables: spans\) but not an agl store "
-                       r"\(its table 'spans' has other columns \(x\)\); agl left it untouched"):
+    with pytest.raises(
+        StoreAddressError,
+        match=r"app.db is a SQLite database \(tables: spans\) but not an agl store "
+        r"\(its table 'spans' has other columns \(x\)\); agl left it untouched",
+    ):
         open_store(str(path), create=create)
     assert path.read_bytes() == before and not Path(f"{path}-wal").exists()
 

@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Dict, List
 
 import pytest
+
 from agl.errors import (
     AglError,
     DuplicateResourcesError,
@@ -548,8 +549,12 @@ def test_nul_in_free_text_is_replaced_and_json_values_keep_it(store: LightningSt
     assert rollout.input == {"text": "a\x00b"} and rollout.metadata == {"m\x00": "\x00"}
     output = {"gen_ai.completion": "model said \x00", "k\x00": ["\x00"]}
     span = make_span(rollout, 0, attributes=output).model_copy(
-        update={"name": "tool\x00call", "status": "error", "error": "bad \x00 bytes",
-                "events": [SpanEvent(name="e\x00", timestamp=1, attributes={"v": "\x00"})]}
+        update={
+            "name": "tool\x00call",
+            "status": "error",
+            "error": "bad \x00 bytes",
+            "events": [SpanEvent(name="e\x00", timestamp=1, attributes={"v": "\x00"})],
+        }
     )
     assert store.add_spans([make_span(rollout, 1), span]) == 2
     stored = store.query_spans(rollout.rollout_id)[0]
@@ -596,8 +601,12 @@ def test_lone_surrogates_in_free_text_and_json_values_become_u_fffd(store: Light
     assert rollout.input == {"text": "cut \ufffd"} and rollout.metadata == {"m\ufffd": ["\ufffd"]}
     span = make_span(rollout, 0, attributes={"gen_ai.completion": "model said \ud83d", "k\udc00": ["\ud83d", 1]})
     span = span.model_copy(
-        update={"name": "tool\ud83dcall", "status": "error", "error": "pair \ud83d\ude00 lone \udc00 nul \x00",
-                "events": [SpanEvent(name="e\ud83d", timestamp=1, attributes={"v": "\ud83d"})]}
+        update={
+            "name": "tool\ud83dcall",
+            "status": "error",
+            "error": "pair \ud83d\ude00 lone \udc00 nul \x00",
+            "events": [SpanEvent(name="e\ud83d", timestamp=1, attributes={"v": "\ud83d"})],
+        }
     )
     assert store.add_spans([make_span(rollout, 1), span]) == 2
     stored = next(s for s in store.query_spans(rollout.rollout_id) if s.span_id == span.span_id)

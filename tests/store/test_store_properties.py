@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from agl.errors import AglError
 from agl.store import EnqueueRequest, LightningStore
 from agl.types import Attempt, RolloutConfig, Span
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 FAILURES: Set[Optional[str]] = {"failed", "timeout", "unresponsive"}
 # what the latest attempt of a rollout in each status may be (None: no attempt yet)

@@ -9,8 +9,8 @@ import openai
 import pytest
 import torch
 
-from agl.serving.models import load_policy
 from agl.serving import PolicyServer
+from agl.serving.models import load_policy
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,10 @@ def client(server: PolicyServer) -> Iterator[openai.OpenAI]:
 def _greedy(model: Any, prompt: List[int], n: int) -> List[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n, do_sample=False,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
         )
     return out[0, len(prompt) :].tolist()
 

@@ -15,8 +15,14 @@ from agl.runtime.runner import Runner
 from agl.store import SqliteLightningStore
 
 ONE_VALUE = [
-    np.float32(0.25), np.float16(0.25), np.array(0.25), np.array([0.25]), torch.tensor(0.25),
-    torch.tensor([0.25]), torch.tensor(0.25, requires_grad=True) * 1, torch.tensor(0.25, dtype=torch.bfloat16),
+    np.float32(0.25),
+    np.float16(0.25),
+    np.array(0.25),
+    np.array([0.25]),
+    torch.tensor(0.25),
+    torch.tensor([0.25]),
+    torch.tensor(0.25, requires_grad=True) * 1,
+    torch.tensor(0.25, dtype=torch.bfloat16),
 ]
 
 

@@ -32,6 +32,7 @@ def test_two_different_array_tasks_with_one_id_are_refused() -> None:
 
 # --- NumPy and torch values stored (agl.types.array_as_json) ------------------------------------------------
 
+
 def _backends(tmp_path: Path) -> Dict[str, LightningStore]:
     sqlite = SqliteLightningStore(tmp_path / "served.db")
     server = ServerThread(create_app(sqlite, tokens=TokenSet({"test": "t"}))).start()
@@ -64,8 +65,11 @@ def test_a_task_row_of_numpy_and_torch_values_is_stored_as_its_numbers_on_every_
 
 
 def test_numpy_sampling_parameters_are_stored_as_numbers_on_every_backend(stores: Any) -> None:
-    llm = agl.LLM(endpoint="http://127.0.0.1:1/v1", model="m",
-                  sampling_parameters={"temperature": np.float32(0.5), "max_tokens": np.int64(64)})
+    llm = agl.LLM(
+        endpoint="http://127.0.0.1:1/v1",
+        model="m",
+        sampling_parameters={"temperature": np.float32(0.5), "max_tokens": np.int64(64)},
+    )
     for name, store in stores.items():
         update = store.add_resources({"main_llm": llm})
         stored = store.get_resources(update.resources_id).resources["main_llm"]
@@ -90,7 +94,9 @@ def test_dev_runs_a_numpy_data_set_and_the_agent_reads_plain_values(tmp_path: Pa
 
     store = SqliteLightningStore(tmp_path / "dev.db")
     try:
-        rollouts = agl.Trainer(n_runners=1, store=store, runner_mode="thread").dev(agent, [ROW, {**ROW, "id": np.int64(4)}])
+        rollouts = agl.Trainer(n_runners=1, store=store, runner_mode="thread").dev(
+            agent, [ROW, {**ROW, "id": np.int64(4)}]
+        )
         assert [r.status for r in rollouts] == ["succeeded", "succeeded"]
         assert [r.reward for r in rollouts] == [1.0, 1.0]
         assert [t["id"] for t in seen] == [3, 4]

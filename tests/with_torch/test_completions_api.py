@@ -14,9 +14,7 @@ import httpx
 import openai
 import pytest
 
-
 PROMPT = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"  # a template the agent applied
-
 
 
 def extra(obj: Any, key: str) -> Any:
@@ -140,7 +138,10 @@ def test_logprobs_are_one_per_sampled_token_with_up_to_n_alternatives(client, ti
     # the chat API's spelling, as in a trainer's published sampling parameters: true is 0, false none
     as_chat = client.completions.create(model="policy", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=True)
     assert as_chat.choices[0].logprobs.token_logprobs == logprobs.token_logprobs
-    assert client.completions.create(model="policy", prompt=PROMPT, max_tokens=6, logprobs=False).choices[0].logprobs is None
+    assert (
+        client.completions.create(model="policy", prompt=PROMPT, max_tokens=6, logprobs=False).choices[0].logprobs
+        is None
+    )
     sampled = client.completions.create(model="policy", prompt=PROMPT, max_tokens=6, seed=1, logprobs=2)
     drawn = sampled.choices[0].logprobs
     for logprob, alternatives in zip(drawn.token_logprobs, drawn.top_logprobs):
@@ -175,7 +176,11 @@ def test_langchain_openai_llm_gets_the_served_text(server, client):
         ({"prompt": [1, "a"]}, "prompt", "a string or a list of token ids"),
         ({"prompt": ""}, "prompt", "'prompt' is empty"),
         ({"prompt": []}, "prompt", "'prompt' is empty"),
-        ({"prompt": [1] * 2048}, "prompt", "maximum context length is 2048 tokens, but the prompt is too long: 2048 tokens"),
+        (
+            {"prompt": [1] * 2048},
+            "prompt",
+            "maximum context length is 2048 tokens, but the prompt is too long: 2048 tokens",
+        ),
         ({"max_tokens": 10**6}, "max_tokens", "the prompt is too long for max_tokens 1000000"),
         ({"max_tokens": 0}, "max_tokens", "positive integer"),
         ({"logprobs": 21}, "logprobs", "from 0 to 20"),

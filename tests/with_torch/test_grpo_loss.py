@@ -7,6 +7,7 @@ from typing import Any, List, Tuple
 
 import pytest
 import torch
+
 from agl.algorithm.grpo_loss import (
     collate,
     policy_loss,
@@ -40,9 +41,13 @@ def _group(tokenizer: Any, with_logprobs: Any = None) -> List[Sample]:
     answers = [("The answer is 5.", 1.0), ("5", 1.0), ("I like turtles and tea.", 0.0), ("seven hundred", 0.0)]
     samples = [
         Sample(
-            rollout_id=f"ro-{i}", task_id="task-0", policy="default", prompt_ids=prompt_ids,
+            rollout_id=f"ro-{i}",
+            task_id="task-0",
+            policy="default",
+            prompt_ids=prompt_ids,
             response_ids=_ids(tokenizer, text) + [tokenizer.eos_token_id],
-            response_mask=[1] * (len(_ids(tokenizer, text)) + 1), reward=reward,
+            response_mask=[1] * (len(_ids(tokenizer, text)) + 1),
+            reward=reward,
         )
         for i, (text, reward) in enumerate(answers)
     ]
@@ -95,8 +100,15 @@ def test_server_logprobs_are_the_old_logprobs(tiny: Tuple[Any, Any]) -> None:
 def test_zero_advantage_groups_are_skipped_without_kl(tiny: Tuple[Any, Any]) -> None:
     model, tokenizer = tiny
     samples = [
-        Sample(rollout_id=f"ro-{i}", task_id="t", policy="default", prompt_ids=[1, 2, 3], response_ids=[4, 5],
-               response_mask=[1, 1], reward=1.0)
+        Sample(
+            rollout_id=f"ro-{i}",
+            task_id="t",
+            policy="default",
+            prompt_ids=[1, 2, 3],
+            response_ids=[4, 5],
+            response_mask=[1, 1],
+            reward=1.0,
+        )
         for i in range(3)
     ]
     algo = TorchGRPO(model="tiny")
@@ -126,8 +138,19 @@ def test_kl_to_reference_is_zero_before_training_and_positive_after(tiny: Tuple[
 def test_clipped_ratio_stops_the_gradient() -> None:
     """PPO clip: a positive-advantage token whose ratio is already above 1 + eps gets no gradient."""
     batch = collate(
-        [Sample(rollout_id="r", task_id="t", policy="p", prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 1],
-                reward=1.0, advantage=1.0, response_logprobs=[-1.0, -1.0])],
+        [
+            Sample(
+                rollout_id="r",
+                task_id="t",
+                policy="p",
+                prompt_ids=[1],
+                response_ids=[2, 3],
+                response_mask=[1, 1],
+                reward=1.0,
+                advantage=1.0,
+                response_logprobs=[-1.0, -1.0],
+            )
+        ],
         pad_id=0,
     )
     logprobs = torch.tensor([[-0.5, -1.05]], requires_grad=True)  # ratios e^0.5 (clipped) and e^-0.05
@@ -140,16 +163,24 @@ def test_clipped_ratio_stops_the_gradient() -> None:
 
 
 def test_bad_samples_are_refused_with_the_rollout_named() -> None:
-    sample = Sample(rollout_id="ro-bad", task_id="t", policy="p", prompt_ids=[1], response_ids=[2, 3],
-                    response_mask=[1], reward=0.0)
+    sample = Sample(
+        rollout_id="ro-bad", task_id="t", policy="p", prompt_ids=[1], response_ids=[2, 3], response_mask=[1], reward=0.0
+    )
     with pytest.raises(ValueError, match="ro-bad.*response_mask has 1 entries for 2"):
         collate([sample], pad_id=0)
 
 
 def test_micro_batches_group_similar_lengths() -> None:
     samples = [
-        Sample(rollout_id=str(n), task_id="t", policy="p", prompt_ids=[1] * n, response_ids=[2], response_mask=[1],
-               reward=0.0)
+        Sample(
+            rollout_id=str(n),
+            task_id="t",
+            policy="p",
+            prompt_ids=[1] * n,
+            response_ids=[2],
+            response_mask=[1],
+            reward=0.0,
+        )
         for n in (50, 3, 48, 4, 49, 5)
     ]
     batches = split_micro_batches(samples, 3)

@@ -11,9 +11,10 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
-import agl
 import openai
 import pytest
+
+import agl
 from agl.algorithm.metrics import format_line, plot_reward_curve
 from agl.algorithm.torch_grpo import TorchGRPO
 from agl.serving.models import load_policy
@@ -42,11 +43,13 @@ def server_sampled_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
     completion = _ask(task, llm)
     choice = completion.choices[0]
     with _lock:
-        SAMPLED.append({
-            "task_id": task["task_id"],
-            "logprobs": choice.logprobs is not None and bool(choice.logprobs.content),
-            "tokens": completion.usage.completion_tokens,
-        })
+        SAMPLED.append(
+            {
+                "task_id": task["task_id"],
+                "logprobs": choice.logprobs is not None and bool(choice.logprobs.content),
+                "tokens": completion.usage.completion_tokens,
+            }
+        )
     return 1.0 if choice.logprobs is not None else 0.0
 
 
@@ -75,13 +78,21 @@ def instrumented() -> Iterator[None]:
 
 def _fit(tmp_path: Path, agent: Any, val: Any = None, **overrides: Any) -> Any:
     settings: Dict[str, Any] = dict(
-        model=load_policy("tiny", device="cpu", seed=0), group_size=2, batch_tasks=2, steps=2,
-        max_tokens=TRAIN_MAX_TOKENS, temperature=1.0, lr=1e-3, output_dir=tmp_path / "run", seed=0,
+        model=load_policy("tiny", device="cpu", seed=0),
+        group_size=2,
+        batch_tasks=2,
+        steps=2,
+        max_tokens=TRAIN_MAX_TOKENS,
+        temperature=1.0,
+        lr=1e-3,
+        output_dir=tmp_path / "run",
+        seed=0,
     )
     settings.update(overrides)
     algo = TorchGRPO(**settings)
-    trainer = agl.Trainer(algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread",
-                          progress=False)
+    trainer = agl.Trainer(
+        algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False
+    )
     return algo, trainer.fit(agent, TASKS, val_dataset=val)
 
 
@@ -138,11 +149,33 @@ def test_failed_rollouts_count_as_reward_zero_in_training_as_in_evaluation(tmp_p
 
 
 def test_console_line_shows_failed_rollouts_and_steps_without_update() -> None:
-    line = format_line({"step": 1, "reward_mean": 0.5, "reward_std": 0.0, "success_rate": 0.5, "failed_rollouts": 2,
-                        "samples": 4, "optimizer_steps": 0, "step_time_s": 3.0}, 2)
+    line = format_line(
+        {
+            "step": 1,
+            "reward_mean": 0.5,
+            "reward_std": 0.0,
+            "success_rate": 0.5,
+            "failed_rollouts": 2,
+            "samples": 4,
+            "optimizer_steps": 0,
+            "step_time_s": 3.0,
+        },
+        2,
+    )
     assert line == "step 1/2 [##########----------] reward 0.500 ±0.000 success 50% failed 2 no update 3s"
-    line = format_line({"step": 1, "reward_mean": 0.5, "reward_std": 0.0, "success_rate": 0.5, "failed_rollouts": 0,
-                        "samples": 4, "optimizer_steps": 1, "loss": 0.5}, 2)
+    line = format_line(
+        {
+            "step": 1,
+            "reward_mean": 0.5,
+            "reward_std": 0.0,
+            "success_rate": 0.5,
+            "failed_rollouts": 0,
+            "samples": 4,
+            "optimizer_steps": 1,
+            "loss": 0.5,
+        },
+        2,
+    )
     assert "failed" not in line and "no update" not in line and "loss +5.00e-01" in line
 
 

@@ -16,10 +16,11 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
-import agl
 import openai
 import pytest
 import torch
+
+import agl
 from agl.algorithm.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from agl.algorithm.grpo_loss import collate, policy_loss
 from agl.algorithm.torch_grpo import TorchGRPO
@@ -43,7 +44,8 @@ def instrumented() -> Iterator[None]:
 def _answer(task: Dict[str, Any], llm: agl.LLM, **extra: Any) -> float:
     with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
         reply = client.chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": task["question"]}],
+            model=llm.model,
+            messages=[{"role": "user", "content": task["question"]}],
             **{**llm.sampling_parameters, **extra},
         )
     text = reply.choices[0].message.content or ""
@@ -68,16 +70,25 @@ def alternating_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
 
 def _algo(tmp_path: Path, **overrides: Any) -> TorchGRPO:
     settings: Dict[str, Any] = dict(
-        model=load_policy("tiny", device="cpu", seed=0), group_size=2, batch_tasks=2, steps=1, max_tokens=6,
-        temperature=1.0, lr=1e-3, output_dir=tmp_path / "run", checkpoint_dir=tmp_path / "ckpt", seed=0,
+        model=load_policy("tiny", device="cpu", seed=0),
+        group_size=2,
+        batch_tasks=2,
+        steps=1,
+        max_tokens=6,
+        temperature=1.0,
+        lr=1e-3,
+        output_dir=tmp_path / "run",
+        checkpoint_dir=tmp_path / "ckpt",
+        seed=0,
     )
     settings.update(overrides)
     return TorchGRPO(**settings)
 
 
 def _fit(tmp_path: Path, algo: TorchGRPO, agent: Any) -> Any:
-    trainer = agl.Trainer(algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread",
-                          progress=False)
+    trainer = agl.Trainer(
+        algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False
+    )
     return trainer.fit(agent, TASKS)
 
 
@@ -87,12 +98,20 @@ def _fit(tmp_path: Path, algo: TorchGRPO, agent: Any) -> Any:
 def test_a_sampling_temperature_other_than_the_training_temperature_is_refused() -> None:
     """sampling={"temperature": 0.5} sampled the rollouts at 0.5 while every logprob of the loss was computed
     at temperature=1.0 (19% of the tokens clipped before any update)."""
-    with pytest.raises(ValueError, match=r"sampling has temperature=0.5 but TorchGRPO\(temperature=1.0\).*"
-                                         r"temperature=0.5 \(agl train: --temperature 0.5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sampling has temperature=0.5 but TorchGRPO\(temperature=1.0\).*"
+        r"temperature=0.5 \(agl train: --temperature 0.5\)",
+    ):
         TorchGRPO(model=("m", "t"), temperature=1.0, sampling={"temperature": 0.5})
     # the same value says nothing new; evaluations sample as they like
-    algo = TorchGRPO(model=("m", "t"), temperature=0.7, sampling={"temperature": 0.7},
-                     val_sampling={"temperature": 0.0}, extra_evals={"hot": {"temperature": 1.5}})
+    algo = TorchGRPO(
+        model=("m", "t"),
+        temperature=0.7,
+        sampling={"temperature": 0.7},
+        val_sampling={"temperature": 0.0},
+        extra_evals={"hot": {"temperature": 1.5}},
+    )
     assert algo._train_sampling()["temperature"] == 0.7
 
 
@@ -207,14 +226,40 @@ def test_kl_old_is_an_unbiased_k3_estimate_of_kl_old_new() -> None:
     exact = float((old * (old / new).log()).sum())
     expected = 0.0
     for k in range(4):  # one token of outcome k, weighted by its probability under old
-        batch = collate([Sample(rollout_id="r", task_id="t", policy="p", prompt_ids=[1], response_ids=[2],
-                                response_mask=[1], reward=0.0, advantage=1.0)], pad_id=0)
+        batch = collate(
+            [
+                Sample(
+                    rollout_id="r",
+                    task_id="t",
+                    policy="p",
+                    prompt_ids=[1],
+                    response_ids=[2],
+                    response_mask=[1],
+                    reward=0.0,
+                    advantage=1.0,
+                )
+            ],
+            pad_id=0,
+        )
         parts = policy_loss(new[k].log().view(1, 1), old[k].log().view(1, 1), batch, clip_eps=0.2, weight_total=1.0)
         expected += float(old[k]) * parts.stats["kl_old_sum"]
     assert expected == pytest.approx(exact, rel=1e-5)
     # no drift: 0
-    batch = collate([Sample(rollout_id="r", task_id="t", policy="p", prompt_ids=[1], response_ids=[2, 3],
-                            response_mask=[1, 1], reward=0.0, advantage=1.0)], pad_id=0)
+    batch = collate(
+        [
+            Sample(
+                rollout_id="r",
+                task_id="t",
+                policy="p",
+                prompt_ids=[1],
+                response_ids=[2, 3],
+                response_mask=[1, 1],
+                reward=0.0,
+                advantage=1.0,
+            )
+        ],
+        pad_id=0,
+    )
     same = torch.tensor([[-1.0, -2.0]])
     assert policy_loss(same, same, batch, clip_eps=0.2, weight_total=1.0).stats["kl_old_sum"] == 0.0
     assert math.isfinite(expected)
@@ -223,10 +268,26 @@ def test_kl_old_is_an_unbiased_k3_estimate_of_kl_old_new() -> None:
 def test_a_sample_without_prompt_tokens_is_refused_with_its_rollout_named() -> None:
     """Its first response token has nothing to be predicted from: alone it crashed with a size mismatch, in
     a batch it was scored from a padding column."""
-    empty = Sample(rollout_id="ro-empty", task_id="t", policy="p", prompt_ids=[], response_ids=[5, 6, 7],
-                   response_mask=[1, 1, 1], reward=1.0, advantage=1.0)
-    other = Sample(rollout_id="ro-ok", task_id="t", policy="p", prompt_ids=[1, 2, 3, 4], response_ids=[5],
-                   response_mask=[1], reward=0.0, advantage=-1.0)
+    empty = Sample(
+        rollout_id="ro-empty",
+        task_id="t",
+        policy="p",
+        prompt_ids=[],
+        response_ids=[5, 6, 7],
+        response_mask=[1, 1, 1],
+        reward=1.0,
+        advantage=1.0,
+    )
+    other = Sample(
+        rollout_id="ro-ok",
+        task_id="t",
+        policy="p",
+        prompt_ids=[1, 2, 3, 4],
+        response_ids=[5],
+        response_mask=[1],
+        reward=0.0,
+        advantage=-1.0,
+    )
     for samples in ([empty], [other, empty]):
         with pytest.raises(ValueError, match="rollout ro-empty has no prompt tokens"):
             collate(samples, pad_id=0)

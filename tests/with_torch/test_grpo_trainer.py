@@ -8,10 +8,11 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-import agl
 import openai
 import pytest
 import torch
+
+import agl
 from agl.algorithm.checkpoint import CheckpointError, latest_checkpoint
 from agl.algorithm.grpo_loss import collate
 from agl.algorithm.torch_grpo import TorchGRPO
@@ -34,12 +35,15 @@ def chat_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
     with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
         completion = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
     choice = completion.choices[0]
-    return _served(task, {
-        "messages": messages,
-        "prompt_token_ids": completion.model_extra["prompt_token_ids"],
-        "token_ids": choice.model_extra["token_ids"],
-        "logprobs": [t.logprob for t in choice.logprobs.content],
-    })
+    return _served(
+        task,
+        {
+            "messages": messages,
+            "prompt_token_ids": completion.model_extra["prompt_token_ids"],
+            "token_ids": choice.model_extra["token_ids"],
+            "logprobs": [t.logprob for t in choice.logprobs.content],
+        },
+    )
 
 
 def _served(task: Dict[str, Any], served: Dict[str, Any]) -> float:
@@ -61,14 +65,26 @@ def instrumented() -> Iterator[None]:
 
 def _trainer(tmp_path: Path, algorithm: TorchGRPO) -> agl.Trainer:
     return agl.Trainer(
-        algorithm=algorithm, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False,
+        algorithm=algorithm,
+        store=str(tmp_path / "store.db"),
+        n_runners=4,
+        runner_mode="thread",
+        progress=False,
     )
 
 
 def _algo(tmp_path: Path, **overrides: Any) -> TorchGRPO:
     settings: Dict[str, Any] = dict(
-        model=load_policy("tiny", device="cpu", seed=0), group_size=3, batch_tasks=2, steps=2, max_tokens=6,
-        temperature=1.0, lr=1e-3, output_dir=tmp_path / "run", checkpoint_dir=tmp_path / "ckpt", seed=0,
+        model=load_policy("tiny", device="cpu", seed=0),
+        group_size=3,
+        batch_tasks=2,
+        steps=2,
+        max_tokens=6,
+        temperature=1.0,
+        lr=1e-3,
+        output_dir=tmp_path / "run",
+        checkpoint_dir=tmp_path / "ckpt",
+        seed=0,
     )
     settings.update(overrides)
     return TorchGRPO(**settings)
@@ -149,12 +165,15 @@ def token_in_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
     with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
         completion = client.completions.create(model=llm.model, prompt=prompt, **llm.sampling_parameters)
     choice = completion.choices[0]
-    return _served(task, {
-        "prompt": prompt,
-        "prompt_token_ids": choice.model_extra["prompt_token_ids"],
-        "token_ids": choice.model_extra["token_ids"],
-        "logprobs": choice.logprobs.token_logprobs,
-    })
+    return _served(
+        task,
+        {
+            "prompt": prompt,
+            "prompt_token_ids": choice.model_extra["prompt_token_ids"],
+            "token_ids": choice.model_extra["token_ids"],
+            "logprobs": choice.logprobs.token_logprobs,
+        },
+    )
 
 
 TOKENIZER: Dict[str, Any] = {}
@@ -197,8 +216,9 @@ def test_a_structured_output_agent_trains_and_restricted_logprobs_are_explained(
     """The agent asks for a JSON schema: the server draws from the tokens the grammar allows and reports
     those logprobs, which the trainer's unrestricted forward pass cannot match. "sample" says so once and
     names the fix; "recompute" takes the old logprobs from the trainer and says nothing."""
-    algo = _algo(tmp_path, steps=1, max_tokens=32, sampling={"response_format": VERDICT_FORMAT},
-                 old_logprobs=old_logprobs)
+    algo = _algo(
+        tmp_path, steps=1, max_tokens=32, sampling={"response_format": VERDICT_FORMAT}, old_logprobs=old_logprobs
+    )
     with caplog.at_level("WARNING", logger="agl.algorithm.torch_grpo"):
         _trainer(tmp_path, algo).fit(chat_agent, TASKS[:2])
     row = algo.state.rows[0]
@@ -259,7 +279,9 @@ def test_a_resumed_run_cancels_the_rollouts_its_killed_predecessor_left_behind(
     running = store.dequeue_rollout("killed-runner")
     assert running is not None and running.rollout_id == left[0].rollout_id
     dead = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="policy")
-    theirs = store.enqueue_rollout(input=TASKS[1], mode="train", resources_id=store.add_resources({"main_llm": dead}).resources_id)
+    theirs = store.enqueue_rollout(
+        input=TASKS[1], mode="train", resources_id=store.add_resources({"main_llm": dead}).resources_id
+    )
 
     resumed = _algo(tmp_path, steps=2, eval_every=0)
     with caplog.at_level("WARNING", logger="agl.train"):
@@ -378,7 +400,11 @@ def test_steps_with_nothing_to_train_stop_the_run_and_say_why(tmp_path: Path, ca
     """A typo in agent_match left every call out: training ran to the end, training nothing, without a word."""
     algo = _algo(tmp_path, steps=5, eval_every=0)
     trainer = agl.Trainer(
-        algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False,
+        algorithm=algo,
+        store=str(tmp_path / "store.db"),
+        n_runners=4,
+        runner_mode="thread",
+        progress=False,
         adapter={"agent_match": "^chat$"},
     )
     with pytest.raises(agl.errors.NoTrainableSamples, match="3 steps in a row had nothing to train on") as error:
@@ -393,7 +419,11 @@ def test_span_retention_keeps_the_last_steps_spans_and_every_rollout(tmp_path: P
     """Spans are nearly all of a store's volume; a long run keeps only its last steps' (Trainer setting)."""
     algo = _algo(tmp_path, steps=3, checkpoint_dir=None)
     trainer = agl.Trainer(
-        algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False,
+        algorithm=algo,
+        store=str(tmp_path / "store.db"),
+        n_runners=4,
+        runner_mode="thread",
+        progress=False,
         span_retention_steps=1,
     )
     result = trainer.fit(chat_agent, TASKS, val_dataset=VAL)
@@ -419,11 +449,22 @@ def test_a_resumed_run_with_span_retention_deletes_the_earlier_runs_spans_in_tur
             raise RuntimeError("the machine went down")
 
     def trainer_of(algo: TorchGRPO) -> agl.Trainer:
-        return agl.Trainer(algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread",
-                           progress=False, span_retention_steps=1)
+        return agl.Trainer(
+            algorithm=algo,
+            store=str(tmp_path / "store.db"),
+            n_runners=4,
+            runner_mode="thread",
+            progress=False,
+            span_retention_steps=1,
+        )
 
-    other = agl.Trainer(algorithm=_algo(tmp_path, steps=1, output_dir=tmp_path / "other", checkpoint_dir=None),
-                        store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False)
+    other = agl.Trainer(
+        algorithm=_algo(tmp_path, steps=1, output_dir=tmp_path / "other", checkpoint_dir=None),
+        store=str(tmp_path / "store.db"),
+        n_runners=4,
+        runner_mode="thread",
+        progress=False,
+    )
     other.fit(chat_agent, TASKS)  # another experiment in the same store, keeping every span
     others = {r.rollout_id for r in other.store.query_rollouts(mode="train")}
     assert len(others) == 6 and all(other.store.query_spans(i) for i in others)

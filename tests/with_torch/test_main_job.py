@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import agl
 import pytest
+
+import agl
 
 JOB = Path(__file__).resolve().parents[2] / "examples" / "main_job"
 
@@ -72,7 +73,9 @@ def test_main_job_that_cannot_train_in_its_budget_fails_and_says_what_to_do(
     """On a busy machine the first evaluations used up the 10 minutes: the job trained nothing, evaluated the
     same weights again and exited 0 with "+0 points"."""
     out = tmp_path / "job"
-    assert job.main(["--model", "tiny", "--minutes", "0.01", "--heldout", "2", "--no-greedy-eval", "--out", str(out)]) == 1
+    assert (
+        job.main(["--model", "tiny", "--minutes", "0.01", "--heldout", "2", "--no-greedy-eval", "--out", str(out)]) == 1
+    )
     told = capsys.readouterr()
     assert "no training step ran" in told.err and "--minutes" in told.err
     assert "after training" not in told.out
@@ -108,8 +111,21 @@ def test_main_job_never_replaces_a_run_in_its_out_folder(job: Any, tmp_path: Pat
 def test_main_job_wants_a_finite_positive_budget(job: Any, tmp_path: Path, minutes: str) -> None:
     """--minutes nan was no budget at all (every comparison with NaN is false)."""
     with pytest.raises(SystemExit, match="--minutes must be a positive, finite number"):
-        job.main(["--model", "tiny", "--steps", "0", "--heldout", "1", "--no-greedy-eval", "--minutes", minutes,
-                  "--out", str(tmp_path / "job")])
+        job.main(
+            [
+                "--model",
+                "tiny",
+                "--steps",
+                "0",
+                "--heldout",
+                "1",
+                "--no-greedy-eval",
+                "--minutes",
+                minutes,
+                "--out",
+                str(tmp_path / "job"),
+            ]
+        )
     assert not (tmp_path / "job").exists()
 
 
@@ -119,8 +135,12 @@ def test_ctrl_c_of_the_main_job_says_how_to_resume_and_loses_no_step(tmp_path: P
     out = tmp_path / "job"
     args = ["--model", "tiny", "--steps", "8", "--heldout", "2", "--no-greedy-eval", "--out", str(out)]
     proc = subprocess.Popen(
-        [sys.executable, str(JOB / "train.py"), *args], cwd=tmp_path, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [sys.executable, str(JOB / "train.py"), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
         for line in proc.stdout:  # type: ignore[union-attr]

@@ -13,12 +13,12 @@ import pytest
 
 import agl.instrumentation
 from agl import semconv
-from agl.tracing.context import rollout_scope
 from agl.instrumentation.openai_client import OpenAIInstrumentor
 from agl.lightningrl.retokenize import Retokenizer
 from agl.lightningrl.transitions import extract_transitions
 from agl.lightningrl.tree import build_tree
 from agl.testing import FakeReply, ListSink, tracer_writes_to
+from agl.tracing.context import rollout_scope
 from agl.types import Span
 
 MESSAGES = [{"role": "user", "content": "Name a fruit."}]

@@ -25,8 +25,12 @@ YES_OR_NO = {
     "json_schema": {
         "name": "verdict",
         "strict": True,
-        "schema": {"type": "object", "properties": {"a": {"enum": ["yes", "no"]}}, "required": ["a"],
-                   "additionalProperties": False},
+        "schema": {
+            "type": "object",
+            "properties": {"a": {"enum": ["yes", "no"]}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
     },
 }
 
@@ -36,8 +40,9 @@ def _encode_template(tokenizer: Any, messages: List[dict], **kwargs: Any) -> Lis
 
 
 @pytest.mark.parametrize("finish, stops", [(["stop"], True), (["tool_calls"], True), (None, True), (["length"], False)])
-def test_response_ends_at_the_end_of_turn_token_when_the_call_stopped(tiny: Tuple[Any, Any], finish: Optional[List[str]],
-                                                                      stops: bool) -> None:
+def test_response_ends_at_the_end_of_turn_token_when_the_call_stopped(
+    tiny: Tuple[Any, Any], finish: Optional[List[str]], stops: bool
+) -> None:
     _, tokenizer = tiny
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     b = TraceBuilder()
@@ -60,13 +65,17 @@ def verdict_then_cut(task: dict, llm: agl.LLM) -> float:
     client = OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0)
     messages = [{"role": "user", "content": task["question"]}]
     first = client.chat.completions.create(model=llm.model, messages=messages, response_format=YES_OR_NO, max_tokens=40)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Why?"},
+    ]
     client.chat.completions.create(model=llm.model, messages=messages, max_tokens=3)
     return 1.0
 
 
-def test_retokenized_calls_of_the_policy_server_end_like_its_ids(tiny: Tuple[Any, Any], server: PolicyServer,
-                                                                   tmp_path: Any) -> None:
+def test_retokenized_calls_of_the_policy_server_end_like_its_ids(
+    tiny: Tuple[Any, Any], server: PolicyServer, tmp_path: Any
+) -> None:
     """Real calls to agl's server, their ids stripped and re-tokenized: prompts are the server's ids exactly,
     and each response ends as the server's does (random text may re-tokenize differently in the middle)."""
     _, tokenizer = tiny
@@ -74,8 +83,12 @@ def test_retokenized_calls_of_the_policy_server_end_like_its_ids(tiny: Tuple[Any
     store = SqliteLightningStore(tmp_path / "retok.db")
     agl.instrument()
     try:
-        trainer = agl.Trainer(store=store, runner_mode="thread", progress=False,
-                              initial_resources={"main_llm": agl.LLM(endpoint=server.base_url, model="policy")})
+        trainer = agl.Trainer(
+            store=store,
+            runner_mode="thread",
+            progress=False,
+            initial_resources={"main_llm": agl.LLM(endpoint=server.base_url, model="policy")},
+        )
         with trainer.runners(verdict_then_cut):
             rollouts = trainer.run_tasks([{"question": "Is 2+2 four?"}, {"question": "Is the sky green?"}])
     finally:

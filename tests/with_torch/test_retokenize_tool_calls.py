@@ -28,15 +28,23 @@ from agl.serving.models import smollm2_tokenizer
 from agl.testing import FakeReply
 from agl.types import Rollout, Span
 
-TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
-    "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
 QUESTION = [{"role": "user", "content": "add 2 3"}]
 # a ChatML template that writes tool calls (arguments as the object they encode, as transformers expects)
 # and concatenates content like SmolLM2's, so a null content would still fail in it
 TOOL_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
     "{% if message.tool_calls is defined %}{% for call in message.tool_calls %}"
-    "{{ '<tool_call>\n' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson + '\n</tool_call>' }}"
+    "{{ '<tool_call>\n' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson + "
+    "'\n</tool_call>' }}"
     "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -64,16 +72,29 @@ def instrumented():
 def tool_call_answer(b: TraceBuilder, messages: List[dict], arguments: str = '{"a": 2, "b": 3}') -> Span:
     """A tool-call-only answer recorded as the openai client records it: no ``content`` key at all."""
     span = b.llm(None, None, messages=messages, content=None)
-    span.attributes[semconv.OUTPUT_MESSAGES] = json.dumps([{"role": "assistant", "annotations": [], "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}])
+    span.attributes[semconv.OUTPUT_MESSAGES] = json.dumps(
+        [
+            {
+                "role": "assistant",
+                "annotations": [],
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+                ],
+            }
+        ]
+    )
     span.attributes[semconv.TOOL_DEFINITIONS] = json.dumps(TOOLS)
     span.attributes[semconv.RESPONSE_FINISH_REASONS] = ["tool_calls"]
     return span
 
 
 HISTORY = QUESTION + [
-    {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
-                                          "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+    {
+        "role": "assistant",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "5"},
 ]
 
@@ -90,11 +111,17 @@ def test_plain_agent_with_a_tool_call_no_longer_sinks_the_batch(smollm2, fake_op
             messages = list(QUESTION)
             first = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
             message = first.choices[0].message
-            messages += [message.model_dump(exclude_none=True),
-                         {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}]
+            messages += [
+                message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"},
+            ]
             client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
-    spans = [s.model_copy(update={"attributes": {**s.attributes, semconv.TOKEN_IDS_SOURCE: "absent"}})
-             if s.kind == "llm" else s for s in sink.of("ro-retok")]
+    spans = [
+        s.model_copy(update={"attributes": {**s.attributes, semconv.TOKEN_IDS_SOURCE: "absent"}})
+        if s.kind == "llm"
+        else s
+        for s in sink.of("ro-retok")
+    ]
     for span in spans:
         for key in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS):
             span.attributes.pop(key, None)
@@ -144,8 +171,13 @@ def test_tool_call_answer_the_template_cannot_render_is_skipped(smollm2: Any) ->
 
 def test_text_with_tool_calls_the_template_drops_is_not_trained_as_text_alone(smollm2: Any) -> None:
     b = TraceBuilder()
-    span = b.llm(None, None, messages=QUESTION, content="Let me add.",
-                 tool_calls=[{"id": "c1", "name": "add", "arguments": '{"a": 2, "b": 3}'}])
+    span = b.llm(
+        None,
+        None,
+        messages=QUESTION,
+        content="Let me add.",
+        tool_calls=[{"id": "c1", "name": "add", "arguments": '{"a": 2, "b": 3}'}],
+    )
     with pytest.raises(RetokenizeError) as raised:
         Retokenizer(smollm2).ids(span)
     assert raised.value.reason == SKIP_TOOL_CALLS_NOT_RENDERED
@@ -159,8 +191,13 @@ def test_tool_calls_render_through_a_template_that_writes_them(tool_tokenizer: A
     span = tool_call_answer(b, HISTORY)  # a history with a tool call, and an answer with one
     prompt, response = Retokenizer(tool_tokenizer).ids(span)
     normalised = QUESTION + [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "5"},
     ]
     prompt_text = tool_tokenizer.apply_chat_template(normalised, tokenize=False, add_generation_prompt=True)

@@ -25,9 +25,9 @@ import agl
 import agl.instrumentation
 from agl import semconv
 from agl.instrumentation.openai_client import OpenAIInstrumentor
-from agl.serving.models import load_policy
-from agl.serving import PolicyServer, SamplingParams
 from agl.openai_wire.chat_format import render_prompt
+from agl.serving import PolicyServer, SamplingParams
+from agl.serving.models import load_policy
 from agl.testing import ListSink, tracer_writes_to
 
 MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
@@ -96,7 +96,6 @@ def template_ids(tokenizer: Any, messages: List[Dict[str, Any]]) -> List[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-
 def teacher_forced_logprobs(
     model: Any, prompt: List[int], response: List[int], temperature: float = 1.0
 ) -> List[float]:
@@ -139,7 +138,12 @@ def test_sampling_logprobs_are_those_of_the_tempered_distribution_and_seeds_repe
 
     def sample(seed: int) -> Any:
         return client.chat.completions.create(
-            model="policy", messages=MESSAGES, max_tokens=10, temperature=0.7, seed=seed, logprobs=True,
+            model="policy",
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0.7,
+            seed=seed,
+            logprobs=True,
             top_logprobs=3,
         ).choices[0]
 
@@ -174,7 +178,10 @@ def test_a_minuscule_temperature_or_top_p_is_answered_and_its_batch_neighbours_t
     model, tokenizer = tiny
     expected = greedy(model, template_ids(tokenizer, MESSAGES), 6)
     settings = [
-        {"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300}
+        {"temperature": 1e-40},
+        {"temperature": 5e-324},
+        {"top_p": 1e-300},
+        {"temperature": 1e-300, "top_p": 1e-300},
     ]
 
     def ask(setting: Dict[str, float]) -> Any:
@@ -192,7 +199,12 @@ def test_stream_carries_the_same_ids_content_and_version_as_the_plain_answer(cli
     _, tokenizer = tiny
     plain = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=16, temperature=0)
     stream = client.chat.completions.create(
-        model="policy", messages=MESSAGES, max_tokens=16, temperature=0, stream=True, logprobs=True,
+        model="policy",
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        logprobs=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -257,8 +269,9 @@ def test_streamed_tool_call_is_assembled_by_the_openai_client(tool_client, tool_
 def cut_answer(client: openai.OpenAI, api: str, max_tokens: int) -> Tuple[str, List[Any], str]:
     """``(content, [(name, arguments)], finish)`` of TOOL_ANSWER's request cut at ``max_tokens``, per API."""
     if api == "responses":
-        response = client.responses.create(**responses_args(tools=[FLAT_ADD_TOOL], temperature=0,
-                                                            max_output_tokens=max_tokens))
+        response = client.responses.create(
+            **responses_args(tools=[FLAT_ADD_TOOL], temperature=0, max_output_tokens=max_tokens)
+        )
         calls = [(i.name, json.loads(i.arguments)) for i in response.output if i.type == "function_call"]
         return response.output_text, calls, response.status
     args = {"model": "policy", "messages": MESSAGES, "tools": [ADD_TOOL], "temperature": 0, "max_tokens": max_tokens}
@@ -314,8 +327,14 @@ def test_a_stop_string_does_not_cut_a_tool_call(tool_client, tool_server, stream
     """A stop string that occurs in the call markup ("}") cut the call, and its ``<tool_call>`` markup came
     back as content with finish_reason "stop". Stop strings apply outside calls only, as OpenAI's stop does
     not cut function arguments."""
-    args = {"model": "policy", "messages": MESSAGES, "tools": [ADD_TOOL], "temperature": 0, "max_tokens": 80,
-            "stop": ["}"]}
+    args = {
+        "model": "policy",
+        "messages": MESSAGES,
+        "tools": [ADD_TOOL],
+        "temperature": 0,
+        "max_tokens": 80,
+        "stop": ["}"],
+    }
     if stream:
         with tool_client.chat.completions.stream(**args) as events:
             completion = events.get_final_completion()
@@ -334,9 +353,10 @@ def test_parallel_tool_calls_false_returns_the_first_call_only():
     model, tokenizer = load_policy("tiny", seed=1, device="cpu")
     two = TOOL_ANSWER + '\n<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call>'
     teach(model, prompt_ids(tokenizer, MESSAGES, [ADD_TOOL]), encode(tokenizer, two) + [tokenizer.eos_token_id])
-    with PolicyServer(model, tokenizer) as server, openai.OpenAI(
-        base_url=server.base_url, api_key="x", max_retries=0
-    ) as client:
+    with (
+        PolicyServer(model, tokenizer) as server,
+        openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client,
+    ):
         args = {"model": "policy", "messages": MESSAGES, "tools": [ADD_TOOL], "temperature": 0, "max_tokens": 80}
 
         def calls(stream: bool, **more: Any) -> List[Tuple[str, Dict[str, Any]]]:
@@ -466,18 +486,21 @@ def test_load_weights_swaps_the_policy_and_the_version(greedy, tiny):
     prompt = template_ids(tokenizer, MESSAGES)
     expected_before, expected_after = greedy(model, prompt, 8), greedy(other, prompt, 8)
     assert expected_before != expected_after
-    with PolicyServer(model, tokenizer, version=0) as server, openai.OpenAI(
-        base_url=server.base_url, api_key="x", max_retries=0
-    ) as client:
+    with (
+        PolicyServer(model, tokenizer, version=0) as server,
+        openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client,
+    ):
 
         def answer() -> Tuple[List[int], Any, str]:
             raw = client.chat.completions.with_raw_response.create(
                 model="policy", messages=MESSAGES, max_tokens=8, temperature=0
             )
             completion = raw.parse()
-            return extra(completion.choices[0], "token_ids"), extra(completion, "agl_resources_version"), raw.headers[
-                "x-agl-resources-version"
-            ]
+            return (
+                extra(completion.choices[0], "token_ids"),
+                extra(completion, "agl_resources_version"),
+                raw.headers["x-agl-resources-version"],
+            )
 
         assert answer() == (expected_before, 0, "0")
         server.load_weights(other.state_dict(), version=7)
@@ -495,14 +518,21 @@ def test_load_weights_swaps_the_policy_and_the_version(greedy, tiny):
         ({"n": 2}, "n", "only n=1"),
         ({"n": True}, "n", "only n=1"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools to call"),
-        ({"tool_choice": {"type": "function", "function": {"name": "sub"}}, "tools": [ADD_TOOL]}, "tool_choice",
-         "not one of the tools ['add']"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "sub"}}, "tools": [ADD_TOOL]},
+            "tool_choice",
+            "not one of the tools ['add']",
+        ),
         ({"tool_choice": {"type": "allowed_tools"}, "tools": [ADD_TOOL]}, "tool_choice", "is not supported"),
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
         ({"temperature": 3}, "temperature", "from 0 to 2"),
         ({"max_tokens": 10**6}, "max_tokens", "maximum context length is 2048 tokens"),
         ({"response_format": {"type": "xml"}}, "response_format", "must be {'type': 'text'}"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            "needs json_schema.schema",
+        ),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
             "response_format",
@@ -599,7 +629,8 @@ def test_unknown_routes_and_methods_get_openai_errors_that_say_what_is_served(se
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["code"] == "unknown_method" and "GET /v1/chat/completions" in wrong_method.text
     assert [r.getMessage().split(":")[0] for r in caplog.records if r.name == "agl.serving.server"] == [
-        "/v1/embeddings answered 404", "/v1/chat/completions answered 405"
+        "/v1/embeddings answered 404",
+        "/v1/chat/completions answered 405",
     ]
 
 
@@ -616,15 +647,21 @@ def responses_args(**more: Any) -> Dict[str, Any]:
 
 def test_responses_answer_is_the_chat_answer_with_the_same_ids(greedy, client, server, tiny):
     model, tokenizer = tiny
-    chat = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True)
-    raw = client.responses.with_raw_response.create(**responses_args(max_output_tokens=12, temperature=0, include=LOGPROBS))
+    chat = client.chat.completions.create(
+        model="policy", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True
+    )
+    raw = client.responses.with_raw_response.create(
+        **responses_args(max_output_tokens=12, temperature=0, include=LOGPROBS)
+    )
     response = raw.parse()
     assert extra(response, "prompt_token_ids") == extra(chat, "prompt_token_ids") == template_ids(tokenizer, MESSAGES)
     ids = extra(response, "response_token_ids")
     assert ids == extra(chat.choices[0], "token_ids") == greedy(model, template_ids(tokenizer, MESSAGES), 12)
     assert response.output_text == (chat.choices[0].message.content or "")
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
-    assert response.usage.input_tokens == len(extra(response, "prompt_token_ids")) and response.usage.output_tokens == 12
+    assert (
+        response.usage.input_tokens == len(extra(response, "prompt_token_ids")) and response.usage.output_tokens == 12
+    )
     (message,) = response.output
     logprobs = [t.logprob for t in message.content[0].logprobs]
     assert logprobs == [t.logprob for t in chat.choices[0].logprobs.content]
@@ -646,7 +683,9 @@ def test_responses_stream_assembles_to_the_plain_response(client, tiny):
 
 def test_responses_tool_call_has_the_chat_prompt_and_the_models_ids(tool_client, tool_server):
     tokenizer = tool_server.tokenizer
-    response = tool_client.responses.create(**responses_args(tools=[FLAT_ADD_TOOL], temperature=0, max_output_tokens=80))
+    response = tool_client.responses.create(
+        **responses_args(tools=[FLAT_ADD_TOOL], temperature=0, max_output_tokens=80)
+    )
     message, call = response.output
     assert message.type == "message" and response.output_text == "Let me add."
     assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 2, "b": 3}
@@ -654,7 +693,9 @@ def test_responses_tool_call_has_the_chat_prompt_and_the_models_ids(tool_client,
     assert extra(response, "prompt_token_ids") == prompt_ids(tokenizer, MESSAGES, [ADD_TOOL])
     ids = extra(response, "response_token_ids")
     assert ids[-1] == tokenizer.eos_token_id and tokenizer.decode(ids[:-1]) == TOOL_ANSWER
-    with tool_client.responses.stream(**responses_args(tools=[FLAT_ADD_TOOL], temperature=0, max_output_tokens=80)) as stream:
+    with tool_client.responses.stream(
+        **responses_args(tools=[FLAT_ADD_TOOL], temperature=0, max_output_tokens=80)
+    ) as stream:
         streamed = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert [(o.type, getattr(o, "name", None)) for o in final.output] == [("message", None), ("function_call", "add")]
@@ -683,7 +724,11 @@ def test_responses_input_items_render_the_same_prompt_as_the_chat_conversation(c
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation"),
         ({"text": {"format": {"type": "xml"}}}, "text.format", "text.format must be {'type': 'text'}"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}}, "text.format", "Invalid type"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}},
+            "text.format",
+            "Invalid type",
+        ),
         ({"text": "json"}, "text", "must be an object"),
         ({"tools": [{"type": "web_search"}]}, "tools", "function tools"),
         ({"input": []}, "input", "non-empty"),
@@ -756,15 +801,23 @@ def test_logprob_bytes_of_a_character_split_across_tokens_rebuild_the_text(clien
     schema = {"type": "string", "enum": ["🙂"]}
     if api == "chat":
         choice = client.chat.completions.create(
-            model="policy", messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True,
+            model="policy",
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0,
+            logprobs=True,
             response_format={"type": "json_schema", "json_schema": {"name": "e", "schema": schema}},
         ).choices[0]
         text, entries = choice.message.content, choice.logprobs.content
     else:
-        response = client.responses.create(**responses_args(
-            max_output_tokens=10, temperature=0, include=["message.output_text.logprobs"],
-            text={"format": {"type": "json_schema", "name": "e", "schema": schema}},
-        ))
+        response = client.responses.create(
+            **responses_args(
+                max_output_tokens=10,
+                temperature=0,
+                include=["message.output_text.logprobs"],
+                text={"format": {"type": "json_schema", "name": "e", "schema": schema}},
+            )
+        )
         text, entries = response.output_text, response.output[0].content[0].logprobs
     assert text == '"🙂"'
     joined = bytes(b for entry in entries for b in entry.bytes).decode("utf-8")
@@ -781,7 +834,10 @@ FROB_TOOL = {"type": "function", "function": {"name": "frob", "parameters": {"ty
         ({"tool_choice": {"type": "function", "function": {"name": "frob"}}}, "tools[1].function.parameters"),
         ({"response_format": {"type": "json_object"}}, "tools[1].function.parameters"),
         (
-            {"tools": [ADD_TOOL], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+            {
+                "tools": [ADD_TOOL],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}},
+            },
             "response_format",
         ),
     ],
@@ -836,7 +892,11 @@ def test_with_tools_the_answer_is_the_json_or_calls_to_offered_tools(client):
     finished = 0
     for seed in range(6):
         completion = client.chat.completions.create(
-            model="policy", messages=MESSAGES, tools=[ADD_TOOL], response_format=VERDICT_FORMAT, max_tokens=48,
+            model="policy",
+            messages=MESSAGES,
+            tools=[ADD_TOOL],
+            response_format=VERDICT_FORMAT,
+            max_tokens=48,
             seed=seed,
         )
         choice = completion.choices[0]
@@ -858,7 +918,9 @@ VOTE_TOOL = {
     "function": {
         "name": "vote",
         "parameters": {
-            "type": "object", "properties": {"choice": {"enum": ["a", "b"]}}, "required": ["choice"],
+            "type": "object",
+            "properties": {"choice": {"enum": ["a", "b"]}},
+            "required": ["choice"],
             "additionalProperties": False,
         },
     },
@@ -872,8 +934,13 @@ def test_tool_choice_required_or_named_forces_one_valid_call(client, tool_choice
     names = set()
     for seed in range(4):
         completion = client.chat.completions.create(
-            model="policy", messages=MESSAGES, tools=[ADD_TOOL, VOTE_TOOL], tool_choice=tool_choice,
-            parallel_tool_calls=False, max_tokens=64, seed=seed,
+            model="policy",
+            messages=MESSAGES,
+            tools=[ADD_TOOL, VOTE_TOOL],
+            tool_choice=tool_choice,
+            parallel_tool_calls=False,
+            max_tokens=64,
+            seed=seed,
         )
         choice = completion.choices[0]
         if choice.finish_reason == "length":  # the random model may write a long integer for add's a or b
@@ -895,8 +962,15 @@ def test_tool_choice_required_or_named_forces_one_valid_call(client, tool_choice
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_does_not_cut_a_forced_tool_call(client, stream):
     """A forced call begins ``<tool_call>\n``: a "\n" stop cut it to the bare tag, returned as content."""
-    args = {"model": "policy", "messages": MESSAGES, "tools": [VOTE_TOOL], "max_tokens": 64, "seed": 0,
-            "tool_choice": {"type": "function", "function": {"name": "vote"}}, "stop": ["\n", "}"]}
+    args = {
+        "model": "policy",
+        "messages": MESSAGES,
+        "tools": [VOTE_TOOL],
+        "max_tokens": 64,
+        "seed": 0,
+        "tool_choice": {"type": "function", "function": {"name": "vote"}},
+        "stop": ["\n", "}"],
+    }
     if stream:
         with client.chat.completions.stream(**args) as events:
             completion = events.get_final_completion()
@@ -909,25 +983,40 @@ def test_a_stop_string_does_not_cut_a_forced_tool_call(client, stream):
 
 
 def test_streamed_structured_answers_assemble_to_valid_output(client):
-    chunks = list(client.chat.completions.create(
-        model="policy", messages=MESSAGES, response_format=VERDICT_FORMAT, max_tokens=40, seed=1, stream=True
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="policy", messages=MESSAGES, response_format=VERDICT_FORMAT, max_tokens=40, seed=1, stream=True
+        )
+    )
     verdict("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
-    chunks = list(client.chat.completions.create(
-        model="policy", messages=MESSAGES, tools=[ADD_TOOL, VOTE_TOOL], parallel_tool_calls=False, max_tokens=40,
-        tool_choice={"type": "function", "function": {"name": "vote"}}, seed=1, stream=True,
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="policy",
+            messages=MESSAGES,
+            tools=[ADD_TOOL, VOTE_TOOL],
+            parallel_tool_calls=False,
+            max_tokens=40,
+            tool_choice={"type": "function", "function": {"name": "vote"}},
+            seed=1,
+            stream=True,
+        )
+    )
     calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
     assert [(call.function.name, json.loads(call.function.arguments)["choice"] in "ab") for call in calls] == [
         ("vote", True)
     ]
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
+
 def test_responses_named_tool_choice_gives_a_function_call_to_it(client):
     flat_vote = {"type": "function", **VOTE_TOOL["function"]}
     response = client.responses.create(
-        **responses_args(tools=[FLAT_ADD_TOOL, flat_vote], tool_choice={"type": "function", "name": "vote"},
-                         parallel_tool_calls=False, max_output_tokens=64)
+        **responses_args(
+            tools=[FLAT_ADD_TOOL, flat_vote],
+            tool_choice={"type": "function", "name": "vote"},
+            parallel_tool_calls=False,
+            max_output_tokens=64,
+        )
     )
     (item,) = response.output
     assert item.type == "function_call" and item.name == "vote"
@@ -979,9 +1068,10 @@ def test_a_generation_that_fails_reaches_the_client_as_an_error_and_the_server_g
         return forward(*args, **kwargs)
 
     model.forward = failing_forward
-    with PolicyServer(model, tokenizer, model_name="policy") as server, openai.OpenAI(
-        base_url=server.base_url, api_key="x", max_retries=0
-    ) as client:
+    with (
+        PolicyServer(model, tokenizer, model_name="policy") as server,
+        openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client,
+    ):
 
         def ask(stream: bool) -> Any:
             passes["n"] = 0
@@ -1016,9 +1106,11 @@ def instrumented() -> Iterator[OpenAIInstrumentor]:
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_instrumented_client_records_token_ids_and_version_in_the_llm_span(instrumented, server, stream, api):
     rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
-    with tracer_writes_to(ListSink()) as sink, openai.OpenAI(
-        base_url=server.base_url, api_key="x", max_retries=0
-    ) as client, _version(server, 12):
+    with (
+        tracer_writes_to(ListSink()) as sink,
+        openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client,
+        _version(server, 12),
+    ):
         with agl.rollout_scope(rollout_id, "at-1"):
             if api == "chat":
                 result = client.chat.completions.create(
@@ -1047,12 +1139,19 @@ def test_a_responses_answer_of_calls_only_carries_its_logprobs_to_the_span(instr
     for logprobs, has an empty message ahead of its calls that carries them. Without it the span had none
     and the trainer lost the server's logprobs of every tool-call turn (grammar-forced tokens' included)."""
     flat_vote = {"type": "function", **VOTE_TOOL["function"]}
-    args = responses_args(tools=[flat_vote], tool_choice={"type": "function", "name": "vote"}, temperature=0,
-                          parallel_tool_calls=False, max_output_tokens=64, include=LOGPROBS)
+    args = responses_args(
+        tools=[flat_vote],
+        tool_choice={"type": "function", "name": "vote"},
+        temperature=0,
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+        include=LOGPROBS,
+    )
     rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
-    with tracer_writes_to(ListSink()) as sink, openai.OpenAI(
-        base_url=server.base_url, api_key="x", max_retries=0
-    ) as client:
+    with (
+        tracer_writes_to(ListSink()) as sink,
+        openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client,
+    ):
         with agl.rollout_scope(rollout_id, "at-1"):
             if stream:
                 events = list(client.responses.create(**args, stream=True))
@@ -1069,11 +1168,18 @@ def test_a_responses_answer_of_calls_only_carries_its_logprobs_to_the_span(instr
         assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == ids
         assert span.attributes[semconv.RESPONSE_LOGPROBS] == logprobs
         # Sent back, the empty message and the call are the one assistant turn the chat API would send.
-        follow_up = client.responses.create(**{
-            **args, "max_output_tokens": 1,
-            "input": [{"role": "user", "content": MESSAGES[1]["content"]}, message.model_dump(), call.model_dump(),
-                      {"type": "function_call_output", "call_id": call.call_id, "output": "ok"}],
-        })
+        follow_up = client.responses.create(
+            **{
+                **args,
+                "max_output_tokens": 1,
+                "input": [
+                    {"role": "user", "content": MESSAGES[1]["content"]},
+                    message.model_dump(),
+                    call.model_dump(),
+                    {"type": "function_call_output", "call_id": call.call_id, "output": "ok"},
+                ],
+            }
+        )
     chat_call = {"id": call.call_id, "type": "function", "function": {"name": "vote", "arguments": call.arguments}}
     chat_messages = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [chat_call]},
@@ -1087,9 +1193,10 @@ def test_a_responses_stream_the_agent_stops_reading_keeps_the_ids_of_what_it_rea
     had none, and LightningRL could only skip the call. Each text delta now carries its tokens' ids."""
     args = responses_args(temperature=0, max_output_tokens=48, include=LOGPROBS)
     rollout_id = f"ro-{uuid.uuid4().hex[:8]}"
-    with tracer_writes_to(ListSink()) as sink, openai.OpenAI(
-        base_url=server.base_url, api_key="x", max_retries=0
-    ) as client:
+    with (
+        tracer_writes_to(ListSink()) as sink,
+        openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client,
+    ):
         complete = client.responses.create(**args)
         with agl.rollout_scope(rollout_id, "at-1"):
             stream = client.responses.create(**args, stream=True)
@@ -1156,6 +1263,7 @@ def test_a_default_max_tokens_is_capped_by_the_context_like_the_servers_own(clie
     conversation that fits the context but not prompt + that default got a 400 naming ``max_tokens``."""
     _, tokenizer = tiny
     context = server.engine.max_context
+
     def asking(n: int) -> List[Dict[str, Any]]:
         return [{"role": "user", "content": "hi " * n}]
 
@@ -1172,4 +1280,3 @@ def test_a_default_max_tokens_is_capped_by_the_context_like_the_servers_own(clie
             client.chat.completions.create(model="policy", messages=messages, max_tokens=512)
     finally:
         server.request_defaults = {}
-

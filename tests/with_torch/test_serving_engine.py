@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from agl.lightningrl.types import Sample
-from agl.serving.models import load_policy
 from agl.openai_wire.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix, to_plain_messages
+from agl.openai_wire.stops import stop_position as _stop_position
 from agl.serving.engine import (
     Failed,
     Finished,
@@ -23,9 +23,9 @@ from agl.serving.engine import (
     Step,
     _draw,
 )
+from agl.serving.models import load_policy
 from agl.serving.nucleus import nucleus as _nucleus
 from agl.serving.nucleus import sorted_nucleus as _sorted_nucleus
-from agl.openai_wire.stops import stop_position as _stop_position
 from agl.serving.weights import WeightLoader, WeightsError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -257,7 +257,7 @@ def test_tools_are_appended_to_the_system_message(tiny):
         ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
         ('<tool_call>["add"]</tool_call>', '<tool_call>["add"]</tool_call>', []),
         ("  just text  ", "  just text  ", []),  # as written (vLLM does not strip): the agent sends it back
-        ("  Let me add.\n<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>", "  Let me add.", [("a", {})]),
+        ('  Let me add.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>', "  Let me add.", [("a", {})]),
     ],
 )
 def test_tool_call_parsing_is_all_or_nothing(text, content, calls):
@@ -409,7 +409,7 @@ def test_a_model_left_in_training_mode_generates_in_eval_mode_and_gets_its_mode_
         model.eval()
     with torch.no_grad():
         expected = model.generate(torch.tensor([gen.prompt_ids]), max_new_tokens=12, do_sample=False)
-    assert gen.response_ids == expected[0, len(gen.prompt_ids):].tolist()
+    assert gen.response_ids == expected[0, len(gen.prompt_ids) :].tolist()
 
 
 def test_the_kv_cache_goes_under_the_name_this_transformers_takes(engine, tiny):
@@ -520,9 +520,9 @@ def test_attention_kernels_switch_only_cudnn_off_and_only_on_cuda():
 def test_every_forward_pass_of_the_engine_and_the_trainer_runs_inside_attention_kernels(monkeypatch, tiny):
     """The engine's prefill and decode steps and TorchGRPO's forward passes run with the CUDA attention
     choice in force. Their model is on the CPU here, so each module is told its device is CUDA."""
-    from agl.serving import models
     from agl.algorithm import torch_grpo
     from agl.serving import engine as engine_module
+    from agl.serving import models
 
     model, tokenizer = load_policy("tiny", device="cpu")  # its own copy: the trainer adds LoRA layers to it
     flags: List[bool] = []
@@ -541,8 +541,16 @@ def test_every_forward_pass_of_the_engine_and_the_trainer_runs_inside_attention_
     algorithm = torch_grpo.TorchGRPO(model=(model, tokenizer), lr=1e-3, ppo_epochs=2)
     algorithm.attach(model, tokenizer)
     samples = [
-        Sample(rollout_id=f"ro-{i}", task_id="t", policy="default", prompt_ids=[1, 2, 3], response_ids=[4, 5],
-               response_mask=[1, 1], reward=float(i), advantage=float(2 * i - 1))
+        Sample(
+            rollout_id=f"ro-{i}",
+            task_id="t",
+            policy="default",
+            prompt_ids=[1, 2, 3],
+            response_ids=[4, 5],
+            response_mask=[1, 1],
+            reward=float(i),
+            advantage=float(2 * i - 1),
+        )
         for i in range(2)
     ]
     stats = algorithm.update(samples)

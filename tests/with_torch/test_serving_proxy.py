@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from agl import semconv
+from agl.instrumentation.proxy import LLMProxy
 from agl.lightningrl.transitions import extract_transitions
 from agl.lightningrl.tree import build_tree
 from agl.serving import PolicyServer
-from agl.instrumentation.proxy import LLMProxy
 from agl.store import InMemoryLightningStore
 from agl.types import Rollout
 

@@ -13,8 +13,8 @@ import httpx
 import openai
 import torch
 
-from agl.serving.models import load_policy
 from agl.serving import PolicyServer
+from agl.serving.models import load_policy
 from agl.serving.store_watch import StoreWatcher, checkpoint_of
 from agl.store import open_store
 from agl.types import LLM, PromptTemplate
@@ -26,9 +26,13 @@ def greedy_ids(model: Any, tokenizer: Any, n: int = 8) -> List[int]:
     text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def ask(base_url: str) -> tuple[List[int], int]:
@@ -79,9 +83,26 @@ def test_agl_serve_follows_the_store(tmp_path):
     other.save_pretrained(tmp_path / "step-1")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "agl.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", "0",
-         "--store", store_path, "--poll-interval", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "agl.cli",
+            "serve",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--store",
+            store_path,
+            "--poll-interval",
+            "0.1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         line = process.stdout.readline()

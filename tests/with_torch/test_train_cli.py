@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 from typing import Dict, List
 
-import agl
 import pytest
+
+import agl
 from agl import semconv
 from agl.cli import main
 from agl.store import open_store
@@ -41,9 +42,31 @@ def files(tmp_path: Path):
 
 def _train(files: Path, *extra: str) -> List[str]:
     return [
-        "train", f"{files}/agent.py:agent", "--data", str(files / "train.jsonl"), "--val-data", str(files / "val.jsonl"),
-        "--model", "tiny", "--group-size", "2", "--batch-tasks", "2", "--max-tokens", "4", "--n-runners", "4",
-        "--set", "lr=0.001", "--set", 'lora={"r": 4}', "--set", "seed=1", "--out", str(files / "run"), *extra,
+        "train",
+        f"{files}/agent.py:agent",
+        "--data",
+        str(files / "train.jsonl"),
+        "--val-data",
+        str(files / "val.jsonl"),
+        "--model",
+        "tiny",
+        "--group-size",
+        "2",
+        "--batch-tasks",
+        "2",
+        "--max-tokens",
+        "4",
+        "--n-runners",
+        "4",
+        "--set",
+        "lr=0.001",
+        "--set",
+        'lora={"r": 4}',
+        "--set",
+        "seed=1",
+        "--out",
+        str(files / "run"),
+        *extra,
     ]
 
 
@@ -94,11 +117,35 @@ def test_the_token_in_example_trains_its_turns_as_one_trajectory(tmp_path: Path)
     example = Path(__file__).resolve().parents[2] / "examples"
     run = tmp_path / "run"
     try:
-        assert main([
-            "train", f"{example}/token_in_agent.py:token_in_agent", "--data", str(example / "data" / "calc_tasks.jsonl"),
-            "--model", "tiny", "--steps", "1", "--group-size", "2", "--batch-tasks", "2", "--max-tokens", "4",
-            "--n-runners", "4", "--set", "seed=1", "--adapter", "aggregate=true", "--out", str(run),
-        ]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    f"{example}/token_in_agent.py:token_in_agent",
+                    "--data",
+                    str(example / "data" / "calc_tasks.jsonl"),
+                    "--model",
+                    "tiny",
+                    "--steps",
+                    "1",
+                    "--group-size",
+                    "2",
+                    "--batch-tasks",
+                    "2",
+                    "--max-tokens",
+                    "4",
+                    "--n-runners",
+                    "4",
+                    "--set",
+                    "seed=1",
+                    "--adapter",
+                    "aggregate=true",
+                    "--out",
+                    str(run),
+                ]
+            )
+            == 0
+        )
     finally:
         agl.uninstrument()
     assert [float(row["samples"]) for row in _rows(run)] == [4.0]  # 2 tasks x 2 rollouts, each 2 calls merged

@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any, List
 
-import agl
 import pytest
 import torch
+
+import agl
 from agl.algorithm.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
 from agl.cli import main
 
-AGENT = '''
+AGENT = """
 import os, signal
 import openai
 import agl
@@ -39,7 +40,7 @@ def agent(task, llm: agl.LLM) -> float:
             model=llm.model, messages=[{"role": "user", "content": task["question"]}], **llm.sampling_parameters
         )
     return float(len(reply.choices[0].message.content or "") % 2)
-'''
+"""
 
 
 @pytest.fixture()
@@ -52,9 +53,27 @@ def files(tmp_path: Path):
 
 def _train(files: Path, *extra: str) -> List[str]:
     return [
-        "train", f"{files}/agent.py:agent", "--data", str(files / "train.jsonl"), "--model", "tiny",
-        "--group-size", "2", "--batch-tasks", "2", "--max-tokens", "4", "--n-runners", "4", "--set", "seed=1",
-        "--set", 'lora={"r": 4}', "--out", str(files / "run"), *extra,
+        "train",
+        f"{files}/agent.py:agent",
+        "--data",
+        str(files / "train.jsonl"),
+        "--model",
+        "tiny",
+        "--group-size",
+        "2",
+        "--batch-tasks",
+        "2",
+        "--max-tokens",
+        "4",
+        "--n-runners",
+        "4",
+        "--set",
+        "seed=1",
+        "--set",
+        'lora={"r": 4}',
+        "--out",
+        str(files / "run"),
+        *extra,
     ]
 
 
@@ -108,8 +127,18 @@ def test_torchgrpo_resume_false_in_a_folder_with_an_older_run_ends_with_its_own_
     tasks = [{"id": f"t{i}", "q": f"Say {i}."} for i in range(2)]
 
     def run(steps: int, resume: bool, r: int) -> None:
-        algorithm = TorchGRPO(model="tiny", steps=steps, group_size=2, batch_tasks=2, max_tokens=4, seed=1,
-                              checkpoint_dir=tmp_path / "ckpt", resume=resume, lora={"r": r}, output_dir=tmp_path / "m")
+        algorithm = TorchGRPO(
+            model="tiny",
+            steps=steps,
+            group_size=2,
+            batch_tasks=2,
+            max_tokens=4,
+            seed=1,
+            checkpoint_dir=tmp_path / "ckpt",
+            resume=resume,
+            lora={"r": r},
+            output_dir=tmp_path / "m",
+        )
         agl.Trainer(algorithm=algorithm, store="memory", n_runners=2, runner_mode="thread").fit(agent, tasks)
 
     run(2, True, 4)
@@ -128,8 +157,11 @@ def test_the_cli_never_lets_resume_false_overwrite_a_run(files: Path) -> None:
     run = files / "run"
     assert main(_train(files, "--steps", "2")) == 0
     metrics = (run / "metrics.csv").read_text()
-    for extra in (["--resume", "--set", "resume=false"], ["--resume", "--config", '{"resume": false}'],
-                  ["--resume", "--set", "resume=true"]):
+    for extra in (
+        ["--resume", "--set", "resume=false"],
+        ["--resume", "--config", '{"resume": false}'],
+        ["--resume", "--set", "resume=true"],
+    ):
         with pytest.raises(SystemExit) as exc:
             main(_train(files, "--steps", "1", *extra))
         assert "resume: pass --resume to continue" in str(exc.value.code)
@@ -156,7 +188,8 @@ def test_the_settings_table_covers_torchgrpo_exactly() -> None:
     """--set values are checked from a table in train_cli (no torch import); it must follow TorchGRPO's
     signature: a new keyword needs its entry, a removed one must go."""
     from agl.algorithm.torch_grpo import TorchGRPO
-    from agl.algorithm.torch_grpo_config import JSON_SETTINGS as _GRPO_SPEC, PYTHON_ONLY as _PYTHON_ONLY
+    from agl.algorithm.torch_grpo_config import JSON_SETTINGS as _GRPO_SPEC
+    from agl.algorithm.torch_grpo_config import PYTHON_ONLY as _PYTHON_ONLY
     from agl.cli.train import _OUT_OWNED
 
     assert set(_GRPO_SPEC) | set(_PYTHON_ONLY) | set(_OUT_OWNED) == set(inspect.signature(TorchGRPO).parameters)
@@ -173,7 +206,11 @@ def test_check_names_an_unknown_lora_field_beside_other_bad_settings(files: Path
     """docs/training.md: every bad setting gets its line; peft's objection to `rr` came only once the others
     were fixed."""
     with pytest.raises(SystemExit) as exc:
-        main(_train(files, "--set", "eval_every=two", "--set", "checkpoint_every=0", "--set", 'lora={"rr": 8}', "--check"))
+        main(
+            _train(
+                files, "--set", "eval_every=two", "--set", "checkpoint_every=0", "--set", 'lora={"rr": 8}', "--check"
+            )
+        )
     lines = str(exc.value.code).splitlines()
     assert [line.split(": ", 2)[2].split("=")[0] for line in lines] == ["eval_every", "checkpoint_every", "lora"]
     assert "rr" in lines[-1] and lines[-1].endswith("(TorchGRPO's settings: docs/training.md)")
@@ -191,8 +228,18 @@ def test_check_refuses_training_sampling_that_would_not_train_what_it_samples(fi
     assert "bad grpo settings: sampling has seed=3: with group_size=2" in str(exc.value.code)
     assert not (files / "run").exists()
     # the same temperature twice, a seed for the evaluations only: fine
-    main(_train(files, "--temperature", "0.7", "--set", 'sampling={"temperature": 0.7}',
-                "--set", 'val_sampling={"seed": 3}', "--check"))
+    main(
+        _train(
+            files,
+            "--temperature",
+            "0.7",
+            "--set",
+            'sampling={"temperature": 0.7}',
+            "--set",
+            'val_sampling={"seed": 3}',
+            "--check",
+        )
+    )
 
 
 def test_a_wrong_set_value_stops_the_run_before_any_step(files: Path) -> None:
@@ -209,9 +256,16 @@ def test_ctrl_c_ends_with_one_line_saying_how_to_resume(files: Path) -> None:
     run = files / "run"
     env = {**os.environ, "AGL_TEST_INTERRUPT_RUN": str(run)}
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from agl.cli import main; sys.argv[0] = 'agl'; sys.exit(main())",
-         *_train(files, "--steps", "3")],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from agl.cli import main; sys.argv[0] = 'agl'; sys.exit(main())",
+            *_train(files, "--steps", "3"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]

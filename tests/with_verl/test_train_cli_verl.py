@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from agl.cli import main
 
 SEED_YAML = """
@@ -21,11 +22,24 @@ trainer: {n_gpus_per_node: 1, total_epochs: 2}
 
 @pytest.fixture()
 def args(tmp_path: Path) -> list:
-    (tmp_path / "agent.py").write_text("import agl\n\n@agl.rollout\ndef agent(task, llm: agl.LLM) -> float:\n    return 1.0\n")
+    (tmp_path / "agent.py").write_text(
+        "import agl\n\n@agl.rollout\ndef agent(task, llm: agl.LLM) -> float:\n    return 1.0\n"
+    )
     (tmp_path / "train.jsonl").write_text('{"q": 1}\n')
     (tmp_path / "verl.yaml").write_text(SEED_YAML)
-    return ["train", f"{tmp_path}/agent.py:agent", "--data", str(tmp_path / "train.jsonl"), "--algorithm", "verl",
-            "--config", f"@{tmp_path / 'verl.yaml'}", "--out", str(tmp_path / "run"), "--check"]
+    return [
+        "train",
+        f"{tmp_path}/agent.py:agent",
+        "--data",
+        str(tmp_path / "train.jsonl"),
+        "--algorithm",
+        "verl",
+        "--config",
+        f"@{tmp_path / 'verl.yaml'}",
+        "--out",
+        str(tmp_path / "run"),
+        "--check",
+    ]
 
 
 def test_check_validates_the_yaml_and_overrides_then_names_what_the_machine_lacks(args, capsys) -> None:
@@ -39,6 +53,9 @@ def test_check_validates_the_yaml_and_overrides_then_names_what_the_machine_lack
 
 
 def test_a_misspelt_verl_key_is_named_with_the_right_one(args) -> None:
-    with pytest.raises(SystemExit, match=r"bad verl settings: unknown verl config key 'trainer\.total_epoch'; "
-                       r"did you mean trainer\.total_epochs"):
+    with pytest.raises(
+        SystemExit,
+        match=r"bad verl settings: unknown verl config key 'trainer\.total_epoch'; "
+        r"did you mean trainer\.total_epochs",
+    ):
         main([*args, "--set", "trainer.total_epoch=1"])

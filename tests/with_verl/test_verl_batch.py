@@ -9,11 +9,6 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-
-from agl.algorithm.verl.batch import apply_loss_weights, pad_to_divisor, samples_to_dataproto
-from agl.algorithm.verl.config import VERLConfig
-from agl.lightningrl.advantages import grpo_advantages, rloo_advantages
-from agl.lightningrl.types import Sample
 from verl import DataProto
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import AdvantageEstimator
@@ -21,6 +16,11 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.model import compute_position_id_with_mask
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+from agl.algorithm.verl.batch import apply_loss_weights, pad_to_divisor, samples_to_dataproto
+from agl.algorithm.verl.config import VERLConfig
+from agl.lightningrl.advantages import grpo_advantages, rloo_advantages
+from agl.lightningrl.types import Sample
 
 P, R, PAD = 8, 6, 0
 
@@ -52,7 +52,9 @@ def grpo_batch(rewards: dict) -> List[Sample]:
     for task, values in rewards.items():
         for j, r in enumerate(values):
             k += 1
-            out.append(sample(f"{task}-r{j}", task, list(range(10, 10 + 1 + k % P)), list(range(100, 100 + 1 + k % R)), r))
+            out.append(
+                sample(f"{task}-r{j}", task, list(range(10, 10 + 1 + k % P)), list(range(100, 100 + 1 + k % R)), r)
+            )
     return out
 
 
@@ -60,7 +62,9 @@ REWARDS = {"t1": [1.0, 0.0, 0.5, 0.25], "t2": [0.2, 0.9], "t3": [1.0, 1.0, 0.0]}
 
 
 def test_keys_shapes_and_dtypes() -> None:
-    data, report = samples_to_dataproto(grpo_advantages(grpo_batch(REWARDS)), max_prompt_length=P, max_response_length=R)
+    data, report = samples_to_dataproto(
+        grpo_advantages(grpo_batch(REWARDS)), max_prompt_length=P, max_response_length=R
+    )
     B = 9
     expected = {
         "prompts": ((B, P), torch.int64),
@@ -127,7 +131,9 @@ def test_lightningrl_grpo_equals_verls_grpo_estimator(normalize: bool) -> None:
 def test_lightningrl_rloo_equals_verls_rloo_estimator() -> None:
     data, _ = samples_to_dataproto(rloo_advantages(grpo_batch(REWARDS)), max_prompt_length=P, max_response_length=R)
     b = data.batch
-    verl_adv, _ = core_algos.compute_rloo_outcome_advantage(b["token_level_rewards"], b["response_mask"], data.non_tensor_batch["uid"])
+    verl_adv, _ = core_algos.compute_rloo_outcome_advantage(
+        b["token_level_rewards"], b["response_mask"], data.non_tensor_batch["uid"]
+    )
     assert torch.allclose(b["advantages"], verl_adv, atol=1e-5)
 
 
@@ -148,7 +154,9 @@ def test_multi_call_rollouts_get_rollout_level_advantages_and_weights() -> None:
         one_row_per_rollout.batch["response_mask"],
         one_row_per_rollout.non_tensor_batch["uid"],
     )
-    assert data.batch["advantages"][:, 0].tolist() == pytest.approx([verl_adv[0, 0].item(), verl_adv[0, 0].item(), verl_adv[1, 0].item()], abs=1e-5)
+    assert data.batch["advantages"][:, 0].tolist() == pytest.approx(
+        [verl_adv[0, 0].item(), verl_adv[0, 0].item(), verl_adv[1, 0].item()], abs=1e-5
+    )
     assert data.batch["loss_weights"].tolist() == [0.5, 0.5, 1.0]
     assert list(data.non_tensor_batch["uid"]) == ["t", "t", "t"]
     assert list(data.non_tensor_batch["rollout_id"]) == ["a", "a", "b"]
@@ -161,7 +169,9 @@ def test_over_long_samples_follow_the_policy_and_are_counted() -> None:
     empty = sample("e", "t", [], [21], 0.0)
     all_masked = sample("m", "t", [11], [21, 22], 0.0, mask=[0, 0])
 
-    data, report = samples_to_dataproto([long_prompt, long_response, ok, empty, all_masked], max_prompt_length=P, max_response_length=R)
+    data, report = samples_to_dataproto(
+        [long_prompt, long_response, ok, empty, all_masked], max_prompt_length=P, max_response_length=R
+    )
     assert list(data.non_tensor_batch["rollout_id"]) == ["r", "ok"]
     assert (report.dropped_prompt_too_long, report.responses_truncated, report.dropped_empty) == (1, 1, 2)
     assert data.batch["responses"][0].tolist() == list(range(30, 30 + R))  # the first R tokens, as generated
@@ -169,7 +179,11 @@ def test_over_long_samples_follow_the_policy_and_are_counted() -> None:
     assert "1 responses truncated" in str(report) and "1 dropped: prompt too long" in str(report)
 
     data, report = samples_to_dataproto(
-        [long_prompt, long_response], max_prompt_length=P, max_response_length=R, overlong_prompt="truncate", overlong_response="drop"
+        [long_prompt, long_response],
+        max_prompt_length=P,
+        max_response_length=R,
+        overlong_prompt="truncate",
+        overlong_response="drop",
     )
     assert list(data.non_tensor_batch["rollout_id"]) == ["p"]
     assert data.batch["prompts"][0].tolist() == list(range(1, P + 3))[-P:]  # the last P tokens of the prompt
@@ -196,16 +210,25 @@ def test_a_rollout_that_lost_a_sample_still_weighs_one() -> None:
 
 def test_no_trainable_sample_is_an_error_that_says_why() -> None:
     with pytest.raises(ValueError, match="no sample can be trained on .*1 dropped: prompt too long"):
-        samples_to_dataproto([sample("p", "t", list(range(1, P + 3)), [21], 1.0)], max_prompt_length=P, max_response_length=R)
+        samples_to_dataproto(
+            [sample("p", "t", list(range(1, P + 3)), [21], 1.0)], max_prompt_length=P, max_response_length=R
+        )
     with pytest.raises(ValueError, match="response_mask"):
-        samples_to_dataproto([sample("x", "t", [11], [21, 22], 1.0, mask=[1])], max_prompt_length=P, max_response_length=R)
+        samples_to_dataproto(
+            [sample("x", "t", [11], [21, 22], 1.0, mask=[1])], max_prompt_length=P, max_response_length=R
+        )
 
 
 def test_rollout_logprobs_only_when_every_sample_has_them() -> None:
-    with_lp = [sample("a", "t", [11], [21, 22], 1.0, logprobs=[-0.5, -0.25]), sample("b", "t", [11], [23], 0.0, logprobs=[-1.0])]
+    with_lp = [
+        sample("a", "t", [11], [21, 22], 1.0, logprobs=[-0.5, -0.25]),
+        sample("b", "t", [11], [23], 0.0, logprobs=[-1.0]),
+    ]
     data, _ = samples_to_dataproto(with_lp, max_prompt_length=P, max_response_length=R)
     assert data.batch["rollout_log_probs"][0, :3].tolist() == [-0.5, -0.25, 0.0]
-    data, _ = samples_to_dataproto(with_lp[:1] + [replace(with_lp[1], response_logprobs=None)], max_prompt_length=P, max_response_length=R)
+    data, _ = samples_to_dataproto(
+        with_lp[:1] + [replace(with_lp[1], response_logprobs=None)], max_prompt_length=P, max_response_length=R
+    )
     assert "rollout_log_probs" not in data.batch.keys()
 
 
@@ -216,7 +239,9 @@ def test_padding_rows_are_inert_for_advantages_and_loss() -> None:
     assert len(padded) == 12 and report.padding_rows == 3 and padded.meta_info["agl"]["padding_rows"] == 3
     pad = padded.non_tensor_batch["agl_padding"]
     assert pad.tolist() == [False] * 9 + [True] * 3
-    assert len(set(padded.non_tensor_batch["uid"][pad])) == 3 and not set(padded.non_tensor_batch["uid"][pad]) & set(REWARDS)
+    assert len(set(padded.non_tensor_batch["uid"][pad])) == 3 and not set(padded.non_tensor_batch["uid"][pad]) & set(
+        REWARDS
+    )
     for key in ("response_mask", "token_level_scores", "advantages", "loss_weights"):
         assert padded.batch[key][torch.from_numpy(pad)].abs().sum() == 0
     # verl's GRPO over the padded batch gives the real rows the same advantages
@@ -245,10 +270,19 @@ def test_padding_free_conversion_aligns_model_outputs_with_response_tokens() -> 
 
 
 def test_loss_weights_scale_verls_policy_loss_per_rollout() -> None:
-    minimal = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.path=m", "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.n=2"]
+    minimal = [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.model.path=m",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.n=2",
+    ]
     actor = omega_conf_to_dataclass(VERLConfig(minimal, verl_checks=False).dictconfig.actor_rollout_ref.actor)
     samples = grpo_advantages(
-        [sample("a", "t", [11], [21, 22], 1.0), sample("a", "t", [11, 21, 22, 12], [23], 1.0), sample("b", "t", [11], [24], 0.0)]
+        [
+            sample("a", "t", [11], [21, 22], 1.0),
+            sample("a", "t", [11, 21, 22, 12], [23], 1.0),
+            sample("b", "t", [11], [24], 0.0),
+        ]
     )
     data, _ = samples_to_dataproto(samples, max_prompt_length=P, max_response_length=R)
     apply_loss_weights(data)
@@ -268,7 +302,9 @@ def test_loss_weights_scale_verls_policy_loss_per_rollout() -> None:
 
 
 def test_dataproto_survives_verls_batch_operations() -> None:
-    data, report = samples_to_dataproto(grpo_advantages(grpo_batch(REWARDS)), max_prompt_length=P, max_response_length=R)
+    data, report = samples_to_dataproto(
+        grpo_advantages(grpo_batch(REWARDS)), max_prompt_length=P, max_response_length=R
+    )
     data = pad_to_divisor(data, 2, report)
     halves = data.chunk(2)
     again = DataProto.concat(halves)

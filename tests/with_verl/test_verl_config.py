@@ -92,8 +92,14 @@ def test_agl_VERL_accepts_the_seed_dict_and_exposes_it() -> None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda c: c["data"].update(train_batch_sise=32), "unknown verl config key 'data.train_batch_sise'; did you mean data.train_batch_size"),
-        (lambda c: c["actor_rollout_ref"]["actor"].update(ppo_mini_batchsize=8), "did you mean actor_rollout_ref.actor.ppo_mini_batch_size"),
+        (
+            lambda c: c["data"].update(train_batch_sise=32),
+            "unknown verl config key 'data.train_batch_sise'; did you mean data.train_batch_size",
+        ),
+        (
+            lambda c: c["actor_rollout_ref"]["actor"].update(ppo_mini_batchsize=8),
+            "did you mean actor_rollout_ref.actor.ppo_mini_batch_size",
+        ),
         (lambda c: c.update(trainr={"total_epochs": 1}), "unknown verl config key 'trainr.total_epochs'"),
         (lambda c: c["data"].update(train_batch_size="32"), "data.train_batch_size must be an integer"),
         (lambda c: c["data"].update(train_batch_size=32.0), "data.train_batch_size must be an integer"),
@@ -112,12 +118,16 @@ def test_agl_VERL_accepts_the_seed_dict_and_exposes_it() -> None:
         (lambda c: c["actor_rollout_ref"]["rollout"].pop("name"), "set actor_rollout_ref.rollout.name"),
         # verl's own validate_config: both the deprecated and the new micro batch key
         (
-            lambda c: c["actor_rollout_ref"]["rollout"].update(log_prob_micro_batch_size=8, log_prob_micro_batch_size_per_gpu=4),
+            lambda c: c["actor_rollout_ref"]["rollout"].update(
+                log_prob_micro_batch_size=8, log_prob_micro_batch_size_per_gpu=4
+            ),
             "verl rejected the config: .*log_prob_micro_batch_size",
         ),
     ],
 )
-def test_bad_configs_are_refused_with_the_key_and_the_fix(change: Callable[[Dict[str, Any]], None], message: str) -> None:
+def test_bad_configs_are_refused_with_the_key_and_the_fix(
+    change: Callable[[Dict[str, Any]], None], message: str
+) -> None:
     with pytest.raises(VERLConfigError, match=message):
         VERLConfig(with_change(change))
 
@@ -129,7 +139,9 @@ def test_bad_override_syntax_is_explained() -> None:
 
 def test_new_keys_only_in_free_form_sections_or_with_plus() -> None:
     c = VERLConfig(
-        with_change(lambda d: d["actor_rollout_ref"]["rollout"].update(engine_kwargs={"vllm": {"tool_call_parser": "hermes"}})),
+        with_change(
+            lambda d: d["actor_rollout_ref"]["rollout"].update(engine_kwargs={"vllm": {"tool_call_parser": "hermes"}})
+        ),
         overrides=["+trainer.agl_note=hello"],
     )
     assert c.get("actor_rollout_ref.rollout.engine_kwargs.vllm.tool_call_parser") == "hermes"
@@ -167,7 +179,9 @@ def test_deprecated_micro_batch_key_replaces_agls_per_gpu_default() -> None:
 def test_loop_options_are_checked() -> None:
     with pytest.raises(VERLConfigError, match="not a LightningRL estimator"):
         agl.VERL(with_change(lambda c: c["algorithm"].update(adv_estimator="reinforce_plus_plus")))
-    assert agl.VERL(with_change(lambda c: c["algorithm"].update(adv_estimator="reinforce_plus_plus")), advantages="verl")
+    assert agl.VERL(
+        with_change(lambda c: c["algorithm"].update(adv_estimator="reinforce_plus_plus")), advantages="verl"
+    )
     with pytest.raises(VERLConfigError, match="async_groups"):
         agl.VERL(SEED, async_groups=-1)
 

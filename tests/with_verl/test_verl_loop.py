@@ -82,7 +82,13 @@ class RecordingBackend:
     def update(self, batch: Any, step: int, mini_batches: int) -> Dict[str, float]:
         proxy = self.algorithm.proxy
         self.updates.append(
-            {"batch": batch, "step": step, "mini_batches": mini_batches, "paused": proxy.paused, "in_flight": proxy.in_flight}
+            {
+                "batch": batch,
+                "step": step,
+                "mini_batches": mini_batches,
+                "paused": proxy.paused,
+                "in_flight": proxy.in_flight,
+            }
         )
         return {"actor/pg_loss": float(step)}
 
@@ -104,7 +110,12 @@ def train(
     algorithm = VERL(overrides, backend=backend, wait_timeout=60, **options)
     backend.algorithm = algorithm
     trainer = agl.Trainer(
-        algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False,
+        algorithm=algorithm,
+        store="memory",
+        n_runners=4,
+        runner_mode="thread",
+        progress=False,
+        instrument=False,
         span_retention_steps=span_retention_steps,
     )
     summary = trainer.fit(qa_agent, train_dataset=tasks, val_dataset=tasks[:2])
@@ -198,12 +209,18 @@ def test_requests_are_sampled_as_verls_agent_loop_samples(fake_openai: FakeOpenA
     data.max_response_length: the published resource says so, and the proxy holds agents to it (a larger
     max_tokens is lowered, top_k filled in); an agent at its own temperature is warned about, once."""
     backend = RecordingBackend(fake_openai)
-    overrides = config(**{
-        "trainer.val_before_train": "false", "trainer.total_training_steps": 1, "actor_rollout_ref.rollout.top_k": 20
-    })
+    overrides = config(
+        **{
+            "trainer.val_before_train": "false",
+            "trainer.total_training_steps": 1,
+            "actor_rollout_ref.rollout.top_k": 20,
+        }
+    )
     algorithm = VERL(overrides, backend=backend, wait_timeout=60)
     backend.algorithm = algorithm
-    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False)
+    trainer = agl.Trainer(
+        algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False
+    )
     with caplog.at_level("WARNING"):
         trainer.fit(own_sampling_agent, train_dataset=TASKS)
 
@@ -230,7 +247,12 @@ def test_the_proxy_caps_a_token_limit_of_any_name(fake_openai: FakeOpenAIServer)
         ]:
             httpx.post(f"{proxy.base_url}/{path}", json={"model": "m", **body}, timeout=30).raise_for_status()
     sent = [r["body"] for r in fake_openai.requests]
-    assert [sent[0]["max_completion_tokens"], sent[1]["max_tokens"], sent[2]["max_output_tokens"], sent[3]["max_tokens"]] == [64, 8, 64, 64]
+    assert [
+        sent[0]["max_completion_tokens"],
+        sent[1]["max_tokens"],
+        sent[2]["max_output_tokens"],
+        sent[3]["max_tokens"],
+    ] == [64, 8, 64, 64]
     assert "max_tokens" not in sent[0] and "max_tokens" not in sent[2] and all(b["temperature"] == 1.0 for b in sent)
 
 
@@ -255,7 +277,9 @@ def test_async_groups_carry_unfinished_groups_over_to_the_next_step(fake_openai:
         fake_openai, tasks, config(**{"trainer.total_epochs": 1, "trainer.val_before_train": "false"}), async_groups=1
     )
     first, second = backend.updates
-    assert set(first["batch"].non_tensor_batch["uid"][~first["batch"].non_tensor_batch["agl_padding"].astype(bool)]) == {"q1", "q2"}
+    assert set(
+        first["batch"].non_tensor_batch["uid"][~first["batch"].non_tensor_batch["agl_padding"].astype(bool)]
+    ) == {"q1", "q2"}
     assert "q0" in set(second["batch"].non_tensor_batch["uid"])  # the slow group, trained one step later
     m1, m2 = (s.metrics for s in summary.steps)
     assert m1["agl/async/carried_over_groups"] == 1 and m1["agl/async/max_staleness"] == 0
@@ -264,7 +288,10 @@ def test_async_groups_carry_unfinished_groups_over_to_the_next_step(fake_openai:
 
 def test_verl_advantage_mode_leaves_advantages_to_verl(fake_openai: FakeOpenAIServer) -> None:
     _, _, backend, _ = train(
-        fake_openai, TASKS, config(**{"trainer.total_epochs": 1, "trainer.val_before_train": "false"}), advantages="verl"
+        fake_openai,
+        TASKS,
+        config(**{"trainer.total_epochs": 1, "trainer.val_before_train": "false"}),
+        advantages="verl",
     )
     data = backend.updates[0]["batch"]
     assert "advantages" not in data.batch.keys() and data.batch["token_level_rewards"].sum() >= 0
@@ -272,15 +299,21 @@ def test_verl_advantage_mode_leaves_advantages_to_verl(fake_openai: FakeOpenAISe
 
 def test_too_few_tasks_for_a_batch_is_refused_before_anything_starts(fake_openai: FakeOpenAIServer) -> None:
     backend = RecordingBackend(fake_openai)
-    algorithm = VERL(config(**{"data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8}), backend=backend)
-    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=1, runner_mode="thread", progress=False, instrument=False)
+    algorithm = VERL(
+        config(**{"data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8}), backend=backend
+    )
+    trainer = agl.Trainer(
+        algorithm=algorithm, store="memory", n_runners=1, runner_mode="thread", progress=False, instrument=False
+    )
     with pytest.raises(agl.algorithm.verl.VERLConfigError, match="fewer than data.train_batch_size=8"):
         trainer.fit(qa_agent, train_dataset=TASKS)
     assert backend.calls == []
 
 
 def test_without_a_backend_a_cpu_machine_gets_the_gpu_error(fake_openai: FakeOpenAIServer) -> None:
-    trainer = agl.Trainer(algorithm=VERL(config()), store="memory", n_runners=1, runner_mode="thread", progress=False, instrument=False)
+    trainer = agl.Trainer(
+        algorithm=VERL(config()), store="memory", n_runners=1, runner_mode="thread", progress=False, instrument=False
+    )
     with pytest.raises(agl.algorithm.verl.VERLConfigError, match="cannot run here"):
         trainer.fit(qa_agent, train_dataset=TASKS)
 
@@ -296,7 +329,9 @@ def test_steps_with_nothing_to_train_are_skipped_then_training_stops(fake_openai
     backend = RecordingBackend(fake_openai)
     algorithm = VERL(config(**{"trainer.val_before_train": "false"}), backend=backend, wait_timeout=60)
     backend.algorithm = algorithm
-    trainer = agl.Trainer(algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False)
+    trainer = agl.Trainer(
+        algorithm=algorithm, store="memory", n_runners=4, runner_mode="thread", progress=False, instrument=False
+    )
     with pytest.raises(NoTrainableSamples, match="3 steps in a row had nothing to train on"):
         trainer.fit(failing_agent, train_dataset=TASKS)
     assert backend.updates == [] and backend.calls == ["start 4", "stop"]

@@ -53,7 +53,7 @@ class StandInConfig(VERLConfig):
     """A VERLConfig read from a flat dict of ``DEFAULTS`` plus ``changes`` (no Hydra, no verl defaults): its
     properties read through ``get``."""
 
-    def __init__(self, **changes: Any) -> None:  # noqa: D107 - VERLConfig.__init__ composes verl's yaml: not here
+    def __init__(self, **changes: Any) -> None:  # VERLConfig.__init__ composes verl's yaml: not here
         self.values = {**DEFAULTS, **changes}
 
     def get(self, path: str, default: Any = None) -> Any:
@@ -86,13 +86,27 @@ class RecordingBackend:
         pass
 
 
-def fit(agent: Any, fake: FakeOpenAIServer, config: StandInConfig, tasks: List[Dict[str, Any]], *,
-        val: Optional[List[Dict[str, Any]]] = None, adapter: Any = None, n_runners: int = 4, **options: Any):
+def fit(
+    agent: Any,
+    fake: FakeOpenAIServer,
+    config: StandInConfig,
+    tasks: List[Dict[str, Any]],
+    *,
+    val: Optional[List[Dict[str, Any]]] = None,
+    adapter: Any = None,
+    n_runners: int = 4,
+    **options: Any,
+):
     backend = RecordingBackend(fake)
     algorithm = VERL(config, backend=backend, wait_timeout=60, **options)
     trainer = agl.Trainer(
-        algorithm=algorithm, store="memory", n_runners=n_runners, runner_mode="thread", progress=False,
-        instrument=False, adapter=adapter,
+        algorithm=algorithm,
+        store="memory",
+        n_runners=n_runners,
+        runner_mode="thread",
+        progress=False,
+        instrument=False,
+        adapter=adapter,
     )
     summary = trainer.fit(agent, train_dataset=tasks, val_dataset=val)
     return trainer, backend, summary
@@ -139,13 +153,19 @@ def test_async_training_rollouts_keep_their_sampling_while_validation_runs(fake_
     tasks = [{"id": "q0"}, {"id": "q1"}, {"id": "q2", "late": True}, {"id": "q3", "late": True}]
     overlap = Overlap(late_calls=4)  # q2 and q3, n=2 each
     trainer, backend, summary = fit(
-        overlap.agent(), fake_openai, StandInConfig(**{"trainer.test_freq": 1}), tasks,
-        val=[{"id": "v0"}, {"id": "v1"}], async_groups=2, n_runners=10,
+        overlap.agent(),
+        fake_openai,
+        StandInConfig(**{"trainer.test_freq": 1}),
+        tasks,
+        val=[{"id": "v0"}, {"id": "v1"}],
+        async_groups=2,
+        n_runners=10,
     )
     store = trainer.store
     sent = {
         r["body"]["messages"][-1]["content"].removeprefix("RID="): r["body"]
-        for r in fake_openai.requests if r["path"].endswith("/chat/completions")
+        for r in fake_openai.requests
+        if r["path"].endswith("/chat/completions")
     }
     train = store.query_rollouts(mode="train")
     val = store.query_rollouts(mode="val")
@@ -169,14 +189,17 @@ def test_the_proxy_holds_each_sampling_profile_to_its_own_url(fake_openai: FakeO
         llm = proxy.as_resource()
         val_llm = agl.ProxyLLM(endpoint=proxy.profile_url("val"), model="m")
         for base in (llm.get_base_url("r1", "a1"), val_llm.get_base_url("r2", "a1"), proxy.profile_url("val")):
-            httpx.post(f"{base}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
-                       timeout=30).raise_for_status()
+            httpx.post(
+                f"{base}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30
+            ).raise_for_status()
         unknown = httpx.post(f"{proxy.profile_url('nope')}/chat/completions", json={"messages": []}, timeout=30)
         assert unknown.status_code == 404 and "set_sampling(..., profile='nope')" in unknown.json()["error"]["message"]
         with pytest.raises(ValueError, match="sampling profile name"):
             proxy.set_sampling({}, profile="a/b")
     assert [(b["temperature"], b["max_tokens"]) for b in (r["body"] for r in fake_openai.requests)] == [
-        (1.0, 64), (0.0, 32), (0.0, 32)
+        (1.0, 64),
+        (0.0, 32),
+        (0.0, 32),
     ]
 
 
@@ -197,7 +220,12 @@ def test_an_adapter_with_several_policies_is_refused_before_the_gpus_start(fake_
     backend = RecordingBackend(fake_openai)
     algorithm = VERL(StandInConfig(), backend=backend)
     trainer = agl.Trainer(
-        algorithm=algorithm, store="memory", n_runners=1, runner_mode="thread", progress=False, instrument=False,
+        algorithm=algorithm,
+        store="memory",
+        n_runners=1,
+        runner_mode="thread",
+        progress=False,
+        instrument=False,
         adapter={"agent_match": {"writer": "author", "checker": "critic"}},
     )
     with pytest.raises(VERLConfigError, match=r"trains one policy.*names 2 \(author, critic\)"):

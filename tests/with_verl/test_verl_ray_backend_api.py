@@ -20,7 +20,10 @@ def test_agl_trainer_is_verls_ray_ppo_trainer_with_the_steps_agl_drives() -> Non
     for name in ("config", "tokenizer", "processor", "role_worker_mapping", "resource_pool_manager"):
         assert name in init, name
     assert list(inspect.signature(RayPPOTrainer._create_dataloader).parameters)[1:] == [
-        "train_dataset", "val_dataset", "collate_fn", "train_sampler"
+        "train_dataset",
+        "val_dataset",
+        "collate_fn",
+        "train_sampler",
     ]
 
 
@@ -29,7 +32,12 @@ def test_worker_setup_and_weight_sync_entry_points_exist() -> None:
     from verl.trainer.main_ppo_v0 import BaseTaskRunner
     from verl.workers.rollout.llm_server import LLMServerManager
 
-    for method in ("add_actor_rollout_worker", "add_reward_model_resource_pool", "add_teacher_model_resource_pool", "init_resource_pool_mgr"):
+    for method in (
+        "add_actor_rollout_worker",
+        "add_reward_model_resource_pool",
+        "add_teacher_model_resource_pool",
+        "init_resource_pool_mgr",
+    ):
         assert callable(getattr(BaseTaskRunner, method)), method
     assert callable(CheckpointEngineManager.sleep_replicas) and callable(CheckpointEngineManager.update_weights)
     assert callable(LLMServerManager.get_addresses)

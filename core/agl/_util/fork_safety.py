@@ -23,7 +23,7 @@ import weakref
 from typing import Any, Iterable, List
 
 _KEPT: List[Any] = []
-_HOLDERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
 _HELD: List[Any] = []  # the holders whose _before_fork ran for the fork under way
 
 

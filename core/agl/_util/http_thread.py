@@ -72,7 +72,7 @@ class ThreadedServer:
     def running(self) -> bool:
         return self._thread is not None
 
-    def start(self) -> "ThreadedServer":
+    def start(self) -> ThreadedServer:
         """Bind, serve, wait until uvicorn accepts connections (``port`` then says where)."""
         if self._thread is not None:
             raise RuntimeError(f"{self.name} is already running; stop() it before starting it again")
@@ -128,7 +128,7 @@ class ThreadedServer:
             self._thread.join(timeout=STARTUP_TIMEOUT_S + self.graceful_shutdown_s)
         self._server, self._thread, self.port = None, None, None
 
-    def __enter__(self) -> "ThreadedServer":
+    def __enter__(self) -> ThreadedServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

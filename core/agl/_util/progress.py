@@ -34,7 +34,7 @@ NO_LLM_CALLS = (
 )
 
 
-def print_rollout_table(rows: "Sequence[RolloutSummary]") -> None:
+def print_rollout_table(rows: Sequence[RolloutSummary]) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -29,9 +29,9 @@ from typing import Any, Dict, Generic, List, Mapping, Optional, Sequence, Set, T
 from agl import semconv
 from agl.algorithm.base import Algorithm
 from agl.checks import check_count, check_number
-from agl.runtime.dataset import as_tasks
 from agl.errors import AglError
 from agl.openai_wire.sampling import openai_arguments
+from agl.runtime.dataset import as_tasks
 from agl.types import LLM, PromptTemplate, Rollout, Span, Task, call_order_key
 
 logger = logging.getLogger("agl.apo")
@@ -85,7 +85,7 @@ class APOError(AglError):
     Raised mid-search, it carries the search so far as ``result`` (``None`` before the seed was scored),
     whose best prompt is already published as the trainer's current resources."""
 
-    result: "Optional[APOResult]" = None
+    result: Optional[APOResult] = None
 
 
 @dataclass
@@ -162,9 +162,14 @@ class APO(Algorithm, Generic[T_task]):
         beam_rounds: Optional[int] = None,
     ) -> None:
         rounds = _rounds(rounds, beam_rounds)
-        counts = dict(beam_width=beam_width, branch_factor=branch_factor, rounds=rounds,
-                      gradient_batch_size=gradient_batch_size, val_batch_size=val_batch_size,
-                      max_transcripts=max_transcripts)
+        counts = dict(
+            beam_width=beam_width,
+            branch_factor=branch_factor,
+            rounds=rounds,
+            gradient_batch_size=gradient_batch_size,
+            val_batch_size=val_batch_size,
+            max_transcripts=max_transcripts,
+        )
         for name in _COUNTS:
             check_count(name, counts[name])
         check_number("request_timeout", request_timeout, positive=True)
@@ -222,21 +227,29 @@ class APO(Algorithm, Generic[T_task]):
             return
         self._publish_best(result)
         reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
-        logger.error("APO stopped after %d prompts (%s); the best so far (%.3f) is published as %s",
-                     len(result.history), reason, result.best.score, result.best.resources_id)
+        logger.error(
+            "APO stopped after %d prompts (%s); the best so far (%.3f) is published as %s",
+            len(result.history),
+            reason,
+            result.best.score,
+            result.best.resources_id,
+        )
 
     def _search(self, result: APOResult, train: List[Task], val: List[Task]) -> None:
         """The rounds of the beam search, adding every prompt scored to ``result.history``."""
         seed = result.seed
         beam = [0]
         for round_ in range(1, self.rounds + 1):
-            seen = {c.template.strip() for c in result.history}  # edits are stripped; a seed read from a file may not be
+            seen = {
+                c.template.strip() for c in result.history
+            }  # edits are stripped; a seed read from a file may not be
             for parent in beam:
                 critique = self._critique(result.history[parent], train)
                 if not critique.strip():  # edits asked with an empty review would be blind guesses
                     result.refused += 1
-                    logger.warning("APO round %d: the optimizer's critique is empty; no edits of this prompt this "
-                                   "round", round_)
+                    logger.warning(
+                        "APO round %d: the optimizer's critique is empty; no edits of this prompt this round", round_
+                    )
                     continue
                 for edited in self._edits(result.history[parent].template, critique):
                     if edited is None:
@@ -248,7 +261,9 @@ class APO(Algorithm, Generic[T_task]):
                         result.refused += 1
                         logger.warning(
                             "APO round %d: refused an edit whose placeholders %s differ from the seed's %s",
-                            round_, sorted(_fields(edited)), sorted(self._fields),
+                            round_,
+                            sorted(_fields(edited)),
+                            sorted(self._fields),
                         )
                         continue
                     seen.add(edited)
@@ -256,14 +271,24 @@ class APO(Algorithm, Generic[T_task]):
                     result.history.append(candidate)
             ranked = sorted(range(len(result.history)), key=lambda i: (-result.history[i].score, i))
             beam = ranked[: self.beam_width]
-            logger.info("APO round %d/%d: best score %.3f (seed %.3f), %d prompts tried", round_, self.rounds,
-                        result.history[beam[0]].score, seed.score, len(result.history))
+            logger.info(
+                "APO round %d/%d: best score %.3f (seed %.3f), %d prompts tried",
+                round_,
+                self.rounds,
+                result.history[beam[0]].score,
+                seed.score,
+                len(result.history),
+            )
 
     def _publish_best(self, result: APOResult) -> None:
         result.best_index = min(range(len(result.history)), key=lambda i: (-result.history[i].score, i))
         self.trainer.resources_id = result.best.resources_id  # later rollouts of this trainer use the best
-        logger.info("APO: best prompt scores %.3f against the seed's %.3f (published as %s)",
-                    result.best.score, result.seed.score, result.best.resources_id)
+        logger.info(
+            "APO: best prompt scores %.3f against the seed's %.3f (published as %s)",
+            result.best.score,
+            result.seed.score,
+            result.best.resources_id,
+        )
 
     def _seed_prompt(self) -> Tuple[str, str, Dict[str, Any]]:
         update = self.store.get_resources(self.trainer.resources_id) if self.trainer.resources_id else None
@@ -289,8 +314,9 @@ class APO(Algorithm, Generic[T_task]):
 
     def _scored(self, template: str, val: List[Task], round_: int, **origin: Any) -> Candidate:
         resources_id = self._publish(template)
-        rollouts = self.trainer.run_tasks(val, mode="val", resources_id=resources_id,
-                                          description=f"APO round {round_}: scoring")
+        rollouts = self.trainer.run_tasks(
+            val, mode="val", resources_id=resources_id, description=f"APO round {round_}: scoring"
+        )
         error = _all_failed(rollouts)
         if error is not None and round_ == 0:
             raise APOError(
@@ -298,8 +324,9 @@ class APO(Algorithm, Generic[T_task]):
                 "check the agent's model endpoint, and that the prompt's placeholders are fields of the tasks"
             )
         if error is not None:
-            logger.warning("APO round %d: every rollout scoring a prompt failed (first error: %s); it scores 0",
-                           round_, error)
+            logger.warning(
+                "APO round %d: every rollout scoring a prompt failed (first error: %s); it scores 0", round_, error
+            )
         score = statistics.fmean(_reward(r) for r in rollouts)
         logger.info("APO round %d: prompt scored %.3f on %d tasks", round_, score, len(rollouts))
         return Candidate(template=template, score=score, round=round_, resources_id=resources_id, **origin)
@@ -313,12 +340,14 @@ class APO(Algorithm, Generic[T_task]):
 
     def _critique(self, candidate: Candidate, train: List[Task]) -> str:
         batch = self.rng.sample(train, min(self.gradient_batch_size, len(train)))
-        rollouts = self.trainer.run_tasks(batch, mode="train", resources_id=candidate.resources_id,
-                                          description="APO: rollouts to critique")
+        rollouts = self.trainer.run_tasks(
+            batch, mode="train", resources_id=candidate.resources_id, description="APO: rollouts to critique"
+        )
         error = _all_failed(rollouts)
         if error is not None:
-            logger.warning("APO: every rollout to critique failed (first error: %s); the critique sees only the "
-                           "errors", error)
+            logger.warning(
+                "APO: every rollout to critique failed (first error: %s); the critique sees only the errors", error
+            )
         worst = sorted(rollouts, key=_reward)[: self.max_transcripts]
         runs = "\n\n".join(
             f'<run reward="{_reward(r):g}">\n{transcript(self.store.query_spans(r.rollout_id), r)}\n</run>'
@@ -338,8 +367,10 @@ class APO(Algorithm, Generic[T_task]):
         for reply in self._ask(request, self.branch_factor, self.apply_edit_model):
             edited = _extract_prompt(reply)
             if edited is None:
-                logger.warning("APO: refused an optimizer reply with no prompt between <prompt> tags (or an empty "
-                               "one): %r", _cut(reply, 200))
+                logger.warning(
+                    "APO: refused an optimizer reply with no prompt between <prompt> tags (or an empty one): %r",
+                    _cut(reply, 200),
+                )
             edits.append(edited)
         return edits
 
@@ -351,12 +382,15 @@ class APO(Algorithm, Generic[T_task]):
         llm = self.optimizer
         replies = []
         known, extra = openai_arguments(self.sampling)
-        with openai.OpenAI(base_url=llm.get_base_url(), api_key=llm.api_key or "agl",
-                           timeout=self.request_timeout, max_retries=2) as client:
+        with openai.OpenAI(
+            base_url=llm.get_base_url(), api_key=llm.api_key or "agl", timeout=self.request_timeout, max_retries=2
+        ) as client:
             for _ in range(n):
                 try:
                     completion = client.chat.completions.create(
-                        model=model, messages=[{"role": "user", "content": content}], **known,
+                        model=model,
+                        messages=[{"role": "user", "content": content}],
+                        **known,
                         **({"extra_body": extra} if extra else {}),
                     )
                 except openai.OpenAIError as exc:
@@ -394,9 +428,11 @@ def transcript(spans: Sequence[Span], rollout: Optional[Rollout] = None, limit: 
                 lines.append(f"[assistant] {_cut(text, limit)}")
             previous = (keys, len(outputs))
         elif span.kind == "tool":
-            lines.append(f"[tool {attrs.get(semconv.TOOL_NAME, span.name)}] "
-                         f"{_cut(str(attrs.get(semconv.TOOL_CALL_ARGUMENTS, '')), limit)} -> "
-                         f"{_cut(str(attrs.get(semconv.TOOL_CALL_RESULT, span.error or '')), limit)}")
+            lines.append(
+                f"[tool {attrs.get(semconv.TOOL_NAME, span.name)}] "
+                f"{_cut(str(attrs.get(semconv.TOOL_CALL_ARGUMENTS, '')), limit)} -> "
+                f"{_cut(str(attrs.get(semconv.TOOL_CALL_RESULT, span.error or '')), limit)}"
+            )
     if rollout is not None and rollout.status != "succeeded":
         lines.append(f"[rollout {rollout.status}] {_cut(rollout.error or '', limit)}")
     return "\n".join(lines) or "(no LLM or tool calls were recorded)"
@@ -472,7 +508,7 @@ def _extract_prompt(reply: str) -> Optional[str]:
         opened = list(_PROMPT_OPEN.finditer(answer))
         if not opened:
             return None
-        prompt = answer[opened[-1].end():]
+        prompt = answer[opened[-1].end() :]
     prompt = prompt.strip()
     return prompt if prompt and not _LEFTOVER_TAG.search(prompt) else None
 

@@ -20,13 +20,13 @@ if TYPE_CHECKING:
 class Algorithm(abc.ABC):
     """Subclass and implement ``run``; the Trainer calls ``bind`` before ``run``."""
 
-    trainer: "Trainer"
+    trainer: Trainer
 
-    def bind(self, trainer: "Trainer") -> None:
+    def bind(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
     @property
-    def store(self) -> "LightningStore":
+    def store(self) -> LightningStore:
         return self.trainer.store
 
     @property

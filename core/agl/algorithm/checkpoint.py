@@ -162,7 +162,10 @@ def load_checkpoint(
     if saved != configured:
         logger.warning(
             "resuming %s with lr=%s; the checkpoint was trained with lr=%s: training continues at lr=%s",
-            path, _one(configured), _one(saved), _one(configured),
+            path,
+            _one(configured),
+            _one(saved),
+            _one(configured),
         )
     if (path / "rng.pt").exists():
         _set_rng_state(torch.load(path / "rng.pt"))
@@ -192,7 +195,7 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 def _step_of(folder: Path) -> int:
     try:
-        return int(folder.name[len("step-"):])
+        return int(folder.name[len("step-") :])
     except ValueError:
         return -1
 

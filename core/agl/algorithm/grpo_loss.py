@@ -49,7 +49,7 @@ class TokenBatch:
     def response_width(self) -> int:
         return self.response_ids.shape[1]
 
-    def to(self, device: torch.device) -> "TokenBatch":
+    def to(self, device: torch.device) -> TokenBatch:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return TokenBatch(**moved)
 
@@ -93,13 +93,13 @@ def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
     old = torch.zeros((n, resp_width), dtype=torch.float32) if have_old else None
     for i, s in enumerate(samples):
         seq = list(s.prompt_ids) + list(s.response_ids)
-        input_ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-        attention[i, width - len(seq):] = 1
+        input_ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        attention[i, width - len(seq) :] = 1
         r = len(s.response_ids)
-        response_ids[i, resp_width - r:] = torch.tensor(s.response_ids, dtype=torch.long)
-        response_mask[i, resp_width - r:] = torch.tensor(s.response_mask, dtype=torch.float32)
+        response_ids[i, resp_width - r :] = torch.tensor(s.response_ids, dtype=torch.long)
+        response_mask[i, resp_width - r :] = torch.tensor(s.response_mask, dtype=torch.float32)
         if old is not None:
-            old[i, resp_width - r:] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+            old[i, resp_width - r :] = torch.tensor(s.response_logprobs, dtype=torch.float32)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     return TokenBatch(
         input_ids=input_ids,
@@ -189,7 +189,9 @@ def policy_loss(
     return LossParts(loss=loss, stats=stats)
 
 
-def split_micro_batches(samples: Sequence[Sample], max_samples: int, max_tokens: Optional[int] = None) -> List[List[Sample]]:
+def split_micro_batches(
+    samples: Sequence[Sample], max_samples: int, max_tokens: Optional[int] = None
+) -> List[List[Sample]]:
     """Group samples of similar length into micro-batches of at most ``max_samples`` samples and (when
     given) ``max_tokens`` padded tokens, so little compute is spent on padding."""
     if max_samples < 1:

@@ -39,7 +39,9 @@ class MetricsLog:
     checkpoint back in).
     """
 
-    def __init__(self, directory: Path, *, rows: Optional[List[Dict[str, float]]] = None, tensorboard: bool = True) -> None:
+    def __init__(
+        self, directory: Path, *, rows: Optional[List[Dict[str, float]]] = None, tensorboard: bool = True
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.csv_path = self.directory / "metrics.csv"

@@ -119,13 +119,22 @@ class TorchGRPO(PolicyServerSession, Evaluations, TrainingLoop, Checkpoints, Alg
                     after = None
                 elif val_tasks:
                     after = self._final_evaluation(val_tasks, metrics, "val", after)
-                    extra = {name: (before[name], self._final_evaluation(val_tasks, metrics, name)) for name in self.extra_evals}
+                    extra = {
+                        name: (before[name], self._final_evaluation(val_tasks, metrics, name))
+                        for name in self.extra_evals
+                    }
                 png = plot_reward_curve(self.state.rows, metrics.png_path, evaluations=self.state.evaluations)
             finally:
                 metrics.close()
         result = TrainResult(
-            before=before.get("val"), after=after, extra=extra, steps=self.state.step, seconds=time.monotonic() - started,
-            output_dir=Path(output), rows=list(self.state.rows), curve_png=png,
+            before=before.get("val"),
+            after=after,
+            extra=extra,
+            steps=self.state.step,
+            seconds=time.monotonic() - started,
+            output_dir=Path(output),
+            rows=list(self.state.rows),
+            curve_png=png,
         )
         print_summary(result)
         return result
@@ -179,8 +188,13 @@ class TorchGRPO(PolicyServerSession, Evaluations, TrainingLoop, Checkpoints, Alg
                             mask = batches[i].response_mask
                             drift.append(float(((logprobs.detach() - served).abs() * mask).sum() / mask.sum()))
                         parts = policy_loss(
-                            logprobs, old[i], batches[i], clip_eps=self.clip_eps, kl_coef=self.kl_coef,
-                            ref_logprobs=ref[i], weight_total=total,
+                            logprobs,
+                            old[i],
+                            batches[i],
+                            clip_eps=self.clip_eps,
+                            kl_coef=self.kl_coef,
+                            ref_logprobs=ref[i],
+                            weight_total=total,
                         )
                         parts.loss.backward()
                         share = float(parts.loss.detach()) / (len(windows) * self.ppo_epochs)
@@ -223,7 +237,7 @@ class TorchGRPO(PolicyServerSession, Evaluations, TrainingLoop, Checkpoints, Alg
             "the served model is not the trained one, or the agent samples from a restricted distribution "
             "(top_p < 1, a response_format): the server reports logprobs of what it drew from, the trainer "
             "computes the unrestricted policy's. PPO ratios are then off from the start; for the last two, "
-            "TorchGRPO(old_logprobs=\"recompute\") takes the old logprobs from the trainer's own forward pass.",
+            'TorchGRPO(old_logprobs="recompute") takes the old logprobs from the trainer\'s own forward pass.',
             drift,
         )
 

@@ -40,7 +40,9 @@ class Checkpoints:
         if cancelled:
             logger.warning(
                 "cancelled %d rollouts that an earlier run in %s left queued or running (it stopped mid-step; "
-                "their policy server is gone)", cancelled, self.checkpoint_dir,
+                "their policy server is gone)",
+                cancelled,
+                self.checkpoint_dir,
             )
 
     def _maybe_resume(self) -> bool:
@@ -80,7 +82,9 @@ class Checkpoints:
         if self.checkpoint_dir is None:
             return
         assert self.policy is not None and self.optimizer is not None
-        path = save_checkpoint(self.checkpoint_dir, self.policy.module, self.optimizer, self.state, lora=self.policy.is_lora)
+        path = save_checkpoint(
+            self.checkpoint_dir, self.policy.module, self.optimizer, self.state, lora=self.policy.is_lora
+        )
         self._saved_step = self.state.step
         logger.info("checkpoint %s", path)
 

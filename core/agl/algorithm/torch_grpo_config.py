@@ -126,104 +126,164 @@ class TorchGRPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     # the model
-    model: Annotated[Union[str, Tuple[Any, Any]], JsonSetting(
-        _STR, note="smollm2, tiny, or a Hugging Face name or path")] = Field(
-        "smollm2", description='"smollm2" (bundled), "tiny" (random, for tests), a Hugging Face name or path, '
-        "or a loaded (model, tokenizer) pair")
-    lora: Annotated[LoraSpec, JsonSetting(
-        _OBJ, nullable=True, note='LoraConfig fields such as {"r": 8}, or null for full fine-tuning')] = Field(
-        default_factory=lambda: dict(DEFAULT_LORA), description="a dict of peft.LoraConfig fields (missing ones "
-        "from DEFAULT_LORA), a LoraConfig, or None for full fine-tuning")
+    model: Annotated[
+        Union[str, Tuple[Any, Any]], JsonSetting(_STR, note="smollm2, tiny, or a Hugging Face name or path")
+    ] = Field(
+        "smollm2",
+        description='"smollm2" (bundled), "tiny" (random, for tests), a Hugging Face name or path, '
+        "or a loaded (model, tokenizer) pair",
+    )
+    lora: Annotated[
+        LoraSpec,
+        JsonSetting(_OBJ, nullable=True, note='LoraConfig fields such as {"r": 8}, or null for full fine-tuning'),
+    ] = Field(
+        default_factory=lambda: dict(DEFAULT_LORA),
+        description="a dict of peft.LoraConfig fields (missing ones "
+        "from DEFAULT_LORA), a LoraConfig, or None for full fine-tuning",
+    )
     # the schedule and the optimisation
     lr: Annotated[float, _POSITIVE, JsonSetting(_NUM, 0, exclusive=True)] = Field(
-        5e-4, description="AdamW learning rate (torch's other defaults: weight decay 0.01); a resumed run uses "
-        "this one, not the checkpoint's")
+        5e-4,
+        description="AdamW learning rate (torch's other defaults: weight decay 0.01); a resumed run uses "
+        "this one, not the checkpoint's",
+    )
     group_size: Annotated[int, _COUNT, JsonSetting(_INT, 1)] = Field(
-        4, description="rollouts per task (the GRPO group)")
+        4, description="rollouts per task (the GRPO group)"
+    )
     batch_tasks: Annotated[int, _COUNT, JsonSetting(_INT, 1)] = Field(8, description="training tasks per step")
-    steps: Annotated[Optional[int], _refuse(lambda v: v is not None and v < 0, "steps must be >= 0, got {value}"),
-                     JsonSetting(_INT, 0, nullable=True, note="null: as many as `epochs` passes over --data take")] \
-        = Field(None, description="training steps; None: `epochs` passes over the training tasks")
+    steps: Annotated[
+        Optional[int],
+        _refuse(lambda v: v is not None and v < 0, "steps must be >= 0, got {value}"),
+        JsonSetting(_INT, 0, nullable=True, note="null: as many as `epochs` passes over --data take"),
+    ] = Field(None, description="training steps; None: `epochs` passes over the training tasks")
     epochs: Annotated[int, _COUNT, JsonSetting(_INT, 1)] = Field(
-        1, description="passes over the training tasks when steps is None")
+        1, description="passes over the training tasks when steps is None"
+    )
     ppo_epochs: Annotated[int, _COUNT, JsonSetting(_INT, 1)] = Field(1, description="passes over each batch")
-    micro_batch_size: Annotated[int, _COUNT, JsonSetting(_INT, 1)] = Field(
-        16, description="samples per forward pass")
-    grad_accum: Annotated[Optional[int], _refuse(
-        lambda v: v is not None and v < 1, "{name} must be >= 1 or None (one optimizer step per pass), got {value}"),
-        JsonSetting(_INT, 1, nullable=True)] = Field(
-        None, description="micro-batches per optimizer step; None: one optimizer step per pass over the batch")
+    micro_batch_size: Annotated[int, _COUNT, JsonSetting(_INT, 1)] = Field(16, description="samples per forward pass")
+    grad_accum: Annotated[
+        Optional[int],
+        _refuse(
+            lambda v: v is not None and v < 1, "{name} must be >= 1 or None (one optimizer step per pass), got {value}"
+        ),
+        JsonSetting(_INT, 1, nullable=True),
+    ] = Field(None, description="micro-batches per optimizer step; None: one optimizer step per pass over the batch")
     clip_eps: Annotated[float, _POSITIVE, JsonSetting(_NUM, 0, exclusive=True)] = Field(
-        0.2, description="PPO ratio clip")
+        0.2, description="PPO ratio clip"
+    )
     kl_coef: Annotated[float, _finite(positive=False), JsonSetting(_NUM, 0)] = Field(
-        0.0, description="weight of the k3 KL to the reference policy; 0 skips the reference forward pass")
+        0.0, description="weight of the k3 KL to the reference policy; 0 skips the reference forward pass"
+    )
     max_grad_norm: Annotated[float, _POSITIVE, JsonSetting(_NUM, 0, exclusive=True)] = Field(
-        1.0, description="gradient clipping")
-    old_logprobs: Annotated[Literal["sample", "recompute"], _refuse(
-        lambda v: v not in ("sample", "recompute"), 'old_logprobs must be "sample" or "recompute", got {value!r}'),
-        JsonSetting(("sample", "recompute"))] = Field(
-        "sample", description="the PPO ratio's old logprobs: the server's (\"sample\") or a forward pass before "
-        "the update (\"recompute\")")
+        1.0, description="gradient clipping"
+    )
+    old_logprobs: Annotated[
+        Literal["sample", "recompute"],
+        _refuse(
+            lambda v: v not in ("sample", "recompute"), 'old_logprobs must be "sample" or "recompute", got {value!r}'
+        ),
+        JsonSetting(("sample", "recompute")),
+    ] = Field(
+        "sample",
+        description="the PPO ratio's old logprobs: the server's (\"sample\") or a forward pass before "
+        'the update ("recompute")',
+    )
     # sampling and evaluation
-    temperature: Annotated[float, _refuse(
-        lambda v: not (is_finite_number(v) and v > 0), "temperature must be a finite number > 0 for training "
-        "rollouts (got {value}); use val_sampling={{'temperature': 0.0}} for greedy evaluation"),
-        JsonSetting(_NUM, 0, exclusive=True)] = Field(
-        1.0, description="the training temperature, published with the LLM resource; the loss computes every "
-        "logprob at it")
+    temperature: Annotated[
+        float,
+        _refuse(
+            lambda v: not (is_finite_number(v) and v > 0),
+            "temperature must be a finite number > 0 for training "
+            "rollouts (got {value}); use val_sampling={{'temperature': 0.0}} for greedy evaluation",
+        ),
+        JsonSetting(_NUM, 0, exclusive=True),
+    ] = Field(
+        1.0,
+        description="the training temperature, published with the LLM resource; the loss computes every logprob at it",
+    )
     max_tokens: Annotated[int, _COUNT, JsonSetting(_INT, 1)] = Field(256, description="longest response per LLM call")
-    sampling: Annotated[Optional[Mapping[str, Any]], JsonSetting(
-        _OBJ, nullable=True, note='e.g. {"top_p": 0.9}')] = Field(
-        None, validate_default=True, description="more sampling parameters of the training rollouts (no other "
-        "temperature, no seed with group_size > 1)")
-    val_sampling: Annotated[Optional[Mapping[str, Any]], JsonSetting(
-        _OBJ, nullable=True, note='e.g. {"temperature": 0.0}')] = Field(
-        None, description="overrides for the validation rollouts, e.g. {'temperature': 0.0} for greedy evaluation")
-    extra_evals: Annotated[Optional[Mapping[str, Mapping[str, Any]]], JsonSetting(
-        _OBJ, nullable=True, note='names to sampling settings, e.g. {"greedy": {"temperature": 0.0}}')] = Field(
-        None, validate_default=True, description="more evaluations, before and after training only: their "
-        "sampling overrides by name")
-    success_threshold: Annotated[float, _refuse(
-        lambda v: not is_finite_number(v), "success_threshold must be a finite number, got {value!r}"),
-        JsonSetting(_NUM, note="the reward that counts as a success")] = Field(
-        1.0, description="a rollout whose reward reaches it counts as a success")
+    sampling: Annotated[Optional[Mapping[str, Any]], JsonSetting(_OBJ, nullable=True, note='e.g. {"top_p": 0.9}')] = (
+        Field(
+            None,
+            validate_default=True,
+            description="more sampling parameters of the training rollouts (no other "
+            "temperature, no seed with group_size > 1)",
+        )
+    )
+    val_sampling: Annotated[
+        Optional[Mapping[str, Any]], JsonSetting(_OBJ, nullable=True, note='e.g. {"temperature": 0.0}')
+    ] = Field(
+        None, description="overrides for the validation rollouts, e.g. {'temperature': 0.0} for greedy evaluation"
+    )
+    extra_evals: Annotated[
+        Optional[Mapping[str, Mapping[str, Any]]],
+        JsonSetting(_OBJ, nullable=True, note='names to sampling settings, e.g. {"greedy": {"temperature": 0.0}}'),
+    ] = Field(
+        None,
+        validate_default=True,
+        description="more evaluations, before and after training only: their sampling overrides by name",
+    )
+    success_threshold: Annotated[
+        float,
+        _refuse(lambda v: not is_finite_number(v), "success_threshold must be a finite number, got {value!r}"),
+        JsonSetting(_NUM, note="the reward that counts as a success"),
+    ] = Field(1.0, description="a rollout whose reward reaches it counts as a success")
     eval_every: Annotated[int, JsonSetting(_INT, 0, note="0: evaluate only before and after training")] = Field(
-        0, description="validate every N steps (0: before and after training only)")
-    time_budget_s: Annotated[Optional[float], _refuse(  # NaN: no step would ever be over budget
-        lambda v: v is not None and v != v, "time_budget_s must be a number of seconds or None (no budget), got nan"),
-        JsonSetting(_NUM, 0, exclusive=True, nullable=True, note="or --minutes")] = Field(
-        None, description="wall-time budget of the whole run: no step starts unless it and the final "
-        "evaluations still fit")
+        0, description="validate every N steps (0: before and after training only)"
+    )
+    time_budget_s: Annotated[
+        Optional[float],
+        _refuse(  # NaN: no step would ever be over budget
+            lambda v: v is not None and v != v, "time_budget_s must be a number of seconds or None (no budget), got nan"
+        ),
+        JsonSetting(_NUM, 0, exclusive=True, nullable=True, note="or --minutes"),
+    ] = Field(
+        None,
+        description="wall-time budget of the whole run: no step starts unless it and the final evaluations still fit",
+    )
     # the run's files: agl train decides them from --out and --resume, so they take no JSON value
     checkpoint_dir: Optional[Path] = Field(None, description="where checkpoints go (None: none are saved)")
     checkpoint_every: Annotated[int, JsonSetting(_INT, 1)] = Field(1, description="steps between checkpoints")
     resume: bool = Field(True, description="continue from the newest checkpoint in checkpoint_dir")
     output_dir: Optional[Path] = Field(
-        None, description="metrics files (None: checkpoint_dir, else .agl/runs/grpo-<time>)")
+        None, description="metrics files (None: checkpoint_dir, else .agl/runs/grpo-<time>)"
+    )
     # the machine
     seed: Annotated[int, JsonSetting(_INT)] = Field(
-        0, description="seeds torch and Python's random at the start, and the shuffled task order")
+        0, description="seeds torch and Python's random at the start, and the shuffled task order"
+    )
     device: Annotated[Optional[str], JsonSetting(_STR, nullable=True, note="cpu, cuda, cuda:1 ...")] = Field(
-        None, description="where the model goes (None: cuda when present)")
+        None, description="where the model goes (None: cuda when present)"
+    )
     dtype: Annotated[Any, JsonSetting(_STR, nullable=True, note="float32, bfloat16 or float16")] = Field(
-        None, description="the model's dtype (None: bfloat16 on CUDA, float32 on the CPU)")
+        None, description="the model's dtype (None: bfloat16 on CUDA, float32 on the CPU)"
+    )
     torch_threads: Annotated[Optional[int], JsonSetting(_INT, 1, nullable=True)] = Field(
-        None, description="torch's CPU threads (None: all cores on the CPU)")
+        None, description="torch's CPU threads (None: all cores on the CPU)"
+    )
     # the policy server
     server_batch_size: Annotated[int, _COUNT, JsonSetting(_INT, 1)] = Field(
-        16, description="the policy server's batch size")
+        16, description="the policy server's batch size"
+    )
     server_host: Annotated[str, JsonSetting(_STR)] = Field(
-        "127.0.0.1", description='where the policy server listens ("0.0.0.0" for runners on other machines)')
+        "127.0.0.1", description='where the policy server listens ("0.0.0.0" for runners on other machines)'
+    )
     server_port: Annotated[int, JsonSetting(_INT, 0, note="0 picks a free port")] = Field(
-        0, description="the policy server's port (0: a free one)")
+        0, description="the policy server's port (0: a free one)"
+    )
     server_url: Annotated[Optional[str], JsonSetting(_STR, nullable=True)] = Field(
-        None, description="the URL published to agents instead of the server's own")
+        None, description="the URL published to agents instead of the server's own"
+    )
     model_name: Annotated[str, JsonSetting(_STR)] = Field("policy", description="the model name agents see")
     resource_name: Annotated[str, JsonSetting(_STR)] = Field("main_llm", description="the LLM resource's name")
-    on_step: Annotated[Optional[Callable[[Dict[str, float]], None]], PythonOnly(
-        "a Python callable: only the Python API sets it, TorchGRPO(on_step=...)")] = Field(
-        None, description="called with each step's row on the training thread, after the row is logged and the "
-        "step's checkpoint saved (hand it to any tracker); an exception it raises stops training")
+    on_step: Annotated[
+        Optional[Callable[[Dict[str, float]], None]],
+        PythonOnly("a Python callable: only the Python API sets it, TorchGRPO(on_step=...)"),
+    ] = Field(
+        None,
+        description="called with each step's row on the training thread, after the row is logged and the "
+        "step's checkpoint saved (hand it to any tracker); an exception it raises stops training",
+    )
 
     # ------------------------------------------------------------------------------------------------------
     # settings checked with others, or normalized
@@ -252,7 +312,7 @@ class TorchGRPOConfig(BaseModel):
         return value.rstrip("/") if value else None
 
     @model_validator(mode="after")
-    def _training_sampling(self) -> "TorchGRPOConfig":
+    def _training_sampling(self) -> TorchGRPOConfig:
         """Training settings in ``sampling`` that would train on something else than what the rollouts
         sampled: a ``temperature`` other than ``temperature`` (the loss computes every logprob at it), and a
         fixed ``seed`` with ``group_size > 1`` (every rollout of a group would be the same, so no advantage).
@@ -275,14 +335,14 @@ class TorchGRPOConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _warn_of_single_rollout_groups(self) -> "TorchGRPOConfig":
+    def _warn_of_single_rollout_groups(self) -> TorchGRPOConfig:
         if self.group_size < 2:
             logger.warning("group_size=1: GRPO compares rollouts of the same task, every advantage will be 0")
         return self
 
     # ------------------------------------------------------------------------------------------------------
     @classmethod
-    def from_keywords(cls, settings: Mapping[str, Any]) -> "TorchGRPOConfig":
+    def from_keywords(cls, settings: Mapping[str, Any]) -> TorchGRPOConfig:
         """The settings of ``TorchGRPO(**settings)``, refused as TorchGRPO refuses them: an unknown keyword with
         a TypeError, a bad value with the ValueError of its check (the first one, in the fields' order)."""
         for name in settings:
@@ -297,16 +357,24 @@ class TorchGRPOConfig(BaseModel):
     def signature(cls) -> inspect.Signature:
         """``TorchGRPO``'s signature: one keyword-only parameter per field, with its default."""
         parameters = [
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=field.annotation,
-                              default=field.get_default(call_default_factory=True))
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=field.annotation,
+                default=field.get_default(call_default_factory=True),
+            )
             for name, field in cls.model_fields.items()
         ]
         return inspect.Signature(parameters, return_annotation=None)
 
 
 def _metadata(kind: type) -> Dict[str, Any]:
-    return {name: meta for name, field in TorchGRPOConfig.model_fields.items() for meta in field.metadata
-            if isinstance(meta, kind)}
+    return {
+        name: meta
+        for name, field in TorchGRPOConfig.model_fields.items()
+        for meta in field.metadata
+        if isinstance(meta, kind)
+    }
 
 
 #: what ``--set``/``--config`` take, by setting (the run's folder, ``on_step``: none)
@@ -340,7 +408,8 @@ def json_problems(settings: Mapping[str, Any]) -> List[str]:
             elif key == "extra_evals" and value is not None:
                 problems.extend(
                     f"extra_evals={value!r}: {name!r} must map to an object of sampling settings"
-                    for name, inner in value.items() if not isinstance(inner, dict)
+                    for name, inner in value.items()
+                    if not isinstance(inner, dict)
                 )
     return problems
 
@@ -352,14 +421,20 @@ def _lora_problems(lora: Mapping[str, Any]) -> List[Tuple[str, str]]:
             wrong = spec.problem(lora[field])
             if wrong:
                 out.append((field, f"{lora[field]!r}: {wrong}"))
-    if isinstance(lora.get("lora_dropout"), (int, float)) and not isinstance(lora["lora_dropout"], bool) \
-            and lora["lora_dropout"] >= 1:
+    if (
+        isinstance(lora.get("lora_dropout"), (int, float))
+        and not isinstance(lora["lora_dropout"], bool)
+        and lora["lora_dropout"] >= 1
+    ):
         out.append(("lora_dropout", f"{lora['lora_dropout']!r}: expected a fraction below 1"))
     target = lora.get("target_modules")
-    if "target_modules" in lora and target is not None and not isinstance(target, str) and not (
-        isinstance(target, list) and all(isinstance(t, str) for t in target)
+    if (
+        "target_modules" in lora
+        and target is not None
+        and not isinstance(target, str)
+        and not (isinstance(target, list) and all(isinstance(t, str) for t in target))
     ):
-        out.append(("target_modules", f"{target!r}: expected a module name, a list of names, or \"all-linear\""))
+        out.append(("target_modules", f'{target!r}: expected a module name, a list of names, or "all-linear"'))
     return out
 
 
@@ -387,7 +462,7 @@ def _temperature_advice(wanted: Any) -> str:
             "Training samples at a temperature > 0 (greedy rollouts of a group are all alike: nothing to learn); "
             "for greedy evaluation leave temperature out of sampling and set val_sampling={'temperature': 0.0} "
             "or extra_evals={'greedy': {'temperature': 0.0}} (agl train: --set 'extra_evals={\"greedy\": "
-            "{\"temperature\": 0}}')"
+            '{"temperature": 0}}\')'
         )
     return (
         f"Set the training temperature with temperature={wanted!r} (agl train: --temperature {wanted!r}) and leave "

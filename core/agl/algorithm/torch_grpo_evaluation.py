@@ -28,11 +28,18 @@ class Evaluation:
     seconds: float
 
     def as_row(self) -> Dict[str, Any]:
-        return {"name": self.name, "step": self.step, "success": self.success, "reward_mean": self.reward_mean,
-                "n": self.n, "failed": self.failed, "seconds": self.seconds}
+        return {
+            "name": self.name,
+            "step": self.step,
+            "success": self.success,
+            "reward_mean": self.reward_mean,
+            "n": self.n,
+            "failed": self.failed,
+            "seconds": self.seconds,
+        }
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> "Evaluation":
+    def from_row(cls, row: Mapping[str, Any]) -> Evaluation:
         return cls(**{k: row[k] for k in ("name", "step", "success", "reward_mean", "n", "failed", "seconds")})
 
     def __str__(self) -> str:
@@ -86,7 +93,10 @@ class Evaluations:
                 logger.warning(
                     "skipping the untrained policy's %s evaluation: after the %s one, the time budget of %.0f s "
                     "leaves no room for a training step (%.0f s gone)",
-                    ", ".join(names[i:]), ", ".join(out), self.time_budget_s, time.monotonic() - started,
+                    ", ".join(names[i:]),
+                    ", ".join(out),
+                    self.time_budget_s,
+                    time.monotonic() - started,
                 )
                 break
             out[name] = self._evaluate(val_tasks, metrics, name)

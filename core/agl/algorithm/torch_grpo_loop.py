@@ -60,7 +60,10 @@ class TrainingLoop:
             step_started = time.monotonic()
             tasks = self._next_tasks(train_tasks)
             rollouts = self._run_rollouts(
-                tasks, resources_id, mode="train", n_per_task=self.group_size,
+                tasks,
+                resources_id,
+                mode="train",
+                n_per_task=self.group_size,
                 description=f"step {self.state.step + 1}: rollouts",
             )
             rollouts_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
@@ -114,11 +117,15 @@ class TrainingLoop:
             "so %s (%d such steps in a row; rewards seen: %s).%s A reward that never varies (a constant, a bug), "
             "tasks too easy or too hard for the policy, greedy sampling, a fixed sampling seed (an agent that "
             "passes its own `seed`) or group_size=1 give this; it does not stop the run",
-            self.state.step + 1, n_groups,
+            self.state.step + 1,
+            n_groups,
             "only the KL term updates the policy" if self.kl_coef > 0 else "no optimizer step",
-            before + 1, seen or "none",
+            before + 1,
+            seen or "none",
             " The rollouts of every group were token for token identical: a fixed `seed` in the agent's requests "
-            "(or greedy sampling) does this." if _groups_identical(samples) else "",
+            "(or greedy sampling) does this."
+            if _groups_identical(samples)
+            else "",
         )
 
     def _say_nothing_trained(self, elapsed_s: float) -> None:
@@ -129,7 +136,9 @@ class TrainingLoop:
             "no training step ran: the time budget of %.0f s would be used up before one step and the final "
             "evaluations could finish (%.0f s gone; the first evaluations took %.0f s, and the final ones need as "
             "long). Give the run more time, or evaluate on fewer tasks (or fewer evaluation settings).",
-            self.time_budget_s, elapsed_s, evaluations,
+            self.time_budget_s,
+            elapsed_s,
+            evaluations,
         )
 
     def _over_budget(self, started: float) -> bool:
@@ -165,15 +174,23 @@ class TrainingLoop:
         assert self.policy is not None
         if all(bool(torch.isfinite(p).all()) for p in self.policy.parameters()):
             return
-        kept = f"the checkpoint of step {self._saved_step} in {self.checkpoint_dir} is the last good one" \
-            if self._saved_step else "no checkpoint was saved before it"
+        kept = (
+            f"the checkpoint of step {self._saved_step} in {self.checkpoint_dir} is the last good one"
+            if self._saved_step
+            else "no checkpoint was saved before it"
+        )
         raise TrainingDivergedError(
             f"step {self.state.step + 1}'s update made trainable weights NaN or infinite, so the run stopped before "
             f"serving or saving them; {kept}. Lower lr (now {self.lr:g}) or max_grad_norm and resume, or start again"
         )
 
     def _row(
-        self, rollouts: List[Rollout], batch: Any, stats: Dict[str, float], started: float, generated: float,
+        self,
+        rollouts: List[Rollout],
+        batch: Any,
+        stats: Dict[str, float],
+        started: float,
+        generated: float,
         rollouts_version: int,
     ) -> Dict[str, float]:
         """The step's metrics row. ``policy_version``: the version published after its update (the server's

@@ -12,8 +12,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 
-from agl.algorithm.checkpoint import record_published
 from agl._util.http_thread import WILDCARD_HOSTS, advertised_url
+from agl.algorithm.checkpoint import record_published
 from agl.serving.models import load_policy
 from agl.types import LLM, Rollout, Task
 
@@ -37,8 +37,14 @@ class PolicyServerSession:
         torch.manual_seed(self.seed)
         model, tokenizer = self._load_model()
         self.attach(model, tokenizer)
-        self.server = PolicyServer(model, self.tokenizer, model_name=self.model_name, max_batch_size=self.server_batch_size,
-                                   host=self.server_host, port=self.server_port)
+        self.server = PolicyServer(
+            model,
+            self.tokenizer,
+            model_name=self.model_name,
+            max_batch_size=self.server_batch_size,
+            host=self.server_host,
+            port=self.server_port,
+        )
         self.server.start()
         self._warn_if_unreachable()
         try:
@@ -94,11 +100,17 @@ class PolicyServerSession:
 
     def _warn_if_unreachable(self) -> None:
         """Runners only on other machines (``n_runners=0``) cannot reach a server bound to loopback."""
-        if self.trainer.n_runners == 0 and not self.server_url and self.server_host in ("127.0.0.1", "localhost", "::1"):
+        if (
+            self.trainer.n_runners == 0
+            and not self.server_url
+            and self.server_host in ("127.0.0.1", "localhost", "::1")
+        ):
             logger.warning(
                 "n_runners=0 (runners on other machines) but the policy server listens on %s only: they would "
                 "be sent to their own %s. Pass server_host='0.0.0.0' (published under this machine's name, %s) "
-                "or server_url='http://HOST:PORT/v1' with a server_port", self.server_host, self._endpoint(),
+                "or server_url='http://HOST:PORT/v1' with a server_port",
+                self.server_host,
+                self._endpoint(),
                 advertised_url("0.0.0.0", self.server.bound_port),
             )
 

@@ -29,7 +29,9 @@ def lora_config(spec: LoraSpec) -> Any:
     if isinstance(spec, LoraConfig):
         return spec
     if not isinstance(spec, Mapping):
-        raise TypeError(f"lora must be None (full fine-tuning), a dict of LoraConfig fields or a LoraConfig, got {spec!r}")
+        raise TypeError(
+            f"lora must be None (full fine-tuning), a dict of LoraConfig fields or a LoraConfig, got {spec!r}"
+        )
     fields = {**DEFAULT_LORA, **spec, "task_type": "CAUSAL_LM"}
     try:
         return LoraConfig(**fields)

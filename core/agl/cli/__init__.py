@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from agl.errors import AglError
 
@@ -58,13 +59,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except sqlite3.OperationalError as exc:
         if "locked" not in str(exc) and "busy" not in str(exc):
             raise
-        print(f"agl: the SQLite store is locked ({exc}): another process (a trainer or runner in a long transaction, "
-              "a sqlite3 shell with an open transaction) has held its write lock for longer than agl waits (30 s); "
-              "run the command again once that process is done, or stop it", file=sys.stderr)
+        print(
+            f"agl: the SQLite store is locked ({exc}): another process (a trainer or runner in a long transaction, "
+            "a sqlite3 shell with an open transaction) has held its write lock for longer than agl waits (30 s); "
+            "run the command again once that process is done, or stop it",
+            file=sys.stderr,
+        )
         return 2
     except BrokenPipeError:  # `agl store rollouts | head`: the reader left; say nothing more, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush too
         return 128 + signal.SIGPIPE
     finally:
         close_opened_stores()
-

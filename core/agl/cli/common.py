@@ -17,8 +17,10 @@ from urllib.parse import urlsplit
 
 from agl.runtime.litagent import LitAgent, as_agent
 
-STORE_HELP = ("store location: a .db file, sqlite:///path, memory, postgresql://... or a store server's "
-              "http://HOST:PORT (default: $AGL_STORE or .agl/store.db)")
+STORE_HELP = (
+    "store location: a .db file, sqlite:///path, memory, postgresql://... or a store server's "
+    "http://HOST:PORT (default: $AGL_STORE or .agl/store.db)"
+)
 
 
 FINISHED = ["succeeded", "failed", "cancelled"]

@@ -23,8 +23,12 @@ def add_dev_parser(sub: Any) -> None:
     dev = sub.add_parser("dev", help="run an agent on a dataset with the current model, no training")
     dev.add_argument("agent", help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
     dev.add_argument("--data", required=True, help="tasks: .jsonl (one per line), .json (a list), .parquet or .csv")
-    dev.add_argument("--n-runners", type=non_negative_int, default=2,
-                     help="runners to start here (default 2; 0: only runners started elsewhere, by agl runner)")
+    dev.add_argument(
+        "--n-runners",
+        type=non_negative_int,
+        default=2,
+        help="runners to start here (default 2; 0: only runners started elsewhere, by agl runner)",
+    )
     dev.add_argument("--runner-mode", choices=["process", "thread"], default="process")
     dev.add_argument("--store", default=None, help=STORE_HELP)
     dev.add_argument("--endpoint", help="OpenAI-compatible base URL the agent should use (main_llm)")
@@ -32,8 +36,11 @@ def add_dev_parser(sub: Any) -> None:
     dev.add_argument("--api-key", default=None)
     dev.add_argument("--fake-model", action="store_true", help="serve agl's scripted fake model locally and use it")
     dev.add_argument("--limit", type=positive_int, metavar="N", help="run only the first N tasks")
-    dev.add_argument("--prompt", help="a PromptTemplate resource 'prompt' for the agent: TEXT or @FILE (e.g. the "
-                     "best_prompt.txt of `agl train --algorithm apo`)")
+    dev.add_argument(
+        "--prompt",
+        help="a PromptTemplate resource 'prompt' for the agent: TEXT or @FILE (e.g. the "
+        "best_prompt.txt of `agl train --algorithm apo`)",
+    )
     dev.set_defaults(func=cmd_dev)
 
 
@@ -86,9 +93,15 @@ def _say_runners_are_awaited(args: argparse.Namespace, store: Any) -> None:
     from agl.store import InMemoryLightningStore
 
     if isinstance(store, InMemoryLightningStore):
-        raise SystemExit("agl: --n-runners 0 waits for runners started elsewhere, which cannot reach a store in "
-                         "memory: pass --store FILE.db (or a store server's http://...), or --n-runners 1 or more")
+        raise SystemExit(
+            "agl: --n-runners 0 waits for runners started elsewhere, which cannot reach a store in "
+            "memory: pass --store FILE.db (or a store server's http://...), or --n-runners 1 or more"
+        )
     where = store_argument(getattr(store, "path", None) or args.store or os.environ.get("AGL_STORE") or "")
     local = " on this machine (--fake-model's server listens on 127.0.0.1)" if args.fake_model else ""
-    print(f"agl dev: --n-runners 0: no runner starts here; waiting for runners started elsewhere{local}, e.g. in "
-          f"another terminal: agl runner --store {where} --agent {args.agent}", file=sys.stderr, flush=True)
+    print(
+        f"agl dev: --n-runners 0: no runner starts here; waiting for runners started elsewhere{local}, e.g. in "
+        f"another terminal: agl runner --store {where} --agent {args.agent}",
+        file=sys.stderr,
+        flush=True,
+    )

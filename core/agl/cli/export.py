@@ -13,25 +13,43 @@ def add_export_parser(sub: Any) -> None:
     export_.add_argument("out", help="output file (.jsonl, or .parquet with pyarrow installed)")
     export_.add_argument("--format", choices=["jsonl", "parquet"], help="default: from the file suffix")
     export_.add_argument("--config", default="{}", help="LightningRL settings as JSON, or @file.json")
-    export_.add_argument("--adapter", dest="adapter_settings", action="append", default=[], metavar="KEY=VALUE",
-                         help="one LightningRL setting, as for agl train (over --config), e.g. --adapter aggregate=true")
+    export_.add_argument(
+        "--adapter",
+        dest="adapter_settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one LightningRL setting, as for agl train (over --config), e.g. --adapter aggregate=true",
+    )
     export_.add_argument("--agent-match", help="regex on agent names (overrides the config's agent_match)")
-    export_.add_argument("--status", action="append", choices=["succeeded", "failed", "cancelled"],
-                         help="rollouts to read (repeatable; default: every finished rollout); a task group with a "
-                         "rollout still queued or running is left out, and the command says so")
-    export_.add_argument("--mode", choices=["train", "val", "all"], default="train",
-                         help="rollouts of this mode (default: train; 'all': train and val, grouped apart); each "
-                         "record has its rollout's mode")
-    export_.add_argument("--limit", type=positive_int, metavar="N",
-                         help="read at most N rollouts, in whole task groups (a GRPO group is never cut)")
+    export_.add_argument(
+        "--status",
+        action="append",
+        choices=["succeeded", "failed", "cancelled"],
+        help="rollouts to read (repeatable; default: every finished rollout); a task group with a "
+        "rollout still queued or running is left out, and the command says so",
+    )
+    export_.add_argument(
+        "--mode",
+        choices=["train", "val", "all"],
+        default="train",
+        help="rollouts of this mode (default: train; 'all': train and val, grouped apart); each "
+        "record has its rollout's mode",
+    )
+    export_.add_argument(
+        "--limit",
+        type=positive_int,
+        metavar="N",
+        help="read at most N rollouts, in whole task groups (a GRPO group is never cut)",
+    )
     export_.add_argument("--store", default=None, help=STORE_HELP)
     export_.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from agl.cli.train import adapter_settings
     from agl.lightningrl import LightningRL
     from agl.lightningrl.export import check_target, export
-    from agl.cli.train import adapter_settings
 
     try:
         fmt = check_target(args.out, args.format)  # before the batch, which may take minutes to build
@@ -42,14 +60,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     store = existing_store(args.store)
     mode = None if args.mode == "all" else args.mode
     rollouts = _finished_groups(
-        store.query_rollouts(status=args.status or FINISHED, mode=mode), store.query_rollouts(status=UNFINISHED, mode=mode)
+        store.query_rollouts(status=args.status or FINISHED, mode=mode),
+        store.query_rollouts(status=UNFINISHED, mode=mode),
     )
     if args.limit is not None:
         rollouts = _whole_groups(rollouts, args.limit)
     batch = adapter.build_batch(store, rollouts)
     print(batch.report)
     if not batch.samples:  # a script that exports then trains must not go on with an empty (or an old) file
-        why = "the report above says why" if rollouts else "no finished rollout was read (agl store rollouts lists them)"
+        why = (
+            "the report above says why" if rollouts else "no finished rollout was read (agl store rollouts lists them)"
+        )
         raise SystemExit(f"agl: no samples to export from {len(rollouts)} rollouts; {why} ({args.out} was not written)")
     try:
         n = export(batch, args.out, fmt)
@@ -71,8 +92,10 @@ def _finished_groups(rollouts: List[Any], unfinished: List[Any]) -> List[Any]:
     waiting = {_group(r) for r in unfinished}
     kept = [r for r in rollouts if _group(r) not in waiting]
     if unfinished:
-        print(f"{len(unfinished)} rollouts are still queued or running: their {len(waiting)} task groups are left "
-              f"out ({len(rollouts) - len(kept)} finished rollouts of them); export again once they finish")
+        print(
+            f"{len(unfinished)} rollouts are still queued or running: their {len(waiting)} task groups are left "
+            f"out ({len(rollouts) - len(kept)} finished rollouts of them); export again once they finish"
+        )
     return kept
 
 

@@ -28,13 +28,18 @@ def add_serve_parser(store_sub: Any) -> None:
         description="Serve a store over HTTP. Runners and trainers elsewhere use it with --store http://HOST:PORT "
         "and the same token. OpenTelemetry exporters can send spans to http://HOST:PORT/v1/traces.",
     )
-    serve.add_argument("--store", default=None, help="the store to serve: a .db file or postgresql://... "
-                       "(default: $AGL_STORE or .agl/store.db)")
+    serve.add_argument(
+        "--store",
+        default=None,
+        help="the store to serve: a .db file or postgresql://... (default: $AGL_STORE or .agl/store.db)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=4747)
     serve.add_argument("--token", default=None, help="shared secret every client must send (default: $AGL_STORE_TOKEN)")
     serve.add_argument("--tokens-file", default=None, help="per-runner tokens: one 'NAME TOKEN' per line")
-    serve.add_argument("--insecure-no-auth", action="store_true", help="accept requests without a token (trusted networks only)")
+    serve.add_argument(
+        "--insecure-no-auth", action="store_true", help="accept requests without a token (trusted networks only)"
+    )
     serve.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 above)")
     serve.set_defaults(func=cmd_serve)
 
@@ -59,7 +64,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit("agl: --max-body-mb must be positive")
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 1024 * 1024))
     store = open_store(args.store)
-    print(f"agl: serving {store!r} on http://{args.host}:{args.port} ({len(tokens)} token(s)); API docs at /docs", flush=True)
+    print(
+        f"agl: serving {store!r} on http://{args.host}:{args.port} ({len(tokens)} token(s)); API docs at /docs",
+        flush=True,
+    )
     serve(store, args.host, args.port, tokens=tokens, allow_anonymous=args.insecure_no_auth, limits=limits)
     print(f"agl: store server stopped; {store!r} closed", flush=True)
     return 0
@@ -75,22 +83,37 @@ def add_runner_parser(sub: Any) -> None:
         "their rollout (up to --stop-timeout; a rollout still running then ends as failed, and is retried if its "
         "max_attempts allow). Dead runner processes are replaced.",
     )
-    runner.add_argument("--store", required=True, help="the store: http://HOST:PORT of `agl store serve`, "
-                        "postgresql://USER@HOST/DATABASE (the postgres extra), or a .db file on this machine")
-    runner.add_argument("--agent", required=True, help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
+    runner.add_argument(
+        "--store",
+        required=True,
+        help="the store: http://HOST:PORT of `agl store serve`, "
+        "postgresql://USER@HOST/DATABASE (the postgres extra), or a .db file on this machine",
+    )
+    runner.add_argument(
+        "--agent", required=True, help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)"
+    )
     runner.add_argument("--n-runners", type=int, default=1)
     runner.add_argument("--runner-mode", choices=["process", "thread"], default="process")
     runner.add_argument("--token", default=None, help=_TOKEN_HELP)
     runner.add_argument("--heartbeat-interval", type=float, default=5.0, help="seconds between heartbeats")
     runner.add_argument("--rollout-timeout", type=float, default=None, help="seconds a rollout may run (default: none)")
     runner.add_argument("--stop-timeout", type=float, default=30.0, help="seconds busy runners get to finish on stop")
-    runner.add_argument("--outage-timeout", type=float, default=600.0,
-                        help="seconds each call to a store server (or PostgreSQL) keeps trying through an outage "
-                        "once the runners run (a server restart; at start, --wait-for-store applies) (default 600)")
-    runner.add_argument("--wait-for-store", type=float, default=120.0, metavar="SECONDS",
-                        help="at start, how long to wait for a store server (or PostgreSQL) that does not answer "
-                        "yet, e.g. one starting beside the runners; a wrong token or URL still fails at once "
-                        "(default 120)")
+    runner.add_argument(
+        "--outage-timeout",
+        type=float,
+        default=600.0,
+        help="seconds each call to a store server (or PostgreSQL) keeps trying through an outage "
+        "once the runners run (a server restart; at start, --wait-for-store applies) (default 600)",
+    )
+    runner.add_argument(
+        "--wait-for-store",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="at start, how long to wait for a store server (or PostgreSQL) that does not answer "
+        "yet, e.g. one starting beside the runners; a wrong token or URL still fails at once "
+        "(default 120)",
+    )
     runner.set_defaults(func=cmd_runner)
 
 
@@ -107,8 +130,11 @@ def open_runner_store(url: str, token: Optional[str]) -> Any:
     try:
         return open_store(url, create=False)
     except StoreNotFoundError:
-        logger.warning("no store at %s yet: made a new, empty one; the runners wait for a trainer to enqueue rollouts "
-                       "into this file (check the path if the trainer already runs)", url)
+        logger.warning(
+            "no store at %s yet: made a new, empty one; the runners wait for a trainer to enqueue rollouts "
+            "into this file (check the path if the trainer already runs)",
+            url,
+        )
         return open_store(url)
 
 
@@ -144,8 +170,12 @@ def first_contact(url: str, token: Optional[str], wait_s: float) -> Tuple[Any, A
                     f"the store at {shown_store(url)} did not answer within {wait_s:g} s (--wait-for-store): {exc}"
                 ) from exc
             if waited >= said:
-                logger.warning("the store at %s does not answer yet (%s); waiting for it, up to %g s (--wait-for-store)",
-                               shown_store(url), exc, wait_s)
+                logger.warning(
+                    "the store at %s does not answer yet (%s); waiting for it, up to %g s (--wait-for-store)",
+                    shown_store(url),
+                    exc,
+                    wait_s,
+                )
                 said = waited + 10.0
             time.sleep(min(1.0, max(0.0, wait_s - waited)))
 
@@ -160,8 +190,10 @@ def _check_seconds(args: argparse.Namespace, **positive: bool) -> None:
             try:
                 check_number(name, value, positive=above_zero)
             except ValueError:
-                raise SystemExit(f"agl: --{name.replace('_', '-')} must be a finite number of seconds "
-                                 f"{'> 0' if above_zero else '>= 0'}, got {value}") from None
+                raise SystemExit(
+                    f"agl: --{name.replace('_', '-')} must be a finite number of seconds "
+                    f"{'> 0' if above_zero else '>= 0'}, got {value}"
+                ) from None
 
 
 def cmd_runner(args: argparse.Namespace) -> int:
@@ -171,8 +203,14 @@ def cmd_runner(args: argparse.Namespace) -> int:
 
     if args.n_runners < 1:
         raise SystemExit("agl: --n-runners must be at least 1")
-    _check_seconds(args, heartbeat_interval=True, rollout_timeout=True, outage_timeout=True, stop_timeout=False,
-                   wait_for_store=False)
+    _check_seconds(
+        args,
+        heartbeat_interval=True,
+        rollout_timeout=True,
+        outage_timeout=True,
+        stop_timeout=False,
+        wait_for_store=False,
+    )
     agent = load_agent(args.agent)
     store, stats = first_contact(args.store, args.token, args.wait_for_store)
     store.ride_out_outages(args.outage_timeout)  # from now on, ride out restarts of a store server or database
@@ -182,8 +220,11 @@ def cmd_runner(args: argparse.Namespace) -> int:
     stopped_by = ["an error"]  # what stopped the runners, for the error of an attempt that had to be killed
 
     def on_signal(signum: int, frame: Any) -> None:
-        logger.warning("signal %s: stopping the runners (busy ones get --stop-timeout %g s to finish their rollout)",
-                       signum, args.stop_timeout)
+        logger.warning(
+            "signal %s: stopping the runners (busy ones get --stop-timeout %g s to finish their rollout)",
+            signum,
+            args.stop_timeout,
+        )
         stopped_by[0] = signal.Signals(signum).name
         stop.set()
 
@@ -194,7 +235,10 @@ def cmd_runner(args: argparse.Namespace) -> int:
         "outage_timeout": args.outage_timeout,  # a store gone for good ends `agl runner` (non-zero), not hangs it
     }
     pool = RunnerPool(agent, store, args.n_runners, mode=args.runner_mode, runner_kwargs=runner_kwargs)
-    print(f"agl: {args.n_runners} runner(s) on {store!r} ({queued} rollouts queued); SIGTERM or Ctrl-C stops them", flush=True)
+    print(
+        f"agl: {args.n_runners} runner(s) on {store!r} ({queued} rollouts queued); SIGTERM or Ctrl-C stops them",
+        flush=True,
+    )
     pool.start()
     try:
         while not stop.wait(1.0):

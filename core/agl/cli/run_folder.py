@@ -36,11 +36,15 @@ def interrupted_message(prog: str, out: Path, resume: str) -> str:
     stopped before its first one but after its start wrote into ``out`` is refused a plain rerun
     (:func:`check_out`), so it is started afresh there with ``--resume``, which finds no checkpoint."""
     if (out / "checkpoints" / "latest").exists():
-        return (f"{prog}: interrupted; the run so far is in {out} (checkpoints in {out / 'checkpoints'}, metrics "
-                f"in {out / 'metrics.csv'}); continue it from its last checkpoint with: {resume}")
+        return (
+            f"{prog}: interrupted; the run so far is in {out} (checkpoints in {out / 'checkpoints'}, metrics "
+            f"in {out / 'metrics.csv'}); continue it from its last checkpoint with: {resume}"
+        )
     if holds_run(out):
-        return (f"{prog}: interrupted before the first checkpoint, so no training is kept; {out} holds the run's "
-                f"start (store, log): start it again from the untrained model with: {resume}")
+        return (
+            f"{prog}: interrupted before the first checkpoint, so no training is kept; {out} holds the run's "
+            f"start (store, log): start it again from the untrained model with: {resume}"
+        )
     return f"{prog}: interrupted before the first step; nothing to resume in {out}: run the command again"
 
 

@@ -28,7 +28,8 @@ def add_serve_command(sub: Any, store_help: str) -> None:
     serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     serve.add_argument("--dtype", default=None, help="float32, bfloat16... (default: float32 on CPU, bfloat16 on CUDA)")
     serve.add_argument(
-        "--store", default=None,
+        "--store",
+        default=None,
         help=f"follow this store's resources and load the checkpoints they name; {store_help}",
     )
     serve.add_argument("--resource", default="main_llm", help="the LLM resource naming the checkpoint")
@@ -81,8 +82,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"agl serve: loading {args.model} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_policy(args.model, dtype=args.dtype, device=args.device)
     server = PolicyServer(
-        model, tokenizer, model_name=args.model_name, host=args.host, port=args.port,
-        max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,
+        model,
+        tokenizer,
+        model_name=args.model_name,
+        host=args.host,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        default_max_tokens=args.max_tokens,
     )
     watcher = None
     stop = threading.Event()

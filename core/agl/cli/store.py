@@ -30,7 +30,8 @@ def add_store_parser(sub: Any) -> Any:
         p.add_argument("--store", default=None, help=STORE_HELP)
         p.set_defaults(func=cmd_store)
     prune = store_sub.add_parser(
-        "prune", help="delete the spans of older finished rollouts (the rollouts and rewards stay)",
+        "prune",
+        help="delete the spans of older finished rollouts (the rollouts and rewards stay)",
         description="Spans (prompts, responses, token ids) are nearly all of a store's volume. This deletes the "
         "spans of every finished rollout but the latest --keep-last, which keep them with the rest of their task "
         "groups (a GRPO group is never cut, so agl export still sees it whole); rollouts, attempts and rewards stay, "
@@ -38,20 +39,28 @@ def add_store_parser(sub: Any) -> Any:
         "(agl export). During "
         "training, Trainer(span_retention_steps=N) / agl train --span-retention-steps N does this step by step.",
     )
-    prune.add_argument("--keep-last", type=int, required=True, metavar="N",
-                       help="how many of the latest finished rollouts keep their spans (with their whole task groups)")
+    prune.add_argument(
+        "--keep-last",
+        type=int,
+        required=True,
+        metavar="N",
+        help="how many of the latest finished rollouts keep their spans (with their whole task groups)",
+    )
     prune.add_argument("--mode", choices=["train", "val"], help="only rollouts of this mode (default: both)")
-    prune.add_argument("--vacuum", action="store_true",
-                       help="SQLite: give the freed space back to the file system (rewrites the file; without "
-                       "this the file keeps its size and new spans reuse the space)")
+    prune.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="SQLite: give the freed space back to the file system (rewrites the file; without "
+        "this the file keeps its size and new spans reuse the space)",
+    )
     prune.add_argument("--store", default=None, help=STORE_HELP)
     prune.set_defaults(func=cmd_store_prune)
     return store_sub
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from agl.errors import UnknownAttemptError
     from agl.cli.inspection import render
+    from agl.errors import UnknownAttemptError
 
     store = existing_store(args.store)
     rollout_ = store.get_rollout(args.rollout_id)
@@ -73,8 +82,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if spans:
         print(render(spans) if attempt is not None else _render_attempts(store.query_attempts(args.rollout_id), spans))
     elif rollout_.is_terminal and rollout_.n_attempts:
-        print("(no spans: the agent recorded none, or they were deleted afterwards by span retention, "
-              "Trainer(span_retention_steps=...), or by `agl store prune`)")
+        print(
+            "(no spans: the agent recorded none, or they were deleted afterwards by span retention, "
+            "Trainer(span_retention_steps=...), or by `agl store prune`)"
+        )
     else:
         print("(no spans yet)" if rollout_.status in ("queued", "running") else "(no spans)")
     return 0
@@ -89,8 +100,10 @@ def _render_attempts(attempts: List[Any], spans: List[Any]) -> str:
     for attempt in attempts:
         own = [s for s in spans if s.attempt_id == attempt.attempt_id]
         error = f": {one_line(attempt.error)}" if attempt.error else ""
-        lines.append(f"attempt {attempt.attempt_id} ({attempt.sequence} of {len(attempts)}) {attempt.status}{error}"
-                     f"  spans={len(own)}")
+        lines.append(
+            f"attempt {attempt.attempt_id} ({attempt.sequence} of {len(attempts)}) {attempt.status}{error}"
+            f"  spans={len(own)}"
+        )
         lines.append(render(own) if own else "(no spans)")
     return "\n".join(lines)
 
@@ -131,9 +144,11 @@ def cmd_store_prune(args: argparse.Namespace) -> int:
     kept = {_step_group(r) for r in latest + store.query_rollouts(status=UNFINISHED, mode=args.mode)}
     doomed = [r.rollout_id for r in finished if _step_group(r) not in kept]
     deleted = delete_spans_in_batches(store, doomed)
-    print(f"deleted {deleted} spans of {len(doomed)} finished rollouts; the rollouts and their rewards stay, and "
-          f"so do the spans of {len(finished) - len(doomed)} finished rollouts (the task groups of the last "
-          f"{len(latest)}, whole) and of every unfinished rollout and its task group")
+    print(
+        f"deleted {deleted} spans of {len(doomed)} finished rollouts; the rollouts and their rewards stay, and "
+        f"so do the spans of {len(finished) - len(doomed)} finished rollouts (the task groups of the last "
+        f"{len(latest)}, whole) and of every unfinished rollout and its task group"
+    )
     if isinstance(store, SqliteLightningStore) and args.vacuum:
         _vacuum(store)
     return 0
@@ -144,8 +159,10 @@ def _vacuum(store: Any) -> None:
     if store.vacuum():
         print(f"vacuumed {store.path}: {before / 1e6:.1f} MB -> {store.file_size() / 1e6:.1f} MB")
     else:  # the new file is still in the WAL, beside the old one: the size now would read as vacuum's fault
-        print(f"vacuumed {store.path}, but another process is reading the store: the space returns to the file "
-              "system at a later checkpoint, once that reader is done (until then the file is larger, not smaller)")
+        print(
+            f"vacuumed {store.path}, but another process is reading the store: the space returns to the file "
+            "system at a later checkpoint, once that reader is done (until then the file is larger, not smaller)"
+        )
 
 
 def _step_group(rollout: Any) -> Tuple[str, str, Optional[str]]:

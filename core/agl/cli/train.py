@@ -5,8 +5,9 @@ The same run as a Python script with ``Trainer(algorithm=..., adapter=...).fit(a
 the command exists so that a user can go from ``agl dev`` (does my agent run?) to training without writing
 that script. Everything the algorithms accept stays reachable: the common TorchGRPO settings have flags,
 any other keyword goes through ``--set KEY=VALUE`` or ``--config``, and for VERL ``--set`` takes verl's own
-dotted overrides; for APO, ``--set`` takes APO's keywords. A run's files (store, metrics, checkpoints) live under ``--out``; an ``--out`` that
-already holds a run is resumed only with ``--resume``, never silently overwritten or mixed into.
+dotted overrides; for APO, ``--set`` takes APO's keywords. A run's files (store, metrics, checkpoints) live under
+``--out``; an ``--out`` that already holds a run is resumed only with ``--resume``, never silently overwritten or
+mixed into.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def add_train_parser(sub: Any, store_help: str) -> None:
         "this process (CPU or one GPU, extra 'torch'); verl trains on GPUs (extra 'verl'). The run's store, "
         "metrics and checkpoints go under --out. apo optimizes the agent's prompt instead of weights (no GPU).",
         epilog="examples:\n"
-        "  agl train examples/main_job/langgraph_math_agent.py:math_agent --data examples/data/main_job_train.jsonl \\\n"
+        "  agl train examples/main_job/langgraph_math_agent.py:math_agent --data examples/data/main_job_train.jsonl "
+        "\\\n"
         "      --val-data examples/data/main_job_heldout.jsonl --agent-match '^(solve|answer)$' \\\n"
         "      --group-size 4 --batch-tasks 4 --temperature 0.7 --max-tokens 24 --minutes 10\n"
         "  agl train my_agent.py:agent --data train.jsonl --algorithm verl --config @verl.yaml "
@@ -65,19 +67,36 @@ def add_train_parser(sub: Any, store_help: str) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("agent", help="MODULE:NAME or path/to/file.py:NAME (a LitAgent or a rollout function)")
-    train.add_argument("--data", required=True, help="training tasks: .jsonl (one per line), .json (a list), .parquet or .csv")
+    train.add_argument(
+        "--data", required=True, help="training tasks: .jsonl (one per line), .json (a list), .parquet or .csv"
+    )
     train.add_argument("--val-data", help="held-out tasks, evaluated before and after training")
     train.add_argument("--agent-match", help="regex on agent names: only their LLM calls are trained (default: all)")
-    train.add_argument("--adapter", dest="adapter_settings", action="append", default=[], metavar="KEY=VALUE",
-                       help="a LightningRL setting (repeatable; docs/lightningrl.md), the value read as JSON when it "
-                       "parses: --adapter credit=discounted --adapter gamma=0.9 --adapter aggregate=true "
-                       "--adapter 'air={\"tool_error\": -0.5}'")
+    train.add_argument(
+        "--adapter",
+        dest="adapter_settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a LightningRL setting (repeatable; docs/lightningrl.md), the value read as JSON when it "
+        "parses: --adapter credit=discounted --adapter gamma=0.9 --adapter aggregate=true "
+        "--adapter 'air={\"tool_error\": -0.5}'",
+    )
     train.add_argument("--algorithm", choices=["grpo", "verl", "apo"], default="grpo")
-    train.add_argument("--config", help="algorithm settings: a JSON object or @file (.json; .yaml too for verl); "
-                       "grpo: TorchGRPO keywords, verl: verl's config keys, apo: APO keywords")
-    train.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
-                       help="one more setting (repeatable). grpo: a TorchGRPO keyword, the value read as JSON when it "
-                       "parses (--set lora=null --set kl_coef=0.01); verl: a verl override (--set trainer.total_epochs=1)")
+    train.add_argument(
+        "--config",
+        help="algorithm settings: a JSON object or @file (.json; .yaml too for verl); "
+        "grpo: TorchGRPO keywords, verl: verl's config keys, apo: APO keywords",
+    )
+    train.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more setting (repeatable). grpo: a TorchGRPO keyword, the value read as JSON when it "
+        "parses (--set lora=null --set kl_coef=0.01); verl: a verl override (--set trainer.total_epochs=1)",
+    )
     grpo = train.add_argument_group("grpo settings (TorchGRPO; see docs/training.md)")
     grpo.add_argument("--model", help="smollm2 (bundled, default), tiny (random, smoke tests), or a HF name/path")
     grpo.add_argument("--steps", type=int, help="most training steps (default: one epoch over --data)")
@@ -86,33 +105,61 @@ def add_train_parser(sub: Any, store_help: str) -> None:
     grpo.add_argument("--lr", type=float, help="AdamW learning rate (default 5e-4, for LoRA)")
     grpo.add_argument("--temperature", type=float, help="sampling temperature during training (default 1.0)")
     grpo.add_argument("--max-tokens", type=int, help="longest response per LLM call (default 256)")
-    grpo.add_argument("--minutes", type=float, help="wall-time budget of the whole command; training stops early "
-                      "enough for the final evaluation to fit")
+    grpo.add_argument(
+        "--minutes",
+        type=float,
+        help="wall-time budget of the whole command; training stops early enough for the final evaluation to fit",
+    )
     apo = train.add_argument_group("apo settings (agl.APO; see docs/prompt-optimization.md)")
-    apo.add_argument("--prompt", help="the seed prompt (TEXT or @FILE), given to the agent as the PromptTemplate "
-                     "resource 'prompt'; str.format placeholders such as {question} are kept by every edit")
+    apo.add_argument(
+        "--prompt",
+        help="the seed prompt (TEXT or @FILE), given to the agent as the PromptTemplate "
+        "resource 'prompt'; str.format placeholders such as {question} are kept by every edit",
+    )
     apo.add_argument("--llm-endpoint", help="the agent's model: an OpenAI-compatible base URL (resource 'main_llm')")
     apo.add_argument("--llm-model", help="the agent's model name at --llm-endpoint")
     apo.add_argument("--optimizer-endpoint", help="the model that critiques and edits the prompt: a base URL")
     apo.add_argument("--optimizer-model", help="the optimizer's model name")
-    apo.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key "
-                     "sent to both endpoints, when set (default OPENAI_API_KEY); the agent's is stored with its "
-                     "resource 'main_llm' in the run's store")
-    apo.add_argument("--optimizer-api-key-env", metavar="VAR", help="environment variable holding the optimizer's "
-                     "own API key (default: --api-key-env's): it is neither sent to the agent's endpoint nor stored")
-    train.add_argument("--out", default=".agl/train", help="the run's folder: store, metrics, checkpoints "
-                       "(default .agl/train)")
+    apo.add_argument(
+        "--api-key-env",
+        default="OPENAI_API_KEY",
+        help="environment variable holding the API key "
+        "sent to both endpoints, when set (default OPENAI_API_KEY); the agent's is stored with its "
+        "resource 'main_llm' in the run's store",
+    )
+    apo.add_argument(
+        "--optimizer-api-key-env",
+        metavar="VAR",
+        help="environment variable holding the optimizer's "
+        "own API key (default: --api-key-env's): it is neither sent to the agent's endpoint nor stored",
+    )
+    train.add_argument(
+        "--out", default=".agl/train", help="the run's folder: store, metrics, checkpoints (default .agl/train)"
+    )
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     train.add_argument("--store", default=None, help=store_help.replace("$AGL_STORE or .agl/store.db", "OUT/store.db"))
     train.add_argument("--n-runners", type=int, default=16, help="agents run at once (default 16)")
-    train.add_argument("--runner-mode", choices=["thread", "process"], default="thread",
-                       help="thread (default: agents mostly wait on the model's HTTP endpoint) or process")
+    train.add_argument(
+        "--runner-mode",
+        choices=["thread", "process"],
+        default="thread",
+        help="thread (default: agents mostly wait on the model's HTTP endpoint) or process",
+    )
     train.add_argument("--rollout-timeout", type=float, default=600.0, help="seconds before a rollout is retried")
-    train.add_argument("--span-retention-steps", type=int, default=None, metavar="N",
-                       help="keep the spans of the last N training steps only, deleting older ones (rollouts "
-                       "and rewards stay): bounds a long run's store (default: keep every span)")
-    train.add_argument("--check", action="store_true", help="check the agent, data and settings (and for verl "
-                       "whether this machine can train them), then exit without training")
+    train.add_argument(
+        "--span-retention-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the spans of the last N training steps only, deleting older ones (rollouts "
+        "and rewards stay): bounds a long run's store (default: keep every span)",
+    )
+    train.add_argument(
+        "--check",
+        action="store_true",
+        help="check the agent, data and settings (and for verl "
+        "whether this machine can train them), then exit without training",
+    )
     train.set_defaults(func=cmd_train)
 
 
@@ -132,10 +179,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.n_runners < 0:
         raise SystemExit("agl: --n-runners must be >= 0 (0: only runners on other machines, `agl runner`)")
     if not (is_finite_number(args.rollout_timeout) and args.rollout_timeout > 0):
-        raise SystemExit(f"agl: --rollout-timeout must be a positive, finite number of seconds, got {args.rollout_timeout}")
+        raise SystemExit(
+            f"agl: --rollout-timeout must be a positive, finite number of seconds, got {args.rollout_timeout}"
+        )
     if args.span_retention_steps is not None and args.span_retention_steps < 0:
-        raise SystemExit(f"agl: --span-retention-steps must be >= 0 (the training steps whose spans are kept), got "
-                         f"{args.span_retention_steps}")
+        raise SystemExit(
+            f"agl: --span-retention-steps must be >= 0 (the training steps whose spans are kept), got "
+            f"{args.span_retention_steps}"
+        )
     adapter = _adapter(args)
     agent = load_agent(args.agent)
     train_tasks = load_tasks(args.data)
@@ -192,8 +243,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _interrupted(args: argparse.Namespace, out: Path) -> str:
     if args.algorithm != "grpo":
         return f"agl train: interrupted; the run's store is {args.store or out / 'store.db'}"
-    resume = with_resume(["agl", *sys.argv[1:]]) if sys.argv[1:2] == ["train"] \
+    resume = (
+        with_resume(["agl", *sys.argv[1:]])
+        if sys.argv[1:2] == ["train"]
         else "the same agl train command with --resume"
+    )
     return interrupted_message("agl train", out, resume)
 
 
@@ -244,10 +298,10 @@ def _check_task_ids(path: str, tasks: Sequence[Any]) -> None:
 #: settings of the run's files and resuming: ``agl train`` decides them from --out and --resume
 _OUT_OWNED = {
     "output_dir": "everything the run writes (metrics.csv, train.log, checkpoints, store) goes under --out: "
-                  "choose --out instead",
+    "choose --out instead",
     "checkpoint_dir": "the checkpoints go to OUT/checkpoints: choose --out instead",
     "resume": "pass --resume to continue the run in --out; to start afresh, choose another --out (or delete "
-              "the folder): a run's checkpoints and metrics are never overwritten",
+    "the folder): a run's checkpoints and metrics are never overwritten",
 }
 
 
@@ -272,8 +326,9 @@ def _lora_fields_problem(user: Mapping[str, Any]) -> List[str]:
 def _torch_grpo(args: argparse.Namespace, config: Dict[str, Any], out: Path) -> Any:
     sets = keyword_sets(args.settings)  # a malformed flag is named before torch is even imported
     user = {**config, **sets}
-    owned = [f"agl: {'--set' if key in sets else '--config'} {key}: {_OUT_OWNED[key]}" for key in _OUT_OWNED
-             if key in user]
+    owned = [
+        f"agl: {'--set' if key in sets else '--config'} {key}: {_OUT_OWNED[key]}" for key in _OUT_OWNED if key in user
+    ]
     if owned:
         raise SystemExit("\n".join(owned))
     for name in GRPO_FLAGS:
@@ -311,8 +366,10 @@ def check_minutes(minutes: float, prog: str = "agl") -> None:
     """``--minutes`` (``agl train``, the main job) must be a positive, finite number: NaN would be no budget at
     all (every comparison with it is false), and infinity is better said by leaving the flag out."""
     if not (math.isfinite(minutes) and minutes > 0):
-        raise SystemExit(f"{prog}: --minutes must be a positive, finite number of minutes, got {minutes} (leave it "
-                         "out for no time budget)")
+        raise SystemExit(
+            f"{prog}: --minutes must be a positive, finite number of minutes, got {minutes} (leave it "
+            "out for no time budget)"
+        )
 
 
 def _adapter(args: argparse.Namespace) -> Any:
@@ -326,9 +383,11 @@ def _verl(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
     grpo_only = grpo_flags_given(args)
     if grpo_only:
         instead = [
-            f"--set {_VERL_KEYS[name]}={getattr(args, name)}" if name in _VERL_KEYS else "trainer.total_epochs or "
-            "trainer.total_training_steps instead of --minutes"
-            for name in (*GRPO_FLAGS, "minutes") if getattr(args, name) is not None
+            f"--set {_VERL_KEYS[name]}={getattr(args, name)}"
+            if name in _VERL_KEYS
+            else "trainer.total_epochs or trainer.total_training_steps instead of --minutes"
+            for name in (*GRPO_FLAGS, "minutes")
+            if getattr(args, name) is not None
         ]
         raise SystemExit(
             f"agl: {', '.join(grpo_only)} set TorchGRPO; with --algorithm verl use verl's keys instead: "

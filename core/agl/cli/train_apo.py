@@ -21,20 +21,29 @@ def apo_algorithm(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
     from agl.types import LLM, PromptTemplate
 
     if grpo_flags_given(args):
-        raise SystemExit(f"agl: {', '.join(grpo_flags_given(args))} set TorchGRPO; --algorithm apo changes no weights "
-                         "(its settings: --set beam_width=N --set rounds=N ...)")
-    missing = [flag for flag in ("prompt", "llm_endpoint", "llm_model", "optimizer_endpoint", "optimizer_model")
-               if not getattr(args, flag)]
+        raise SystemExit(
+            f"agl: {', '.join(grpo_flags_given(args))} set TorchGRPO; --algorithm apo changes no weights "
+            "(its settings: --set beam_width=N --set rounds=N ...)"
+        )
+    missing = [
+        flag
+        for flag in ("prompt", "llm_endpoint", "llm_model", "optimizer_endpoint", "optimizer_model")
+        if not getattr(args, flag)
+    ]
     if missing:
-        raise SystemExit("agl: --algorithm apo needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
-                         + " (the seed prompt, the agent's model, and the model that edits the prompt)")
+        raise SystemExit(
+            "agl: --algorithm apo needs "
+            + ", ".join("--" + m.replace("_", "-") for m in missing)
+            + " (the seed prompt, the agent's model, and the model that edits the prompt)"
+        )
     prompt = prompt_setting(args.prompt)
     api_key = os.environ.get(args.api_key_env) or None
     optimizer_key = (os.environ.get(args.optimizer_api_key_env) or None) if args.optimizer_api_key_env else api_key
     settings = {**config, **keyword_sets(args.settings)}
     try:
-        algorithm = APO(LLM(endpoint=args.optimizer_endpoint, model=args.optimizer_model, api_key=optimizer_key),
-                        **settings)
+        algorithm = APO(
+            LLM(endpoint=args.optimizer_endpoint, model=args.optimizer_model, api_key=optimizer_key), **settings
+        )
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"agl: bad apo settings: {exc} (APO's settings: docs/prompt-optimization.md)") from None
     resources = {
@@ -58,8 +67,9 @@ def check_apo_out(out: Path, resume: bool, check: bool) -> None:
     if saved:
         raise SystemExit(f"agl: {out} already holds the results of an APO run ({', '.join(saved)}); {go_on}")
     if has_rollouts(out / "store.db"):
-        raise SystemExit(f"agl: {out} already holds an APO run that saved no prompt: choose another --out (or "
-                         "delete the folder)")
+        raise SystemExit(
+            f"agl: {out} already holds an APO run that saved no prompt: choose another --out (or delete the folder)"
+        )
 
 
 def fit_apo(trainer: Any, agent: Any, train_tasks: Any, val_tasks: Any, out: Path) -> int:
@@ -94,9 +104,13 @@ def _save_apo(result: Any, out: Path) -> bool:
     if result is None or not result.history:
         return False
     (out / "best_prompt.txt").write_text(result.best.template)
-    history = [{"template": c.template, "score": c.score, "round": c.round, "parent": c.parent,
-                "critique": c.critique} for c in result.history]
+    history = [
+        {"template": c.template, "score": c.score, "round": c.round, "parent": c.parent, "critique": c.critique}
+        for c in result.history
+    ]
     (out / "apo_history.json").write_text(json.dumps(history, indent=2))
-    print(f"agl train: best prompt scores {result.best.score:.3f} (seed {result.seed.score:.3f}); "
-          f"{len(result.history)} prompts tried; saved to {out / 'best_prompt.txt'}\n{result.best.template}")
+    print(
+        f"agl train: best prompt scores {result.best.score:.3f} (seed {result.seed.score:.3f}); "
+        f"{len(result.history)} prompts tried; saved to {out / 'best_prompt.txt'}\n{result.best.template}"
+    )
     return True

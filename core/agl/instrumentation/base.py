@@ -36,7 +36,7 @@ class _SharedHooks:
     """The hooks of one instrumentor class: the instance whose ``_instrument`` put them in place (it takes
     them out again) and how many instances use them now."""
 
-    def __init__(self, owner: "Instrumentor") -> None:
+    def __init__(self, owner: Instrumentor) -> None:
         self.owner = owner
         self.users = 0
 
@@ -44,7 +44,7 @@ class _SharedHooks:
 _hooks: Dict[type, _SharedHooks] = {}
 
 
-def hooks_owner(cls: type) -> Optional["Instrumentor"]:
+def hooks_owner(cls: type) -> Optional[Instrumentor]:
     """The instance of instrumentor class ``cls`` whose hooks are in place (None: not hooked), for state an
     adapter hands out, such as the LangChain callback handler."""
     with _hooks_lock:
@@ -160,7 +160,9 @@ class Instrumentor(abc.ABC):
                 shared = _hooks[type(self)] = _SharedHooks(self)
                 self.hooks_live = True
             elif kwargs:
-                logger.debug("agl: %s is hooked already; this instrumentor shares its hooks, %s unused", self.name, kwargs)
+                logger.debug(
+                    "agl: %s is hooked already; this instrumentor shares its hooks, %s unused", self.name, kwargs
+                )
             shared.users += 1
             self._active = True
             _count_active(self.name, 1)
@@ -181,9 +183,7 @@ class Instrumentor(abc.ABC):
                 shared.owner._uninstrument()
 
     @abc.abstractmethod
-    def _instrument(self, **kwargs: Any) -> None:
-        ...
+    def _instrument(self, **kwargs: Any) -> None: ...
 
     @abc.abstractmethod
-    def _uninstrument(self) -> None:
-        ...
+    def _uninstrument(self) -> None: ...

@@ -66,7 +66,9 @@ def _agent_attributes(name: str, framework: str, extra: Optional[Mapping[str, An
     return attrs
 
 
-def _tool_attributes(name: str, framework: str, call_id: Optional[str], extra: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+def _tool_attributes(
+    name: str, framework: str, call_id: Optional[str], extra: Optional[Mapping[str, Any]]
+) -> Dict[str, Any]:
     attrs: Dict[str, Any] = {
         semconv.TOOL_NAME: name,
         semconv.OPERATION_NAME: "execute_tool",
@@ -87,9 +89,7 @@ def _chain_attributes(framework: str, extra: Optional[Mapping[str, Any]]) -> Dic
 
 
 @contextlib.contextmanager
-def agent_span(
-    name: str, framework: str, attributes: Optional[Mapping[str, Any]] = None
-) -> Iterator[otel_trace.Span]:
+def agent_span(name: str, framework: str, attributes: Optional[Mapping[str, Any]] = None) -> Iterator[otel_trace.Span]:
     """The current span while an agent (node, role) works; LLM calls inside belong to it."""
     with get_tracer().span(f"invoke_agent {name}", "agent", _agent_attributes(name, framework, attributes)) as span:
         yield span
@@ -105,7 +105,11 @@ def start_agent_span(
 ) -> otel_trace.Span:
     """An agent span that is not made current (end it yourself); ``parent`` links it explicitly."""
     return get_tracer().start_span(
-        f"invoke_agent {name}", "agent", _agent_attributes(name, framework, attributes), parent=parent, start_time=start_time
+        f"invoke_agent {name}",
+        "agent",
+        _agent_attributes(name, framework, attributes),
+        parent=parent,
+        start_time=start_time,
     )
 
 
@@ -140,7 +144,11 @@ def start_tool_span(
     """A tool span that is not made current; finish it with :func:`finish_tool`."""
     tracer = get_tracer()
     span = tracer.start_span(
-        f"execute_tool {name}", "tool", _tool_attributes(name, framework, call_id, attributes), parent=parent, start_time=start_time
+        f"execute_tool {name}",
+        "tool",
+        _tool_attributes(name, framework, call_id, attributes),
+        parent=parent,
+        start_time=start_time,
     )
     if arguments is not None:
         # A container is encoded now, not when the span ends: a tool that changes a nested argument in place
@@ -194,7 +202,9 @@ def finish_tool(
     span.end(end_time=end_time)
 
 
-def finish_span(span: otel_trace.Span, error: Optional[BaseException] = None, *, end_time: Optional[int] = None) -> None:
+def finish_span(
+    span: otel_trace.Span, error: Optional[BaseException] = None, *, end_time: Optional[int] = None
+) -> None:
     """End an agent/chain span started with ``start_*``, marking it failed if ``error`` is given."""
     if error is not None:
         record_exception(span, error)

@@ -40,9 +40,12 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.tracing.context import RolloutScope, current_scope, refuse_calls_after_timeout
+from agl._util.safety import report_internal_error
 from agl.instrumentation.base import Instrumentor
-from agl.tracing.context_keys import SUPPRESS_LLM_SPAN
+from agl.instrumentation.openai_raw_responses import RawStreamResponse, UnreadResponse, body_read, body_untouched
+from agl.instrumentation.openai_stream_proxies import AsyncStreamProxy, StreamProxy
+from agl.instrumentation.openai_views import CurrentView, hook_views, unhook_views
+from agl.instrumentation.token_id_refusals import is_refusal, refuses, remember, server_of
 from agl.openai_wire.apis import CHAT, CLIENT_TRACED_HEADER, COMPLETIONS, RESPONSES, TOKEN_IDS_REQUEST
 from agl.openai_wire.payloads import (
     SPAN_PREFIX,
@@ -52,11 +55,8 @@ from agl.openai_wire.payloads import (
     request_attributes,
 )
 from agl.openai_wire.streams import Accumulator, new_accumulator
-from agl.instrumentation.openai_raw_responses import RawStreamResponse, UnreadResponse, body_read, body_untouched
-from agl.instrumentation.openai_stream_proxies import AsyncStreamProxy, StreamProxy
-from agl.instrumentation.openai_views import CurrentView, hook_views, unhook_views
-from agl._util.safety import report_internal_error
-from agl.instrumentation.token_id_refusals import is_refusal, refuses, remember, server_of
+from agl.tracing.context import RolloutScope, current_scope, refuse_calls_after_timeout
+from agl.tracing.context_keys import SUPPRESS_LLM_SPAN
 from agl.tracing.tracer import get_tracer, record_exception
 
 logger = logging.getLogger("agl.instrumentation")
@@ -93,8 +93,19 @@ class LlmCall:
     """One instrumented request: its span (own, or the adapter's when suppressed) and what to record."""
 
     __slots__ = (
-        "api", "span", "owned", "context", "deferred", "stream", "raw", "with_logprobs", "ended", "resource", "retry",
-        "refused", "raw_for_parse",
+        "api",
+        "span",
+        "owned",
+        "context",
+        "deferred",
+        "stream",
+        "raw",
+        "with_logprobs",
+        "ended",
+        "resource",
+        "retry",
+        "refused",
+        "raw_for_parse",
     )
 
     def __init__(self, api: str, span: Any, owned: bool, deferred: Dict[str, Any], kwargs: Dict[str, Any]) -> None:
@@ -329,7 +340,9 @@ def _begin(
     scope = current_scope()
     if scope is not None:  # this call's span will be stored: a proxy must not record it again
         mark_client_traced(call_kwargs)
-    raw_for_parse = parse and not kwargs.get("stream") and _RAW_RESPONSE_HEADER not in (kwargs.get("extra_headers") or {})
+    raw_for_parse = (
+        parse and not kwargs.get("stream") and _RAW_RESPONSE_HEADER not in (kwargs.get("extra_headers") or {})
+    )
     if raw_for_parse:
         _ask_raw_for_parse(call_kwargs)
     retry: Optional[Dict[str, Any]] = None
@@ -385,7 +398,7 @@ setattr(_refuse_timed_out_attempt, _MARK, True)
 
 
 def _start(
-    api: str, instrumentor: "OpenAIInstrumentor", wrapped: Callable[..., Any], instance: Any, kwargs: Dict[str, Any]
+    api: str, instrumentor: OpenAIInstrumentor, wrapped: Callable[..., Any], instance: Any, kwargs: Dict[str, Any]
 ) -> Optional[Tuple[LlmCall, Dict[str, Any]]]:
     """What both wrappers do first: refuse a timed-out agent's call, then :func:`_begin` recording it. None:
     the call goes as the user wrote it, unrecorded (unhooked, or agl failed before the request)."""
@@ -399,7 +412,7 @@ def _start(
         return None
 
 
-def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[..., Any]:
+def _sync_wrapper(api: str, instrumentor: OpenAIInstrumentor) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         started = _start(api, instrumentor, wrapped, instance, kwargs)
         if started is None:
@@ -420,7 +433,7 @@ def _sync_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[...,
     return wrapper
 
 
-def _async_wrapper(api: str, instrumentor: "OpenAIInstrumentor") -> Callable[..., Any]:
+def _async_wrapper(api: str, instrumentor: OpenAIInstrumentor) -> Callable[..., Any]:
     """Returns the coroutine at once, like the SDK: argument errors still raise at call time, not at await."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

@@ -21,7 +21,7 @@ class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
     streamed call so the span gets the reassembled output and token ids. If the body is never parsed, the
     span ends when the response is closed, with what the request said."""
 
-    def __init__(self, wrapped: Any, call: "LlmCall", is_async: bool) -> None:
+    def __init__(self, wrapped: Any, call: LlmCall, is_async: bool) -> None:
         super().__init__(wrapped)
         self._self_call = call
         self._self_is_async = is_async
@@ -75,7 +75,7 @@ class UnreadResponse(wrapt.ObjectProxy):  # type: ignore[misc]
     choose, so the call is recorded when they read it (``read``, ``text``, ``json``, ``parse``) or the
     response is closed (the ``with`` block left), and its span ends then."""
 
-    def __init__(self, wrapped: Any, call: "LlmCall", is_async: bool) -> None:
+    def __init__(self, wrapped: Any, call: LlmCall, is_async: bool) -> None:
         super().__init__(wrapped)
         self._self_call = call
         self._self_is_async = is_async
@@ -121,7 +121,7 @@ class UnreadResponse(wrapt.ObjectProxy):  # type: ignore[misc]
 def body_read(response: Any) -> bool:
     """Whether the body of an SDK ``APIResponse`` has been read whole (httpx keeps it then)."""
     try:
-        response.http_response.content
+        _ = response.http_response.content  # raises until the body was read
     except Exception:  # noqa: BLE001 - httpx.ResponseNotRead, or the body was streamed away
         return False
     return True

@@ -93,7 +93,7 @@ class _StreamProxyBase(wrapt.ObjectProxy):  # type: ignore[misc]
             pass
 
 
-def _abandon_later(proxy: "weakref.ReferenceType[_StreamProxyBase]") -> Callable[[], None]:
+def _abandon_later(proxy: weakref.ReferenceType[_StreamProxyBase]) -> Callable[[], None]:
     """What the attempt's end calls; a weak reference, so a stream the agent drops is still collected (and
     ended) at once, not kept until the attempt ends."""
 
@@ -108,7 +108,7 @@ def _abandon_later(proxy: "weakref.ReferenceType[_StreamProxyBase]") -> Callable
 class StreamProxy(_StreamProxyBase):
     """Wraps ``openai.Stream``."""
 
-    def __iter__(self) -> "StreamProxy":
+    def __iter__(self) -> StreamProxy:
         return self
 
     def __next__(self) -> Any:
@@ -123,7 +123,7 @@ class StreamProxy(_StreamProxyBase):
         self._self_add(item)
         return item
 
-    def __enter__(self) -> "StreamProxy":
+    def __enter__(self) -> StreamProxy:
         self.__wrapped__.__enter__()
         return self
 
@@ -143,7 +143,7 @@ class StreamProxy(_StreamProxyBase):
 class AsyncStreamProxy(_StreamProxyBase):
     """Wraps ``openai.AsyncStream``."""
 
-    def __aiter__(self) -> "AsyncStreamProxy":
+    def __aiter__(self) -> AsyncStreamProxy:
         return self
 
     async def __anext__(self) -> Any:
@@ -158,7 +158,7 @@ class AsyncStreamProxy(_StreamProxyBase):
         self._self_add(item)
         return item
 
-    async def __aenter__(self) -> "AsyncStreamProxy":
+    async def __aenter__(self) -> AsyncStreamProxy:
         await self.__wrapped__.__aenter__()
         return self
 

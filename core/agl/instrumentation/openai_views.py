@@ -29,7 +29,7 @@ _generations = itertools.count(1)
 class CurrentView:
     """A view of the resource built from its methods as they are now (see the module docstring)."""
 
-    def __init__(self, original: "functools.cached_property[Any]", name: str, generation: int) -> None:
+    def __init__(self, original: functools.cached_property[Any], name: str, generation: int) -> None:
         self.original = original
         self.key = f"_agl_{name}_{generation}"
 

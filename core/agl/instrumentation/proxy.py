@@ -67,7 +67,13 @@ ROLLOUT_HEADER = "x-agl-rollout-id"
 ATTEMPT_HEADER = "x-agl-attempt-id"
 # Hop-by-hop and length headers are the proxy's own business on each side.
 _DROP_REQUEST_HEADERS = {
-    "host", "content-length", "connection", "accept-encoding", ROLLOUT_HEADER, ATTEMPT_HEADER, CLIENT_TRACED_HEADER
+    "host",
+    "content-length",
+    "connection",
+    "accept-encoding",
+    ROLLOUT_HEADER,
+    ATTEMPT_HEADER,
+    CLIENT_TRACED_HEADER,
 }
 _KEEP_RESPONSE_HEADERS = {"content-type", "x-request-id", "retry-after"}
 _PROFILE_PREFIX = "/sampling"
@@ -166,7 +172,7 @@ class LLMProxy:
         )
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def start(self) -> "LLMProxy":
+    def start(self) -> LLMProxy:
         """Serve from a daemon thread; returns once the proxy accepts connections."""
         self._http.start()
         logger.info("agl LLM proxy on %s -> %s", self.base_url, ", ".join(self._upstreams))
@@ -179,7 +185,7 @@ class LLMProxy:
             self._loop.call_soon_threadsafe(self._gate.open.set)  # let paused requests finish, not hang
         self._http.stop()
 
-    def __enter__(self) -> "LLMProxy":
+    def __enter__(self) -> LLMProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -203,7 +209,9 @@ class LLMProxy:
         """Replace the model servers (e.g. after verl restarted its vLLM replicas)."""
         urls = [upstream] if isinstance(upstream, str) else list(upstream)
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
-            raise ValueError(f"upstream must be one or more http(s) base URLs such as http://host:8000/v1, got {upstream!r}")
+            raise ValueError(
+                f"upstream must be one or more http(s) base URLs such as http://host:8000/v1, got {upstream!r}"
+            )
         self._upstreams = [u.rstrip("/") for u in urls]
 
     def profile_url(self, profile: str) -> str:
@@ -262,7 +270,11 @@ class LLMProxy:
                 "samples are trained on as if drawn at %s (off-policy). Leave the temperature out of the agent's "
                 "requests (the proxy fills it in) or pass llm.sampling_parameters on, or set %s to the agent's "
                 "temperature. (Warned once.)",
-                asked, temperature_from, expected, expected, temperature_from,
+                asked,
+                temperature_from,
+                expected,
+                expected,
+                temperature_from,
             )
         return body
 
@@ -499,7 +511,10 @@ class LLMProxy:
         except Exception as exc:  # noqa: BLE001 - the agent still gets its answer; the loss is counted
             self.stats.store_errors += 1
             logger.warning(
-                "agl proxy could not store the llm span of rollout %s attempt %s: %s", span.rollout_id, span.attempt_id, exc
+                "agl proxy could not store the llm span of rollout %s attempt %s: %s",
+                span.rollout_id,
+                span.attempt_id,
+                exc,
             )
 
 
@@ -520,6 +535,11 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 __all__ = [
-    "ATTEMPT_HEADER", "CLIENT_DISCONNECTED", "CLIENT_TRACED_HEADER", "FRAMEWORK_NAME", "LLMProxy", "ProxyStats",
+    "ATTEMPT_HEADER",
+    "CLIENT_DISCONNECTED",
+    "CLIENT_TRACED_HEADER",
+    "FRAMEWORK_NAME",
+    "LLMProxy",
+    "ProxyStats",
     "ROLLOUT_HEADER",
 ]

@@ -41,7 +41,7 @@ class ProxyCall:
 
     def __init__(
         self,
-        proxy: "LLMProxy",
+        proxy: LLMProxy,
         api: str,
         body: Dict[str, Any],
         route: Optional[Tuple[str, str]],

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from agl.tracing.context import carry_scope, current_scope
 from agl.instrumentation.base import Instrumentor
 from agl.instrumentation.framework import PatchSet
+from agl.tracing.context import carry_scope, current_scope
 
 
 def _submit(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:

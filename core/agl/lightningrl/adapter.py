@@ -22,9 +22,21 @@ import gc
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Pattern, Sequence, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Pattern,
+    Sequence,
+    Tuple,
+    Union,
+)
 
-from agl.lightningrl.agent_match import AgentMatch
 from agl.lightningrl.advantages import (
     ADVANTAGE_ESTIMATORS,
     FailedRolloutPolicy,
@@ -32,6 +44,7 @@ from agl.lightningrl.advantages import (
     compute_advantages,
     resolve_rollout_rewards,
 )
+from agl.lightningrl.agent_match import AgentMatch
 from agl.lightningrl.aggregate import aggregate_trajectories, to_samples
 from agl.lightningrl.air import AIRConfig, air_rewards
 from agl.lightningrl.credit import CreditRule, credit_rule
@@ -135,7 +148,10 @@ class BatchReport:
     def why_empty(self, agent_match: Any = None) -> str:
         """Why a batch with no sample has none, and what to check (for the error a trainer raises)."""
         if not self.used:
-            return f"every rollout failed ({self.failed_dropped} dropped): see their errors (agl store rollouts --status failed)"
+            return (
+                f"every rollout failed ({self.failed_dropped} dropped): see their errors "
+                "(agl store rollouts --status failed)"
+            )
         if not self.llm_spans:
             return (
                 "no rollout recorded an LLM call: agl records calls made through the openai client (every supported "
@@ -218,7 +234,7 @@ class LightningRL:
         self.tolerance_ns = tolerance_ns
 
     @classmethod
-    def from_config(cls, config: Config = None) -> "LightningRL":
+    def from_config(cls, config: Config = None) -> LightningRL:
         """From what a Trainer was given as ``adapter``: None (defaults), a dict of settings, or a LightningRL."""
         if config is None:
             return cls()
@@ -232,7 +248,7 @@ class LightningRL:
             raise ValueError(f"unknown LightningRL setting(s) {unknown}; known: {sorted(known)}")
         return cls(**config)
 
-    def with_agent_match(self, agent_match: AgentMatch) -> "LightningRL":
+    def with_agent_match(self, agent_match: AgentMatch) -> LightningRL:
         """A copy that selects calls by ``agent_match``, every other setting the same."""
         adapted = copy.copy(self)
         adapted.agent_match = agent_match
@@ -262,7 +278,7 @@ class LightningRL:
         return extraction, tree.repairs, unattributed
 
     # -- a batch ---------------------------------------------------------------------------------------------
-    def build_batch(self, store: "LightningStore", rollouts: Sequence[Rollout], *, progress: bool = True) -> Batch:
+    def build_batch(self, store: LightningStore, rollouts: Sequence[Rollout], *, progress: bool = True) -> Batch:
         """The batch of finished ``rollouts``, reading each one's latest attempt's spans from ``store``."""
         from agl._util.progress import progress_bar
 
@@ -275,9 +291,7 @@ class LightningRL:
 
             return self.batch_from_spans(rollouts, spans_of())
 
-    def batch_from_spans(
-        self, rollouts: Sequence[Rollout], spans: Iterable[Tuple[Rollout, Sequence[Span]]]
-    ) -> Batch:
+    def batch_from_spans(self, rollouts: Sequence[Rollout], spans: Iterable[Tuple[Rollout, Sequence[Span]]]) -> Batch:
         """The batch from ``rollouts`` and ``(rollout, its attempt's spans)`` pairs (any order, lazily read;
         pairs of rollouts that are dropped or not listed are ignored)."""
         with _collector_paused():
@@ -391,7 +405,11 @@ def _warn_failed(rollouts: Sequence[Rollout], filled: bool) -> None:
     reason, count = reasons.most_common(1)[0]
     logger.warning(
         "LightningRL: %d of %d rollouts failed or gave no reward (%s); most common reason (%d of them): %s",
-        len(failed), len(rollouts), "given the failed-rollout reward" if filled else "dropped", count, reason,
+        len(failed),
+        len(rollouts),
+        "given the failed-rollout reward" if filled else "dropped",
+        count,
+        reason,
     )
 
 

@@ -78,9 +78,7 @@ class RewardResolution:
         return len(self.filled)
 
 
-def resolve_rollout_rewards(
-    rollouts: Iterable[Rollout], policy: FailedRolloutPolicy = "drop"
-) -> RewardResolution:
+def resolve_rollout_rewards(rollouts: Iterable[Rollout], policy: FailedRolloutPolicy = "drop") -> RewardResolution:
     """The episode reward per rollout id, with failed rollouts handled by ``policy``.
 
     A rollout is *ok* when ``status == "succeeded"`` and ``final_reward is not None``; its reward is
@@ -226,7 +224,5 @@ def compute_advantages(samples: Sequence[Sample], estimator: str = "grpo", **kwa
     try:
         fn = ADVANTAGE_ESTIMATORS[estimator]
     except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}"
-        ) from None
+        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}") from None
     return fn(samples, **kwargs)

@@ -40,11 +40,15 @@ class PolicyMatcher:
             self._rules = None
         elif isinstance(agent_match, Mapping):
             if not agent_match:
-                raise ValueError("agent_match is an empty mapping: give {regex: policy_name} pairs, or None for all calls")
+                raise ValueError(
+                    "agent_match is an empty mapping: give {regex: policy_name} pairs, or None for all calls"
+                )
             self._rules = []
             for pattern, policy in agent_match.items():
                 if not isinstance(policy, str) or not policy:
-                    raise ValueError(f"agent_match maps {pattern!r} to {policy!r}: policy names must be non-empty strings")
+                    raise ValueError(
+                        f"agent_match maps {pattern!r} to {policy!r}: policy names must be non-empty strings"
+                    )
                 self._rules.append((_compile(pattern), policy))
         else:
             self._rules = [(_compile(agent_match), DEFAULT_POLICY)]
@@ -79,7 +83,8 @@ def _compile(pattern: Union[str, Pattern[str]]) -> Pattern[str]:
         return pattern
     if not isinstance(pattern, str):
         raise TypeError(
-            f"agent_match must be None, a regex string or a {{regex: policy_name}} mapping, got {type(pattern).__name__}"
+            f"agent_match must be None, a regex string or a {{regex: policy_name}} mapping, got "
+            f"{type(pattern).__name__}"
         )
     try:
         return re.compile(pattern)
@@ -111,8 +116,6 @@ def select_llm_calls(spans: Sequence[Span], agent_match: AgentMatch = None) -> L
     matcher = PolicyMatcher(agent_match)
     by_id = {s.span_id: s for s in spans}
     selected = [
-        span
-        for span in spans
-        if span.kind == "llm" and matcher.policy_for(agent_name_of(span, by_id)) is not None
+        span for span in spans if span.kind == "llm" and matcher.policy_for(agent_name_of(span, by_id)) is not None
     ]
     return sorted(selected, key=lambda s: (s.attempt_id, call_order_key(s)))

@@ -63,12 +63,14 @@ class AIRConfig:
                     try:
                         object.__setattr__(self, "format", re.compile(value))
                     except re.error as exc:
-                        raise ValueError(f"AIRConfig.format {value!r} is not a valid regular expression: {exc}") from None
+                        raise ValueError(
+                            f"AIRConfig.format {value!r} is not a valid regular expression: {exc}"
+                        ) from None
             elif not is_finite_number(value):
                 raise ValueError(f"AIRConfig.{f.name} must be a finite number, got {value!r}")
 
     @classmethod
-    def from_config(cls, value: Union[None, "AIRConfig", Mapping[str, Any]]) -> Optional["AIRConfig"]:
+    def from_config(cls, value: Union[None, AIRConfig, Mapping[str, Any]]) -> Optional[AIRConfig]:
         """None (AIR off), an AIRConfig, or a dict of its fields (``{}``: AIR on with the defaults)."""
         if value is None or isinstance(value, AIRConfig):
             return value

@@ -106,6 +106,8 @@ def credit_rule(credit: Union[str, CreditRule], gamma: Optional[float] = None) -
         raise ValueError(f"unknown credit rule {credit!r}; known: {list(CREDIT_RULES)} or an object with assign()")
     if isinstance(credit, CreditRule):
         if gamma is not None:
-            raise ValueError("gamma is only used by credit=\"discounted\"; a custom rule takes its own settings")
+            raise ValueError('gamma is only used by credit="discounted"; a custom rule takes its own settings')
         return credit
-    raise TypeError(f"credit must be one of {list(CREDIT_RULES)} or an object with assign(), got {type(credit).__name__}")
+    raise TypeError(
+        f"credit must be one of {list(CREDIT_RULES)} or an object with assign(), got {type(credit).__name__}"
+    )

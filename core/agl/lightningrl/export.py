@@ -93,7 +93,7 @@ def read_jsonl(path: Union[str, Path]) -> List[Sample]:
 def _pyarrow() -> Any:
     try:
         import pyarrow
-        import pyarrow.parquet  # noqa: F401
+        import pyarrow.parquet
     except ImportError:
         raise ImportError(
             'writing Parquet needs pyarrow, which is not installed: pip install "agl[parquet]" (or pyarrow), '
@@ -136,7 +136,9 @@ def check_target(path: Union[str, Path], format: Optional[str] = None) -> str:
     FileNotFoundError saying what to change."""
     fmt = format or Path(path).suffix.lstrip(".").lower()
     if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r} for {path}: use one of {list(FORMATS)} (or a .jsonl/.parquet file)")
+        raise ValueError(
+            f"unknown export format {fmt!r} for {path}: use one of {list(FORMATS)} (or a .jsonl/.parquet file)"
+        )
     if fmt == "parquet":
         _pyarrow()
     folder = Path(path).parent

@@ -153,7 +153,7 @@ class CallLinks:
         linked = reward.attributes.get(semconv.OPERATION_SPAN_ID)
         return self.calls_of_operation(linked) if linked in self.tree else []
 
-    def step_rewards(self) -> "StepRewards":
+    def step_rewards(self) -> StepRewards:
         """Every step reward span of the attempt, split over the calls it belongs to."""
         out = StepRewards()
         for span in self.ordered:

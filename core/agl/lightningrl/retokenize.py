@@ -101,8 +101,12 @@ class Retokenizer:
         self.tokenizer = tokenizer
         self._hf_template = "add_generation_prompt" in _parameters(tokenizer.apply_chat_template)
         eos = getattr(tokenizer, "eos_token_id", None)
-        self._special_ids = set(getattr(tokenizer, "all_special_ids", None) or ()) | ({eos} if isinstance(eos, int) else set())
-        self._encode_kwargs = {"add_special_tokens": False} if "add_special_tokens" in _parameters(tokenizer.encode) else {}
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", None) or ()) | (
+            {eos} if isinstance(eos, int) else set()
+        )
+        self._encode_kwargs = (
+            {"add_special_tokens": False} if "add_special_tokens" in _parameters(tokenizer.encode) else {}
+        )
         self._renders_history_calls: Optional[bool] = None  # unknown until a prompt's history has tool calls
 
     def ids(self, span: Span) -> Tuple[List[int], List[int]]:
@@ -143,7 +147,7 @@ class Retokenizer:
                         SKIP_TOOL_CALLS_NOT_RENDERED,
                     )
             if full_text.startswith(prompt_text):
-                answer_ids = self._encode(full_text[len(prompt_text):])
+                answer_ids = self._encode(full_text[len(prompt_text) :])
                 return self._encode(prompt_text), self._end_of_turn(answer_ids, sampled_end_token(span))
         return self._encode(prompt_text), self._encode(render_answer(answer))
 

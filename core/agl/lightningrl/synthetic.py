@@ -41,8 +41,14 @@ class TraceBuilder:
         span_id = f"{self.rollout_id}-{self.attempt_id}-{sequence:06x}"
         return span_id, (self._open[-1] if self._open else None), sequence, self._clock
 
-    def _end(self, started: Tuple[str, Optional[str], int, int], name: str, kind: str, attributes: Dict[str, Any],
-             status: str = "unset") -> Span:
+    def _end(
+        self,
+        started: Tuple[str, Optional[str], int, int],
+        name: str,
+        kind: str,
+        attributes: Dict[str, Any],
+        status: str = "unset",
+    ) -> Span:
         self._clock += _TICK
         span_id, parent_id, sequence, start = started
         span = Span.model_construct(
@@ -75,15 +81,15 @@ class TraceBuilder:
             self._end(started, name, kind, attributes)
 
     # -- spans --------------------------------------------------------------------------------------------
-    def agent(self, name: str) -> "contextlib.AbstractContextManager[str]":
+    def agent(self, name: str) -> contextlib.AbstractContextManager[str]:
         """An agent span (``gen_ai.agent.name``); yields its span id."""
         return self._scope(f"invoke_agent {name}", "agent", {semconv.AGENT_NAME: name})
 
-    def operation(self, name: str) -> "contextlib.AbstractContextManager[str]":
+    def operation(self, name: str) -> contextlib.AbstractContextManager[str]:
         """An ``agl.operation`` span; yields its span id (give it to ``llm(operation=...)`` to link calls)."""
         return self._scope(semconv.SPAN_OPERATION, "chain", {semconv.OPERATION: name})
 
-    def chain(self, name: str) -> "contextlib.AbstractContextManager[str]":
+    def chain(self, name: str) -> contextlib.AbstractContextManager[str]:
         return self._scope(name, "chain", {})
 
     def llm(
@@ -140,7 +146,9 @@ class TraceBuilder:
             attrs[semconv.SPAN_STOPPED] = True
         return self._end(self._start(), f"execute_tool {name}", "tool", attrs, "error" if error else "unset")
 
-    def reward(self, value: float, *, scope: str = "step", name: str = "primary", operation: Optional[str] = None) -> Span:
+    def reward(
+        self, value: float, *, scope: str = "step", name: str = "primary", operation: Optional[str] = None
+    ) -> Span:
         attrs: Dict[str, Any] = {
             semconv.REWARD_VALUE: value,
             semconv.REWARD_PRIMARY: name,
@@ -196,6 +204,10 @@ def synthetic_rollouts(
     """``(succeeded rollout, its spans)`` pairs adding up to about ``n_spans`` spans, made lazily."""
     rng = random.Random(seed)
     for i in range(max(1, n_spans // spans_per_rollout)):
-        rollout = Rollout(rollout_id=f"ro-{i}", task_id=f"task-{i // rollouts_per_task}", status="succeeded",
-                          final_reward=float(rng.random() < 0.5))
+        rollout = Rollout(
+            rollout_id=f"ro-{i}",
+            task_id=f"task-{i // rollouts_per_task}",
+            status="succeeded",
+            final_reward=float(rng.random() < 0.5),
+        )
         yield rollout, synthetic_attempt(rollout.rollout_id, spans_per_rollout, rng)

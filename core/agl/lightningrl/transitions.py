@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Pattern, Union
 
 from agl import semconv
-from agl.lightningrl.agent_match import AgentMatch, PolicyMatcher
 from agl.errors import MissingTokenIdsError
+from agl.lightningrl.agent_match import AgentMatch, PolicyMatcher
 from agl.lightningrl.links import output_message, tool_calls_of
 from agl.lightningrl.retokenize import RetokenizeError, Retokenizer
 from agl.lightningrl.tree import TraceTree
@@ -83,7 +83,9 @@ class CallSelector:
             try:
                 self.call_pattern = re.compile(llm_call_match)
             except re.error as exc:
-                raise ValueError(f"llm_call_match {llm_call_match!r} is not a valid regular expression: {exc}") from None
+                raise ValueError(
+                    f"llm_call_match {llm_call_match!r} is not a valid regular expression: {exc}"
+                ) from None
         else:
             raise TypeError(f"llm_call_match must be None or a regex string, got {type(llm_call_match).__name__}")
 
@@ -151,14 +153,19 @@ def extract_transitions(
                 out.skipped[reason] += 1
                 continue
             if retokenizer is None:
-                raise MissingTokenIdsError(span.rollout_id, span.attempt_id, span.span_id, agent_name, _why_missing(span))
+                raise MissingTokenIdsError(
+                    span.rollout_id, span.attempt_id, span.span_id, agent_name, _why_missing(span)
+                )
             try:
                 prompt_ids, response_ids = retokenizer.ids(span)
             except RetokenizeError as exc:  # this span only: the rest of the batch goes on
                 out.skipped[exc.reason] += 1
                 logger.warning(
                     "LightningRL skipped an llm call of rollout %s, attempt %s (%s): %s",
-                    span.rollout_id, span.attempt_id, exc.reason, exc,  # exc names the span
+                    span.rollout_id,
+                    span.attempt_id,
+                    exc.reason,
+                    exc,  # exc names the span
                 )
                 continue
             out.retokenized += 1
@@ -223,7 +230,9 @@ def _why_missing(span: Span) -> str:
     call = f"the call to model {model!r}" if model else "the call"
     if source == "absent":
         return f"the server did not return token ids for {call} ({semconv.TOKEN_IDS_SOURCE} = 'absent')"
-    missing = [a for a in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS) if _ids(span.attributes.get(a)) is None]
+    missing = [
+        a for a in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS) if _ids(span.attributes.get(a)) is None
+    ]
     return f"the span of {call} has no {' and no '.join(missing)} ({semconv.TOKEN_IDS_SOURCE} = {source!r})"
 
 

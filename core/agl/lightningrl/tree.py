@@ -73,7 +73,7 @@ class TreeNode:
     span: Span
     parent_id: Optional[str] = None
     depth: int = 0
-    children: List["TreeNode"] = field(default_factory=list)
+    children: List[TreeNode] = field(default_factory=list)
 
     @property
     def span_id(self) -> str:
@@ -213,7 +213,7 @@ def _break_cycles(
             chain.append(sid)
             sid = parent[sid]
         if sid is not None and state[sid] == 1:  # the chain closed on itself at sid
-            cycle = chain[chain.index(sid):]
+            cycle = chain[chain.index(sid) :]
             cut = min(cycle, key=lambda i: _order_key(by_id[i]))
             parent[cut] = None
             cut_loose.append(cut)

@@ -285,7 +285,20 @@ def streamable_prefix(text: str, tools_offered: bool, stops: Sequence[str] = ())
 
 
 __all__ = [
-    "CONTEXT_LENGTH_EXCEEDED", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "BadRequest", "ParsedOutput", "ToolCall",
-    "assistant_text", "call_text", "call_text_prefix", "parse_output", "partial_suffix_start", "render_assistant",
-    "render_prompt", "render_tool_call", "streamable_prefix", "to_plain_messages",
+    "CONTEXT_LENGTH_EXCEEDED",
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "BadRequest",
+    "ParsedOutput",
+    "ToolCall",
+    "assistant_text",
+    "call_text",
+    "call_text_prefix",
+    "parse_output",
+    "partial_suffix_start",
+    "render_assistant",
+    "render_prompt",
+    "render_tool_call",
+    "streamable_prefix",
+    "to_plain_messages",
 ]

@@ -26,8 +26,7 @@ def token_logprobs(tokenizer: Any, tokens: Sequence[Any]) -> List[Dict[str, Any]
     """Sampled tokens' entries (``token_id``, ``logprob``, ``top_logprobs`` as ``(id, logprob)`` pairs each),
     the text and bytes from ``tokenizer``."""
     return [
-        _entry(tokenizer, t.token_id, t.logprob, [_entry(tokenizer, i, lp) for i, lp in t.top_logprobs])
-        for t in tokens
+        _entry(tokenizer, t.token_id, t.logprob, [_entry(tokenizer, i, lp) for i, lp in t.top_logprobs]) for t in tokens
     ]
 
 

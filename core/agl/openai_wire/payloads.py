@@ -23,8 +23,15 @@ import functools
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agl import semconv
-from agl.openai_wire.apis import CHAT, COMPLETIONS, LOGPROBS_INCLUDE, RESOURCES_VERSION_FIELD, RESPONSES
-from agl.openai_wire.apis import is_int, is_number
+from agl.openai_wire.apis import (
+    CHAT,
+    COMPLETIONS,
+    LOGPROBS_INCLUDE,
+    RESOURCES_VERSION_FIELD,
+    RESPONSES,
+    is_int,
+    is_number,
+)
 from agl.openai_wire.chat_completions import assistant_message, tool_call
 from agl.openai_wire.logprobs import carries_logprobs, chat_logprob_values, output_text_logprobs
 from agl.openai_wire.sampling import TOKEN_LIMIT_NAMES

@@ -37,13 +37,41 @@ from agl.openai_wire.sampling import TOKEN_LIMIT_NAMES
 
 # Accepted and ignored: they change nothing about the answer this server gives.
 _IGNORED = frozenset(
-    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-     "truncation", "reasoning", "include", "stream_options", "max_tool_calls", "background", TOKEN_IDS_REQUEST}
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "truncation",
+        "reasoning",
+        "include",
+        "stream_options",
+        "max_tool_calls",
+        "background",
+        TOKEN_IDS_REQUEST,
+    }
 )
-_SUPPORTED = frozenset(
-    {"model", "input", "instructions", "tools", "tool_choice", "stream", "temperature", "top_p", "max_output_tokens",
-     "top_logprobs", "text", "parallel_tool_calls"}
-) | _IGNORED
+_SUPPORTED = (
+    frozenset(
+        {
+            "model",
+            "input",
+            "instructions",
+            "tools",
+            "tool_choice",
+            "stream",
+            "temperature",
+            "top_p",
+            "max_output_tokens",
+            "top_logprobs",
+            "text",
+            "parallel_tool_calls",
+        }
+    )
+    | _IGNORED
+)
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 
 
@@ -272,8 +300,14 @@ def message_item(item_id: str, text: str, logprobs: List[Dict[str, Any]], status
 
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str) -> Dict[str, Any]:
     """A completed ``function_call`` output item."""
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": "completed"}
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
 
 
 # --- stream events (without their sequence numbers) -------------------------------------------------------
@@ -326,7 +360,21 @@ def item_done(item: Dict[str, Any], index: int) -> Dict[str, Any]:
 
 
 __all__ = [
-    "LOGPROBS_INCLUDE", "chat_tools", "conversation", "finish_response", "function_call_events", "function_call_item",
-    "in_responses_terms", "item_done", "message_closed", "message_item", "message_opened", "message_text",
-    "opening_events", "output_text", "response_object", "text_delta", "to_chat_body",
+    "LOGPROBS_INCLUDE",
+    "chat_tools",
+    "conversation",
+    "finish_response",
+    "function_call_events",
+    "function_call_item",
+    "in_responses_terms",
+    "item_done",
+    "message_closed",
+    "message_item",
+    "message_opened",
+    "message_text",
+    "opening_events",
+    "output_text",
+    "response_object",
+    "text_delta",
+    "to_chat_body",
 ]

@@ -18,7 +18,9 @@ from agl.openai_wire.apis import CHAT, COMPLETIONS, RESPONSES, is_int
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 # Per API, in the order they are read (the first one given counts).
 TOKEN_LIMIT_NAMES = {
-    CHAT: ("max_completion_tokens", "max_tokens"), RESPONSES: ("max_output_tokens",), COMPLETIONS: ("max_tokens",)
+    CHAT: ("max_completion_tokens", "max_tokens"),
+    RESPONSES: ("max_output_tokens",),
+    COMPLETIONS: ("max_tokens",),
 }
 
 

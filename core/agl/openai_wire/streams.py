@@ -32,8 +32,7 @@ Failure = Tuple[str, str]  # (error.type, message) of a failure the server repor
 class Accumulator(Protocol):
     failure: Optional[Failure]
 
-    def add(self, item: Any) -> None:
-        ...
+    def add(self, item: Any) -> None: ...
 
     def finished(self) -> bool:
         """Whether the server said the response is complete (every choice has its finish reason, or the
@@ -312,8 +311,10 @@ class ResponsesStreamAccumulator:
             self.tokens.logprobs.append(logprob_of(entry))
 
     def finished(self) -> bool:
-        return self.response is not None and not isinstance(self.response, dict) and (
-            getattr(self.response, "status", None) in _FINAL_STATUSES
+        return (
+            self.response is not None
+            and not isinstance(self.response, dict)
+            and (getattr(self.response, "status", None) in _FINAL_STATUSES)
         )
 
     def record(self, deferred: Dict[str, Any]) -> List[str]:

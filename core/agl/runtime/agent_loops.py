@@ -39,8 +39,8 @@ import threading
 import weakref
 from typing import Any, List, Optional
 
-from agl.tracing.context import RolloutScope, current_scope
 from agl._util.fork_safety import keep_unused
+from agl.tracing.context import RolloutScope, current_scope
 
 logger = logging.getLogger("agl.runtime.agent_loops")
 
@@ -53,12 +53,12 @@ class _AgentLoop:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.loop.set_task_factory(self._new_task)
-        self.scopes: "weakref.WeakKeyDictionary[asyncio.Task[Any], RolloutScope]" = weakref.WeakKeyDictionary()
+        self.scopes: weakref.WeakKeyDictionary[asyncio.Task[Any], RolloutScope] = weakref.WeakKeyDictionary()
         self._closing = False
         self.thread = threading.Thread(target=self._serve, name="agl-agent-loop", daemon=True)
         self.thread.start()
 
-    def _new_task(self, loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> "asyncio.Task[Any]":
+    def _new_task(self, loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
         """The loop's task factory: an ordinary task, recorded with the rollout it was created for (the scope
         of the context it will run in). An async generator's ``aclose`` that the loop schedules when the
         garbage collector finds one is asyncio's cleanup, not work of the rollout: not recorded."""
@@ -78,10 +78,12 @@ class _AgentLoop:
                 logger.error("an agent task raised %r out of the agent event loop; the loop goes on", exc)
         self.loop.close()
 
-    def left_running(self, task: "asyncio.Task[Any]") -> List["asyncio.Task[Any]"]:
+    def left_running(self, task: asyncio.Task[Any]) -> List[asyncio.Task[Any]]:
         """On the loop's thread: the tasks that ``task``'s rollout created and that still run, but ``task``."""
         scope = self.scopes.get(task)
-        return [t for t in asyncio.all_tasks(self.loop) if t is not task and not t.done() and self.scopes.get(t) is scope]
+        return [
+            t for t in asyncio.all_tasks(self.loop) if t is not task and not t.done() and self.scopes.get(t) is scope
+        ]
 
     def blocking_rollout(self) -> str:
         """Who runs on the loop now (read from another thread while it is blocked), for a warning."""
@@ -98,7 +100,9 @@ class _AgentLoop:
         try:
             asyncio.run_coroutine_threadsafe(self._shut_down(), self.loop).result(timeout)
         except concurrent.futures.TimeoutError:
-            logger.warning("the agent event loop did not finish its tasks within %s s at close; left to its thread", timeout)
+            logger.warning(
+                "the agent event loop did not finish its tasks within %s s at close; left to its thread", timeout
+            )
             return
         self._closing = True
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -136,7 +140,7 @@ def loop() -> asyncio.AbstractEventLoop:
     return _agent_loop().loop
 
 
-def start(awaitable: Any, context: contextvars.Context) -> "AgentRun":
+def start(awaitable: Any, context: contextvars.Context) -> AgentRun:
     """Run ``awaitable`` as a task on the agent loop, in (a copy of) ``context``: the caller's rollout scope
     and parent span go with it."""
     return AgentRun(_agent_loop(), awaitable, context)
@@ -147,10 +151,10 @@ class AgentRun:
 
     def __init__(self, agent_loop: _AgentLoop, awaitable: Any, context: contextvars.Context) -> None:
         self._agent_loop = agent_loop
-        self._task: Optional["asyncio.Task[Any]"] = None
-        self._outcome: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        self._task: Optional[asyncio.Task[Any]] = None
+        self._outcome: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._went_on_after_cancel = threading.Event()
-        self.left_running: List["asyncio.Task[Any]"] = []  # set as it ends: see _AgentLoop.left_running
+        self.left_running: List[asyncio.Task[Any]] = []  # set as it ends: see _AgentLoop.left_running
         # (asyncio's create_task(context=...) is 3.11+: the callback runs in the context, the task copies it)
         agent_loop.loop.call_soon_threadsafe(self._start, awaitable, context=context)
 
@@ -163,7 +167,7 @@ class AgentRun:
             return
         self._task.add_done_callback(self._finish)
 
-    def _finish(self, task: "asyncio.Task[Any]") -> None:
+    def _finish(self, task: asyncio.Task[Any]) -> None:
         self.left_running = self._agent_loop.left_running(task)
         try:
             self._outcome.set_result(task.result())
@@ -205,7 +209,9 @@ def _abandon(agent_loop: _AgentLoop, rollout_id: str) -> None:
         "call inside an async agent blocks the loop they all share (time.sleep, a sync HTTP or SDK client, heavy "
         "CPU work): make the call async, run it with `await asyncio.to_thread(...)`, or use runner_mode='process'. "
         "The blocked loop is left to its thread; later rollouts run on a fresh one%s",
-        rollout_id, agent_loop.blocking_rollout(), ". Said once per process" if warn else "",
+        rollout_id,
+        agent_loop.blocking_rollout(),
+        ". Said once per process" if warn else "",
     )
 
 
@@ -223,7 +229,7 @@ async def _await(awaitable: Any) -> Any:
     return await awaitable
 
 
-def task_name(task: "asyncio.Task[Any]") -> str:
+def task_name(task: asyncio.Task[Any]) -> str:
     coro = task.get_coro()
     return getattr(coro, "__qualname__", None) or task.get_name()
 

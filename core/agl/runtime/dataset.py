@@ -5,8 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from agl.types import RolloutMode, Task
@@ -88,7 +88,7 @@ def _same_task(a: Any, b: Any) -> bool:
         return repr(a) == repr(b)
 
 
-def _load_named(name: Union[str, "os.PathLike[str]"]) -> List[Any]:
+def _load_named(name: Union[str, os.PathLike[str]]) -> List[Any]:
     path = Path(name)
     if not path.exists() and path.suffix.lower() not in _SUFFIXES:
         raise ValueError(
@@ -129,7 +129,9 @@ def _read_jsonl(path: Path) -> List[Any]:
             try:
                 items.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one JSON value") from None
+                raise ValueError(
+                    f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one JSON value"
+                ) from None
     return items
 
 

@@ -86,8 +86,13 @@ def _resource_for(resources: NamedResources, kind: type, what: str) -> Any:
         _warned_several.add(what)
         logger.warning(
             "the resources hold several %s (%s) and none is named %s: the rollout function's %r argument gets %r. "
-            "Name the one to train %s, or take `resources` and pick", kind.__name__, ", ".join(found), preferred,
-            what, name, preferred,
+            "Name the one to train %s, or take `resources` and pick",
+            kind.__name__,
+            ", ".join(found),
+            preferred,
+            what,
+            name,
+            preferred,
         )
     return found[name]
 
@@ -153,7 +158,7 @@ def _module_attribute(module: str, qualname: str, load: bool = True) -> Any:
     return target
 
 
-def _rebuilt(fn: Callable[..., Any], trained_agents: Optional[str]) -> "FunctionalLitAgent":
+def _rebuilt(fn: Callable[..., Any], trained_agents: Optional[str]) -> FunctionalLitAgent:
     agent = FunctionalLitAgent(fn)
     agent.trained_agents = trained_agents
     return agent

@@ -32,15 +32,15 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
-from agl.runtime import agent_loops
 from agl import semconv
 from agl.checks import check_number
-from agl.tracing.context import RolloutScope, enter_scope, exit_scope, running
-from agl.tracing.emitters import reward_number
 from agl.errors import AglError, StaleAttemptError, StoreUnavailableError
+from agl.runtime import agent_loops
 from agl.runtime.litagent import LitAgent
 from agl.runtime.runner_threads import AgentThread, Heartbeat
 from agl.store.base import LightningStore
+from agl.tracing.context import RolloutScope, enter_scope, exit_scope, running
+from agl.tracing.emitters import reward_number
 from agl.tracing.tracer import Tracer, get_tracer
 from agl.types import NamedResources, Rollout, new_id
 
@@ -137,8 +137,12 @@ class Runner:
         a completion raises StoreUnavailableError) before it raises StoreOutageError; None: for ever. ``agl
         runner`` sets it so that runners whose store server is gone for good exit (a Kubernetes Job of them
         then ends)."""
-        check_runner_settings(heartbeat_interval=heartbeat_interval, rollout_timeout=rollout_timeout,
-                              flush_timeout=flush_timeout, outage_timeout=outage_timeout)
+        check_runner_settings(
+            heartbeat_interval=heartbeat_interval,
+            rollout_timeout=rollout_timeout,
+            flush_timeout=flush_timeout,
+            outage_timeout=outage_timeout,
+        )
         self.agent = agent
         self.store = store
         self.runner_id = runner_id or new_id(f"runner-{os.getpid()}")
@@ -168,7 +172,9 @@ class Runner:
         """``run_rollout``; if ``claim_next()`` says so when it reports, it also claims the next rollout in the
         same store call (one round trip less per rollout for a runner on another machine)."""
         if rollout.attempt is None:
-            raise ValueError("run_rollout needs a dequeued rollout (rollout.attempt is None): use store.dequeue_rollout")
+            raise ValueError(
+                "run_rollout needs a dequeued rollout (rollout.attempt is None): use store.dequeue_rollout"
+            )
         if self.abandoned:  # claimed after its pool gave up on this runner, which then ended nothing: end it here
             self._refuse(rollout)
             return rollout, []
@@ -199,13 +205,19 @@ class Runner:
             heartbeat.stop()
             self._heartbeat = None
         if self.abandoned:  # the pool ended this attempt as failed when it gave up on the runner: report nothing
-            logger.info("rollout %s: its agent returned after its runner %s was left behind (%s); result not recorded",
-                        rollout.rollout_id, self.runner_id, self.abandoned)
+            logger.info(
+                "rollout %s: its agent returned after its runner %s was left behind (%s); result not recorded",
+                rollout.rollout_id,
+                self.runner_id,
+                self.abandoned,
+            )
             return rollout, []
         # what the agent's threads still have open is ended now, so the attempt keeps the tree it ended with
         scope.end()
         if not self.tracer.flush(self.flush_timeout):
-            logger.warning("spans of rollout %s were not all stored within %s s", rollout.rollout_id, self.flush_timeout)
+            logger.warning(
+                "spans of rollout %s were not all stored within %s s", rollout.rollout_id, self.flush_timeout
+            )
         dropped = self.tracer.stats().dropped - dropped_before
         if dropped:
             logger.warning("rollout %s: %d spans were dropped (tracer queue full)", rollout.rollout_id, dropped)
@@ -214,7 +226,11 @@ class Runner:
             try:
                 if claim_next():
                     return self.store.complete_and_dequeue(
-                        rollout.rollout_id, attempt_id, status, **outcome, runner_id=self.runner_id  # type: ignore[arg-type]
+                        rollout.rollout_id,
+                        attempt_id,
+                        status,
+                        **outcome,
+                        runner_id=self.runner_id,  # type: ignore[arg-type]
                     )
                 return self.store.complete_attempt(rollout.rollout_id, attempt_id, status, **outcome), []  # type: ignore[arg-type]
             except StoreUnavailableError as exc:  # nothing was claimed (the completion comes first, and decides)
@@ -224,8 +240,11 @@ class Runner:
                 return rollout, []
             if status == "timeout" and self._ended_as(rollout.rollout_id, attempt_id) == "timeout":
                 # the store enforces the same deadline and got there first: one timeout, already recorded
-                logger.info("rollout %s: timed out (the store had ended attempt %s at the same deadline)",
-                            rollout.rollout_id, attempt_id)
+                logger.info(
+                    "rollout %s: timed out (the store had ended attempt %s at the same deadline)",
+                    rollout.rollout_id,
+                    attempt_id,
+                )
             else:
                 logger.warning("rollout %s: result not recorded: %s", rollout.rollout_id, exc)
             return self.store.get_rollout(rollout.rollout_id), []
@@ -245,14 +264,23 @@ class Runner:
         delay = 0.5
         while True:
             self._give_up_after_outage(time.monotonic() - unavailable_since, exc)
-            logger.warning("runner %s: ending attempt %s of %s: the store did not confirm it; reading it back: %s",
-                           self.runner_id, attempt_id, rollout_id, exc)
+            logger.warning(
+                "runner %s: ending attempt %s of %s: the store did not confirm it; reading it back: %s",
+                self.runner_id,
+                attempt_id,
+                rollout_id,
+                exc,
+            )
             time.sleep(delay)  # a store call during an outage also waits (reconnect back-off); this only paces
             delay = min(delay * 2, 5.0)
             try:
                 if self._attempt_status(rollout_id, attempt_id) == status:
-                    logger.info("rollout %s: attempt %s had been ended as %s before the store stopped answering",
-                                rollout_id, attempt_id, status)
+                    logger.info(
+                        "rollout %s: attempt %s had been ended as %s before the store stopped answering",
+                        rollout_id,
+                        attempt_id,
+                        status,
+                    )
                     return self.store.get_rollout(rollout_id)
                 return self.store.complete_attempt(rollout_id, attempt_id, status, **outcome)  # type: ignore[arg-type]
             except StoreUnavailableError as again:
@@ -274,7 +302,10 @@ class Runner:
             "rollout %s has a heartbeat timeout of %g s, not longer than runner %s's heartbeat interval of %g s: the "
             "store will end its attempts as unresponsive while they run. Lower the runner's heartbeat interval "
             "(agl runner --heartbeat-interval) or raise the trainer's heartbeat_timeout",
-            rollout.rollout_id, limit, self.runner_id, self.heartbeat_interval,
+            rollout.rollout_id,
+            limit,
+            self.runner_id,
+            self.heartbeat_interval,
         )
 
     def _ended_as(self, rollout_id: str, attempt_id: str) -> Optional[str]:
@@ -298,8 +329,12 @@ class Runner:
         be closed already (its heartbeat timeout then ends it)."""
         assert rollout.attempt is not None
         try:
-            self.store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "failed", error=(
-                f"runner {self.runner_id} was stopped before this rollout started: {self.abandoned}"))
+            self.store.complete_attempt(
+                rollout.rollout_id,
+                rollout.attempt.attempt_id,
+                "failed",
+                error=(f"runner {self.runner_id} was stopped before this rollout started: {self.abandoned}"),
+            )
         except Exception as exc:  # noqa: BLE001 - StaleAttemptError, or a closed store
             logger.debug("rollout %s: not ended by abandoned runner %s: %s", rollout.rollout_id, self.runner_id, exc)
 
@@ -341,14 +376,15 @@ class Runner:
         finally:
             self._say_tasks_left_running(run.left_running, rollout_id)
 
-    def _say_tasks_left_running(self, left: List["asyncio.Task[Any]"], rollout_id: str) -> None:
+    def _say_tasks_left_running(self, left: List[asyncio.Task[Any]], rollout_id: str) -> None:
         """Warn (once per runner) about asyncio tasks the rollout started and left running (only its own: the
         loop records which rollout created each task, see :mod:`agl.runtime.agent_loops`). The event loop
         outlives the rollout, so they go on during the next rollouts: an OpenAI Agents
         SDK run whose stream the agent stopped reading kept calling the model, and stored its calls in the
         finished attempt, where a batch read later found calls its reward never saw. They are not cancelled
         (an MCP session or an AutoGen runtime kept for the next rollouts is such a task too: cancelled, those
-        broke); once the rollout has returned, what they record is not stored (``agl.tracing.context.current_scope``)."""
+        broke); once the rollout has returned, what they record is not stored
+        (``agl.tracing.context.current_scope``)."""
         if self._warned_left_running or not left:
             return
         self._warned_left_running = True
@@ -359,7 +395,10 @@ class Runner:
             "running, but nothing they record for this rollout from now on is stored (an AutoGen runtime's work for "
             "messages a later rollout sends is recorded in that rollout). If they are runs the rollout gave up on, "
             "cancel them before returning (OpenAI Agents SDK: result.cancel()), or they keep calling the model. "
-            "Said once per runner", rollout_id, len(left), ", ".join(names[:5]),
+            "Said once per runner",
+            rollout_id,
+            len(left),
+            ", ".join(names[:5]),
         )
 
     @staticmethod
@@ -380,7 +419,10 @@ class Runner:
             return emitted
         if emitted is not None and emitted != returned:
             logger.warning(
-                "rollout %s returned reward %s but emitted %s: using the returned value", scope.rollout_id, returned, emitted
+                "rollout %s returned reward %s but emitted %s: using the returned value",
+                scope.rollout_id,
+                returned,
+                emitted,
             )
         if emitted != returned:  # the stored reward spans end with the value that counts (agl inspect shows it)
             attrs = {
@@ -394,7 +436,7 @@ class Runner:
         return returned
 
     def _cancelled(
-        self, future: "concurrent.futures.Future[Any]", run: Optional[agent_loops.AgentRun], rollout_id: str
+        self, future: concurrent.futures.Future[Any], run: Optional[agent_loops.AgentRun], rollout_id: str
     ) -> bool:
         """Cancel the timed-out rollout if it is a coroutine (``run``); True once its thread is free again. One
         that does not end in time because the shared loop is blocked has that loop replaced (AgentRun.give_up)."""
@@ -422,18 +464,30 @@ class Runner:
         """Warn, naming the rollout, that its agent did not stop at its timeout: otherwise only an INFO line
         said it timed out, as for an agent cancelled cleanly, while its thread (and an async agent's task, on
         the loop every async rollout shares) went on unseen, one more for each such rollout."""
-        why = (f"its coroutine did not end within {CANCEL_GRACE_S:g} s of its cancellation (it catches "
-               "CancelledError, or blocks the event loop)") if is_async else "its sync agent cannot be interrupted"
-        fate = (f"runner process {self.runner_id} leaves after reporting it and its pool starts a fresh one"
-                if self._exits_when_stuck else
-                f"runner {self.runner_id} leaves its agent thread running and goes on with a fresh one")
+        why = (
+            (
+                f"its coroutine did not end within {CANCEL_GRACE_S:g} s of its cancellation (it catches "
+                "CancelledError, or blocks the event loop)"
+            )
+            if is_async
+            else "its sync agent cannot be interrupted"
+        )
+        fate = (
+            f"runner process {self.runner_id} leaves after reporting it and its pool starts a fresh one"
+            if self._exits_when_stuck
+            else f"runner {self.runner_id} leaves its agent thread running and goes on with a fresh one"
+        )
         logger.warning(
             "rollout %s did not stop at its timeout of %s s: %s. It is reported as timed out; %s. What the agent "
             "does from now on is not stored, and its model calls through the OpenAI client are refused "
             "(RolloutTimedOutError). Make the agent finish within the timeout, raise rollout_timeout%s",
-            rollout_id, timeout, why, fate,
-            "" if self._exits_when_stuck else ", or use runner_mode='process', whose runner process is replaced "
-            "when its agent does not stop",
+            rollout_id,
+            timeout,
+            why,
+            fate,
+            ""
+            if self._exits_when_stuck
+            else ", or use runner_mode='process', whose runner process is replaced when its agent does not stop",
         )
 
     # -- loop ----------------------------------------------------------------------------------------------
@@ -465,7 +519,9 @@ class Runner:
             return not should_stop() and not self.abandoned and (max_rollouts is None or done < max_rollouts)
 
         def claim_next() -> bool:  # asked when a rollout is reported: will this loop run another one?
-            return go_on() and (max_rollouts is None or done + 1 < max_rollouts) and not (self.stuck and exit_when_stuck)
+            return (
+                go_on() and (max_rollouts is None or done + 1 < max_rollouts) and not (self.stuck and exit_when_stuck)
+            )
 
         unavailable_since: Optional[float] = None  # when the store's current outage began
         while claimed or go_on():
@@ -504,7 +560,8 @@ class Runner:
             ) from exc
 
     def close(self) -> None:
-        """Let the agent thread go (the agent loop is the process's: :mod:`agl.runtime.agent_loops`). Safe to call twice."""
+        """Let the agent thread go (the agent loop is the process's: :mod:`agl.runtime.agent_loops`). Safe to call
+        twice."""
         if self._closed:
             return
         self._closed = True

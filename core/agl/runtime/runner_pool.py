@@ -22,9 +22,9 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
-from agl.runtime import agent_loops
 from agl.errors import StaleAttemptError, StoreAuthError, StoreClosedError, StoreUnavailableError
 from agl.instrumentation import instrumented
+from agl.runtime import agent_loops
 from agl.runtime.litagent import LitAgent
 from agl.runtime.runner import Runner, StoreOutageError, check_runner_settings
 from agl.store.base import LightningStore
@@ -72,7 +72,9 @@ def _run_worker(runner: Runner, stop: Any, **options: Any) -> int:
     except StoreOutageError as exc:  # the store server or database did not answer for the whole outage timeout
         logger.error("runner %s: %s", runner.runner_id, exc)
         return _UNAVAILABLE_EXIT_CODE
-    except StoreUnavailableError:  # a shorter outage the runner did not ride out: a fresh runner may (not the pool's end)
+    except (
+        StoreUnavailableError
+    ):  # a shorter outage the runner did not ride out: a fresh runner may (not the pool's end)
         logger.exception("runner %s: a store call failed", runner.runner_id)
         return _STORE_FAILED_EXIT_CODE
     return _STUCK_EXIT_CODE if runner.stuck else 0
@@ -222,7 +224,7 @@ class RunnerPool:
         self._quick_deaths = 0
         self._runners: List[Runner] = []
 
-    def start(self) -> "RunnerPool":
+    def start(self) -> RunnerPool:
         for i in range(self.n_runners):
             process = self.mode == "process"
             self._current.append(self._ctx.RawArray("c", _CURRENT_BYTES) if process else SimpleNamespace(value=b""))
@@ -240,8 +242,7 @@ class RunnerPool:
             hooks = None if method == "fork" else instrumented()  # a forked child inherits the hooks
             proc = self._ctx.Process(
                 target=_process_main,
-                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs, hooks,
-                      self._current[index]),
+                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs, hooks, self._current[index]),
                 name=f"agl-{runner_id}",
                 daemon=True,
             )
@@ -288,7 +289,9 @@ class RunnerPool:
             mid_rollout = bool(self._current[i].value)
             # first, whatever happens next: its rollout is retried now (while max_attempts allows), not after its
             # heartbeat timeout, and its error says why rather than "presumed dead"
-            self._end_attempt_of(i, f"runner {self.mode} {worker.name} died ({how}) while running this rollout", dead=True)
+            self._end_attempt_of(
+                i, f"runner {self.mode} {worker.name} died ({how}) while running this rollout", dead=True
+            )
             if code == _REFUSED_EXIT_CODE:  # an AglError: `agl runner` exits 2 with this message
                 raise StoreAuthError(
                     f"runner {worker.name} stopped: the store refused its token (revoked, or not the server's; the "
@@ -381,7 +384,11 @@ class RunnerPool:
             if call.is_alive():
                 logger.warning(
                     "rollout %s: the store did not answer within %g s, so attempt %s is not recorded as failed (%s); "
-                    "the store's heartbeat timeout ends it", rollout_id, within, attempt_id, error,
+                    "the store's heartbeat timeout ends it",
+                    rollout_id,
+                    within,
+                    attempt_id,
+                    error,
                 )
 
     def _take_current(self, index: int) -> Optional[Tuple[str, str]]:
@@ -412,10 +419,13 @@ class RunnerPool:
         except Exception as exc:  # noqa: BLE001 - the heartbeat timeout still ends it
             logger.warning(
                 "rollout %s: could not end attempt %s of a %s runner: %s",
-                rollout_id, attempt_id, "dead" if dead else "killed", exc,
+                rollout_id,
+                attempt_id,
+                "dead" if dead else "killed",
+                exc,
             )
 
-    def __enter__(self) -> "RunnerPool":
+    def __enter__(self) -> RunnerPool:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

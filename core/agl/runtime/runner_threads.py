@@ -35,13 +35,13 @@ class AgentThread:
     it returned: ``agl runner --runner-mode thread`` outlived its ``--stop-timeout``."""
 
     def __init__(self) -> None:
-        self._tasks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # (future, fn, args), or None: leave
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (future, fn, args), or None: leave
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._shut_down = False
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
-        future: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._shut_down:
                 raise RuntimeError("cannot schedule new futures after shutdown")
@@ -103,7 +103,9 @@ class Heartbeat:
             except StaleAttemptError:  # the store ended the attempt; the result will be refused too (said then)
                 if self._stop.is_set():  # a beat in flight as the runner completed the attempt itself: no news
                     return
-                logger.warning("attempt %s of %s %s", attempt_id, rollout_id, how_it_ended(store, rollout_id, attempt_id))
+                logger.warning(
+                    "attempt %s of %s %s", attempt_id, rollout_id, how_it_ended(store, rollout_id, attempt_id)
+                )
                 return
             except Exception as exc:  # noqa: BLE001 - a flaky store must not kill the rollout
                 if self._stop.is_set():  # stopped meanwhile (its runner abandoned, the store closed after): moot

@@ -24,7 +24,7 @@ logger = logging.getLogger("agl.trainer")
 DELETE_BATCH = 1000  # rollouts per delete_spans call: bounded transactions (and HTTP bodies)
 
 
-def delete_spans_in_batches(store: "LightningStore", rollout_ids: Sequence[str]) -> int:
+def delete_spans_in_batches(store: LightningStore, rollout_ids: Sequence[str]) -> int:
     """``store.delete_spans`` in batches of :data:`DELETE_BATCH` rollouts; returns how many spans it deleted."""
     return sum(store.delete_spans(rollout_ids[i : i + DELETE_BATCH]) for i in range(0, len(rollout_ids), DELETE_BATCH))
 
@@ -32,7 +32,7 @@ def delete_spans_in_batches(store: "LightningStore", rollout_ids: Sequence[str])
 class SpanRetention:
     """Deletes the spans of training steps older than the last ``steps`` (None: keeps every span)."""
 
-    def __init__(self, store: "LightningStore", steps: Optional[int]) -> None:
+    def __init__(self, store: LightningStore, steps: Optional[int]) -> None:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
             raise ValueError(
                 f"span_retention_steps must be None (keep every span) or a whole number >= 0 of training steps "
@@ -43,7 +43,7 @@ class SpanRetention:
         self._kept: Deque[List[str]] = collections.deque()
         self.deleted = 0
 
-    def learned_from(self, rollouts: Sequence["Rollout"]) -> None:
+    def learned_from(self, rollouts: Sequence[Rollout]) -> None:
         """A training step has learnt from ``rollouts``: delete the spans of the steps that fall out of the window.
 
         A failed deletion (the store is unreachable for a moment) is logged and not retried: it leaves spans

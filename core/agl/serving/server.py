@@ -35,6 +35,8 @@ from agl.openai_wire.sampling import with_defaults
 from agl.openai_wire.stops import streamable_text
 from agl.serving.completions_api import (
     DEFAULT_MAX_TOKENS as COMPLETIONS_DEFAULT_MAX_TOKENS,
+)
+from agl.serving.completions_api import (
     CompletionRequest,
     CompletionWriter,
     parse_completion_request,
@@ -125,7 +127,7 @@ class PolicyServer:
         self.engine.close()  # running requests fail now instead of holding uvicorn's shutdown
         self._http.stop()
 
-    def __enter__(self) -> "PolicyServer":
+    def __enter__(self) -> PolicyServer:
         self.start()
         return self
 
@@ -159,7 +161,7 @@ class PolicyServer:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
-    def paused(self) -> "contextlib.AbstractContextManager[None]":
+    def paused(self) -> contextlib.AbstractContextManager[None]:
         """Inside the block no request runs: new ones wait, the running batch has drained on entry."""
         return self.engine.paused()
 
@@ -192,7 +194,11 @@ class PolicyServer:
         prompt = render_prompt(self.tokenizer, request.messages, request.tools if request.tools_offered else None)
         prompt_ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         default = self._default_max_tokens(self.default_max_tokens)
-        limit = "max_completion_tokens" if isinstance(body, dict) and body.get("max_completion_tokens") is not None else "max_tokens"
+        limit = (
+            "max_completion_tokens"
+            if isinstance(body, dict) and body.get("max_completion_tokens") is not None
+            else "max_tokens"
+        )
         max_tokens = self._max_tokens(prompt_ids, request.max_tokens, default, "messages", limit)
         params = request.sampling(max_tokens)
         if params.grammar is not None:
@@ -235,12 +241,18 @@ class PolicyServer:
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else fallback
 
     def _max_tokens(
-        self, prompt_ids: List[int], requested: Optional[int], default: int, prompt_param: str, limit: str = "max_tokens"
+        self,
+        prompt_ids: List[int],
+        requested: Optional[int],
+        default: int,
+        prompt_param: str,
+        limit: str = "max_tokens",
     ) -> int:
         """The answer's token limit: ``requested``, else ``default`` as far as the model's context leaves room.
 
         A prompt that fills the context gets a 400 naming ``prompt_param``; a requested limit beyond it one
-        naming ``limit`` (what the client called it) and the most that fits. Both carry OpenAI's code (``CONTEXT_LENGTH_EXCEEDED``)
+        naming ``limit`` (what the client called it) and the most that fits. Both carry OpenAI's code
+        (``CONTEXT_LENGTH_EXCEEDED``)
         and words that agent frameworks match to shorten a conversation that outgrew the model and retry:
         "maximum context length is" (CrewAI, LiteLLM) and "prompt is too long" (LangChain, whose check of the
         code reads only the message with openai 3's clients).
@@ -298,7 +310,7 @@ def _create_app(server: PolicyServer) -> FastAPI:
     return app
 
 
-def _endpoint(server: PolicyServer, job_for: Callable[[PolicyServer, Any], "_Job"]) -> Callable[[Request], Any]:
+def _endpoint(server: PolicyServer, job_for: Callable[[PolicyServer, Any], _Job]) -> Callable[[Request], Any]:
     async def generate(request: Request) -> Response:
         return await _generate(server, request, job_for)
 
@@ -332,7 +344,9 @@ class _Job:
 def _chat_job(server: PolicyServer, body: Any) -> _Job:
     request, prompt_ids, params = server._prepare(body)
     return _as_chat(
-        request, prompt_ids, params,
+        request,
+        prompt_ids,
+        params,
         lambda version: ResponseWriter(request, server.model_name, server.tokenizer, version),
     )
 
@@ -345,7 +359,9 @@ def _responses_job(server: PolicyServer, body: Any) -> _Job:
     except BadRequest as exc:
         raise in_responses_terms(exc) from None  # a chat-path check failed on what the Responses request meant
     return _as_chat(
-        request, prompt_ids, params,
+        request,
+        prompt_ids,
+        params,
         lambda version: ResponsesWriter(body, server.model_name, server.tokenizer, version, request.logprobs),
     )
 
@@ -396,7 +412,7 @@ async def _generate(
     except BadRequest as exc:
         return _error(path, 400, str(exc), version, exc.param, exc.code)
     loop = asyncio.get_running_loop()
-    events: "asyncio.Queue[Any]" = asyncio.Queue()
+    events: asyncio.Queue[Any] = asyncio.Queue()
     try:
         handle = server.engine.submit(
             job.prompt_ids, job.params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
@@ -410,7 +426,7 @@ async def _generate(
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
-async def _answer(path: str, version: int, events: "asyncio.Queue[Any]", handle: Any, job: _Job) -> Response:
+async def _answer(path: str, version: int, events: asyncio.Queue[Any], handle: Any, job: _Job) -> Response:
     """The response to a submitted request: its stream, or the finished answer (the generation is cancelled
     if this ends otherwise).
 
@@ -446,7 +462,7 @@ async def _answer(path: str, version: int, events: "asyncio.Queue[Any]", handle:
             handle.cancel()  # the client went away (or the server stops): stop generating for it
 
 
-async def _stream(events: "asyncio.Queue[Any]", handle: Any, writer: AnswerWriter, job: _Job) -> AsyncIterator[str]:
+async def _stream(events: asyncio.Queue[Any], handle: Any, writer: AnswerWriter, job: _Job) -> AsyncIterator[str]:
     """SSE as tokens arrive, for any API's writer; text is sent only once nothing the model writes next can
     take it back (``job.streamable``: a stop string, or on the chat path a tool call), the rest with the
     parsed output at the end."""

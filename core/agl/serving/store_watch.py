@@ -63,12 +63,16 @@ class StoreWatcher:
         except Exception as exc:  # noqa: BLE001 - bad weights (WeightsError), unreadable files: keep serving
             logger.error(
                 "resources version %d: cannot load %s (%s: %s); still serving version %d",
-                update.version, path, type(exc).__name__, exc, self.server.version,
+                update.version,
+                path,
+                type(exc).__name__,
+                exc,
+                self.server.version,
             )
             return False
         return True
 
-    def start(self) -> "StoreWatcher":
+    def start(self) -> StoreWatcher:
         self.check()
         self._thread = threading.Thread(target=self._run, name="agl-store-watch", daemon=True)
         self._thread.start()
@@ -83,5 +87,5 @@ class StoreWatcher:
         while not self._stop.wait(self.interval_s):
             try:
                 self.check()
-            except Exception:  # noqa: BLE001 - a store hiccup must not stop the watching
+            except Exception:  # a store hiccup must not stop the watching
                 logger.exception("checking the store for new resources failed; trying again")

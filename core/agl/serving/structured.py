@@ -88,9 +88,8 @@ def _calls_rules(tools: Sequence[Mapping[str, Any]], one_call: bool) -> str:
     """Tool calls, one per line, as the server renders them (chat_format.render_tool_call)."""
     calls = {"anyOf": [_call_schema(tool) for tool in tools]}
     return (
-        ("calls: call\n" if one_call else 'calls: call ("\\n" call)*\n')
-        + f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} {_json(calls)} {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
-    )
+        "calls: call\n" if one_call else 'calls: call ("\\n" call)*\n'
+    ) + f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} {_json(calls)} {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
 
 
 def _json(schema: Mapping[str, Any]) -> str:
@@ -133,7 +132,7 @@ class Grammars:
             reason = re.sub(r"^at \d+\(\d+\): ", "", error.strip().splitlines()[0])
             raise BadRequest(f"{param} cannot be enforced: {reason}", param)
 
-    def mask(self, grammar: str) -> "TokenMask":
+    def mask(self, grammar: str) -> TokenMask:
         llguidance = _llguidance("response_format")
         matcher = llguidance.LLMatcher(self._tokenizer_info(), grammar, log_level=0)
         if matcher.is_error():

@@ -156,7 +156,7 @@ def _read_file(path: str) -> Dict[str, Any]:
         return load_file(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same advice
+    except Exception as exc:  # any unreadable file gets the same advice
         raise WeightsError(f"cannot read {path} as a torch state dict: {exc}") from exc
     if not isinstance(state, Mapping):
         raise WeightsError(f"{path} holds a {type(state).__name__}, not a state dict ({{name: tensor}})")

@@ -18,7 +18,7 @@ from agl.types import TERMINAL_ROLLOUT_STATUSES, Rollout
 
 T = TypeVar("T")
 
-_GIVE_UP: "contextvars.ContextVar[Optional[threading.Event]]" = contextvars.ContextVar("agl_give_up", default=None)
+_GIVE_UP: contextvars.ContextVar[Optional[threading.Event]] = contextvars.ContextVar("agl_give_up", default=None)
 
 
 @contextlib.contextmanager

@@ -240,18 +240,17 @@ class LightningStore(abc.ABC):
 
     # -- misc ----------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def stats(self) -> StoreStats:
-        ...
+    def stats(self) -> StoreStats: ...
 
-    def ride_out_outages(self, seconds: float) -> None:
+    def ride_out_outages(self, seconds: float) -> None:  # noqa: B027 - a no-op by default: only remote stores have outages
         """Keep each call trying for up to ``seconds`` while the server behind this store is unreachable,
         unless the store was given its own setting. For long-lived users (a Trainer, ``agl runner``) of a store
         that reaches a server; the in-process stores have no outages and ignore it."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op by default: the in-memory store holds no connection
         """Release connections. Safe to call twice."""
 
-    def __enter__(self) -> "LightningStore":
+    def __enter__(self) -> LightningStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

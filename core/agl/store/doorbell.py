@@ -65,7 +65,7 @@ class Listener:
         self._sock.settimeout(timeout)
         try:
             self._sock.recv(64)
-        except socket.timeout:
+        except TimeoutError:
             return False
         self._sock.setblocking(False)
         with contextlib.suppress(BlockingIOError):

@@ -13,6 +13,11 @@ from agl.testing.sink import ListSink, tracer_writes_to
 from agl.testing.spans import assert_tool_reward_credited, without_token_ids
 
 __all__ = [
-    "FakeOpenAIServer", "FakeReply", "FakeTokenizer", "ListSink", "assert_tool_reward_credited", "tracer_writes_to",
+    "FakeOpenAIServer",
+    "FakeReply",
+    "FakeTokenizer",
+    "ListSink",
+    "assert_tool_reward_credited",
+    "tracer_writes_to",
     "without_token_ids",
 ]

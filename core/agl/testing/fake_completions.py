@@ -52,7 +52,9 @@ def _prompts(prompt: Any) -> list[Any]:
 
 
 def _is_one_prompt(prompt: Any) -> bool:
-    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt))
+    return isinstance(prompt, str) or (
+        isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
+    )
 
 
 def conversation(body: Body) -> tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]:
@@ -85,8 +87,11 @@ def _generation(prompt: Any, text: str, tokenizer: FakeTokenizer) -> Generation:
 def completion(gen: Generation, body: Body, token_ids: bool) -> dict[str, Any]:
     """The non-streamed ``text_completion`` object: one choice per prompt, ``gen`` the first prompt's."""
     gens = [gen] + [
-        _generation(prompt, default_policy([{"role": "user", "content": _prompt_text(prompt)}], [], None)[0] or "",
-                    gen.tokenizer)
+        _generation(
+            prompt,
+            default_policy([{"role": "user", "content": _prompt_text(prompt)}], [], None)[0] or "",
+            gen.tokenizer,
+        )
         for prompt in _prompts(body["prompt"])[1:]
     ]
     choices = []

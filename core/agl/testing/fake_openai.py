@@ -170,7 +170,9 @@ def _endpoint(server: FakeOpenAIServer, api: _WireApi) -> Callable[[Request], An
 Conversation = tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]
 
 
-def _chat_answer(reply: FakeReply | None, conversation: Conversation, body: Body, tokenizer: FakeTokenizer) -> Generation:
+def _chat_answer(
+    reply: FakeReply | None, conversation: Conversation, body: Body, tokenizer: FakeTokenizer
+) -> Generation:
     """Chat and Responses: the conversation through the chat template, answered by the script or the policy."""
     return generate(reply, *conversation, tokenizer)
 
@@ -249,8 +251,6 @@ async def _stream(events: Iterator[str], break_after: int | None) -> AsyncIterat
 def error_response(status_code: int, message: str, param: str | None = None, code: Any = "") -> JSONResponse:
     """An OpenAI-style error, which the ``openai`` client turns into the matching ``APIStatusError``
     (``code``: default the error type)."""
-    error_type = _ERROR_TYPES.get(
-        status_code, "server_error" if status_code >= 500 else "invalid_request_error"
-    )
+    error_type = _ERROR_TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
     body = error_body(message, status_code, param, error_type if code == "" else code, error_type)
     return JSONResponse(body, status_code=status_code)

@@ -136,9 +136,7 @@ def _chatml(role: str, content: str) -> str:
 
 def _template_content(message: Mapping[str, Any]) -> str:
     calls = [
-        GeneratedToolCall(
-            call.get("id", ""), call["function"]["name"], call["function"].get("arguments") or ""
-        )
+        GeneratedToolCall(call.get("id", ""), call["function"]["name"], call["function"].get("arguments") or "")
         for call in message.get("tool_calls") or []
     ]
     return render_assistant(message_text(message.get("content")), calls)

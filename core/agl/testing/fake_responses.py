@@ -84,9 +84,7 @@ class _Rendering:
         self.response_id = "resp_" + uuid.uuid4().hex
         self.created_at = time.time()
         # As agl's policy server: asked with include, or with top_logprobs alone (which OpenAI ignores)
-        self.with_logprobs = (
-            LOGPROBS_INCLUDE in (body.get("include") or []) or body.get("top_logprobs") is not None
-        )
+        self.with_logprobs = LOGPROBS_INCLUDE in (body.get("include") or []) or body.get("top_logprobs") is not None
         self._items = self._build_items()
 
     def items(self) -> list[Item]:

@@ -145,7 +145,7 @@ class PostgresServer:
         self._admin_lock = threading.Lock()
         self._store_databases: Optional[_StoreDatabases] = None
 
-    def _databases(self) -> "_StoreDatabases":
+    def _databases(self) -> _StoreDatabases:
         if self._store_databases is None:
             self._store_databases = _StoreDatabases(self)
         return self._store_databases
@@ -170,7 +170,7 @@ class PostgresServer:
         """
         return self._databases().borrow()
 
-    def open_store(self, **options: Any) -> "BorrowedDatabaseStore":
+    def open_store(self, **options: Any) -> BorrowedDatabaseStore:
         """A :class:`PostgresLightningStore` in a database of its own; closing the store gives the database back."""
         databases = self._databases()
         return BorrowedDatabaseStore(databases, databases.take(), **options)
@@ -312,7 +312,7 @@ class ExistingPostgres(PostgresServer):
             )
         super().__init__(dsn)
 
-    def __enter__(self) -> "ExistingPostgres":
+    def __enter__(self) -> ExistingPostgres:
         try:
             with psycopg.connect(self.admin_dsn, connect_timeout=10):
                 pass
@@ -341,24 +341,22 @@ class TemporaryPostgres(PostgresServer):
         self.settings = dict(settings or {})
         self.port = 0
         self.directory = ""
-        self._process: Optional["subprocess.Popen[bytes]"] = None
+        self._process: Optional[subprocess.Popen[bytes]] = None
         self._argv: List[str] = []  # initdb's and postgres's folder, the data folder: see start()
         self._user: Optional[pwd.struct_passwd] = None
 
-    def __enter__(self) -> "TemporaryPostgres":
+    def __enter__(self) -> TemporaryPostgres:
         self.start()
         return self
 
-    def __exit__(
-        self, exc_type: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]
-    ) -> None:
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         self.stop()
 
     @property
     def log_path(self) -> str:
         return os.path.join(self.directory, "server.log")
 
-    def start(self) -> "TemporaryPostgres":
+    def start(self) -> TemporaryPostgres:
         bindir = find_bindir()
         self._user = user = _server_user()
         base = tempfile.gettempdir()
@@ -374,8 +372,18 @@ class TemporaryPostgres(PostgresServer):
         try:
             self._run_as(
                 user,
-                [os.path.join(bindir, "initdb"), "-D", data, "-U", "agl", "--auth=trust", "-E", "UTF8",
-                 "--locale=C", "--no-sync"],
+                [
+                    os.path.join(bindir, "initdb"),
+                    "-D",
+                    data,
+                    "-U",
+                    "agl",
+                    "--auth=trust",
+                    "-E",
+                    "UTF8",
+                    "--locale=C",
+                    "--no-sync",
+                ],
             )
             self._argv = [os.path.join(bindir, "postgres"), "-D", data]
             self._launch()

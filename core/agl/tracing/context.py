@@ -70,7 +70,6 @@ class RolloutScope:
             end()
         return len(ends)
 
-
     def end(self) -> int:
         """The attempt is over (its rollout returned, or ran past its timeout): nothing started from now on
         in its context is stored (:func:`current_scope`), and the spans still open are ended now, marked
@@ -204,7 +203,7 @@ def carry_scope(fn: Callable[..., T]) -> Callable[..., T]:
     return run_with_scope
 
 
-def submit(executor: Executor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> "Future[T]":
+def submit(executor: Executor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
     """``executor.submit`` that keeps the caller's rollout and span context in the worker thread."""
     return executor.submit(propagate(fn), *args, **kwargs)
 

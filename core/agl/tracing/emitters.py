@@ -32,8 +32,8 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, Type
 
 from agl import semconv
 from agl.tracing.context import _in_operation, current_scope, in_operation
-from agl.tracing.spans import AglSpan
 from agl.tracing.encoding import recordable
+from agl.tracing.spans import AglSpan
 from agl.tracing.tool import async_generator_in_span, generator_in_span, receiver_count, span_current
 from agl.tracing.tracer import STEP_SPAN_KINDS, Tracer, get_tracer, record_exception
 
@@ -120,7 +120,9 @@ def reward_number(value: Any, what: str, expected: str = "a number") -> float:
     return reward
 
 
-def normalize_reward(value: Union[float, int, bool, Mapping[str, Any]], primary: Optional[str] = None) -> tuple[float, str, Optional[Dict[str, float]]]:
+def normalize_reward(
+    value: Union[float, int, bool, Mapping[str, Any]], primary: Optional[str] = None
+) -> tuple[float, str, Optional[Dict[str, float]]]:
     """(primary value, primary name, named dimensions or None) for a scalar or ``{name: value}`` reward."""
     if isinstance(value, Mapping):
         if not value:
@@ -262,7 +264,7 @@ class operation:
         self._span: Any = None  # the span of the latest entry (for set_input/set_output outside its context)
 
     # -- context manager -----------------------------------------------------------------------------------
-    def __enter__(self) -> "operation":
+    def __enter__(self) -> operation:
         attrs = {semconv.OPERATION: self.name, **self.attributes}
         tracer = get_tracer()
         _link_operations(tracer)
@@ -285,7 +287,7 @@ class operation:
                 "thread or asyncio task (with agl.operation(...): ... does)"
             )
         _, cm, _span, in_operation_token, operation_token = entries[index]
-        _entries.set(entries[:index] + entries[index + 1:])
+        _entries.set(entries[:index] + entries[index + 1 :])
         _current_operation.reset(operation_token)
         _in_operation.reset(in_operation_token)
         return cm.__exit__(*exc)
@@ -298,7 +300,9 @@ class operation:
         return self._span
 
     def set_input(self, *args: Any, **kwargs: Any) -> None:
-        get_tracer().set_deferred(self._current_span(), {semconv.OPERATION_INPUT: recordable(_operation_input(args, kwargs))})
+        get_tracer().set_deferred(
+            self._current_span(), {semconv.OPERATION_INPUT: recordable(_operation_input(args, kwargs))}
+        )
 
     def set_output(self, value: Any) -> None:
         get_tracer().set_deferred(self._current_span(), {semconv.OPERATION_OUTPUT: recordable(value)})

@@ -190,8 +190,20 @@ def _otel_value(value: Any) -> Any:
 # attributes). The status is the Span's own text ("ok", "error", "unset"), not OpenTelemetry's enum: enum
 # members pickle by reference lookup, ~6 us a span on the way to a writer process.
 Finished = Tuple[
-    str, int, int, Optional[int], int, int, str, Optional[str], Mapping[str, Any], Tuple[Any, ...],
-    str, str, int, Optional[Dict[str, Any]],
+    str,
+    int,
+    int,
+    Optional[int],
+    int,
+    int,
+    str,
+    Optional[str],
+    Mapping[str, Any],
+    Tuple[Any, ...],
+    str,
+    str,
+    int,
+    Optional[Dict[str, Any]],
 ]
 
 _STATUS_TEXT = {StatusCode.OK: "ok", StatusCode.ERROR: "error", StatusCode.UNSET: "unset"}
@@ -243,8 +255,22 @@ def settled(deferred: Dict[str, Any]) -> Dict[str, Any]:
 
 def convert_span(item: Finished) -> Span:
     """A queued finished span as an agl Span, its deferred payloads encoded (runs on the writer thread)."""
-    (name, trace_id, span_id, parent_id, start, end, status, description, attrs, events,
-     rollout_id, attempt_id, sequence_id, deferred) = item
+    (
+        name,
+        trace_id,
+        span_id,
+        parent_id,
+        start,
+        end,
+        status,
+        description,
+        attrs,
+        events,
+        rollout_id,
+        attempt_id,
+        sequence_id,
+        deferred,
+    ) = item
     attributes: Dict[str, Any] = {k: _otel_value(v) for k, v in attrs.items()}
     if deferred:
         for key, value in deferred.items():
@@ -252,27 +278,30 @@ def convert_span(item: Finished) -> Span:
                 attributes[key] = value
                 continue
             attributes[key] = _encoded_or_error(key, value, name)
-    return trusted(Span, dict(
-        rollout_id=rollout_id,
-        attempt_id=attempt_id,
-        sequence_id=sequence_id,
-        trace_id=format(trace_id, "032x"),
-        span_id=format(span_id, "016x"),
-        parent_id=format(parent_id, "016x") if parent_id is not None else None,
-        name=name,
-        kind=attrs.get(semconv.SPAN_KIND, "chain"),
-        start_time=start,
-        end_time=end,
-        status=status,
-        error=description if status == "error" else None,
-        attributes=attributes,
-        events=[
-            SpanEvent.model_construct(
-                name=e_name, timestamp=e_time, attributes={k: _otel_value(v) for k, v in (e_attrs or {}).items()}
-            )
-            for e_name, e_time, e_attrs in events
-        ],
-    ))
+    return trusted(
+        Span,
+        dict(
+            rollout_id=rollout_id,
+            attempt_id=attempt_id,
+            sequence_id=sequence_id,
+            trace_id=format(trace_id, "032x"),
+            span_id=format(span_id, "016x"),
+            parent_id=format(parent_id, "016x") if parent_id is not None else None,
+            name=name,
+            kind=attrs.get(semconv.SPAN_KIND, "chain"),
+            start_time=start,
+            end_time=end,
+            status=status,
+            error=description if status == "error" else None,
+            attributes=attributes,
+            events=[
+                SpanEvent.model_construct(
+                    name=e_name, timestamp=e_time, attributes={k: _otel_value(v) for k, v in (e_attrs or {}).items()}
+                )
+                for e_name, e_time, e_attrs in events
+            ],
+        ),
+    )
 
 
 _PLAIN_TYPES = frozenset((str, int, float, bool))
@@ -296,5 +325,3 @@ def without_callables(item: Finished) -> Finished:
             if callable(value) or type(value) is Computed:
                 deferred[key] = _encoded_or_error(key, value, item[0])
     return item
-
-

@@ -43,7 +43,7 @@ class SpanExporter:
         for item in batch:
             try:
                 spans.append(convert_span(item))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self.stats.rejected += 1
                 logger.error("agl could not convert span %r and dropped it: %s", item[0], exc, exc_info=True)
         return spans
@@ -54,13 +54,17 @@ class SpanExporter:
             self.sink.add_spans(spans)
             self.stats.exported += len(spans)
             return
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if not _is_permanent(exc):
                 raise
             if len(spans) == 1:
                 self.stats.rejected += 1
                 log = logger.debug if self.stats.rejected > 1 else logger.error
-                log("agl store refused span %r and it was dropped (stats().rejected counts them): %s", spans[0].name, exc)
+                log(
+                    "agl store refused span %r and it was dropped (stats().rejected counts them): %s",
+                    spans[0].name,
+                    exc,
+                )
                 return
         for span in spans:
             self.write([span])

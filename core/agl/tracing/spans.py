@@ -80,9 +80,26 @@ class AglSpan(otel_trace.Span):
     """
 
     __slots__ = (
-        "name", "trace_id", "span_id", "parent_id", "trace_state", "attributes", "events", "start_time",
-        "end_time", "status_code", "status_description", "rollout_id", "attempt_id", "sequence_id",
-        "generation", "deferred", "scope", "cut", "_processor", "_span_context",
+        "name",
+        "trace_id",
+        "span_id",
+        "parent_id",
+        "trace_state",
+        "attributes",
+        "events",
+        "start_time",
+        "end_time",
+        "status_code",
+        "status_description",
+        "rollout_id",
+        "attempt_id",
+        "sequence_id",
+        "generation",
+        "deferred",
+        "scope",
+        "cut",
+        "_processor",
+        "_span_context",
     )
 
     def __init__(
@@ -146,7 +163,9 @@ class AglSpan(otel_trace.Span):
         for key, value in attributes.items():
             self.set_attribute(key, value)
 
-    def add_event(self, name: str, attributes: Optional[Mapping[str, Any]] = None, timestamp: Optional[int] = None) -> None:
+    def add_event(
+        self, name: str, attributes: Optional[Mapping[str, Any]] = None, timestamp: Optional[int] = None
+    ) -> None:
         if self.end_time is not None:
             _ignored(self, "add_event")
             return

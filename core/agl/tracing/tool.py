@@ -81,7 +81,9 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 tracer = get_tracer()
                 with tracer.span(span_name, "tool", attrs) as span:
-                    tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: recordable(_arguments(func, skip, args, kwargs))})
+                    tracer.set_deferred(
+                        span, {semconv.TOOL_CALL_ARGUMENTS: recordable(_arguments(func, skip, args, kwargs))}
+                    )
                     result = await func(*args, **kwargs)
                     tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: tool_value(result)})
                     return result
@@ -92,7 +94,9 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             tracer = get_tracer()
             with tracer.span(span_name, "tool", attrs) as span:
-                tracer.set_deferred(span, {semconv.TOOL_CALL_ARGUMENTS: recordable(_arguments(func, skip, args, kwargs))})
+                tracer.set_deferred(
+                    span, {semconv.TOOL_CALL_ARGUMENTS: recordable(_arguments(func, skip, args, kwargs))}
+                )
                 result = func(*args, **kwargs)
                 tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: tool_value(result)})
                 return result
@@ -149,7 +153,7 @@ def generator_in_span(func: F, start: Start, resume: Resume, finish: Finish) -> 
                     with resume(span):
                         gen.close()
                     raise
-                except BaseException as exc:  # thrown in by the caller: func gets it where it yielded
+                except BaseException as exc:  # noqa: BLE001 - thrown in by the caller: func gets it where it yielded
                     thrown, sent = exc, None
         except GeneratorExit:  # closed early (or collected): not a failure
             raise
@@ -186,7 +190,7 @@ def async_generator_in_span(func: F, start: Start, resume: Resume, finish: Finis
                     with resume(span):
                         await agen.aclose()
                     raise
-                except BaseException as exc:
+                except BaseException as exc:  # noqa: BLE001 - thrown into the wrapped generator, as its caller threw it
                     thrown, sent = exc, None
         except GeneratorExit:
             raise

@@ -25,9 +25,9 @@ import collections
 import contextlib
 import logging
 import os
+import pickle
 import threading
 import time
-import pickle
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from opentelemetry import context as otel_context
@@ -35,14 +35,14 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import StatusCode
 
 from agl import semconv
-from agl.tracing.context import current_scope, ended_scope, rollouts_running
 from agl.tracing.callback_handlers import callback_handlers
+from agl.tracing.context import current_scope, ended_scope, rollouts_running
 from agl.tracing.context_keys import resolve_parent
-from agl.tracing.spans import AglSpan, clean_attributes, new_id
 from agl.tracing.encoding import Finished, encode_attribute, finished, without_callables
 from agl.tracing.export import SpanExporter, TracerStats
-from agl.types import SpanKind
+from agl.tracing.spans import AglSpan, clean_attributes, new_id
 from agl.tracing.writer_process import WriterProcess
+from agl.types import SpanKind
 
 __all__ = ["Tracer", "TracerStats", "encode_attribute", "get_tracer", "record_exception"]
 
@@ -134,7 +134,8 @@ class StoreSpanProcessor:
         logger.warning(
             "agl's span writer was still trying to write %d spans to the store it had before (%r); the new store "
             "gets them and every span after them now, and the call to the old one is abandoned",
-            min(len(self._queue), self.batch_size), old_sink,
+            min(len(self._queue), self.batch_size),
+            old_sink,
         )
         if self._queue:
             self._start_worker()
@@ -159,7 +160,8 @@ class StoreSpanProcessor:
         if not getattr(self.sink, "multiprocess_safe", False):
             logger.warning(
                 "agl's span writer process needs a store several processes can share (SQLite, PostgreSQL, the "
-                "HTTP client); %s is not, so spans are written by a thread", type(self.sink).__name__,
+                "HTTP client); %s is not, so spans are written by a thread",
+                type(self.sink).__name__,
             )
             self._process_failed = True
             return
@@ -195,7 +197,9 @@ class StoreSpanProcessor:
                 self._warned_unscoped = True
                 logger.debug("span %r ended outside any rollout; agl stores spans of rollouts only", span.name)
             if (
-                not self._warned_stray_call and rollouts_running() and span.attributes.get(semconv.SPAN_KIND) == "llm"
+                not self._warned_stray_call
+                and rollouts_running()
+                and span.attributes.get(semconv.SPAN_KIND) == "llm"
                 and ended_scope() is None  # (a call of a rollout that has returned is warned of at its start)
             ):
                 self._warned_stray_call = True
@@ -204,7 +208,8 @@ class StoreSpanProcessor:
                     "not stored or trained on. If the agent made it in a thread of its own (a threading.Thread, "
                     "or a thread pool without agl.instrument()), that thread did not inherit the rollout's context: "
                     "wrap the function with agl.propagate(fn), or submit with agl.submit(executor, fn, ...). Said "
-                    "once; tracer stats().unscoped counts such spans.", span.name,
+                    "once; tracer stats().unscoped counts such spans.",
+                    span.name,
                 )
             return
         if len(self._queue) >= self.max_queue:
@@ -249,7 +254,9 @@ class StoreSpanProcessor:
                     payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
                 except Exception as exc:  # noqa: BLE001 - an attribute value that does not pickle
                     self._in_flight.pop()
-                    logger.warning("agl could not pickle %d spans for its writer process; writing them here: %s", n, exc)
+                    logger.warning(
+                        "agl could not pickle %d spans for its writer process; writing them here: %s", n, exc
+                    )
                     self._export_here(batch)
                     continue
                 try:
@@ -321,7 +328,7 @@ class StoreSpanProcessor:
             spans = exporter.convert([self._queue[i] for i in range(n)])
             self._writing_to = sink
             try:
-                written = exporter.write_until_done(spans, give_up=lambda: self.sink is not sink or self._stopped)
+                written = exporter.write_until_done(spans, give_up=lambda: self.sink is not sink or self._stopped)  # noqa: B023 - used in this pass only
             finally:
                 with self._pop_lock:
                     if epoch == self._worker_epoch:
@@ -463,12 +470,22 @@ class Tracer:
         else:
             parent_context = parent.get_span_context()
             if parent_context.is_valid:
-                trace_id, parent_id, trace_state = parent_context.trace_id, parent_context.span_id, parent_context.trace_state
+                trace_id, parent_id, trace_state = (
+                    parent_context.trace_id,
+                    parent_context.span_id,
+                    parent_context.trace_state,
+                )
             else:
                 trace_id, parent_id, trace_state = new_id(128), None, None
         span = AglSpan(
-            name, trace_id, new_id(64), parent_id, trace_state, attrs,
-            start_time if start_time is not None else time.time_ns(), self.processor,
+            name,
+            trace_id,
+            new_id(64),
+            parent_id,
+            trace_state,
+            attrs,
+            start_time if start_time is not None else time.time_ns(),
+            self.processor,
         )
         scope = current_scope()
         if scope is None and not (self._warned_late and self._warned_late_timed_out):
@@ -507,7 +524,9 @@ class Tracer:
             "span %r started after its rollout %s timed out: its agent went on past the timeout (a sync agent "
             "cannot be interrupted; an async one caught CancelledError), and what it does now is not stored, as "
             "the attempt was reported as timed out. Make the agent finish within rollout_timeout, or raise "
-            "rollout_timeout. Said once; tracer stats().unscoped counts such spans", name, rollout_id,
+            "rollout_timeout. Said once; tracer stats().unscoped counts such spans",
+            name,
+            rollout_id,
         )
 
     def _warn_late_after_return(self, name: str, rollout_id: str) -> None:
@@ -519,7 +538,9 @@ class Tracer:
             "stream it stopped reading, an agent run or runtime it keeps going): it is not stored, as it is not "
             "part of what the rollout's reward judged. To stop such a run, cancel it before returning (OpenAI "
             "Agents SDK: result.cancel(); AutoGen: close the stream or stop the runtime). Said once; tracer "
-            "stats().unscoped counts such spans", name, rollout_id,
+            "stats().unscoped counts such spans",
+            name,
+            rollout_id,
         )
 
     @staticmethod
@@ -545,7 +566,8 @@ class Tracer:
 
     def set_deferred(self, span: otel_trace.Span, attributes: Mapping[str, Any]) -> None:
         """Attach attributes encoded off the hot path (messages, token ids, raw objects): containers when the
-        span ends, ``Computed`` values on the writer thread (a callable value is a value: never called) (see the module docstring).
+        span ends, ``Computed`` values on the writer thread (a callable value is a value: never called) (see the
+        module docstring).
 
         Values must not be mutated by the caller afterwards: pass snapshots (e.g. ``list(messages)``).
         """

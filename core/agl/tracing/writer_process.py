@@ -56,7 +56,10 @@ class WriterProcess:
         store_frame = _frame(pickle.dumps(sink))  # fails here, in the caller, if the store does not pickle
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from agl.tracing.writer_process import main; main()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+            [sys.executable, "-c", "from agl.tracing.writer_process import main; main()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._fd = self._proc.stdin.fileno()
@@ -107,7 +110,7 @@ class WriterProcess:
         view = memoryview(data)
         while view:
             try:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
             except BlockingIOError:
                 select.select([], [self._fd], [])
 
@@ -123,7 +126,9 @@ class WriterProcess:
             if not self._closing:
                 logger.warning(
                     "agl's span writer process %d exited with code %s; its unwritten spans go back to the writer "
-                    "thread, nothing is lost (see its error above)", self._proc.pid, code,
+                    "thread, nothing is lost (see its error above)",
+                    self._proc.pid,
+                    code,
                 )
             self._on_exit(self._closing)
 

@@ -5,8 +5,8 @@ verl, torch or ray at import time; ``batch`` (samples to ``DataProto``) and ``ra
 workers and vLLM servers) need the ``verl`` extra. See docs/verl.md.
 """
 
-from agl.algorithm.verl.config import VERLConfig, VERLConfigError
 from agl.algorithm.verl.backend import PolicyBackend, Serving
+from agl.algorithm.verl.config import VERLConfig, VERLConfigError
 from agl.algorithm.verl.trainer import VERL, TrainingSummary
 
 __all__ = ["PolicyBackend", "Serving", "TrainingSummary", "VERL", "VERLConfig", "VERLConfigError"]

@@ -101,7 +101,12 @@ class _Row:
 
 
 def _fit(
-    sample: Sample, max_prompt: int, max_response: int, prompt_policy: str, response_policy: str, report: ConversionReport
+    sample: Sample,
+    max_prompt: int,
+    max_response: int,
+    prompt_policy: str,
+    response_policy: str,
+    report: ConversionReport,
 ) -> Optional[_Row]:
     """Apply the over-long policies to one sample; None (and a count) when it is dropped."""
     prompt, response, mask = sample.prompt_ids, sample.response_ids, sample.response_mask
@@ -163,7 +168,7 @@ def samples_to_dataproto(
     precomputed_advantages: bool = True,
     meta_info: Optional[Dict[str, Any]] = None,
     report: Optional[ConversionReport] = None,
-) -> Tuple["DataProto", ConversionReport]:
+) -> Tuple[DataProto, ConversionReport]:
     """Build the DataProto of ``samples`` (see the module docstring for every key) and say what was cut.
 
     Raises :class:`NoTrainableSamples` when no sample survives (no token ids recorded, every prompt too
@@ -250,7 +255,7 @@ def _tensors(
     return tensors
 
 
-def pad_to_divisor(data: "DataProto", divisor: int, report: Optional[ConversionReport] = None) -> "DataProto":
+def pad_to_divisor(data: DataProto, divisor: int, report: Optional[ConversionReport] = None) -> DataProto:
     """Add inert rows until ``len(data)`` is a multiple of ``divisor`` (data-parallel ranks x mini batches).
 
     verl's own ``pad_dataproto_to_divisor`` repeats real rows, which would train on them twice and add
@@ -279,7 +284,7 @@ def pad_to_divisor(data: "DataProto", divisor: int, report: Optional[ConversionR
     return padded
 
 
-def apply_loss_weights(data: "DataProto") -> None:
+def apply_loss_weights(data: DataProto) -> None:
     """Put ``loss_weights`` into the per-token weights verl's policy loss multiplies by.
 
     verl's PPO loss multiplies each token's policy-gradient loss by ``rollout_is_weights`` when the batch

@@ -117,7 +117,9 @@ def _flatten(config: Mapping[str, Any], prefix: str = "") -> List[_Setting]:
     out: List[_Setting] = []
     for key, value in config.items():
         if not isinstance(key, str) or not key:
-            raise VERLConfigError(f"verl config keys must be non-empty strings, got {key!r} under {prefix or 'the top'}")
+            raise VERLConfigError(
+                f"verl config keys must be non-empty strings, got {key!r} under {prefix or 'the top'}"
+            )
         path = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
             out.extend(_flatten(value, path + "."))
@@ -471,7 +473,7 @@ class VERLConfig:
             with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
                 warnings.simplefilter("ignore")  # "Disabled critic as adv_estimator != gae": expected here
                 validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-        except Exception as exc:  # noqa: BLE001 - verl raises asserts, ValueErrors and Hydra's wrappers of them
+        except Exception as exc:  # verl raises asserts, ValueErrors and Hydra's wrappers of them
             cause = exc.__cause__ or exc  # Hydra's InstantiationException wraps the dataclass's own error
             raise VERLConfigError(f"verl rejected the config: {cause}") from exc
 
@@ -510,7 +512,7 @@ class VERLConfig:
         )
 
 
-def as_verl_config(config: Union["VERLConfig", ConfigInput], overrides: Sequence[str] = ()) -> VERLConfig:
+def as_verl_config(config: Union[VERLConfig, ConfigInput], overrides: Sequence[str] = ()) -> VERLConfig:
     if isinstance(config, VERLConfig):
         if overrides:
             raise VERLConfigError("pass overrides when building the VERLConfig, not with an existing one")
@@ -518,4 +520,11 @@ def as_verl_config(config: Union["VERLConfig", ConfigInput], overrides: Sequence
     return VERLConfig(config, overrides)
 
 
-__all__ = ["AGL_DEFAULTS", "IGNORED_KEYS", "VERLConfig", "VERLConfigError", "VERLNotInstalledError", "build_verl_config"]
+__all__ = [
+    "AGL_DEFAULTS",
+    "IGNORED_KEYS",
+    "VERLConfig",
+    "VERLConfigError",
+    "VERLNotInstalledError",
+    "build_verl_config",
+]

@@ -21,8 +21,8 @@ import logging
 import os
 from typing import Any, Dict
 
-from agl.algorithm.verl.config import VERLConfig
 from agl.algorithm.verl.backend import Serving
+from agl.algorithm.verl.config import VERLConfig
 
 logger = logging.getLogger("agl.verl")
 
@@ -38,7 +38,6 @@ class VerlRayBackend:
         import httpx
         import ray
         from omegaconf import OmegaConf
-
         from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
         from verl.trainer.main_ppo_v0 import BaseTaskRunner
         from verl.utils.config import omega_conf_to_dataclass
@@ -84,11 +83,11 @@ class VerlRayBackend:
     # -- one update --------------------------------------------------------------------------------------------
     def update(self, batch: Any, step: int, mini_batches: int) -> Dict[str, float]:
         import torch
-
-        from agl.algorithm.verl.batch import apply_loss_weights
         from verl.trainer.ppo.metric_utils import compute_data_metrics
         from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage
         from verl.utils.metric import reduce_metrics
+
+        from agl.algorithm.verl.batch import apply_loss_weights
 
         t = self.trainer
         cfg = self.config.dictconfig
@@ -107,7 +106,9 @@ class VerlRayBackend:
         if t.use_reference_policy:
             batch = batch.union(t._compute_ref_log_prob(batch))
         if cfg.algorithm.use_kl_in_reward:
-            batch, kl_metrics = apply_kl_penalty(batch, kl_ctrl=t.kl_ctrl_in_reward, kl_penalty=cfg.algorithm.kl_penalty)
+            batch, kl_metrics = apply_kl_penalty(
+                batch, kl_ctrl=t.kl_ctrl_in_reward, kl_penalty=cfg.algorithm.kl_penalty
+            )
             metrics.update(kl_metrics)
         if self.advantages == "verl":
             batch = compute_advantage(
@@ -147,13 +148,11 @@ def _agl_trainer_class() -> type:
     import warnings
 
     from omegaconf import open_dict
-
+    from verl import DataProto
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.utils import tensordict_utils as tu
     from verl.utils.py_functional import rename_dict
     from verl.workers.utils.padding import left_right_2_no_padding
-
-    from verl import DataProto
 
     class AglRayPPOTrainer(RayPPOTrainer):
         def __init__(self, *args: Any, total_training_steps: int, **kwargs: Any) -> None:

@@ -30,9 +30,9 @@ from typing import Any, Dict, Iterator, List, Literal, Mapping, Optional, Sequen
 from agl.algorithm.base import Algorithm, EmptySteps
 from agl.algorithm.verl.backend import PolicyBackend, Serving
 from agl.algorithm.verl.config import ConfigInput, VERLConfig, VERLConfigError, as_verl_config
-from agl.runtime.dataset import as_tasks
 from agl.errors import NoTrainableSamples
 from agl.openai_wire.sampling import openai_arguments
+from agl.runtime.dataset import as_tasks
 from agl.store.base import EnqueueRequest
 from agl.types import ProxyLLM, Rollout, Task
 
@@ -148,8 +148,8 @@ class VERL(Algorithm):
     # -- the adapter -------------------------------------------------------------------------------------------
     def lightningrl(self) -> Any:
         """The trainer's adapter as a LightningRL, with verl's estimator unless the adapter chose one."""
-        from agl.lightningrl.agent_match import PolicyMatcher
         from agl.lightningrl.adapter import LightningRL
+        from agl.lightningrl.agent_match import PolicyMatcher
 
         adapter = self.adapter
         if adapter is None or isinstance(adapter, Mapping):
@@ -223,7 +223,10 @@ class VERL(Algorithm):
             logger.warning(
                 "trainer.total_training_steps=%d but trainer.total_epochs=%d passes over the data make only %d "
                 "steps: the run ends after %d (raise trainer.total_epochs to run them all)",
-                wanted, self.config.total_epochs, epoch_steps, epoch_steps,
+                wanted,
+                self.config.total_epochs,
+                epoch_steps,
+                epoch_steps,
             )
         return wanted, min(wanted, epoch_steps)
 
@@ -231,7 +234,7 @@ class VERL(Algorithm):
         self, tasks: List[Task], total_steps: int, adapter: Any, serving: Serving, val_dataset: Optional[Sequence[Any]]
     ) -> None:
         stream = self._task_stream(tasks)
-        in_flight: "OrderedDict[str, _Group]" = OrderedDict()
+        in_flight: OrderedDict[str, _Group] = OrderedDict()
         batch_size = self.config.train_batch_size
         test_freq = int(self.config.get("trainer.test_freq") or -1)
         save_freq = int(self.config.get("trainer.save_freq") or -1)
@@ -277,7 +280,7 @@ class VERL(Algorithm):
                 self.rng.shuffle(order)
             yield from order[:usable]
 
-    def _top_up(self, in_flight: "OrderedDict[str, _Group]", stream: Iterator[Task], wanted: int) -> None:
+    def _top_up(self, in_flight: OrderedDict[str, _Group], stream: Iterator[Task], wanted: int) -> None:
         n = self.config.n
         requests: List[Tuple[Task, List[EnqueueRequest]]] = []
         while len(in_flight) + len(requests) < wanted:
@@ -308,7 +311,7 @@ class VERL(Algorithm):
             ids = [r.rollout_id for r in rollouts[index * n : (index + 1) * n]]
             in_flight[ids[0]] = _Group(task, ids, self.policy_version)
 
-    def _wait_for_groups(self, in_flight: "OrderedDict[str, _Group]", count: int) -> List["_Group"]:
+    def _wait_for_groups(self, in_flight: OrderedDict[str, _Group], count: int) -> List[_Group]:
         """Block until ``count`` groups are complete; remove and return the oldest complete ones."""
         from agl._util.progress import progress_bar
 

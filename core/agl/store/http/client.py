@@ -46,8 +46,8 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import _rules
-from agl.store.http.transport import Answer, ConnectionPool, TransportError, bearer_token
 from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.store.http.transport import Answer, ConnectionPool, TransportError, bearer_token
 from agl.store.http.wire import (
     AUTH_HEADER,
     IDEMPOTENCY_HEADER,
@@ -103,7 +103,9 @@ def _server_url(url: str) -> str:
         if not parts.hostname or parts.port == 0:
             raise ValueError
     except ValueError:
-        raise StoreAddressError(f"store server URL {url!r} needs a host and a port from 1 to 65535: {example}") from None
+        raise StoreAddressError(
+            f"store server URL {url!r} needs a host and a port from 1 to 65535: {example}"
+        ) from None
     path = parts.path.rstrip("/")
     path = path[: -len("/v1")] if path.endswith("/v1") else path
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
@@ -144,8 +146,10 @@ class RemoteLightningStore(LightningStore):
         rollout's result; interactive commands keep the short default and fail fast."""
         self.url = _server_url(url)
         try:
-            self.token = bearer_token(token, "token=") if token is not None else bearer_token(
-                os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}"
+            self.token = (
+                bearer_token(token, "token=")
+                if token is not None
+                else bearer_token(os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}")
             )
         except ValueError as exc:
             raise StoreAuthError(str(exc)) from None
@@ -162,7 +166,15 @@ class RemoteLightningStore(LightningStore):
         self._reset_process_state()
 
     _SETTINGS = (
-        "url", "token", "timeout", "retries", "backoff", "max_backoff", "max_poll", "max_connections", "outage_timeout"
+        "url",
+        "token",
+        "timeout",
+        "retries",
+        "backoff",
+        "max_backoff",
+        "max_poll",
+        "max_connections",
+        "outage_timeout",
     )
 
     def _reset_process_state(self) -> None:
@@ -226,7 +238,9 @@ class RemoteLightningStore(LightningStore):
                     break
                 self._sleep_before(attempt)
             try:
-                response = self._http().request(method, path, body=body, params=params, headers=headers, timeout=timeout)
+                response = self._http().request(
+                    method, path, body=body, params=params, headers=headers, timeout=timeout
+                )
             except TransportError as exc:
                 last_problem = str(exc)
                 logger.debug("%s %s failed (%s); retrying", method, path, last_problem)
@@ -262,7 +276,12 @@ class RemoteLightningStore(LightningStore):
         if attempt == self.retries + 1:
             logger.warning(
                 "store server %s has not answered %s %s for %.0f s (%s); still trying, up to %.0f s",
-                self.url, method, path, waited, problem, self.outage_timeout,
+                self.url,
+                method,
+                path,
+                waited,
+                problem,
+                self.outage_timeout,
             )
         return True
 
@@ -390,10 +409,16 @@ class RemoteLightningStore(LightningStore):
         def already_completed(exc: Exception) -> CompletedAndClaimed:
             # what a lost try claimed is lost with its answer: those attempts end at their heartbeat deadline
             # and their rollouts are retried
-            return CompletedAndClaimed(rollout=self._completed_by_lost_try(rollout_id, attempt_id, status, exc), claimed=[])
+            return CompletedAndClaimed(
+                rollout=self._completed_by_lost_try(rollout_id, attempt_id, status, exc), claimed=[]
+            )
 
         got = self._call(
-            "POST", path, CompletedAndClaimed, body=body.model_dump_json().encode(), idempotent_key=True,
+            "POST",
+            path,
+            CompletedAndClaimed,
+            body=body.model_dump_json().encode(),
+            idempotent_key=True,
             after_retry=already_completed,
         )
         return got.rollout, got.claimed
@@ -482,7 +507,9 @@ class RemoteLightningStore(LightningStore):
                 if limit is None or stop - start == 1:
                     raise
                 self._max_body = min(limit, size - 1)  # smaller than what was refused: the next try is smaller
-                logger.info("a batch of %d over the server's body limit of %d bytes: sending it in parts", stop - start, limit)
+                logger.info(
+                    "a batch of %d over the server's body limit of %d bytes: sending it in parts", stop - start, limit
+                )
                 continue
             start = stop
         return answers
@@ -510,7 +537,9 @@ class RemoteLightningStore(LightningStore):
                     return update
             raise exc
 
-        return self._call("POST", "/v1/resources", ResourcesUpdate, body=body, idempotent_key=True, after_retry=already_added)
+        return self._call(
+            "POST", "/v1/resources", ResourcesUpdate, body=body, idempotent_key=True, after_retry=already_added
+        )
 
     def get_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
         """A version by id is read once per process: versions are never overwritten, and a runner asks for

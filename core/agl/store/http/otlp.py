@@ -47,8 +47,8 @@ class AnyValue(BaseModel):
     boolValue: Optional[bool] = None
     intValue: Optional[int] = None  # int64: a decimal string in OTLP/JSON, which pydantic accepts
     doubleValue: Optional[float] = None
-    arrayValue: Optional["ArrayValue"] = None
-    kvlistValue: Optional["KeyValueList"] = None
+    arrayValue: Optional[ArrayValue] = None
+    kvlistValue: Optional[KeyValueList] = None
     bytesValue: Optional[str] = None  # base64
 
 
@@ -195,8 +195,10 @@ class Refusals:
     def message(self, limit: int = 10) -> str:
         """The partial-success error message: one sentence per reason, refusals first."""
         entries = sorted(self.entries(), key=lambda e: not e[2])
-        parts = [f"{n} span(s) {'refused' if refused else 'stored with a note'}: {reason}"
-                 for reason, _, refused, n in entries[:limit]]
+        parts = [
+            f"{n} span(s) {'refused' if refused else 'stored with a note'}: {reason}"
+            for reason, _, refused, n in entries[:limit]
+        ]
         if len(entries) > limit:
             parts.append(f"and {len(entries) - limit} more reason(s)")
         return "; ".join(parts)
@@ -248,7 +250,9 @@ def _to_span(span: OtlpSpan, resource: Dict[str, Any], scope: Scope, refusals: R
             attributes[semconv.OTLP_SEQUENCE_ID] = given
             refusals.note(
                 f"{semconv.OTLP_SEQUENCE_ID} = {_shown(given)} is not an integer >= 0 (nor a string of digits): "
-                "kept as an attribute, and the span's sequence id is its start time in ns", rollout_id)
+                "kept as an attribute, and the span's sequence id is its start time in ns",
+                rollout_id,
+            )
     if scope.name:
         attributes.setdefault("otel.scope.name", scope.name)
         if scope.version:
@@ -268,7 +272,9 @@ def _to_span(span: OtlpSpan, resource: Dict[str, Any], scope: Scope, refusals: R
         status={1: "ok", 2: "error"}.get(status.code, "unset"),  # type: ignore[arg-type]
         error=(status.message or None) if status.code == 2 else None,
         attributes=attributes,
-        events=[SpanEvent(name=e.name, timestamp=e.timeUnixNano, attributes=_attributes(e.attributes)) for e in span.events],
+        events=[
+            SpanEvent(name=e.name, timestamp=e.timeUnixNano, attributes=_attributes(e.attributes)) for e in span.events
+        ],
     )
 
 
@@ -312,8 +318,10 @@ def _mistyped(attributes: Dict[str, Any]) -> str:
     for key, (expected, fits) in _TYPED.items():
         value = attributes.get(key)
         if value is not None and not fits(value):
-            return (f"attribute {key} = {_shown(value)} is not {expected} (docs/semconv.md): "
-                    "send it with that type, or under another name")
+            return (
+                f"attribute {key} = {_shown(value)} is not {expected} (docs/semconv.md): "
+                "send it with that type, or under another name"
+            )
     return ""
 
 
@@ -410,7 +418,11 @@ _ANY_VALUE.update(
         7: ("bytesValue", "bytes_b64", False),
     }
 )
-_EVENT: Schema = {1: ("timeUnixNano", "fixed64", False), 2: ("name", "string", False), 3: ("attributes", _KEY_VALUE, True)}
+_EVENT: Schema = {
+    1: ("timeUnixNano", "fixed64", False),
+    2: ("name", "string", False),
+    3: ("attributes", _KEY_VALUE, True),
+}
 _STATUS: Schema = {2: ("message", "string", False), 3: ("code", "varint", False)}
 _SPAN: Schema = {
     1: ("traceId", "bytes_hex", False),
@@ -430,7 +442,16 @@ _RESOURCE: Schema = {1: ("attributes", _KEY_VALUE, True)}
 _RESOURCE_SPANS: Schema = {1: ("resource", _RESOURCE, False), 2: ("scopeSpans", _SCOPE_SPANS, True)}
 _EXPORT_REQUEST: Schema = {1: ("resourceSpans", _RESOURCE_SPANS, True)}
 
-_WIRE_TYPE = {"varint": 0, "int64": 0, "bool": 0, "fixed64": 1, "double": 1, "string": 2, "bytes_hex": 2, "bytes_b64": 2}
+_WIRE_TYPE = {
+    "varint": 0,
+    "int64": 0,
+    "bool": 0,
+    "fixed64": 1,
+    "double": 1,
+    "string": 2,
+    "bytes_hex": 2,
+    "bytes_b64": 2,
+}
 
 
 def _read_varint(buf: bytes, pos: int) -> Tuple[int, int]:

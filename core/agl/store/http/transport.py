@@ -29,7 +29,9 @@ from agl.errors import StoreAddressError
 
 _READ_SIZE = 65536
 #: what OpenSSL says when the server answers a TLS handshake with plain text (an HTTP 400)
-_PLAIN_TEXT_ANSWER = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"})
+_PLAIN_TEXT_ANSWER = frozenset(
+    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
+)
 _MAX_HEAD = 65536  # bytes of status line and headers an answer may have
 
 
@@ -167,13 +169,13 @@ class ConnectionPool:
         for conn in idle:
             conn.close()
 
-    def _take(self) -> Tuple["_Connection", bool]:
+    def _take(self) -> Tuple[_Connection, bool]:
         with self._lock:
             if self._idle:
                 return self._idle.pop(), True
         return self._connect(), False
 
-    def _connect(self) -> "_Connection":
+    def _connect(self) -> _Connection:
         """A new connection, opened within ``connect_timeout``."""
         sock = socket.create_connection((self._host, self._port), timeout=self._connect_timeout)
         try:
@@ -200,7 +202,7 @@ class ConnectionPool:
                 f"http://{where} (or put a TLS proxy in front of the server) ({exc})"
             ) from None
 
-    def _give_back(self, conn: "_Connection", keep: bool) -> None:
+    def _give_back(self, conn: _Connection, keep: bool) -> None:
         with self._lock:
             if keep and not self._closed:
                 self._idle.append(conn)
@@ -269,7 +271,7 @@ class _Connection:
             return
         view = memoryview(data)
         while view:
-            view = view[self.sock.send(view[:_SEND_SIZE]):]
+            view = view[self.sock.send(view[:_SEND_SIZE]) :]
         self._unsent = _send_queue(self.sock)
 
     def _fill(self) -> None:

@@ -51,7 +51,7 @@ class EnqueueBody(BaseModel):
     requests: List[EnqueueRequest] = Field(description="rollouts to enqueue in one transaction, FIFO")
 
     @model_validator(mode="after")
-    def _fits_the_store(self) -> "EnqueueBody":
+    def _fits_the_store(self) -> EnqueueBody:
         for i, request in enumerate(self.requests):
             _check_int64(f"requests.{i}.config.max_attempts", request.config.max_attempts)
         return self
@@ -104,7 +104,7 @@ class SpansBody(BaseModel):
     spans: List[Span]
 
     @model_validator(mode="after")
-    def _fits_the_store(self) -> "SpansBody":
+    def _fits_the_store(self) -> SpansBody:
         for i, span in enumerate(self.spans):
             for name in ("sequence_id", "start_time", "end_time"):
                 _check_int64(f"spans.{i}.{name}", getattr(span, name))

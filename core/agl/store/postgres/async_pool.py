@@ -46,7 +46,9 @@ class AsyncPool:
                 conn = self._idle.pop()
                 if self._is_open(conn):
                     return conn
-                logger.warning("PostgreSQL ended an idle session of the async pool (server restart or session killed); retrying")
+                logger.warning(
+                    "PostgreSQL ended an idle session of the async pool (server restart or session killed); retrying"
+                )
                 _finish(conn)
             if self._closed:
                 raise StoreClosedError("the store was closed while this call waited for a connection")

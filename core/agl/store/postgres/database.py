@@ -144,9 +144,13 @@ class PostgresDatabase:
                     "database's owner, after which a role with SELECT, INSERT, UPDATE, DELETE on the agl_* tables and "
                     "USAGE, UPDATE on their sequences is enough"
                 ) from exc
-            except (pg_errors.DuplicateTable, pg_errors.DuplicateObject) as exc:  # any object of ours: table, sequence...
+            except (
+                pg_errors.DuplicateTable,
+                pg_errors.DuplicateObject,
+            ) as exc:  # any object of ours: table, sequence...
                 raise AglError(
-                    f"the database {redacted(self.dsn)} has no agl_schema version but already holds an object the store "
+                    f"the database {redacted(self.dsn)} has no agl_schema version but already holds an object the "
+                    f"store "
                     f"would create ({_oneline(exc)}): it was not made by agl; use an empty database (or drop the "
                     "agl_* tables and sequences)"
                 ) from exc
@@ -197,7 +201,7 @@ class PostgresDatabase:
         finally:
             pool.put(conn)
 
-    def _commit_unknown(self, unknown: "_CommitUnknown") -> StoreUnavailableError:
+    def _commit_unknown(self, unknown: _CommitUnknown) -> StoreUnavailableError:
         return StoreUnavailableError(
             f"the connection to PostgreSQL ({redacted(self.dsn)}) was lost while committing, so this change "
             "may or may not have been stored: read the state back (get_rollout, query_spans) before "

@@ -45,7 +45,7 @@ class _Notifications:
         self._wake_r, self._wake_w = socket.socketpair()  # close() writes here to end the thread's select()
 
     @contextlib.contextmanager
-    def listen(self, channel: str) -> Iterator["_Waiter"]:
+    def listen(self, channel: str) -> Iterator[_Waiter]:
         with self._cond:
             if self._stop:
                 raise StoreClosedError("the store was closed while waiting")
@@ -57,13 +57,11 @@ class _Notifications:
             seen = self._generation[channel]
         yield _Waiter(self, channel, seen)
 
-    def _wait(self, waiter: "_Waiter", timeout: Optional[float]) -> bool:
+    def _wait(self, waiter: _Waiter, timeout: Optional[float]) -> bool:
         with self._cond:
             if not self._listening:  # notifications would be missed: look at the database again soon
                 timeout = self._POLL_S if timeout is None else min(timeout, self._POLL_S)
-            moved = self._cond.wait_for(
-                lambda: self._generation[waiter.channel] != waiter.seen or self._stop, timeout
-            )
+            moved = self._cond.wait_for(lambda: self._generation[waiter.channel] != waiter.seen or self._stop, timeout)
             waiter.seen = self._generation[waiter.channel]
             return bool(moved)
 
@@ -105,9 +103,13 @@ class _Notifications:
                     now = time.monotonic()
                     if lost_logged_at is None or now - lost_logged_at >= self._LOST_LOG_EVERY_S:
                         again = f" ({suppressed} more failed tries since the last report)" if suppressed else ""
-                        logger.warning("store notifications lost (%s); reconnecting (waiters look at the database "
-                                       "meanwhile; said again at most every %g s)%s", _oneline(exc),
-                                       self._LOST_LOG_EVERY_S, again)
+                        logger.warning(
+                            "store notifications lost (%s); reconnecting (waiters look at the database "
+                            "meanwhile; said again at most every %g s)%s",
+                            _oneline(exc),
+                            self._LOST_LOG_EVERY_S,
+                            again,
+                        )
                         lost_logged_at, suppressed = now, 0
                     else:
                         suppressed += 1

@@ -187,8 +187,18 @@ class PostgresRollouts(PostgresDatabase):
                 cur.executemany(
                     INSERT_ROLLOUT,
                     [
-                        (r.rollout_id, r.task_id, inp, r.mode, r.resources_id, r.config.max_attempts,
-                         r.config.timeout_seconds, r.config.heartbeat_timeout_seconds, meta, now)
+                        (
+                            r.rollout_id,
+                            r.task_id,
+                            inp,
+                            r.mode,
+                            r.resources_id,
+                            r.config.max_attempts,
+                            r.config.timeout_seconds,
+                            r.config.heartbeat_timeout_seconds,
+                            meta,
+                            now,
+                        )
                         for r, (inp, meta) in zip(rollouts, encoded)
                     ],
                 )
@@ -239,7 +249,9 @@ class PostgresRollouts(PostgresDatabase):
         return {"now": self._now(), "runner_id": runner_id, "attempt_ids": attempt_ids}
 
     @staticmethod
-    def _claimed(rows: List[Tuple[Any, ...]], now: float) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
+    def _claimed(
+        rows: List[Tuple[Any, ...]], now: float
+    ) -> Tuple[List[Rollout], List[Optional[float]], Optional[float], float]:
         claimed = [row for row in rows if row[0] is not None]
         return [rollout_from_row(row[:25]) for row in claimed], [row[25] for row in claimed], rows[0][27], now
 

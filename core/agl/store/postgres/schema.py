@@ -151,6 +151,7 @@ def claim_statement(limit: int) -> str:
     """
     return _CLAIM.replace("{limit}", str(int(limit)))
 
+
 # The attempt's row joined with its rollout's bookkeeping, both rows locked (rollout first, as every state
 # change locks them) until the transaction ends. Both must be locked: a row read but not locked would be
 # the version of the statement's start, and miss a reap or cancel that committed while this one waited.

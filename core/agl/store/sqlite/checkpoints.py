@@ -148,5 +148,4 @@ class Checkpointer:
                     self._drop(path)
 
 
-
 checkpointer = Checkpointer()

@@ -33,7 +33,7 @@ class _Operation:
 
     __slots__ = ("store",)
 
-    def __init__(self, store: "SqliteDatabase") -> None:
+    def __init__(self, store: SqliteDatabase) -> None:
         self.store = store
 
     def __enter__(self) -> sqlite3.Connection:
@@ -50,7 +50,7 @@ class _WriteTransaction:
 
     __slots__ = ("store", "conn")
 
-    def __init__(self, store: "SqliteDatabase") -> None:
+    def __init__(self, store: SqliteDatabase) -> None:
         self.store = store
 
     def __enter__(self) -> sqlite3.Connection:
@@ -87,7 +87,7 @@ class SqliteDatabase:
     """The connections and transactions of a :class:`~agl.store.sqlite.store.SqliteLightningStore`; its store
     calls run inside ``with self._session as conn`` (reads) and ``with self._write() as c`` (writes)."""
 
-    def __init__(self, path: "str | os.PathLike[str]", *, busy_timeout: float = 30.0, create: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 30.0, create: bool = True) -> None:
         """Open (creating if needed) the store at ``path``; ``busy_timeout`` bounds waiting for the write lock.
 
         ``create=False`` (what only reads: ``agl inspect``, ``agl export``): ``path`` must already be an agl
@@ -160,7 +160,9 @@ class SqliteDatabase:
         if not self._idle.wait_for(lambda: self._in_flight == 0, timeout=FORK_WAIT_S):
             logger.warning(
                 "%r: forking while %d store operation(s) still run in other threads; the child may block in "
-                "its first store call", self, self._in_flight,
+                "its first store call",
+                self,
+                self._in_flight,
             )
 
     def _after_fork(self) -> None:
@@ -193,7 +195,7 @@ class SqliteDatabase:
             self._local.conn = conn
         return conn
 
-    def _write(self) -> "_WriteTransaction":
+    def _write(self) -> _WriteTransaction:
         """One write transaction holding the database's write lock from its first statement."""
         return _WriteTransaction(self)
 

@@ -14,7 +14,7 @@ from agl.errors import AglError, StoreAddressError, StoreNotFoundError
 from agl.store.sqlite.schema import SCHEMA, SCHEMA_VERSION
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _agl_tables() -> Dict[str, Tuple[str, ...]]:
     """agl's tables and their columns, read from an in-memory database made from ``SCHEMA`` (one source)."""
     with contextlib.closing(sqlite3.connect(":memory:")) as conn:
@@ -24,9 +24,13 @@ def _agl_tables() -> Dict[str, Tuple[str, ...]]:
 
 def _tables(conn: sqlite3.Connection) -> Dict[str, Tuple[str, ...]]:
     """The file's own tables (not SQLite's internal ones) and their columns; reads only."""
-    names = [row[0] for row in conn.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name"
-    )]
+    names = [
+        row[0]
+        for row in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY "
+            "name"
+        )
+    ]
     return {name: tuple(c for (c,) in conn.execute("SELECT name FROM pragma_table_info(?)", (name,))) for name in names}
 
 
@@ -40,12 +44,23 @@ def _foreign_tables(conn: sqlite3.Connection) -> Dict[str, Tuple[str, ...]]:
 def _not_a_store(path: str, tables: Dict[str, Tuple[str, ...]]) -> str:
     """Why the SQLite file at ``path`` (holding ``tables``) is not an agl store, and what to pass instead."""
     agl = _agl_tables()
-    clashes = [f"its table {name!r} has other columns ({', '.join(cols)})"
-               for name, cols in tables.items() if name in agl and cols != agl[name]]
-    what = (f"a SQLite database (tables: {', '.join(tables)}) but not an agl store"
-            + (f" ({'; '.join(clashes)})" if clashes else "")) if tables else "an empty SQLite file, not an agl store"
-    return (f"{path} is {what}; agl left it untouched: pass the store file an agl run wrote (e.g. its OUT/store.db), "
-            "or a path that does not exist yet for a new store")
+    clashes = [
+        f"its table {name!r} has other columns ({', '.join(cols)})"
+        for name, cols in tables.items()
+        if name in agl and cols != agl[name]
+    ]
+    what = (
+        (
+            f"a SQLite database (tables: {', '.join(tables)}) but not an agl store"
+            + (f" ({'; '.join(clashes)})" if clashes else "")
+        )
+        if tables
+        else "an empty SQLite file, not an agl store"
+    )
+    return (
+        f"{path} is {what}; agl left it untouched: pass the store file an agl run wrote (e.g. its OUT/store.db), "
+        "or a path that does not exist yet for a new store"
+    )
 
 
 def _newer_agl_error(path: str, version: int) -> AglError:

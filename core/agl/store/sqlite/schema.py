@@ -118,6 +118,8 @@ SPAN_ROWS_PER_INSERT = 999 // SPAN_PARAMS
 def insert_spans_sql(n_rows: int) -> str:
     """``INSERT_SPAN`` for ``n_rows`` rows at once (parameters row after row)."""
     return INSERT_SPAN + ", (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)" * (n_rows - 1)
+
+
 NEXT_QUEUE_POS = "(SELECT coalesce(max(queue_pos), 0) + 1 FROM rollouts WHERE queue_pos IS NOT NULL)"
 
 

@@ -442,7 +442,8 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
         with self._session as conn:
             if attempt_id == "latest":
                 sql = (
-                    f"SELECT {SPAN_COLS} FROM spans s WHERE s.aid = (SELECT latest_aid FROM rollouts WHERE rollout_id = ?) "
+                    f"SELECT {SPAN_COLS} FROM spans s WHERE s.aid = (SELECT latest_aid FROM rollouts WHERE rollout_id "
+                    f"= ?) "
                     "ORDER BY s.sequence_id, s.rowid"
                 )
                 rows = conn.execute(sql, (rollout_id,)).fetchall()
@@ -513,7 +514,10 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
                     raise UnknownResourcesError(resources_id)
             version, rid, encoded, create_time = row
             return ResourcesUpdate(
-                resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=create_time
+                resources_id=rid,
+                version=version,
+                resources=parse_resources(from_json(encoded)),
+                create_time=create_time,
             )
 
     # -- misc ----------------------------------------------------------------------------------------------
@@ -524,7 +528,8 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
                 counts = {status: 0 for status in _rules.ROLLOUT_STATUSES}
                 counts.update(conn.execute("SELECT status, count(*) FROM rollouts GROUP BY status").fetchall())
                 n_attempts, n_spans, n_versions = conn.execute(
-                    "SELECT (SELECT count(*) FROM attempts), (SELECT count(*) FROM spans), (SELECT count(*) FROM resources)"
+                    "SELECT (SELECT count(*) FROM attempts), (SELECT count(*) FROM spans), (SELECT count(*) FROM "
+                    "resources)"
                 ).fetchone()
             finally:
                 conn.execute("COMMIT")

@@ -78,7 +78,12 @@ async def complete_and_dequeue(rollout_id: str, attempt_id: str, request: Reques
 
     def call() -> Response:
         completed, claimed = ctx.store.complete_and_dequeue(
-            rollout_id, attempt_id, body.status, reward=body.reward, error=body.error, runner_id=body.runner_id,
+            rollout_id,
+            attempt_id,
+            body.status,
+            reward=body.reward,
+            error=body.error,
+            runner_id=body.runner_id,
             limit=body.limit,
         )
         return as_json(CompletedAndClaimed(rollout=completed, claimed=claimed))

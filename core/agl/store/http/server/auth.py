@@ -31,7 +31,7 @@ class TokenSet:
         self._tokens = [(name, token.encode()) for name, token in tokens.items()]
 
     @classmethod
-    def load(cls, token: Optional[str] = None, tokens_file: Optional[str] = None) -> "TokenSet":
+    def load(cls, token: Optional[str] = None, tokens_file: Optional[str] = None) -> TokenSet:
         """A shared ``token`` (default: ``$AGL_STORE_TOKEN``) and/or per-runner tokens from ``tokens_file``.
 
         The file has one token per line, ``NAME TOKEN`` or just ``TOKEN``; ``#`` at the start of a line or after
@@ -53,7 +53,9 @@ class TokenSet:
                     if not words:
                         continue
                     if len(words) > 2:
-                        raise ValueError(f"{tokens_file}:{number}: write 'NAME TOKEN' or 'TOKEN' (tokens have no spaces)")
+                        raise ValueError(
+                            f"{tokens_file}:{number}: write 'NAME TOKEN' or 'TOKEN' (tokens have no spaces)"
+                        )
                     name, value = (words[0], words[1]) if len(words) == 2 else (f"line-{number}", words[0])
                     if name in tokens:
                         raise ValueError(
@@ -110,8 +112,11 @@ class TokenCheck:
         header = next((v for k, v in scope["headers"] if k == _AUTH_HEADER), b"").decode("latin-1")
         scheme, _, presented = header.partition(" ")
         if not header:
-            raise _AuthFailure(401, "this store server needs a token: send 'Authorization: Bearer <token>' "
-                               f"(the agl client reads token=... or ${TOKEN_ENV})")
+            raise _AuthFailure(
+                401,
+                "this store server needs a token: send 'Authorization: Bearer <token>' "
+                f"(the agl client reads token=... or ${TOKEN_ENV})",
+            )
         if scheme.lower() != "bearer" or not presented.strip():
             raise _AuthFailure(401, "the Authorization header must be 'Bearer <token>'")
         name = self.tokens.check(presented.strip())

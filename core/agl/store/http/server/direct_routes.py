@@ -44,7 +44,7 @@ class DirectRoutes:
             path = scope["path"]
             root = scope.get("root_path", "")
             if root and path.startswith(root):
-                path = path[len(root):]
+                path = path[len(root) :]
             for method, regex, endpoint in self._routes():
                 if scope["method"] == method and (match := regex.match(path)):
                     await self._call(endpoint, match.groupdict(), scope, receive, send)
@@ -52,7 +52,12 @@ class DirectRoutes:
         await self.app(scope, receive, send)
 
     async def _call(
-        self, endpoint: Callable[..., Awaitable[Response]], params: Dict[str, str], scope: Scope, receive: Receive, send: Send
+        self,
+        endpoint: Callable[..., Awaitable[Response]],
+        params: Dict[str, str],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
     ) -> None:
         request = Request(scope, receive)
         try:

@@ -39,7 +39,9 @@ def error_response(exc: BaseException) -> Response:
         logger.exception("store server error", exc_info=exc)
         body = ErrorBody(error="InternalError", message=f"the store server failed: {type(exc).__name__}: {exc}")
         return Response(body.model_dump_json(exclude_none=True), status_code=500, media_type="application/json")
-    return Response(error_body(exc).model_dump_json(exclude_none=True), status_code=status, media_type="application/json")
+    return Response(
+        error_body(exc).model_dump_json(exclude_none=True), status_code=status, media_type="application/json"
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -53,6 +55,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Answer the store's errors, malformed requests and unknown paths with agl's JSON error body."""
+
     async def on_store_error(request: Request, exc: Exception) -> Response:
         return error_response(exc)
 
@@ -77,4 +80,3 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OverflowError, on_store_error)
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
-

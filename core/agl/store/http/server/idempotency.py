@@ -28,7 +28,7 @@ class IdempotencyCache:
         self.ttl = ttl
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._entries: "collections.OrderedDict[Tuple[str, ...], Tuple[float, threading.Event, List[Any]]]"
+        self._entries: collections.OrderedDict[Tuple[str, ...], Tuple[float, threading.Event, List[Any]]]
         self._entries = collections.OrderedDict()
 
     def run(self, key: Tuple[str, ...], call: Callable[[], Response]) -> Response:
@@ -38,7 +38,7 @@ class IdempotencyCache:
             return _copy_response(result[0])
         try:
             response = call()
-        except BaseException as exc:  # an error the handler turns into 4xx: a retry gets the same one
+        except BaseException as exc:  # noqa: BLE001 - an error the handler turns into 4xx: a retry gets the same one
             response = self._failed(key, exc)
         result.append(response)
         done.set()
@@ -102,4 +102,3 @@ class IdempotencyCache:
 
 def _copy_response(response: Response) -> Response:
     return Response(response.body, status_code=response.status_code, media_type=response.media_type)
-

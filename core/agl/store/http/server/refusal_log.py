@@ -43,8 +43,9 @@ class RefusalLog:
                 now = time.monotonic()
                 if now - self._window >= 60.0:
                     if self._left_out:
-                        logger.warning("OTLP /v1/traces: %d more refusal warning(s) left out in the last minute",
-                                       self._left_out)
+                        logger.warning(
+                            "OTLP /v1/traces: %d more refusal warning(s) left out in the last minute", self._left_out
+                        )
                     self._window, self._lines, self._left_out = now, 0, 0
                 if self._lines >= self._per_minute:
                     self._left_out += 1

@@ -47,6 +47,7 @@ async def dequeue(request: Request) -> Response:
         return as_rollouts(claimed)
 
     if native is not None:
+
         async def claim_or_wait() -> Response:  # the claim on the loop; only an empty queue costs a thread
             claimed = await native.aclaim(body.runner_id, body.limit)
             if claimed or body.timeout <= 0:
@@ -121,17 +122,27 @@ def _give_back(store: LightningStore, claimed: List[Rollout], runner_id: str) ->
     """End the attempts of rollouts claimed for a poll whose client has disconnected (the answer cannot reach it),
     as the reaper would after the heartbeat timeout, but now: the rollouts are retried while attempts are left.
     Returns no rollouts: the answer a retry of the same request (Idempotency-Key) gets, so nobody runs them."""
-    error = (f"runner {runner_id!r} disconnected before the store server could hand it this rollout "
-             "(the runner left): attempt ended by the server")
+    error = (
+        f"runner {runner_id!r} disconnected before the store server could hand it this rollout "
+        "(the runner left): attempt ended by the server"
+    )
     for rollout in claimed:
         if rollout.attempt is None:  # a dequeued rollout always has one
             continue
         try:
             after = store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "unresponsive", error=error)
         except Exception as exc:  # noqa: BLE001 - the reaper ends it after the heartbeat timeout instead
-            logger.warning("rollout %s claimed for runner %s, which left: could not end the attempt: %s",
-                           rollout.rollout_id, runner_id, exc)
+            logger.warning(
+                "rollout %s claimed for runner %s, which left: could not end the attempt: %s",
+                rollout.rollout_id,
+                runner_id,
+                exc,
+            )
             continue
-        logger.info("rollout %s claimed for runner %s, which left: attempt ended, rollout is now %s",
-                    rollout.rollout_id, runner_id, after.status)
+        logger.info(
+            "rollout %s claimed for runner %s, which left: attempt ended, rollout is now %s",
+            rollout.rollout_id,
+            runner_id,
+            after.status,
+        )
     return []

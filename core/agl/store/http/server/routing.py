@@ -63,7 +63,9 @@ class StoreRouter(APIRouter):
         if body is not None:
             self.bodies.append(body)
             schema = {"$ref": f"#/components/schemas/{body.__name__}"}
-            kwargs["openapi_extra"] = {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+            kwargs["openapi_extra"] = {
+                "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}
+            }
         return super().post(path, **kwargs)
 
 

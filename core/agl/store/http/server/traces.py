@@ -97,8 +97,14 @@ def _add_otlp_spans(
         if failure is None:
             stored += len(group)
             continue
-        hint = (f" (set {semconv.OTLP_ROLLOUT_ID} and {semconv.OTLP_ATTEMPT_ID} to the ids of a rollout the "
-                "runner is running: rollout.rollout_id, rollout.attempt.attempt_id)") if isinstance(failure, KeyError) else ""
+        hint = (
+            (
+                f" (set {semconv.OTLP_ROLLOUT_ID} and {semconv.OTLP_ATTEMPT_ID} to the ids of a rollout the "
+                "runner is running: rollout.rollout_id, rollout.attempt.attempt_id)"
+            )
+            if isinstance(failure, KeyError)
+            else ""
+        )
         refusals.refuse(f"{failure}{hint}", key[0], len(group))
         refused.append((error_status(failure) or 400, failure))
     return stored, refused
