@@ -226,7 +226,7 @@ class LLM(BaseModel):
 class ProxyLLM(LLM):
     """An LLM served through an agl proxy that attributes requests to rollouts by URL."""
 
-    resource_type: Literal["proxy_llm"] = "proxy_llm"  # type: ignore[assignment]
+    resource_type: Literal["proxy_llm"] = "proxy_llm"  # type: ignore[assignment]  # the subclass narrows the literal on purpose
 
     def get_base_url(self, rollout_id: Optional[str] = None, attempt_id: Optional[str] = None) -> str:
         """Without ids, those of the rollout the caller runs in (the runner's scope), so agent code that
@@ -281,5 +281,5 @@ def parse_resources(raw: Dict[str, Any]) -> Dict[str, Resource]:
         cls = {"llm": LLM, "proxy_llm": ProxyLLM, "prompt_template": PromptTemplate}.get(kind)
         if cls is None:
             raise ValueError(f"resource {name!r} has unknown resource_type {kind!r}")
-        out[name] = cls.model_validate(value)
+        out[name] = cls.model_validate(value)  # type: ignore[attr-defined]  # mypy sees the classes as their metaclass
     return out

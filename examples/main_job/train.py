@@ -24,15 +24,15 @@ from pathlib import Path
 
 STARTED = time.monotonic()
 
-import agl  # noqa: E402
-from agl.algorithm.torch_grpo import TorchGRPO  # noqa: E402
-from agl.cli.run_folder import check_out, interrupted_message, no_second_interrupt, with_resume  # noqa: E402
-from agl.cli.train import check_minutes  # noqa: E402
-from agl.runtime.dataset import load_dataset  # noqa: E402
+import agl
+from agl.algorithm.torch_grpo import TorchGRPO
+from agl.cli.run_folder import check_out, interrupted_message, no_second_interrupt, with_resume
+from agl.cli.train import check_minutes
+from agl.runtime.dataset import load_dataset
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from langgraph_math_agent import AGENT_MATCH, math_agent  # noqa: E402
+from langgraph_math_agent import AGENT_MATCH, math_agent
 
 DATA = HERE.parent / "data"
 

@@ -117,7 +117,7 @@ def _add_agl_middleware(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwar
     try:
         ours = Middleware(AglMiddleware, agent_name=str(instance.name))
         kwargs = {**kwargs, "additional_middleware": (*kwargs.get("additional_middleware", ()), ours)}
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
         report_internal_error("ag2.turn_scope", exc)
     return wrapped(*args, **kwargs)
 

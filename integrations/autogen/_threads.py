@@ -21,7 +21,7 @@ from agl.instrumentation.framework import PatchSet
 from agl.tracing.context import propagate
 
 
-class _ContextBound(wrapt.ObjectProxy):  # type: ignore[misc]
+class _ContextBound(wrapt.ObjectProxy):
     """The instance as its own method sees it, except that one attribute carries the caller's context."""
 
     def __init__(self, wrapped: Any, attribute: str) -> None:

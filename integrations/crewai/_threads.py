@@ -35,7 +35,7 @@ class ContextCopyingMethod:
 
     def __init__(self, function: Any) -> None:
         self.function = function
-        functools.update_wrapper(self, function)  # type: ignore[arg-type]
+        functools.update_wrapper(self, function)  # type: ignore[arg-type]  # an object that stands for the function
 
     def __get__(self, instance: Any, owner: Optional[type] = None) -> Any:
         bound = self.function.__get__(instance, owner)

@@ -89,7 +89,7 @@ def _open(
     if Hooks.owner is None:
         return None
     try:
-        open_keys: FrozenSet[Key] = otel_context.get_value(_OPEN) or frozenset()  # type: ignore[assignment]
+        open_keys: FrozenSet[Key] = otel_context.get_value(_OPEN) or frozenset()  # type: ignore[assignment]  # the context value this module stores
         if key in open_keys:
             return None
         span = start(instance, args, kwargs)
@@ -109,7 +109,7 @@ def _close(opened: Optional[_Opened], result: Any = None, error: Optional[BaseEx
     if opened is None:
         return
     try:
-        otel_context.detach(opened.token)  # type: ignore[arg-type]
+        otel_context.detach(opened.token)  # type: ignore[arg-type]  # the token attach() returned
         if opened.is_tool:
             if error is None:
                 with guard("crewai.tool_result"):  # the span still ends
@@ -123,7 +123,7 @@ def _close(opened: Optional[_Opened], result: Any = None, error: Optional[BaseEx
             finish_tool(opened.span, result, error)
         else:
             finish_span(opened.span, error)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
         report_internal_error("crewai.close_span", exc)
 
 
@@ -312,7 +312,7 @@ def with_native_call_id(
         try:
             native = _NativeCall(_call_id(args, kwargs))
             token = _NATIVE_CALL.set(native)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
             report_internal_error("crewai.call_id", exc)
     started = time.time_ns()
     try:
@@ -328,7 +328,7 @@ def with_native_call_id(
     if native is not None and not native.tool_started:
         try:
             _record_call_without_tool(native, args, kwargs, outcome, started)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
             report_internal_error("crewai.unrun_tool_call", exc)
     return outcome
 
@@ -416,7 +416,7 @@ def _record_aborted_call(
     if type(error).__name__ != "ToolExecutionFailedError" or _failure_reason(failure) not in _NOT_RUN_REASONS:
         return
     name, arguments = _requested(args, kwargs)
-    name = name or _text(getattr(error.record, "tool_name", None)) or "unknown"  # type: ignore[attr-defined]
+    name = name or _text(getattr(error.record, "tool_name", None)) or "unknown"  # type: ignore[attr-defined]  # CrewAI's error record carries it
     message = _failure_text(failure) or _text(error)
     record_failed_tool_call(name, FRAMEWORK, arguments, message, call_id=native.call_id, start_time=started)
 

@@ -133,7 +133,7 @@ def _callback(fn: F) -> F:
             report_internal_error(site, exc)
             return None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # the wrapper has the signature of the function it wraps
 
 
 class AglCallbackHandler(BaseCallbackHandler):

@@ -15,7 +15,7 @@ See docs/integrations/openai_agents.md.
 from __future__ import annotations
 
 import logging
-from typing import Any, Tuple
+from typing import Any, ClassVar, Tuple
 
 from agl._util.safety import guard
 from agl.instrumentation.base import Instrumentor
@@ -33,7 +33,7 @@ class OpenAIAgentsInstrumentor(Instrumentor):
     """
 
     name = "openai_agents"
-    instruments: Tuple[str, ...] = ("openai-agents>=0.5.0,<1",)
+    instruments: ClassVar[Tuple[str, ...]] = ("openai-agents>=0.5.0,<1",)
 
     def __init__(self) -> None:
         super().__init__()

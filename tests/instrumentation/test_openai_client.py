@@ -756,7 +756,7 @@ def test_a_call_made_in_a_thread_without_the_rollouts_context_is_said_once(
     from agl.tracing import tracer as tracer_module
 
     monkeypatch.setattr(tracer_module.get_tracer().processor, "_warned_stray_call", False)
-    ask = lambda: client.chat.completions.create(model="fake-model", messages=MESSAGES)  # noqa: E731
+    ask = lambda: client.chat.completions.create(model="fake-model", messages=MESSAGES)  # noqa: E731 - a one-line callable handed on
 
     def in_thread(fn) -> None:
         thread = threading.Thread(target=fn)
@@ -781,7 +781,7 @@ def test_thread_pool_tasks_submitted_in_a_rollout_stay_in_it(client, fake_openai
     loop.run_in_executor goes through submit too. uninstrument() puts submit back."""
     import asyncio
 
-    ask = lambda: client.chat.completions.create(model="fake-model", messages=MESSAGES)  # noqa: E731
+    ask = lambda: client.chat.completions.create(model="fake-model", messages=MESSAGES)  # noqa: E731 - a one-line callable handed on
     agl.instrument(frameworks=[])
     try:
         with ThreadPoolExecutor(2) as pool:

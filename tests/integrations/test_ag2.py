@@ -24,19 +24,19 @@ from agl.instrumentation.base import requirement_problem
 CLASSIC = requirement_problem("ag2<1") is None
 pytest.importorskip("autogen" if CLASSIC else "ag2")
 
-import agl  # noqa: E402
-from agl import semconv  # noqa: E402
-from agl._util.safety import internal_error_count  # noqa: E402
-from agl.instrumentation.openai_client import OpenAIInstrumentor  # noqa: E402
-from agl.integrations.ag2 import AG2Instrumentor  # noqa: E402
-from agl.lightningrl.agent_match import select_llm_calls  # noqa: E402
-from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
-from agl.lightningrl.links import CallLinks  # noqa: E402
-from agl.lightningrl.tree import build_tree  # noqa: E402
-from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeReply, assert_tool_reward_credited  # noqa: E402
-from agl.tracing.context import rollout_scope  # noqa: E402
-from agl.types import Span  # noqa: E402
+import agl
+from agl import semconv
+from agl._util.safety import internal_error_count
+from agl.instrumentation.openai_client import OpenAIInstrumentor
+from agl.integrations.ag2 import AG2Instrumentor
+from agl.lightningrl.agent_match import select_llm_calls
+from agl.lightningrl.air import AIRConfig, air_rewards
+from agl.lightningrl.links import CallLinks
+from agl.lightningrl.tree import build_tree
+from agl.store import SqliteLightningStore
+from agl.testing import FakeReply, assert_tool_reward_credited
+from agl.tracing.context import rollout_scope
+from agl.types import Span
 
 pytestmark = pytest.mark.framework("ag2")
 

@@ -22,28 +22,28 @@ import pytest
 os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")  # CrewAI's telemetry stays offline
 crewai = pytest.importorskip("crewai")
 
-from crewai import LLM, Agent, Crew, Flow, Process, Task  # noqa: E402
-from crewai.flow.flow import listen, start  # noqa: E402
-from crewai.tools import tool  # noqa: E402
+from crewai import LLM, Agent, Crew, Flow, Process, Task
+from crewai.flow.flow import listen, start
+from crewai.tools import tool
 
-import agl  # noqa: E402
-from agl import semconv  # noqa: E402
-from agl._util.safety import internal_error_count  # noqa: E402
-from agl.integrations.crewai import (  # noqa: E402
+import agl
+from agl import semconv
+from agl._util.safety import internal_error_count
+from agl.integrations.crewai import (
     _TARGETS,
     _THREAD_HOPS,
     CrewAIInstrumentor,
     _wrappers,
     resolve_target,
 )
-from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
-from agl.lightningrl.air import AIRConfig, air_rewards  # noqa: E402
-from agl.lightningrl.links import CallLinks  # noqa: E402
-from agl.lightningrl.tree import build_tree  # noqa: E402
-from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited  # noqa: E402
-from agl.tracing.context import rollout_scope  # noqa: E402
-from agl.types import Span  # noqa: E402
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls
+from agl.lightningrl.air import AIRConfig, air_rewards
+from agl.lightningrl.links import CallLinks
+from agl.lightningrl.tree import build_tree
+from agl.store import SqliteLightningStore
+from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited
+from agl.tracing.context import rollout_scope
+from agl.types import Span
 
 pytestmark = [
     pytest.mark.framework("crewai"),

@@ -16,7 +16,7 @@ import pytest
 
 agents = pytest.importorskip("agents")
 
-from agents import (  # noqa: E402
+from agents import (
     Agent,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
@@ -27,20 +27,20 @@ from agents import (  # noqa: E402
     set_trace_processors,
     set_tracing_disabled,
 )
-from agents.tracing import AgentSpanData, TracingProcessor, get_trace_provider  # noqa: E402
-from openai import AsyncOpenAI  # noqa: E402
-from opentelemetry import trace as otel_trace  # noqa: E402
+from agents.tracing import AgentSpanData, TracingProcessor, get_trace_provider
+from openai import AsyncOpenAI
+from opentelemetry import trace as otel_trace
 
-import agl  # noqa: E402
-from agl import semconv  # noqa: E402
-from agl._util.safety import internal_error_count  # noqa: E402
-from agl.integrations.openai_agents import OpenAIAgentsInstrumentor  # noqa: E402
-from agl.integrations.openai_agents._processor import AglTracingProcessor  # noqa: E402
-from agl.lightningrl.agent_match import agent_name_of, select_llm_calls  # noqa: E402
-from agl.store import SqliteLightningStore  # noqa: E402
-from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited  # noqa: E402
-from agl.tracing.context import rollout_scope  # noqa: E402
-from agl.types import Span  # noqa: E402
+import agl
+from agl import semconv
+from agl._util.safety import internal_error_count
+from agl.integrations.openai_agents import OpenAIAgentsInstrumentor
+from agl.integrations.openai_agents._processor import AglTracingProcessor
+from agl.lightningrl.agent_match import agent_name_of, select_llm_calls
+from agl.store import SqliteLightningStore
+from agl.testing import FakeOpenAIServer, FakeReply, assert_tool_reward_credited
+from agl.tracing.context import rollout_scope
+from agl.types import Span
 
 pytestmark = pytest.mark.framework("openai_agents")
 

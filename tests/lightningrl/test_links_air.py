@@ -48,7 +48,7 @@ def test_operation_rewards_reach_calls_parented_elsewhere(fake_openai, sink, ins
     with agl.rollout_scope("ro-link", "at-1"):
         with agent_span("team", "test"):
             node = start_agent_span("writer", "test")
-            resolver = lambda: running[-1] if running else node  # noqa: E731
+            resolver = lambda: running[-1] if running else node  # noqa: E731 - a one-line callable handed on
             register_parent_resolver(resolver)
             try:
                 with agl.operation("draft"):

@@ -527,7 +527,7 @@ def test_every_forward_pass_of_the_engine_and_the_trainer_runs_inside_attention_
     model, tokenizer = load_policy("tiny", device="cpu")  # its own copy: the trainer adds LoRA layers to it
     flags: List[bool] = []
     model.register_forward_pre_hook(lambda module, args: flags.append(torch.backends.cuda.cudnn_sdp_enabled()))
-    as_if_cuda = lambda device: models.attention_kernels("cuda")  # noqa: E731
+    as_if_cuda = lambda device: models.attention_kernels("cuda")  # noqa: E731 - a one-line callable handed on
     monkeypatch.setattr(engine_module, "attention_kernels", as_if_cuda)
     monkeypatch.setattr(torch_grpo, "attention_kernels", as_if_cuda)
 

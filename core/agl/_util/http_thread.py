@@ -98,8 +98,8 @@ class ThreadedServer:
             log_config=None,
             loop="asyncio",  # in the host's process: never uvloop, which older uvicorn installs process-wide
             access_log=False,
-            lifespan=self.lifespan,
-            timeout_graceful_shutdown=self.graceful_shutdown_s,
+            lifespan=self.lifespan,  # type: ignore[arg-type]  # one of uvicorn's literals, which uvicorn checks
+            timeout_graceful_shutdown=self.graceful_shutdown_s,  # type: ignore[arg-type]  # uvicorn takes fractions of a second too
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -65,6 +65,6 @@ def guarded(site: str, default: Any = None) -> Callable[[F], F]:
                 report_internal_error(site, exc)
                 return default
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]  # the wrapper has the signature of the function it wraps
 
     return decorate

@@ -387,7 +387,7 @@ class APO(Algorithm, Generic[T_task]):
         ) as client:
             for _ in range(n):
                 try:
-                    completion = client.chat.completions.create(
+                    completion = client.chat.completions.create(  # type: ignore[call-overload]  # plain dict messages, as the API takes them
                         model=model,
                         messages=[{"role": "user", "content": content}],
                         **known,

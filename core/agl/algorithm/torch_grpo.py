@@ -74,14 +74,14 @@ class TorchGRPO(PolicyServerSession, Evaluations, TrainingLoop, Checkpoints, Alg
         for name, value in TorchGRPOConfig.from_keywords(settings):
             setattr(self, "model_spec" if name == "model" else name, value)
         self._drift_warned = False
-        # set up by run()
-        self.policy: Optional[TrainablePolicy] = None
-        self.tokenizer: Any = None
-        self.server: Any = None
-        self.optimizer: Optional[torch.optim.Optimizer] = None
+        # set up by run(); the settings and these are declared, with their types, in TorchGRPOBase
+        self.policy = None
+        self.tokenizer = None
+        self.server = None
+        self.optimizer = None
         self.state = TrainerState()
-        self._saved_step = 0  # the step of the newest checkpoint (made or resumed from)
-        self._sampling_of: Dict[str, Dict[str, Any]] = {}  # resources id -> the sampling settings published in it
+        self._saved_step = 0
+        self._sampling_of = {}
 
     # ------------------------------------------------------------------------------------------------------
     # run
@@ -104,11 +104,13 @@ class TorchGRPO(PolicyServerSession, Evaluations, TrainingLoop, Checkpoints, Alg
             resumed = self._maybe_resume()
             if resumed:
                 self._retain_earlier_runs()
+            policy = self.policy
+            assert policy is not None  # the session attached the model
             metrics = MetricsLog(output, rows=self.state.rows)
             try:
                 metrics.note(
-                    f"TorchGRPO: {self.policy.n_trainable() / 1e6:.2f}M trainable parameters "  # type: ignore[union-attr]
-                    f"({'LoRA' if self.policy.is_lora else 'full fine-tuning'}), {total_steps} steps of "  # type: ignore[union-attr]
+                    f"TorchGRPO: {policy.n_trainable() / 1e6:.2f}M trainable parameters "
+                    f"({'LoRA' if policy.is_lora else 'full fine-tuning'}), {total_steps} steps of "
                     f"{self.batch_tasks} tasks x {self.group_size} rollouts, serving at {self.server.base_url}"
                     + (f", resumed at step {self.state.step}" if resumed else "")
                 )

@@ -12,12 +12,13 @@ from agl.algorithm.checkpoint import (
     published_resources,
     save_checkpoint,
 )
+from agl.algorithm.torch_grpo_config import TorchGRPOBase
 from agl.errors import IllegalTransitionError
 
 logger = logging.getLogger("agl.train")
 
 
-class Checkpoints:
+class Checkpoints(TorchGRPOBase):
     """The part of :class:`~agl.algorithm.torch_grpo.TorchGRPO` that saves and resumes its runs (its settings,
     ``state`` and ``policy`` are TorchGRPO's)."""
 

@@ -18,7 +18,20 @@ import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Dict, List, Literal, Mapping, Optional, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    Callable,
+    Dict,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from pydantic import (
     BaseModel,
@@ -31,7 +44,18 @@ from pydantic import (
     model_validator,
 )
 
+from agl.algorithm.base import Algorithm
 from agl.checks import check_number, is_finite_number
+
+if TYPE_CHECKING:
+    import torch
+
+    from agl.algorithm.checkpoint import TrainerState
+    from agl.algorithm.metrics import MetricsLog
+    from agl.algorithm.torch_grpo_evaluation import Evaluation
+    from agl.algorithm.trainable import TrainablePolicy
+    from agl.lightningrl.types import Sample
+    from agl.types import Rollout, Task
 
 logger = logging.getLogger("agl.train")
 
@@ -107,7 +131,7 @@ def _finite(*, positive: bool) -> BeforeValidator:
     """A check of TorchGRPO(...): a finite number, above 0 when ``positive`` (agl.checks' words)."""
 
     def check(value: Any, info: ValidationInfo) -> Any:
-        check_number(info.field_name, value, positive=positive)
+        check_number(info.field_name or "value", value, positive=positive)  # a field validator: always named
         return value
 
     return BeforeValidator(check)
@@ -293,7 +317,7 @@ class TorchGRPOConfig(BaseModel):
     def _sampling(cls, value: Optional[Mapping[str, Any]], info: ValidationInfo) -> Optional[Dict[str, Any]]:
         if value is None:
             return {} if info.field_name == "sampling" else None
-        _check_sampling_keys(info.field_name, value)
+        _check_sampling_keys(info.field_name or "sampling", value)  # a field validator: always named
         return dict(value)
 
     @field_validator("extra_evals")
@@ -366,6 +390,86 @@ class TorchGRPOConfig(BaseModel):
             for name, field in cls.model_fields.items()
         ]
         return inspect.Signature(parameters, return_annotation=None)
+
+
+class TorchGRPOBase(Algorithm):
+    """What :class:`~agl.algorithm.torch_grpo.TorchGRPO` and each of its parts (the session, loop, evaluation
+    and checkpoint mixins, which all derive from this class) share, declared with their types so that each
+    part type-checks on its own. Declarations only: nothing here runs.
+
+    - the settings, which ``TorchGRPO.__init__`` copies from :class:`TorchGRPOConfig` (``model`` as
+      ``model_spec``), with the types they have after its checks (``sampling`` and ``extra_evals`` are dicts);
+    - the run's state, which ``TorchGRPO.__init__`` sets up and ``run`` fills in;
+    - the methods one part calls on another (under ``TYPE_CHECKING``: the parts and TorchGRPO define them).
+    """
+
+    # the settings (TorchGRPOConfig's fields)
+    model_spec: Union[str, Tuple[Any, Any]]
+    lora: LoraSpec
+    lr: float
+    group_size: int
+    batch_tasks: int
+    steps: Optional[int]
+    epochs: int
+    ppo_epochs: int
+    micro_batch_size: int
+    grad_accum: Optional[int]
+    clip_eps: float
+    kl_coef: float
+    max_grad_norm: float
+    old_logprobs: Literal["sample", "recompute"]
+    temperature: float
+    max_tokens: int
+    sampling: Dict[str, Any]
+    val_sampling: Optional[Dict[str, Any]]
+    extra_evals: Dict[str, Dict[str, Any]]
+    success_threshold: float
+    eval_every: int
+    time_budget_s: Optional[float]
+    checkpoint_dir: Optional[Path]
+    checkpoint_every: int
+    resume: bool
+    output_dir: Optional[Path]
+    seed: int
+    device: Optional[str]
+    dtype: Any
+    torch_threads: Optional[int]
+    server_batch_size: int
+    server_host: str
+    server_port: int
+    server_url: Optional[str]
+    model_name: str
+    resource_name: str
+    on_step: Optional[Callable[[Dict[str, float]], None]]
+
+    # the run's state
+    policy: Optional[TrainablePolicy]  # attach() wraps the model
+    tokenizer: Any
+    server: Any  # the PolicyServer while a run lasts
+    optimizer: Optional[torch.optim.Optimizer]
+    state: TrainerState
+    _saved_step: int  # the step of the newest checkpoint (made or resumed from)
+    _sampling_of: Dict[str, Dict[str, Any]]  # resources id -> the sampling settings published in it
+
+    if TYPE_CHECKING:  # defined by TorchGRPO and its parts, called across them
+
+        def attach(self, model: Any, tokenizer: Any) -> None: ...
+
+        def update(self, samples: Sequence[Sample]) -> Dict[str, float]: ...
+
+        def _publish(self, sampling: Mapping[str, Any]) -> str: ...
+
+        def _run_rollouts(self, tasks: List[Task], resources_id: str, **kwargs: Any) -> List[Rollout]: ...
+
+        def _train_sampling(self) -> Dict[str, Any]: ...
+
+        def _evaluate(self, val_tasks: List[Task], metrics: MetricsLog, name: str = "val") -> Evaluation: ...
+
+        def _over_budget(self, started: float) -> bool: ...
+
+        def _save(self) -> None: ...
+
+        def _save_if_behind(self) -> None: ...
 
 
 def _metadata(kind: type) -> Dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agl.algorithm.metrics import MetricsLog, ascii_curve, console
+from agl.algorithm.torch_grpo_config import TorchGRPOBase
 from agl.types import Rollout, Task
 
 logger = logging.getLogger("agl.train")
@@ -70,7 +71,7 @@ class TrainResult:
         return self.after.success - self.before.success
 
 
-class Evaluations:
+class Evaluations(TorchGRPOBase):
     """The part of :class:`~agl.algorithm.torch_grpo.TorchGRPO` that evaluates its policy (its settings and
     ``state`` are TorchGRPO's)."""
 

@@ -15,6 +15,7 @@ import torch
 
 from agl.algorithm.base import EmptySteps
 from agl.algorithm.metrics import MetricsLog, console
+from agl.algorithm.torch_grpo_config import TorchGRPOBase
 from agl.algorithm.torch_grpo_evaluation import Evaluation, final_rewards
 from agl.errors import AglError
 from agl.lightningrl.types import Sample
@@ -27,7 +28,7 @@ class TrainingDivergedError(AglError, RuntimeError):
     """An update made the trainable weights NaN or infinite: TorchGRPO stops before serving or saving them."""
 
 
-class TrainingLoop:
+class TrainingLoop(TorchGRPOBase):
     """The part of :class:`~agl.algorithm.torch_grpo.TorchGRPO` that runs its training steps (its settings,
     ``state``, ``server`` and ``update`` are TorchGRPO's)."""
 
@@ -66,7 +67,7 @@ class TrainingLoop:
                 n_per_task=self.group_size,
                 description=f"step {self.state.step + 1}: rollouts",
             )
-            rollouts_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
+            rollouts_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]  # the resources it just published
             generated = time.monotonic()
             batch = adapter.build_batch(self.store, rollouts, progress=False)
             if batch.samples:
@@ -83,7 +84,7 @@ class TrainingLoop:
                 self._stop_if_diverged()
             self.trainer.learned_from(rollouts)
             resources_id = self._publish(self._train_sampling())
-            self.state.policy_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]
+            self.state.policy_version = self.store.get_resources(resources_id).version  # type: ignore[union-attr]  # the resources it just published
             self.server.set_version(self.state.policy_version)
             self.state.step += 1
             row = self._row(rollouts, batch, stats, step_started, generated, rollouts_version)

@@ -14,13 +14,14 @@ import torch
 
 from agl._util.http_thread import WILDCARD_HOSTS, advertised_url
 from agl.algorithm.checkpoint import record_published
+from agl.algorithm.torch_grpo_config import TorchGRPOBase
 from agl.serving.models import load_policy
 from agl.types import LLM, Rollout, Task
 
 logger = logging.getLogger("agl.train")
 
 
-class PolicyServerSession:
+class PolicyServerSession(TorchGRPOBase):
     """The part of :class:`~agl.algorithm.torch_grpo.TorchGRPO` that starts and feeds its policy server (its
     settings and ``server`` are TorchGRPO's)."""
 

@@ -41,7 +41,7 @@ def apo_algorithm(args: argparse.Namespace, config: Dict[str, Any]) -> Any:
     optimizer_key = (os.environ.get(args.optimizer_api_key_env) or None) if args.optimizer_api_key_env else api_key
     settings = {**config, **keyword_sets(args.settings)}
     try:
-        algorithm = APO(
+        algorithm: APO[Any] = APO(
             LLM(endpoint=args.optimizer_endpoint, model=args.optimizer_model, api_key=optimizer_key), **settings
         )
     except (TypeError, ValueError) as exc:

@@ -134,7 +134,7 @@ class LlmCall:
             remember(server_of(self.resource))
             self.refused = True
             return True
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
             report_internal_error("openai.refusal", exc)
             return False
 
@@ -179,7 +179,7 @@ class LlmCall:
             try:
                 reasons = accumulator.record(self.deferred)
                 failure = accumulator.failure
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
                 report_internal_error("openai.stream_end", exc)
         self._end(reasons, error, failure)
 
@@ -241,7 +241,7 @@ class LlmCall:
             reasons: List[str] = []
             try:
                 reasons = self._record_unparsed(raw, exc)
-            except Exception as internal:  # noqa: BLE001
+            except Exception as internal:  # noqa: BLE001 - reported; agl's failure never reaches the agent
                 report_internal_error("openai.response", internal)
             self._end(reasons, None, None)
             raise
@@ -283,7 +283,7 @@ class LlmCall:
                 span.set_status(StatusCode.ERROR, failure[1])
             if self.deferred and span.is_recording():
                 get_tracer().set_deferred(span, self.deferred)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
             report_internal_error("openai.end", exc)
         if self.owned:
             try:
@@ -407,7 +407,7 @@ def _start(
         return None
     try:
         return _begin(api, instance, kwargs, instrumentor.request_token_ids, _is_parse(wrapped))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
         report_internal_error("openai.request", exc)
         return None
 
@@ -460,6 +460,7 @@ def _send(wrapped: Callable[..., Any], args: Tuple[Any, ...], call_kwargs: Dict[
     except Exception as exc:
         if not call.refused_by(exc):
             raise
+    assert call.retry is not None  # refused_by() is true only with a retry to send
     return wrapped(*args, **call.retry)
 
 
@@ -469,6 +470,7 @@ async def _send_async(coroutine: Any, call: LlmCall, wrapped: Callable[..., Any]
     except Exception as exc:
         if not call.refused_by(exc):
             raise
+    assert call.retry is not None  # refused_by() is true only with a retry to send
     return await wrapped(*args, **call.retry)
 
 
@@ -506,7 +508,7 @@ def _hooked_by_agl(function: Any) -> bool:
 def _unwrap(cls: type, method: str, handle: Any) -> None:
     """Put back exactly what the method was; splice our wrapper out if someone wrapped on top of it."""
     if vars(cls).get(method) is handle:
-        setattr(cls, method, handle.__wrapped__)
+        setattr(cls, method, handle.__wrapped__)  # type: ignore[union-attr]  # called with a hooked handle only
         return
     unwrap_object = getattr(wrapt, "unwrap_object", None)  # wrapt >= 2
     if unwrap_object is None:
@@ -534,7 +536,7 @@ class OpenAIInstrumentor(Instrumentor):
         self._hooks: List[Tuple[type, str, Any]] = []
         self._views: List[Tuple[type, str, CurrentView]] = []
 
-    def _instrument(self, *, request_token_ids: Optional[bool] = None) -> None:
+    def _instrument(self, *, request_token_ids: Optional[bool] = None, **kwargs: Any) -> None:
         self.request_token_ids = request_token_ids
         for module_name, class_name, api, is_async in _TARGETS:
             cls = _resolve(module_name, class_name)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from agl.instrumentation.openai_client import LlmCall
 
 
-class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
+class RawStreamResponse(wrapt.ObjectProxy):
     """A raw response to a streamed request (``with_raw_response`` / ``with_streaming_response``, as the
     Agents SDK streams the Responses API): ``parse()`` returns the stream, which is proxied like a plain
     streamed call so the span gets the reassembled output and token ids. If the body is never parsed, the
@@ -30,7 +30,7 @@ class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
     def _self_proxied(self, stream: Any) -> Any:
         try:
             proxy = self._self_call._proxy_stream(stream, self._self_is_async)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
             report_internal_error("openai.raw_stream", exc)
             proxy = None
         if proxy is None:
@@ -70,7 +70,7 @@ class RawStreamResponse(wrapt.ObjectProxy):  # type: ignore[misc]
             self._self_call.end_stream(None, None, semconv.STREAM_ABANDONED)
 
 
-class UnreadResponse(wrapt.ObjectProxy):  # type: ignore[misc]
+class UnreadResponse(wrapt.ObjectProxy):
     """A non-streamed response through ``with_streaming_response``: the body is the user's to read, when they
     choose, so the call is recorded when they read it (``read``, ``text``, ``json``, ``parse``) or the
     response is closed (the ``with`` block left), and its span ends then."""
@@ -114,7 +114,7 @@ class UnreadResponse(wrapt.ObjectProxy):  # type: ignore[misc]
     def _self_record(self, record: Callable[[Any], None]) -> None:
         try:
             record(self.__wrapped__)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
             report_internal_error("openai.response", exc)
 
 

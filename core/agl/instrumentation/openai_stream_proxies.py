@@ -31,7 +31,7 @@ class StreamOwner(Protocol):
         ...
 
 
-class _StreamProxyBase(wrapt.ObjectProxy):  # type: ignore[misc]
+class _StreamProxyBase(wrapt.ObjectProxy):
     """Shared state: the owning call, the accumulator (None once it failed) and the end-once logic."""
 
     def __init__(self, stream: Any, owner: StreamOwner, accumulator: Accumulator) -> None:
@@ -81,7 +81,7 @@ class _StreamProxyBase(wrapt.ObjectProxy):  # type: ignore[misc]
         """The stream's attempt ended while the stream was still open: the agent stopped reading it."""
         try:
             self._self_close()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported; agl's failure never reaches the agent
             report_internal_error("openai.stream_abandoned", exc)
 
     def __del__(self) -> None:

@@ -420,7 +420,7 @@ def _failure_reason(rollout: Rollout) -> str:
 
 def _failed_policy(failed: Union[str, float, FailedRollouts]) -> FailedRolloutPolicy:
     if failed == "drop" or isinstance(failed, FailedRollouts):
-        return failed  # type: ignore[return-value]
+        return failed  # type: ignore[return-value]  # a list of the failed rollouts, typed as the samples it stands for
     if isinstance(failed, (int, float)) and not isinstance(failed, bool):
         return FailedRollouts(reward=float(failed))
     raise ValueError(f'failed must be "drop" or the reward failed rollouts get (a number), got {failed!r}')

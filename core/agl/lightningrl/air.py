@@ -118,7 +118,7 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
                     add(span.span_id, "air.args_invalid", config.args_invalid)
             text = message.get("content")
             if config.format is not None and isinstance(text, str) and text:
-                if config.format.search(text):
+                if re.search(config.format, text):
                     add(span.span_id, "air.format_ok", config.format_ok)
                 else:
                     add(span.span_id, "air.format_miss", config.format_miss)

@@ -133,7 +133,7 @@ class CallLinks:
                 continue
             operations: Set[str] = {a.span_id for a in self.ancestors(span.span_id) if is_operation(a)}
             linked = span.attributes.get(semconv.OPERATION_SPAN_ID)
-            if linked in self.tree:
+            if isinstance(linked, str) and linked in self.tree:
                 operations.add(linked)
                 operations.update(a.span_id for a in self.ancestors(linked) if is_operation(a))
             for operation_id in operations:
@@ -151,7 +151,7 @@ class CallLinks:
             if is_operation(ancestor):
                 return self.calls_of_operation(ancestor.span_id)
         linked = reward.attributes.get(semconv.OPERATION_SPAN_ID)
-        return self.calls_of_operation(linked) if linked in self.tree else []
+        return self.calls_of_operation(linked) if isinstance(linked, str) and linked in self.tree else []
 
     def step_rewards(self) -> StepRewards:
         """Every step reward span of the attempt, split over the calls it belongs to."""

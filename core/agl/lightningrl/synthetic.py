@@ -59,10 +59,10 @@ class TraceBuilder:
             span_id=span_id,
             parent_id=parent_id,
             name=name,
-            kind=kind,
+            kind=kind,  # type: ignore[arg-type]  # callers pass span kinds
             start_time=start,
             end_time=self._clock,
-            status=status,
+            status=status,  # type: ignore[arg-type]  # callers pass span statuses
             error="error" if status == "error" else None,
             attributes={semconv.SPAN_KIND: kind, **attributes},
             events=[],

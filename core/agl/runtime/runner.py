@@ -228,11 +228,11 @@ class Runner:
                     return self.store.complete_and_dequeue(
                         rollout.rollout_id,
                         attempt_id,
-                        status,
+                        status,  # type: ignore[arg-type]  # an attempt status, from the rollout outcome
                         **outcome,
-                        runner_id=self.runner_id,  # type: ignore[arg-type]
+                        runner_id=self.runner_id,
                     )
-                return self.store.complete_attempt(rollout.rollout_id, attempt_id, status, **outcome), []  # type: ignore[arg-type]
+                return self.store.complete_attempt(rollout.rollout_id, attempt_id, status, **outcome), []  # type: ignore[arg-type]  # an attempt status, from the rollout outcome
             except StoreUnavailableError as exc:  # nothing was claimed (the completion comes first, and decides)
                 return self._complete_after_outage(rollout.rollout_id, attempt_id, status, outcome, exc), []
         except StaleAttemptError as exc:
@@ -282,7 +282,7 @@ class Runner:
                         status,
                     )
                     return self.store.get_rollout(rollout_id)
-                return self.store.complete_attempt(rollout_id, attempt_id, status, **outcome)  # type: ignore[arg-type]
+                return self.store.complete_attempt(rollout_id, attempt_id, status, **outcome)  # type: ignore[arg-type]  # an attempt status, from the rollout outcome
             except StoreUnavailableError as again:
                 exc = again
 

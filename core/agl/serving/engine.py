@@ -528,7 +528,7 @@ def _base_model(model: Any) -> Any:
 
 def _cache_can_join(cache: Any) -> bool:
     """Only plain dynamic layers (keys/values ``[batch, heads, seq, dim]``) can be padded and stacked."""
-    layers = getattr(cache, "layers", None)
+    layers = getattr(cache, "layers", None) or []
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 

@@ -214,7 +214,7 @@ class PolicyServer:
             grammars.check(grammar)
         except BadRequest:
             for index, tool in request.grammar_tools():
-                grammars.check(response_grammar(None, [tool], calls_only=True), f"tools[{index}].function.parameters")
+                grammars.check(response_grammar(None, [tool], calls_only=True), f"tools[{index}].function.parameters")  # type: ignore[arg-type]  # a tool always yields a grammar
             raise
 
     def _prepare_completion(self, body: Any) -> tuple[CompletionRequest, List[int], SamplingParams]:
@@ -415,7 +415,9 @@ async def _generate(
     events: asyncio.Queue[Any] = asyncio.Queue()
     try:
         handle = server.engine.submit(
-            job.prompt_ids, job.params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+            job.prompt_ids,
+            job.params,
+            lambda event: loop.call_soon_threadsafe(events.put_nowait, event),  # type: ignore[arg-type]  # the engine ignores what the listener returns
         )
     except RuntimeError as exc:
         return _error(path, 503, f"{exc}; retry against a running server", version)

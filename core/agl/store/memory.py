@@ -96,11 +96,11 @@ class InMemoryLightningStore(LightningStore):
         """End the live attempt and move the rollout on per the shared retry rule."""
         now = time.time()
         attempt, rollout = record.attempts[-1], record.rollout
-        attempt.status, attempt.end_time, attempt.error = status, now, error  # type: ignore[assignment]
+        attempt.status, attempt.end_time, attempt.error = status, now, error  # type: ignore[assignment]  # a status the shared rules chose
         self._live.pop(rollout.rollout_id, None)
         record.deadline = None
         nxt = _rules.next_rollout_status(status, rollout.n_attempts, rollout.config.max_attempts)
-        rollout.status = nxt  # type: ignore[assignment]
+        rollout.status = nxt  # type: ignore[assignment]  # a status the shared rules chose
         if nxt == "succeeded":
             rollout.final_reward, rollout.error, rollout.end_time = reward, None, now
         elif nxt == "queued":

@@ -148,7 +148,7 @@ def _logprobs(gen: Generation, body: Body, ids: list[int], start: tuple[int, int
     tokens = [gen.tokenizer.token_text(token_id) for token_id in ids]
     logprobs = [fake_logprob(first + i) for i in range(len(ids))]
     top = [{token: fake_logprob(first + i)} for i, token in enumerate(tokens)]
-    return completion_logprobs(tokens, logprobs, top, offset)[0]
+    return completion_logprobs(tokens, logprobs, top, offset)[0]  # type: ignore[arg-type]  # list is invariant; no entry is None here
 
 
 def _header(body: Body) -> dict[str, Any]:

@@ -25,7 +25,7 @@ Item = dict[str, Any]
 def conversation(body: Body) -> tuple[list[Mapping[str, Any]], list[ChatTool], ToolChoice]:
     """The Responses request as chat messages, chat-format tools and the tool choice (the policy server's
     own mapping, :mod:`agl.openai_wire.responses`)."""
-    return responses.conversation(body), responses.chat_tools(body.get("tools") or []), body.get("tool_choice")
+    return responses.conversation(body), responses.chat_tools(body.get("tools") or []), body.get("tool_choice")  # type: ignore[return-value]  # lists of dicts, read as Mappings
 
 
 def missing_field(body: Body) -> str | None:

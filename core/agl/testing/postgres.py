@@ -196,7 +196,7 @@ class PostgresServer:
         with self._admin_lock:
             if self._admin_conn is None or self._admin_conn.closed or self._admin_conn.broken:
                 self._admin_conn = psycopg.connect(self.admin_dsn, autocommit=True)
-            cursor = self._admin_conn.execute(sql, params)  # type: ignore[arg-type]  # names were _checked
+            cursor = self._admin_conn.execute(sql, params)  # names were _checked
             return cursor.fetchone() if cursor.description else None
 
     def _close_admin(self) -> None:

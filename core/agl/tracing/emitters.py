@@ -310,7 +310,7 @@ class operation:
     # -- decorator -----------------------------------------------------------------------------------------
     def __call__(self, fn: F) -> F:
         """``@agl.operation("name")`` or ``@agl.operation()``: decorate ``fn``."""
-        return _operation_wrapper(fn, self._given_name or getattr(fn, "__name__", "operation"), self.attributes)
+        return _operation_wrapper(fn, self._given_name or str(getattr(fn, "__name__", "operation")), self.attributes)
 
 
 @contextlib.contextmanager
@@ -359,7 +359,7 @@ def _operation_wrapper(fn: F, name: str, attributes: Dict[str, Any]) -> F:
                 op.set_output(result)
                 return result
 
-        return async_wrapper  # type: ignore[return-value]
+        return async_wrapper  # type: ignore[return-value]  # the wrapper has the signature of the function it wraps
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -369,4 +369,4 @@ def _operation_wrapper(fn: F, name: str, attributes: Dict[str, Any]) -> F:
             op.set_output(result)
             return result
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # the wrapper has the signature of the function it wraps

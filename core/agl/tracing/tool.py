@@ -71,9 +71,9 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
             tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: tool_value(result)})
 
         if inspect.isasyncgenfunction(func):
-            return async_generator_in_span(func, start, span_current, result_of)  # type: ignore[return-value]
+            return async_generator_in_span(func, start, span_current, result_of)
         if inspect.isgeneratorfunction(func):
-            return generator_in_span(func, start, span_current, result_of)  # type: ignore[return-value]
+            return generator_in_span(func, start, span_current, result_of)
 
         if inspect.iscoroutinefunction(func):
 
@@ -88,7 +88,7 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
                     tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: tool_value(result)})
                     return result
 
-            return async_wrapper  # type: ignore[return-value]
+            return async_wrapper  # type: ignore[return-value]  # the wrapper has the signature of the function it wraps
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -101,7 +101,7 @@ def tool(fn: Optional[F] = None, *, name: Optional[str] = None) -> Union[F, Call
                 tracer.set_deferred(span, {semconv.TOOL_CALL_RESULT: tool_value(result)})
                 return result
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]  # the wrapper has the signature of the function it wraps
 
     return decorate(fn) if fn is not None else decorate
 
@@ -163,7 +163,7 @@ def generator_in_span(func: F, start: Start, resume: Resume, finish: Finish) -> 
         finally:
             span.end()
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # the wrapper has the signature of the function it wraps
 
 
 def async_generator_in_span(func: F, start: Start, resume: Resume, finish: Finish) -> F:
@@ -200,4 +200,4 @@ def async_generator_in_span(func: F, start: Start, resume: Resume, finish: Finis
         finally:
             span.end()
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # the wrapper has the signature of the function it wraps

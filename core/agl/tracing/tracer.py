@@ -561,7 +561,7 @@ class Tracer:
         kind = open_steps.get(span.get_span_context().span_id)
         parent = getattr(span, "parent", None)  # an SDK span's parent SpanContext
         if kind is None and parent is not None:
-            kind = open_steps.get(getattr(parent, "span_id", None))
+            kind = open_steps.get(getattr(parent, "span_id", 0))
         return kind
 
     def set_deferred(self, span: otel_trace.Span, attributes: Mapping[str, Any]) -> None:

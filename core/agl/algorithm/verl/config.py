@@ -390,7 +390,7 @@ class VERLConfig:
     def to_dict(self, resolve: bool = True) -> Dict[str, Any]:
         from omegaconf import OmegaConf
 
-        return OmegaConf.to_container(self.dictconfig, resolve=resolve)  # type: ignore[return-value]
+        return OmegaConf.to_container(self.dictconfig, resolve=resolve)
 
     # -- checks --------------------------------------------------------------------------------------------
     def _check_agl_rules(self) -> None:

@@ -260,7 +260,7 @@ class VERL(Algorithm):
             metrics["agl/async/carried_over_groups"] = float(len(in_flight))
             metrics["agl/async/max_staleness"] = float(staleness)
             if save_freq > 0 and (step % save_freq == 0 or step == total_steps):
-                self.backend.save_checkpoint(step)  # type: ignore[union-attr]
+                self.backend.save_checkpoint(step)  # type: ignore[union-attr]  # the backend is set by start(), before any step
             if val_dataset and test_freq > 0 and (step % test_freq == 0 or step == total_steps):
                 metrics.update(self._validate(val_dataset, step))
             self.summary.steps.append(StepResult(step, metrics))
@@ -354,8 +354,8 @@ class VERL(Algorithm):
                 max_prompt_length=self.config.max_prompt_length,
                 max_response_length=self.config.max_response_length,
                 pad_token_id=serving.pad_token_id,
-                overlong_prompt=self.overlong[0],  # type: ignore[arg-type]
-                overlong_response=self.overlong[1],  # type: ignore[arg-type]
+                overlong_prompt=self.overlong[0],  # type: ignore[arg-type]  # checked against the literals in __init__
+                overlong_response=self.overlong[1],  # type: ignore[arg-type]  # checked against the literals in __init__
                 precomputed_advantages=self.advantages == "lightningrl",
                 report=report,
             )
@@ -367,7 +367,7 @@ class VERL(Algorithm):
         data = pad_to_divisor(data, divisor, report)
         self.proxy.pause()
         try:
-            metrics.update(self.backend.update(data, step, mini_batches))  # type: ignore[union-attr]
+            metrics.update(self.backend.update(data, step, mini_batches))  # type: ignore[union-attr]  # the backend is set by start(), before any step
             self.policy_version += 1
         finally:
             self.proxy.resume()
@@ -382,7 +382,7 @@ class VERL(Algorithm):
         that size: ``round(rows / that)`` of them (at least 1), each a multiple of the data-parallel size."""
         target = self.config.ppo_mini_batch_size * self.config.n
         count = max(1, round(rows / target))
-        return count, count * self.backend.data_parallel_size()  # type: ignore[union-attr]
+        return count, count * self.backend.data_parallel_size()  # type: ignore[union-attr]  # the backend is set by start(), before any step
 
     def _publish(self, model: str, section: str = _ROLLOUT) -> str:
         """A new resources version with the proxy as ``llm_resource`` (other resources are kept), sampling

@@ -187,7 +187,7 @@ class RemoteLightningStore(LightningStore):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         url = state.pop("url")
-        self.__init__(url, **state)  # type: ignore[misc]
+        self.__init__(url, **state)  # type: ignore[misc]  # unpickling rebuilds the client from its settings
 
     def __repr__(self) -> str:
         return f"RemoteLightningStore({self.url!r})"
@@ -322,7 +322,7 @@ class RemoteLightningStore(LightningStore):
         EnqueueBody(requests=named)  # checks the batch before anything is sent
         _rules.check_request_ids(named)  # a lone surrogate could not even be sent as JSON
         encoded = [_rules.encode_json(r, "rollout input and metadata").encode() for r in named]
-        ids = [r.rollout_id for r in named]
+        ids = [str(r.rollout_id) for r in named]  # set by check_request_ids above
 
         def send(body: bytes, part: slice) -> List[Rollout]:
             def already_enqueued(exc: Exception) -> RolloutList:
@@ -331,7 +331,7 @@ class RemoteLightningStore(LightningStore):
                 found = {r.rollout_id: r for r in self.query_rollouts(rollout_ids=ids[part])}
                 if len(found) != len(ids[part]):
                     raise exc
-                return RolloutList(rollouts=[found[i] for i in ids[part]])  # type: ignore[index]
+                return RolloutList(rollouts=[found[i] for i in ids[part]])
 
             return self._call(
                 "POST", "/v1/rollouts", RolloutList, body=body, idempotent_key=True, after_retry=already_enqueued

@@ -269,7 +269,7 @@ def _to_span(span: OtlpSpan, resource: Dict[str, Any], scope: Scope, refusals: R
         kind=_kind(attributes),
         start_time=span.startTimeUnixNano,
         end_time=max(span.endTimeUnixNano, span.startTimeUnixNano),
-        status={1: "ok", 2: "error"}.get(status.code, "unset"),  # type: ignore[arg-type]
+        status={1: "ok", 2: "error"}.get(status.code, "unset"),
         error=(status.message or None) if status.code == 2 else None,
         attributes=attributes,
         events=[
@@ -334,7 +334,7 @@ def _shown(value: Any, width: int = 60) -> str:
 def _kind(attributes: Dict[str, Any]) -> SpanKind:
     kind = attributes.get(semconv.SPAN_KIND)
     if kind in _KINDS:
-        return kind  # type: ignore[no-any-return]
+        return kind
     return _KIND_BY_OPERATION.get(str(attributes.get(semconv.OPERATION_NAME)), "chain")
 
 

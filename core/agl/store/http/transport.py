@@ -313,7 +313,7 @@ class _Connection:
         if len(self._buffer) >= n:
             data, self._buffer = self._buffer[:n], self._buffer[n:]
             return data
-        data = bytearray(n)
+        data = bytearray(n)  # type: ignore[assignment]  # filled in place, returned as bytes-like
         view = memoryview(data)
         have = len(self._buffer)
         view[:have] = self._buffer

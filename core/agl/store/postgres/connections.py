@@ -64,7 +64,7 @@ def redacted(dsn: str) -> str:
     except psycopg.ProgrammingError:
         return "<unparsable DSN>"
     params.pop("password", None)
-    return make_conninfo(**params)
+    return make_conninfo("", **params)
 
 
 class _Pool:

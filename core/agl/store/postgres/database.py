@@ -135,7 +135,7 @@ class PostgresDatabase:
             try:
                 for statement in SCHEMA.split(";"):
                     if statement.strip():
-                        conn.execute(statement)  # type: ignore[arg-type]  # constant SQL
+                        conn.execute(statement)  # constant SQL
             except pg_errors.InsufficientPrivilege as exc:  # PostgreSQL 15+: only the owner may create in public
                 raise AglError(
                     f"the database {redacted(self.dsn)} has no agl tables yet, and creating them was refused: "

@@ -124,7 +124,7 @@ class PostgresSpans(PostgresRollouts):
                 if attempt_id not in ("latest", None):
                     sql = "SELECT 1 FROM agl_attempts WHERE rollout_id = %s AND attempt_id = %s"
                     if c.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
-                        raise UnknownAttemptError(rollout_id, attempt_id)  # type: ignore[arg-type]
+                        raise UnknownAttemptError(rollout_id, attempt_id)
             return [span_from_row(row) for row in rows]
 
         return self._run(work, write=False)

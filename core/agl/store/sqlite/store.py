@@ -101,7 +101,7 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
         return {"path": self.path, "busy_timeout": self.busy_timeout}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
+        self.__init__(**state)  # type: ignore[misc]  # unpickling reopens the store from its settings
 
     def __repr__(self) -> str:
         return f"SqliteLightningStore({self.path!r})"
@@ -464,7 +464,7 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
                 if attempt_id not in ("latest", None):
                     sql = "SELECT 1 FROM attempts WHERE rollout_id = ? AND attempt_id = ?"
                     if conn.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
-                        raise UnknownAttemptError(rollout_id, attempt_id)  # type: ignore[arg-type]
+                        raise UnknownAttemptError(rollout_id, attempt_id)
             return [span_from_row(row) for row in rows]
 
     def delete_spans(self, rollout_ids: Sequence[str]) -> int:

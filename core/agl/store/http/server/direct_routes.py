@@ -35,7 +35,7 @@ class DirectRoutes:
             self._table = [
                 (method, found[name].path_regex, found[name].endpoint)
                 for name in self._names
-                for method in found[name].methods
+                for method in found[name].methods or ()
             ]
         return self._table
 
@@ -67,5 +67,5 @@ class DirectRoutes:
             handler = next((handlers[c] for c in type(exc).__mro__ if c in handlers), None)
             if handler is None:
                 raise  # as through FastAPI: ServerErrorMiddleware answers 500
-            response = await handler(request, exc)
+            response = await handler(request, exc)  # type: ignore[misc]  # agl's handlers are all async
         await response(scope, receive, send)

@@ -78,5 +78,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValueError, on_store_error)
     app.add_exception_handler(TypeError, on_store_error)
     app.add_exception_handler(OverflowError, on_store_error)
-    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]  # Starlette's handler type is narrower than its use
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]  # Starlette's handler type is narrower than its use

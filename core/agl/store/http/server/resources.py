@@ -21,7 +21,7 @@ async def add_resources(body: ResourcesBody, request: Request) -> Response:
     ctx = context_of(request)
 
     def call() -> Response:
-        return as_json(ctx.store.add_resources(body.resources, body.resources_id))  # type: ignore[arg-type]
+        return as_json(ctx.store.add_resources(body.resources, body.resources_id))  # type: ignore[arg-type]  # validated by the request model
 
     return await ctx.run(lambda: ctx.once(request, call))
 

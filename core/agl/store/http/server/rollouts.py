@@ -40,7 +40,7 @@ async def dequeue(request: Request) -> Response:
     body = await parse_body(request, DequeueBody)
 
     def waited(gone: threading.Event) -> Response:
-        step = lambda t: store.dequeue_many(body.runner_id, body.limit, timeout=t)  # noqa: E731
+        step = lambda t: store.dequeue_many(body.runner_id, body.limit, timeout=t)  # noqa: E731 - a one-line callable handed on
         claimed = ctx.sliced(body.timeout, gone, step) or []
         if claimed and gone.is_set():  # claimed as the client left (or by a store whose wait cannot give up)
             claimed = _give_back(store, claimed, body.runner_id)

@@ -37,7 +37,7 @@ async def add_spans(request: Request) -> Response:
 async def delete_spans(request: Request) -> Response:
     ctx = context_of(request)
     body = await parse_body(request, DeleteSpansBody)
-    call = lambda: as_json(Deleted(deleted=ctx.store.delete_spans(body.rollout_ids)))  # noqa: E731
+    call = lambda: as_json(Deleted(deleted=ctx.store.delete_spans(body.rollout_ids)))  # noqa: E731 - a one-line callable handed on
     return await ctx.run(lambda: ctx.once(request, call))
 
 
