@@ -279,7 +279,7 @@ def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai,
     @agl.rollout
     def pipeline(task, llm):
         client = OpenAI(base_url=llm.get_base_url(), api_key="x")
-        ask = lambda text: client  # noqa: E731 - a one-line helper.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": text}])
+        ask = lambda text: client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": text}])  # noqa: E731 - a one-line helper
         ask("plan")
         with agent_span("write_query", "test"):
             ask("write")
