@@ -97,6 +97,14 @@ def add_train_parser(sub: Any, store_help: str) -> None:
         help="one more setting (repeatable). grpo: a TorchGRPO keyword, the value read as JSON when it "
         "parses (--set lora=null --set kl_coef=0.01); verl: a verl override (--set trainer.total_epochs=1)",
     )
+    _add_grpo_options(train)
+    _add_apo_options(train)
+    _add_run_options(train, store_help)
+    train.set_defaults(func=cmd_train)
+
+
+def _add_grpo_options(train: Any) -> None:
+    """TorchGRPO's common settings as flags (the rest through --set)."""
     grpo = train.add_argument_group("grpo settings (TorchGRPO; see docs/training.md)")
     grpo.add_argument("--model", help="smollm2 (bundled, default), tiny (random, smoke tests), or a HF name/path")
     grpo.add_argument("--steps", type=int, help="most training steps (default: one epoch over --data)")
@@ -110,6 +118,10 @@ def add_train_parser(sub: Any, store_help: str) -> None:
         type=float,
         help="wall-time budget of the whole command; training stops early enough for the final evaluation to fit",
     )
+
+
+def _add_apo_options(train: Any) -> None:
+    """APO's seed prompt, the two models and their keys."""
     apo = train.add_argument_group("apo settings (agl.APO; see docs/prompt-optimization.md)")
     apo.add_argument(
         "--prompt",
@@ -133,6 +145,10 @@ def add_train_parser(sub: Any, store_help: str) -> None:
         help="environment variable holding the optimizer's "
         "own API key (default: --api-key-env's): it is neither sent to the agent's endpoint nor stored",
     )
+
+
+def _add_run_options(train: Any, store_help: str) -> None:
+    """Where the run lives and how its rollouts run (every algorithm)."""
     train.add_argument(
         "--out", default=".agl/train", help="the run's folder: store, metrics, checkpoints (default .agl/train)"
     )
@@ -160,7 +176,6 @@ def add_train_parser(sub: Any, store_help: str) -> None:
         help="check the agent, data and settings (and for verl "
         "whether this machine can train them), then exit without training",
     )
-    train.set_defaults(func=cmd_train)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

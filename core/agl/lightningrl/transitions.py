@@ -52,7 +52,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Pattern, Union
+from typing import Any, List, Optional, Pattern, Tuple, Union
 
 from agl import semconv
 from agl.errors import MissingTokenIdsError
@@ -144,36 +144,10 @@ def extract_transitions(
         if span.status == "error":
             out.skipped[SKIP_CALL_FAILED] += 1
             continue
-        prompt_ids = _ids(span.attributes.get(semconv.PROMPT_TOKEN_IDS))
-        response_ids = _ids(span.attributes.get(semconv.RESPONSE_TOKEN_IDS))
-        logprobs: Optional[List[float]] = None
-        if prompt_ids is None or response_ids is None:
-            reason = _skip_without_ids(span, retokenizing=retokenizer is not None)
-            if reason is not None:
-                out.skipped[reason] += 1
-                continue
-            if retokenizer is None:
-                raise MissingTokenIdsError(
-                    span.rollout_id, span.attempt_id, span.span_id, agent_name, _why_missing(span)
-                )
-            try:
-                prompt_ids, response_ids = retokenizer.ids(span)
-            except RetokenizeError as exc:  # this span only: the rest of the batch goes on
-                out.skipped[exc.reason] += 1
-                logger.warning(
-                    "LightningRL skipped an llm call of rollout %s, attempt %s (%s): %s",
-                    span.rollout_id,
-                    span.attempt_id,
-                    exc.reason,
-                    exc,  # exc names the span
-                )
-                continue
-            out.retokenized += 1
-        else:
-            logprobs = _floats(span.attributes.get(semconv.RESPONSE_LOGPROBS))
-            if logprobs is not None and (len(logprobs) != len(response_ids) or not all(map(math.isfinite, logprobs))):
-                logprobs = None  # a -inf or NaN old logprob would make the PPO ratio infinite
-                out.logprobs_dropped += 1
+        ids = _token_ids(span, agent_name, retokenizer, out)
+        if ids is None:
+            continue
+        prompt_ids, response_ids, logprobs = ids
         if not response_ids:
             out.skipped[SKIP_EMPTY_RESPONSE] += 1
             continue
@@ -199,6 +173,42 @@ def extract_transitions(
             )
         )
     return out
+
+
+def _token_ids(
+    span: Span, agent_name: Any, retokenizer: Optional[Retokenizer], out: Extraction
+) -> Optional[Tuple[List[int], List[int], Optional[List[float]]]]:
+    """The call's prompt and response ids (recorded, else re-tokenized) and its usable logprobs; None when the
+    call is skipped, counted in ``out``."""
+    prompt_ids = _ids(span.attributes.get(semconv.PROMPT_TOKEN_IDS))
+    response_ids = _ids(span.attributes.get(semconv.RESPONSE_TOKEN_IDS))
+    logprobs: Optional[List[float]] = None
+    if prompt_ids is None or response_ids is None:
+        reason = _skip_without_ids(span, retokenizing=retokenizer is not None)
+        if reason is not None:
+            out.skipped[reason] += 1
+            return None
+        if retokenizer is None:
+            raise MissingTokenIdsError(span.rollout_id, span.attempt_id, span.span_id, agent_name, _why_missing(span))
+        try:
+            prompt_ids, response_ids = retokenizer.ids(span)
+        except RetokenizeError as exc:  # this span only: the rest of the batch goes on
+            out.skipped[exc.reason] += 1
+            logger.warning(
+                "LightningRL skipped an llm call of rollout %s, attempt %s (%s): %s",
+                span.rollout_id,
+                span.attempt_id,
+                exc.reason,
+                exc,  # exc names the span
+            )
+            return None
+        out.retokenized += 1
+    else:
+        logprobs = _floats(span.attributes.get(semconv.RESPONSE_LOGPROBS))
+        if logprobs is not None and (len(logprobs) != len(response_ids) or not all(map(math.isfinite, logprobs))):
+            logprobs = None  # a -inf or NaN old logprob would make the PPO ratio infinite
+            out.logprobs_dropped += 1
+    return prompt_ids, response_ids, logprobs
 
 
 def _skip_without_ids(span: Span, retokenizing: bool) -> Optional[str]:
