@@ -235,6 +235,17 @@ def test_doorbell_rings_listeners_and_skips_stale_sockets(tmp_path: Path) -> Non
     assert os.listdir(bell.directory) == []
 
 
+def test_doorbell_wait_of_zero_seconds_only_checks(tmp_path: Path) -> None:
+    """A waiter whose deadline has just passed waits 0 s (or less): a check, never an exception."""
+    bell = Doorbell(str(tmp_path / "x.db"), "test")
+    with bell.listen() as listener:
+        assert not listener.wait(0)
+        assert not listener.wait(-0.5)
+        bell.ring()
+        assert listener.wait(0)
+        assert not listener.wait(0.01), "the wait of 0 s drained the ring"
+
+
 def test_data_survives_close_and_reopen(tmp_path: Path) -> None:
     path = tmp_path / "nested" / "store.db"
     with SqliteLightningStore(path) as store:

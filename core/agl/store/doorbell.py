@@ -62,10 +62,10 @@ class Listener:
         if self._sock is None:
             time.sleep(POLL_INTERVAL if timeout is None else min(timeout, POLL_INTERVAL))
             return True
-        self._sock.settimeout(timeout)
+        self._sock.settimeout(timeout if timeout is None else max(0.0, timeout))
         try:
             self._sock.recv(64)
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):  # a timeout of 0 makes the socket non-blocking: BlockingIOError
             return False
         self._sock.setblocking(False)
         with contextlib.suppress(BlockingIOError):
