@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple
 
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, to_json
 
 from agl.checks import is_finite_number
 from agl.errors import DuplicateRolloutError, IllegalTransitionError, InvalidSpanError, StaleAttemptError
-from agl.types import TERMINAL_ROLLOUT_STATUSES, Span, array_as_json
+from agl.types import TERMINAL_ROLLOUT_STATUSES, Span, array_as_json, parse_resources
 
 ROLLOUT_STATUSES: Tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 
@@ -52,6 +52,13 @@ def encode_json(value: Any, what: str) -> str:
         raise TypeError(
             f"{what} must be JSON-serialisable (dicts, lists, str, numbers, pydantic models): {exc}"
         ) from exc
+
+
+def encode_resources(resources: Dict[str, Any], resources_id: Optional[str]) -> str:
+    """The JSON text of a resources version as every backend stores it, once ``resources_id`` is known to be one a
+    store keeps (:func:`check_id`) and ``resources`` parse."""
+    check_id(resources_id, "resources_id")
+    return encode_json(parse_resources(dict(resources)), "resources")
 
 
 def check_new_rollout_ids(requests: Sequence[Any], is_stored: Callable[[str], bool]) -> None:
@@ -255,6 +262,39 @@ def next_rollout_status(attempt_status: str, n_attempts: int, max_attempts: int)
     if attempt_status == "succeeded":
         return "succeeded"
     return "queued" if n_attempts < max_attempts else "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptEnd:
+    """How a live attempt ends and what that does to its rollout (see :func:`end_attempt`): decided here once, so
+    that every backend stores the same outcome."""
+
+    #: The attempt's final status, its end time and its error.
+    status: str
+    end_time: float
+    error: Optional[str]
+    #: The rollout's fields that change, with their new values; ``status`` (where the rollout goes) first.
+    rollout: Dict[str, Any]
+
+    @property
+    def requeued(self) -> bool:
+        """Whether the rollout goes back to the end of the queue (attempts are left)."""
+        return bool(self.rollout["status"] == "queued")
+
+
+def end_attempt(
+    status: str, error: Optional[str], reward: Optional[float], n_attempts: int, max_attempts: int, now: float
+) -> AttemptEnd:
+    """Ending a rollout's live attempt (its ``n_attempts``-th) ``now`` with ``status``: the rollout succeeds (keeping
+    ``reward``), is requeued, or fails, per :func:`next_rollout_status`; ``error`` goes to both."""
+    nxt = next_rollout_status(status, n_attempts, max_attempts)
+    if nxt == "succeeded":
+        changes: Dict[str, Any] = {"status": nxt, "final_reward": reward, "error": None, "end_time": now}
+    elif nxt == "queued":
+        changes = {"status": nxt, "error": error}
+    else:
+        changes = {"status": nxt, "error": error, "end_time": now}
+    return AttemptEnd(status, now, error, changes)
 
 
 #: A span batch refreshes its running attempt's heartbeat only when the stored one is at least this old, or a

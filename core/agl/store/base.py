@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from pydantic import BaseModel, Field
 
@@ -54,6 +54,35 @@ class EnqueueRequest(BaseModel):
     resources_id: Optional[str] = None
     config: RolloutConfig = Field(default_factory=RolloutConfig)
     metadata: Dict[str, Any] = Field(default_factory=dict)
+
+
+class Completion(NamedTuple):
+    """The arguments of ``complete_attempt`` as one value, so that each backend's implementation takes them
+    without restating the public signature (and its checks)."""
+
+    rollout_id: str
+    attempt_id: str
+    status: AttemptStatus
+    reward: Optional[float]
+    error: Optional[str]
+
+    def checked(self) -> Completion:
+        """This completion as every backend stores it: refused unless its status ends an attempt and its reward is
+        finite (:func:`_rules.check_completion`), with the reward a float and the error as free text
+        (:func:`_rules.free_text`)."""
+        reward = _rules.check_completion(self.status, self.reward)
+        return self._replace(reward=reward, error=_rules.free_text(self.error))
+
+
+class RolloutQuery(NamedTuple):
+    """The filters of ``query_rollouts``, each iterable read once into a list, as every backend applies them."""
+
+    status: Optional[List[RolloutStatus]]
+    rollout_ids: Optional[List[str]]
+    task_id: Optional[str]
+    mode: Optional[RolloutMode]
+    limit: Optional[int]
+    offset: int
 
 
 class StoreStats(BaseModel):
@@ -110,7 +139,6 @@ class LightningStore(abc.ABC):
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         """Record that the runner of this attempt is alive. Raises StaleAttemptError if it already ended."""
 
-    @abc.abstractmethod
     def complete_attempt(
         self,
         rollout_id: str,
@@ -125,6 +153,11 @@ class LightningStore(abc.ABC):
         ``reward`` is the rollout's final reward (kept on success only). Ending an attempt that is not the
         rollout's live attempt raises StaleAttemptError and changes nothing.
         """
+        return self._complete_attempt(Completion(rollout_id, attempt_id, status, reward, error).checked())
+
+    @abc.abstractmethod
+    def _complete_attempt(self, done: Completion) -> Rollout:
+        """``complete_attempt`` of a completion already checked (:meth:`Completion.checked`)."""
 
     def complete_and_dequeue(
         self,
@@ -144,8 +177,15 @@ class LightningStore(abc.ABC):
         recorded completion gives no rollouts (logged), never an error, so the caller does not report the
         completion again; it dequeues as usual when it gets none.
         """
+        return self._complete_and_dequeue(Completion(rollout_id, attempt_id, status, reward, error), runner_id, limit)
+
+    def _complete_and_dequeue(self, done: Completion, runner_id: str, limit: int) -> Tuple[Rollout, List[Rollout]]:
+        """``complete_and_dequeue`` of a completion as the caller gave it: ``complete_attempt``, then a claim (the
+        client of a store server overrides this to do both in one request)."""
         _rules.check_limit(limit)
-        completed = self.complete_attempt(rollout_id, attempt_id, status, reward=reward, error=error)
+        completed = self.complete_attempt(
+            done.rollout_id, done.attempt_id, done.status, reward=done.reward, error=done.error
+        )
         return completed, self._claim_after_completion(runner_id, limit)
 
     def _claim_after_completion(self, runner_id: str, limit: int) -> List[Rollout]:
@@ -163,7 +203,6 @@ class LightningStore(abc.ABC):
     def get_rollout(self, rollout_id: str) -> Rollout:
         """The rollout with its latest attempt in ``attempt`` (None if never dequeued)."""
 
-    @abc.abstractmethod
     def query_rollouts(
         self,
         *,
@@ -175,6 +214,13 @@ class LightningStore(abc.ABC):
         offset: int = 0,
     ) -> List[Rollout]:
         """Rollouts in enqueue order, filtered."""
+        statuses = None if status is None else list(status)
+        ids = None if rollout_ids is None else list(rollout_ids)
+        return self._query_rollouts(RolloutQuery(statuses, ids, task_id, mode, limit, offset))
+
+    @abc.abstractmethod
+    def _query_rollouts(self, query: RolloutQuery) -> List[Rollout]:
+        """``query_rollouts`` with its filters gathered in one value (each iterable read once, into a list)."""
 
     @abc.abstractmethod
     def query_attempts(self, rollout_id: str) -> List[Attempt]:
@@ -273,7 +319,6 @@ class AsyncRolloutCalls(abc.ABC):
     @abc.abstractmethod
     async def aadd_spans(self, spans: Sequence[Span]) -> int: ...
 
-    @abc.abstractmethod
     async def acomplete_attempt(
         self,
         rollout_id: str,
@@ -282,7 +327,12 @@ class AsyncRolloutCalls(abc.ABC):
         *,
         reward: Optional[float] = None,
         error: Optional[str] = None,
-    ) -> Rollout: ...
+    ) -> Rollout:
+        return await self._acomplete_attempt(Completion(rollout_id, attempt_id, status, reward, error).checked())
+
+    @abc.abstractmethod
+    async def _acomplete_attempt(self, done: Completion) -> Rollout:
+        """``acomplete_attempt`` of a completion already checked (:meth:`Completion.checked`)."""
 
     @abc.abstractmethod
     async def aget_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]: ...

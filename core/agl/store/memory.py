@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pydantic_core import from_json
 
@@ -22,16 +22,13 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import _rules
-from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.store.base import Completion, EnqueueRequest, LightningStore, RolloutQuery, StoreStats
 from agl.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
-    AttemptStatus,
     Resource,
     ResourcesUpdate,
     Rollout,
-    RolloutMode,
-    RolloutStatus,
     Span,
     new_id,
     parse_resources,
@@ -94,20 +91,15 @@ class InMemoryLightningStore(LightningStore):
 
     def _end_live_attempt(self, record: _Record, status: str, error: Optional[str], reward: Optional[float]) -> None:
         """End the live attempt and move the rollout on per the shared retry rule."""
-        now = time.time()
         attempt, rollout = record.attempts[-1], record.rollout
-        attempt.status, attempt.end_time, attempt.error = status, now, error  # type: ignore[assignment]  # a status the shared rules chose
+        end = _rules.end_attempt(status, error, reward, rollout.n_attempts, rollout.config.max_attempts, time.time())
+        attempt.status, attempt.end_time, attempt.error = end.status, end.end_time, end.error  # type: ignore[assignment]  # a status the shared rules chose
         self._live.pop(rollout.rollout_id, None)
         record.deadline = None
-        nxt = _rules.next_rollout_status(status, rollout.n_attempts, rollout.config.max_attempts)
-        rollout.status = nxt  # type: ignore[assignment]  # a status the shared rules chose
-        if nxt == "succeeded":
-            rollout.final_reward, rollout.error, rollout.end_time = reward, None, now
-        elif nxt == "queued":
-            rollout.error = error
+        for name, value in end.rollout.items():
+            setattr(rollout, name, value)
+        if end.requeued:
             self._queue[rollout.rollout_id] = None  # to the back of the queue
-        else:
-            rollout.error, rollout.end_time = error, now
         self._cond.notify_all()
 
     def _reap(self) -> Tuple[List[Rollout], Optional[float]]:
@@ -224,23 +216,13 @@ class InMemoryLightningStore(LightningStore):
             attempt.start_time, now, cfg.timeout_seconds, cfg.heartbeat_timeout_seconds
         )
 
-    def complete_attempt(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: AttemptStatus,
-        *,
-        reward: Optional[float] = None,
-        error: Optional[str] = None,
-    ) -> Rollout:
-        reward = _rules.check_completion(status, reward)
-        error = _rules.free_text(error)
+    def _complete_attempt(self, done: Completion) -> Rollout:
         with self._cond:
-            record = self._record(rollout_id)
-            attempt = self._attempt(record, attempt_id)
+            record = self._record(done.rollout_id)
+            attempt = self._attempt(record, done.attempt_id)
             if attempt.status != "running":
-                raise _rules.stale_error(rollout_id, attempt_id, attempt.status, record.rollout.status)
-            self._end_live_attempt(record, status, error, reward)
+                raise _rules.stale_error(done.rollout_id, done.attempt_id, attempt.status, record.rollout.status)
+            self._end_live_attempt(record, done.status, done.error, done.reward)
             return self._view(record)
 
     def cancel_rollout(self, rollout_id: str) -> Rollout:
@@ -266,18 +248,9 @@ class InMemoryLightningStore(LightningStore):
         with self._cond:
             return self._view(self._record(rollout_id))
 
-    def query_rollouts(
-        self,
-        *,
-        status: Optional[Iterable[RolloutStatus]] = None,
-        rollout_ids: Optional[Iterable[str]] = None,
-        task_id: Optional[str] = None,
-        mode: Optional[RolloutMode] = None,
-        limit: Optional[int] = None,
-        offset: int = 0,
-    ) -> List[Rollout]:
-        statuses = None if status is None else set(status)
-        ids = None if rollout_ids is None else set(rollout_ids)
+    def _query_rollouts(self, query: RolloutQuery) -> List[Rollout]:
+        statuses = None if query.status is None else set(query.status)
+        ids = None if query.rollout_ids is None else set(query.rollout_ids)
         with self._cond:
             self._check_open()
             matches = [
@@ -285,11 +258,11 @@ class InMemoryLightningStore(LightningStore):
                 for record in self._records.values()
                 if (statuses is None or record.rollout.status in statuses)
                 and (ids is None or record.rollout.rollout_id in ids)
-                and (task_id is None or record.rollout.task_id == task_id)
-                and (mode is None or record.rollout.mode == mode)
+                and (query.task_id is None or record.rollout.task_id == query.task_id)
+                and (query.mode is None or record.rollout.mode == query.mode)
             ]
-            end = None if limit is None else offset + limit
-            return [self._view(record) for record in matches[offset:end]]
+            end = None if query.limit is None else query.offset + query.limit
+            return [self._view(record) for record in matches[query.offset : end]]
 
     def query_attempts(self, rollout_id: str) -> List[Attempt]:
         with self._cond:
@@ -372,8 +345,7 @@ class InMemoryLightningStore(LightningStore):
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
-        _rules.check_id(resources_id, "resources_id")
-        parsed = _json_copy(parse_resources(dict(resources)), "resources")
+        parsed = from_json(_rules.encode_resources(resources, resources_id))
         with self._cond:
             self._check_open()
             if resources_id is not None and resources_id in self._resources:

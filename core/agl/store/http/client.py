@@ -28,7 +28,7 @@ import re
 import threading
 import time
 import uuid
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import BaseModel
@@ -46,7 +46,7 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import _rules
-from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.store.base import Completion, EnqueueRequest, LightningStore, RolloutQuery, StoreStats
 from agl.store.http.transport import Answer, ConnectionPool, TransportError, bearer_token
 from agl.store.http.wire import (
     AUTH_HEADER,
@@ -69,18 +69,7 @@ from agl.store.http.wire import (
     WaitBody,
     raise_for_error,
 )
-from agl.types import (
-    Attempt,
-    AttemptStatus,
-    Resource,
-    ResourcesUpdate,
-    Rollout,
-    RolloutMode,
-    RolloutStatus,
-    Span,
-    new_id,
-    parse_resources,
-)
+from agl.types import Attempt, Resource, ResourcesUpdate, Rollout, Span, new_id, parse_resources
 
 logger = logging.getLogger("agl.store.http.client")
 
@@ -361,18 +350,10 @@ class RemoteLightningStore(LightningStore):
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         return self._call("POST", self._rollout_path(rollout_id, attempt_id) + "/heartbeat", Attempt)
 
-    def complete_attempt(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: AttemptStatus,
-        *,
-        reward: Optional[float] = None,
-        error: Optional[str] = None,
-    ) -> Rollout:
-        reward = _rules.check_completion(status, reward)
+    def _complete_attempt(self, done: Completion) -> Rollout:
+        rollout_id, attempt_id, status, reward, error = done
         path = self._rollout_path(rollout_id, attempt_id) + "/complete"
-        body = CompleteBody(status=status, reward=reward, error=_rules.free_text(error)).model_dump_json().encode()
+        body = CompleteBody(status=status, reward=reward, error=error).model_dump_json().encode()
 
         def already_completed(exc: Exception) -> Rollout:
             return self._completed_by_lost_try(rollout_id, attempt_id, status, exc)
@@ -388,22 +369,11 @@ class RemoteLightningStore(LightningStore):
                 return self.get_rollout(rollout_id)
         raise exc
 
-    def complete_and_dequeue(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: AttemptStatus,
-        *,
-        reward: Optional[float] = None,
-        error: Optional[str] = None,
-        runner_id: str,
-        limit: int = 1,
-    ) -> Tuple[Rollout, List[Rollout]]:
+    def _complete_and_dequeue(self, done: Completion, runner_id: str, limit: int) -> Tuple[Rollout, List[Rollout]]:
         """One request instead of two (see ``LightningStore.complete_and_dequeue``)."""
-        reward = _rules.check_completion(status, reward)
+        rollout_id, attempt_id, status, reward, error = done.checked()
         _rules.check_claim(runner_id, limit)
         path = self._rollout_path(rollout_id, attempt_id) + "/complete-and-dequeue"
-        error = _rules.free_text(error)
         body = CompleteAndDequeueBody(status=status, reward=reward, error=error, runner_id=runner_id, limit=limit)
 
         def already_completed(exc: Exception) -> CompletedAndClaimed:
@@ -429,25 +399,9 @@ class RemoteLightningStore(LightningStore):
     def get_rollout(self, rollout_id: str) -> Rollout:
         return self._call("GET", self._rollout_path(rollout_id), Rollout)
 
-    def query_rollouts(
-        self,
-        *,
-        status: Optional[Iterable[RolloutStatus]] = None,
-        rollout_ids: Optional[Iterable[str]] = None,
-        task_id: Optional[str] = None,
-        mode: Optional[RolloutMode] = None,
-        limit: Optional[int] = None,
-        offset: int = 0,
-    ) -> List[Rollout]:
-        query = QueryBody(
-            status=None if status is None else list(status),
-            rollout_ids=None if rollout_ids is None else list(rollout_ids),
-            task_id=task_id,
-            mode=mode,
-            limit=limit,
-            offset=offset,
-        )
-        return self._call("POST", "/v1/rollouts/query", RolloutList, body=query.model_dump_json().encode()).rollouts
+    def _query_rollouts(self, query: RolloutQuery) -> List[Rollout]:
+        body = QueryBody(**query._asdict()).model_dump_json().encode()
+        return self._call("POST", "/v1/rollouts/query", RolloutList, body=body).rollouts
 
     def query_attempts(self, rollout_id: str) -> List[Attempt]:
         return self._call("GET", self._rollout_path(rollout_id) + "/attempts", AttemptList).attempts

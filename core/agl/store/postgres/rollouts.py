@@ -5,15 +5,15 @@ notifications for work or for rollouts to end."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, TypeVar
 
 from psycopg import errors as pg_errors
 from pydantic_core import from_json
 
 from agl.errors import UnknownAttemptError, UnknownResourcesError, UnknownRolloutError
-from agl.store import _rules
+from agl.store import _rules, _sql
 from agl.store._waiting import wait_for_rollouts, wait_until
-from agl.store.base import EnqueueRequest
+from agl.store.base import Completion, EnqueueRequest, LightningStore, RolloutQuery
 from agl.store.postgres.database import PostgresDatabase
 from agl.store.postgres.schema import (
     ATTEMPT_COLS,
@@ -27,24 +27,17 @@ from agl.store.postgres.schema import (
     NEXT_DEADLINE,
     QUEUE_CHANNEL,
     RENEW_HEARTBEATS,
-    ROLLOUT_FAILED,
-    ROLLOUT_REQUEUED,
-    ROLLOUT_SUCCEEDED,
     SELECT_ROLLOUTS,
     SERVER_START,
     claim_statement,
 )
 from agl.store.sqlite.schema import attempt_from_row, rollout_from_row
-from agl.types import (
-    Attempt,
-    AttemptStatus,
-    Rollout,
-    RolloutMode,
-    RolloutStatus,
-    new_id,
-)
+from agl.types import Attempt, Rollout, new_id
 
 T = TypeVar("T")
+
+#: How the statements shared with the SQLite store (:mod:`agl.store._sql`) are spelled here.
+DIALECT = _sql.Dialect(_sql.FORMAT, "agl_", SELECT_ROLLOUTS, arrival="s.sid", next_queue_pos="nextval('agl_queue_pos')")
 
 ROLLOUT_EXISTS = "SELECT 1 FROM agl_rollouts WHERE rollout_id = %s"
 
@@ -54,16 +47,13 @@ def _unknown(rollout_exists: bool, rollout_id: str, attempt_id: str) -> Exceptio
     return UnknownAttemptError(rollout_id, attempt_id) if rollout_exists else UnknownRolloutError(rollout_id)
 
 
-class PostgresRollouts(PostgresDatabase):
+class PostgresRollouts(PostgresDatabase, LightningStore):
     """The rollout and attempt calls of the LightningStore contract on PostgreSQL, and the steps they share."""
 
     # -- shared steps (inside a transaction) ---------------------------------------------------------------
     @staticmethod
     def _select_one(c: Any, rollout_id: str) -> Rollout:
-        row = c.execute(f"{SELECT_ROLLOUTS} WHERE r.rollout_id = %s", (rollout_id,)).fetchone()
-        if row is None:
-            raise UnknownRolloutError(rollout_id)
-        return rollout_from_row(row)
+        return _sql.select_rollout(DIALECT, c, rollout_id)
 
     @staticmethod
     def _live_attempt(c: Any, rollout_id: str, attempt_id: str) -> Tuple[Any, ...]:
@@ -81,30 +71,13 @@ class PostgresRollouts(PostgresDatabase):
         raise _unknown(c.execute(ROLLOUT_EXISTS, (rollout_id,)).fetchone() is not None, rollout_id, attempt_id)
 
     @staticmethod
-    def _end_attempt(
-        c: Any,
-        rollout_id: str,
-        aid: int,
-        status: str,
-        error: Optional[str],
-        reward: Optional[float],
-        n_attempts: int,
-        max_attempts: int,
-        now: float,
-    ) -> Rollout:
-        """End the live attempt ``aid``, move the rollout on per the shared retry rule and notify who waits for
-        that (at commit); return the rollout as it now is. One statement: one round trip."""
-        nxt = _rules.next_rollout_status(status, n_attempts, max_attempts)
-        params: List[Any]
-        if nxt == "succeeded":
-            rollout_update, params = ROLLOUT_SUCCEEDED, [reward, now]
-        elif nxt == "queued":
-            rollout_update, params = ROLLOUT_REQUEUED, [error]
-        else:
-            rollout_update, params = ROLLOUT_FAILED, [error, now]
-        channel = QUEUE_CHANNEL if nxt == "queued" else DONE_CHANNEL
-        sql = END_ATTEMPT.format(rollout_update=rollout_update)
-        return rollout_from_row(c.execute(sql, [status, now, error, aid, *params, rollout_id, channel]).fetchone())
+    def _end_attempt(c: Any, rollout_id: str, aid: int, end: _rules.AttemptEnd) -> Rollout:
+        """End the live attempt ``aid``, move the rollout on as ``end`` says and notify who waits for that (at
+        commit); return the rollout as it now is. One statement: one round trip."""
+        channel = QUEUE_CHANNEL if end.requeued else DONE_CHANNEL
+        sql = END_ATTEMPT.format(rollout_update=_sql.rollout_assignments(DIALECT, end))
+        params = [end.status, end.end_time, end.error, aid, *end.rollout.values(), rollout_id, channel]
+        return rollout_from_row(c.execute(sql, params).fetchone())
 
     def _local_time(self, server_time: Optional[float]) -> Optional[float]:
         """A server-clock time on this machine's clock (what the wait loop sleeps against)."""
@@ -125,8 +98,8 @@ class PostgresRollouts(PostgresDatabase):
                 EXPIRED, (now,)
             ).fetchall():
                 status, error = _rules.expiry(start, now, timeout, hb_timeout)
-                ended = self._end_attempt(c, rollout_id, aid, status, error, None, n_attempts, max_attempts, now)
-                changed.append(ended)
+                end = _rules.end_attempt(status, error, None, n_attempts, max_attempts, now)
+                changed.append(self._end_attempt(c, rollout_id, aid, end))
             return changed, c.execute(NEXT_DEADLINE).fetchone()[0]
 
         return self._run(work)
@@ -264,34 +237,24 @@ class PostgresRollouts(PostgresDatabase):
 
         return self._run(work)
 
-    def complete_attempt(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: AttemptStatus,
-        *,
-        reward: Optional[float] = None,
-        error: Optional[str] = None,
-    ) -> Rollout:
-        params = self._complete_params(rollout_id, attempt_id, status, reward, error)
+    def _complete_attempt(self, done: Completion) -> Rollout:
+        params = self._complete_params(done)
         row = self._run(lambda c: c.execute(COMPLETE, params).fetchone(), single=True)
         if row is None:
-            return self._run(lambda c: self._raise_unknown(c, rollout_id, attempt_id), write=False)
-        return self._completed(row, rollout_id, attempt_id)
+            return self._run(lambda c: self._raise_unknown(c, done.rollout_id, done.attempt_id), write=False)
+        return self._completed(row, done.rollout_id, done.attempt_id)
 
-    def _complete_params(
-        self, rollout_id: str, attempt_id: str, status: AttemptStatus, reward: Optional[float], error: Optional[str]
-    ) -> Dict[str, Any]:
-        reward = _rules.check_completion(status, reward)
+    def _complete_params(self, done: Completion) -> Dict[str, Any]:
+        """COMPLETE's parameters for a checked completion (see :meth:`Completion.checked`)."""
         return {
-            "rollout_id": rollout_id,
-            "attempt_id": attempt_id,
-            "status": status,
-            "reward": reward,
-            "error": _rules.free_text(error),
+            "rollout_id": done.rollout_id,
+            "attempt_id": done.attempt_id,
+            "status": done.status,
+            "reward": done.reward,
+            "error": done.error,
             "now": self._now(),
-            "on_retry": _rules.next_rollout_status(status, n_attempts=1, max_attempts=2),
-            "on_last": _rules.next_rollout_status(status, n_attempts=2, max_attempts=2),
+            "on_retry": _rules.next_rollout_status(done.status, n_attempts=1, max_attempts=2),
+            "on_last": _rules.next_rollout_status(done.status, n_attempts=2, max_attempts=2),
         }
 
     @staticmethod
@@ -305,14 +268,7 @@ class PostgresRollouts(PostgresDatabase):
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         def work(c: Any) -> Rollout:
             now = self._now()
-            row = c.execute(
-                "SELECT status, latest_aid FROM agl_rollouts WHERE rollout_id = %s FOR UPDATE", (rollout_id,)
-            ).fetchone()
-            if row is None:
-                raise UnknownRolloutError(rollout_id)
-            status, aid = row
-            if status not in ("queued", "running", "cancelled"):
-                raise _rules.cancel_error(rollout_id, status)
+            status, aid = _sql.cancellable(DIALECT, c, rollout_id, lock=" FOR UPDATE")
             if status == "running":
                 c.execute(
                     "UPDATE agl_attempts SET status = 'cancelled', end_time = %s, deadline = NULL WHERE aid = %s",
@@ -332,32 +288,9 @@ class PostgresRollouts(PostgresDatabase):
     def get_rollout(self, rollout_id: str) -> Rollout:
         return self._run(lambda c: self._select_one(c, rollout_id), write=False)
 
-    def query_rollouts(
-        self,
-        *,
-        status: Optional[Iterable[RolloutStatus]] = None,
-        rollout_ids: Optional[Iterable[str]] = None,
-        task_id: Optional[str] = None,
-        mode: Optional[RolloutMode] = None,
-        limit: Optional[int] = None,
-        offset: int = 0,
-    ) -> List[Rollout]:
-        where: List[str] = ["TRUE"]
-        params: List[Any] = []
-        if status is not None:
-            where.append("r.status = ANY(%s)")
-            params.append(list(status))
-        if rollout_ids is not None:
-            where.append("r.rollout_id = ANY(%s)")
-            params.append(list(rollout_ids))
-        if task_id is not None:
-            where.append("r.task_id = %s")
-            params.append(task_id)
-        if mode is not None:
-            where.append("r.mode = %s")
-            params.append(mode)
-        sql = f"{SELECT_ROLLOUTS} WHERE {' AND '.join(where)} ORDER BY r.seq LIMIT %s OFFSET %s"
-        rows = self._run(lambda c: c.execute(sql, params + [limit, offset]).fetchall(), write=False)
+    def _query_rollouts(self, query: RolloutQuery) -> List[Rollout]:
+        sql, params = _sql.query_rollouts_sql(DIALECT, query)
+        rows = self._run(lambda c: c.execute(sql, params).fetchall(), write=False)
         return [rollout_from_row(row) for row in rows]
 
     def query_attempts(self, rollout_id: str) -> List[Attempt]:

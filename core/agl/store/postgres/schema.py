@@ -161,7 +161,7 @@ LIVE_ATTEMPT = (
     "WHERE r.rollout_id = %s AND a.attempt_id = %s FOR UPDATE OF r, a"
 )
 
-# Ends a live attempt and moves its rollout on (one of the ROLLOUT_* updates), notifies ``channel`` at commit,
+# Ends a live attempt and moves its rollout on (``_sql.rollout_assignments``), notifies ``channel`` at commit,
 # and returns the SELECT_ROLLOUTS row of the rollout as it now is (the ended attempt is its latest).
 END_ATTEMPT = (
     "WITH a AS (UPDATE agl_attempts a SET status = %s, end_time = %s, error = %s, deadline = NULL WHERE a.aid = %s "
@@ -170,9 +170,6 @@ END_ATTEMPT = (
     f"RETURNING {ROLLOUT_COLS}) "
     "SELECT r.*, a.* FROM r, a, pg_notify(%s, '')"
 )
-ROLLOUT_SUCCEEDED = "status = 'succeeded', final_reward = %s, error = NULL, end_time = %s"
-ROLLOUT_REQUEUED = "status = 'queued', error = %s, queue_pos = nextval('agl_queue_pos')"
-ROLLOUT_FAILED = "status = 'failed', error = %s, end_time = %s"
 
 # ``complete_attempt`` in one statement (one round trip, committed on its own): locks the rollout and the
 # attempt (rollout first, as every state change does) and, only if the attempt is still running, ends it
@@ -302,9 +299,6 @@ __all__ = [
     "NEXT_DEADLINE",
     "QUEUE_CHANNEL",
     "RESET",
-    "ROLLOUT_FAILED",
-    "ROLLOUT_REQUEUED",
-    "ROLLOUT_SUCCEEDED",
     "ROLLOUT_COLS",
     "SCHEMA",
     "SCHEMA_LOCK_KEY",

@@ -8,11 +8,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from psycopg import errors as pg_errors
 from pydantic_core import to_json
 
-from agl.errors import UnknownAttemptError, UnknownRolloutError
-from agl.store import _rules
-from agl.store.postgres.rollouts import PostgresRollouts
-from agl.store.postgres.schema import ADD_SPANS, COPY_SPANS, HEARTBEATS, INSERT_SPANS, SPAN_ATTEMPTS, SPAN_COLS
-from agl.store.sqlite.schema import span_from_row, span_to_row
+from agl.errors import UnknownRolloutError
+from agl.store import _rules, _sql
+from agl.store.postgres.rollouts import DIALECT, PostgresRollouts
+from agl.store.postgres.schema import ADD_SPANS, COPY_SPANS, HEARTBEATS, INSERT_SPANS, SPAN_ATTEMPTS
+from agl.store.sqlite.schema import span_to_row
 from agl.types import Span
 
 # Batches of up to this many spans go in with one statement (ADD_SPANS); bigger ones with COPY, which takes
@@ -99,35 +99,7 @@ class PostgresSpans(PostgresRollouts):
         return found
 
     def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
-        def work(c: Any) -> List[Span]:
-            if attempt_id == "latest":
-                sql = (
-                    f"SELECT {SPAN_COLS} FROM agl_spans s "
-                    "WHERE s.aid = (SELECT latest_aid FROM agl_rollouts WHERE rollout_id = %s) "
-                    "ORDER BY s.sequence_id, s.sid"
-                )
-                rows = c.execute(sql, (rollout_id,)).fetchall()
-            elif attempt_id is None:
-                sql = (
-                    f"SELECT {SPAN_COLS} FROM agl_attempts a JOIN agl_spans s ON s.aid = a.aid "
-                    "WHERE a.rollout_id = %s ORDER BY a.sequence, s.sequence_id, s.sid"
-                )
-                rows = c.execute(sql, (rollout_id,)).fetchall()
-            else:
-                sql = (
-                    f"SELECT {SPAN_COLS} FROM agl_attempts a JOIN agl_spans s ON s.aid = a.aid "
-                    "WHERE a.rollout_id = %s AND a.attempt_id = %s ORDER BY s.sequence_id, s.sid"
-                )
-                rows = c.execute(sql, (rollout_id, attempt_id)).fetchall()
-            if not rows:  # only now find out whether the ids exist, to keep the common path one query
-                self._select_one(c, rollout_id)
-                if attempt_id not in ("latest", None):
-                    sql = "SELECT 1 FROM agl_attempts WHERE rollout_id = %s AND attempt_id = %s"
-                    if c.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
-                        raise UnknownAttemptError(rollout_id, attempt_id)
-            return [span_from_row(row) for row in rows]
-
-        return self._run(work, write=False)
+        return self._run(lambda c: _sql.query_spans(DIALECT, c, rollout_id, attempt_id), write=False)
 
     def delete_spans(self, rollout_ids: Sequence[str]) -> int:
         ids = list(dict.fromkeys(rollout_ids))

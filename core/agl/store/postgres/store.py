@@ -38,32 +38,14 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 from pydantic_core import from_json
 
-from agl.errors import DuplicateResourcesError, UnknownResourcesError
-from agl.store import _rules
-from agl.store.base import AsyncRolloutCalls, LightningStore, StoreStats
+from agl.store import _rules, _sql
+from agl.store.base import AsyncRolloutCalls, Completion, LightningStore, StoreStats
 from agl.store.postgres.connections import redacted
-from agl.store.postgres.rollouts import ROLLOUT_EXISTS, _unknown
+from agl.store.postgres.rollouts import DIALECT, ROLLOUT_EXISTS, _unknown
 from agl.store.postgres.schema import ADD_SPANS, COMPLETE, claim_statement
 from agl.store.postgres.spans import _SMALL_SPAN_BATCH, PostgresSpans, _small_batch_params
 from agl.store.sqlite.schema import span_to_row
-from agl.types import AttemptStatus, Resource, ResourcesUpdate, Rollout, Span, new_id, parse_resources
-
-
-def _resources_query(resources_id: Optional[str]) -> Tuple[str, Tuple[Any, ...]]:
-    if resources_id is None:
-        return "SELECT * FROM agl_resources ORDER BY version DESC LIMIT 1", ()
-    return "SELECT * FROM agl_resources WHERE resources_id = %s", (resources_id,)
-
-
-def _resources_update(row: Optional[Tuple[Any, ...]], resources_id: Optional[str]) -> Optional[ResourcesUpdate]:
-    if row is None:
-        if resources_id is not None:
-            raise UnknownResourcesError(resources_id)
-        return None
-    version, rid, encoded, create_time = row
-    return ResourcesUpdate(
-        resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=create_time
-    )
+from agl.types import Resource, ResourcesUpdate, Rollout, Span
 
 
 class PostgresLightningStore(PostgresSpans, LightningStore, AsyncRolloutCalls):
@@ -87,31 +69,21 @@ class PostgresLightningStore(PostgresSpans, LightningStore, AsyncRolloutCalls):
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
-        _rules.check_id(resources_id, "resources_id")
-        encoded = _rules.encode_json(parse_resources(dict(resources)), "resources")
+        encoded = _rules.encode_resources(resources, resources_id)
 
         def work(c: Any) -> Tuple[str, int, float]:
             now = self._now()
             # versions are numbered 1, 2, 3, ... across machines: one writer at a time (readers go on)
             c.execute("LOCK TABLE agl_resources IN SHARE ROW EXCLUSIVE MODE")
-            rid = resources_id
-            if rid is not None:
-                if c.execute("SELECT 1 FROM agl_resources WHERE resources_id = %s", (rid,)).fetchone():
-                    raise DuplicateResourcesError(rid)
-            else:
-                rid = new_id("res")
-            version = c.execute("SELECT coalesce(max(version), 0) + 1 FROM agl_resources").fetchone()[0]
-            c.execute("INSERT INTO agl_resources VALUES (%s, %s, %s, %s)", (version, rid, encoded, now))
+            rid, version = _sql.insert_resources(DIALECT, c, resources_id, encoded, now)
             return rid, version, now
 
         rid, version, now = self._run(work)
-        return ResourcesUpdate(
-            resources_id=rid, version=version, resources=parse_resources(from_json(encoded)), create_time=now
-        )
+        return _sql.resources_from_row((version, rid, encoded, now))
 
     def get_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
-        sql, params = _resources_query(resources_id)
-        return _resources_update(self._run(lambda c: c.execute(sql, params).fetchone(), write=False), resources_id)
+        sql, params = _sql.resources_query(DIALECT, resources_id)
+        return _sql.resources_update(self._run(lambda c: c.execute(sql, params).fetchone(), write=False), resources_id)
 
     # -- the calls of a rollout cycle, for an event loop (see agl.store.base.AsyncRolloutCalls) ----------------
     async def aclaim(self, runner_id: str, limit: int = 1) -> List[Rollout]:
@@ -141,25 +113,16 @@ class PostgresLightningStore(PostgresSpans, LightningStore, AsyncRolloutCalls):
                 return int(stored)
             await asyncio.to_thread(self._check_span_attempts, keys)
 
-    async def acomplete_attempt(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: AttemptStatus,
-        *,
-        reward: Optional[float] = None,
-        error: Optional[str] = None,
-    ) -> Rollout:
-        params = self._complete_params(rollout_id, attempt_id, status, reward, error)
-        row = await self._arun(COMPLETE, params, write=True)
+    async def _acomplete_attempt(self, done: Completion) -> Rollout:
+        row = await self._arun(COMPLETE, self._complete_params(done), write=True)
         if row is None:
-            exists = await self._arun(ROLLOUT_EXISTS, (rollout_id,), write=False) is not None
-            raise _unknown(exists, rollout_id, attempt_id)
-        return self._completed(row, rollout_id, attempt_id)
+            exists = await self._arun(ROLLOUT_EXISTS, (done.rollout_id,), write=False) is not None
+            raise _unknown(exists, done.rollout_id, done.attempt_id)
+        return self._completed(row, done.rollout_id, done.attempt_id)
 
     async def aget_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
-        sql, params = _resources_query(resources_id)
-        return _resources_update(await self._arun(sql, params, write=False), resources_id)
+        sql, params = _sql.resources_query(DIALECT, resources_id)
+        return _sql.resources_update(await self._arun(sql, params, write=False), resources_id)
 
     # -- misc ----------------------------------------------------------------------------------------------
     def stats(self) -> StoreStats:

@@ -103,6 +103,8 @@ SPAN_COLS = (
     "s.rollout_id, s.attempt_id, s.sequence_id, s.trace_id, s.span_id, s.parent_id, s.name, s.kind, "
     "s.start_time, s.end_time, s.status, s.error, s.attributes, s.events"
 )
+#: The Span field of each of ``SPAN_COLS``, in order (``s.rollout_id`` holds ``rollout_id``).
+_SPAN_FIELDS = tuple(column.strip()[2:] for column in SPAN_COLS.split(","))
 INSERT_SPAN = (
     "INSERT OR IGNORE INTO spans (aid, rollout_id, attempt_id, span_id, sequence_id, trace_id, parent_id, name, "
     "kind, start_time, end_time, status, error, attributes, events) "
@@ -198,22 +200,9 @@ def span_to_row(span: Span) -> Tuple[Any, ...]:
 
 def span_from_row(row: Sequence[Any]) -> Span:
     """A ``SPAN_COLS`` row."""
-    return Span(
-        rollout_id=row[0],
-        attempt_id=row[1],
-        sequence_id=row[2],
-        trace_id=row[3],
-        span_id=row[4],
-        parent_id=row[5],
-        name=row[6],
-        kind=row[7],
-        start_time=row[8],
-        end_time=row[9],
-        status=row[10],
-        error=row[11],
-        attributes=from_json(row[12]),
-        events=from_json(row[13]),
-    )
+    fields = dict(zip(_SPAN_FIELDS, row))
+    fields["attributes"], fields["events"] = from_json(fields["attributes"]), from_json(fields["events"])
+    return Span(**fields)
 
 
 def json_list(values: Iterable[str]) -> str:

@@ -21,40 +21,26 @@ import sqlite3
 import time
 from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from pydantic_core import from_json
-
-from agl.errors import DuplicateResourcesError, UnknownAttemptError, UnknownResourcesError, UnknownRolloutError
-from agl.store import _rules
+from agl.errors import UnknownAttemptError, UnknownResourcesError, UnknownRolloutError
+from agl.store import _rules, _sql
 from agl.store._waiting import wait_for_rollouts, wait_until
-from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.store.base import Completion, EnqueueRequest, LightningStore, RolloutQuery, StoreStats
 from agl.store.sqlite.database import SqliteDatabase
 from agl.store.sqlite.schema import (
     ATTEMPT_COLS,
     NEXT_QUEUE_POS,
     ROLLOUT_COLS,
     SELECT_ROLLOUTS,
-    SPAN_COLS,
     SPAN_ROWS_PER_INSERT,
     attempt_from_row,
     insert_spans_sql,
     json_list,
     rollout_from_row,
-    span_from_row,
     span_to_row,
 )
-from agl.types import (
-    TERMINAL_ROLLOUT_STATUSES,
-    Attempt,
-    AttemptStatus,
-    Resource,
-    ResourcesUpdate,
-    Rollout,
-    RolloutMode,
-    RolloutStatus,
-    Span,
-    new_id,
-    parse_resources,
-)
+from agl.types import TERMINAL_ROLLOUT_STATUSES, Attempt, Resource, ResourcesUpdate, Rollout, Span, new_id
+
+_DIALECT = _sql.Dialect(_sql.QMARK, "", SELECT_ROLLOUTS, arrival="s.rowid", next_queue_pos=NEXT_QUEUE_POS)
 
 _NEXT_DEADLINE = "SELECT min(deadline) FROM attempts WHERE status = 'running' AND deadline IS NOT NULL"
 
@@ -109,10 +95,7 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
     # -- shared steps --------------------------------------------------------------------------------------
     @staticmethod
     def _select_one(c: sqlite3.Connection, rollout_id: str) -> Rollout:
-        row = c.execute(f"{SELECT_ROLLOUTS} WHERE r.rollout_id = ?", (rollout_id,)).fetchone()
-        if row is None:
-            raise UnknownRolloutError(rollout_id)
-        return rollout_from_row(row)
+        return _sql.select_rollout(_DIALECT, c, rollout_id)
 
     @staticmethod
     def _live_attempt(c: sqlite3.Connection, rollout_id: str, attempt_id: str) -> Tuple[Any, ...]:
@@ -122,32 +105,14 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
         return row
 
     @staticmethod
-    def _end_attempt(
-        c: sqlite3.Connection,
-        rollout_id: str,
-        aid: int,
-        status: str,
-        error: Optional[str],
-        reward: Optional[float],
-        n_attempts: int,
-        max_attempts: int,
-        now: float,
-    ) -> Dict[str, Any]:
-        """End the live attempt ``aid`` and move the rollout on per the shared retry rule; returns the rollout
-        columns it set (and their values)."""
-        c.execute("UPDATE attempts SET status = ?, end_time = ?, error = ? WHERE aid = ?", (status, now, error, aid))
-        nxt = _rules.next_rollout_status(status, n_attempts, max_attempts)
-        if nxt == "succeeded":
-            changes: Dict[str, Any] = {"status": nxt, "final_reward": reward, "error": None, "end_time": now}
-        elif nxt == "queued":
-            changes = {"status": nxt, "error": error}
-        else:
-            changes = {"status": nxt, "error": error, "end_time": now}
-        assignments = ", ".join(f"{column} = ?" for column in changes)
-        if nxt == "queued":
-            assignments += f", queue_pos = {NEXT_QUEUE_POS}"  # to the back of the queue
-        c.execute(f"UPDATE rollouts SET {assignments} WHERE rollout_id = ?", (*changes.values(), rollout_id))
-        return changes
+    def _end_attempt(c: sqlite3.Connection, rollout_id: str, aid: int, end: _rules.AttemptEnd) -> None:
+        """End the live attempt ``aid`` and move the rollout on as ``end`` says."""
+        c.execute(
+            "UPDATE attempts SET status = ?, end_time = ?, error = ? WHERE aid = ?",
+            (end.status, end.end_time, end.error, aid),
+        )
+        assignments = _sql.rollout_assignments(_DIALECT, end)
+        c.execute(f"UPDATE rollouts SET {assignments} WHERE rollout_id = ?", (*end.rollout.values(), rollout_id))
 
     def _ring_for(self, statuses: Iterable[str]) -> None:
         """After a commit: wake runners for requeued work, and waiters for finished rollouts."""
@@ -174,7 +139,9 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
             ).fetchall()
             for aid, rollout_id, start, timeout, hb_timeout, n_attempts, max_attempts in expired:
                 status, error = _rules.expiry(start, now, timeout, hb_timeout)
-                self._end_attempt(c, rollout_id, aid, status, error, None, n_attempts, max_attempts, now)
+                self._end_attempt(
+                    c, rollout_id, aid, _rules.end_attempt(status, error, None, n_attempts, max_attempts, now)
+                )
                 changed.append(self._select_one(c, rollout_id))
             next_deadline = c.execute(_NEXT_DEADLINE).fetchone()[0]
         self._ring_for(r.status for r in changed)
@@ -289,29 +256,20 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
             row = c.execute(f"SELECT {ATTEMPT_COLS} FROM attempts a WHERE a.aid = ?", (aid,)).fetchone()
         return attempt_from_row(row)
 
-    def complete_attempt(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: AttemptStatus,
-        *,
-        reward: Optional[float] = None,
-        error: Optional[str] = None,
-    ) -> Rollout:
-        reward = _rules.check_completion(status, reward)
-        error = _rules.free_text(error)
+    def _complete_attempt(self, done: Completion) -> Rollout:
+        rollout_id, attempt_id, status, reward, error = done
         now = time.time()
         with self._write() as c:
             row = c.execute(_COMPLETING, (attempt_id, rollout_id)).fetchone()
             _check_live(row, rollout_id, attempt_id, _COMPLETING_AID, _ATTEMPT_AT["status"], _ROLLOUT_AT["status"])
             n_attempts, max_attempts = row[_ROLLOUT_AT["n_attempts"]], row[_ROLLOUT_AT["max_attempts"]]
-            aid = row[_COMPLETING_AID]
-            changes = self._end_attempt(c, rollout_id, aid, status, error, reward, n_attempts, max_attempts, now)
+            end = _rules.end_attempt(status, error, reward, n_attempts, max_attempts, now)
+            self._end_attempt(c, rollout_id, row[_COMPLETING_AID], end)
         # the rollout as it now is, from the row read before the change: one query less per completion
         values = list(row[:_COMPLETING_AID])
-        for column, value in changes.items():
+        for column, value in end.rollout.items():
             values[_ROLLOUT_AT[column]] = value
-        for column, value in (("status", status), ("end_time", now), ("error", error)):
+        for column, value in (("status", end.status), ("end_time", end.end_time), ("error", end.error)):
             values[_ATTEMPT_AT[column]] = value
         rollout = rollout_from_row(values)
         self._ring_for([rollout.status])
@@ -320,12 +278,7 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
     def cancel_rollout(self, rollout_id: str) -> Rollout:
         now = time.time()
         with self._write() as c:
-            row = c.execute("SELECT status, latest_aid FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
-            if row is None:
-                raise UnknownRolloutError(rollout_id)
-            status, aid = row
-            if status not in ("queued", "running", "cancelled"):
-                raise _rules.cancel_error(rollout_id, status)
+            status, aid = _sql.cancellable(_DIALECT, c, rollout_id)
             if status == "running":
                 c.execute("UPDATE attempts SET status = 'cancelled', end_time = ? WHERE aid = ?", (now, aid))
             if status != "cancelled":
@@ -342,33 +295,10 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
         with self._session as conn:
             return self._select_one(conn, rollout_id)
 
-    def query_rollouts(
-        self,
-        *,
-        status: Optional[Iterable[RolloutStatus]] = None,
-        rollout_ids: Optional[Iterable[str]] = None,
-        task_id: Optional[str] = None,
-        mode: Optional[RolloutMode] = None,
-        limit: Optional[int] = None,
-        offset: int = 0,
-    ) -> List[Rollout]:
-        where: List[str] = ["1"]
-        params: List[Any] = []
-        if status is not None:
-            where.append("r.status IN (SELECT value FROM json_each(?))")
-            params.append(json_list(status))
-        if rollout_ids is not None:
-            where.append("r.rollout_id IN (SELECT value FROM json_each(?))")
-            params.append(json_list(rollout_ids))
-        if task_id is not None:
-            where.append("r.task_id = ?")
-            params.append(task_id)
-        if mode is not None:
-            where.append("r.mode = ?")
-            params.append(mode)
-        sql = f"{SELECT_ROLLOUTS} WHERE {' AND '.join(where)} ORDER BY r.seq LIMIT ? OFFSET ?"
+    def _query_rollouts(self, query: RolloutQuery) -> List[Rollout]:
+        sql, params = _sql.query_rollouts_sql(_DIALECT, query)
         with self._session as conn:
-            rows = conn.execute(sql, params + [-1 if limit is None else limit, offset]).fetchall()
+            rows = conn.execute(sql, params).fetchall()
         return [rollout_from_row(row) for row in rows]
 
     def query_attempts(self, rollout_id: str) -> List[Attempt]:
@@ -440,32 +370,7 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
 
     def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
         with self._session as conn:
-            if attempt_id == "latest":
-                sql = (
-                    f"SELECT {SPAN_COLS} FROM spans s WHERE s.aid = (SELECT latest_aid FROM rollouts WHERE rollout_id "
-                    f"= ?) "
-                    "ORDER BY s.sequence_id, s.rowid"
-                )
-                rows = conn.execute(sql, (rollout_id,)).fetchall()
-            elif attempt_id is None:
-                sql = (
-                    f"SELECT {SPAN_COLS} FROM attempts a JOIN spans s ON s.aid = a.aid WHERE a.rollout_id = ? "
-                    "ORDER BY a.sequence, s.sequence_id, s.rowid"
-                )
-                rows = conn.execute(sql, (rollout_id,)).fetchall()
-            else:
-                sql = (
-                    f"SELECT {SPAN_COLS} FROM attempts a JOIN spans s ON s.aid = a.aid "
-                    "WHERE a.rollout_id = ? AND a.attempt_id = ? ORDER BY s.sequence_id, s.rowid"
-                )
-                rows = conn.execute(sql, (rollout_id, attempt_id)).fetchall()
-            if not rows:  # only now find out whether the ids exist, to keep the common path one query
-                self._select_one(conn, rollout_id)
-                if attempt_id not in ("latest", None):
-                    sql = "SELECT 1 FROM attempts WHERE rollout_id = ? AND attempt_id = ?"
-                    if conn.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
-                        raise UnknownAttemptError(rollout_id, attempt_id)
-            return [span_from_row(row) for row in rows]
+            return _sql.query_spans(_DIALECT, conn, rollout_id, attempt_id)
 
     def delete_spans(self, rollout_ids: Sequence[str]) -> int:
         ids = list(dict.fromkeys(rollout_ids))
@@ -487,38 +392,16 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
-        _rules.check_id(resources_id, "resources_id")
-        encoded = _rules.encode_json(parse_resources(dict(resources)), "resources")
+        encoded = _rules.encode_resources(resources, resources_id)
         now = time.time()
         with self._write() as c:
-            if resources_id is not None:
-                if c.execute("SELECT 1 FROM resources WHERE resources_id = ?", (resources_id,)).fetchone():
-                    raise DuplicateResourcesError(resources_id)
-            else:
-                resources_id = new_id("res")
-            version = c.execute("SELECT coalesce(max(version), 0) + 1 FROM resources").fetchone()[0]
-            c.execute("INSERT INTO resources VALUES (?, ?, ?, ?)", (version, resources_id, encoded, now))
-        return ResourcesUpdate(
-            resources_id=resources_id, version=version, resources=parse_resources(from_json(encoded)), create_time=now
-        )
+            resources_id, version = _sql.insert_resources(_DIALECT, c, resources_id, encoded, now)
+        return _sql.resources_from_row((version, resources_id, encoded, now))
 
     def get_resources(self, resources_id: Optional[str] = None) -> Optional[ResourcesUpdate]:
+        sql, params = _sql.resources_query(_DIALECT, resources_id)
         with self._session as conn:
-            if resources_id is None:
-                row = conn.execute("SELECT * FROM resources ORDER BY version DESC LIMIT 1").fetchone()
-                if row is None:
-                    return None
-            else:
-                row = conn.execute("SELECT * FROM resources WHERE resources_id = ?", (resources_id,)).fetchone()
-                if row is None:
-                    raise UnknownResourcesError(resources_id)
-            version, rid, encoded, create_time = row
-            return ResourcesUpdate(
-                resources_id=rid,
-                version=version,
-                resources=parse_resources(from_json(encoded)),
-                create_time=create_time,
-            )
+            return _sql.resources_update(conn.execute(sql, params).fetchone(), resources_id)
 
     # -- misc ----------------------------------------------------------------------------------------------
     def stats(self) -> StoreStats:

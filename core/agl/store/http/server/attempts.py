@@ -16,27 +16,22 @@ from agl.types import Attempt, Rollout
 
 logger = logging.getLogger("agl.store.http.server")  # the server's one logger, whichever module logs
 
-router = StoreRouter()
+router = StoreRouter("attempts")
 
 
-@router.get("/rollouts/{rollout_id}/attempts", response_model=AttemptList, tags=["attempts"])
+@router.get("/rollouts/{rollout_id}/attempts", response_model=AttemptList)
 async def query_attempts(rollout_id: str, request: Request) -> Response:
     ctx = context_of(request)
     return await ctx.run(lambda: as_json(AttemptList(attempts=ctx.store.query_attempts(rollout_id))))
 
 
-@router.post("/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat", response_model=Attempt, tags=["attempts"])
+@router.post("/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat", response_model=Attempt)
 async def heartbeat(rollout_id: str, attempt_id: str, request: Request) -> Response:
     ctx = context_of(request)
     return await ctx.run(lambda: as_json(ctx.store.heartbeat(rollout_id, attempt_id)))
 
 
-@router.post(
-    "/rollouts/{rollout_id}/attempts/{attempt_id}/complete",
-    body=CompleteBody,
-    response_model=Rollout,
-    tags=["attempts"],
-)
+@router.post("/rollouts/{rollout_id}/attempts/{attempt_id}/complete", body=CompleteBody, response_model=Rollout)
 async def complete(rollout_id: str, attempt_id: str, request: Request) -> Response:
     ctx = context_of(request)
     body = await parse_body(request, CompleteBody)
@@ -58,7 +53,6 @@ async def complete(rollout_id: str, attempt_id: str, request: Request) -> Respon
     "/rollouts/{rollout_id}/attempts/{attempt_id}/complete-and-dequeue",
     body=CompleteAndDequeueBody,
     response_model=CompletedAndClaimed,
-    tags=["attempts"],
     summary="complete, then claim work without waiting (a runner's step to its next rollout)",
 )
 async def complete_and_dequeue(rollout_id: str, attempt_id: str, request: Request) -> Response:

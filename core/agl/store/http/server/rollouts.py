@@ -18,22 +18,16 @@ from agl.types import Rollout
 
 logger = logging.getLogger("agl.store.http.server")  # the server's one logger, whichever module logs
 
-router = StoreRouter()
+router = StoreRouter("rollouts")
 
 
-@router.post("/rollouts", response_model=RolloutList, tags=["rollouts"], summary="enqueue rollouts (FIFO)")
+@router.post("/rollouts", response_model=RolloutList, summary="enqueue rollouts (FIFO)")
 async def enqueue(body: EnqueueBody, request: Request) -> Response:
     ctx = context_of(request)
     return await ctx.run(lambda: ctx.once(request, lambda: as_rollouts(ctx.store.enqueue_many(body.requests))))
 
 
-@router.post(
-    "/rollouts/dequeue",
-    body=DequeueBody,
-    response_model=RolloutList,
-    tags=["rollouts"],
-    summary="claim work (long poll)",
-)
+@router.post("/rollouts/dequeue", body=DequeueBody, response_model=RolloutList, summary="claim work (long poll)")
 async def dequeue(request: Request) -> Response:
     ctx = context_of(request)
     store, native = ctx.store, ctx.native
@@ -64,9 +58,7 @@ async def dequeue(request: Request) -> Response:
     return await ctx.long_poll(request, lambda gone: ctx.once(request, lambda: waited(gone)))
 
 
-@router.post(
-    "/rollouts/wait", response_model=RolloutList, tags=["rollouts"], summary="wait for rollouts to end (long poll)"
-)
+@router.post("/rollouts/wait", response_model=RolloutList, summary="wait for rollouts to end (long poll)")
 async def wait_for_rollouts(body: WaitBody, request: Request) -> Response:
     ctx = context_of(request)
     store = ctx.store
@@ -83,13 +75,13 @@ async def wait_for_rollouts(body: WaitBody, request: Request) -> Response:
     return await ctx.long_poll(request, wait)
 
 
-@router.post("/rollouts/query", response_model=RolloutList, tags=["rollouts"], summary="list rollouts, filtered")
+@router.post("/rollouts/query", response_model=RolloutList, summary="list rollouts, filtered")
 async def query_rollouts(body: QueryBody, request: Request) -> Response:
     ctx = context_of(request)
     return await ctx.run(lambda: as_rollouts(ctx.store.query_rollouts(**body.model_dump())))
 
 
-@router.post("/rollouts/reap", response_model=RolloutList, tags=["rollouts"], summary="end expired attempts now")
+@router.post("/rollouts/reap", response_model=RolloutList, summary="end expired attempts now")
 async def reap(request: Request) -> Response:
     ctx = context_of(request)
     return await ctx.run(lambda: as_rollouts(ctx.store.reap_expired()))
@@ -98,7 +90,6 @@ async def reap(request: Request) -> Response:
 @router.post(
     "/attempts/renew-heartbeats",
     response_model=Renewed,
-    tags=["rollouts"],
     summary="count every running attempt as having sent a heartbeat now",
 )
 async def renew_heartbeats(request: Request) -> Response:
@@ -106,13 +97,13 @@ async def renew_heartbeats(request: Request) -> Response:
     return await ctx.run(lambda: as_json(Renewed(renewed=ctx.store.renew_heartbeats())))
 
 
-@router.get("/rollouts/{rollout_id}", response_model=Rollout, tags=["rollouts"])
+@router.get("/rollouts/{rollout_id}", response_model=Rollout)
 async def get_rollout(rollout_id: str, request: Request) -> Response:
     ctx = context_of(request)
     return await ctx.run(lambda: as_json(ctx.store.get_rollout(rollout_id)))
 
 
-@router.post("/rollouts/{rollout_id}/cancel", response_model=Rollout, tags=["rollouts"])
+@router.post("/rollouts/{rollout_id}/cancel", response_model=Rollout)
 async def cancel(rollout_id: str, request: Request) -> Response:
     ctx = context_of(request)
     return await ctx.run(lambda: as_json(ctx.store.cancel_rollout(rollout_id)))

@@ -52,8 +52,9 @@ class StoreRouter(APIRouter):
     ``GET /v1/resources``); routes of the app are matched directly.
     """
 
-    def __init__(self) -> None:
-        super().__init__(prefix="/v1", responses=ERROR_RESPONSES)
+    def __init__(self, tag: Optional[str] = None) -> None:
+        """``tag``: the OpenAPI tag of every endpoint of the area (None: each endpoint names its own)."""
+        super().__init__(prefix="/v1", responses=ERROR_RESPONSES, tags=None if tag is None else [tag])
         self.bodies: List[Type[BaseModel]] = []  # models of bodies the endpoints parse themselves (parse_body)
 
     def post(

@@ -11,12 +11,10 @@ from agl.store.http.server.context import context_of
 from agl.store.http.server.routing import StoreRouter, as_json, parse_body
 from agl.store.http.wire import Deleted, DeleteSpansBody, SpanList, SpansBody, Stored
 
-router = StoreRouter()
+router = StoreRouter("spans")
 
 
-@router.post(
-    "/spans", body=SpansBody, response_model=Stored, tags=["spans"], summary="store spans (insert-only, idempotent)"
-)
+@router.post("/spans", body=SpansBody, response_model=Stored, summary="store spans (insert-only, idempotent)")
 async def add_spans(request: Request) -> Response:
     ctx = context_of(request)
     body = await parse_body(request, SpansBody)
@@ -31,7 +29,6 @@ async def add_spans(request: Request) -> Response:
     "/spans/delete",
     body=DeleteSpansBody,
     response_model=Deleted,
-    tags=["spans"],
     summary="delete the spans of finished rollouts (the rollouts stay)",
 )
 async def delete_spans(request: Request) -> Response:
@@ -41,7 +38,7 @@ async def delete_spans(request: Request) -> Response:
     return await ctx.run(lambda: ctx.once(request, call))
 
 
-@router.get("/rollouts/{rollout_id}/spans", response_model=SpanList, tags=["spans"])
+@router.get("/rollouts/{rollout_id}/spans", response_model=SpanList)
 async def query_spans(
     request: Request,
     rollout_id: str,

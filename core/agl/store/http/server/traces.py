@@ -16,12 +16,11 @@ from agl.store.http.server.context import context_of
 from agl.store.http.server.routing import StoreRouter
 from agl.store.http.wire import error_body, error_status
 
-router = StoreRouter()
+router = StoreRouter("spans")
 
 
 @router.post(
     "/traces",
-    tags=["spans"],
     summary="OTLP/HTTP trace export (JSON or protobuf)",
     openapi_extra={
         "requestBody": {
