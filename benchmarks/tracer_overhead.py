@@ -363,6 +363,22 @@ def main() -> None:
             [None if ok is None else ok(results[w]) for w in writers],
         )
 
+    def overhead_rows(key: str, base: str, overhead: str) -> List[Tuple[str, List[str], str, List[Any]]]:
+        """The rows of one workload (``latent``: calls that wait on the model; ``cpu``: calls that do not)."""
+        return [
+            per_writer(f"uninstrumented call, {base}", lambda r: f"{r[key]['base']:.0f}"),
+            per_writer(
+                f"overhead per call, {overhead}",
+                lambda r: f"{r[key]['wall']:.1f}",
+                per_call,
+                lambda r: r[key]["wall"] <= CALL_TARGET_US,
+            ),
+            per_writer("  middle half of the rounds (us)", lambda r: quartiles(r[key])),
+            per_writer("  of which the end-of-round flush (us)", lambda r: f"{r[key]['flush']:.1f}"),
+            per_writer("  calling thread CPU only (us)", lambda r: f"{r[key]['cpu']:.1f}"),
+            per_writer("  ratio", lambda r: ratio(r[key])),
+        ]
+
     rows = [
         (
             "hot path: agl code per call, calling thread (us)",
@@ -370,28 +386,8 @@ def main() -> None:
             per_call,
             [hot_us <= CALL_TARGET_US] * len(writers),
         ),
-        per_writer(f"uninstrumented call, {latency} (us)", lambda r: f"{r['latent']['base']:.0f}"),
-        per_writer(
-            f"overhead per call, {latency}, flush included (us)",
-            lambda r: f"{r['latent']['wall']:.1f}",
-            per_call,
-            lambda r: r["latent"]["wall"] <= CALL_TARGET_US,
-        ),
-        per_writer("  middle half of the rounds (us)", lambda r: quartiles(r["latent"])),
-        per_writer("  of which the end-of-round flush (us)", lambda r: f"{r['latent']['flush']:.1f}"),
-        per_writer("  calling thread CPU only (us)", lambda r: f"{r['latent']['cpu']:.1f}"),
-        per_writer("  ratio", lambda r: ratio(r["latent"])),
-        per_writer("uninstrumented call, CPU-bound, 0 ms (us)", lambda r: f"{r['cpu']['base']:.0f}"),
-        per_writer(
-            "overhead per call, CPU-bound, writer and flush included (us)",
-            lambda r: f"{r['cpu']['wall']:.1f}",
-            per_call,
-            lambda r: r["cpu"]["wall"] <= CALL_TARGET_US,
-        ),
-        per_writer("  middle half of the rounds (us)", lambda r: quartiles(r["cpu"])),
-        per_writer("  of which the end-of-round flush (us)", lambda r: f"{r['cpu']['flush']:.1f}"),
-        per_writer("  calling thread CPU only (us)", lambda r: f"{r['cpu']['cpu']:.1f}"),
-        per_writer("  ratio", lambda r: ratio(r["cpu"])),
+        *overhead_rows("latent", f"{latency} (us)", f"{latency}, flush included (us)"),
+        *overhead_rows("cpu", "CPU-bound, 0 ms (us)", "CPU-bound, writer and flush included (us)"),
         per_writer(
             "GC collections per 1,000 instrumented calls (gen0/1/2)",
             lambda r: "/".join(f"{c:.1f}" for c in r["collections"]),

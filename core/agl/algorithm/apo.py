@@ -162,16 +162,14 @@ class APO(Algorithm, Generic[T_task]):
         beam_rounds: Optional[int] = None,
     ) -> None:
         rounds = _rounds(rounds, beam_rounds)
-        counts = dict(
-            beam_width=beam_width,
-            branch_factor=branch_factor,
-            rounds=rounds,
-            gradient_batch_size=gradient_batch_size,
-            val_batch_size=val_batch_size,
-            max_transcripts=max_transcripts,
-        )
+        self.beam_width = beam_width
+        self.branch_factor = branch_factor
+        self.rounds = rounds
+        self.gradient_batch_size = gradient_batch_size
+        self.val_batch_size = val_batch_size
+        self.max_transcripts = max_transcripts
         for name in _COUNTS:
-            check_count(name, counts[name])
+            check_count(name, getattr(self, name))
         check_number("request_timeout", request_timeout, positive=True)
         if diversity_temperature is not None:
             check_number("diversity_temperature", diversity_temperature, positive=False)
@@ -183,12 +181,6 @@ class APO(Algorithm, Generic[T_task]):
         if diversity_temperature is not None:
             self.sampling["temperature"] = diversity_temperature
         self.prompt_name = prompt
-        self.beam_width = beam_width
-        self.branch_factor = branch_factor
-        self.rounds = rounds
-        self.gradient_batch_size = gradient_batch_size
-        self.val_batch_size = val_batch_size
-        self.max_transcripts = max_transcripts
         self.request_timeout = request_timeout
         self.rng = random.Random(seed)
         # set by run() from the trainer's resources: the prompt's name, its placeholders, the other resources

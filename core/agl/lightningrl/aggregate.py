@@ -34,21 +34,7 @@ __all__ = ["AggregationResult", "PrefixMismatch", "aggregate_trajectories", "to_
 
 def to_samples(transitions: Iterable[Transition]) -> List[Sample]:
     """One sample per transition, in input order: the whole response is generated (mask all ones)."""
-    return [
-        Sample(
-            rollout_id=t.rollout_id,
-            task_id=t.task_id,
-            policy=t.policy,
-            prompt_ids=list(t.prompt_ids),
-            response_ids=list(t.response_ids),
-            response_mask=[1] * len(t.response_ids),
-            reward=t.reward,
-            response_logprobs=None if t.response_logprobs is None else list(t.response_logprobs),
-            span_ids=[t.span_id],
-            mode=t.mode,
-        )
-        for t in transitions
-    ]
+    return [_sample(t, None if t.response_logprobs is None else list(t.response_logprobs)) for t in transitions]
 
 
 @dataclass(frozen=True)
@@ -112,7 +98,8 @@ def _logprobs(t: Transition) -> Optional[List[float]]:
     return list(t.response_logprobs)
 
 
-def _start(t: Transition) -> Sample:
+def _sample(t: Transition, logprobs: Optional[List[float]]) -> Sample:
+    """A sample of one transition's own tokens: the whole response is generated (mask all ones)."""
     return Sample(
         rollout_id=t.rollout_id,
         task_id=t.task_id,
@@ -121,7 +108,7 @@ def _start(t: Transition) -> Sample:
         response_ids=list(t.response_ids),
         response_mask=[1] * len(t.response_ids),
         reward=t.reward,
-        response_logprobs=_logprobs(t),
+        response_logprobs=logprobs,
         span_ids=[t.span_id],
         mode=t.mode,
     )
@@ -163,6 +150,6 @@ def aggregate_trajectories(transitions: Iterable[Transition]) -> AggregationResu
                 result.prefix_mismatches.append(
                     PrefixMismatch(t.rollout_id, t.attempt_id, t.policy, t.step, t.span_id, index)
                 )
-            sample = _start(t)
+            sample = _sample(t, _logprobs(t))
             result.samples.append(sample)
     return result

@@ -37,13 +37,19 @@ def is_operation(span: Span) -> bool:
     return span.name == semconv.SPAN_OPERATION and semconv.OPERATION in span.attributes
 
 
+def json_attribute(value: Any) -> Any:
+    """A span attribute that holds JSON text, decoded (None if it is not JSON); any other value as it is."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return None
+    return value
+
+
 def output_message(span: Span) -> Dict[str, Any]:
     """The first assistant message of an llm span's ``gen_ai.output.messages`` ({} if none or unreadable)."""
-    raw = span.attributes.get(semconv.OUTPUT_MESSAGES)
-    try:
-        messages = json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError:
-        return {}
+    messages = json_attribute(span.attributes.get(semconv.OUTPUT_MESSAGES))
     if isinstance(messages, list) and messages and isinstance(messages[0], dict):
         return messages[0]
     return {}

@@ -61,7 +61,7 @@ import logging
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agl import semconv
-from agl.lightningrl.links import output_message, tool_calls_of
+from agl.lightningrl.links import json_attribute, output_message, tool_calls_of
 from agl.openai_wire import responses
 from agl.openai_wire.apis import COMPLETIONS, RESPONSES, BadRequest
 from agl.openai_wire.chat_completions import message_text
@@ -127,7 +127,7 @@ class Retokenizer:
 
     def _chat_ids(self, span: Span) -> Tuple[List[int], List[int]]:
         messages = chat_messages(span)
-        tools = _json(span.attributes.get(semconv.TOOL_DEFINITIONS)) or None
+        tools = json_attribute(span.attributes.get(semconv.TOOL_DEFINITIONS)) or None
         if tools and span.attributes.get(semconv.LLM_API) == RESPONSES:
             tools = responses.chat_tools(tools) or None
         answer = output_message(span)
@@ -217,7 +217,7 @@ def sampled_end_token(span: Span) -> bool:
     reasons = span.attributes.get(semconv.RESPONSE_FINISH_REASONS) or ()
     if _CUT_REASONS.intersection(reasons):
         return False
-    return not ("stop" in reasons and _json(span.attributes.get(semconv.REQUEST_STOP_SEQUENCES)))
+    return not ("stop" in reasons and json_attribute(span.attributes.get(semconv.REQUEST_STOP_SEQUENCES)))
 
 
 def render_answer(message: Mapping[str, Any]) -> str:
@@ -237,7 +237,7 @@ def render_answer(message: Mapping[str, Any]) -> str:
 
 def chat_messages(span: Span) -> List[Dict[str, Any]]:
     """The span's input as chat messages (Responses API input converted); RetokenizeError if not recorded."""
-    recorded = _json(span.attributes.get(semconv.INPUT_MESSAGES))
+    recorded = json_attribute(span.attributes.get(semconv.INPUT_MESSAGES))
     if isinstance(recorded, list):
         return [dict(m) for m in recorded if isinstance(m, Mapping)]
     if isinstance(recorded, Mapping) and "input" in recorded:
@@ -272,15 +272,6 @@ def _call_with_object_arguments(call: Mapping[str, Any]) -> Dict[str, Any]:
         if isinstance(arguments, dict):
             call["function"] = {**function, "arguments": arguments}
     return call
-
-
-def _json(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return None
-    return value
 
 
 def _parameters(fn: Any) -> Mapping[str, Any]:

@@ -46,7 +46,6 @@ so.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -57,7 +56,7 @@ from typing import Any, List, Optional, Pattern, Tuple, Union
 from agl import semconv
 from agl.errors import MissingTokenIdsError
 from agl.lightningrl.agent_match import AgentMatch, PolicyMatcher
-from agl.lightningrl.links import output_message, tool_calls_of
+from agl.lightningrl.links import json_attribute, output_message, tool_calls_of
 from agl.lightningrl.retokenize import RetokenizeError, Retokenizer
 from agl.lightningrl.tree import TraceTree
 from agl.lightningrl.types import Transition
@@ -269,11 +268,7 @@ _NUMBERS = (int, float)
 
 
 def _decoded(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return None
+    value = json_attribute(value)
     if isinstance(value, tuple):
         return list(value)
     return value

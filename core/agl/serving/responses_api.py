@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Protocol, Sequence
 
 from agl.openai_wire import responses
@@ -36,21 +37,19 @@ class AnswerWriter(Protocol):
     def stream_error(self, error: Dict[str, Any]) -> str: ...
 
 
+@dataclass
 class ResponsesWriter:
     """The ``response`` object and stream events of one request (one response id, item ids fixed once)."""
 
-    def __init__(
-        self, body: Mapping[str, Any], model_name: str, tokenizer: Any, version: int, with_logprobs: bool
-    ) -> None:
-        self.body = body
-        self.model_name = model_name
-        self.tokenizer = tokenizer
-        self.version = version
-        self.with_logprobs = with_logprobs
-        self.response_id = "resp_" + uuid.uuid4().hex
-        self.message_id = "msg_" + uuid.uuid4().hex
-        self.created_at = time.time()
-        self._sequence = 0
+    body: Mapping[str, Any]
+    model_name: str
+    tokenizer: Any
+    version: int
+    with_logprobs: bool
+    response_id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
+    message_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    created_at: float = field(default_factory=time.time)
+    _sequence: int = 0
 
     # --- objects ----------------------------------------------------------------------------------------------
 

@@ -113,31 +113,20 @@ def recordable(value: Any) -> Any:
 
 def _replaced(value: Any, budget: List[int]) -> Any:
     """``value`` with its one-shot iterables marked (a copy of each container that holds one)."""
-    if isinstance(value, dict):
-        changed: Optional[Dict[Any, Any]] = None
-        for key, item in value.items():
-            budget[0] -= 1
-            if budget[0] < 0:
-                break
-            new = _replaced_item(item, budget)
-            if new is not item:
-                if changed is None:
-                    changed = dict(value)
-                changed[key] = new
-        return value if changed is None else changed
-    items: Optional[List[Any]] = None
-    for index, item in enumerate(value):
+    is_dict = isinstance(value, dict)
+    changed: Any = None  # the copy (a dict, or a list for the other containers), made at the first change
+    for key, item in value.items() if is_dict else enumerate(value):
         budget[0] -= 1
         if budget[0] < 0:
             break
         new = _replaced_item(item, budget)
         if new is not item:
-            if items is None:
-                items = list(value)
-            items[index] = new
-    if items is None:
+            if changed is None:
+                changed = dict(value) if is_dict else list(value)
+            changed[key] = new
+    if changed is None:
         return value
-    return items if isinstance(value, list) else tuple(items) if isinstance(value, tuple) else items
+    return tuple(changed) if isinstance(value, tuple) else changed
 
 
 def _replaced_item(item: Any, budget: List[int]) -> Any:
