@@ -9,6 +9,7 @@ from typing import Any, List
 
 import pytest
 
+import agl
 from agl.testing import FakeOpenAIServer, ListSink, tracer_writes_to
 from agl.types import Rollout
 
@@ -36,6 +37,27 @@ def fake_openai(_fake_openai_server: FakeOpenAIServer) -> Iterator[FakeOpenAISer
     _fake_openai_server.reset()
     yield _fake_openai_server
     _fake_openai_server.always_token_ids = False
+
+
+@pytest.fixture
+def instrumented() -> Iterator[None]:
+    """``agl.instrument()`` for the test: the hooks stay in until it ends, as in a script that calls it."""
+    agl.instrument()
+    yield
+    agl.uninstrument()
+
+
+@pytest.fixture
+def fake_trainer(fake_openai: FakeOpenAIServer) -> Callable[..., agl.Trainer]:
+    """``fake_trainer(store, model="m", **options)``: an ``agl.Trainer`` on ``store`` with thread runners and no
+    progress bar, whose ``main_llm`` is ``model`` on the fake OpenAI server; ``options`` add or override."""
+
+    def make(store: Any, model: str = "m", **options: Any) -> agl.Trainer:
+        llm = agl.LLM(endpoint=fake_openai.base_url, model=model)
+        settings = {"runner_mode": "thread", "initial_resources": {"main_llm": llm}, "progress": False}
+        return agl.Trainer(**{"store": store, **settings, **options})
+
+    return make
 
 
 @pytest.fixture

@@ -24,24 +24,14 @@ class LitQAAgent(agl.LitAgent[dict]):
         return 1.0 if task["question"] in reply.choices[0].message.content else 0.0
 
 
-@pytest.fixture()
-def instrumented():
-    agl.instrument()
-    yield
-    agl.uninstrument()
+def seed_trainer(endpoint: str, tmp_path, **options) -> agl.Trainer:
+    """A Trainer as the seeds build one: gpt-4.1-nano at temperature 0.7 on ``endpoint``, process runners."""
+    llm = agl.LLM(endpoint=endpoint, model="gpt-4.1-nano", sampling_parameters={"temperature": 0.7})
+    return agl.Trainer(store=str(tmp_path / "s.db"), initial_resources={"main_llm": llm}, progress=False, **options)
 
 
 def test_seed_style_dev_run(tmp_path, fake_openai, instrumented):
-    trainer = agl.Trainer(
-        n_runners=1,
-        store=str(tmp_path / "s.db"),
-        initial_resources={
-            "main_llm": agl.LLM(
-                endpoint=fake_openai.base_url, model="gpt-4.1-nano", sampling_parameters={"temperature": 0.7}
-            )
-        },
-        progress=False,
-    )
+    trainer = seed_trainer(fake_openai.base_url, tmp_path, n_runners=1)
     rows = trainer.dev(LitQAAgent(max_turns=3), dev_dataset=[{"question": "q1"}, {"question": "q2"}], print_table=False)
     assert [r.reward for r in rows] == [1.0, 1.0]
     assert all(r["body"]["temperature"] == 0.7 for r in fake_openai.requests)
@@ -63,19 +53,13 @@ def test_seed_style_fit_with_the_deprecated_n_workers(tmp_path, fake_openai, ins
 
 
 @pytest.mark.parametrize("runner_mode", ["process", "thread"])
-def test_agent_lightning_code_needs_no_instrument_line(tmp_path, fake_openai, runner_mode):
+def test_agent_lightning_code_needs_no_instrument_line(tmp_path, fake_trainer, runner_mode):
     """Agent Lightning's Trainer sets up tracing itself, so its users' code never calls agl.instrument():
     the Trainer instruments for the run (and only for it) when nothing else did."""
     agl.uninstrument()
     assert agl.instrumentation.instrumented() is None
     store = agl.SqliteLightningStore(tmp_path / "s.db")
-    trainer = agl.Trainer(
-        n_runners=2,
-        store=store,
-        runner_mode=runner_mode,
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
-        progress=False,
-    )
+    trainer = fake_trainer(store, n_runners=2, runner_mode=runner_mode)
     rows = trainer.dev(LitQAAgent(max_turns=1), dev_dataset=[{"question": "q1"}, {"question": "q2"}], print_table=False)
     assert [(r.status, r.llm_calls) for r in rows] == [("succeeded", 1), ("succeeded", 1)]
     for row in rows:
@@ -84,7 +68,7 @@ def test_agent_lightning_code_needs_no_instrument_line(tmp_path, fake_openai, ru
     assert agl.instrumentation.instrumented() is None  # the hooks were the run's only
 
 
-def test_an_instrumentor_of_ones_own_is_not_doubled(tmp_path, fake_openai):
+def test_an_instrumentor_of_ones_own_is_not_doubled(tmp_path, fake_openai, fake_trainer):
     from agl.instrumentation.openai_client import OpenAIInstrumentor
 
     agl.uninstrument()
@@ -92,12 +76,7 @@ def test_an_instrumentor_of_ones_own_is_not_doubled(tmp_path, fake_openai):
     assert mine.instrument()
     try:
         store = agl.SqliteLightningStore(tmp_path / "s.db")
-        trainer = agl.Trainer(
-            store=store,
-            runner_mode="thread",
-            initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
-            progress=False,
-        )
+        trainer = fake_trainer(store)
         (row,) = trainer.dev(LitQAAgent(max_turns=1), dev_dataset=[{"question": "q1"}], print_table=False)
         assert row.llm_calls == 1 and len(fake_openai.requests) == 1
         assert mine.is_instrumented and agl.instrumentation.instrumented() is None
@@ -115,16 +94,7 @@ def test_the_seeds_dry_run_against_a_hosted_api(tmp_path, instrumented):
     try:
         with FakeOpenAIServer(reject_token_ids=True) as hosted:  # answers as api.openai.com does
             with pytest.warns(DeprecationWarning, match="n_runners"):
-                trainer = agl.Trainer(
-                    n_workers=1,
-                    store=str(tmp_path / "s.db"),
-                    initial_resources={
-                        "main_llm": agl.LLM(
-                            endpoint=hosted.base_url, model="gpt-4.1-nano", sampling_parameters={"temperature": 0.7}
-                        )
-                    },
-                    progress=False,
-                )
+                trainer = seed_trainer(hosted.base_url, tmp_path, n_workers=1)
             rows = trainer.dev(LitQAAgent(max_turns=3), dev_dataset=[{"question": "q1"}, {"question": "q2"}])
         assert [(r.status, r.reward, r.llm_calls) for r in rows] == [("succeeded", 1.0, 1), ("succeeded", 1.0, 1)]
         for row in rows:

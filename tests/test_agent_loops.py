@@ -13,7 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, List
 
 import openai
 import pytest
@@ -28,13 +28,6 @@ from agl.testing import FakeOpenAIServer, FakeReply
 
 _CLIENT: Dict[str, openai.AsyncOpenAI] = {}  # stands for `client = openai.AsyncOpenAI(...)` at module level
 _LOOPS: List[asyncio.AbstractEventLoop] = []
-
-
-@pytest.fixture
-def instrumented() -> Iterator[None]:
-    agl.instrument()
-    yield
-    agl.uninstrument()
 
 
 async def _module_level_client(question: str) -> str:

@@ -3,11 +3,11 @@ real OpenAI-compatible HTTP servers on 127.0.0.1 (the optimizer's replies script
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import openai
 import pytest
+from test_apo_robustness import apo_trainer, transcript_span
 
 import agl
 from agl.algorithm.apo import APO, APOError, transcript
@@ -17,6 +17,7 @@ from agl.testing.fake_policy import FakeReply
 TASKS = [{"task_id": f"t{i}", "question": f"What is {i} plus {i}?"} for i in range(6)]
 SEED = "Answer the question: {question}"
 GOOD = "Be concise. Answer the question: {question}"
+pytestmark = pytest.mark.usefixtures("instrumented")  # agl.instrument() around each test: tests/conftest.py
 
 
 @agl.rollout
@@ -33,30 +34,6 @@ def agent(task: Dict[str, Any], prompt_template: agl.PromptTemplate, llm: agl.LL
 def optimizer() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer() as server:
         yield server
-
-
-@pytest.fixture(autouse=True)
-def instrumented() -> Iterator[None]:
-    agl.instrument()
-    yield
-    agl.uninstrument()
-
-
-def _trainer(
-    tmp_path: Path, fake_openai: FakeOpenAIServer, algorithm: Any, prompt: str = SEED, **options: Any
-) -> agl.Trainer:
-    return agl.Trainer(
-        **options,
-        algorithm=algorithm,
-        store=str(tmp_path / "store.db"),
-        n_runners=3,
-        runner_mode="thread",
-        progress=False,
-        initial_resources={
-            "main_llm": agl.LLM(endpoint=fake_openai.base_url, model="agent-model"),
-            "prompt": agl.PromptTemplate(template=prompt),
-        },
-    )
 
 
 def _optimizer_llm(server: FakeOpenAIServer) -> agl.LLM:
@@ -84,7 +61,7 @@ def test_beam_search_finds_the_better_prompt_and_publishes_it(tmp_path, fake_ope
     algorithm = APO(
         _optimizer_llm(optimizer), beam_width=2, branch_factor=2, rounds=2, gradient_batch_size=2, val_batch_size=4
     )
-    trainer = _trainer(tmp_path, fake_openai, algorithm)
+    trainer = apo_trainer(tmp_path, fake_openai.base_url, algorithm)
     result = trainer.fit(agent, TASKS, val_dataset=TASKS[:4])
 
     assert [c.template for c in result.history] == [SEED, GOOD, "Answer: {question}", "Think, then answer: {question}"]
@@ -139,7 +116,7 @@ def test_prompt_optimization_of_an_agent_on_a_hosted_model(tmp_path, optimizer) 
                 gradient_batch_size=2,
                 val_batch_size=2,
             )
-            trainer = _trainer(tmp_path, hosted, algorithm)
+            trainer = apo_trainer(tmp_path, hosted.base_url, algorithm)
             result = trainer.fit(agent, TASKS, val_dataset=TASKS[:2])
     finally:
         token_id_refusals.forget_all()
@@ -152,7 +129,7 @@ def test_span_retention_deletes_critiqued_rollouts_spans_after_the_critique(tmp_
     algorithm = APO(
         _optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=1, gradient_batch_size=2, val_batch_size=2
     )
-    trainer = _trainer(tmp_path, fake_openai, algorithm, span_retention_steps=0)
+    trainer = apo_trainer(tmp_path, fake_openai.base_url, algorithm, span_retention_steps=0)
     result = trainer.fit(agent, TASKS, val_dataset=TASKS[:2])
     assert result.best.template == GOOD
     assert "[system] Answer the question: What is" in _contents(optimizer)[0], "the critique read the spans first"
@@ -175,14 +152,14 @@ def test_a_trainer_without_a_prompt_template_is_told_how_to_add_one(tmp_path, fa
         trainer.fit(agent, TASKS)
     named = APO(_optimizer_llm(optimizer), prompt="system")
     with pytest.raises(APOError, match=r"no PromptTemplate named 'system' .* \['prompt'\]"):
-        _trainer(tmp_path / "b", fake_openai, named).fit(agent, TASKS)
+        apo_trainer(tmp_path / "b", fake_openai.base_url, named).fit(agent, TASKS)
 
 
 def test_an_unreachable_optimizer_names_the_model_and_url(tmp_path, fake_openai) -> None:
     dead = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="gone")
     algorithm = APO(dead, rounds=1, gradient_batch_size=1, val_batch_size=1, request_timeout=2)
     with pytest.raises(APOError, match=r"optimizer model 'gone' at http://127.0.0.1:9/v1 failed"):
-        _trainer(tmp_path, fake_openai, algorithm).fit(agent, TASKS)
+        apo_trainer(tmp_path, fake_openai.base_url, algorithm).fit(agent, TASKS)
 
 
 def test_an_optimizer_failing_mid_search_keeps_the_best_so_far(tmp_path, fake_openai, optimizer) -> None:
@@ -197,7 +174,7 @@ def test_an_optimizer_failing_mid_search_keeps_the_best_so_far(tmp_path, fake_op
     algorithm = APO(
         _optimizer_llm(optimizer), beam_width=1, branch_factor=1, rounds=2, gradient_batch_size=1, val_batch_size=2
     )
-    trainer = _trainer(tmp_path, fake_openai, algorithm)
+    trainer = apo_trainer(tmp_path, fake_openai.base_url, algorithm)
     with pytest.raises(APOError, match="optimizer model 'optimizer-model' .* failed") as caught:
         trainer.fit(agent, TASKS)
     result = caught.value.result
@@ -260,7 +237,7 @@ def test_replies_without_a_prompt_are_refused_and_a_prompt_without_placeholders_
         endpoint=optimizer.base_url, model="optimizer-model", sampling_parameters={"top_k": 20, "temperature": 0.5}
     )
     algorithm = APO(llm, beam_width=1, branch_factor=4, rounds=1, gradient_batch_size=1, val_batch_size=2)
-    result = _trainer(tmp_path, fake_openai, algorithm, prompt=seed).fit(agent, TASKS)
+    result = apo_trainer(tmp_path, fake_openai.base_url, algorithm, prompt=seed).fit(agent, TASKS)
     assert [c.template for c in result.history] == [seed, "Be concise. Answer the question."]
     assert result.refused == 3 and result.best.template == "Be concise. Answer the question."
     edit = _contents(optimizer)[1]
@@ -283,30 +260,16 @@ def test_settings_are_checked() -> None:
 
 def test_transcript_shows_new_messages_tool_calls_and_failures() -> None:
     from agl import semconv
-    from agl.types import Rollout, Span
-
-    def span(seq: int, kind: str, **attrs: Any) -> Span:
-        return Span(
-            rollout_id="r",
-            attempt_id="a",
-            sequence_id=seq,
-            trace_id="t",
-            span_id=f"s{seq}",
-            name=kind,
-            kind=kind,
-            start_time=seq,
-            end_time=seq,
-            attributes=attrs,
-        )
+    from agl.types import Rollout
 
     first_in = [{"role": "system", "content": "S"}, {"role": "user", "content": "U" * 800}]
     first_out = [{"role": "assistant", "content": "", "tool_calls": [{"name": "calc", "arguments": "{}"}]}]
     spans = [
-        span(0, "llm", **{semconv.INPUT_MESSAGES: first_in, semconv.OUTPUT_MESSAGES: first_out}),
-        span(
+        transcript_span(0, "llm", **{semconv.INPUT_MESSAGES: first_in, semconv.OUTPUT_MESSAGES: first_out}),
+        transcript_span(
             1, "tool", **{semconv.TOOL_NAME: "calc", semconv.TOOL_CALL_ARGUMENTS: "1+1", semconv.TOOL_CALL_RESULT: "2"}
         ),
-        span(
+        transcript_span(
             2,
             "llm",
             **{

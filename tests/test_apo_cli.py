@@ -35,20 +35,6 @@ def agent(task, prompt_template: agl.PromptTemplate, llm: agl.LLM) -> float:
             pass
     return 1.0 if "concise" in text else 0.5
 """
-SMALL = [
-    "--set",
-    "rounds=2",
-    "--set",
-    "beam_width=1",
-    "--set",
-    "branch_factor=1",
-    "--set",
-    "gradient_batch_size=1",
-    "--set",
-    "val_batch_size=3",
-    "--n-runners",
-    "2",
-]
 
 
 @pytest.fixture()
@@ -58,32 +44,38 @@ def files(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def apo_flags(
+    prompt: str,
+    agent_url: str,
+    optimizer_url: str,
+    agent_model: str = "agent-model",
+    optimizer_model: str = "optimizer-model",
+) -> List[str]:
+    """The flags ``--algorithm apo`` needs: the seed prompt, and the agent's and the optimizer's endpoint and model."""
+    endpoints = ["--llm-endpoint", agent_url, "--optimizer-endpoint", optimizer_url]
+    models = ["--llm-model", agent_model, "--optimizer-model", optimizer_model]
+    return ["--algorithm", "apo", "--prompt", prompt, *endpoints, *models]
+
+
+def small_search(rounds: int = 2, gradient_batch_size: int = 1) -> List[str]:
+    """``--set`` flags of a small APO search (beam 1, branch 1, 3 validation tasks), and two runners."""
+    settings = ["beam_width=1", "branch_factor=1", f"gradient_batch_size={gradient_batch_size}", "val_batch_size=3"]
+    sets = [arg for setting in [f"rounds={rounds}", *settings] for arg in ("--set", setting)]
+    return [*sets, "--n-runners", "2"]
+
+
+def apo_train_args(files: Path, *flags: str) -> List[str]:
+    """``agl train`` of files/apo_agent.py on files/train.jsonl, its run in files/run, with ``flags``."""
+    agent = f"{files}/apo_agent.py:agent"
+    return ["train", agent, "--data", str(files / "train.jsonl"), "--out", str(files / "run"), *flags]
+
+
 def _args(files: Path, agent_url: str, optimizer_url: str, *extra: str) -> List[str]:
-    return [
-        "train",
-        f"{files}/apo_agent.py:agent",
-        "--data",
-        str(files / "train.jsonl"),
-        "--out",
-        str(files / "run"),
-        "--algorithm",
-        "apo",
-        "--prompt",
-        "Answer {q}",
-        "--llm-endpoint",
-        agent_url,
-        "--llm-model",
-        "agent-model",
-        "--optimizer-endpoint",
-        optimizer_url,
-        "--optimizer-model",
-        "optimizer-model",
-        *SMALL,
-        *extra,
-    ]
+    return apo_train_args(files, *apo_flags("Answer {q}", agent_url, optimizer_url), *small_search(), *extra)
 
 
-def _run(args: List[str]) -> Any:
+def run_cli(args: List[str]) -> Any:
+    """``agl ARGS`` in this process; the instrumentation it turns on is turned off after."""
     try:
         return main(args)
     finally:
@@ -102,7 +94,7 @@ def test_a_malformed_optimizer_reply_still_saves_the_best_prompt(files, fake_ope
     with BodyServer(
         chat("Ask for brevity."), chat("<prompt>Be concise: {q}</prompt>"), MALFORMED["empty_choices"]
     ) as junk:
-        code = _run(_args(files, fake_openai.base_url, junk.base_url))
+        code = run_cli(_args(files, fake_openai.base_url, junk.base_url))
     assert code == 1
     assert (files / "run" / "best_prompt.txt").read_text() == "Be concise: {q}"
     assert len(json.loads((files / "run" / "apo_history.json").read_text())) == 2
@@ -163,7 +155,7 @@ def test_a_seed_whose_every_rollout_fails_is_no_success(files, capsys) -> None:
     with FakeOpenAIServer() as optimizer:
         args = _args(files, "http://127.0.0.1:9/v1", optimizer.base_url)
         args[args.index("--prompt") + 1] = "Answer {question}"
-        code = _run(args)
+        code = run_cli(args)
         assert optimizer.requests == []
     captured = capsys.readouterr()
     assert code != 0 and "done" not in captured.out
@@ -177,7 +169,7 @@ def test_the_optimizer_key_goes_only_to_the_optimizer_and_is_not_stored(files, f
     monkeypatch.setenv("OPTIMIZER_KEY", "sk-optimizer-secret")
     with FakeOpenAIServer() as optimizer:
         optimizer.script(FakeReply(content="Ask for brevity."), FakeReply(content="<prompt>Be concise: {q}</prompt>"))
-        code = _run(
+        code = run_cli(
             _args(
                 files,
                 fake_openai.base_url,

@@ -21,12 +21,14 @@ import agl
 from agl.algorithm.apo import APO, APOError, transcript
 from agl.testing.fake_openai import FakeOpenAIServer
 from agl.testing.fake_policy import FakeReply
+from agl.types import Span
 
 TASKS = [{"task_id": f"t{i}", "question": f"What is {i} plus {i}?"} for i in range(6)]
 SEED = "Answer the question: {question}"
 GOOD = "Be concise. Answer the question: {question}"
 STOP = "Stop now. Be concise: {question}"  # the agent sends Ctrl-C to its own process when it sees this prompt
 _interrupt_sent = threading.Event()
+pytestmark = pytest.mark.usefixtures("instrumented")  # agl.instrument() around each test: tests/conftest.py
 
 
 @agl.rollout
@@ -112,15 +114,11 @@ def optimizer() -> Iterator[FakeOpenAIServer]:
         yield server
 
 
-@pytest.fixture(autouse=True)
-def instrumented() -> Iterator[None]:
-    agl.instrument()
-    yield
-    agl.uninstrument()
-
-
-def _trainer(tmp_path: Path, agent_url: str, algorithm: Any, prompt: str = SEED) -> agl.Trainer:
+def apo_trainer(tmp_path: Path, agent_url: str, algorithm: Any, prompt: str = SEED, **options: Any) -> agl.Trainer:
+    """A Trainer of ``algorithm``: 3 thread runners, the store tmp_path/store.db, the agent's model at
+    ``agent_url`` and the prompt template ``prompt``; ``options`` add Trainer settings."""
     return agl.Trainer(
+        **options,
         algorithm=algorithm,
         store=str(tmp_path / "store.db"),
         n_runners=3,
@@ -131,6 +129,12 @@ def _trainer(tmp_path: Path, agent_url: str, algorithm: Any, prompt: str = SEED)
             "prompt": agl.PromptTemplate(template=prompt),
         },
     )
+
+
+def transcript_span(seq: int, kind: str, **attributes: Any) -> Span:
+    """Span ``seq`` of rollout "r" (a ``kind`` span, named so too) with ``attributes``, as transcript() reads it."""
+    ids = dict(rollout_id="r", attempt_id="a", sequence_id=seq, trace_id="t", span_id=f"s{seq}")
+    return Span(**ids, name=kind, kind=kind, start_time=seq, end_time=seq, attributes=attributes)
 
 
 def _small(url: str, **settings: Any) -> APO:
@@ -148,7 +152,7 @@ def test_a_malformed_optimizer_reply_is_an_apo_error_and_keeps_the_best_so_far(t
     """Each raised an IndexError, AttributeError or TypeError, and the best prompt found was not published."""
     with BodyServer(chat("Ask for concision."), chat(f"<prompt>{GOOD}</prompt>"), MALFORMED[kind]) as junk:
         algorithm = _small(junk.base_url)
-        trainer = _trainer(tmp_path, fake_openai.base_url, algorithm)
+        trainer = apo_trainer(tmp_path, fake_openai.base_url, algorithm)
         with pytest.raises(APOError, match=r"optimizer model 'optimizer-model' at .* returned no completion") as caught:
             trainer.fit(agent, TASKS)
     assert caught.value.result is not None and [c.template for c in caught.value.result.history] == [SEED, GOOD]
@@ -165,7 +169,7 @@ def test_ctrl_c_publishes_the_best_so_far_and_keeps_the_result(tmp_path, fake_op
         FakeReply(content=f"<prompt>{STOP}</prompt>"),
     )
     algorithm = _small(optimizer.base_url)
-    trainer = _trainer(tmp_path, fake_openai.base_url, algorithm)
+    trainer = apo_trainer(tmp_path, fake_openai.base_url, algorithm)
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(agent, TASKS)
     assert _interrupt_sent.is_set() and _published(trainer) == GOOD
@@ -175,7 +179,7 @@ def test_ctrl_c_publishes_the_best_so_far_and_keeps_the_result(tmp_path, fake_op
 def test_a_seed_whose_every_rollout_fails_stops_before_any_optimizer_call(tmp_path, optimizer) -> None:
     """With the agent's endpoint down every prompt scored 0 and the optimizer critiqued connection errors."""
     algorithm = _small(optimizer.base_url)
-    trainer = _trainer(tmp_path, "http://127.0.0.1:9/v1", algorithm)
+    trainer = apo_trainer(tmp_path, "http://127.0.0.1:9/v1", algorithm)
     with pytest.raises(APOError, match=r"every rollout of the seed prompt failed.*first error: .*Connection") as caught:
         trainer.fit(agent, TASKS)
     assert caught.value.result is None
@@ -185,7 +189,7 @@ def test_a_seed_whose_every_rollout_fails_stops_before_any_optimizer_call(tmp_pa
 def test_a_round_whose_every_rollout_fails_is_warned_about(tmp_path, fake_openai, optimizer, caplog) -> None:
     optimizer.script(FakeReply(content="Say fail."), FakeReply(content="<prompt>Fail. {question}</prompt>"))
     with caplog.at_level(logging.WARNING, logger="agl.apo"):
-        result = _trainer(tmp_path, fake_openai.base_url, _small(optimizer.base_url, rounds=1)).fit(agent, TASKS)
+        result = apo_trainer(tmp_path, fake_openai.base_url, _small(optimizer.base_url, rounds=1)).fit(agent, TASKS)
     assert [c.score for c in result.history] == [0.25, 0.0]
     warned = [r.getMessage() for r in caplog.records if r.name == "agl.apo" and r.levelno == logging.WARNING]
     assert any("every rollout scoring a prompt failed" in m and "the agent broke on this prompt" in m for m in warned)
@@ -208,7 +212,7 @@ def test_reasoning_and_quoted_prompts_do_not_become_the_prompt(tmp_path, fake_op
         FakeReply(content="<think>I will write <prompt>Be concise: {question}</prompt> but"),
     )
     algorithm = _small(optimizer.base_url, rounds=1, branch_factor=3)
-    result = _trainer(tmp_path, fake_openai.base_url, algorithm).fit(agent, TASKS)
+    result = apo_trainer(tmp_path, fake_openai.base_url, algorithm).fit(agent, TASKS)
     assert [c.template for c in result.history] == [SEED, GOOD, "Think, then answer: {question}"]
     assert result.refused == 1  # the reply cut off in its reasoning holds no answer
 
@@ -216,7 +220,7 @@ def test_reasoning_and_quoted_prompts_do_not_become_the_prompt(tmp_path, fake_op
 def test_a_seed_with_trailing_whitespace_is_not_scored_again(tmp_path, fake_openai, optimizer) -> None:
     optimizer.script(FakeReply(content="Fine."), FakeReply(content=f"<prompt>{SEED}</prompt>"))
     algorithm = _small(optimizer.base_url, rounds=1)
-    trainer = _trainer(tmp_path, fake_openai.base_url, algorithm, prompt=SEED + "\n")
+    trainer = apo_trainer(tmp_path, fake_openai.base_url, algorithm, prompt=SEED + "\n")
     result = trainer.fit(agent, TASKS)
     assert [c.template for c in result.history] == [SEED + "\n"]
     assert len(trainer.store.query_rollouts(mode="val")) == 2
@@ -225,7 +229,7 @@ def test_a_seed_with_trailing_whitespace_is_not_scored_again(tmp_path, fake_open
 def test_an_empty_critique_asks_for_no_edits(tmp_path, fake_openai, optimizer, caplog) -> None:
     optimizer.script(FakeReply(content=""), FakeReply(content=f"<prompt>{GOOD}</prompt>"))
     with caplog.at_level(logging.WARNING, logger="agl.apo"):
-        result = _trainer(tmp_path, fake_openai.base_url, _small(optimizer.base_url, rounds=1)).fit(agent, TASKS)
+        result = apo_trainer(tmp_path, fake_openai.base_url, _small(optimizer.base_url, rounds=1)).fit(agent, TASKS)
     assert [c.template for c in result.history] == [SEED] and result.refused == 1
     assert len([r for r in optimizer.requests if r["path"].endswith("/chat/completions")]) == 1
     assert any("critique is empty" in r.getMessage() for r in caplog.records)
@@ -277,24 +281,10 @@ def test_transcript_shows_a_call_that_starts_a_new_conversation() -> None:
     """A pipeline: a planner's call, then a writer's call in a fresh conversation whose system message is the
     prompt being optimized. Only the writer's reply was shown, not its input."""
     from agl import semconv
-    from agl.types import Span
 
     def llm(seq: int, inputs: List[Dict[str, str]], output: str) -> Span:
-        return Span(
-            rollout_id="r",
-            attempt_id="a",
-            sequence_id=seq,
-            trace_id="t",
-            span_id=f"s{seq}",
-            name="llm",
-            kind="llm",
-            start_time=seq,
-            end_time=seq,
-            attributes={
-                semconv.INPUT_MESSAGES: inputs,
-                semconv.OUTPUT_MESSAGES: [{"role": "assistant", "content": output}],
-            },
-        )
+        outputs = [{"role": "assistant", "content": output}]
+        return transcript_span(seq, "llm", **{semconv.INPUT_MESSAGES: inputs, semconv.OUTPUT_MESSAGES: outputs})
 
     planner = [
         {"role": "system", "content": "Plan."},

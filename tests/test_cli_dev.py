@@ -98,6 +98,15 @@ def test_a_module_that_fails_inside_keeps_its_own_traceback(project: Path) -> No
     assert "cannot import module" not in done.stderr
 
 
+def _dev_on_the_first_task(project: Path, agent: str, store: Path) -> int:
+    """``agl dev`` of my_agent.py's ``agent`` on the first task, in thread runners, into ``store``: its status."""
+    target = f"{project / 'my_agent.py'}:{agent}"
+    first_task_in_threads = ["--limit", "1", "--runner-mode", "thread"]
+    return agl_main(
+        ["dev", target, "--data", str(project / "tasks.jsonl"), *first_task_in_threads, "--store", str(store)]
+    )
+
+
 @pytest.mark.parametrize(
     "flag, value, message",
     [
@@ -119,23 +128,7 @@ def test_agl_dev_refuses_counts_out_of_range_as_usage_errors(
 
 def test_agl_dev_limit_runs_the_first_n_tasks(project: Path) -> None:
     store = project / "s.db"
-    assert (
-        agl_main(
-            [
-                "dev",
-                f"{project / 'my_agent.py'}:agent",
-                "--data",
-                str(project / "tasks.jsonl"),
-                "--limit",
-                "1",
-                "--store",
-                str(store),
-                "--runner-mode",
-                "thread",
-            ]
-        )
-        == 0
-    )
+    assert _dev_on_the_first_task(project, "agent", store) == 0
     with SqliteLightningStore(store) as opened:
         assert [r.input for r in opened.query_rollouts()] == [{"n": 0}]
 
@@ -143,23 +136,7 @@ def test_agl_dev_limit_runs_the_first_n_tasks(project: Path) -> None:
 def test_an_llm_agent_without_a_model_is_told_the_cli_flags(project: Path) -> None:
     """The rollout's error said "pass initial_resources={...} to the Trainer", Python advice for a CLI user."""
     store = project / "s.db"
-    assert (
-        agl_main(
-            [
-                "dev",
-                f"{project / 'my_agent.py'}:uses_llm",
-                "--data",
-                str(project / "tasks.jsonl"),
-                "--limit",
-                "1",
-                "--store",
-                str(store),
-                "--runner-mode",
-                "thread",
-            ]
-        )
-        == 1
-    )
+    assert _dev_on_the_first_task(project, "uses_llm", store) == 1
     with SqliteLightningStore(store) as opened:
         (rollout,) = opened.query_rollouts()
     assert rollout.status == "failed" and rollout.error

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from test_apo_cli import apo_flags, apo_train_args, run_cli, small_search
 
 from agl.cli import main
 
@@ -134,42 +135,10 @@ def test_apo_needs_its_prompt_and_models_and_refuses_grpo_flags(files: Path) -> 
     assert "--algorithm apo needs --llm-endpoint, --llm-model, --optimizer-endpoint, --optimizer-model" in message
     message = _fails([*_base(files), "--algorithm", "apo", "--steps", "3"])
     assert "--steps set TorchGRPO" in message and "--set beam_width=N" in message
-    message = _fails(
-        [
-            *_base(files),
-            "--algorithm",
-            "apo",
-            "--prompt",
-            "@" + str(files / "nope.txt"),
-            "--llm-endpoint",
-            "http://x/v1",
-            "--llm-model",
-            "m",
-            "--optimizer-endpoint",
-            "http://x/v1",
-            "--optimizer-model",
-            "o",
-        ]
-    )
+    message = _fails([*_base(files), *apo_flags("@" + str(files / "nope.txt"), "http://x/v1", "http://x/v1", "m", "o")])
     assert "cannot read --prompt" in message and "nope.txt" in message
     message = _fails(
-        [
-            *_base(files),
-            "--algorithm",
-            "apo",
-            "--prompt",
-            "Answer {q}",
-            "--llm-endpoint",
-            "http://x/v1",
-            "--llm-model",
-            "m",
-            "--optimizer-endpoint",
-            "http://x/v1",
-            "--optimizer-model",
-            "o",
-            "--set",
-            "beam_width=0",
-        ]
+        [*_base(files), *apo_flags("Answer {q}", "http://x/v1", "http://x/v1", "m", "o"), "--set", "beam_width=0"]
     )
     assert "bad apo settings: beam_width must be at least 1" in message
     assert not (files / "run").exists()
@@ -184,45 +153,9 @@ def test_apo_from_the_command_line_saves_the_best_prompt(files: Path, fake_opena
     (files / "prompt.txt").write_text("Answer {q}")
     with FakeOpenAIServer() as optimizer:
         optimizer.script(FakeReply(content="Ask for brevity."), FakeReply(content="<prompt>Be concise: {q}</prompt>"))
-        try:
-            code = main(
-                [
-                    "train",
-                    f"{files}/apo_agent.py:agent",
-                    "--data",
-                    str(files / "train.jsonl"),
-                    "--out",
-                    str(files / "run"),
-                    "--algorithm",
-                    "apo",
-                    "--prompt",
-                    "@" + str(files / "prompt.txt"),
-                    "--llm-endpoint",
-                    fake_openai.base_url,
-                    "--llm-model",
-                    "agent-model",
-                    "--optimizer-endpoint",
-                    optimizer.base_url,
-                    "--optimizer-model",
-                    "optimizer-model",
-                    "--set",
-                    "rounds=1",
-                    "--set",
-                    "beam_width=1",
-                    "--set",
-                    "branch_factor=1",
-                    "--set",
-                    "gradient_batch_size=2",
-                    "--set",
-                    "val_batch_size=3",
-                    "--n-runners",
-                    "2",
-                    "--span-retention-steps",
-                    "0",
-                ]
-            )
-        finally:
-            agl.uninstrument()
+        apo = apo_flags("@" + str(files / "prompt.txt"), fake_openai.base_url, optimizer.base_url)
+        search = small_search(rounds=1, gradient_batch_size=2)
+        code = run_cli(apo_train_args(files, *apo, *search, "--span-retention-steps", "0"))
     assert code == 0
     assert (files / "run" / "best_prompt.txt").read_text() == "Be concise: {q}"
     history = json.loads((files / "run" / "apo_history.json").read_text())
@@ -240,7 +173,6 @@ def test_apo_whose_optimizer_fails_mid_search_still_saves_the_best_prompt_so_far
     files: Path, fake_openai, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The search so far was lost: no best_prompt.txt, and the --out folder refused a rerun."""
-    import agl
     from agl.testing.fake_openai import FakeOpenAIServer
     from agl.testing.fake_policy import FakeReply
 
@@ -254,43 +186,8 @@ def test_apo_whose_optimizer_fails_mid_search_still_saves_the_best_prompt_so_far
             failure,
             failure,
         )  # round 2's critique, and the client's two retries
-        try:
-            code = main(
-                [
-                    "train",
-                    f"{files}/apo_agent.py:agent",
-                    "--data",
-                    str(files / "train.jsonl"),
-                    "--out",
-                    str(files / "run"),
-                    "--algorithm",
-                    "apo",
-                    "--prompt",
-                    "Answer {q}",
-                    "--llm-endpoint",
-                    fake_openai.base_url,
-                    "--llm-model",
-                    "agent-model",
-                    "--optimizer-endpoint",
-                    optimizer.base_url,
-                    "--optimizer-model",
-                    "optimizer-model",
-                    "--set",
-                    "rounds=2",
-                    "--set",
-                    "beam_width=1",
-                    "--set",
-                    "branch_factor=1",
-                    "--set",
-                    "gradient_batch_size=1",
-                    "--set",
-                    "val_batch_size=3",
-                    "--n-runners",
-                    "2",
-                ]
-            )
-        finally:
-            agl.uninstrument()
+        apo = apo_flags("Answer {q}", fake_openai.base_url, optimizer.base_url)
+        code = run_cli(apo_train_args(files, *apo, *small_search()))
     assert code == 1
     assert (files / "run" / "best_prompt.txt").read_text() == "Be concise: {q}"
     assert len(json.loads((files / "run" / "apo_history.json").read_text())) == 2

@@ -52,22 +52,12 @@ def adder(task, llm):
     agl.emit_reward(1.0 if str(task["answer"]) in answer else 0.0)
 
 
-@pytest.fixture()
-def instrumented():
-    agl.instrument()
-    yield
-    agl.uninstrument()
-
-
-def test_dev_with_two_runner_processes_leaves_complete_spans_in_sqlite(tmp_path, fake_openai, instrumented, capsys):
+def test_dev_with_two_runner_processes_leaves_complete_spans_in_sqlite(
+    tmp_path, fake_openai, fake_trainer, instrumented, capsys
+):
     db = tmp_path / "dev.db"
     tasks = [{"id": f"t{i}", "question": f"What is {i} plus {i + 10}?", "answer": 2 * i + 10} for i in range(5)]
-    trainer = agl.Trainer(
-        n_runners=2,
-        store=str(db),
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
-        progress=False,
-    )
+    trainer = fake_trainer(str(db), "fake-model", n_runners=2, runner_mode="process")
     rows = trainer.dev(adder, tasks)
     out = capsys.readouterr().out
     assert "agl dev: rollouts" in out and "No rollout recorded an LLM call" not in out
@@ -134,15 +124,9 @@ def test_dev_says_when_no_rollout_recorded_an_llm_call(tmp_path, capsys):
     assert "No rollout recorded an LLM call, so there is nothing to train on" in out and "/v1/traces" in out
 
 
-def test_cli_store_listing(tmp_path, fake_openai, instrumented, capsys):
+def test_cli_store_listing(tmp_path, fake_openai, fake_trainer, instrumented, capsys):
     db = tmp_path / "dev.db"
-    trainer = agl.Trainer(
-        n_runners=1,
-        store=str(db),
-        runner_mode="thread",
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
-        progress=False,
-    )
+    trainer = fake_trainer(str(db), "fake-model")
     rows = trainer.dev(adder, [{"question": "What is 1 plus 2?", "answer": 3}], print_table=False)
     assert agl_main(["store", "rollouts", "--store", str(db)]) == 0
     listing = capsys.readouterr().out
@@ -161,7 +145,7 @@ def test_cli_store_listing(tmp_path, fake_openai, instrumented, capsys):
 _KEPT_STREAMS: list = []
 
 
-def test_a_stream_the_agent_stops_reading_is_stored_with_its_rollout(tmp_path, fake_openai, instrumented):
+def test_a_stream_the_agent_stops_reading_is_stored_with_its_rollout(tmp_path, fake_openai, fake_trainer, instrumented):
     """An agent that breaks out of a model stream and keeps it (frameworks hold such objects): its llm span
     ended when the stream was collected, after the attempt was reported, so a batch built at once missed
     the call, and one collected during a later rollout was refused by the store."""
@@ -179,13 +163,7 @@ def test_a_stream_the_agent_stops_reading_is_stored_with_its_rollout(tmp_path, f
         return 1.0
 
     fake_openai.script(FakeReply(content="a long answer the agent does not wait for"))
-    trainer = agl.Trainer(
-        n_runners=1,
-        store=str(tmp_path / "s.db"),
-        runner_mode="thread",
-        progress=False,
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
-    )
+    trainer = fake_trainer(str(tmp_path / "s.db"), "fake-model")
     (row,) = trainer.dev(peeks, [{"n": 1}], print_table=False)
     (llm,) = [s for s in trainer.store.query_spans(row.rollout_id) if s.kind == "llm"]  # stored with the attempt
     assert llm.attributes[semconv.STREAM_ABANDONED] is True and llm.attributes[semconv.RESPONSE_TOKEN_IDS]
@@ -270,7 +248,7 @@ def test_cli_loads_agents_in_every_form_and_names_what_is_wrong(tmp_path, monkey
             load_agent(target)
 
 
-def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai, instrumented):
+def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_trainer, instrumented):
     """Plain Python: the runner's root agent span is named after the function; nested agent spans
     (here made with the adapter kit, as framework adapters do) take over inside."""
     from agl.instrumentation.framework import agent_span
@@ -290,12 +268,7 @@ def test_agent_match_selects_the_calls_of_the_named_agent(tmp_path, fake_openai,
         return 1.0
 
     store = SqliteLightningStore(tmp_path / "m.db")
-    trainer = agl.Trainer(
-        store=store,
-        runner_mode="thread",
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
-        progress=False,
-    )
+    trainer = fake_trainer(store)
     (row,) = trainer.dev(pipeline, [{"q": 1}], print_table=False)
     spans = store.query_spans(row.rollout_id)
 

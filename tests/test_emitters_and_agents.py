@@ -298,6 +298,16 @@ def test_rollout_decorator_rejects_arguments_it_cannot_supply():
         agl.rollout(lambda: 1)
 
 
+def run_one_rollout(store, agent, resources):
+    """Lists ``resources`` as the latest, enqueues a rollout and runs it with a fresh Runner of ``agent``."""
+    store.add_resources(resources)
+    store.enqueue_rollout({"q": 1})
+    runner = Runner(agent, store)
+    rollout = runner.run_rollout(store.dequeue_rollout(runner.runner_id))
+    runner.close()
+    return rollout
+
+
 def test_of_several_llm_resources_the_llm_argument_gets_main_llm_else_the_first_with_one_warning(
     store, caplog, monkeypatch
 ):
@@ -316,11 +326,7 @@ def test_of_several_llm_resources_the_llm_argument_gets_main_llm_else_the_first_
             {"judge": judge, "other": policy},
             {"judge": judge, "other": policy},
         ):
-            store.add_resources(resources)
-            store.enqueue_rollout({"q": 1})
-            runner = Runner(agent, store)
-            assert runner.run_rollout(store.dequeue_rollout(runner.runner_id)).status == "succeeded"
-            runner.close()
+            assert run_one_rollout(store, agent, resources).status == "succeeded"
     assert got == ["policy", "judge", "judge"]
     warnings = [r.getMessage() for r in caplog.records if "several LLM" in r.getMessage()]
     assert warnings == [
@@ -343,11 +349,7 @@ def test_of_several_prompt_templates_the_argument_gets_the_one_apo_optimizes(sto
         {"tool": tool_prompt, "prompt": optimized},
         {"prompt": tool_prompt, "prompt_template": optimized},
     ):
-        store.add_resources(resources)
-        store.enqueue_rollout({"q": 1})
-        runner = Runner(agent, store)
-        assert runner.run_rollout(store.dequeue_rollout(runner.runner_id)).status == "succeeded"
-        runner.close()
+        assert run_one_rollout(store, agent, resources).status == "succeeded"
     assert got == ["solve: {x}", "solve: {x}"]
 
 

@@ -174,24 +174,28 @@ def test_completions_api_asks_for_ids_and_logprobs_and_is_recorded(
     assert attrs[semconv.RESPONSE_FINISH_REASONS] == ["stop"]
 
 
+@pytest.fixture
+def client_side_tracing() -> Iterator[None]:
+    """agl's client-side OpenAI instrumentation on for the test, as in an instrumented agent."""
+    instrumentor = OpenAIInstrumentor()
+    instrumentor.instrument()
+    yield
+    instrumentor.uninstrument()
+
+
 def test_proxy_span_matches_the_client_side_instrumentation_of_the_same_call(
-    fake_openai: FakeOpenAIServer, store: InMemoryLightningStore, rollout: Rollout
+    fake_openai: FakeOpenAIServer, store: InMemoryLightningStore, rollout: Rollout, client_side_tracing: None
 ) -> None:
     """One span format: the proxy and agl's client-side tracer record the same attributes for a call."""
     assert rollout.attempt is not None
-    instrumentor = OpenAIInstrumentor()
-    instrumentor.instrument()
-    try:
-        with LLMProxy(fake_openai.base_url, store) as proxy, tracer_writes_to(ListSink()) as sink:
-            client = client_for(proxy, rollout)
-            with rollout_scope(rollout.rollout_id, rollout.attempt.attempt_id):
-                # An empty header overrides the client's mark, so that both sides record this one call.
-                client.chat.completions.create(
-                    model="fake-model", messages=QUESTION, logprobs=True, extra_headers={CLIENT_TRACED_HEADER: ""}
-                )
-            (client_span,) = sink.of(rollout.rollout_id, "llm")
-    finally:
-        instrumentor.uninstrument()
+    with LLMProxy(fake_openai.base_url, store) as proxy, tracer_writes_to(ListSink()) as sink:
+        client = client_for(proxy, rollout)
+        with rollout_scope(rollout.rollout_id, rollout.attempt.attempt_id):
+            # An empty header overrides the client's mark, so that both sides record this one call.
+            client.chat.completions.create(
+                model="fake-model", messages=QUESTION, logprobs=True, extra_headers={CLIENT_TRACED_HEADER: ""}
+            )
+        (client_span,) = sink.of(rollout.rollout_id, "llm")
     (proxy_span,) = llm_spans(store, rollout)
     same = set(client_span.attributes) & set(proxy_span.attributes)
     for key in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS, semconv.RESPONSE_ID):
@@ -242,16 +246,11 @@ def test_client_traced_calls_are_forwarded_but_not_recorded_twice(
 
 
 def test_an_instrumented_agent_behind_the_proxy_is_recorded_once_by_its_own_tracer(
-    proxy: LLMProxy, rollout: Rollout, store: InMemoryLightningStore
+    proxy: LLMProxy, rollout: Rollout, store: InMemoryLightningStore, client_side_tracing: None
 ) -> None:
     assert rollout.attempt is not None
-    instrumentor = OpenAIInstrumentor()
-    instrumentor.instrument()
-    try:
-        with tracer_writes_to(ListSink()) as sink, rollout_scope(rollout.rollout_id, rollout.attempt.attempt_id):
-            client_for(proxy, rollout).chat.completions.create(model="fake-model", messages=QUESTION)
-    finally:
-        instrumentor.uninstrument()
+    with tracer_writes_to(ListSink()) as sink, rollout_scope(rollout.rollout_id, rollout.attempt.attempt_id):
+        client_for(proxy, rollout).chat.completions.create(model="fake-model", messages=QUESTION)
     assert [s.kind for s in sink.spans] == ["llm"]  # the agent's own record, with its token ids
     assert sink.spans[0].attributes[semconv.PROMPT_TOKEN_IDS]
     # and with the logprobs the proxy asked for (the agent did not): verl's rollout_log_probs

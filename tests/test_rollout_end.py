@@ -159,13 +159,6 @@ def test_the_agent_of_a_timed_out_rollout_can_no_longer_call_the_model(
     assert not any_instrumented(), "the kept OpenAI hook outlived the next run"
 
 
-@pytest.fixture
-def instrumented() -> Any:
-    agl.instrument()
-    yield
-    agl.uninstrument()
-
-
 @pytest.fixture(autouse=True)
 def _unhooked_after() -> Any:
     """A Trainer whose runners gave up on an agent keeps the OpenAI client hooked (see the test above): take it

@@ -69,14 +69,6 @@ def _calls_after_dev(task: Dict[str, Any], llm: agl.LLM) -> float:
 
 
 @pytest.fixture
-def instrumented() -> Any:
-    """``agl.instrument()`` for the test: the hooks stay in after ``dev()`` returns, as in a script that calls it."""
-    agl.instrument()
-    yield
-    agl.uninstrument()
-
-
-@pytest.fixture
 def run_one(tmp_path: Path, fake_openai: FakeOpenAIServer) -> Callable[[Any, Dict[str, Any]], Any]:
     """Runs ``agent`` on ``task`` in a thread runner with a short timeout; returns the rollout once its agent,
     which runs on past the timeout, is done."""

@@ -427,15 +427,21 @@ class BlockingSink(ListSink):
         return super().add_spans(spans)
 
 
-def test_a_new_store_is_not_held_up_by_a_write_stuck_on_the_store_it_replaces(caplog):
-    """A second Trainer in the same process, after the first one's store server went away, waited up to the
-    old client's outage timeout (10 minutes) before any of its spans were stored."""
+def tracer_writing_a_span_to(old: ListSink) -> Tracer:
+    """A Tracer on store ``old`` that has just ended a span "old" of rollout ro-old (its write is under way)."""
     t = Tracer(batch_size=64)
-    old, new = BlockingSink(), ListSink()
     t.set_store(old)
     with rollout_scope("ro-old", "at-1"):
         with t.span("old", "chain"):
             pass
+    return t
+
+
+def test_a_new_store_is_not_held_up_by_a_write_stuck_on_the_store_it_replaces(caplog):
+    """A second Trainer in the same process, after the first one's store server went away, waited up to the
+    old client's outage timeout (10 minutes) before any of its spans were stored."""
+    old, new = BlockingSink(), ListSink()
+    t = tracer_writing_a_span_to(old)
     assert old.entered.wait(5)
     started = time.monotonic()
     t.set_store(new)
@@ -470,12 +476,8 @@ def test_a_store_replaced_during_a_quick_write_gets_no_duplicates(caplog):
             time.sleep(0.3)
             return super().add_spans(spans)
 
-    t = Tracer(batch_size=64)
     old, new = SlowSink(), ListSink()
-    t.set_store(old)
-    with rollout_scope("ro-old", "at-1"):
-        with t.span("old", "chain"):
-            pass
+    t = tracer_writing_a_span_to(old)
     assert old.entered.wait(5)
     t.set_store(new)
     with rollout_scope("ro-new", "at-1"):

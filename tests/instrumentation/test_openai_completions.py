@@ -11,6 +11,7 @@ from typing import Any, List
 
 import openai
 import pytest
+from instr_stream_keys import STREAMED_AS_PLAIN
 from openai.resources.completions import AsyncCompletions, Completions
 
 import agl
@@ -120,16 +121,7 @@ def test_stream_records_what_the_plain_call_records(client, fake_openai, sink, r
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     first, streamed = sink.of(scope.rollout_id)
     assert streamed.attributes[semconv.LLM_STREAM] is True
-    for key in (
-        semconv.PROMPT_TOKEN_IDS,
-        semconv.RESPONSE_TOKEN_IDS,
-        semconv.RESPONSE_LOGPROBS,
-        semconv.OUTPUT_MESSAGES,
-        semconv.RESPONSE_FINISH_REASONS,
-        semconv.USAGE_INPUT_TOKENS,
-        semconv.USAGE_OUTPUT_TOKENS,
-        semconv.LLM_PROMPT,
-    ):
+    for key in (*STREAMED_AS_PLAIN, semconv.OUTPUT_MESSAGES, semconv.LLM_PROMPT):
         assert streamed.attributes[key] == first.attributes[key], key
     assert streamed.attributes[semconv.RESPONSE_ID] == chunks[0].id
 
@@ -198,14 +190,9 @@ def token_in_agent(task, llm):
     agl.emit_reward(1.0 if str(task["answer"]) in answer else 0.0)
 
 
-def run_token_in_agent(tmp_path, fake_openai) -> Any:
+def run_token_in_agent(tmp_path, fake_openai, fake_trainer) -> Any:
     store = SqliteLightningStore(tmp_path / "completions.db")
-    trainer = agl.Trainer(
-        store=store,
-        runner_mode="thread",
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="fake-model")},
-        progress=False,
-    )
+    trainer = fake_trainer(store, "fake-model")
     fake_openai.script(
         FakeReply(content="It is 5."),
         FakeReply(content="Yes, 5."),
@@ -217,8 +204,8 @@ def run_token_in_agent(tmp_path, fake_openai) -> Any:
     return store, rollouts
 
 
-def test_token_in_agent_gives_samples_with_the_servers_ids(tmp_path, fake_openai, instrumentor):
-    store, rollouts = run_token_in_agent(tmp_path, fake_openai)
+def test_token_in_agent_gives_samples_with_the_servers_ids(tmp_path, fake_openai, fake_trainer, instrumentor):
+    store, rollouts = run_token_in_agent(tmp_path, fake_openai, fake_trainer)
     assert sorted(r.final_reward for r in rollouts) == [0.0, 1.0]
     batch = LightningRL().build_batch(store, rollouts, progress=False)
     assert batch.report.samples == 4 and batch.report.retokenized == 0
@@ -236,11 +223,11 @@ def test_token_in_agent_gives_samples_with_the_servers_ids(tmp_path, fake_openai
     assert rewards == {"It is 5.": 1.0, "Yes, 5.": 1.0, "It is 9.": 0.0, "Yes, 9.": 0.0}
 
 
-def test_completion_calls_without_ids_are_retokenized_from_the_prompt(tmp_path, fake_openai):
+def test_completion_calls_without_ids_are_retokenized_from_the_prompt(tmp_path, fake_openai, fake_trainer):
     agl.instrumentation.uninstrument()
     agl.instrument(request_token_ids=False)
     try:
-        store, rollouts = run_token_in_agent(tmp_path, fake_openai)
+        store, rollouts = run_token_in_agent(tmp_path, fake_openai, fake_trainer)
     finally:
         agl.uninstrument()
     with pytest.raises(MissingTokenIdsError):

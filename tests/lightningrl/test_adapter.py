@@ -64,33 +64,22 @@ def adder(task, llm):
     return 1.0 if str(task["answer"]) in answer else 0.0
 
 
-@pytest.fixture
-def instrumented():
-    agl.instrument()
-    yield
-    agl.uninstrument()
-
-
-def run(tmp_path, fake_openai, tasks, n_per_task=2) -> Tuple[SqliteLightningStore, List[Rollout]]:
+def run(fake_trainer, tmp_path, tasks, n_per_task=2, agent=adder) -> Tuple[SqliteLightningStore, List[Rollout]]:
+    """``agent`` (by default ``adder``) on ``tasks`` with thread runners against the fake server, into SQLite."""
     store = SqliteLightningStore(tmp_path / "lrl.db")
-    trainer = agl.Trainer(
-        store=store,
-        runner_mode="thread",
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
-        progress=False,
-    )
-    with trainer.runners(adder):
+    trainer = fake_trainer(store)
+    with trainer.runners(agent):
         rollouts = trainer.run_tasks(tasks, n_per_task=n_per_task)
     return store, rollouts
 
 
 @pytest.fixture
-def two_groups(tmp_path, fake_openai, instrumented):
+def two_groups(tmp_path, fake_openai, fake_trainer, instrumented):
     """Task q1: rollouts rewarded 1 and 0 (the second's answer is scripted wrong); task q2: both 1."""
     fake_openai.script(FakeReply(), FakeReply(), FakeReply(), FakeReply(), FakeReply(content="It is 7."))
     return run(
+        fake_trainer,
         tmp_path,
-        fake_openai,
         [{"question": "What is 1 plus 2?", "answer": 3}, {"question": "What is 2 plus 2?", "answer": 4}],
     )
 
@@ -159,10 +148,10 @@ def test_aggregate_merges_the_tool_conversation(two_groups) -> None:
         assert 0 in s.response_mask  # the tool result and template tokens in between are masked out
 
 
-def test_failed_rollouts_are_dropped_or_filled_and_said_why(tmp_path, fake_openai, instrumented, caplog) -> None:
+def test_failed_rollouts_are_dropped_or_filled_and_said_why(tmp_path, fake_trainer, instrumented, caplog) -> None:
     store, rollouts = run(
+        fake_trainer,
         tmp_path,
-        fake_openai,
         [{"question": "1 plus 2?", "answer": 3}, {"question": "1 plus 1?", "answer": 2, "fail": True}],
         n_per_task=1,
     )
@@ -189,17 +178,11 @@ def best_of_two(task, llm):
     return 1.0
 
 
-def test_calls_with_several_choices_are_counted_and_warned(tmp_path, fake_openai, instrumented, caplog) -> None:
+def test_calls_with_several_choices_are_counted_and_warned(
+    tmp_path, fake_openai, fake_trainer, instrumented, caplog
+) -> None:
     fake_openai.script(*[FakeReply(content="3") for _ in range(4)])
-    store = SqliteLightningStore(tmp_path / "n.db")
-    trainer = agl.Trainer(
-        store=store,
-        runner_mode="thread",
-        progress=False,
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
-    )
-    with trainer.runners(best_of_two):
-        rollouts = trainer.run_tasks([{"question": "1 plus 2?"}], n_per_task=2)
+    store, rollouts = run(fake_trainer, tmp_path, [{"question": "1 plus 2?"}], n_per_task=2, agent=best_of_two)
     first, second = [s for s in store.query_spans(rollouts[0].rollout_id) if s.kind == "llm"]
     assert first.attributes[semconv.REQUEST_CHOICE_COUNT] == 2 and semconv.REQUEST_CHOICE_COUNT not in second.attributes
     with caplog.at_level("WARNING", logger="agl.lightningrl"):
@@ -226,17 +209,9 @@ def retrier(task, llm):
     )
 
 
-def test_a_failed_call_is_skipped_and_the_report_says_so(tmp_path, fake_openai, instrumented) -> None:
+def test_a_failed_call_is_skipped_and_the_report_says_so(tmp_path, fake_openai, fake_trainer, instrumented) -> None:
     fake_openai.script(FakeReply(status_code=500, error_message="overloaded"), FakeReply(content="3"))
-    store = SqliteLightningStore(tmp_path / "f.db")
-    trainer = agl.Trainer(
-        store=store,
-        runner_mode="thread",
-        progress=False,
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
-    )
-    with trainer.runners(retrier):
-        rollouts = trainer.run_tasks([{"question": "1 plus 2?"}], n_per_task=1)
+    store, rollouts = run(fake_trainer, tmp_path, [{"question": "1 plus 2?"}], n_per_task=1, agent=retrier)
     assert [r.final_reward for r in rollouts] == [1.0]
     batch = LightningRL().build_batch(store, rollouts, progress=False)
     report = batch.report
@@ -246,10 +221,10 @@ def test_a_failed_call_is_skipped_and_the_report_says_so(tmp_path, fake_openai, 
     assert sample.reward == 1.0
 
 
-def test_missing_token_ids_error_and_retokenization(tmp_path, fake_openai) -> None:
+def test_missing_token_ids_error_and_retokenization(tmp_path, fake_trainer) -> None:
     agl.instrument(request_token_ids=False)  # the server is not asked for ids, as with a plain endpoint
     try:
-        store, rollouts = run(tmp_path, fake_openai, [{"question": "1 plus 2?", "answer": 3}], n_per_task=1)
+        store, rollouts = run(fake_trainer, tmp_path, [{"question": "1 plus 2?", "answer": 3}], n_per_task=1)
     finally:
         agl.uninstrument()
     with pytest.raises(MissingTokenIdsError, match="'absent'") as info:
@@ -302,7 +277,7 @@ def parallel_adder(task, llm):
     return 1.0
 
 
-def test_retokenized_responses_calls_equal_the_servers_ids(tmp_path, fake_openai, instrumented) -> None:
+def test_retokenized_responses_calls_equal_the_servers_ids(tmp_path, fake_openai, fake_trainer, instrumented) -> None:
     """Re-tokenizing Responses API calls maps their input items and flat tools to chat the way the server
     does: a turn of text and parallel function calls is one assistant message, tools are chat tools."""
     fake_openai.script(
@@ -312,15 +287,9 @@ def test_retokenized_responses_calls_equal_the_servers_ids(tmp_path, fake_openai
         ),
         FakeReply(content="3 and 7."),
     )
-    store = SqliteLightningStore(tmp_path / "responses.db")
-    trainer = agl.Trainer(
-        store=store,
-        runner_mode="thread",
-        progress=False,
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
+    store, rollouts = run(
+        fake_trainer, tmp_path, [{"question": "1 plus 2, and 3 plus 4?"}], n_per_task=1, agent=parallel_adder
     )
-    with trainer.runners(parallel_adder):
-        rollouts = trainer.run_tasks([{"question": "1 plus 2, and 3 plus 4?"}])
     assert [r.status for r in rollouts] == ["succeeded"]
     with_ids = LightningRL().build_batch(store, rollouts, progress=False)
     again = LightningRL(tokenizer=FakeTokenizer()).batch_from_spans(rollouts, without_token_ids(store, rollouts))

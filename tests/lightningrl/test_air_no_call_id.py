@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from lrl_tool_calls import tool_calling
 from openai import OpenAI
 
 import agl
@@ -19,13 +20,6 @@ from agl.lightningrl.tree import build_tree
 from agl.testing import FakeReply
 
 BROKEN = '{"a": 2, "b'
-
-
-@pytest.fixture
-def instrumented():
-    agl.instrument()
-    yield
-    agl.uninstrument()
 
 
 def air_of(spans, calls, config=None):
@@ -62,16 +56,12 @@ def test_failed_tool_without_call_id_is_matched_by_name_one_to_one() -> None:
     """Two unparsed ``add`` calls excuse two failed ``add`` spans; a third failed ``add`` (the valid call's)
     and a failed ``mul`` (no unparsed ``mul`` call) are tool errors."""
     b = TraceBuilder()
-    call = b.llm(
-        [1],
-        [2],
-        content=None,
-        tool_calls=[
-            {"id": "c1", "name": "add", "arguments": BROKEN},
-            {"id": "c2", "name": "add", "arguments": "[1, 2]"},
-            {"id": "c3", "name": "add", "arguments": '{"a": 1, "b": 2}'},
-            {"id": "c4", "name": "mul", "arguments": '{"a": 1, "b": 2}'},
-        ],
+    call = tool_calling(
+        b,
+        ("c1", "add", BROKEN),
+        ("c2", "add", "[1, 2]"),
+        ("c3", "add", '{"a": 1, "b": 2}'),
+        ("c4", "mul", '{"a": 1, "b": 2}'),
     )
     for _ in range(3):
         b.tool("add", error=True)
@@ -83,9 +73,9 @@ def test_failed_tool_without_call_id_is_matched_by_name_one_to_one() -> None:
 def test_name_match_stays_within_the_calling_llm_call() -> None:
     """A failed tool without id is excused only by its own caller's unparsed calls, not an earlier call's."""
     b = TraceBuilder()
-    first = b.llm([1], [2], content=None, tool_calls=[{"id": "c1", "name": "add", "arguments": BROKEN}])
+    first = tool_calling(b, ("c1", "add", BROKEN))
     b.tool("add", error=True)  # the unparsed call it ran: excused
-    second = b.llm([1], [3], content=None, tool_calls=[{"id": "c2", "name": "add", "arguments": '{"a": 1}'}])
+    second = tool_calling(b, ("c2", "add", '{"a": 1}'), response=[3])
     b.tool("add", error=True)  # a valid call that failed: a tool error of the second call
     out = air_of(b.finish(), [first, second])
     assert out == {first.span_id: {"air.args_invalid": -0.1}, second.span_id: {"air.tool_error": -0.1}}
@@ -94,15 +84,7 @@ def test_name_match_stays_within_the_calling_llm_call() -> None:
 def test_call_id_match_uses_up_the_unparsed_call() -> None:
     """A span matched by call id is not matched again by name: a second failed ``add`` without id is an error."""
     b = TraceBuilder()
-    call = b.llm(
-        [1],
-        [2],
-        content=None,
-        tool_calls=[
-            {"id": "c1", "name": "add", "arguments": BROKEN},
-            {"id": "c2", "name": "add", "arguments": '{"a": 1}'},
-        ],
-    )
+    call = tool_calling(b, ("c1", "add", BROKEN), ("c2", "add", '{"a": 1}'))
     b.tool("add", call_id="c1", error=True)
     b.tool("add", error=True)
     out = air_of(b.finish(), [call])
@@ -111,15 +93,7 @@ def test_call_id_match_uses_up_the_unparsed_call() -> None:
 
 def test_successful_tool_without_id_does_not_use_up_an_unparsed_call() -> None:
     b = TraceBuilder()
-    call = b.llm(
-        [1],
-        [2],
-        content=None,
-        tool_calls=[
-            {"id": "c1", "name": "add", "arguments": '{"a": 1}'},
-            {"id": "c2", "name": "add", "arguments": BROKEN},
-        ],
-    )
+    call = tool_calling(b, ("c1", "add", '{"a": 1}'), ("c2", "add", BROKEN))
     b.tool("add")  # the valid call, fine
     b.tool("add", error=True)  # the unparsed one
     out = air_of(b.finish(), [call], AIRConfig(tool_ok=0.5))

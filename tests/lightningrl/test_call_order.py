@@ -7,6 +7,7 @@ which agent a call belongs to when spans come from several sources (an unnamed a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -26,20 +27,18 @@ ROOT, NATIVE_LLM, TOOL = "a" * 16, "b" * 16, "c" * 16
 OTLP_LLM = "d" * 16
 
 
+def span(seq: int, span_id: str, parent_id: Optional[str], name: str, kind: str, start: int, end: int, **kw) -> Span:
+    """A span of attempt at-1 of ro-1 (``kw``: other fields) in the trace TRACE."""
+    ids = {"rollout_id": "ro-1", "attempt_id": "at-1", "trace_id": TRACE}
+    fields = {"sequence_id": seq, "span_id": span_id, "parent_id": parent_id, "name": name, "kind": kind}
+    return Span(**{**ids, **fields, "start_time": start, "end_time": end, **kw})
+
+
 def native(rollout_id: str, attempt_id: str, seq: int, span_id: str, kind: str, start: int, end: int, **attrs) -> Span:
-    return Span(
-        rollout_id=rollout_id,
-        attempt_id=attempt_id,
-        sequence_id=seq,
-        trace_id=TRACE,
-        span_id=span_id,
-        parent_id=None if span_id == ROOT else ROOT,
-        name=f"{kind} {seq}",
-        kind=kind,
-        start_time=start,
-        end_time=end,
-        attributes={semconv.AGENT_NAME: "solver", **attrs} if span_id == ROOT else attrs,
-    )
+    parent_id = None if span_id == ROOT else ROOT
+    attributes = {semconv.AGENT_NAME: "solver", **attrs} if span_id == ROOT else attrs
+    ids = {"rollout_id": rollout_id, "attempt_id": attempt_id}
+    return span(seq, span_id, parent_id, f"{kind} {seq}", kind, start, end, **ids, attributes=attributes)
 
 
 def ints(values):
@@ -130,33 +129,11 @@ def test_an_unnamed_agent_span_does_not_hide_the_named_agent_around_it() -> None
     """A hand-made or third-party agent span without gen_ai.agent.name inside the named root agent: its calls
     had agent name None, which no agent_match could select (found by the LightningRL probe)."""
     unnamed = "9" * 16
+    token_ids = {semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.RESPONSE_TOKEN_IDS: [3]}
     spans = [
         native("ro-1", "at-1", 1, ROOT, "agent", 0, 100),  # named "solver"
-        Span(
-            rollout_id="ro-1",
-            attempt_id="at-1",
-            sequence_id=2,
-            trace_id=TRACE,
-            span_id=unnamed,
-            parent_id=ROOT,
-            name="agent step",
-            kind="agent",
-            start_time=5,
-            end_time=50,
-        ),
-        Span(
-            rollout_id="ro-1",
-            attempt_id="at-1",
-            sequence_id=3,
-            trace_id=TRACE,
-            span_id=NATIVE_LLM,
-            parent_id=unnamed,
-            name="chat",
-            kind="llm",
-            start_time=10,
-            end_time=20,
-            attributes={semconv.PROMPT_TOKEN_IDS: [1, 2], semconv.RESPONSE_TOKEN_IDS: [3]},
-        ),
+        span(2, unnamed, ROOT, "agent step", "agent", 5, 50),
+        span(3, NATIVE_LLM, unnamed, "chat", "llm", 10, 20, attributes=token_ids),
     ]
     tree = build_tree(spans)
     assert tree.enclosing_agent(NATIVE_LLM).span_id == ROOT

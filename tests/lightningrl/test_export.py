@@ -70,60 +70,35 @@ def test_agl_export_cli(tmp_path, capsys) -> None:
     store.close()
 
     out = tmp_path / "b.jsonl"
+
+    def export_cli(*options: str) -> int:
+        """``agl export OUT --store DB OPTIONS...``."""
+        return agl_main(["export", str(out), "--store", str(db), *options])
+
     config = json.dumps({"agent_match": {"writer": "author"}, "credit": "discounted", "gamma": 0.9})
-    assert agl_main(["export", str(out), "--store", str(db), "--config", config]) == 0
+    assert export_cli("--config", config) == 0
     printed = capsys.readouterr().out
     assert "4 rollouts (4 used" in printed and f"to {out}" in printed
     samples = read_jsonl(out)
     assert samples and {s.policy for s in samples} == {"author"}
 
     (tmp_path / "c.json").write_text(json.dumps({"credit": "step"}))
-    assert (
-        agl_main(
-            [
-                "export",
-                str(out),
-                "--store",
-                str(db),
-                "--config",
-                f"@{tmp_path / 'c.json'}",
-                "--agent-match",
-                "^checker$",
-            ]
-        )
-        == 0
-    )
+    assert export_cli("--config", f"@{tmp_path / 'c.json'}", "--agent-match", "^checker$") == 0
     assert {s.policy for s in read_jsonl(out)} == {"default"}
 
     # --adapter KEY=VALUE, as agl train takes it, goes over --config; --agent-match over both
-    assert (
-        agl_main(
-            [
-                "export",
-                str(out),
-                "--store",
-                str(db),
-                "--config",
-                config,
-                "--adapter",
-                'agent_match={"checker": "critic"}',
-            ]
-        )
-        == 0
-    )
+    assert export_cli("--config", config, "--adapter", 'agent_match={"checker": "critic"}') == 0
     assert {s.policy for s in read_jsonl(out)} == {"critic"}
-    assert (
-        agl_main(["export", str(out), "--store", str(db), "--adapter", "credit=step", "--agent-match", "^writer$"]) == 0
-    )
+    assert export_cli("--adapter", "credit=step", "--agent-match", "^writer$") == 0
     assert {s.policy for s in read_jsonl(out)} == {"default"}
     with pytest.raises(SystemExit, match="bad LightningRL settings: .*gama"):
-        agl_main(["export", str(out), "--store", str(db), "--adapter", "gama=0.9"])
+        export_cli("--adapter", "gama=0.9")
     capsys.readouterr()
     with pytest.raises(SystemExit, match="no samples to export from 4 rollouts; the report above says why"):
-        agl_main(["export", str(out), "--store", str(db), "--agent-match", "^writr$"])  # a typo selects nothing
+        export_cli("--agent-match", "^writr$")  # a typo selects nothing
     assert "filtered" in capsys.readouterr().out  # the report names the agents agent_match left out
 
     with pytest.raises(SystemExit, match="bad LightningRL settings: unknown LightningRL setting"):
-        agl_main(["export", str(out), "--store", str(db), "--config", '{"gama": 1}'])
+        export_cli("--config", '{"gama": 1}')
     with pytest.raises(SystemExit, match="cannot read --config"):
-        agl_main(["export", str(out), "--store", str(db), "--config", "{nope"])
+        export_cli("--config", "{nope")

@@ -4,6 +4,7 @@ instrumentation against the local fake server, and synthetic traces for each lin
 from __future__ import annotations
 
 import pytest
+from lrl_tool_calls import tool_calling
 from openai import OpenAI
 
 import agl
@@ -15,13 +16,6 @@ from agl.lightningrl.synthetic import TraceBuilder
 from agl.lightningrl.tree import build_tree
 from agl.tracing.context_keys import register_parent_resolver, unregister_parent_resolver
 from agl.tracing.tracer import get_tracer
-
-
-@pytest.fixture
-def instrumented():
-    agl.instrument()
-    yield
-    agl.uninstrument()
 
 
 def links_of(spans) -> CallLinks:
@@ -170,16 +164,8 @@ def test_reward_linked_by_operation_id_when_its_parent_is_not_the_operation() ->
 def air_trace():
     b = TraceBuilder()
     calls = {}
-    calls["tools"] = b.llm(
-        [1],
-        [2],
-        content=None,
-        tool_calls=[
-            {"id": "ok", "name": "t", "arguments": '{"a": 1}'},
-            {"id": "bad", "name": "t", "arguments": '{"a": '},
-            {"id": "list", "name": "t", "arguments": "[1]"},
-            {"id": "boom", "name": "t", "arguments": '{"a": 0}'},
-        ],
+    calls["tools"] = tool_calling(
+        b, ("ok", "t", '{"a": 1}'), ("bad", "t", '{"a": '), ("list", "t", "[1]"), ("boom", "t", '{"a": 0}')
     )
     b.tool("t", call_id="ok")
     b.tool("t", call_id="bad", error=True)  # run on arguments that did not parse (the Agents SDK does): counted
@@ -236,20 +222,12 @@ def test_a_tool_call_run_more_than_once_counts_once_by_its_last_run() -> None:
     (the same call's tool run twice) each count once, as their last run; the same call id from another
     calling call (a server that numbers calls per answer) is another call."""
     b = TraceBuilder()
-    first = b.llm(
-        [1],
-        [2],
-        content=None,
-        tool_calls=[
-            {"id": "call_0", "name": "fetch", "arguments": "{}"},
-            {"id": "call_1", "name": "add", "arguments": '{"a": 1}'},
-        ],
-    )
+    first = tool_calling(b, ("call_0", "fetch", "{}"), ("call_1", "add", '{"a": 1}'))
     b.tool("fetch", call_id="call_0", error=True)  # a transient failure, retried
     b.tool("fetch", call_id="call_0")
     b.tool("add", call_id="call_1", error=True)
     b.tool("add", call_id="call_1", error=True)  # replayed after an interrupt: the same failure, once
-    second = b.llm([1], [3], content=None, tool_calls=[{"id": "call_0", "name": "fetch", "arguments": "{}"}])
+    second = tool_calling(b, ("call_0", "fetch", "{}"), response=[3])
     b.tool("fetch", call_id="call_0", error=True)
     out = air_rewards(links_of(b.finish()), [first.span_id, second.span_id], AIRConfig(tool_ok=0.5))
     assert out == {
@@ -262,16 +240,7 @@ def test_a_tool_interrupted_by_its_caller_says_nothing_of_the_call() -> None:
     """A tool cancelled with its run (CancelledError), or stopped by its caller (agl.span.stopped), was not
     judged by its result: it was a tool_error (OpenAI Agents SDK, @agl.tool) or a tool_ok (LangChain)."""
     b = TraceBuilder()
-    call = b.llm(
-        [1],
-        [2],
-        content=None,
-        tool_calls=[
-            {"id": "c1", "name": "slow", "arguments": "{}"},
-            {"id": "c2", "name": "slow", "arguments": "{}"},
-            {"id": "c3", "name": "fast", "arguments": "{}"},
-        ],
-    )
+    call = tool_calling(b, ("c1", "slow", "{}"), ("c2", "slow", "{}"), ("c3", "fast", "{}"))
     b.tool("slow", call_id="c1", error=True, error_type="CancelledError")
     b.tool("slow", call_id="c2", stopped=True)
     b.tool("fast", call_id="c3", error=True)

@@ -27,27 +27,10 @@ def answerer(task, llm):
     return task["r"]
 
 
-@pytest.fixture
-def instrumented():
-    agl.instrument()
-    yield
-    agl.uninstrument()
-
-
-def trainer_for(db: Path, fake_openai) -> agl.Trainer:
-    return agl.Trainer(
-        store=str(db),
-        runner_mode="thread",
-        n_runners=1,
-        initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
-        progress=False,
-    )
-
-
 def train_and_validate(
-    db: Path, fake_openai, train: list, val: list, n_per_task: int = 2
+    db: Path, fake_trainer, train: list, val: list, n_per_task: int = 2
 ) -> Tuple[List[Rollout], List[Rollout]]:
-    trainer = trainer_for(db, fake_openai)
+    trainer = fake_trainer(str(db))
     with trainer.runners(answerer):
         train_rollouts = trainer.run_tasks(train, n_per_task=n_per_task)
         val_rollouts = trainer.run_tasks(val, mode="val")
@@ -61,8 +44,8 @@ TRAIN = [{"q": "train question 1+1", "r": 1.0}]
 VAL = [{"q": "VAL question: the capital of France", "r": 0.0}]
 
 
-def test_validation_tasks_without_ids_never_share_a_training_task_id(tmp_path, fake_openai, instrumented) -> None:
-    train, val = train_and_validate(tmp_path / "s.db", fake_openai, TRAIN, VAL)
+def test_validation_tasks_without_ids_never_share_a_training_task_id(tmp_path, fake_trainer, instrumented) -> None:
+    train, val = train_and_validate(tmp_path / "s.db", fake_trainer, TRAIN, VAL)
     assert [r.task_id for r in train] == ["task-0", "task-0"]
     assert [(r.mode, r.task_id) for r in val] == [("val", "val-0")]
 
@@ -75,10 +58,10 @@ def test_baseline_names_validation_tasks_apart(tmp_path) -> None:
     assert [r.task_id for r in results["val"]] == ["val-0"]
 
 
-def test_grpo_groups_never_mix_train_and_val_rollouts_even_under_one_id(tmp_path, fake_openai, instrumented) -> None:
+def test_grpo_groups_never_mix_train_and_val_rollouts_even_under_one_id(tmp_path, fake_trainer, instrumented) -> None:
     """Ids the user gives can collide across the two datasets; the groups still do not."""
     train, val = train_and_validate(
-        tmp_path / "s.db", fake_openai, [{"id": "q1", **TRAIN[0]}], [{"id": "q1", **VAL[0]}]
+        tmp_path / "s.db", fake_trainer, [{"id": "q1", **TRAIN[0]}], [{"id": "q1", **VAL[0]}]
     )
     assert {r.task_id for r in train + val} == {"q1"}
     store = SqliteLightningStore(tmp_path / "s.db")
@@ -97,9 +80,11 @@ def export(db: Path, out: Path, *args: str) -> List[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_agl_export_writes_training_rollouts_by_default_each_with_its_mode(tmp_path, fake_openai, instrumented) -> None:
+def test_agl_export_writes_training_rollouts_by_default_each_with_its_mode(
+    tmp_path, fake_trainer, instrumented
+) -> None:
     db = tmp_path / "s.db"
-    train, val = train_and_validate(db, fake_openai, TRAIN, VAL)
+    train, val = train_and_validate(db, fake_trainer, TRAIN, VAL)
     out = tmp_path / "b.jsonl"
 
     records = export(db, out)  # the default: training rollouts only
@@ -121,10 +106,10 @@ def test_agl_export_writes_training_rollouts_by_default_each_with_its_mode(tmp_p
     assert sorted(pq.read_table(str(tmp_path / "c.parquet")).column("mode").to_pylist()) == ["train", "train", "val"]
 
 
-def test_agl_export_limit_never_cuts_a_group(tmp_path, fake_openai, instrumented, capsys) -> None:
+def test_agl_export_limit_never_cuts_a_group(tmp_path, fake_trainer, instrumented, capsys) -> None:
     """``--limit N`` reads whole task groups only: a group cut in half would get different advantages."""
     db = tmp_path / "s.db"
-    train, _ = train_and_validate(db, fake_openai, [{"q": "a", "r": 1.0}, {"q": "b", "r": 0.0}], VAL, n_per_task=2)
+    train, _ = train_and_validate(db, fake_trainer, [{"q": "a", "r": 1.0}, {"q": "b", "r": 0.0}], VAL, n_per_task=2)
     out = tmp_path / "b.jsonl"
     capsys.readouterr()
 

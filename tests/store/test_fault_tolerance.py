@@ -15,7 +15,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -75,25 +75,19 @@ def agent_file(tmp_path: Path) -> Path:
     return path
 
 
-def start_runners(agent_file: Path, url: str, n: int, log: Path, *options: str) -> subprocess.Popen[bytes]:
+def agl_command(*args: str) -> List[str]:
+    """The ``agl`` command line ``agl ARGS...`` of this interpreter."""
+    return [sys.executable, "-m", "agl.cli", *args]
+
+
+def runner_command(agent_file: Path, url: str, *options: str) -> Tuple[List[str], Dict[str, str]]:
+    """``agl runner`` of the test agent against the store at ``url`` with the test's token, and its environment."""
     env = {**os.environ, "AGL_FT_MARKS": str(agent_file.parent / "marks")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "agl.cli",
-        "runner",
-        "--store",
-        url,
-        "--agent",
-        f"{agent_file}:agent",
-        "--n-runners",
-        str(n),
-        "--token",
-        TOKEN,
-        "--heartbeat-interval",
-        "0.2",
-        *options,
-    ]
+    return agl_command("runner", "--store", url, "--agent", f"{agent_file}:agent", "--token", TOKEN, *options), env
+
+
+def start_runners(agent_file: Path, url: str, n: int, log: Path, *options: str) -> subprocess.Popen[bytes]:
+    cmd, env = runner_command(agent_file, url, "--n-runners", str(n), "--heartbeat-interval", "0.2", *options)
     return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
@@ -166,19 +160,7 @@ class ServerProcess:
         self.proc: Optional[subprocess.Popen[bytes]] = None
 
     def start(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "agl.cli",
-            "store",
-            "serve",
-            "--store",
-            str(self.db),
-            "--port",
-            str(self.port),
-            "--token",
-            TOKEN,
-        ]
+        cmd = agl_command("store", "serve", "--store", str(self.db), "--port", str(self.port), "--token", TOKEN)
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
         probe = RemoteLightningStore(self.url, token=TOKEN, retries=0)
         eventually(lambda: _answers(probe), 60, f"the store server to start\n{self.log.read_text()}")
@@ -334,21 +316,7 @@ def test_agl_runner_started_before_its_store_server_waits_for_it(tmp_path: Path,
 
 def test_agl_runner_gives_up_on_a_store_that_never_answers_after_wait_for_store(agent_file: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nobody listens there
-    cmd = [
-        sys.executable,
-        "-m",
-        "agl.cli",
-        "runner",
-        "--store",
-        url,
-        "--agent",
-        f"{agent_file}:agent",
-        "--token",
-        TOKEN,
-        "--wait-for-store",
-        "2",
-    ]
-    env = {**os.environ, "AGL_FT_MARKS": str(agent_file.parent / "marks")}
+    cmd, env = runner_command(agent_file, url, "--wait-for-store", "2")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2, result.stderr
     assert f"the store at {url} did not answer within 2 s (--wait-for-store)" in result.stderr

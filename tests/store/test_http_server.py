@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import httpx
 import pytest
+from local_tcp_listener import LocalListener
 
 from agl.errors import (
     StaleAttemptError,
@@ -510,7 +511,7 @@ def test_work_that_arrives_after_a_polling_runner_left_goes_to_a_live_runner(
 # -- retries ------------------------------------------------------------------------------------------------
 
 
-class LossyProxy:
+class LossyProxy(LocalListener):
     """A real TCP proxy in front of the server that loses the answers to the next ``drop`` requests
     (the request reaches the server and is applied; the client sees the connection close), then sends
     later requests to ``then_upstream`` if set (a restarted server, with no memory of the lost request)."""
@@ -520,17 +521,11 @@ class LossyProxy:
         self.then_upstream: Optional[str] = None
         self.drop = 0
         self.seen: List[bytes] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}"
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def _handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -550,9 +545,6 @@ class LossyProxy:
                         self.upstream = self.then_upstream
                     return  # the answer is lost
                 conn.sendall(response or b"")
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 def _read_http_message(reader: Any) -> Optional[bytes]:

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from local_tcp_listener import LocalListener
 
 from agl.errors import AglError, StoreUnavailableError
 from agl.store import EnqueueRequest
@@ -25,7 +26,7 @@ from agl.testing.postgres import PostgresServer, TemporaryPostgres
 COMPLETION_MARK = COMPLETE.split("%(")[0][-40:].encode()
 
 
-class CuttingProxy:
+class CuttingProxy(LocalListener):
     """A TCP proxy on 127.0.0.1 in front of a PostgreSQL server. ``cut_after(mark)``: the first connection
     whose client sends bytes holding ``mark`` is cut right after they were forwarded, as a network cut or a
     database crash at that moment: the server got the statement, the client never hears back; with
@@ -38,25 +39,18 @@ class CuttingProxy:
         self.cut = threading.Event()
         self.down = False
         self._down_at_cut = False
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
     def cut_after(self, mark: bytes, then_down: bool = False) -> None:
         self.mark, self._down_at_cut = mark, then_down
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            if self.down:
-                client.close()
-                continue
-            server = socket.create_connection(("127.0.0.1", self.target))
-            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+    def _handle(self, client: socket.socket) -> None:
+        if self.down:
+            client.close()
+            return
+        server = socket.create_connection(("127.0.0.1", self.target))
+        threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
         try:
@@ -74,9 +68,6 @@ class CuttingProxy:
             except OSError:
                 pass
             sock.close()
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 @pytest.fixture

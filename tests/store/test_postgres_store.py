@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from claim_race import drain, drain_in_forked_processes
 
 import agl.testing.postgres
 from agl.errors import (
@@ -90,25 +91,12 @@ def _until(condition: Callable[[], bool], what: str) -> None:
 # -- many machines -----------------------------------------------------------------------------------------
 
 
-def _drain(store: PostgresLightningStore, runner_id: str, out: List[str], start: threading.Event) -> None:
-    """Claim (in batches of 1 to 3) and complete until the queue is empty."""
-    start.wait(30)
-    while True:
-        batch = store.dequeue_many(runner_id, 1 + len(out) % 3)
-        if not batch:
-            return
-        for rollout in batch:
-            assert rollout.attempt is not None
-            store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
-            out.append(rollout.rollout_id)
-
-
 def test_two_machines_claim_disjoint_rollouts_under_contention(machines: List[PostgresLightningStore]) -> None:
     ids = {r.rollout_id for r in machines[0].enqueue_many([EnqueueRequest(input=i) for i in range(300)])}
     start = threading.Event()
     claimed: List[List[str]] = [[] for _ in range(8)]  # four runner threads per machine
     threads = [
-        threading.Thread(target=_drain, args=(machines[i % 2], f"machine-{i % 2}-runner-{i}", claimed[i], start))
+        threading.Thread(target=drain, args=(machines[i % 2], f"machine-{i % 2}-runner-{i}", claimed[i], start))
         for i in range(8)
     ]
     for thread in threads:
@@ -125,29 +113,13 @@ def test_two_machines_claim_disjoint_rollouts_under_contention(machines: List[Po
         assert stats.rollouts["succeeded"] == 300 and stats.attempts == 300
 
 
-def _claim_in_child(store: PostgresLightningStore, runner: int, out: Path, start: Any) -> None:
-    claimed: List[str] = []
-    _drain(store, f"process-{runner}", claimed, start)
-    store.close()  # closes the child's connections only
-    out.write_text("\n".join(claimed))
-
-
 def test_forked_processes_share_the_store_object(
     postgres_dsn: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = PostgresLightningStore(postgres_dsn)
     ids = {r.rollout_id for r in store.enqueue_many([EnqueueRequest(input=i) for i in range(120)])}
     store.get_rollout(next(iter(ids)))  # the parent holds an open pooled connection across the fork
-    outs = [tmp_path / f"claimed-{i}.txt" for i in range(3)]
-    start = fork.Event()
-    procs = [fork.Process(target=_claim_in_child, args=(store, i, out, start)) for i, out in enumerate(outs)]
-    for proc in procs:
-        proc.start()
-    start.set()
-    for proc in procs:
-        proc.join(60)
-        assert proc.exitcode == 0
-    claimed = [line for out in outs for line in out.read_text().split("\n") if line]
+    claimed = drain_in_forked_processes(store, tmp_path, close_in_child=True)
     assert len(claimed) == len(set(claimed)) == 120 and set(claimed) == ids
     with caplog.at_level(logging.WARNING, logger="agl.store.postgres.store"):
         assert store.stats().rollouts["succeeded"] == 120
@@ -194,6 +166,18 @@ def test_enqueue_on_another_machine_wakes_a_waiting_dequeue(
     assert claims[0] == 3
 
 
+def _commit_once_waited_for(dsn: str, holder: psycopg.Connection, target: Callable[[], None], what: str) -> None:
+    """Runs ``target`` on a thread until it waits for a lock (``what``) that ``holder``, another machine's open
+    transaction, holds; then commits ``holder`` and lets ``target`` finish."""
+    watcher = psycopg.connect(dsn, autocommit=True)
+    thread = threading.Thread(target=target)
+    thread.start()
+    _until(lambda: watcher.execute(_LOCK_WAITERS).fetchone()[0] >= 1, what)
+    holder.commit()
+    watcher.close()
+    thread.join(30)
+
+
 def test_a_completion_waiting_behind_another_machines_reap_is_refused(machines: List[PostgresLightningStore]) -> None:
     """The reap commits while the completion waits for the rollout's lock: the completion must see the reap."""
     runner, _ = machines
@@ -209,7 +193,6 @@ def test_a_completion_waiting_behind_another_machines_reap_is_refused(machines: 
         except StaleAttemptError as exc:
             outcome["error"] = exc
 
-    watcher = psycopg.connect(runner.dsn, autocommit=True)
     with psycopg.connect(runner.dsn) as reaper:  # another machine's reap, its transaction still open
         reaper.execute("SELECT 1 FROM agl_rollouts WHERE rollout_id = %s FOR UPDATE", (rollout.rollout_id,))
         reaper.execute(
@@ -220,12 +203,7 @@ def test_a_completion_waiting_behind_another_machines_reap_is_refused(machines: 
             "UPDATE agl_rollouts SET status = 'queued', queue_pos = nextval('agl_queue_pos') WHERE rollout_id = %s",
             (rollout.rollout_id,),
         )
-        thread = threading.Thread(target=complete)
-        thread.start()
-        _until(lambda: watcher.execute(_LOCK_WAITERS).fetchone()[0] >= 1, "the completion waits for the lock")
-        reaper.commit()
-    watcher.close()
-    thread.join(30)
+        _commit_once_waited_for(runner.dsn, reaper, complete, "the completion waits for the lock")
     assert "error" in outcome, f"a completion of a reaped attempt was accepted: {outcome}"
     assert "'timeout'" in str(outcome["error"])
     after = runner.get_rollout(rollout.rollout_id)
@@ -245,15 +223,9 @@ def test_a_chosen_rollout_id_stored_by_another_machine_meanwhile_is_a_duplicate(
         except DuplicateRolloutError as exc:
             outcome["error"] = exc
 
-    watcher = psycopg.connect(store.dsn, autocommit=True)
     with psycopg.connect(store.dsn) as other:  # another machine's enqueue, its transaction still open
         other.execute(INSERT_ROLLOUT, ("ro-chosen", "task", '"theirs"', "train", None, 1, None, None, "{}", 1.0))
-        thread = threading.Thread(target=enqueue)
-        thread.start()
-        _until(lambda: watcher.execute(_LOCK_WAITERS).fetchone()[0] >= 1, "our insert waits on the unique index")
-        other.commit()
-    watcher.close()
-    thread.join(30)
+        _commit_once_waited_for(store.dsn, other, enqueue, "our insert waits on the unique index")
     assert "error" in outcome and "'ro-chosen'" in str(outcome["error"]), outcome
     assert store.get_rollout("ro-chosen").input == "theirs"
     assert store.stats().rollouts["queued"] == 1
@@ -607,24 +579,18 @@ def test_without_postgresql_the_helper_says_how_to_install_it(monkeypatch: pytes
 # -- open_store --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
-def test_open_store_opens_postgresql_urls(postgres_dsn: str, scheme: str) -> None:
-    url = scheme + postgres_dsn[postgres_dsn.index("://") :]
-    with open_store(url) as store:
-        assert isinstance(store, PostgresLightningStore)
-        rollout = store.enqueue_rollout("x")
-    with PostgresLightningStore(postgres_dsn) as again:
-        assert again.get_rollout(rollout.rollout_id) == rollout
-
-
-def test_open_store_opens_libpq_key_value_strings(postgres_dsn: str) -> None:
+@pytest.mark.parametrize("form", ["postgresql", "postgres", "key=value"])
+def test_open_store_opens_postgresql_urls_and_libpq_key_value_strings(postgres_dsn: str, form: str) -> None:
     """The docs promise "any libpq URL or key=value string"; open_store (so --store and $AGL_STORE) refused
     the key=value form as an unknown store."""
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-    key_value = make_conninfo(**conninfo_to_dict(postgres_dsn))
-    assert "://" not in key_value and "dbname=" in key_value
-    with open_store(key_value) as store:
+    if form == "key=value":
+        url = make_conninfo(**conninfo_to_dict(postgres_dsn))
+        assert "://" not in url and "dbname=" in url
+    else:
+        url = form + postgres_dsn[postgres_dsn.index("://") :]
+    with open_store(url) as store:
         assert isinstance(store, PostgresLightningStore)
         rollout = store.enqueue_rollout("x")
     with PostgresLightningStore(postgres_dsn) as again:

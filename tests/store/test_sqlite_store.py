@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, List
 
 import pytest
+from claim_race import drain_in_forked_processes
 
 from agl.errors import AglError, StoreAddressError, StoreNotFoundError
 from agl.store import EnqueueRequest, InMemoryLightningStore, SqliteLightningStore, _rules, open_store
@@ -25,34 +26,10 @@ from agl.types import LLM, RolloutConfig
 fork = multiprocessing.get_context("fork")
 
 
-def _claim_all(store: SqliteLightningStore, runner: int, out: Path, start: Any) -> None:
-    """Child process: claim (in batches of 1 to 3) and complete until the queue is empty."""
-    claimed: List[str] = []
-    start.wait(30)  # all children race from the same moment
-    while True:
-        batch = store.dequeue_many(f"runner-{runner}", 1 + len(claimed) % 3)
-        if not batch:
-            break
-        for rollout in batch:
-            assert rollout.attempt is not None
-            store.complete_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", reward=1.0)
-            claimed.append(rollout.rollout_id)
-    out.write_text("\n".join(claimed))
-
-
 def test_processes_never_claim_the_same_rollout(sqlite_store: SqliteLightningStore, tmp_path: Path) -> None:
     ids = {r.rollout_id for r in sqlite_store.enqueue_many([EnqueueRequest(input=i) for i in range(200)])}
     sqlite_store.get_rollout(next(iter(ids)))  # the parent holds an open connection across the fork
-    outs = [tmp_path / f"claimed-{i}.txt" for i in range(3)]
-    start = fork.Event()
-    procs = [fork.Process(target=_claim_all, args=(sqlite_store, i, out, start)) for i, out in enumerate(outs)]
-    for proc in procs:
-        proc.start()
-    start.set()
-    for proc in procs:
-        proc.join(60)
-        assert proc.exitcode == 0
-    claimed = [line for out in outs for line in out.read_text().split("\n") if line]
+    claimed = drain_in_forked_processes(sqlite_store, tmp_path)
     assert len(claimed) == len(set(claimed)) == 200 and set(claimed) == ids
     stats = sqlite_store.stats()
     assert stats.rollouts["succeeded"] == 200 and stats.attempts == 200

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 
@@ -25,7 +25,7 @@ from agl.errors import (
     UnknownRolloutError,
 )
 from agl.store import EnqueueRequest, LightningStore
-from agl.types import LLM, PromptTemplate, Rollout, RolloutConfig, SpanEvent
+from agl.types import LLM, PromptTemplate, Rollout, RolloutConfig, Span, SpanEvent
 
 MakeSpan = Callable[..., Any]
 
@@ -540,6 +540,13 @@ def test_spans_of_unknown_ids_store_nothing_of_the_batch(store: LightningStore, 
 # -- NUL characters (PostgreSQL's text cannot hold them; the rule is in agl.store._rules) ----------------------
 
 
+def failed_span_holding(span: Span, odd: str, error: str) -> Span:
+    """``span`` failed with ``error``, with ``odd`` (text a backend may not store as it is) in its name and in
+    an event's name and attribute."""
+    event = SpanEvent(name=f"e{odd}", timestamp=1, attributes={"v": odd})
+    return span.model_copy(update={"name": f"tool{odd}call", "status": "error", "error": error, "events": [event]})
+
+
 def test_nul_in_free_text_is_replaced_and_json_values_keep_it(store: LightningStore, make_span: MakeSpan) -> None:
     """An agent error or span name with a NUL made PostgreSQL refuse the completion (the runner died, the rollout
     waited for its heartbeat timeout) and the span batch; SQLite and memory kept it. Every backend now keeps free
@@ -548,14 +555,7 @@ def test_nul_in_free_text_is_replaced_and_json_values_keep_it(store: LightningSt
     rollout = claim(store)
     assert rollout.input == {"text": "a\x00b"} and rollout.metadata == {"m\x00": "\x00"}
     output = {"gen_ai.completion": "model said \x00", "k\x00": ["\x00"]}
-    span = make_span(rollout, 0, attributes=output).model_copy(
-        update={
-            "name": "tool\x00call",
-            "status": "error",
-            "error": "bad \x00 bytes",
-            "events": [SpanEvent(name="e\x00", timestamp=1, attributes={"v": "\x00"})],
-        }
-    )
+    span = failed_span_holding(make_span(rollout, 0, attributes=output), "\x00", error="bad \x00 bytes")
     assert store.add_spans([make_span(rollout, 1), span]) == 2
     stored = store.query_spans(rollout.rollout_id)[0]
     assert (stored.name, stored.error) == ("tool\ufffdcall", "bad \ufffd bytes")
@@ -569,20 +569,33 @@ def test_nul_in_free_text_is_replaced_and_json_values_keep_it(store: LightningSt
     assert store.get_resources().resources["p"].template == "\x00{q}"  # type: ignore[union-attr]
 
 
-def test_ids_with_nul_are_refused_alike_and_store_nothing(store: LightningStore, make_span: MakeSpan) -> None:
-    """SQLite and memory kept them, PostgreSQL refused them (422 over HTTP): now every backend refuses them."""
+# (what is refused, then the bad characters of: a task id, a resources id, a runner id, a resources id, a span id)
+BAD_IDS = {
+    "nul": ("NUL", "\x00", "\x00", "\x00", "\x00", "\x00"),
+    "lone-surrogates": ("lone surrogate", "\ud83d", "\udc00", "\ud83d", "\ud83d", "\ud83d"),
+}
+
+
+@pytest.mark.parametrize("bad_ids", BAD_IDS.values(), ids=BAD_IDS.keys())
+def test_ids_with_nul_or_lone_surrogates_are_refused_alike_and_store_nothing(
+    store: LightningStore, make_span: MakeSpan, bad_ids: Tuple[str, ...]
+) -> None:
+    """NUL: SQLite and memory kept them, PostgreSQL refused them (422 over HTTP). Lone surrogates: SQLite and
+    PostgreSQL raised UnicodeEncodeError (HTTP: a pydantic serialisation error), memory kept them. Now every
+    backend refuses them."""
+    refused, task, resources, runner, resources_again, span_id = bad_ids
     store.enqueue_rollout("x")
     rollout = claim(store)
-    for bad in ({"task_id": "t\x00"}, {"resources_id": "res-\x00"}):
-        with pytest.raises(ValueError, match="NUL"):
+    for bad in ({"task_id": "t" + task}, {"resources_id": "res-" + resources}):
+        with pytest.raises(ValueError, match=refused):
             store.enqueue_many([EnqueueRequest(input=1), EnqueueRequest(input=2, **bad)])
-    with pytest.raises(ValueError, match="NUL"):
-        store.dequeue_rollout("runner-\x00")
-    with pytest.raises(ValueError, match="NUL"):
-        store.add_resources({}, resources_id="res-\x00")
+    with pytest.raises(ValueError, match=refused):
+        store.dequeue_rollout("runner-" + runner)
+    with pytest.raises(ValueError, match=refused):
+        store.add_resources({}, resources_id="res-" + resources_again)
     for field in ("span_id", "trace_id", "parent_id"):
-        bad_span = make_span(rollout, 1).model_copy(update={field: "00\x00"})
-        with pytest.raises(InvalidSpanError, match=f"NUL.*{field}"):
+        bad_span = make_span(rollout, 1).model_copy(update={field: "00" + span_id})
+        with pytest.raises(InvalidSpanError, match=f"{refused}.*{field}"):
             store.add_spans([make_span(rollout, 0), bad_span])
     stats = store.stats()
     assert (stats.rollouts["queued"], stats.rollouts["running"], stats.spans, stats.resources_versions) == (0, 1, 0, 0)
@@ -600,14 +613,7 @@ def test_lone_surrogates_in_free_text_and_json_values_become_u_fffd(store: Light
     rollout = claim(store)
     assert rollout.input == {"text": "cut \ufffd"} and rollout.metadata == {"m\ufffd": ["\ufffd"]}
     span = make_span(rollout, 0, attributes={"gen_ai.completion": "model said \ud83d", "k\udc00": ["\ud83d", 1]})
-    span = span.model_copy(
-        update={
-            "name": "tool\ud83dcall",
-            "status": "error",
-            "error": "pair \ud83d\ude00 lone \udc00 nul \x00",
-            "events": [SpanEvent(name="e\ud83d", timestamp=1, attributes={"v": "\ud83d"})],
-        }
-    )
+    span = failed_span_holding(span, "\ud83d", error="pair \ud83d\ude00 lone \udc00 nul \x00")
     assert store.add_spans([make_span(rollout, 1), span]) == 2
     stored = next(s for s in store.query_spans(rollout.rollout_id) if s.span_id == span.span_id)
     assert (stored.name, stored.error) == ("tool\ufffdcall", "pair \U0001f600 lone \ufffd nul \ufffd")
@@ -619,27 +625,6 @@ def test_lone_surrogates_in_free_text_and_json_values_become_u_fffd(store: Light
     assert store.get_rollout(rollout.rollout_id) == failed
     store.add_resources({"p": PromptTemplate(template="\ud83d{q}")})
     assert store.get_resources().resources["p"].template == "\ufffd{q}"  # type: ignore[union-attr]
-
-
-def test_ids_with_lone_surrogates_are_refused_alike_and_store_nothing(
-    store: LightningStore, make_span: MakeSpan
-) -> None:
-    """SQLite and PostgreSQL raised UnicodeEncodeError (HTTP: a pydantic serialisation error), memory kept them."""
-    store.enqueue_rollout("x")
-    rollout = claim(store)
-    for bad in ({"task_id": "t\ud83d"}, {"resources_id": "res-\udc00"}):
-        with pytest.raises(ValueError, match="lone surrogate"):
-            store.enqueue_many([EnqueueRequest(input=1), EnqueueRequest(input=2, **bad)])
-    with pytest.raises(ValueError, match="lone surrogate"):
-        store.dequeue_rollout("runner-\ud83d")
-    with pytest.raises(ValueError, match="lone surrogate"):
-        store.add_resources({}, resources_id="res-\ud83d")
-    for field in ("span_id", "trace_id", "parent_id"):
-        bad_span = make_span(rollout, 1).model_copy(update={field: "00\ud83d"})
-        with pytest.raises(InvalidSpanError, match=f"lone surrogate.*{field}"):
-            store.add_spans([make_span(rollout, 0), bad_span])
-    stats = store.stats()
-    assert (stats.rollouts["queued"], stats.rollouts["running"], stats.spans, stats.resources_versions) == (0, 1, 0, 0)
 
 
 @pytest.mark.parametrize("field", ["sequence_id", "start_time", "end_time"])

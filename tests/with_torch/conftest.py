@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator, List, Tuple
 
 import openai
 import pytest
-import torch
+from with_torch_helpers import greedy_generate
 
 from agl.serving import PolicyServer
 from agl.serving.models import load_policy
@@ -31,19 +31,8 @@ def client(server: PolicyServer) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def _greedy(model: Any, prompt: List[int], n: int) -> List[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="session")
 def greedy() -> Callable[[Any, List[int], int], List[int]]:
     """``greedy(model, prompt_ids, n)``: transformers' own greedy ``generate``, the reference the server's
     greedy answers are checked against."""
-    return _greedy
+    return greedy_generate

@@ -7,6 +7,7 @@ from typing import Any, List, Tuple
 
 import pytest
 import torch
+from with_torch_helpers import trained_sample
 
 from agl.algorithm.grpo_loss import (
     collate,
@@ -99,18 +100,7 @@ def test_server_logprobs_are_the_old_logprobs(tiny: Tuple[Any, Any]) -> None:
 
 def test_zero_advantage_groups_are_skipped_without_kl(tiny: Tuple[Any, Any]) -> None:
     model, tokenizer = tiny
-    samples = [
-        Sample(
-            rollout_id=f"ro-{i}",
-            task_id="t",
-            policy="default",
-            prompt_ids=[1, 2, 3],
-            response_ids=[4, 5],
-            response_mask=[1, 1],
-            reward=1.0,
-        )
-        for i in range(3)
-    ]
+    samples = [trained_sample(f"ro-{i}", [1, 2, 3], [4, 5], reward=1.0, policy="default") for i in range(3)]
     algo = TorchGRPO(model="tiny")
     algo.attach(model, tokenizer)
     before = [p.detach().clone() for p in algo.policy.parameters()]  # type: ignore[union-attr]
@@ -137,22 +127,8 @@ def test_kl_to_reference_is_zero_before_training_and_positive_after(tiny: Tuple[
 
 def test_clipped_ratio_stops_the_gradient() -> None:
     """PPO clip: a positive-advantage token whose ratio is already above 1 + eps gets no gradient."""
-    batch = collate(
-        [
-            Sample(
-                rollout_id="r",
-                task_id="t",
-                policy="p",
-                prompt_ids=[1],
-                response_ids=[2, 3],
-                response_mask=[1, 1],
-                reward=1.0,
-                advantage=1.0,
-                response_logprobs=[-1.0, -1.0],
-            )
-        ],
-        pad_id=0,
-    )
+    sample = trained_sample("r", [1], [2, 3], reward=1.0, advantage=1.0, response_logprobs=[-1.0, -1.0])
+    batch = collate([sample], pad_id=0)
     logprobs = torch.tensor([[-0.5, -1.05]], requires_grad=True)  # ratios e^0.5 (clipped) and e^-0.05
     parts = policy_loss(logprobs, batch.old_logprobs, batch, clip_eps=0.2, weight_total=1.0)  # type: ignore[arg-type]
     parts.loss.backward()
@@ -171,17 +147,6 @@ def test_bad_samples_are_refused_with_the_rollout_named() -> None:
 
 
 def test_micro_batches_group_similar_lengths() -> None:
-    samples = [
-        Sample(
-            rollout_id=str(n),
-            task_id="t",
-            policy="p",
-            prompt_ids=[1] * n,
-            response_ids=[2],
-            response_mask=[1],
-            reward=0.0,
-        )
-        for n in (50, 3, 48, 4, 49, 5)
-    ]
+    samples = [trained_sample(str(n), [1] * n, [2], reward=0.0) for n in (50, 3, 48, 4, 49, 5)]
     batches = split_micro_batches(samples, 3)
     assert [[len(s.prompt_ids) for s in b] for b in batches] == [[3, 4, 5], [48, 49, 50]]

@@ -9,15 +9,16 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import openai
 import pytest
+from with_torch_helpers import thread_trainer, tiny_grpo
 
 import agl
 from agl.algorithm.metrics import format_line, plot_reward_curve
-from agl.algorithm.torch_grpo import TorchGRPO
-from agl.serving.models import load_policy
+
+pytestmark = pytest.mark.usefixtures("instrumented")  # agl.instrument() around each test: tests/conftest.py
 
 TASKS = [{"task_id": f"t{i}", "question": f"Say something about the number {i}."} for i in range(2)]
 VAL = [{"task_id": f"v{i}", "question": f"Count to {i}."} for i in range(2)]
@@ -69,31 +70,15 @@ def half_failing_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
 
 
 @pytest.fixture(autouse=True)
-def instrumented() -> Iterator[None]:
-    agl.instrument()
+def nothing_sampled_yet() -> None:
+    """Each test starts with no recorded samples."""
     SAMPLED.clear()
-    yield
-    agl.uninstrument()
 
 
 def _fit(tmp_path: Path, agent: Any, val: Any = None, **overrides: Any) -> Any:
-    settings: Dict[str, Any] = dict(
-        model=load_policy("tiny", device="cpu", seed=0),
-        group_size=2,
-        batch_tasks=2,
-        steps=2,
-        max_tokens=TRAIN_MAX_TOKENS,
-        temperature=1.0,
-        lr=1e-3,
-        output_dir=tmp_path / "run",
-        seed=0,
-    )
-    settings.update(overrides)
-    algo = TorchGRPO(**settings)
-    trainer = agl.Trainer(
-        algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False
-    )
-    return algo, trainer.fit(agent, TASKS, val_dataset=val)
+    settings = {"steps": 2, "max_tokens": TRAIN_MAX_TOKENS, "checkpoint_dir": None, **overrides}
+    algo = tiny_grpo(tmp_path, **settings)
+    return algo, thread_trainer(tmp_path, algo).fit(agent, TASKS, val_dataset=val)
 
 
 def test_training_rollouts_are_sampled_with_training_settings_after_mid_training_evaluations(tmp_path: Path) -> None:

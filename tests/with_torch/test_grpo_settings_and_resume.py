@@ -14,18 +14,20 @@ import random
 import re
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import openai
 import pytest
 import torch
+from with_torch_helpers import thread_trainer, tiny_grpo, trained_sample
 
 import agl
 from agl.algorithm.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from agl.algorithm.grpo_loss import collate, policy_loss
 from agl.algorithm.torch_grpo import TorchGRPO
-from agl.lightningrl.types import Sample
 from agl.serving.models import load_policy
+
+pytestmark = pytest.mark.usefixtures("instrumented")  # agl.instrument() around each test: tests/conftest.py
 
 TASKS = [{"task_id": f"t{i}", "question": f"Say something about the number {i}."} for i in range(2)]
 
@@ -34,11 +36,9 @@ _lock = threading.Lock()
 
 
 @pytest.fixture(autouse=True)
-def instrumented() -> Iterator[None]:
-    agl.instrument()
+def no_answers_yet() -> None:
+    """Each test starts with no recorded answers."""
     ANSWERS.clear()
-    yield
-    agl.uninstrument()
 
 
 def _answer(task: Dict[str, Any], llm: agl.LLM, **extra: Any) -> float:
@@ -68,28 +68,8 @@ def alternating_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
         return float(len(ANSWERS[task["task_id"]]) % 2)
 
 
-def _algo(tmp_path: Path, **overrides: Any) -> TorchGRPO:
-    settings: Dict[str, Any] = dict(
-        model=load_policy("tiny", device="cpu", seed=0),
-        group_size=2,
-        batch_tasks=2,
-        steps=1,
-        max_tokens=6,
-        temperature=1.0,
-        lr=1e-3,
-        output_dir=tmp_path / "run",
-        checkpoint_dir=tmp_path / "ckpt",
-        seed=0,
-    )
-    settings.update(overrides)
-    return TorchGRPO(**settings)
-
-
 def _fit(tmp_path: Path, algo: TorchGRPO, agent: Any) -> Any:
-    trainer = agl.Trainer(
-        algorithm=algo, store=str(tmp_path / "store.db"), n_runners=4, runner_mode="thread", progress=False
-    )
-    return trainer.fit(agent, TASKS)
+    return thread_trainer(tmp_path, algo).fit(agent, TASKS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -148,7 +128,7 @@ def test_a_fixed_seed_in_training_sampling_is_refused_when_groups_have_several_r
 def test_the_equal_rewards_warning_names_an_agents_fixed_seed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """An agent that passes its own seed cannot be refused up front: the warning says what happened."""
     with caplog.at_level(logging.WARNING, logger="agl"):
-        result = _fit(tmp_path, _algo(tmp_path, group_size=3), seeded_agent)
+        result = _fit(tmp_path, tiny_grpo(tmp_path, group_size=3), seeded_agent)
 
     assert {task: len(set(answers)) for task, answers in ANSWERS.items()} == {"t0": 1, "t1": 1}
     assert result.rows[0]["live_samples"] == 0
@@ -162,10 +142,10 @@ def test_the_equal_rewards_warning_names_an_agents_fixed_seed(tmp_path: Path, ca
 def test_a_resumed_run_trains_at_the_lr_it_is_given(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """load_checkpoint restored the optimizer's param groups, lr included: a run resumed with a lower lr (the
     usual reaction to a diverging run) trained at the checkpoint's, and metrics.csv did not show it."""
-    first = _algo(tmp_path, lr=5e-3)
+    first = tiny_grpo(tmp_path, lr=5e-3)
     assert _fit(tmp_path, first, alternating_agent).rows[0]["lr"] == 5e-3
 
-    second = _algo(tmp_path, lr=1e-4, steps=2)
+    second = tiny_grpo(tmp_path, lr=1e-4, steps=2)
     with caplog.at_level(logging.WARNING, logger="agl.train"):
         result = _fit(tmp_path, second, alternating_agent)
 
@@ -226,40 +206,12 @@ def test_kl_old_is_an_unbiased_k3_estimate_of_kl_old_new() -> None:
     exact = float((old * (old / new).log()).sum())
     expected = 0.0
     for k in range(4):  # one token of outcome k, weighted by its probability under old
-        batch = collate(
-            [
-                Sample(
-                    rollout_id="r",
-                    task_id="t",
-                    policy="p",
-                    prompt_ids=[1],
-                    response_ids=[2],
-                    response_mask=[1],
-                    reward=0.0,
-                    advantage=1.0,
-                )
-            ],
-            pad_id=0,
-        )
+        batch = collate([trained_sample("r", [1], [2], reward=0.0, advantage=1.0)], pad_id=0)
         parts = policy_loss(new[k].log().view(1, 1), old[k].log().view(1, 1), batch, clip_eps=0.2, weight_total=1.0)
         expected += float(old[k]) * parts.stats["kl_old_sum"]
     assert expected == pytest.approx(exact, rel=1e-5)
     # no drift: 0
-    batch = collate(
-        [
-            Sample(
-                rollout_id="r",
-                task_id="t",
-                policy="p",
-                prompt_ids=[1],
-                response_ids=[2, 3],
-                response_mask=[1, 1],
-                reward=0.0,
-                advantage=1.0,
-            )
-        ],
-        pad_id=0,
-    )
+    batch = collate([trained_sample("r", [1], [2, 3], reward=0.0, advantage=1.0)], pad_id=0)
     same = torch.tensor([[-1.0, -2.0]])
     assert policy_loss(same, same, batch, clip_eps=0.2, weight_total=1.0).stats["kl_old_sum"] == 0.0
     assert math.isfinite(expected)
@@ -268,26 +220,8 @@ def test_kl_old_is_an_unbiased_k3_estimate_of_kl_old_new() -> None:
 def test_a_sample_without_prompt_tokens_is_refused_with_its_rollout_named() -> None:
     """Its first response token has nothing to be predicted from: alone it crashed with a size mismatch, in
     a batch it was scored from a padding column."""
-    empty = Sample(
-        rollout_id="ro-empty",
-        task_id="t",
-        policy="p",
-        prompt_ids=[],
-        response_ids=[5, 6, 7],
-        response_mask=[1, 1, 1],
-        reward=1.0,
-        advantage=1.0,
-    )
-    other = Sample(
-        rollout_id="ro-ok",
-        task_id="t",
-        policy="p",
-        prompt_ids=[1, 2, 3, 4],
-        response_ids=[5],
-        response_mask=[1],
-        reward=0.0,
-        advantage=-1.0,
-    )
+    empty = trained_sample("ro-empty", [], [5, 6, 7], reward=1.0, advantage=1.0)
+    other = trained_sample("ro-ok", [1, 2, 3, 4], [5], reward=0.0, advantage=-1.0)
     for samples in ([empty], [other, empty]):
         with pytest.raises(ValueError, match="rollout ro-empty has no prompt tokens"):
             collate(samples, pad_id=0)

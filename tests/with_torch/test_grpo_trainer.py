@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import openai
 import pytest
 import torch
+from with_torch_helpers import thread_trainer, tiny_grpo
 
 import agl
 from agl.algorithm.checkpoint import CheckpointError, latest_checkpoint
@@ -18,6 +19,8 @@ from agl.algorithm.grpo_loss import collate
 from agl.algorithm.torch_grpo import TorchGRPO
 from agl.serving.models import load_policy
 from agl.store.base import EnqueueRequest
+
+pytestmark = pytest.mark.usefixtures("instrumented")  # agl.instrument() around each test: tests/conftest.py
 
 TASKS = [{"task_id": f"t{i}", "question": f"Say something about the number {i}."} for i in range(6)]
 VAL = [{"task_id": f"v{i}", "question": f"Count to {i}."} for i in range(3)]
@@ -35,15 +38,8 @@ def chat_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
     with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
         completion = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
     choice = completion.choices[0]
-    return _served(
-        task,
-        {
-            "messages": messages,
-            "prompt_token_ids": completion.model_extra["prompt_token_ids"],
-            "token_ids": choice.model_extra["token_ids"],
-            "logprobs": [t.logprob for t in choice.logprobs.content],
-        },
-    )
+    ids = {"prompt_token_ids": completion.model_extra["prompt_token_ids"], "token_ids": choice.model_extra["token_ids"]}
+    return _served(task, {"messages": messages, **ids, "logprobs": [t.logprob for t in choice.logprobs.content]})
 
 
 def _served(task: Dict[str, Any], served: Dict[str, Any]) -> float:
@@ -55,39 +51,14 @@ def _served(task: Dict[str, Any], served: Dict[str, Any]) -> float:
 
 
 @pytest.fixture(autouse=True)
-def instrumented() -> Iterator[None]:
-    agl.instrument()
+def nothing_served_yet() -> None:
+    """Each test starts with no recorded answers and no rollouts counted."""
     SERVED.clear()
     RUNS.clear()
-    yield
-    agl.uninstrument()
-
-
-def _trainer(tmp_path: Path, algorithm: TorchGRPO) -> agl.Trainer:
-    return agl.Trainer(
-        algorithm=algorithm,
-        store=str(tmp_path / "store.db"),
-        n_runners=4,
-        runner_mode="thread",
-        progress=False,
-    )
 
 
 def _algo(tmp_path: Path, **overrides: Any) -> TorchGRPO:
-    settings: Dict[str, Any] = dict(
-        model=load_policy("tiny", device="cpu", seed=0),
-        group_size=3,
-        batch_tasks=2,
-        steps=2,
-        max_tokens=6,
-        temperature=1.0,
-        lr=1e-3,
-        output_dir=tmp_path / "run",
-        checkpoint_dir=tmp_path / "ckpt",
-        seed=0,
-    )
-    settings.update(overrides)
-    return TorchGRPO(**settings)
+    return tiny_grpo(tmp_path, **{"group_size": 3, "steps": 2, **overrides})
 
 
 def _record_updates(algo: TorchGRPO) -> List[Any]:
@@ -106,7 +77,7 @@ def _record_updates(algo: TorchGRPO) -> List[Any]:
 def test_fit_trains_evaluates_and_writes_metrics(tmp_path: Path) -> None:
     seen: List[Dict[str, Any]] = []
     algo = _algo(tmp_path, on_step=seen.append)
-    result = _trainer(tmp_path, algo).fit(chat_agent, TASKS, val_dataset=VAL)
+    result = thread_trainer(tmp_path, algo).fit(chat_agent, TASKS, val_dataset=VAL)
 
     assert result.steps == 2
     assert result.before is not None and result.after is not None
@@ -137,7 +108,7 @@ def test_served_token_ids_are_the_ids_the_trainer_feeds_the_model(tmp_path: Path
     model, tokenizer = load_policy("tiny", device="cpu", seed=0)
     algo = _algo(tmp_path, model=(model, tokenizer), steps=1)
     fed = _record_updates(algo)
-    _trainer(tmp_path, algo).fit(chat_agent, TASKS[:2])
+    thread_trainer(tmp_path, algo).fit(chat_agent, TASKS[:2])
 
     assert len(fed) == 6 and len(SERVED) == 6
     by_response = {tuple(s["token_ids"]): s for s in SERVED}
@@ -165,15 +136,8 @@ def token_in_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
     with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
         completion = client.completions.create(model=llm.model, prompt=prompt, **llm.sampling_parameters)
     choice = completion.choices[0]
-    return _served(
-        task,
-        {
-            "prompt": prompt,
-            "prompt_token_ids": choice.model_extra["prompt_token_ids"],
-            "token_ids": choice.model_extra["token_ids"],
-            "logprobs": choice.logprobs.token_logprobs,
-        },
-    )
+    ids = {"prompt_token_ids": choice.model_extra["prompt_token_ids"], "token_ids": choice.model_extra["token_ids"]}
+    return _served(task, {"prompt": prompt, **ids, "logprobs": choice.logprobs.token_logprobs})
 
 
 TOKENIZER: Dict[str, Any] = {}
@@ -184,7 +148,7 @@ def test_a_token_in_agent_on_the_completions_api_trains_on_its_own_ids(tmp_path:
     TOKENIZER["tokenizer"] = tokenizer
     algo = _algo(tmp_path, model=(model, tokenizer), steps=1)
     fed = _record_updates(algo)
-    _trainer(tmp_path, algo).fit(token_in_agent, TASKS[:2])
+    thread_trainer(tmp_path, algo).fit(token_in_agent, TASKS[:2])
 
     assert len(fed) == len(SERVED) == 6 and algo.state.rows[0]["optimizer_steps"] == 1
     by_response = {tuple(s["token_ids"]): s for s in SERVED}
@@ -220,7 +184,7 @@ def test_a_structured_output_agent_trains_and_restricted_logprobs_are_explained(
         tmp_path, steps=1, max_tokens=32, sampling={"response_format": VERDICT_FORMAT}, old_logprobs=old_logprobs
     )
     with caplog.at_level("WARNING", logger="agl.algorithm.torch_grpo"):
-        _trainer(tmp_path, algo).fit(chat_agent, TASKS[:2])
+        thread_trainer(tmp_path, algo).fit(chat_agent, TASKS[:2])
     row = algo.state.rows[0]
     assert row["samples"] == 6 and row["optimizer_steps"] == 1
     tokenizer = algo.tokenizer
@@ -237,7 +201,7 @@ def test_a_structured_output_agent_trains_and_restricted_logprobs_are_explained(
 
 def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
     first = _algo(tmp_path, steps=2)
-    _trainer(tmp_path, first).fit(chat_agent, TASKS)
+    thread_trainer(tmp_path, first).fit(chat_agent, TASKS)
     saved = latest_checkpoint(tmp_path / "ckpt")
     assert saved is not None and saved.name == "step-000002"
     trained = {k: v.clone() for k, v in first.policy.module.state_dict().items() if "lora_" in k}  # type: ignore[union-attr]
@@ -255,7 +219,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
         return update(samples)
 
     second.update = first_update_sees_the_checkpoint  # type: ignore[method-assign]
-    result = _trainer(tmp_path, second).fit(chat_agent, TASKS)
+    result = thread_trainer(tmp_path, second).fit(chat_agent, TASKS)
 
     assert result.steps == 3
     assert [r["step"] for r in result.rows] == [1, 2, 3]  # the earlier rows came back with the checkpoint
@@ -271,7 +235,7 @@ def test_a_resumed_run_cancels_the_rollouts_its_killed_predecessor_left_behind(
     server died with it: the resumed run's runners took them first and failed them against a dead address.
     Rollouts of another trainer sharing the store are left alone."""
     first = _algo(tmp_path, steps=1, eval_every=0)
-    _trainer(tmp_path, first).fit(chat_agent, TASKS)
+    thread_trainer(tmp_path, first).fit(chat_agent, TASKS)
     store = first.store
     step_2 = store.get_resources().resources_id  # published after step 1, for step 2's rollouts
     # what a SIGKILL during step 2 leaves: the step's rollouts, queued, one of them running
@@ -285,7 +249,7 @@ def test_a_resumed_run_cancels_the_rollouts_its_killed_predecessor_left_behind(
 
     resumed = _algo(tmp_path, steps=2, eval_every=0)
     with caplog.at_level("WARNING", logger="agl.train"):
-        result = _trainer(tmp_path, resumed).fit(chat_agent, TASKS)
+        result = thread_trainer(tmp_path, resumed).fit(chat_agent, TASKS)
     assert result.steps == 2
     assert [store.get_rollout(r.rollout_id).status for r in left] == ["cancelled"] * 3
     assert store.get_rollout(theirs.rollout_id).status != "cancelled", "another trainer's rollout was cancelled"
@@ -307,7 +271,7 @@ def test_a_policy_server_on_all_interfaces_is_published_at_an_address_other_mach
     from agl._util.http_thread import outbound_ip
 
     algo = _algo(tmp_path, steps=1, eval_every=0, server_host="0.0.0.0")
-    trainer = _trainer(tmp_path, algo)
+    trainer = thread_trainer(tmp_path, algo)
     assert trainer.fit(chat_agent, TASKS).steps == 1
     endpoint = trainer.store.get_resources().resources["main_llm"].endpoint
     assert endpoint.startswith(f"http://{outbound_ip()}:") and not endpoint.startswith("http://127.0.0.1")
@@ -333,10 +297,10 @@ def test_runners_only_elsewhere_and_a_loopback_policy_server_are_warned_about(
 
 
 def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path: Path) -> None:
-    _trainer(tmp_path, _algo(tmp_path, steps=1)).fit(chat_agent, TASKS)
+    thread_trainer(tmp_path, _algo(tmp_path, steps=1)).fit(chat_agent, TASKS)
     other = _algo(tmp_path, steps=2, lora={"r": 4})
     with pytest.raises(CheckpointError, match="resume=False"):
-        _trainer(tmp_path, other).fit(chat_agent, TASKS)
+        thread_trainer(tmp_path, other).fit(chat_agent, TASKS)
 
 
 def test_an_on_step_callback_that_raises_stops_training(tmp_path: Path) -> None:
@@ -345,7 +309,7 @@ def test_an_on_step_callback_that_raises_stops_training(tmp_path: Path) -> None:
 
     algo = _algo(tmp_path, on_step=broken_tracker)
     with pytest.raises(ValueError, match="tracker down at step 1"):
-        _trainer(tmp_path, algo).fit(chat_agent, TASKS)
+        thread_trainer(tmp_path, algo).fit(chat_agent, TASKS)
     assert algo.state.step == 1  # the step was done and logged; no second one started
     assert len((tmp_path / "run" / "metrics.csv").read_text().splitlines()) == 2
     checkpoint = latest_checkpoint(tmp_path / "ckpt")  # and saved: a resume starts at step 2
@@ -366,7 +330,7 @@ def test_an_agent_that_does_not_pass_the_sampling_parameters_is_sampled_as_the_t
     """max_tokens and temperature went unapplied (512-token answers at temperature 1 whatever TorchGRPO was
     told) and no logprobs were recorded, silently: the loss was computed for another distribution."""
     algo = _algo(tmp_path, steps=1, max_tokens=4, eval_every=0, checkpoint_dir=None)
-    _trainer(tmp_path, algo).fit(plain_agent, TASKS[:2])
+    thread_trainer(tmp_path, algo).fit(plain_agent, TASKS[:2])
     assert SERVED and all(len(s["token_ids"]) <= 4 and s["logprobs"] is not None for s in SERVED)
 
 
@@ -383,7 +347,7 @@ def test_a_run_that_stops_between_checkpoints_still_saves_its_last_step(tmp_path
         algo.time_budget_s = 0.0  # as if the budget ran out during step 1
 
     algo = _algo(tmp_path, steps=4, checkpoint_every=5, eval_every=0, on_step=budget_runs_out)
-    _trainer(tmp_path, algo).fit(chat_agent, TASKS)
+    thread_trainer(tmp_path, algo).fit(chat_agent, TASKS)
     assert algo.state.step == 1 and _checkpointed_step(tmp_path / "ckpt") == 1
 
     def broken_tracker(row: Dict[str, Any]) -> None:
@@ -392,21 +356,14 @@ def test_a_run_that_stops_between_checkpoints_still_saves_its_last_step(tmp_path
 
     resumed = _algo(tmp_path, steps=4, checkpoint_every=5, eval_every=0, on_step=broken_tracker)
     with pytest.raises(ValueError, match="tracker down"):
-        _trainer(tmp_path, resumed).fit(chat_agent, TASKS)
+        thread_trainer(tmp_path, resumed).fit(chat_agent, TASKS)
     assert resumed.state.step == 2 and _checkpointed_step(tmp_path / "ckpt") == 2
 
 
 def test_steps_with_nothing_to_train_stop_the_run_and_say_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A typo in agent_match left every call out: training ran to the end, training nothing, without a word."""
     algo = _algo(tmp_path, steps=5, eval_every=0)
-    trainer = agl.Trainer(
-        algorithm=algo,
-        store=str(tmp_path / "store.db"),
-        n_runners=4,
-        runner_mode="thread",
-        progress=False,
-        adapter={"agent_match": "^chat$"},
-    )
+    trainer = thread_trainer(tmp_path, algo, adapter={"agent_match": "^chat$"})
     with pytest.raises(agl.errors.NoTrainableSamples, match="3 steps in a row had nothing to train on") as error:
         trainer.fit(chat_agent, TASKS)
     assert "agent_match '^chat$' left out every LLM call; the calls' agents: 'chat_agent' (6)" in str(error.value)
@@ -418,14 +375,7 @@ def test_steps_with_nothing_to_train_stop_the_run_and_say_why(tmp_path: Path, ca
 def test_span_retention_keeps_the_last_steps_spans_and_every_rollout(tmp_path: Path) -> None:
     """Spans are nearly all of a store's volume; a long run keeps only its last steps' (Trainer setting)."""
     algo = _algo(tmp_path, steps=3, checkpoint_dir=None)
-    trainer = agl.Trainer(
-        algorithm=algo,
-        store=str(tmp_path / "store.db"),
-        n_runners=4,
-        runner_mode="thread",
-        progress=False,
-        span_retention_steps=1,
-    )
+    trainer = thread_trainer(tmp_path, algo, span_retention_steps=1)
     result = trainer.fit(chat_agent, TASKS, val_dataset=VAL)
     assert [r["samples"] for r in result.rows] == [6, 6, 6], "each step learnt from its spans before they went"
 
@@ -449,22 +399,9 @@ def test_a_resumed_run_with_span_retention_deletes_the_earlier_runs_spans_in_tur
             raise RuntimeError("the machine went down")
 
     def trainer_of(algo: TorchGRPO) -> agl.Trainer:
-        return agl.Trainer(
-            algorithm=algo,
-            store=str(tmp_path / "store.db"),
-            n_runners=4,
-            runner_mode="thread",
-            progress=False,
-            span_retention_steps=1,
-        )
+        return thread_trainer(tmp_path, algo, span_retention_steps=1)
 
-    other = agl.Trainer(
-        algorithm=_algo(tmp_path, steps=1, output_dir=tmp_path / "other", checkpoint_dir=None),
-        store=str(tmp_path / "store.db"),
-        n_runners=4,
-        runner_mode="thread",
-        progress=False,
-    )
+    other = thread_trainer(tmp_path, _algo(tmp_path, steps=1, output_dir=tmp_path / "other", checkpoint_dir=None))
     other.fit(chat_agent, TASKS)  # another experiment in the same store, keeping every span
     others = {r.rollout_id for r in other.store.query_rollouts(mode="train")}
     assert len(others) == 6 and all(other.store.query_spans(i) for i in others)
@@ -492,7 +429,7 @@ def test_a_budget_that_ends_before_the_first_step_says_so_and_does_not_evaluate_
     Once the first evaluation has used the budget up, the extra (greedy) one is skipped: it ran, and only then
     did the run find that no step fits (4 more minutes of the main job on a busy machine)."""
     algo = _algo(tmp_path, steps=3, time_budget_s=0.0, extra_evals={"greedy": {"temperature": 0.0}})
-    trainer = _trainer(tmp_path, algo)
+    trainer = thread_trainer(tmp_path, algo)
     result = trainer.fit(chat_agent, TASKS, val_dataset=VAL)
     assert result.steps == 0 and result.before is not None and result.after is None and result.extra == {}
     assert result.improvement is None
@@ -514,7 +451,7 @@ def test_an_update_that_makes_the_weights_non_finite_stops_the_run_and_keeps_the
     algo = _algo(tmp_path, steps=3, checkpoint_every=1)
     algo.on_step = lambda row: algo.optimizer.param_groups[0].update(lr=float("inf"))  # step 2 diverges
     with pytest.raises(TrainingDivergedError, match="step 2's update made trainable weights NaN or infinite"):
-        _trainer(tmp_path, algo).fit(chat_agent, TASKS)
+        thread_trainer(tmp_path, algo).fit(chat_agent, TASKS)
     path = latest_checkpoint(tmp_path / "ckpt")
     assert path is not None and path.name == "step-000001"
     adapter = path / "adapter" / "adapter_model.safetensors"

@@ -112,6 +112,19 @@ def extra(obj: Any, key: str) -> Any:
 # --- plain and streamed answers ----------------------------------------------------------------------------
 
 
+def chat_policy(client: openai.OpenAI, **options: Any) -> Any:
+    """The served "policy" model's chat completion of MESSAGES, with ``options``."""
+    return client.chat.completions.create(model="policy", messages=MESSAGES, **options)
+
+
+def final_completion(client: openai.OpenAI, stream: bool, **args: Any) -> Any:
+    """The chat completion of ``args``: assembled by the SDK's stream helper when ``stream``, else one create."""
+    if stream:
+        with client.chat.completions.stream(**args) as events:
+            return events.get_final_completion()
+    return client.chat.completions.create(**args)
+
+
 def test_plain_completion_returns_exact_prompt_and_response_ids(greedy, client, server, tiny):
     model, tokenizer = tiny
     raw = client.chat.completions.with_raw_response.create(
@@ -137,15 +150,7 @@ def test_sampling_logprobs_are_those_of_the_tempered_distribution_and_seeds_repe
     model, tokenizer = tiny
 
     def sample(seed: int) -> Any:
-        return client.chat.completions.create(
-            model="policy",
-            messages=MESSAGES,
-            max_tokens=10,
-            temperature=0.7,
-            seed=seed,
-            logprobs=True,
-            top_logprobs=3,
-        ).choices[0]
+        return chat_policy(client, max_tokens=10, temperature=0.7, seed=seed, logprobs=True, top_logprobs=3).choices[0]
 
     first, again, other = sample(11), sample(11), sample(12)
     ids = extra(first, "token_ids")
@@ -198,15 +203,8 @@ def test_a_minuscule_temperature_or_top_p_is_answered_and_its_batch_neighbours_t
 def test_stream_carries_the_same_ids_content_and_version_as_the_plain_answer(client, tiny):
     _, tokenizer = tiny
     plain = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=16, temperature=0)
-    stream = client.chat.completions.create(
-        model="policy",
-        messages=MESSAGES,
-        max_tokens=16,
-        temperature=0,
-        stream=True,
-        logprobs=True,
-        stream_options={"include_usage": True},
-    )
+    streaming = {"stream": True, "logprobs": True, "stream_options": {"include_usage": True}}
+    stream = chat_policy(client, max_tokens=16, temperature=0, **streaming)
     chunks = list(stream)
     assert extra(chunks[0], "prompt_token_ids") == extra(plain, "prompt_token_ids")
     assert all("prompt_token_ids" not in (c.model_extra or {}) for c in chunks[1:])
@@ -335,11 +333,7 @@ def test_a_stop_string_does_not_cut_a_tool_call(tool_client, tool_server, stream
         "max_tokens": 80,
         "stop": ["}"],
     }
-    if stream:
-        with tool_client.chat.completions.stream(**args) as events:
-            completion = events.get_final_completion()
-    else:
-        completion = tool_client.chat.completions.create(**args)
+    completion = final_completion(tool_client, stream, **args)
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
@@ -360,11 +354,7 @@ def test_parallel_tool_calls_false_returns_the_first_call_only():
         args = {"model": "policy", "messages": MESSAGES, "tools": [ADD_TOOL], "temperature": 0, "max_tokens": 80}
 
         def calls(stream: bool, **more: Any) -> List[Tuple[str, Dict[str, Any]]]:
-            if stream:
-                with client.chat.completions.stream(**args, **more) as events:
-                    message = events.get_final_completion().choices[0].message
-            else:
-                message = client.chat.completions.create(**args, **more).choices[0].message
+            message = final_completion(client, stream, **args, **more).choices[0].message
             assert message.content == "Let me add."
             return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
 
@@ -800,14 +790,8 @@ def test_logprob_bytes_of_a_character_split_across_tokens_rebuild_the_text(clien
     assert len(tokenizer("🙂", add_special_tokens=False)["input_ids"]) == 2
     schema = {"type": "string", "enum": ["🙂"]}
     if api == "chat":
-        choice = client.chat.completions.create(
-            model="policy",
-            messages=MESSAGES,
-            max_tokens=10,
-            temperature=0,
-            logprobs=True,
-            response_format={"type": "json_schema", "json_schema": {"name": "e", "schema": schema}},
-        ).choices[0]
+        fmt = {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}}
+        choice = chat_policy(client, max_tokens=10, temperature=0, logprobs=True, response_format=fmt).choices[0]
         text, entries = choice.message.content, choice.logprobs.content
     else:
         response = client.responses.create(
@@ -971,11 +955,7 @@ def test_a_stop_string_does_not_cut_a_forced_tool_call(client, stream):
         "tool_choice": {"type": "function", "function": {"name": "vote"}},
         "stop": ["\n", "}"],
     }
-    if stream:
-        with client.chat.completions.stream(**args) as events:
-            completion = events.get_final_completion()
-    else:
-        completion = client.chat.completions.create(**args)
+    completion = final_completion(client, stream, **args)
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content  # (the stream helper's is "")
     (call,) = choice.message.tool_calls

@@ -10,8 +10,8 @@ from typing import Any, List, Tuple
 
 import pytest
 import torch
+from with_torch_helpers import trained_sample
 
-from agl.lightningrl.types import Sample
 from agl.openai_wire.chat_format import BadRequest, parse_output, render_prompt, streamable_prefix, to_plain_messages
 from agl.openai_wire.stops import stop_position as _stop_position
 from agl.serving.engine import (
@@ -541,16 +541,7 @@ def test_every_forward_pass_of_the_engine_and_the_trainer_runs_inside_attention_
     algorithm = torch_grpo.TorchGRPO(model=(model, tokenizer), lr=1e-3, ppo_epochs=2)
     algorithm.attach(model, tokenizer)
     samples = [
-        Sample(
-            rollout_id=f"ro-{i}",
-            task_id="t",
-            policy="default",
-            prompt_ids=[1, 2, 3],
-            response_ids=[4, 5],
-            response_mask=[1, 1],
-            reward=float(i),
-            advantage=float(2 * i - 1),
-        )
+        trained_sample(f"ro-{i}", [1, 2, 3], [4, 5], reward=float(i), policy="default", advantage=float(2 * i - 1))
         for i in range(2)
     ]
     stats = algorithm.update(samples)

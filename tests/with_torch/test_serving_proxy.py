@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, List
 
 import openai
 import pytest
+import test_proxy
 
 from agl import semconv
 from agl.instrumentation.proxy import LLMProxy
@@ -23,18 +24,9 @@ from agl.types import Rollout
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
-@pytest.fixture
-def store() -> Iterator[InMemoryLightningStore]:
-    with InMemoryLightningStore() as s:
-        yield s
-
-
-@pytest.fixture
-def rollout(store: InMemoryLightningStore) -> Rollout:
-    store.enqueue_rollout({"question": "2 + 3"}, task_id="task-1")
-    claimed = store.dequeue_rollout("runner-1")
-    assert claimed is not None and claimed.attempt is not None
-    return claimed
+# The fixtures of tests/test_proxy.py: an in-memory store, and a rollout of task-1 that a runner has claimed.
+store = test_proxy.store
+rollout = test_proxy.rollout
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from typing import Any, List
 
 import httpx
 import openai
-import torch
+from with_torch_helpers import greedy_generate
 
 from agl.serving import PolicyServer
 from agl.serving.models import load_policy
@@ -25,14 +25,7 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 def greedy_ids(model: Any, tokenizer: Any, n: int = 8) -> List[int]:
     text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
+    return greedy_generate(model, prompt, n)
 
 
 def ask(base_url: str) -> tuple[List[int], int]:

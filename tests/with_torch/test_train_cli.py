@@ -10,64 +10,38 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+from with_torch_helpers import CHAT_CALL_REWARDED_BY_LENGTH, tiny_train_args, write_train_files
 
 import agl
 from agl import semconv
 from agl.cli import main
 from agl.store import open_store
 
-AGENT = '''
+AGENT = (
+    '''
 import openai
 import agl
 
 @agl.rollout
 def agent(task, llm: agl.LLM) -> float:
     """One call; the agent's name is the function's, "agent". The reward (length parity) varies."""
-    with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
-        reply = client.chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": task["question"]}], **llm.sampling_parameters
-        )
-    return float(len(reply.choices[0].message.content or "") % 2)
 '''
+    + CHAT_CALL_REWARDED_BY_LENGTH
+)
 
 
 @pytest.fixture()
 def files(tmp_path: Path):
-    (tmp_path / "agent.py").write_text(AGENT)
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"Say {i}."}) + "\n" for i in range(4)))
+    write_train_files(tmp_path, AGENT)
     (tmp_path / "val.jsonl").write_text("".join(json.dumps({"question": f"Count to {i}."}) + "\n" for i in range(2)))
     yield tmp_path
     agl.uninstrument()  # `agl train` instruments the process, as a user's run would
 
 
 def _train(files: Path, *extra: str) -> List[str]:
-    return [
-        "train",
-        f"{files}/agent.py:agent",
-        "--data",
-        str(files / "train.jsonl"),
-        "--val-data",
-        str(files / "val.jsonl"),
-        "--model",
-        "tiny",
-        "--group-size",
-        "2",
-        "--batch-tasks",
-        "2",
-        "--max-tokens",
-        "4",
-        "--n-runners",
-        "4",
-        "--set",
-        "lr=0.001",
-        "--set",
-        'lora={"r": 4}',
-        "--set",
-        "seed=1",
-        "--out",
-        str(files / "run"),
-        *extra,
-    ]
+    val = ["--val-data", str(files / "val.jsonl")]
+    settings = ["--set", "lr=0.001", "--set", 'lora={"r": 4}']
+    return tiny_train_args(f"{files}/agent.py:agent", files / "train.jsonl", files / "run", *val, *settings, *extra)
 
 
 def _rows(run: Path) -> List[Dict[str, str]]:
@@ -117,35 +91,8 @@ def test_the_token_in_example_trains_its_turns_as_one_trajectory(tmp_path: Path)
     example = Path(__file__).resolve().parents[2] / "examples"
     run = tmp_path / "run"
     try:
-        assert (
-            main(
-                [
-                    "train",
-                    f"{example}/token_in_agent.py:token_in_agent",
-                    "--data",
-                    str(example / "data" / "calc_tasks.jsonl"),
-                    "--model",
-                    "tiny",
-                    "--steps",
-                    "1",
-                    "--group-size",
-                    "2",
-                    "--batch-tasks",
-                    "2",
-                    "--max-tokens",
-                    "4",
-                    "--n-runners",
-                    "4",
-                    "--set",
-                    "seed=1",
-                    "--adapter",
-                    "aggregate=true",
-                    "--out",
-                    str(run),
-                ]
-            )
-            == 0
-        )
+        agent, data = f"{example}/token_in_agent.py:token_in_agent", example / "data" / "calc_tasks.jsonl"
+        assert main(tiny_train_args(agent, data, run, "--steps", "1", "--adapter", "aggregate=true")) == 0
     finally:
         agl.uninstrument()
     assert [float(row["samples"]) for row in _rows(run)] == [4.0]  # 2 tasks x 2 rollouts, each 2 calls merged

@@ -16,12 +16,14 @@ from typing import Any, List
 
 import pytest
 import torch
+from with_torch_helpers import CHAT_CALL_REWARDED_BY_LENGTH, tiny_train_args, write_train_files
 
 import agl
 from agl.algorithm.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
 from agl.cli import main
 
-AGENT = """
+AGENT = (
+    """
 import os, signal
 import openai
 import agl
@@ -35,46 +37,21 @@ def agent(task, llm: agl.LLM) -> float:
             os.kill(os.getpid(), signal.SIGINT)
         except FileExistsError:
             pass
-    with openai.OpenAI(base_url=llm.get_base_url(), api_key="x", max_retries=0) as client:
-        reply = client.chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": task["question"]}], **llm.sampling_parameters
-        )
-    return float(len(reply.choices[0].message.content or "") % 2)
 """
+    + CHAT_CALL_REWARDED_BY_LENGTH
+)
 
 
 @pytest.fixture()
 def files(tmp_path: Path):
-    (tmp_path / "agent.py").write_text(AGENT)
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"Say {i}."}) + "\n" for i in range(4)))
-    yield tmp_path
+    yield write_train_files(tmp_path, AGENT)
     agl.uninstrument()
 
 
 def _train(files: Path, *extra: str) -> List[str]:
-    return [
-        "train",
-        f"{files}/agent.py:agent",
-        "--data",
-        str(files / "train.jsonl"),
-        "--model",
-        "tiny",
-        "--group-size",
-        "2",
-        "--batch-tasks",
-        "2",
-        "--max-tokens",
-        "4",
-        "--n-runners",
-        "4",
-        "--set",
-        "seed=1",
-        "--set",
-        'lora={"r": 4}',
-        "--out",
-        str(files / "run"),
-        *extra,
-    ]
+    return tiny_train_args(
+        f"{files}/agent.py:agent", files / "train.jsonl", files / "run", "--set", 'lora={"r": 4}', *extra
+    )
 
 
 def _rows(run: Path) -> List[str]:
