@@ -129,7 +129,7 @@ def test_other_errors_and_the_users_own_flag_are_not_sent_again(client, fake_ope
     assert [s.status for s in sink.of(scope.rollout_id)] == ["error", "error"]
 
 
-def test_lightningrl_leaves_the_judges_calls_out(tmp_path, fake_openai, judge) -> None:
+def test_lightningrl_leaves_the_judges_calls_out(tmp_path, judge, instrumented, fake_trainer) -> None:
     """The episode reward comes from an LLM judge on a server without token ids: the policy's call trains,
     the judge's is skipped and counted, and no MissingTokenIdsError stops the batch."""
     judge_url = judge.base_url
@@ -146,19 +146,9 @@ def test_lightningrl_leaves_the_judges_calls_out(tmp_path, fake_openai, judge) -
 
     judge.script(FakeReply(content="good"), FakeReply(content="bad"))
     store = SqliteLightningStore(tmp_path / "judge.db")
-    agl.instrument()
-    try:
-        trainer = agl.Trainer(
-            store=store,
-            runner_mode="thread",
-            n_runners=1,
-            initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
-            progress=False,
-        )
-        with trainer.runners(judged_agent):
-            rollouts = trainer.run_tasks([{"q": "What is 2 plus 3?"}], n_per_task=2)
-    finally:
-        agl.uninstrument()
+    trainer = fake_trainer(store, n_runners=1)
+    with trainer.runners(judged_agent):
+        rollouts = trainer.run_tasks([{"q": "What is 2 plus 3?"}], n_per_task=2)
     assert sorted(r.final_reward for r in rollouts) == [0.0, 1.0] and all(r.status == "succeeded" for r in rollouts)
     batch = LightningRL.from_config(None).build_batch(store, rollouts, progress=False)
     report = batch.report
