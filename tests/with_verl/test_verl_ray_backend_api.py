@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import inspect
 
-from agl.algorithm.verl.ray_backend import _agl_trainer_class
+from agl.algorithm.verl.actor_backend import agl_trainer_class
 
 
 def test_agl_trainer_is_verls_ray_ppo_trainer_with_the_steps_agl_drives() -> None:
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
-    cls = _agl_trainer_class()
+    cls = agl_trainer_class()
     assert issubclass(cls, RayPPOTrainer)
     for method in ("init_workers", "_compute_old_log_prob", "_compute_ref_log_prob", "_balance_batch", "_get_dp_size"):
         assert callable(getattr(cls, method)), method

@@ -78,6 +78,18 @@ IGNORED_KEYS: Dict[str, str] = {
 _GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "grpo_vectorized", "rloo_vectorized", "opo", "gdpo")
 
 
+#: The rollout engines agl's VERL loop serves the policy with (``actor_rollout_ref.rollout.name``).
+ROLLOUT_ENGINES = ("vllm", "agl")
+
+
+def _cuda_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 class VERLConfigError(ValueError):
     """The verl configuration is invalid; the message names the key and the fix."""
 
@@ -478,30 +490,36 @@ class VERLConfig:
             raise VERLConfigError(f"verl rejected the config: {cause}") from exc
 
     def check_runtime(self) -> None:
-        """Whether this machine can run the config; raises with what is missing (called when training starts)."""
-        if self.rollout_name != "vllm":
-            raise VERLConfigError(
-                f"agl's VERL loop serves the policy with vLLM; actor_rollout_ref.rollout.name={self.rollout_name!r} "
-                "is not supported yet: set it to vllm"
-            )
-        missing = []
-        if importlib.util.find_spec("vllm") is None:
-            missing.append("the vllm package is not installed (see docs/verl.md: vLLM brings its own torch)")
-        try:
-            import torch
+        """Whether this machine can run the config; raises with what is missing (called when training starts).
 
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:
-            gpus = 0
-        if gpus < int(self.get("trainer.n_gpus_per_node")):
-            missing.append(
-                f"trainer.n_gpus_per_node={self.get('trainer.n_gpus_per_node')} but this machine has {gpus} CUDA GPU(s)"
-            )
-        if missing:
+        ``rollout.name=vllm`` needs CUDA GPUs and the vllm package; ``rollout.name=agl`` (agl's policy server)
+        runs on CUDA GPUs or, without any, on the CPU with one machine's worth of workers."""
+        if self.rollout_name not in ROLLOUT_ENGINES:
             raise VERLConfigError(
-                "actor_rollout_ref.rollout.name=vllm cannot run here: " + "; ".join(missing) + ". "
-                "Training with verl needs CUDA GPUs; on a CPU machine check the pipeline with "
-                "agl.Trainer(...).dev(agent, tasks) and the torch trainer instead."
+                f"actor_rollout_ref.rollout.name={self.rollout_name!r} is not an engine agl's VERL loop serves with: "
+                f"use {' or '.join(ROLLOUT_ENGINES)} (vllm on GPUs; agl: agl's policy server, on a CPU or a small GPU)"
+            )
+        wanted = int(self.get("trainer.n_gpus_per_node"))
+        gpus = _cuda_gpus()
+        missing = []
+        if self.rollout_name == "vllm" and importlib.util.find_spec("vllm") is None:
+            missing.append("the vllm package is not installed (see docs/verl.md: vLLM brings its own torch)")
+        if self.rollout_name == "vllm" or gpus:
+            if gpus < wanted:
+                missing.append(f"trainer.n_gpus_per_node={wanted} but this machine has {gpus} CUDA GPU(s)")
+        elif int(self.get("trainer.nnodes")) != 1:
+            missing.append("trainer.nnodes must be 1 on a machine without GPUs (the CPU workers run on this one)")
+        if missing:
+            hint = (
+                "Training with vLLM needs CUDA GPUs; on a CPU machine set actor_rollout_ref.rollout.name=agl."
+                if self.rollout_name == "vllm"
+                else "Lower trainer.n_gpus_per_node or run on a machine with more GPUs."
+            )
+            raise VERLConfigError(
+                f"actor_rollout_ref.rollout.name={self.rollout_name} cannot run here: "
+                + "; ".join(missing)
+                + ". "
+                + hint
             )
 
     def __repr__(self) -> str:

