@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 
 from agl.algorithm.verl.actor_backend import VerlActorBackend
 from agl.algorithm.verl.backend import Serving
-from agl.algorithm.verl.config import VERLConfigError
+from agl.algorithm.verl.config import VERLConfig, VERLConfigError
 
 logger = logging.getLogger("agl.verl")
 
@@ -49,9 +49,11 @@ CPU_SETTINGS: Dict[str, Any] = {
 class AglRolloutBackend(VerlActorBackend):
     """verl's actor workers plus agl's policy server; see the module docstring."""
 
-    server: Any = None
-    _folder: Optional[str] = None
-    _syncs = 0  # weight syncs done: the server's policy version
+    def __init__(self, config: VERLConfig, advantages: str) -> None:
+        super().__init__(config, advantages)
+        self.server: Any = None  # agl's PolicyServer, set by start()
+        self._folder: Optional[str] = None  # where the actor writes its weights for the server
+        self._syncs = 0  # weight syncs after an update: the server's policy version
 
     def start(self, total_steps: int) -> Serving:
         import torch
