@@ -108,10 +108,13 @@ class VerlActorBackend:
     # -- for subclasses ----------------------------------------------------------------------------------------
     def init_ray(self, env: Optional[Mapping[str, str]] = None, fake_gpus: int = 0) -> None:
         """``ray.init`` as verl's ``main_ppo`` calls it (``ray_kwargs.ray_init``, verl's runtime env), plus
-        ``env`` for every worker and ``fake_gpus`` GPU resources (workers on CPU still ask Ray for GPUs)."""
+        ``env`` for every worker and ``fake_gpus`` GPU resources (workers on CPU still ask Ray for GPUs);
+        :func:`~agl.algorithm.verl.ray_cluster.start_ray` checks that workers start."""
         import ray
         from omegaconf import OmegaConf
         from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+        from agl.algorithm.verl.ray_cluster import start_ray
 
         cfg = self.config.dictconfig
         OmegaConf.resolve(cfg)
@@ -123,7 +126,7 @@ class VerlActorBackend:
         runtime_env.setdefault("env_vars", {}).update(env or {})
         if fake_gpus:
             ray_init["num_gpus"] = fake_gpus
-        ray.init(runtime_env=runtime_env, **ray_init)
+        start_ray(ray_init, runtime_env)
 
     def make_trainer(self, total_steps: int) -> Any:
         """verl's trainer with the worker roles and resource pools verl's own TaskRunner sets up (minus the
