@@ -143,3 +143,54 @@ def test_two_verl_steps_on_cpu_train_the_served_model(tiny_model_dir: str, tmp_p
                 )
             )
     assert trained == recorded
+
+
+LONG_QUESTION = "count the words: " + " ".join(["word"] * 80)  # far over max_prompt_length=64 tokens
+EDGE_TASKS = [
+    {"id": "plain-a", "question": "count to 1"},
+    {"id": "too-long", "question": LONG_QUESTION},
+    {"id": "fails-a", "question": "count to 2", "fail": True},
+    {"id": "fails-b", "question": "count to 3", "fail": True},
+    {"id": "plain-b", "question": "count to 4"},
+    {"id": "plain-c", "question": "count to 5"},
+]
+
+
+@agl.rollout
+def letters_or_failure(task: Dict[str, Any], llm: agl.LLM, rollout: Rollout) -> float:
+    """:func:`letters`, except that tasks marked ``fail`` raise after their call (a failed rollout)."""
+    reward = letters(task, llm, rollout)
+    if task.get("fail"):
+        raise RuntimeError("the agent failed after its call")
+    return reward
+
+
+def test_over_long_prompts_failed_rollouts_and_an_empty_step_on_real_verl(tiny_model_dir: str, tmp_path: Path) -> None:
+    # step 1: one plain group and one whose prompt is over-long (dropped); step 2: both groups fail, nothing
+    # to train (skipped, no update); step 3: two plain groups
+    algorithm = VERL(config(tiny_model_dir, tmp_path / "ckpt"))
+    backend = KeepingBackend(algorithm.config, algorithm.advantages)
+    algorithm.backend = backend
+    store = agl.InMemoryLightningStore()
+    trainer = agl.Trainer(
+        algorithm=algorithm, store=store, n_runners=2, runner_mode="thread", instrument=False, progress=False
+    )
+    trainer.fit(letters_or_failure, train_dataset=EDGE_TASKS)
+
+    first, empty, last = (s.metrics for s in algorithm.summary.steps)
+    assert first["agl/batch/dropped_prompt_too_long"] == 2 and first["agl/rollouts_failed"] == 0
+    assert math.isfinite(first["actor/pg_loss"]) and first["agl/policy_version"] == 1.0
+    assert empty["agl/step_skipped"] == 1.0 and empty["agl/rollouts_failed"] == 4
+    assert "actor/pg_loss" not in empty and empty["agl/policy_version"] == 1.0
+    assert "agl/step_skipped" not in last and last["agl/policy_version"] == 2.0
+
+    # verl trained twice: step 1 on the plain group only, then step 3; the skipped step left the weights alone
+    assert len(backend.batches) == 2
+    first_rows = backend.batches[0].non_tensor_batch
+    assert {t for t, pad in zip(first_rows["task_id"], first_rows["agl_padding"]) if not pad} == {"plain-a"}
+    after_first, before_last = backend.served[1], backend.served[2]
+    assert all(torch.equal(after_first[k], before_last[k]) for k in after_first)
+
+    failed = [r for r in store.query_rollouts() if r.status == "failed"]
+    assert sorted({r.input["id"] for r in failed}) == ["fails-a", "fails-b"] and len(failed) == 4
+    assert all(any(s.kind == "llm" for s in store.query_spans(r.rollout_id)) for r in failed)

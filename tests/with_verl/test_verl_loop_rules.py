@@ -1,5 +1,6 @@
 """Rules of the ``agl.VERL`` loop that a stand-in config can check: per-rollout sampling in async mode with
-validation, refused combinations, the metrics of a skipped step, the GPU example's smoke run length.
+validation, refused combinations, the metrics of a skipped step, the GPU example's smoke run length, how a
+batch is padded for verl's mini and micro batches.
 
 The config is :class:`StandInConfig`, verl's defaults for the keys the loop reads as a flat dict, so these
 tests need no Hydra composition; the batch is still verl's DataProto (real GPU updates are replaced by a
@@ -41,6 +42,9 @@ DEFAULTS: Dict[str, Any] = {
     "actor_rollout_ref.rollout.val_kwargs.top_p": 1.0,
     "actor_rollout_ref.rollout.val_kwargs.top_k": -1,
     "actor_rollout_ref.actor.ppo_mini_batch_size": 1,
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4,  # agl's defaults (verl's are unset)
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 4,
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 4,
     "trainer.val_before_train": False,
     "trainer.test_freq": -1,
     "trainer.save_freq": -1,
@@ -245,6 +249,47 @@ def test_a_step_with_every_sample_dropped_still_reports_its_counts(fake_openai: 
         assert metrics["agl/rollouts"] == 4 and metrics["agl/rollouts_failed"] == 0 and metrics["agl/reward_mean"] == 1
         assert metrics["agl/lightningrl/samples"] == 4 and metrics["agl/batch/samples_in"] == 4
         assert metrics["agl/batch/dropped_prompt_too_long"] == 4 and metrics["agl/batch/samples_out"] == 0
+
+
+class Ranks:
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+
+    def data_parallel_size(self) -> int:
+        return self.ranks
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("update_micro,infer_micro,ref_micro", [(4, 4, 4), (2, 3, 5), (1, 6, 4)])
+def test_every_batch_size_is_padded_to_whole_micro_batches_on_every_rank(
+    ranks: int, update_micro: int, infer_micro: int, ref_micro: int
+) -> None:
+    # LightningRL's sample count varies per step (a group may be dropped); verl's workers assert that each
+    # rank's share splits into whole micro batches (seen with the real verl on a step of 2 samples)
+    actor, rollout = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    for kl in (False, True):
+        config = StandInConfig(
+            **{
+                "actor_rollout_ref.rollout.n": 4,
+                f"{actor}.ppo_mini_batch_size": 2,
+                f"{actor}.ppo_micro_batch_size_per_gpu": update_micro,
+                f"{rollout}.log_prob_micro_batch_size_per_gpu": infer_micro,
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ref_micro,
+                f"{actor}.use_kl_loss": kl,
+            }
+        )
+        algorithm = VERL(config, backend=Ranks(ranks))  # type: ignore[arg-type]  # only data_parallel_size is read
+        for rows in range(1, 70):
+            count, divisor = algorithm.mini_batches(rows)
+            padded = -(-rows // divisor) * divisor
+            assert padded - rows < divisor and count == max(1, round(rows / 8))
+            share = padded // ranks
+            assert share * ranks == padded and share % count == 0
+            assert (share // count) % update_micro == 0  # the update's micro batches, per mini batch
+            assert share % infer_micro == 0 and (not kl or share % ref_micro == 0)  # the log-prob passes
+    dynamic = StandInConfig(**{f"{actor}.use_dynamic_bsz": True, f"{rollout}.log_prob_use_dynamic_bsz": True})
+    # 5 rows in mini batches of 2 rows, no micro batch sizes
+    assert VERL(dynamic, backend=Ranks(ranks)).mini_batches(5) == (2, 2 * ranks)  # type: ignore[arg-type]
 
 
 def test_the_gpu_examples_smoke_run_is_two_steps() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import logging
+import math
 import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -372,6 +373,23 @@ class VERLConfig:
     @property
     def ppo_mini_batch_size(self) -> int:
         return int(self.get("actor_rollout_ref.actor.ppo_mini_batch_size"))
+
+    @property
+    def micro_batch_rows(self) -> Tuple[int, int]:
+        """Rows per GPU in one micro batch of the actor update and of the log-prob passes (1 with dynamic batch
+        sizes): verl's workers cut each rank's share into micro batches of exactly that many rows."""
+        actor, rollout, ref = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
+        update = 1 if self.get(f"{actor}.use_dynamic_bsz") else int(self.get(f"{actor}.ppo_micro_batch_size_per_gpu"))
+        infer = (
+            1
+            if self.get(f"{rollout}.log_prob_use_dynamic_bsz")
+            else int(self.get(f"{rollout}.log_prob_micro_batch_size_per_gpu"))
+        )
+        if (self.get(f"{actor}.use_kl_loss") or self.get("algorithm.use_kl_in_reward")) and not self.get(
+            f"{ref}.log_prob_use_dynamic_bsz"
+        ):
+            infer = math.lcm(infer, int(self.get(f"{ref}.log_prob_micro_batch_size_per_gpu")))
+        return update, infer
 
     @property
     def adv_estimator(self) -> str:

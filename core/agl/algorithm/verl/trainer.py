@@ -253,6 +253,7 @@ class VERL(Algorithm):
             except NoTrainableSamples as exc:
                 self.empty_steps.nothing(step, str(exc))
                 metrics["agl/step_skipped"] = 1.0
+            metrics["agl/policy_version"] = float(self.policy_version)
             self.trainer.learned_from(rollouts)
             metrics["agl/timing/wait_s"] = waited
             metrics["agl/async/carried_over_groups"] = float(len(in_flight))
@@ -371,16 +372,18 @@ class VERL(Algorithm):
             self.proxy.resume()
         self._publish(serving.model)
         metrics.update(report.metrics())  # padding_rows
-        metrics["agl/policy_version"] = float(self.policy_version)
 
     def mini_batches(self, rows: int) -> Tuple[int, int]:
         """How many mini batches a batch of ``rows`` samples is split into, and the row count to pad to a
         multiple of. verl sizes a mini batch as ``ppo_mini_batch_size * rollout.n`` samples; LightningRL
         makes one sample per LLM call, so the count per step varies and the split keeps mini batches near
-        that size: ``round(rows / that)`` of them (at least 1), each a multiple of the data-parallel size."""
+        that size: ``round(rows / that)`` of them (at least 1). Each rank's share of a mini batch is a whole
+        number of update micro batches, and each rank's share of the batch one of log-prob micro batches."""
         target = self.config.ppo_mini_batch_size * self.config.n
         count = max(1, round(rows / target))
-        return count, count * self.backend.data_parallel_size()  # type: ignore[union-attr]  # the backend is set by start(), before any step
+        update_micro, infer_micro = self.config.micro_batch_rows
+        ranks = self.backend.data_parallel_size()  # type: ignore[union-attr]  # the backend is set by start(), before any step
+        return count, ranks * math.lcm(count * update_micro, infer_micro)
 
     def _publish(self, model: str, section: str = _ROLLOUT) -> str:
         """A new resources version with the proxy as ``llm_resource`` (other resources are kept), sampling
