@@ -257,12 +257,12 @@ def test_a_resumed_run_cancels_the_rollouts_its_killed_predecessor_left_behind(
 
 
 def test_sampling_settings_the_policy_server_cannot_apply_fail_at_once() -> None:
-    """sampling={"top_k": 50} (a vLLM setting) loaded the model, then every rollout failed with a 400."""
-    with pytest.raises(ValueError, match=r"sampling has 'top_k', which agl's policy server does not support"):
-        TorchGRPO(model=("m", "t"), sampling={"top_k": 50})
+    """sampling={"min_p": 0.1} (a vLLM setting) loaded the model, then every rollout failed with a 400."""
+    with pytest.raises(ValueError, match=r"sampling has 'min_p', which agl's policy server does not support"):
+        TorchGRPO(model=("m", "t"), sampling={"min_p": 0.1})
     with pytest.raises(ValueError, match=r"extra_evals\['greedy'\] has 'min_p'"):
         TorchGRPO(model=("m", "t"), extra_evals={"greedy": {"temperature": 0.0, "min_p": 0.1}})
-    TorchGRPO(model=("m", "t"), sampling={"top_p": 0.9, "stop": ["\n"]}, val_sampling={"temperature": 0.0})
+    TorchGRPO(model=("m", "t"), sampling={"top_p": 0.9, "top_k": 50, "stop": ["\n"]}, val_sampling={"temperature": 0.0})
 
 
 def test_a_policy_server_on_all_interfaces_is_published_at_an_address_other_machines_reach(tmp_path: Path) -> None:

@@ -176,6 +176,43 @@ def test_top_p_renormalizes_over_the_nucleus(client, tiny):
     assert all(s >= p + 0.69 for s, p in zip(served, plain))  # log(1/0.5) = 0.693
 
 
+def test_top_k_samples_among_the_k_most_likely_tokens_on_every_api(client, tiny):
+    """vLLM's ``top_k`` (verl's ``rollout.top_k``, which agl's proxy fills into every request): each token is
+    one of the k most likely, and its logprob is renormalized over them."""
+    model, tokenizer = tiny
+    choice = client.chat.completions.create(
+        model="policy", messages=MESSAGES, max_tokens=6, seed=5, logprobs=True, extra_body={"top_k": 3}
+    ).choices[0]
+    ids = extra(choice, "token_ids")
+    prompt = template_ids(tokenizer, MESSAGES)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    top3 = torch.topk(logits, 3)
+    expected = torch.log_softmax(top3.values, dim=-1)
+    for position, (token, served) in enumerate(zip(ids, choice.logprobs.content)):
+        assert token in top3.indices[position].tolist()
+        rank = top3.indices[position].tolist().index(token)
+        assert served.logprob == pytest.approx(float(expected[position, rank]), abs=1e-4)
+
+    def completion(top_k: Any) -> List[int]:
+        body = {"model": "policy", "prompt": "2 + 3 =", "max_tokens": 6, "seed": 2, "top_k": top_k}
+        return httpx.post(f"{client.base_url}completions", json=body).json()["choices"][0]["token_ids"]
+
+    assert completion(-1) == completion(0) == completion(None)  # vLLM's "off"
+    responses = httpx.post(
+        f"{client.base_url}responses", json={"model": "policy", "input": "hi", "max_output_tokens": 4, "top_k": 1}
+    ).json()
+    greedy_ids = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
+    assert responses["output"][0]["content"][0]["text"] == greedy_ids.choices[0].message.content  # k=1 is greedy
+    for bad in (-2, 1.5, "3"):
+        refused = httpx.post(
+            f"{client.base_url}chat/completions", json={"model": "policy", "messages": MESSAGES, "top_k": bad}
+        )
+        assert refused.status_code == 400 and "top_k must be an integer" in refused.text
+
+
 def test_a_minuscule_temperature_or_top_p_is_answered_and_its_batch_neighbours_too(greedy, client, server, tiny):
     """temperature 1e-40 overflowed ``logits / temperature`` to NaN, and top_p 1e-300 (0 in float32) kept no
     token: the decode step raised and failed every request generating alongside with a 500. A temperature

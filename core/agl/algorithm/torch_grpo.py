@@ -237,7 +237,7 @@ class TorchGRPO(PolicyServerSession, Evaluations, TrainingLoop, Checkpoints, Alg
             "update). Either the agent sets its own temperature in its requests (the trainer computes at "
             "TorchGRPO(temperature=...): leave it to llm.sampling_parameters, or set the same value there), or "
             "the served model is not the trained one, or the agent samples from a restricted distribution "
-            "(top_p < 1, a response_format): the server reports logprobs of what it drew from, the trainer "
+            "(top_p < 1, top_k, a response_format): the server reports logprobs of what it drew from, the trainer "
             "computes the unrestricted policy's. PPO ratios are then off from the start; for the last two, "
             'TorchGRPO(old_logprobs="recompute") takes the old logprobs from the trainer\'s own forward pass.',
             drift,

@@ -543,7 +543,7 @@ def _lora_problems(lora: Mapping[str, Any]) -> List[Tuple[str, str]]:
 
 
 def _check_sampling_keys(name: str, values: Mapping[str, Any]) -> None:
-    """Sampling settings agl's policy server cannot apply (e.g. vLLM's ``top_k``) fail here, not as a 400 on
+    """Sampling settings agl's policy server cannot apply (e.g. vLLM's ``min_p``) fail here, not as a 400 on
     every rollout once the model is loaded. (The server's list comes with it: torch, only when there are
     settings to check.)"""
     if not values:

@@ -64,6 +64,7 @@ _SUPPORTED = (
             "stream",
             "temperature",
             "top_p",
+            "top_k",
             "max_output_tokens",
             "top_logprobs",
             "text",
@@ -143,7 +144,7 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
     """Check a ``/v1/responses`` body and return the ``/v1/chat/completions`` body it stands for.
 
     Raises :class:`BadRequest` naming the Responses parameter; the chat path then checks the shared ones
-    (temperature, top_p, tool_choice, top_logprobs) with the same names.
+    (temperature, top_p, vLLM's top_k, tool_choice, top_logprobs) with the same names.
     """
     require_object(body)
     for key in _STATEFUL:
@@ -187,7 +188,7 @@ def to_chat_body(body: Any) -> Dict[str, Any]:
         chat["max_tokens"] = max_tokens
     if LOGPROBS_INCLUDE in (body.get("include") or []) or top_logprobs:
         chat["logprobs"] = True
-    for key in ("temperature", "top_p", "parallel_tool_calls"):
+    for key in ("temperature", "top_p", "top_k", "parallel_tool_calls"):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("tool_choice") is not None:

@@ -46,6 +46,7 @@ _SHARED = (
     "max_tokens",
     "temperature",
     "top_p",
+    "top_k",
     "stop",
     "seed",
     "n",

@@ -62,7 +62,7 @@ from agl.serving.generation import (
     Token,
 )
 from agl.serving.models import attention_kernels
-from agl.serving.nucleus import nucleus
+from agl.serving.nucleus import nucleus, top_k_only
 from agl.serving.structured import GrammarError, Grammars, TokenMask
 
 logger = logging.getLogger(__name__)
@@ -462,6 +462,8 @@ def _sample(logits: Any, row: _Row) -> Token:
         token_id = int(torch.argmax(allowed))
     else:
         logprobs = torch.log_softmax(allowed / params.temperature, dim=-1)
+        if 0 < params.top_k < logprobs.shape[-1]:  # then top-p within the k, as vLLM does
+            logprobs = top_k_only(logprobs, params.top_k)
         if params.top_p < 1:
             logprobs = nucleus(logprobs, params.top_p)
         token_id = _draw(logprobs, row.generator)

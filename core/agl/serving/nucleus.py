@@ -1,5 +1,5 @@
 """The top-p nucleus of a token distribution, as the engine samples from it (:mod:`agl.serving.engine`): the
-smallest set of most likely tokens whose probability reaches ``top_p``, renormalized."""
+smallest set of most likely tokens whose probability reaches ``top_p``, renormalized; and its top-k."""
 
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ def nucleus(logprobs: Any, top_p: float) -> Any:
                 kept[order[keep]] = top[keep]
                 return torch.log_softmax(kept, dim=-1)
     return sorted_nucleus(logprobs, top_p)
+
+
+def top_k_only(logprobs: Any, k: int) -> Any:
+    """Keep the ``k`` most likely tokens (ties at the k-th as ``topk`` breaks them); renormalize."""
+    top, order = torch.topk(logprobs, k)
+    kept = torch.full_like(logprobs, float("-inf"))
+    kept[order] = top
+    return torch.log_softmax(kept, dim=-1)
 
 
 def sorted_nucleus(logprobs: Any, top_p: float) -> Any:

@@ -56,6 +56,7 @@ _SUPPORTED = (
             "stream_options",
             "temperature",
             "top_p",
+            "top_k",
             "max_tokens",
             "max_completion_tokens",
             "stop",
@@ -91,6 +92,7 @@ class ChatRequest:
     max_tokens: Optional[int]
     temperature: float
     top_p: float
+    top_k: int  # 0: off (vLLM's extension, which verl's rollout.top_k sets)
     stop: Tuple[str, ...]
     seed: Optional[int]
     answer_schema: Optional[Dict[str, Any]] = None  # response_format's JSON schema; None: free text
@@ -107,6 +109,7 @@ class ChatRequest:
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
             stop=self.stop,
             seed=self.seed,
             top_logprobs=self.top_logprobs if self.logprobs else 0,
@@ -169,6 +172,7 @@ def parse_request(body: Any) -> ChatRequest:
         max_tokens=_max_tokens(body),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_top_p(body),
+        top_k=_top_k(body.get("top_k")),
         stop=checked_stops(body.get("stop")),
         seed=_seed(body.get("seed")),
         answer_schema=answer_schema(body.get("response_format")),
@@ -196,6 +200,13 @@ def _top_p(body: Mapping[str, Any]) -> float:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     require(top_p > 0, "top_p", "top_p must be greater than 0 (use temperature 0 for greedy decoding)")
     return top_p
+
+
+def _top_k(value: Any) -> int:
+    """vLLM's ``top_k``: sample among the k most likely tokens; 0 or -1 (vLLM's "off") samples among all."""
+    ok = value is None or (is_int(value) and value >= -1)
+    require(ok, "top_k", "top_k must be an integer: k >= 1, or 0 or -1 for off")
+    return max(0, value or 0)
 
 
 def _max_tokens(body: Mapping[str, Any]) -> Optional[int]:
