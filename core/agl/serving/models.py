@@ -64,7 +64,7 @@ def load_policy(
         model, tokenizer = _load_smollm2(dtype)
     elif name_or_path == TINY:
         tokenizer = smollm2_tokenizer()
-        model = _tiny_model(tokenizer, seed).to(dtype)
+        model = tiny_model(tokenizer, seed).to(dtype)
     else:
         model, tokenizer = _load_hf(name_or_path, dtype)
     model.to(device)
@@ -161,8 +161,9 @@ def _load_smollm2(dtype: Any) -> Tuple[Any, Any]:
     return model, smollm2_tokenizer()
 
 
-def _tiny_model(tokenizer: Any, seed: int) -> Any:
-    """A 2-layer Llama with SmolLM2's vocabulary; the same seed gives the same weights in any process."""
+def tiny_model(tokenizer: Any, seed: int = 0) -> Any:
+    """A random 2-layer Llama with ``tokenizer``'s vocabulary (``"tiny"`` uses SmolLM2's); the same seed gives
+    the same weights in any process."""
     torch = _import_torch()
     from transformers import LlamaConfig, LlamaForCausalLM
 
