@@ -167,8 +167,10 @@ def letters_or_failure(task: Dict[str, Any], llm: agl.LLM, rollout: Rollout) -> 
 
 def test_over_long_prompts_failed_rollouts_and_an_empty_step_on_real_verl(tiny_model_dir: str, tmp_path: Path) -> None:
     # step 1: one plain group and one whose prompt is over-long (dropped); step 2: both groups fail, nothing
-    # to train (skipped, no update); step 3: two plain groups
-    algorithm = VERL(config(tiny_model_dir, tmp_path / "ckpt"))
+    # to train (skipped, no update); step 3: two plain groups. With a KL loss: verl's reference model runs
+    # beside the actor.
+    kl = {"actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.actor.kl_loss_coef": 0.5}
+    algorithm = VERL(config(tiny_model_dir, tmp_path / "ckpt", **kl))
     backend = KeepingBackend(algorithm.config, algorithm.advantages)
     algorithm.backend = backend
     store = agl.InMemoryLightningStore()
@@ -183,6 +185,8 @@ def test_over_long_prompts_failed_rollouts_and_an_empty_step_on_real_verl(tiny_m
     assert empty["agl/step_skipped"] == 1.0 and empty["agl/rollouts_failed"] == 4
     assert "actor/pg_loss" not in empty and empty["agl/policy_version"] == 1.0
     assert "agl/step_skipped" not in last and last["agl/policy_version"] == 2.0
+    # the reference is the starting policy: no divergence before the first update, some after it
+    assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6) and last["actor/kl_loss"] > 1e-6
 
     # verl trained twice: step 1 on the plain group only, then step 3; the skipped step left the weights alone
     assert len(backend.batches) == 2

@@ -27,6 +27,7 @@ from agl.algorithm.verl.config import VERLConfig, VERLConfigError
 logger = logging.getLogger("agl.verl")
 
 _ACTOR = "actor_rollout_ref.actor"
+_REF = "actor_rollout_ref.ref"
 _MODEL = "actor_rollout_ref.model"
 _ENGINE = "actor_rollout_ref.rollout.checkpoint_engine"
 
@@ -40,6 +41,10 @@ CPU_SETTINGS: Dict[str, Any] = {
     f"{_ACTOR}.fsdp_config.dtype": "float32",
     f"{_ACTOR}.fsdp_config.use_torch_compile": False,
     f"{_ACTOR}.use_torch_compile": False,
+    f"{_REF}.fsdp_config.strategy": "fsdp2",
+    f"{_REF}.fsdp_config.dtype": "float32",
+    f"{_REF}.fsdp_config.use_torch_compile": False,
+    f"{_REF}.use_torch_compile": False,
     f"{_MODEL}.use_remove_padding": False,
     f"{_MODEL}.enable_gradient_checkpointing": False,
     f"{_MODEL}.override_config.attn_implementation": "sdpa",
@@ -57,36 +62,50 @@ class AglRolloutBackend(VerlActorBackend):
 
     def start(self, total_steps: int) -> Serving:
         import torch
-        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
-        from verl.trainer.ppo.ray_trainer import Role
 
         on_cpu = not torch.cuda.is_available()
         self._folder = tempfile.mkdtemp(prefix="agl-verl-weights-")
         env = self._prepare(on_cpu)
         self.init_ray(env, fake_gpus=self.config.n_gpus if on_cpu else 0)
         t = self.trainer = self.make_trainer(total_steps)
-        if Role.ActorRollout not in t.role_worker_mapping:
-            raise VERLConfigError(
-                "actor_rollout_ref.rollout.name=agl trains without a reference model: unset "
-                "actor_rollout_ref.actor.use_kl_loss (or use rollout.name=vllm)"
-            )
-        t.resource_pool_manager.max_colocate_count = 1  # one worker group (the actor): a CPU and a GPU per worker
-        t.resource_pool_manager.create_resource_pool()
-        workers = RayClassWithInitArgs(
-            cls=t.role_worker_mapping[Role.ActorRollout], config=self.config.dictconfig.actor_rollout_ref, role="actor"
-        )
-        t.actor_rollout_wg = RayWorkerGroup(
-            resource_pool=t.resource_pool_manager.get_resource_pool(Role.ActorRollout),
-            ray_cls_with_init=workers,
-            device_name=t.device_name,
-        )
         started = time.monotonic()
-        t.actor_rollout_wg.init_model()
+        self._start_workers()
         logger.info("verl's actor workers are up in %.1f s (%s)", time.monotonic() - started, t.device_name)
         self.server = self._serve(on_cpu)
         self.sync_weights(0)  # the server starts from the actor's weights, whatever verl did on loading
         pad = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else t.tokenizer.eos_token_id
         return Serving(upstreams=[self.server.base_url], model=self.server.model_name, pad_token_id=int(pad or 0))
+
+    def _start_workers(self) -> None:
+        """verl's worker class in the roles ``actor`` and, for a KL loss or KL in the reward, ``ref``: both in
+        the same processes, as verl colocates them, but without the ``rollout`` role (no vLLM engine)."""
+        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+        from verl.single_controller.ray.base import create_colocated_worker_cls
+        from verl.trainer.ppo.ray_trainer import Role
+
+        t = self.trainer
+        # verl maps the fused ActorRolloutRef role when it needs a reference model, ActorRollout otherwise
+        role = Role.ActorRolloutRef if Role.ActorRolloutRef in t.role_worker_mapping else Role.ActorRollout
+        roles = ["actor", "ref"] if t.use_reference_policy and not t.ref_in_actor else ["actor"]
+        config = self.config.dictconfig.actor_rollout_ref
+        cls = t.role_worker_mapping[role]
+        t.resource_pool_manager.max_colocate_count = 1  # one worker group: a CPU and a GPU per worker
+        t.resource_pool_manager.create_resource_pool()
+        group = RayWorkerGroup(
+            resource_pool=t.resource_pool_manager.get_resource_pool(role),
+            ray_cls_with_init=create_colocated_worker_cls(
+                class_dict={name: RayClassWithInitArgs(cls=cls, config=config, role=name) for name in roles}
+            ),
+            device_name=t.device_name,
+        )
+        groups = group.spawn(prefix_set=roles)
+        if "ref" in groups:
+            t.ref_policy_wg = groups["ref"]
+            t.ref_policy_wg.init_model()
+        t.actor_rollout_wg = groups["actor"]
+        t.actor_rollout_wg.init_model()
+        if t.ref_in_actor:  # LoRA: the reference is the actor without its adapter
+            t.ref_policy_wg = t.actor_rollout_wg
 
     def sync_weights(self, step: int) -> Dict[str, float]:
         import ray

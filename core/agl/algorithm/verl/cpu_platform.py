@@ -3,7 +3,8 @@
 verl ships platforms for NVIDIA, Ascend and ROCm only; without an accelerator it falls back to NVIDIA and
 its worker fails at ``torch.cuda.set_device``. This module registers a ``cpu`` platform (device ``cpu``,
 collective backend ``gloo``, Ray resource ``GPU`` so that verl's placement groups still work: the driver
-declares as many "GPUs" as workers) and makes verl's process-group setup use plain ``gloo``.
+declares as many "GPUs" as workers), makes verl's process-group setup use plain ``gloo`` and pinning memory
+a no-op (the reference model's CPU offload pins).
 
 It is loaded in every process that imports verl through ``VERL_USE_EXTERNAL_MODULES`` and selected with
 ``VERL_PLATFORM=cpu`` (see :data:`CPU_ENV`); :mod:`agl.algorithm.verl.agl_rollout` sets both for its Ray
@@ -185,6 +186,21 @@ def _use_plain_gloo() -> None:
         workers.initialize_global_process_group_ray = initialize_global_process_group_ray
 
 
+def _pinning_is_a_no_op() -> None:
+    """verl builds its reference model (forward only) with FSDP2's ``CPUOffloadPolicy(pin_memory=True)``, and
+    pinning raises without an accelerator. Pinned memory only speeds up copies to a device, which this
+    platform never makes: a tensor stays as it is."""
+    if torch.accelerator.is_available() or getattr(torch.Tensor.pin_memory, "_agl_cpu", False):
+        return
+
+    def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    pin_memory._agl_cpu = True  # type: ignore[attr-defined]  # marks the patch as applied
+    torch.Tensor.pin_memory = pin_memory  # see the docstring
+
+
 PlatformRegistry.register(platform=NAME)(CPUPlatform)
 if os.environ.get("VERL_PLATFORM", "").strip().lower() == NAME:
     _use_plain_gloo()
+    _pinning_is_a_no_op()
