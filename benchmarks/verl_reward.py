@@ -31,6 +31,7 @@ import agl
 from agl import semconv
 from agl.algorithm.verl import VERL
 from agl.algorithm.verl.agl_rollout import AglRolloutBackend
+from agl.algorithm.verl.batch import trained_token_ids
 from agl.types import Rollout
 
 PROMPT = "Answer with one word."
@@ -87,16 +88,7 @@ class CheckingBackend(AglRolloutBackend):
         self.response_tokens: List[int] = []
 
     def update(self, batch: Any, step: int, mini_batches: int) -> Dict[str, float]:
-        for i in range(len(batch)):
-            if not batch.non_tensor_batch["agl_padding"][i]:
-                prompt_mask = batch.batch["attention_mask"][i, : batch.batch["prompts"].shape[1]].bool()
-                response_mask = batch.batch["response_mask"][i].bool()
-                self.trained.add(
-                    (
-                        tuple(batch.batch["prompts"][i][prompt_mask].tolist()),
-                        tuple(batch.batch["responses"][i][response_mask].tolist()),
-                    )
-                )
+        self.trained |= trained_token_ids(batch)
         self.response_tokens.append(int(batch.batch["response_mask"].sum()))
         started = time.monotonic()
         metrics = super().update(batch, step, mini_batches)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ import agl
 from agl import semconv
 from agl.algorithm.verl import VERL
 from agl.algorithm.verl.agl_rollout import AglRolloutBackend
+from agl.algorithm.verl.batch import trained_token_ids
 from agl.types import Rollout
 
 TASKS = [{"id": f"t{i}", "question": f"count to {i}"} for i in range(4)]
@@ -87,15 +88,23 @@ class KeepingBackend(AglRolloutBackend):
         return metrics
 
 
-def test_two_verl_steps_on_cpu_train_the_served_model(tiny_model_dir: str, tmp_path: Path) -> None:
-    algorithm = VERL(config(tiny_model_dir, tmp_path / "ckpt"))
+def train(
+    agent: Any, tasks: List[Dict[str, Any]], model_dir: str, out: Path, **changes: Any
+) -> Tuple[VERL, KeepingBackend, agl.InMemoryLightningStore]:
+    """``agl.VERL`` on the real backend (kept as :class:`KeepingBackend`), 2 runner threads, an in-memory store."""
+    algorithm = VERL(config(model_dir, out, **changes))
     backend = KeepingBackend(algorithm.config, algorithm.advantages)
     algorithm.backend = backend
     store = agl.InMemoryLightningStore()
     trainer = agl.Trainer(
         algorithm=algorithm, store=store, n_runners=2, runner_mode="thread", instrument=False, progress=False
     )
-    trainer.fit(letters, train_dataset=TASKS)
+    trainer.fit(agent, train_dataset=tasks)
+    return algorithm, backend, store
+
+
+def test_two_verl_steps_on_cpu_train_the_served_model(tiny_model_dir: str, tmp_path: Path) -> None:
+    algorithm, backend, store = train(letters, TASKS, tiny_model_dir, tmp_path / "ckpt")
 
     steps = algorithm.summary.steps
     assert [s.step for s in steps] == [1, 2]
@@ -129,20 +138,7 @@ def test_two_verl_steps_on_cpu_train_the_served_model(tiny_model_dir: str, tmp_p
             response = span.attributes.get(semconv.RESPONSE_TOKEN_IDS)
             if prompt is not None and response is not None:
                 recorded.add((tuple(prompt), tuple(response)))
-    trained = set()
-    for batch in backend.batches:
-        for i in range(len(batch)):
-            if batch.non_tensor_batch["agl_padding"][i]:
-                continue
-            prompt_mask = batch.batch["attention_mask"][i, : batch.batch["prompts"].shape[1]].bool()
-            response_mask = batch.batch["response_mask"][i].bool()
-            trained.add(
-                (
-                    tuple(batch.batch["prompts"][i][prompt_mask].tolist()),
-                    tuple(batch.batch["responses"][i][response_mask].tolist()),
-                )
-            )
-    assert trained == recorded
+    assert set().union(*(trained_token_ids(batch) for batch in backend.batches)) == recorded
 
 
 LONG_QUESTION = "count the words: " + " ".join(["word"] * 80)  # far over max_prompt_length=64 tokens
@@ -170,14 +166,7 @@ def test_over_long_prompts_failed_rollouts_and_an_empty_step_on_real_verl(tiny_m
     # to train (skipped, no update); step 3: two plain groups. With a KL loss: verl's reference model runs
     # beside the actor.
     kl = {"actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.actor.kl_loss_coef": 0.5}
-    algorithm = VERL(config(tiny_model_dir, tmp_path / "ckpt", **kl))
-    backend = KeepingBackend(algorithm.config, algorithm.advantages)
-    algorithm.backend = backend
-    store = agl.InMemoryLightningStore()
-    trainer = agl.Trainer(
-        algorithm=algorithm, store=store, n_runners=2, runner_mode="thread", instrument=False, progress=False
-    )
-    trainer.fit(letters_or_failure, train_dataset=EDGE_TASKS)
+    algorithm, backend, store = train(letters_or_failure, EDGE_TASKS, tiny_model_dir, tmp_path / "ckpt", **kl)
 
     first, empty, last = (s.metrics for s in algorithm.summary.steps)
     assert first["agl/batch/dropped_prompt_too_long"] == 2 and first["agl/rollouts_failed"] == 0

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -299,4 +299,23 @@ def apply_loss_weights(data: DataProto) -> None:
         data.batch["rollout_is_weights"] = weights
 
 
-__all__ = ["ConversionReport", "NoTrainableSamples", "apply_loss_weights", "pad_to_divisor", "samples_to_dataproto"]
+def trained_token_ids(data: DataProto) -> Set[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """``(prompt ids, trained response ids)`` of every real row: what verl learns from, to hold against the
+    token ids of the recorded calls (a one-call sample's pair is exactly its call's)."""
+    width = data.batch["prompts"].shape[1]
+    pairs = set()
+    for i in np.flatnonzero(~data.non_tensor_batch["agl_padding"].astype(bool)):
+        prompt = data.batch["prompts"][i][data.batch["attention_mask"][i, :width].bool()]
+        response = data.batch["responses"][i][data.batch["response_mask"][i].bool()]
+        pairs.add((tuple(prompt.tolist()), tuple(response.tolist())))
+    return pairs
+
+
+__all__ = [
+    "ConversionReport",
+    "NoTrainableSamples",
+    "apply_loss_weights",
+    "pad_to_divisor",
+    "samples_to_dataproto",
+    "trained_token_ids",
+]
