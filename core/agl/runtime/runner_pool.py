@@ -190,6 +190,27 @@ def _leave_with_parent(parent: int, leave: Callable[[int, Any], None]) -> None:
             return
 
 
+def end_attempt(store: LightningStore, rollout_id: str, attempt_id: str, error: str, *, dead: bool = True) -> None:
+    """End, as failed with ``error``, the attempt of a runner that died or was killed or left behind, so that
+    the store retries the rollout now. An attempt the runner ended itself just before raises
+    StaleAttemptError: nothing to do."""
+    try:
+        store.complete_attempt(rollout_id, attempt_id, "failed", error=error)
+        logger.warning("rollout %s: attempt %s ended as failed: %s", rollout_id, attempt_id, error)
+    except StaleAttemptError:
+        pass
+    except StoreClosedError:  # a stop that gave up on it (said then) and closed the store: nothing more to say
+        logger.debug("rollout %s: attempt %s not ended: the store was closed", rollout_id, attempt_id)
+    except Exception as exc:  # noqa: BLE001 - the heartbeat timeout still ends it
+        logger.warning(
+            "rollout %s: could not end attempt %s of a %s runner: %s",
+            rollout_id,
+            attempt_id,
+            "dead" if dead else "killed",
+            exc,
+        )
+
+
 class RunnerPool:
     """Starts, watches and stops the runners of one training or dev run."""
 
@@ -408,22 +429,7 @@ class RunnerPool:
             self._end_attempt(*ids, error, dead)
 
     def _end_attempt(self, rollout_id: str, attempt_id: str, error: str, dead: bool) -> None:
-        """An attempt the runner ended itself just before raises StaleAttemptError: nothing to do."""
-        try:
-            self.store.complete_attempt(rollout_id, attempt_id, "failed", error=error)
-            logger.warning("rollout %s: attempt %s ended as failed: %s", rollout_id, attempt_id, error)
-        except StaleAttemptError:
-            pass
-        except StoreClosedError:  # a stop that gave up on it (said then) and closed the store: nothing more to say
-            logger.debug("rollout %s: attempt %s not ended: the store was closed", rollout_id, attempt_id)
-        except Exception as exc:  # noqa: BLE001 - the heartbeat timeout still ends it
-            logger.warning(
-                "rollout %s: could not end attempt %s of a %s runner: %s",
-                rollout_id,
-                attempt_id,
-                "dead" if dead else "killed",
-                exc,
-            )
+        end_attempt(self.store, rollout_id, attempt_id, error, dead=dead)
 
     def __enter__(self) -> RunnerPool:
         return self.start()

@@ -1,0 +1,102 @@
+"""Runners as Ray actors (``agl.runtime.ray_runners``) on a real local Ray cluster, against a real store
+server (SQLite behind ``agl store serve``'s app, with a token): rollouts run in the actors' processes with
+their spans and rewards stored; an actor killed mid-rollout is restarted by Ray and its rollout retried at
+once, nothing lost and nothing recorded twice."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+import ray
+from ray_agents import counting_agent
+
+from agl.runtime.ray_runners import RayRunnerPool
+from agl.store.http.client import RemoteLightningStore
+from agl.store.http.server import ServerThread, TokenSet, create_app
+from agl.store.sqlite.store import SqliteLightningStore
+from agl.types import Rollout, RolloutConfig
+
+TOKEN = "ray-test-token"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[str]:
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    thread = ServerThread(create_app(backing, tokens=TokenSet({"runners": TOKEN}))).start()
+    yield thread.url
+    thread.stop()
+    backing.close()
+
+
+def wait_until_all_end(
+    store: RemoteLightningStore, pool: RayRunnerPool, n: int, within: float = 120.0
+) -> List[Rollout]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        pool.check()
+        rollouts = store.query_rollouts()
+        if len(rollouts) == n and all(r.status in ("succeeded", "failed") for r in rollouts):
+            return rollouts
+        time.sleep(0.2)
+    raise AssertionError(f"rollouts still open after {within} s: {[r.status for r in store.query_rollouts()]}")
+
+
+def test_rollouts_run_in_ray_actors_with_spans_and_rewards(server: str) -> None:
+    store = RemoteLightningStore(server, token=TOKEN)
+    for n in range(6):
+        store.enqueue_rollout({"n": n})
+    pool = RayRunnerPool(counting_agent, server, n_runners=2, token=TOKEN, resources={"num_cpus": 0.5})
+    with pool:
+        rollouts = wait_until_all_end(store, pool, 6)
+    assert sorted(r.final_reward for r in rollouts) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert all(r.status == "succeeded" for r in rollouts)
+    pids = set()
+    for rollout in rollouts:
+        messages = [s for s in store.query_spans(rollout.rollout_id) if "in process" in str(s.attributes)]
+        assert len(messages) == 1, rollout
+        pids.add(str(messages[0].attributes).split("in process ")[1].split("'")[0].split('"')[0])
+    assert str(os.getpid()) not in pids  # run by the actors, not here
+    store.close()
+
+
+def test_an_actor_killed_mid_rollout_is_restarted_and_its_rollout_retried_once(server: str) -> None:
+    store = RemoteLightningStore(server, token=TOKEN)
+    config = RolloutConfig(max_attempts=3)
+    ids = [store.enqueue_rollout({"n": n, "sleep": 2.0}, config=config).rollout_id for n in range(3)]
+    pool = RayRunnerPool(counting_agent, server, n_runners=1, token=TOKEN, resources={"num_cpus": 0.5})
+    with pool:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the pool knows what the actor works on
+            pool.check()
+            busy = pool._known[0][1]
+            if busy is not None:
+                break
+            time.sleep(0.1)
+        assert busy is not None, "the actor never started a rollout"
+        ray.kill(pool._actors[0], no_restart=False)  # its process dies; Ray starts it again
+        rollouts = wait_until_all_end(store, pool, 3)
+        assert pool.restarted == 1
+    assert sorted(r.rollout_id for r in rollouts) == sorted(ids)
+    assert all(r.status == "succeeded" for r in rollouts), [r.status for r in rollouts]
+    killed = busy[0]
+    for rollout in rollouts:
+        attempts = store.query_attempts(rollout.rollout_id)
+        succeeded = [a for a in attempts if a.status == "succeeded"]
+        assert len(succeeded) == 1  # nothing recorded twice
+        if rollout.rollout_id == killed:
+            assert [a.status for a in attempts] == ["failed", "succeeded"]
+            assert "Ray runner actor 0 died" in (attempts[0].error or "")
+        else:
+            assert len(attempts) == 1
+    store.close()
