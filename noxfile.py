@@ -117,8 +117,9 @@ def verl(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["ci"])
 def ray(session: nox.Session) -> None:
-    """tests/with_ray: runners as Ray actors on a real local Ray cluster against a real store server."""
-    session.install("-e", ".[dev,ray]")
+    """tests/with_ray: runners as Ray actors on a real local Ray cluster against a real store server (over
+    SQLite and over PostgreSQL)."""
+    session.install("-e", ".[dev,ray,postgres]")
     session.run("python", "-m", "pytest", "-q", "tests/with_ray", *session.posargs)
 
 

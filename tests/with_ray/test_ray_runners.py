@@ -1,10 +1,11 @@
 """Runners as Ray actors (``agl.runtime.ray_runners``) on a real local Ray cluster, against a real store
-server (SQLite behind ``agl store serve``'s app, with a token): rollouts run in the actors' processes with
-their spans and rewards stored; an actor killed mid-rollout is restarted by Ray and its rollout retried at
-once, nothing lost and nothing recorded twice."""
+server (``agl store serve``'s app with a token, over SQLite and over PostgreSQL): rollouts run in the
+actors' processes with their spans and rewards stored; an actor killed mid-rollout is restarted by Ray and
+its rollout retried at once, nothing lost and nothing recorded twice."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -15,9 +16,12 @@ import ray
 from ray_agents import counting_agent
 
 from agl.runtime.ray_runners import RayRunnerPool
+from agl.store.base import LightningStore
 from agl.store.http.client import RemoteLightningStore
 from agl.store.http.server import ServerThread, TokenSet, create_app
+from agl.store.postgres.store import PostgresLightningStore
 from agl.store.sqlite.store import SqliteLightningStore
+from agl.testing.postgres import PostgresServer, postgres_for_tests
 from agl.types import Rollout, RolloutConfig
 
 TOKEN = "ray-test-token"
@@ -30,13 +34,25 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[str]:
-    backing = SqliteLightningStore(tmp_path / "store.db")
-    thread = ServerThread(create_app(backing, tokens=TokenSet({"runners": TOKEN}))).start()
-    yield thread.url
-    thread.stop()
-    backing.close()
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    with postgres_for_tests() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """``agl store serve``'s app with a token, over a SQLite file or a PostgreSQL database."""
+    with contextlib.ExitStack() as stack:
+        if request.param == "sqlite":
+            backing: LightningStore = SqliteLightningStore(tmp_path / "store.db")
+        else:
+            dsn = stack.enter_context(request.getfixturevalue("postgres").store_database())
+            backing = PostgresLightningStore(dsn)
+        stack.callback(backing.close)
+        thread = ServerThread(create_app(backing, tokens=TokenSet({"runners": TOKEN}))).start()
+        stack.callback(thread.stop)
+        yield thread.url
 
 
 def wait_until_all_end(
