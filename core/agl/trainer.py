@@ -11,13 +11,14 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Union
 
 from agl.algorithm.base import Algorithm, Baseline
 from agl.instrumentation import instrument, instrumented, uninstrument
 from agl.instrumentation.base import any_instrumented, is_hooked
 from agl.runtime.dataset import as_tasks
 from agl.runtime.litagent import LitAgent, as_agent
+from agl.runtime.ray_runners import RayRunnerPool, store_address
 from agl.runtime.runner_pool import RunnerMode, RunnerPool
 from agl.runtime.span_retention import SpanRetention
 from agl.store import LightningStore, open_store
@@ -61,7 +62,8 @@ class Trainer:
         store: Union[LightningStore, str, None] = None,
         adapter: Any = None,
         initial_resources: Optional[Dict[str, Union[Resource, Dict[str, Any]]]] = None,
-        runner_mode: RunnerMode = "process",
+        runner_mode: Union[RunnerMode, Literal["ray"]] = "process",
+        runner_resources: Optional[Mapping[str, Any]] = None,
         max_attempts: int = 1,
         rollout_timeout: Optional[float] = None,
         heartbeat_timeout: Optional[float] = 120.0,
@@ -77,7 +79,13 @@ class Trainer:
 
         ``store_outage_timeout``: with a store server (``store="http://..."``) or PostgreSQL, how long each
         store call of the trainer and its runners keeps trying through an outage (a server restart) before the
-        run fails; a store passed in with its own setting (``outage_timeout``, ``reconnect_timeout``) keeps it."""
+        run fails; a store passed in with its own setting (``outage_timeout``, ``reconnect_timeout``) keeps it.
+
+        ``runner_mode="ray"``: the runners are Ray actors (``pip install "agl[ray]"``; it joins the Ray cluster of
+        this process, ``$RAY_ADDRESS``'s, or starts a local one), placed by ``runner_resources`` (``num_cpus``,
+        ``num_gpus``, ``memory``, ``resources``; default one CPU each) and opening ``store`` in their own
+        processes: a store server's URL or PostgreSQL (a SQLite file when the cluster is this machine). See
+        :mod:`agl.runtime.ray_runners`."""
         if n_workers is not None:
             warnings.warn("Trainer(n_workers=) is now n_runners=", DeprecationWarning, stacklevel=2)
             n_runners = n_workers
@@ -98,12 +106,19 @@ class Trainer:
                 "(how often the runners send a heartbeat), so the store would declare healthy runners dead: make "
                 "heartbeat_timeout several times heartbeat_interval (raise the one, or lower the other)"
             )
+        if runner_mode not in ("process", "thread", "ray"):
+            raise ValueError(f"runner_mode must be 'process', 'thread' or 'ray', got {runner_mode!r}")
+        if runner_resources is not None and runner_mode != "ray":
+            raise ValueError("runner_resources places Ray actors: it needs runner_mode='ray'")
         self.algorithm = algorithm
         self.n_runners = n_runners
         self.store = store if isinstance(store, LightningStore) else open_store(store)
+        if runner_mode == "ray" and n_runners:
+            store_address(self.store)  # an in-memory store fails here, before any work
         self.store.ride_out_outages(store_outage_timeout)
         self.adapter = adapter
-        self.runner_mode: RunnerMode = runner_mode
+        self.runner_mode = runner_mode
+        self.runner_resources = dict(runner_resources or {})
         self.rollout_config = RolloutConfig(
             max_attempts=max_attempts, timeout_seconds=rollout_timeout, heartbeat_timeout_seconds=heartbeat_timeout
         )
@@ -114,7 +129,7 @@ class Trainer:
         self.resources_id: Optional[str] = None
         if initial_resources:
             self.resources_id = self.store.add_resources(parse_resources(dict(initial_resources))).resources_id
-        self._pool: Optional[RunnerPool] = None
+        self._pool: Optional[Union[RunnerPool, RayRunnerPool]] = None
         self._remote_runners_only = False
 
     # -- running tasks (used by dev and by algorithms) -----------------------------------------------------
@@ -206,7 +221,7 @@ class Trainer:
         self.span_retention.learned_from(rollouts)
 
     @contextlib.contextmanager
-    def runners(self, agent: AgentLike) -> Iterator[Optional[RunnerPool]]:
+    def runners(self, agent: AgentLike) -> Iterator[Optional[Union[RunnerPool, RayRunnerPool]]]:
         """The runner pool for ``agent``: started on enter, stopped on exit (also on errors and Ctrl-C).
 
         With ``n_runners=0`` there is no local pool (None): rollouts wait for remote runners.
@@ -230,9 +245,15 @@ class Trainer:
         hooked_here = self._hook_for_run()
         left_running = False
         try:
-            pool = RunnerPool(
-                agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs
-            )
+            pool: Union[RunnerPool, RayRunnerPool]
+            if self.runner_mode == "ray":
+                pool = RayRunnerPool(
+                    agent, self.store, self.n_runners, resources=self.runner_resources, runner_kwargs=self.runner_kwargs
+                )
+            else:
+                pool = RunnerPool(
+                    agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs
+                )
             self._pool = pool.start()
             try:
                 yield pool

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator, List
@@ -15,6 +18,7 @@ import pytest
 import ray
 from ray_agents import counting_agent
 
+import agl
 from agl.runtime.ray_runners import RayRunnerPool
 from agl.store.base import LightningStore
 from agl.store.http.client import RemoteLightningStore
@@ -102,7 +106,7 @@ def test_an_actor_killed_mid_rollout_is_restarted_and_its_rollout_retried_once(s
         assert busy is not None, "the actor never started a rollout"
         ray.kill(pool._actors[0], no_restart=False)  # its process dies; Ray starts it again
         rollouts = wait_until_all_end(store, pool, 3)
-        assert pool.restarted == 1
+        assert pool.respawned == 1
     assert sorted(r.rollout_id for r in rollouts) == sorted(ids)
     assert all(r.status == "succeeded" for r in rollouts), [r.status for r in rollouts]
     killed = busy[0]
@@ -116,3 +120,64 @@ def test_an_actor_killed_mid_rollout_is_restarted_and_its_rollout_retried_once(s
         else:
             assert len(attempts) == 1
     store.close()
+
+
+def test_a_trainer_runs_its_rollouts_on_ray_actors(server: str) -> None:
+    store = RemoteLightningStore(server, token=TOKEN)
+    trainer = agl.Trainer(
+        n_runners=2, runner_mode="ray", runner_resources={"num_cpus": 0.5}, store=store, progress=False
+    )
+    summaries = trainer.dev(counting_agent, [{"n": n} for n in range(4)], print_table=False)
+    assert sorted(s.reward for s in summaries) == [0.0, 1.0, 2.0, 3.0]
+    assert all(s.status == "succeeded" for s in summaries)
+
+
+def test_ray_settings_are_checked_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="InMemoryLightningStore lives in this one: use a store server"):
+        agl.Trainer(n_runners=1, runner_mode="ray", store=agl.InMemoryLightningStore())
+    with pytest.raises(ValueError, match="runner_resources places Ray actors: it needs runner_mode='ray'"):
+        agl.Trainer(n_runners=1, runner_mode="thread", runner_resources={"num_cpus": 1}, store="memory")
+    with pytest.raises(ValueError, match=r"runner_resources has \['cpus'\]"):
+        RayRunnerPool(counting_agent, "http://127.0.0.1:1", resources={"cpus": 1})
+
+
+def test_agl_runner_with_ray_runs_the_rollouts_and_stops_on_sigterm(server: str) -> None:
+    store = RemoteLightningStore(server, token=TOKEN)
+    for n in range(3):
+        store.enqueue_rollout({"n": n})
+    agent = f"{Path(__file__).parent / 'ray_agents.py'}:counting_agent"
+    command = [sys.executable, "-m", "agl.cli", "runner", "--store", server, "--agent", agent, "--ray", "local"]
+    command += ["--n-runners", "2", "--ray-resources", '{"num_cpus": 0.5}']
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, "AGL_STORE_TOKEN": TOKEN},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(r.status != "succeeded" for r in store.query_rollouts()):
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, out
+    assert "2 runner(s) as Ray actors on local" in out and TOKEN not in out
+    assert sorted(r.final_reward for r in store.query_rollouts()) == [0.0, 1.0, 2.0]
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--ray-resources", '{"num_cpus": 1}'], "--ray-resources places Ray actors: add --ray ADDRESS"),
+        (["--ray", "local", "--ray-resources", "{num_cpus"], "--ray-resources is not JSON"),
+        (["--ray", "local", "--ray-resources", '{"cpus": 1}'], "--ray-resources must be a JSON object of num_cpus"),
+    ],
+)
+def test_agl_runner_ray_options_are_checked(extra: List[str], message: str) -> None:
+    command = [sys.executable, "-m", "agl.cli", "runner", "--store", "http://127.0.0.1:9", "--agent", "x:y", *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -7,11 +7,12 @@ only when a command runs, so ``agl --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import threading
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from agl.cli.common import shown_store
 
@@ -94,6 +95,20 @@ def add_runner_parser(sub: Any) -> None:
     )
     runner.add_argument("--n-runners", type=int, default=1)
     runner.add_argument("--runner-mode", choices=["process", "thread"], default="process")
+    runner.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="run the runners as Ray actors (the ray extra) on the cluster at ADDRESS: 'auto' (the cluster of "
+        "this node), HOST:PORT or ray://HOST:PORT, or 'local' (start one here); instead of --runner-mode",
+    )
+    runner.add_argument(
+        "--ray-resources",
+        metavar="JSON",
+        default=None,
+        help='with --ray, what each actor asks Ray for, e.g. \'{"num_cpus": 2, "resources": {"tools": 1}}\' '
+        "(default: one CPU)",
+    )
     runner.add_argument("--token", default=None, help=_TOKEN_HELP)
     runner.add_argument("--heartbeat-interval", type=float, default=5.0, help="seconds between heartbeats")
     runner.add_argument("--rollout-timeout", type=float, default=None, help="seconds a rollout may run (default: none)")
@@ -196,13 +211,41 @@ def _check_seconds(args: argparse.Namespace, **positive: bool) -> None:
                 ) from None
 
 
+def _ray_resources(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """``--ray-resources`` as a dict, checked before anything starts."""
+    from agl.runtime.ray_runners import RESOURCE_KEYS
+
+    if args.ray_resources is None:
+        return None
+    if args.ray is None:
+        raise SystemExit("agl: --ray-resources places Ray actors: add --ray ADDRESS")
+    try:
+        resources = json.loads(args.ray_resources)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"agl: --ray-resources is not JSON ({exc.msg}): write e.g. '{{\"num_cpus\": 2}}'") from None
+    if not isinstance(resources, dict) or set(resources) - set(RESOURCE_KEYS):
+        raise SystemExit(f"agl: --ray-resources must be a JSON object of {', '.join(RESOURCE_KEYS)}")
+    return resources
+
+
+def _join_ray(address: str) -> None:
+    """Connect to the Ray cluster at ``address`` ('local': start one in this process)."""
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit('agl: --ray needs Ray: pip install "agl[ray]"') from None
+    ray.init(address=None if address == "local" else address, log_to_driver=True)
+
+
 def cmd_runner(args: argparse.Namespace) -> int:
     import agl
     from agl.cli.common import load_agent
+    from agl.runtime.ray_runners import RayRunnerPool
     from agl.runtime.runner_pool import RunnerPool
 
     if args.n_runners < 1:
         raise SystemExit("agl: --n-runners must be at least 1")
+    resources = _ray_resources(args)
     _check_seconds(
         args,
         heartbeat_interval=True,
@@ -228,15 +271,22 @@ def cmd_runner(args: argparse.Namespace) -> int:
         stopped_by[0] = signal.Signals(signum).name
         stop.set()
 
+    if args.ray is not None:
+        _join_ray(args.ray)  # first: ray.init sets SIGTERM to abort the process, and this command handles it
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     runner_kwargs = {
         "heartbeat_interval": args.heartbeat_interval,
         "rollout_timeout": args.rollout_timeout,
         "outage_timeout": args.outage_timeout,  # a store gone for good ends `agl runner` (non-zero), not hangs it
     }
-    pool = RunnerPool(agent, store, args.n_runners, mode=args.runner_mode, runner_kwargs=runner_kwargs)
+    pool: Union[RunnerPool, RayRunnerPool]
+    if args.ray is None:
+        pool = RunnerPool(agent, store, args.n_runners, mode=args.runner_mode, runner_kwargs=runner_kwargs)
+    else:
+        pool = RayRunnerPool(agent, store, args.n_runners, resources=resources, runner_kwargs=runner_kwargs)
+    where = "" if args.ray is None else f" as Ray actors on {args.ray}"
     print(
-        f"agl: {args.n_runners} runner(s) on {store!r} ({queued} rollouts queued); SIGTERM or Ctrl-C stops them",
+        f"agl: {args.n_runners} runner(s){where} on {store!r} ({queued} rollouts queued); SIGTERM or Ctrl-C stops them",
         flush=True,
     )
     pool.start()

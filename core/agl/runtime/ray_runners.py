@@ -1,9 +1,9 @@
 """Runners as Ray actors: one actor per runner, placed by Ray on any node of its cluster.
 
-Each actor opens the store from its URL (a store server, ``http://host:port``, or a database every node
-reaches; the token travels in the actor's environment as ``$AGL_STORE_TOKEN``, never in its arguments or
-logs) and runs :meth:`agl.runtime.runner.Runner.run_forever` on a thread, so that the actor still answers
-the pool while it works. Heartbeats, timeouts and retries stay the store's, as with any runner.
+Each actor opens the store from its address (a store server, ``http://host:port``, or a database every node
+reaches; address and token travel in the actor's environment as ``$AGL_STORE`` and ``$AGL_STORE_TOKEN``,
+never in its arguments or logs) and runs :meth:`agl.runtime.runner.Runner.run_forever` on a thread, so that
+the actor still answers the pool while it works. Heartbeats, timeouts and retries stay the store's, as with any runner.
 
 Ray restarts a dead actor (``max_restarts``); its rollout is then retried at once: the pool asks each actor
 what it works on (:meth:`RayRunnerPool.check`), and an actor that answers from a new process, or not at all,
@@ -20,18 +20,22 @@ import pickle
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from agl.instrumentation import instrumented
 from agl.runtime.litagent import LitAgent
 from agl.runtime.runner import check_runner_settings
 from agl.runtime.runner_pool import end_attempt
 from agl.store import open_store
+from agl.store.base import LightningStore
 from agl.store.http.wire import TOKEN_ENV
 
 logger = logging.getLogger("agl.runtime.ray_runners")
 
 #: The ``.options()`` of a Ray actor that place it; ``runner_resources`` takes these.
 RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type")
+#: Where :func:`agl.store.open_store` finds the store's address when it is given none.
+STORE_ENV = "AGL_STORE"
 #: How long the pool waits for an actor to answer what it works on before it counts it as gone.
 ASK_TIMEOUT_S = 10.0
 
@@ -40,13 +44,23 @@ class RunnerActor:
     """The body of one Ray actor: a runner on a thread. Built again by Ray on each restart."""
 
     def __init__(
-        self, agent: bytes, store_url: str, runner_id: str, kwargs: Dict[str, Any], sys_path: List[str]
+        self,
+        agent: bytes,
+        runner_id: str,
+        kwargs: Dict[str, Any],
+        sys_path: List[str],
+        instrumentation: Optional[Dict[str, Any]] = None,
     ) -> None:
         from agl.runtime.runner import Runner
 
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
+        if instrumentation is not None:  # hook what the driver hooked, as a spawned runner process does
+            from agl.instrumentation import instrument
+
+            instrument(**instrumentation)
         self.incarnation = f"{os.getpid()}-{time.monotonic_ns()}"
-        self.runner = Runner(pickle.loads(agent), open_store(store_url, create=False), runner_id=runner_id, **kwargs)
+        store = open_store(None, create=False)  # $AGL_STORE, set in this actor's environment by the pool
+        self.runner = Runner(pickle.loads(agent), store, runner_id=runner_id, **kwargs)
         self.current: Optional[Tuple[str, str]] = None
         self.done = 0
         self._stop = threading.Event()
@@ -80,13 +94,16 @@ class RunnerActor:
 
 
 class RayRunnerPool:
-    """``n_runners`` runners as Ray actors against the store at ``store_url``; ``start`` / ``check`` / ``stop``
-    as :class:`agl.runtime.runner_pool.RunnerPool`."""
+    """``n_runners`` runners as Ray actors against ``store`` (an address, or a store object whose address every
+    actor can open: a store server's client, PostgreSQL, or a SQLite file when the cluster is this machine);
+    ``start`` / ``check`` / ``stop`` as :class:`agl.runtime.runner_pool.RunnerPool`."""
+
+    left_agents_running = False  # an actor still busy at stop is killed, its agent with it
 
     def __init__(
         self,
         agent: LitAgent[Any],
-        store_url: str,
+        store: Union[str, LightningStore],
         n_runners: int = 1,
         *,
         token: Optional[str] = None,
@@ -105,13 +122,13 @@ class RayRunnerPool:
             )
         check_runner_settings(**(runner_kwargs or {}))
         self.agent = agent
-        self.store_url = store_url
+        self.store_url, store_token = store_address(store)
         self.n_runners = n_runners
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.token = token or store_token or os.environ.get(TOKEN_ENV)
         self.resources = {"num_cpus": 1, **(resources or {})}
         self.max_restarts = max_restarts
         self.runner_kwargs = runner_kwargs or {}
-        self.restarted = 0  # actor restarts seen by check()
+        self.respawned = 0  # actor restarts seen by check() (RunnerPool's name)
         self._actors: List[Any] = []
         self._known: List[Tuple[Optional[str], Optional[Tuple[str, str]]]] = []  # per actor: incarnation, attempt
         self._store: Any = None  # the pool's own client, to end the attempts of dead actors
@@ -121,15 +138,16 @@ class RayRunnerPool:
 
         if not ray.is_initialized():
             ray.init()  # $RAY_ADDRESS or a new local cluster; `agl runner --ray ADDRESS` connects first
-        env = {TOKEN_ENV: self.token} if self.token else {}
+        env = {STORE_ENV: self.store_url, **({TOKEN_ENV: self.token} if self.token else {})}
         actor_class = ray.remote(RunnerActor)
         agent = pickle.dumps(self.agent)
+        hooks = instrumented()
         self._store = _open(self.store_url, self.token)
         for i in range(self.n_runners):
             options = dict(self.resources, max_restarts=self.max_restarts, max_task_retries=0)
             options["runtime_env"] = {"env_vars": env}
             actor = actor_class.options(**options).remote(
-                agent, self.store_url, f"ray-runner-{i}-{os.getpid()}", self.runner_kwargs, list(sys.path)
+                agent, f"ray-runner-{i}-{os.getpid()}", self.runner_kwargs, list(sys.path), hooks
             )
             self._actors.append(actor)
             self._known.append((None, None))
@@ -155,7 +173,7 @@ class RayRunnerPool:
             elif not running:
                 logger.error("Ray runner actor %d: its runner loop ended (see its log above)", i)
             self._known[i] = (now, current)
-        self.restarted += restarted
+        self.respawned += restarted
         return restarted
 
     def stop(self, timeout: float = 10.0, *, reason: Optional[str] = None) -> None:
@@ -195,6 +213,28 @@ class RayRunnerPool:
         self.stop()
 
 
+def store_address(store: Union[str, LightningStore]) -> Tuple[str, Optional[str]]:
+    """``(address, token)`` that reopen ``store`` in another process: a store server's URL and token, a
+    PostgreSQL DSN, a SQLite file's path. An in-memory store lives in this process only: a ValueError."""
+    from agl.store.http.client import RemoteLightningStore
+    from agl.store.sqlite.store import SqliteLightningStore
+
+    if isinstance(store, str):
+        return store, None
+    if isinstance(store, RemoteLightningStore):
+        return store.url, store.token
+    if isinstance(store, SqliteLightningStore):
+        return str(store.path), None
+    dsn = getattr(store, "dsn", None)  # PostgreSQL (its driver is an extra: no import here)
+    if isinstance(dsn, str):
+        return dsn, None
+    raise ValueError(
+        f"Ray runners open the store in their own processes, and a {type(store).__name__} lives in this one: use a "
+        "store server (agl store serve; store='http://host:port') or PostgreSQL (a SQLite file works when the "
+        "Ray cluster is this machine)"
+    )
+
+
 def _open(url: str, token: Optional[str]) -> Any:
     """The pool's own store: the actors' URL, with the token given to the pool (not only ``$AGL_STORE_TOKEN``)."""
     if url.split("://", 1)[0].lower() in ("http", "https"):
@@ -204,4 +244,4 @@ def _open(url: str, token: Optional[str]) -> Any:
     return open_store(url, create=False)
 
 
-__all__ = ["RESOURCE_KEYS", "RayRunnerPool", "RunnerActor"]
+__all__ = ["RESOURCE_KEYS", "RayRunnerPool", "RunnerActor", "store_address"]
