@@ -12,13 +12,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, List
+from typing import Any, Iterator, List
 
 import pytest
 import ray
 from ray_agents import counting_agent
 
 import agl
+from agl.runtime import ray_runners
 from agl.runtime.ray_runners import RayRunnerPool
 from agl.store.base import LightningStore
 from agl.store.http.client import RemoteLightningStore
@@ -181,3 +182,25 @@ def test_agl_runner_ray_options_are_checked(extra: List[str], message: str) -> N
     command = [sys.executable, "-m", "agl.cli", "runner", "--store", "http://127.0.0.1:9", "--agent", "x:y", *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_actor_ray_cannot_place_is_said_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ray_runners, "ASK_TIMEOUT_S", 1.0)
+    pool = RayRunnerPool(counting_agent, "http://127.0.0.1:9", resources={"resources": {"tpu": 1}}).start()
+    pool.check()
+    pool.check()
+    pool.stop(timeout=0.5)
+    said = [r for r in caplog.records if "has not started yet" in r.getMessage()]
+    assert len(said) == 1 and "'tpu': 1" in said[0].getMessage()
+
+
+def test_an_algorithm_that_starts_ray_is_refused_with_ray_runners() -> None:
+    class StartsRay(agl.Algorithm):
+        starts_ray = True
+
+        def run(self, train_dataset: Any, val_dataset: Any) -> None: ...
+
+    with pytest.raises(ValueError, match="runner_mode='ray' with StartsRay is not supported yet"):
+        agl.Trainer(algorithm=StartsRay(), n_runners=1, runner_mode="ray", store="http://127.0.0.1:9")

@@ -21,6 +21,9 @@ class Algorithm(abc.ABC):
     """Subclass and implement ``run``; the Trainer calls ``bind`` before ``run``."""
 
     trainer: Trainer
+    #: Whether ``run`` starts a Ray cluster of its own with settings its workers need (verl): runners on Ray
+    #: would start theirs first, without those settings.
+    starts_ray = False
 
     def bind(self, trainer: Trainer) -> None:
         self.trainer = trainer

@@ -132,6 +132,7 @@ class RayRunnerPool:
         self._actors: List[Any] = []
         self._known: List[Tuple[Optional[str], Optional[Tuple[str, str]]]] = []  # per actor: incarnation, attempt
         self._store: Any = None  # the pool's own client, to end the attempts of dead actors
+        self._unplaced_warned = False
 
     def start(self) -> RayRunnerPool:
         import ray
@@ -165,6 +166,14 @@ class RayRunnerPool:
             try:
                 now, current, running = ray.get(ask, timeout=ASK_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                if incarnation is None and not self._unplaced_warned:  # never answered: not placed yet?
+                    self._unplaced_warned = True
+                    logger.warning(
+                        "Ray runner actor %d has not started yet: does a node have what it asks for (%s)? "
+                        "`ray status` shows what is free",
+                        i,
+                        self.resources,
+                    )
                 self._end(i, f"Ray runner actor {i} died or stopped answering ({type(exc).__name__})")
                 continue
             if incarnation is not None and now != incarnation:

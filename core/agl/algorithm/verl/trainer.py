@@ -88,6 +88,8 @@ class VERL(Algorithm):
     - ``backend``: a :class:`PolicyBackend` (default: verl's Ray workers and vLLM servers).
     """
 
+    starts_ray = True
+
     def __init__(
         self,
         config: Union[VERLConfig, ConfigInput] = None,
