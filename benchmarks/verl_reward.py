@@ -30,7 +30,7 @@ from openai import OpenAI
 import agl
 from agl import semconv
 from agl.algorithm.verl import VERL
-from agl.algorithm.verl.agl_rollout import AglRolloutBackend
+from agl.algorithm.verl.agl_rollout import SMALL_RUN, AglRolloutBackend
 from agl.algorithm.verl.batch import trained_token_ids
 from agl.types import Rollout
 
@@ -98,22 +98,15 @@ class CheckingBackend(AglRolloutBackend):
 
 def config(model_dir: str, out: str, steps: int, device: str) -> List[str]:
     settings: Dict[str, Any] = {
-        "algorithm.adv_estimator": "grpo",
+        **SMALL_RUN,
         "data.train_batch_size": 4,
         "data.max_prompt_length": 64,
         "data.max_response_length": 4,
-        "data.shuffle": "false",
-        "actor_rollout_ref.rollout.name": "agl",
         "actor_rollout_ref.rollout.n": 4,
         "actor_rollout_ref.rollout.top_k": 4,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
         "actor_rollout_ref.actor.optim.lr": "1e-2",
         "actor_rollout_ref.model.path": model_dir,
-        "trainer.n_gpus_per_node": 1,
-        "trainer.val_before_train": "false",
-        "trainer.test_freq": -1,
-        "trainer.save_freq": -1,
-        "trainer.total_epochs": 1,
         "trainer.total_training_steps": steps,
         "trainer.default_local_dir": out,
     }

@@ -18,7 +18,7 @@ from openai import OpenAI
 import agl
 from agl import semconv
 from agl.algorithm.verl import VERL
-from agl.algorithm.verl.agl_rollout import AglRolloutBackend
+from agl.algorithm.verl.agl_rollout import SMALL_RUN, AglRolloutBackend
 from agl.algorithm.verl.batch import trained_token_ids
 from agl.types import Rollout
 
@@ -39,21 +39,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def config(model_dir: str, out: Path, **changes: Any) -> List[str]:
     base = {
-        "algorithm.adv_estimator": "grpo",
+        **SMALL_RUN,
         "data.train_batch_size": 2,
         "data.max_prompt_length": 64,
         "data.max_response_length": 8,
-        "data.shuffle": "false",
-        "actor_rollout_ref.rollout.name": "agl",
         "actor_rollout_ref.rollout.n": 2,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
         "actor_rollout_ref.actor.optim.lr": "1e-2",
         "actor_rollout_ref.model.path": model_dir,
-        "trainer.n_gpus_per_node": 1,
-        "trainer.val_before_train": "false",
-        "trainer.test_freq": -1,
-        "trainer.save_freq": -1,
-        "trainer.total_epochs": 1,
         "trainer.default_local_dir": str(out),
         "ray_kwargs.ray_init.num_cpus": 2,
     }

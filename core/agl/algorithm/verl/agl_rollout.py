@@ -51,6 +51,21 @@ CPU_SETTINGS: Dict[str, Any] = {
 }
 
 
+#: A short run on one worker with the ``agl`` engine: GRPO, no validation, no checkpoints, one pass over the
+#: tasks in order. What the CPU tests and ``benchmarks/verl_reward.py`` start from; add the model, the sizes
+#: and ``trainer.default_local_dir``.
+SMALL_RUN: Dict[str, Any] = {
+    "algorithm.adv_estimator": "grpo",
+    "data.shuffle": "false",
+    "actor_rollout_ref.rollout.name": "agl",
+    "trainer.n_gpus_per_node": 1,
+    "trainer.val_before_train": "false",
+    "trainer.test_freq": -1,
+    "trainer.save_freq": -1,
+    "trainer.total_epochs": 1,
+}
+
+
 class AglRolloutBackend(VerlActorBackend):
     """verl's actor workers plus agl's policy server; see the module docstring."""
 
@@ -172,4 +187,4 @@ class AglRolloutBackend(VerlActorBackend):
         return server
 
 
-__all__ = ["AglRolloutBackend", "CPU_SETTINGS"]
+__all__ = ["AglRolloutBackend", "CPU_SETTINGS", "SMALL_RUN"]
