@@ -115,12 +115,7 @@ class Trainer:
         self.store = store if isinstance(store, LightningStore) else open_store(store)
         if runner_mode == "ray" and n_runners:
             store_address(self.store)  # an in-memory store fails here, before any work
-            if getattr(algorithm, "starts_ray", False):
-                raise ValueError(
-                    f"runner_mode='ray' with {type(algorithm).__name__} is not supported yet: the runners would start "
-                    "Ray before it and without its settings. Use runner_mode='thread' or 'process', or `agl runner "
-                    "--ray ADDRESS` on the cluster"
-                )
+
         self.store.ride_out_outages(store_outage_timeout)
         self.adapter = adapter
         self.runner_mode = runner_mode
@@ -253,6 +248,8 @@ class Trainer:
         try:
             pool: Union[RunnerPool, RayRunnerPool]
             if self.runner_mode == "ray":
+                if self.algorithm is not None:
+                    self.algorithm.start_ray()  # first: the runners join the cluster its workers need
                 pool = RayRunnerPool(
                     agent, self.store, self.n_runners, resources=self.runner_resources, runner_kwargs=self.runner_kwargs
                 )

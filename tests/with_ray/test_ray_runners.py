@@ -196,11 +196,21 @@ def test_an_actor_ray_cannot_place_is_said_once(
     assert len(said) == 1 and "'tpu': 1" in said[0].getMessage()
 
 
-def test_an_algorithm_that_starts_ray_is_refused_with_ray_runners() -> None:
+def test_an_algorithm_starts_its_ray_before_the_runners_join_it(server: str) -> None:
+    calls: List[str] = []
+
     class StartsRay(agl.Algorithm):
-        starts_ray = True
+        def start_ray(self) -> None:
+            calls.append("start_ray")
 
-        def run(self, train_dataset: Any, val_dataset: Any) -> None: ...
+        def run(self, train_dataset: Any, val_dataset: Any) -> None:
+            calls.append("run")
+            rollouts = self.trainer.run_tasks(train_dataset)
+            calls.extend(r.status for r in rollouts)
 
-    with pytest.raises(ValueError, match="runner_mode='ray' with StartsRay is not supported yet"):
-        agl.Trainer(algorithm=StartsRay(), n_runners=1, runner_mode="ray", store="http://127.0.0.1:9")
+    store = RemoteLightningStore(server, token=TOKEN)
+    trainer = agl.Trainer(
+        algorithm=StartsRay(), n_runners=1, runner_mode="ray", runner_resources={"num_cpus": 0.5}, store=store
+    )
+    trainer.fit(counting_agent, train_dataset=[{"n": 1}])
+    assert calls == ["start_ray", "run", "succeeded"]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
+import ray
 import torch
 from openai import OpenAI
 
@@ -20,6 +21,9 @@ from agl import semconv
 from agl.algorithm.verl import VERL
 from agl.algorithm.verl.agl_rollout import SMALL_RUN, AglRolloutBackend
 from agl.algorithm.verl.batch import trained_token_ids
+from agl.store.http.client import RemoteLightningStore
+from agl.store.http.server import ServerThread, TokenSet, create_app
+from agl.store.sqlite.store import SqliteLightningStore
 from agl.types import Rollout
 
 TASKS = [{"id": f"t{i}", "question": f"count to {i}"} for i in range(4)]
@@ -180,3 +184,41 @@ def test_over_long_prompts_failed_rollouts_and_an_empty_step_on_real_verl(tiny_m
     failed = [r for r in store.query_rollouts() if r.status == "failed"]
     assert sorted({r.input["id"] for r in failed}) == ["fails-a", "fails-b"] and len(failed) == 4
     assert all(any(s.kind == "llm" for s in store.query_spans(r.rollout_id)) for r in failed)
+
+
+def test_runners_on_ray_join_verls_cluster(tiny_model_dir: str, tmp_path: Path) -> None:
+    # Trainer(runner_mode="ray"): verl starts its Ray cluster first (CPU platform, a fake GPU per worker), the
+    # runner actors join it, and reach the store through a store server
+    backing = SqliteLightningStore(tmp_path / "store.db")
+    server = ServerThread(create_app(backing, tokens=TokenSet({"runners": "t"}))).start()
+    seen: Dict[str, Any] = {}
+
+    class Watching(AglRolloutBackend):
+        def update(self, batch: Any, step: int, mini_batches: int) -> Dict[str, float]:
+            seen.setdefault("resources", ray.cluster_resources())
+            return super().update(batch, step, mini_batches)
+
+    algorithm = VERL(config(tiny_model_dir, tmp_path / "ckpt"))
+    algorithm.backend = Watching(algorithm.config, algorithm.advantages)
+    store = RemoteLightningStore(server.url, token="t")
+    trainer = agl.Trainer(
+        algorithm=algorithm,
+        store=store,
+        n_runners=2,
+        runner_mode="ray",
+        runner_resources={"num_cpus": 0.25},
+        instrument=False,
+        progress=False,
+    )
+    try:
+        trainer.fit(letters, train_dataset=TASKS)
+        runners = {a.runner_id for r in backing.query_rollouts() for a in backing.query_attempts(r.rollout_id)}
+    finally:
+        store.close()
+        server.stop()
+        backing.close()
+    assert runners and all(r.startswith("ray-runner-") for r in runners)  # run by the Ray actors
+    assert [s.step for s in algorithm.summary.steps] == [1, 2]
+    assert all("agl/step_skipped" not in s.metrics for s in algorithm.summary.steps)
+    assert seen["resources"].get("GPU") == 1.0  # verl's cluster: the fake GPU its CPU worker is placed on
+    assert not ray.is_initialized()  # verl shut its cluster down; the runners went with it

@@ -21,9 +21,11 @@ class Algorithm(abc.ABC):
     """Subclass and implement ``run``; the Trainer calls ``bind`` before ``run``."""
 
     trainer: Trainer
-    #: Whether ``run`` starts a Ray cluster of its own with settings its workers need (verl): runners on Ray
-    #: would start theirs first, without those settings.
-    starts_ray = False
+
+    def start_ray(self) -> None:
+        """Start the Ray cluster this algorithm's own workers need (verl's, with their settings), so that runners
+        on Ray (``Trainer(runner_mode="ray")``) join it rather than start one without them. None here."""
+        return None
 
     def bind(self, trainer: Trainer) -> None:
         self.trainer = trainer

@@ -190,6 +190,12 @@ class RayRunnerPool:
         attempt of one still busy then is ended as failed, naming ``reason``, and the actors are killed."""
         import ray
 
+        if not ray.is_initialized():  # the cluster went first (an algorithm that started it shut it down)
+            self._actors.clear()
+            self._known.clear()
+            if self._store is not None:
+                self._store.close()
+            return
         stops = [actor.stop.remote(timeout) for actor in self._actors]
         ready, _ = ray.wait(stops, num_returns=len(stops), timeout=timeout + ASK_TIMEOUT_S)
         why = reason or f"its Ray runner pool stopped and gave busy runners {timeout:g} s"

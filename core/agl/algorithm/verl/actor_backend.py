@@ -34,6 +34,10 @@ class VerlActorBackend:
     def start(self, total_steps: int) -> Serving:
         raise NotImplementedError
 
+    def start_ray(self) -> None:
+        """The Ray cluster verl's workers need; ``start`` calls it when nobody did before (runners on Ray do)."""
+        self.init_ray()
+
     def sync_weights(self, step: int) -> Dict[str, float]:
         """Move the actor's weights after ``step`` updates to the engine; it serves them when this returns."""
         raise NotImplementedError

@@ -75,13 +75,23 @@ class AglRolloutBackend(VerlActorBackend):
         self._folder: Optional[str] = None  # where the actor writes its weights for the server
         self._syncs = 0  # weight syncs after an update: the server's policy version
 
-    def start(self, total_steps: int) -> Serving:
+    def start_ray(self) -> None:
+        """The weight handoff's folder, the settings (CPU ones on a CPU) and Ray with the workers' environment
+        and, on a CPU, as many fake GPUs as workers."""
+        if self._folder is not None:
+            return
         import torch
 
         on_cpu = not torch.cuda.is_available()
         self._folder = tempfile.mkdtemp(prefix="agl-verl-weights-")
         env = self._prepare(on_cpu)
         self.init_ray(env, fake_gpus=self.config.n_gpus if on_cpu else 0)
+
+    def start(self, total_steps: int) -> Serving:
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+        self.start_ray()
         t = self.trainer = self.make_trainer(total_steps)
         started = time.monotonic()
         self._start_workers()

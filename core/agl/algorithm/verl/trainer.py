@@ -88,8 +88,6 @@ class VERL(Algorithm):
     - ``backend``: a :class:`PolicyBackend` (default: verl's Ray workers and vLLM servers).
     """
 
-    starts_ray = True
-
     def __init__(
         self,
         config: Union[VERLConfig, ConfigInput] = None,
@@ -175,6 +173,20 @@ class VERL(Algorithm):
         return lightningrl
 
     # -- run ---------------------------------------------------------------------------------------------------
+    def start_ray(self) -> None:
+        """verl's Ray cluster, as the backend starts it (runtime env, and fake GPUs on a CPU), before the runners
+        on Ray join it; :meth:`run` then finds it started."""
+        start_ray = getattr(self._chosen_backend(), "start_ray", None)  # a backend of one's own may have no Ray
+        if start_ray is not None:
+            start_ray()
+
+    def _chosen_backend(self) -> PolicyBackend:
+        """The backend given, else the one ``rollout.name`` names (checked against this machine first)."""
+        if self.backend is None:
+            self.config.check_runtime()
+            self.backend = _backend_for(self.config, self.advantages)
+        return self.backend
+
     def run(self, train_dataset: Optional[Sequence[Any]], val_dataset: Optional[Sequence[Any]]) -> TrainingSummary:
         from agl.instrumentation.proxy import LLMProxy
 
@@ -187,16 +199,14 @@ class VERL(Algorithm):
                 f"the train dataset has {len(tasks)} tasks, fewer than data.train_batch_size={batch_size}: "
                 "lower the batch size or add tasks"
             )
-        if self.backend is None:
-            self.config.check_runtime()
-            self.backend = _backend_for(self.config, self.advantages)
+        backend = self._chosen_backend()
         adapter = self.lightningrl()  # fail on a bad adapter before the GPUs start
         if len(tasks) % batch_size:
             logger.info("each epoch leaves out %d task(s) that do not fill a batch", len(tasks) % batch_size)
         schedule_steps, total_steps = self.step_counts(len(tasks))
         host, port = self.proxy_address
         try:
-            serving = self.backend.start(schedule_steps)
+            serving = backend.start(schedule_steps)
             store = self.store if self.proxy_spans else None
             self.proxy = LLMProxy(serving.upstreams, store, host=host, port=port, model=serving.model).start()
             self._publish(serving.model)
@@ -206,7 +216,7 @@ class VERL(Algorithm):
         finally:
             if self.proxy is not None:
                 self.proxy.stop()
-            self.backend.stop()
+            backend.stop()
         return self.summary
 
     def step_counts(self, n_tasks: int) -> Tuple[int, int]:
