@@ -8,6 +8,7 @@ weights after each update. Agents reach it through the proxy only (``Trainer(ins
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -58,15 +59,25 @@ def config(model_dir: str, out: Path, **changes: Any) -> List[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+_answers_per_task: Dict[str, int] = {}
+_answers_lock = threading.Lock()
+
+
 @agl.rollout
-def letters(task: Dict[str, Any], llm: agl.LLM, rollout: Rollout) -> float:
-    """One call; the share of letters in the answer, so a group's rollouts differ and have advantages."""
+def alternating(task: Dict[str, Any], llm: agl.LLM, rollout: Rollout) -> float:
+    """One call; 1.0 for a task's 1st, 3rd, ... answer in this process, else 0.0.
+
+    A group of 2 rollouts of a task in one process always has one of each, so every group has advantages
+    and each update moves the weights (sampled rewards could tie and leave a step with a zero gradient).
+    """
     client = OpenAI(base_url=llm.get_base_url(), api_key="unused", max_retries=0)
-    answer = client.chat.completions.create(
+    client.chat.completions.create(
         model=llm.model, messages=[{"role": "user", "content": task["question"]}], **llm.sampling_parameters
     )
-    text = answer.choices[0].message.content or ""
-    return sum(c.isalpha() for c in text) / max(1, len(text))
+    with _answers_lock:
+        index = _answers_per_task.get(task["id"], 0)
+        _answers_per_task[task["id"]] = index + 1
+    return float(index % 2 == 0)
 
 
 class KeepingBackend(AglRolloutBackend):
@@ -101,7 +112,7 @@ def train(
 
 
 def test_two_verl_steps_on_cpu_train_the_served_model(tiny_model_dir: str, tmp_path: Path) -> None:
-    algorithm, backend, store = train(letters, TASKS, tiny_model_dir, tmp_path / "ckpt")
+    algorithm, backend, store = train(alternating, TASKS, tiny_model_dir, tmp_path / "ckpt")
 
     steps = algorithm.summary.steps
     assert [s.step for s in steps] == [1, 2]
@@ -150,9 +161,9 @@ EDGE_TASKS = [
 
 
 @agl.rollout
-def letters_or_failure(task: Dict[str, Any], llm: agl.LLM, rollout: Rollout) -> float:
-    """:func:`letters`, except that tasks marked ``fail`` raise after their call (a failed rollout)."""
-    reward = letters(task, llm, rollout)
+def alternating_or_failure(task: Dict[str, Any], llm: agl.LLM, rollout: Rollout) -> float:
+    """:func:`alternating`, except that tasks marked ``fail`` raise after their call (a failed rollout)."""
+    reward = alternating(task, llm, rollout)
     if task.get("fail"):
         raise RuntimeError("the agent failed after its call")
     return reward
@@ -163,7 +174,7 @@ def test_over_long_prompts_failed_rollouts_and_an_empty_step_on_real_verl(tiny_m
     # to train (skipped, no update); step 3: two plain groups. With a KL loss: verl's reference model runs
     # beside the actor.
     kl = {"actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.actor.kl_loss_coef": 0.5}
-    algorithm, backend, store = train(letters_or_failure, EDGE_TASKS, tiny_model_dir, tmp_path / "ckpt", **kl)
+    algorithm, backend, store = train(alternating_or_failure, EDGE_TASKS, tiny_model_dir, tmp_path / "ckpt", **kl)
 
     first, empty, last = (s.metrics for s in algorithm.summary.steps)
     assert first["agl/batch/dropped_prompt_too_long"] == 2 and first["agl/rollouts_failed"] == 0
@@ -211,7 +222,7 @@ def test_runners_on_ray_join_verls_cluster(tiny_model_dir: str, tmp_path: Path) 
         progress=False,
     )
     try:
-        trainer.fit(letters, train_dataset=TASKS)
+        trainer.fit(alternating, train_dataset=TASKS)
         runners = {a.runner_id for r in backing.query_rollouts() for a in backing.query_attempts(r.rollout_id)}
     finally:
         store.close()
