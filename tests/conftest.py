@@ -5,15 +5,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional
 
 import pytest
 
 import agl
 from agl.testing import FakeOpenAIServer, ListSink, tracer_writes_to
+from agl.testing.extras import missing_for
 from agl.types import Rollout
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TESTS = Path(__file__).resolve().parent
+_LEFT_OUT: List[str] = []
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> Optional[bool]:
+    """A run over a folder above one whose packages this venv lacks leaves it out, with a line in the summary
+    (a run naming that folder itself still collects it, and fails on what is missing)."""
+    line = missing_for(TESTS, collection_path)
+    if line is None:
+        return None
+    above = [(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args]
+    if any(collection_path != path and collection_path.is_relative_to(path) for path in above):
+        _LEFT_OUT.append(line)
+    return True
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in _LEFT_OUT:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session", autouse=True)
