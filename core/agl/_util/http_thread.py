@@ -7,14 +7,23 @@ known at once (port 0 picks a free one) and clients that connect early just queu
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import uvicorn
 
 STARTUP_TIMEOUT_S = 30.0  # generous: a loaded 2-core machine can be slow to start uvicorn
+HEADER_TIMEOUT_S = 10.0  # a request's headers arrive whole within this, from its first byte (or the connection's start)
+BODY_TIMEOUT_S = 30.0  # a request's body may stall this long (no byte received) before its connection is closed
+MAX_CONNECTIONS = 4096  # open connections and running requests; requests above get 503
+
+_TIMED_OUT = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
 
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
@@ -43,8 +52,112 @@ def outbound_ip() -> str:
         probe.close()
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name (or a wildcard, ""): other machines may reach it
+        return False
+
+
+class _ReadTimeouts:
+    """Mixin for uvicorn's HTTP protocols (httptools or h11): a request's headers must arrive whole within
+    ``header_timeout`` of its first byte (or of the connection's start), and its body may not stall longer than
+    ``body_timeout``; else the connection is closed (with a 408 if part of a request came).
+
+    Why: uvicorn has no read timeout (only one for idle keep-alive connections), so a client that sends half
+    a request holds a connection and its descriptor for ever. Both protocols create a request's ``cycle`` as its
+    headers complete and clear its ``more_body`` as its body does, which is all this watches; a stall while
+    uvicorn itself stopped reading (flow control: the app has not taken the body yet) is not the client's.
+    """
+
+    header_timeout: float = HEADER_TIMEOUT_S
+    body_timeout: float = BODY_TIMEOUT_S
+    cycle: Any
+    flow: Any
+    loop: asyncio.AbstractEventLoop
+    transport: Optional[asyncio.Transport]
+
+    _deadline: Optional[asyncio.TimerHandle] = None
+    _partial = False  # bytes of a request whose headers are not complete have come
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]  # the protocol class this is mixed into
+        self._arm(self.header_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]  # as above
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:  # the next request's headers are still coming
+            self._partial = True
+            if self._deadline is None:
+                self._arm(self.header_timeout)
+        elif cycle.more_body:  # its body is coming: a stall is timed from the last byte
+            self._partial = False
+            self._arm(self.body_timeout)
+        else:  # the request is in: the app answers in its own time
+            self._partial = False
+            self._disarm()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]  # as above
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._late)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _late(self) -> None:
+        self._deadline = None
+        transport, cycle = self.transport, self.cycle
+        if transport is None or transport.is_closing():
+            return
+        receiving = cycle is not None and not cycle.response_complete
+        if receiving and not cycle.more_body:
+            return  # a request started since (h11 starts a pipelined one after an answer): it is in
+        if receiving and self.flow.read_paused:
+            self._arm(self.body_timeout)  # uvicorn stopped reading, not the client
+            return
+        if receiving:
+            message = f"request body stalled: nothing received for {self.body_timeout:g} s"
+        elif self._partial:
+            message = f"request headers not received within {self.header_timeout:g} s"
+        else:  # a connection that never sent anything: closed without a word
+            transport.close()
+            return
+        body = message.encode()
+        transport.write(_TIMED_OUT % (len(body), body))
+        transport.close()
+
+
+def read_timeout_protocol(header_timeout: float, body_timeout: float) -> type:
+    """uvicorn's HTTP protocol (httptools where installed, else h11) with read timeouts (:class:`_ReadTimeouts`)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    timeouts = {"header_timeout": header_timeout, "body_timeout": body_timeout}
+    return type("ReadTimeoutProtocol", (_ReadTimeouts, AutoHTTPProtocol), timeouts)
+
+
+def hardened_config(
+    header_timeout: float = HEADER_TIMEOUT_S,
+    body_timeout: float = BODY_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
+) -> Dict[str, Any]:
+    """uvicorn settings for a server other machines may reach: read timeouts, and a cap on connections and
+    requests (above it uvicorn answers 503, which clients retry), so half-sent requests cannot pile up."""
+    return {"http": read_timeout_protocol(header_timeout, body_timeout), "limit_concurrency": max_connections}
+
+
 class ThreadedServer:
-    """``start()`` returns once connections are accepted; ``stop()`` asks uvicorn to exit and joins."""
+    """``start()`` returns once connections are accepted; ``stop()`` asks uvicorn to exit and joins. It serves
+    with read timeouts and a connection cap (:func:`hardened_config`), so it may listen beyond this machine."""
 
     def __init__(
         self,
@@ -56,6 +169,9 @@ class ThreadedServer:
         lifespan: str = "off",
         graceful_shutdown_s: float = 2.0,
         backlog: int = 256,
+        header_timeout: float = HEADER_TIMEOUT_S,
+        body_timeout: float = BODY_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.app = app
         self.name = name
@@ -64,6 +180,7 @@ class ThreadedServer:
         self.lifespan = lifespan
         self.graceful_shutdown_s = graceful_shutdown_s
         self.backlog = backlog
+        self.hardening = hardened_config(header_timeout, body_timeout, max_connections)
         self.port: Optional[int] = None
         self._server: Optional[uvicorn.Server] = None
         self._thread: Optional[threading.Thread] = None
@@ -100,6 +217,7 @@ class ThreadedServer:
             access_log=False,
             lifespan=self.lifespan,  # type: ignore[arg-type]  # one of uvicorn's literals, which uvicorn checks
             timeout_graceful_shutdown=self.graceful_shutdown_s,  # type: ignore[arg-type]  # uvicorn takes fractions of a second too
+            **self.hardening,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -12,9 +12,12 @@ import logging
 import signal
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from agl.cli.common import shown_store
+
+if TYPE_CHECKING:
+    from agl.store.http.server import ServerLimits
 
 logger = logging.getLogger("agl.cli.remote")
 
@@ -42,12 +45,30 @@ def add_serve_parser(store_sub: Any) -> None:
         "--insecure-no-auth", action="store_true", help="accept requests without a token (trusted networks only)"
     )
     serve.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 above)")
+    serve.add_argument(
+        "--retry-cache-mb",
+        type=float,
+        default=64.0,
+        help="memory for the first answers that retried requests (Idempotency-Key) get; the oldest go first",
+    )
+    serve.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds a request's headers may take (connection closed)"
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request's body may stall, nothing received, before its connection is closed",
+    )
+    serve.add_argument(
+        "--max-connections", type=int, default=4096, help="open connections and running requests (503 above)"
+    )
     serve.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from agl.store import open_store
-    from agl.store.http.server import ServerLimits, TokenSet, serve
+    from agl.store.http.server import TokenSet, serve
     from agl.store.http.wire import TOKEN_ENV
 
     if args.store and args.store.split("://", 1)[0].lower() in ("http", "https"):
@@ -61,9 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"agl: the store server needs a token: pass --token, set ${TOKEN_ENV} or give --tokens-file "
             "(or --insecure-no-auth on a trusted network)"
         )
-    if args.max_body_mb <= 0:
-        raise SystemExit("agl: --max-body-mb must be positive")
-    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+    limits = _serve_limits(args)
     store = open_store(args.store)
     print(
         f"agl: serving {store!r} on http://{args.host}:{args.port} ({len(tokens)} token(s)); API docs at /docs",
@@ -72,6 +91,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(store, args.host, args.port, tokens=tokens, allow_anonymous=args.insecure_no_auth, limits=limits)
     print(f"agl: store server stopped; {store!r} closed", flush=True)
     return 0
+
+
+def _serve_limits(args: argparse.Namespace) -> ServerLimits:
+    """The server's limits from ``agl store serve``'s options, each checked to be a positive number first."""
+    from agl.store.http.server import ServerLimits
+
+    _check_seconds(args, header_timeout=True, body_timeout=True)
+    for option in ("max_body_mb", "retry_cache_mb", "max_connections"):
+        value = getattr(args, option)
+        if not value > 0 or value == float("inf"):
+            raise SystemExit(f"agl: --{option.replace('_', '-')} must be a positive number, got {value}")
+    mib = 1024 * 1024
+    return ServerLimits(
+        max_body_bytes=int(args.max_body_mb * mib),
+        idempotency_bytes=int(args.retry_cache_mb * mib),
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+    )
 
 
 def add_runner_parser(sub: Any) -> None:

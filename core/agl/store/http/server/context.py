@@ -4,9 +4,10 @@ idempotency cache and the long-poll limiter, and how a store call runs (on the e
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
-from typing import Any, Awaitable, Callable, Optional, Tuple, TypeVar
+from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -16,8 +17,8 @@ from fastapi.responses import Response
 from agl.store._waiting import give_up_when
 from agl.store.base import AsyncRolloutCalls, LightningStore
 from agl.store.http.server.auth import CLIENT_STATE
-from agl.store.http.server.idempotency import IdempotencyCache
-from agl.store.http.server.limits import ServerLimits
+from agl.store.http.server.idempotency import IdempotencyCache, RetryKey
+from agl.store.http.server.limits import BODY_STATE, ServerLimits
 from agl.store.http.server.refusal_log import RefusalLog
 from agl.store.http.wire import IDEMPOTENCY_HEADER
 from agl.store.memory import InMemoryLightningStore
@@ -32,7 +33,7 @@ class ServerContext:
     def __init__(self, store: LightningStore, limits: ServerLimits) -> None:
         self.store = store
         self.limits = limits
-        self.cache = IdempotencyCache(limits.idempotency_ttl, limits.idempotency_entries)
+        self.cache = IdempotencyCache(limits.idempotency_ttl, limits.idempotency_bytes)
         # Calls to a store in this process's memory or on local disk take tens of microseconds: they run on
         # the event loop, because handing each to a worker thread costs more CPU than the call itself. A
         # networked store (PostgreSQL) waits on its server, so its calls go to worker threads. Long polls
@@ -53,11 +54,15 @@ class ServerContext:
         """A store call that does not wait: inline for local stores, on a worker thread for networked ones."""
         return call() if self.inline else await anyio.to_thread.run_sync(call)
 
-    def idempotency_key(self, request: Request) -> Optional[Tuple[str, ...]]:
-        """(the token's name, the path, the Idempotency-Key header): a retry of the same request by the same
-        client, if the request has the header."""
+    def idempotency_key(self, request: Request) -> Optional[RetryKey]:
+        """(the token's name, the path, the Idempotency-Key header, the body's digest): a retry of the same
+        request by the same client, if the request has the header."""
         key = request.headers.get(IDEMPOTENCY_HEADER)
-        return (request.scope["state"][CLIENT_STATE], request.url.path, key[:128]) if key else None
+        if not key:
+            return None
+        state = request.scope["state"]
+        digest = hashlib.sha256(state.get(BODY_STATE, b"")).digest()  # ~2 ms per MB: only for keyed requests
+        return RetryKey(state[CLIENT_STATE], request.url.path, key[:128], digest)
 
     def once(self, request: Request, call: Callable[[], Response]) -> Response:
         """Run ``call``; with an Idempotency-Key, a repeat of the same request gets the first answer."""

@@ -11,10 +11,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agl.store.http.wire import ErrorBody
 
+BODY_STATE = "agl_body"  # scope["state"] key: the request's whole body, once BodyLimit has read it
+
 
 @dataclass
 class ServerLimits:
-    """What one server accepts; every limit is answered with a 4xx that names it."""
+    """What one server accepts; a request over a limit is answered with a 4xx that names it (408 when it does not
+    come in time; 503, which clients retry, above the connection cap)."""
 
     max_body_bytes: int = 32 * 1024 * 1024  # span batches with token ids are a few MB
     max_poll_seconds: float = 20.0  # a long poll answers after this at most; the client asks again
@@ -23,7 +26,10 @@ class ServerLimits:
     max_workers: int = 64  # threads for all other requests
     reap_interval: float = 1.0  # seconds between reap_expired() calls of the server's timer
     idempotency_ttl: float = 600.0  # seconds a retried request still gets the first answer
-    idempotency_entries: int = 100_000
+    idempotency_bytes: int = 64 * 1024 * 1024  # answers kept for retries, at most (the oldest go first)
+    header_timeout: float = 10.0  # seconds a request's headers may take to arrive, whole
+    body_timeout: float = 30.0  # seconds a request's body may stall (no byte received) before the connection closes
+    max_connections: int = 4096  # open connections and running requests; above, requests get 503 (clients retry)
     inline_calls: Optional[bool] = None  # run non-waiting store calls on the event loop (None: for local stores)
     async_calls: bool = True  # a networked store's AsyncRolloutCalls on the event loop (else on worker threads)
 
@@ -62,6 +68,7 @@ class BodyLimit:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        scope.setdefault("state", {})[BODY_STATE] = body  # the idempotency key's digest is made of it
         replayed = False
 
         async def replay() -> Message:

@@ -4,12 +4,13 @@ notebooks) or in the foreground until a signal (:func:`serve`, for ``agl store s
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from typing import Optional
 
 from fastapi import FastAPI
 
-from agl._util.http_thread import ThreadedServer
+from agl._util.http_thread import ThreadedServer, hardened_config, is_loopback
 from agl.store.base import LightningStore
 from agl.store.http.server.app import create_app
 from agl.store.http.server.auth import TokenSet
@@ -19,11 +20,22 @@ from agl.store.http.server.limits import ServerLimits
 class ServerThread(ThreadedServer):
     """The store server for ``app`` on a background thread (tests, benchmarks, notebooks).
 
-    ``port=0`` picks a free port; ``url`` tells which once started. ``stop()`` shuts it down gracefully.
+    ``port=0`` picks a free port; ``url`` tells which once started. ``stop()`` shuts it down gracefully. The
+    read timeouts and the connection cap are the app's :class:`ServerLimits`.
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        super().__init__(app, name="agl-store-server", host=host, port=port, lifespan="on")
+        limits: ServerLimits = app.state.store_server.limits
+        super().__init__(
+            app,
+            name="agl-store-server",
+            host=host,
+            port=port,
+            lifespan="on",
+            header_timeout=limits.header_timeout,
+            body_timeout=limits.body_timeout,
+            max_connections=limits.max_connections,
+        )
 
     @property
     def url(self) -> str:
@@ -47,14 +59,32 @@ def serve(
     our own is what uvicorn restores before raising it: the signal then does nothing more, and this returns."""
     import uvicorn
 
+    limits = limits or ServerLimits()
     app = create_app(store, tokens=tokens, allow_anonymous=allow_anonymous, limits=limits)
+    warn_if_open_to_all(host, tokens, allow_anonymous)
+    hardening = hardened_config(limits.header_timeout, limits.body_timeout, limits.max_connections)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         # no access log: a line per request costs more than some requests (errors are still logged)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, **hardening
+        )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         store.close()
+
+
+def warn_if_open_to_all(host: str, tokens: Optional[TokenSet], allow_anonymous: bool) -> None:
+    """One loud line on stderr when a server without tokens listens beyond this machine: anybody who can reach
+    the port may then read and change everything in the store. On stderr rather than in the log, so that it shows
+    whatever logging the process set up."""
+    if tokens or not allow_anonymous or is_loopback(host):
+        return
+    line = (
+        f"agl: WARNING: the store server on {host} accepts requests WITHOUT A TOKEN (--insecure-no-auth) from "
+        "any machine that reaches it: anyone can read and change the store; pass --token or bind 127.0.0.1"
+    )
+    print(line, file=sys.stderr, flush=True)
