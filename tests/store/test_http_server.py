@@ -514,12 +514,14 @@ def test_work_that_arrives_after_a_polling_runner_left_goes_to_a_live_runner(
 class LossyProxy(LocalListener):
     """A real TCP proxy in front of the server that loses the answers to the next ``drop`` requests
     (the request reaches the server and is applied; the client sees the connection close), then sends
-    later requests to ``then_upstream`` if set (a restarted server, with no memory of the lost request)."""
+    later requests to ``then_upstream`` if set (a restarted server, with no memory of the lost request).
+    The next ``time_out`` requests get the 408 a server sends when a body stalls, and never reach it."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.then_upstream: Optional[str] = None
         self.drop = 0
+        self.time_out = 0
         self.seen: List[bytes] = []
         super().__init__()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -535,6 +537,10 @@ class LossyProxy(LocalListener):
                 if request is None:
                     return
                 self.seen.append(request.split(b"\r\n", 1)[0])
+                if self.time_out:
+                    self.time_out -= 1
+                    conn.sendall(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    return
                 host, port = self.upstream.rsplit("/", 1)[-1].split(":")
                 with socket.create_connection((host, int(port))) as up:
                     up.sendall(request)
@@ -577,6 +583,14 @@ def restarted(tmp_path: Path) -> Iterator[Callable[[], Any]]:
     proxy.close()
     first.close()
     second.close()
+
+
+def test_a_request_the_server_timed_out_is_sent_again(restarted: Callable[[], Any]) -> None:
+    """A 408 (the server's read timeout: the body stalled on the way) is an outage of the network, retried."""
+    client, proxy, _, backing = restarted()
+    proxy.time_out = 2
+    assert [r.input for r in client.enqueue_many([EnqueueRequest(input="once")])] == ["once"]
+    assert proxy.seen.count(b"POST /v1/rollouts HTTP/1.1") == 3 and sum(backing.stats().rollouts.values()) == 1
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["same-server", "after-restart"])

@@ -76,7 +76,7 @@ logger = logging.getLogger("agl.store.http.client")
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
-_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})  # 408: the body stalled on its way
 _OVER_LIMIT = re.compile(r"larger than this server's limit of (\d+) bytes")  # the server's 413 message
 
 
