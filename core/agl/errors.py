@@ -99,6 +99,12 @@ class StoreUnavailableError(AglError, ConnectionError):
     of the HTTP client is safe to repeat, so callers that can wait (the span writer, a runner) try again."""
 
 
+class StoreStorageError(StoreUnavailableError):
+    """The disk under the store's database is full, or reading or writing it failed (an I/O error); the call's
+    change was rolled back. An outage like a store that does not answer: it passes once there is room again,
+    so runners ride it out, the span writer retries and the store server answers 503, as for any outage."""
+
+
 class StoreAuthError(AglError, PermissionError):
     """The store server refused the request's token (missing or not accepted); nothing was changed."""
 

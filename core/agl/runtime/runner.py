@@ -26,6 +26,7 @@ import concurrent.futures
 import contextvars
 import inspect
 import logging
+import math
 import os
 import threading
 import time
@@ -48,6 +49,7 @@ logger = logging.getLogger("agl.runtime.runner")
 
 StopSignal = Union[threading.Event, Any, Callable[[], bool]]  # Any: a multiprocessing Event
 CANCEL_GRACE_S = 5.0  # how long a timed-out async rollout gets to unwind after its cancellation
+OUTAGE_LOG_S = 30.0  # while its store is unavailable, a runner says so once this often
 
 
 def rollout_agent_name(agent: Any) -> str:
@@ -524,6 +526,7 @@ class Runner:
             )
 
         unavailable_since: Optional[float] = None  # when the store's current outage began
+        said_at = -math.inf  # when this runner last logged that outage
         while claimed or go_on():
             if claimed:
                 rollout: Optional[Rollout] = claimed.pop(0)
@@ -531,12 +534,23 @@ class Runner:
                 asked = time.monotonic()
                 try:
                     rollout = self.store.dequeue_rollout(self.runner_id, timeout=wait_timeout)
-                except StoreUnavailableError as exc:  # a store server restarting: the client backed off already
+                except StoreUnavailableError as exc:  # a store server restarting, a full disk: wait it out
                     unavailable_since = unavailable_since or asked
-                    self._give_up_after_outage(time.monotonic() - unavailable_since, exc)
-                    logger.warning("runner %s: store unavailable, asking again: %s", self.runner_id, exc)
+                    now = time.monotonic()
+                    self._give_up_after_outage(now - unavailable_since, exc)
+                    if now - said_at >= OUTAGE_LOG_S:
+                        said_at = now
+                        logger.warning(
+                            "runner %s: store unavailable for %.0f s, asking again: %s",
+                            self.runner_id,
+                            now - unavailable_since,
+                            exc,
+                        )
+                    # a store that fails at once (a full disk; an HTTP client has backed off already) is asked
+                    # once per wait_timeout, as an idle one is, so a stop is still seen within wait_timeout
+                    time.sleep(max(0.0, wait_timeout - (now - asked)))
                     continue
-                unavailable_since = None
+                unavailable_since, said_at = None, -math.inf
             if rollout is None:
                 continue
             if on_busy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import select
 import threading
 from typing import Any, Callable, Dict, List
@@ -44,17 +45,52 @@ def _connection_options(dsn: str) -> Dict[str, Any]:
     return {"autocommit": True, "application_name": "agl-store", **options}
 
 
+# Where a password may be, for messages about a string libpq cannot read (so it cannot say which part is the
+# password): in a URL, its user info up to the last "@" and a ``password=`` query parameter; in a key=value
+# string, the value of ``password``.
+_URL_PASSWORDS = (re.compile(r"^(\w+://[^:@/]*:)(.*)(@)"), re.compile(r"([?&]password=)([^&]*)()"))
+_KEY_VALUE_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|.*?)()(?=\s+\w+\s*=|\s*$)")
+
+
 def _checked_dsn(dsn: str) -> str:
     """``dsn``, or AglError saying what is wrong with it (psycopg's ProgrammingError named no store or URL)."""
     try:
         conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        raise AglError(
-            f"the PostgreSQL URL given for the store is not valid: {_oneline(exc)}; write it as "
-            "postgresql://user:password@host:port/database, with only libpq's parameters after '?' "
-            "(https://www.postgresql.org/docs/current/libpq-connect.html#LIBPQ-PARAMKEYWORDS)"
-        ) from exc
+        raise invalid_url(dsn, exc) from None  # not chained: libpq's own message may quote the password
     return dsn
+
+
+def invalid_url(dsn: str, exc: BaseException) -> AglError:
+    """AglError saying that ``dsn`` is not a valid PostgreSQL URL and why (``exc``), without any of its password:
+    libpq quotes the token it cannot read (``invalid percent-encoded token: "s3cr%ZZet"``), which may be it."""
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except psycopg.ProgrammingError:
+        why = _unreadable(dsn)
+    else:
+        why = _oneline(exc).replace(str(password), "***") if password else _oneline(exc)
+    return AglError(
+        f"the PostgreSQL URL given for the store is not valid: {why}; write it as "
+        "postgresql://user:password@host:port/database, with only libpq's parameters after '?' "
+        "(https://www.postgresql.org/docs/current/libpq-connect.html#LIBPQ-PARAMKEYWORDS)"
+    )
+
+
+def _unreadable(dsn: str) -> str:
+    """Why libpq cannot read ``dsn``, told from the same string with its password masked: libpq's error for
+    what else is wrong, or that the password is what it cannot read."""
+    masked = dsn
+    for pattern in _URL_PASSWORDS if "://" in dsn else (_KEY_VALUE_PASSWORD,):
+        masked = pattern.sub(r"\1***\3", masked)
+    try:
+        conninfo_to_dict(masked)
+    except psycopg.ProgrammingError as exc:
+        return _oneline(exc)
+    return (
+        "its password cannot be read (not shown here): in a URL, percent-encode its special characters "
+        "(% as %25, @ as %40, / as %2F, : as %3A); in key=value form, quote it (password='...')"
+    )
 
 
 def redacted(dsn: str) -> str:

@@ -16,7 +16,14 @@ from psycopg import errors as pg_errors
 from agl._util.fork_safety import keep_unused
 from agl.errors import AglError, StoreClosedError, StoreUnavailableError
 from agl.store.postgres.async_pool import AsyncPool
-from agl.store.postgres.connections import _checked_dsn, _connection_options, _idle_session_open, _Pool, redacted
+from agl.store.postgres.connections import (
+    _checked_dsn,
+    _connection_options,
+    _idle_session_open,
+    _Pool,
+    invalid_url,
+    redacted,
+)
 from agl.store.postgres.failures import (
     _REFUSED_FOR_GOOD_WORDS,
     _ROLLED_BACK,
@@ -64,6 +71,8 @@ class PostgresDatabase:
                 f"cannot connect to PostgreSQL ({redacted(dsn)}): {_oneline(exc)}; check that the server is "
                 "running and the URL (postgresql://user:password@host:port/database)"
             ) from exc
+        except psycopg.ProgrammingError as exc:  # a parameter psycopg reads itself: ?connect_timeout=x
+            raise invalid_url(dsn, exc) from None
         try:
             try:
                 self._clock_offset = self._measure_clock_offset(conn)

@@ -9,7 +9,7 @@ from typing import Any, NoReturn, Optional
 import psycopg
 from psycopg import errors as pg_errors
 
-from agl.errors import AglError
+from agl.errors import AglError, StoreStorageError
 
 # The server rolled the transaction back and it may simply be run again.
 _ROLLED_BACK = (pg_errors.TransactionRollback, pg_errors.DeadlockDetected, pg_errors.SerializationFailure)
@@ -26,6 +26,9 @@ _SESSION_ENDED_WORDS = (
     "the database system is shutting down",  # 57P03
 )
 
+# The server's disk is full (53100) or failed a read or write (58030): the statement failed and its transaction
+# was rolled back. An outage that passes once there is room, not a refusal of the operation.
+_STORAGE_FAILED = (pg_errors.DiskFull, pg_errors.IoError)
 
 # What the server says when it refuses a connection for good (libpq gives no SQLSTATE for a failed connection,
 # only the server's words, in English; a server in another language falls back to being retried as an outage).
@@ -57,11 +60,18 @@ class _CommitUnknown(Exception):
 def _raise_failure(exc: BaseException, conn: Any, committing: bool) -> NoReturn:
     """What a statement that failed with ``exc`` on ``conn`` means for the caller, raised: ``exc`` itself when
     nothing was committed and it may be retried, ``_CommitUnknown`` when the connection died while it may
-    have been committing, else an AglError (the server refused the operation)."""
+    have been committing, StoreStorageError when the server's disk is full or failing, else an AglError (the
+    server refused the operation)."""
     if committing and (conn.closed or conn.broken) and not _session_ended(exc):
         raise _CommitUnknown() from exc
     if isinstance(exc, _ROLLED_BACK) or conn.closed or conn.broken:
         raise exc  # nothing was committed: the caller retries
+    if isinstance(exc, _STORAGE_FAILED):
+        raise StoreStorageError(
+            f"PostgreSQL could not store this change: its disk is full or failing ({_oneline(exc)}). Nothing of this "
+            "call was stored. Free space on the database server's disk; runners wait for the store (up to their "
+            "outage timeout) and the store server answers 503 meanwhile"
+        ) from exc
     raise AglError(f"PostgreSQL refused the operation: {_oneline(exc)}") from exc
 
 

@@ -11,7 +11,7 @@ import threading
 from typing import Any, List, Optional, Tuple
 
 from agl._util.fork_safety import hold_across_fork, keep_unused
-from agl.errors import StoreAddressError, StoreClosedError
+from agl.errors import StoreAddressError, StoreClosedError, StoreStorageError
 from agl.store.doorbell import Doorbell
 from agl.store.sqlite.checkpoints import BACKSTOP_PAGES, WAL_SIZE_LIMIT, checkpointer
 from agl.store.sqlite.file_check import _foreign_tables, _newer_agl_error, _not_a_store, _tables, check_existing_store
@@ -20,6 +20,45 @@ from agl.store.sqlite.schema import SCHEMA, SCHEMA_VERSION
 logger = logging.getLogger("agl.store.sqlite.store")  # the store's one logger, whichever module logs
 
 FORK_WAIT_S = 10.0  # how long a fork waits for this process's store operations in flight (agl._util.fork_safety)
+
+# SQLite's primary result codes for a disk that is full or failing, with the words of its message (what Python
+# 3.10, which has no ``sqlite_errorcode``, leaves to go by)
+_SQLITE_FULL, _SQLITE_IOERR = 13, 10
+_STORAGE_WORDS = {_SQLITE_FULL: "database or disk is full", _SQLITE_IOERR: "disk I/O error"}
+
+
+def raise_if_storage_failed(path: str, exc: Optional[BaseException]) -> None:
+    """Raise StoreStorageError from ``exc`` if SQLite failed because of the disk under ``path``: full, or an
+    I/O error. It is an outage, not a bug nor bad input: the runners, the span writer and the store server
+    ride it out as they do a store that does not answer, where sqlite3's own error crashed the runners."""
+    kind = _storage_failure(exc)
+    if kind is None:
+        return
+    name = getattr(exc, "sqlite_errorname", None)
+    what = f"{exc}, {name}" if name else str(exc)
+    if kind == _SQLITE_FULL:
+        why = f"the disk holding the SQLite store {path} is full ({what}): free space on it"
+    else:
+        why = (
+            f"the SQLite store {path} could not be read or written ({what}): its disk is full, failing, or went "
+            "away (a network drive); check it"
+        )
+    raise StoreStorageError(
+        f"{why}. Nothing of this call was stored. Runners wait for the store (up to their outage timeout) and the "
+        "store server answers 503 meanwhile; to keep a long run's store bounded, delete old spans "
+        "(Trainer(span_retention_steps=N), agl store prune)"
+    ) from exc
+
+
+def _storage_failure(exc: Optional[BaseException]) -> Optional[int]:
+    """``_SQLITE_FULL`` or ``_SQLITE_IOERR`` if ``exc`` is SQLite's error for a full or failing disk, else None."""
+    if not isinstance(exc, sqlite3.Error):
+        return None
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        primary = code & 0xFF  # an extended code (SQLITE_IOERR_WRITE) holds its primary one in its low byte
+        return primary if primary in _STORAGE_WORDS else None
+    return next((kind for kind, words in _STORAGE_WORDS.items() if words in str(exc)), None)
 
 
 class _Operation:
@@ -39,8 +78,9 @@ class _Operation:
     def __enter__(self) -> sqlite3.Connection:
         return self.store._begin_operation()
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
         self.store._end_operation()
+        raise_if_storage_failed(self.store.path, exc)
 
 
 class _WriteTransaction:
@@ -74,6 +114,9 @@ class _WriteTransaction:
             if exc_type is None:
                 conn.execute("COMMIT")
                 checkpointer.written(store.path)
+        except sqlite3.Error as failed:  # a full disk often shows only here, when the WAL grows
+            raise_if_storage_failed(store.path, failed)
+            raise
         finally:
             try:
                 if conn.in_transaction:  # an exception, or a failed COMMIT (else the next BEGIN would fail)
@@ -81,6 +124,7 @@ class _WriteTransaction:
             finally:
                 store._write_lock.release()
                 store._end_operation()
+        raise_if_storage_failed(store.path, exc)
 
 
 class SqliteDatabase:
@@ -137,8 +181,9 @@ class SqliteDatabase:
             self._in_flight += 1
         try:
             return self._conn()
-        except BaseException:
+        except BaseException as exc:
             self._end_operation()
+            raise_if_storage_failed(self.path, exc)
             raise
 
     def _end_operation(self) -> None:

@@ -1,10 +1,13 @@
 """How the store server answers errors: the store's own as their status with a JSON body naming the error
-(500 with a logged traceback for a bug), malformed requests as 422 naming the field, unknown paths as 404."""
+(500 with a logged traceback for a bug; 503 for an outage of its database or disk, logged once per kind a
+minute), malformed requests as 422 naming the field, unknown paths as 404."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+import threading
+import time
+from typing import Any, Dict, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,11 +33,44 @@ ERROR_RESPONSES: Dict[int | str, Dict[str, Any]] = {
 }
 
 
+OUTAGE_LOG_S = 60.0  # the server logs each kind of outage (its error and message) once this often
+
+
+class OutageLog:
+    """Warnings for the 503s of an outage, one line per kind (the error's class and message) per
+    ``interval``, with how many answers the previous line stood for: every runner asks again about once a
+    second, and a line (or a traceback) per request buried the log (1,867 lines in 13 s of a full disk)."""
+
+    def __init__(self, interval: float = OUTAGE_LOG_S, max_kinds: int = 1_000) -> None:
+        self._interval = interval
+        self._max_kinds = max_kinds
+        self._kinds: Dict[Tuple[str, str], Tuple[float, int]] = {}  # kind -> (when logged, answers since)
+        self._lock = threading.Lock()
+
+    def answered(self, exc: BaseException) -> None:
+        """Count one 503 answered because of ``exc``; log it if its kind was not logged within the interval."""
+        kind = (type(exc).__name__, str(exc))
+        now = time.monotonic()
+        with self._lock:
+            logged, since = self._kinds.get(kind, (-self._interval, 0))
+            if now - logged < self._interval:
+                self._kinds[kind] = (logged, since + 1)
+                return
+            if len(self._kinds) >= self._max_kinds:
+                self._kinds.clear()
+            self._kinds[kind] = (now, 0)
+        more = f" ({since} more such answers since it was last logged)" if since else ""
+        logger.warning("store unavailable, answered 503 (clients retry)%s: %s", more, exc)
+
+
+_outages = OutageLog()
+
+
 def error_response(exc: BaseException) -> Response:
     """The answer to a request whose store call raised ``exc``."""
     status = error_status(exc)
-    if isinstance(exc, StoreUnavailableError):  # an outage of its database, not a bug: one line, no traceback
-        logger.warning("store unavailable, answered 503 (clients retry): %s", exc)
+    if isinstance(exc, StoreUnavailableError):  # an outage of its database or disk, not a bug: no traceback
+        _outages.answered(exc)
     if status is None:
         logger.exception("store server error", exc_info=exc)
         body = ErrorBody(error="InternalError", message=f"the store server failed: {type(exc).__name__}: {exc}")
