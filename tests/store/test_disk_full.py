@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +27,7 @@ from disk_full import CONTROL_ENV, limited
 from agl.errors import StoreStorageError, StoreUnavailableError
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.store.http.server import ServerThread, create_app
+from agl.store.http.server.app import _reap_forever
 from agl.store.sqlite.database import SqliteDatabase
 
 BIG = "x" * 30_000  # a rollout input over several pages: claiming or ending its rollout rewrites them
@@ -178,6 +180,35 @@ def test_the_store_server_answers_503_on_a_full_disk_and_logs_it_once(
     finally:
         server.stop()
         backing.close()
+
+
+class UnavailableStore(SqliteLightningStore):
+    """A real store whose disk is gone: every reap raises the outage error; counts the reaps."""
+
+    reaps = 0
+
+    def reap_expired(self) -> Any:
+        self.reaps += 1
+        raise StoreStorageError("the disk under store.db is full: free space on it")
+
+
+def test_the_store_servers_reaper_logs_an_outage_once_not_every_interval(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = UnavailableStore(tmp_path / "store.db")
+    stop = threading.Event()
+    caplog.set_level(logging.WARNING, logger="agl.store.http.server")
+    reaper = threading.Thread(target=_reap_forever, args=(store, stop, 0.001), daemon=True)
+    reaper.start()
+    try:
+        while store.reaps < 20:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        reaper.join()
+        store.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "agl.store.http.server"]
+    assert len(lines) == 1 and "could not end expired attempts" in lines[0] and "is full" in lines[0], lines
 
 
 def test_a_full_disk_under_postgresql_is_the_same_outage(postgres_dsn: str) -> None:

@@ -12,13 +12,14 @@ import anyio
 import anyio.to_thread
 from fastapi import FastAPI
 
+from agl.errors import StoreUnavailableError
 from agl.store.base import LightningStore
 from agl.store.http import otlp
 from agl.store.http.server import attempts, resources, rollouts, spans, traces
 from agl.store.http.server.auth import TokenCheck, TokenSet
 from agl.store.http.server.context import ServerContext
 from agl.store.http.server.direct_routes import DirectRoutes
-from agl.store.http.server.errors import install_error_handlers
+from agl.store.http.server.errors import OutageLog, install_error_handlers
 from agl.store.http.server.limits import BodyLimit, ServerLimits
 from agl.store.http.server.routing import document_models
 
@@ -96,9 +97,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def _reap_forever(store: LightningStore, stop: threading.Event, interval: float) -> None:
     """End attempts past their deadline even when nobody calls the store (every runner is dead)."""
+    outages = OutageLog("could not end expired attempts (retried each interval)")
     while not stop.wait(interval):
         try:
             changed = store.reap_expired()
+        except StoreUnavailableError as exc:  # an outage: one line a minute, not one a second
+            outages.answered(exc)
+            continue
         except Exception as exc:  # noqa: BLE001 - a failing store must not kill the timer
             logger.warning("reap_expired failed: %s", exc)
             continue

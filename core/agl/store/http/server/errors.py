@@ -41,14 +41,18 @@ class OutageLog:
     ``interval``, with how many answers the previous line stood for: every runner asks again about once a
     second, and a line (or a traceback) per request buried the log (1,867 lines in 13 s of a full disk)."""
 
-    def __init__(self, interval: float = OUTAGE_LOG_S, max_kinds: int = 1_000) -> None:
+    def __init__(
+        self, what: str = "answered 503 (clients retry)", interval: float = OUTAGE_LOG_S, max_kinds: int = 1_000
+    ) -> None:
+        self._what = what
         self._interval = interval
         self._max_kinds = max_kinds
         self._kinds: Dict[Tuple[str, str], Tuple[float, int]] = {}  # kind -> (when logged, answers since)
         self._lock = threading.Lock()
 
     def answered(self, exc: BaseException) -> None:
-        """Count one 503 answered because of ``exc``; log it if its kind was not logged within the interval."""
+        """Count one failure because of ``exc`` (a 503, by default); log it if its kind was not logged within
+        the interval."""
         kind = (type(exc).__name__, str(exc))
         now = time.monotonic()
         with self._lock:
@@ -59,8 +63,8 @@ class OutageLog:
             if len(self._kinds) >= self._max_kinds:
                 self._kinds.clear()
             self._kinds[kind] = (now, 0)
-        more = f" ({since} more such answers since it was last logged)" if since else ""
-        logger.warning("store unavailable, answered 503 (clients retry)%s: %s", more, exc)
+        more = f" ({since} more times since it was last logged)" if since else ""
+        logger.warning("store unavailable, %s%s: %s", self._what, more, exc)
 
 
 _outages = OutageLog()
