@@ -34,6 +34,14 @@ partial_needing_more = functools.partial(lambda task, k, extra: 1.0, k=3)
 
 def uses_llm(task, llm):
     return 1.0
+
+@agl.rollout
+def asks(task, llm):
+    from openai import OpenAI
+
+    question = [{"role": "user", "content": f"What is {task['n']} plus 2?"}]
+    OpenAI(base_url=llm.get_base_url(), api_key="x").chat.completions.create(model=llm.model, messages=question)
+    return float(task["n"])
 """
 
 
@@ -250,3 +258,26 @@ def test_store_hints_never_show_a_database_password() -> None:
     assert "s3cr3t" not in shown and "db.example" in shown
     assert store_argument("http://u:tok@host:8000") == "http://host:8000"
     assert store_argument("/runs/my store.db") == "'/runs/my store.db'"
+
+
+def test_agl_dev_runs_are_mode_dev_and_exported_only_when_asked(project: Path) -> None:
+    """`agl dev` stored its runs as mode train, and `agl export` then read them as training data: they are
+    mode dev now, left out of the default export (which says how to ask) and exported with --mode dev."""
+    fake_model_in_threads = ["--fake-model", "--runner-mode", "thread"]
+    dev = agl_cli(project, "dev", "my_agent:asks", "--data", "tasks.jsonl", "--store", "s.db", *fake_model_in_threads)
+    assert dev.returncode == 0, dev.stderr
+    with SqliteLightningStore(project / "s.db") as store:
+        assert [(r.task_id, r.mode) for r in store.query_rollouts()] == [(f"task-{n}", "dev") for n in range(3)]
+        assert store.query_rollouts(mode="train") == []
+    listed = agl_cli(project, "store", "rollouts", "--store", "s.db")
+    assert [line.split()[2] for line in listed.stdout.splitlines()[1:]] == ["dev"] * 3
+    unasked = agl_cli(project, "export", "out.jsonl", "--store", "s.db")
+    assert unasked.returncode == 1 and not (project / "out.jsonl").exists()
+    assert unasked.stderr.strip().splitlines()[-1] == (
+        "agl: no samples to export from 0 rollouts; no finished train rollout was read, and the store has dev "
+        "rollouts: --mode dev (or --mode all) exports them (out.jsonl was not written)"
+    )
+    asked = agl_cli(project, "export", "out.jsonl", "--store", "s.db", "--mode", "dev")
+    assert asked.returncode == 0, asked.stderr
+    records = [json.loads(line) for line in (project / "out.jsonl").read_text().splitlines()]
+    assert sorted((r["task_id"], r["mode"]) for r in records) == [(f"task-{n}", "dev") for n in range(3)]

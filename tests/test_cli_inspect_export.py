@@ -18,7 +18,7 @@ from agl import semconv
 from agl.cli import main as agl_main
 from agl.lightningrl.export import read_jsonl
 from agl.store import SqliteLightningStore
-from agl.types import Rollout, RolloutConfig, Span
+from agl.types import Rollout, RolloutConfig, RolloutMode, Span
 
 AGL = Path(sys.executable).with_name("agl")
 TRACE = "0" * 32
@@ -64,10 +64,14 @@ def spans_of(rollout: Rollout, parent_of_llm: Optional[str] = None, root_parent:
 
 
 def run_one(
-    store: SqliteLightningStore, task_id: str, reward: Optional[float], resources_id: Optional[str] = None
+    store: SqliteLightningStore,
+    task_id: str,
+    reward: Optional[float],
+    resources_id: Optional[str] = None,
+    mode: RolloutMode = "train",
 ) -> Rollout:
     """Enqueue a rollout of ``task_id``, run it with one llm call, and end it (``reward`` None: leave it running)."""
-    store.enqueue_rollout({"q": task_id}, task_id=task_id, resources_id=resources_id)
+    store.enqueue_rollout({"q": task_id}, task_id=task_id, resources_id=resources_id, mode=mode)
     rollout = store.dequeue_rollout("runner")
     assert rollout is not None and rollout.attempt is not None
     store.add_spans(spans_of(rollout))
@@ -189,6 +193,28 @@ def test_prune_keeps_a_steps_group_whole_but_frees_the_tasks_earlier_steps(tmp_p
     assert done.returncode == 0, done.stderr
     with SqliteLightningStore(db) as store:
         assert [bool(store.query_spans(i)) for i in earlier + latest] == [False, False, True, True]
+
+
+def test_export_reads_dev_runs_only_when_asked_and_groups_each_mode_apart(tmp_path: Path) -> None:
+    """`agl dev`'s runs (mode dev) were training data to `agl export`: the default reads training rollouts only,
+    --mode dev the dev runs, --mode all both, a task's dev runs never in the group of its training rollouts."""
+    db = tmp_path / "s.db"
+    with SqliteLightningStore(db) as store:
+        train = [run_one(store, "t", r).rollout_id for r in (1.0, 0.0)]
+        dev = [run_one(store, "t", r, mode="dev").rollout_id for r in (1.0, 1.0, 0.0)]
+    for mode in ("train", "dev", "all"):
+        done = agl_cli(tmp_path, "export", f"{mode}.jsonl", "--store", str(db), "--mode", mode)
+        assert done.returncode == 0, done.stderr
+    assert agl_cli(tmp_path, "export", "default.jsonl", "--store", str(db)).returncode == 0
+    assert exported(tmp_path / "default.jsonl") == exported(tmp_path / "train.jsonl")
+    of_train, of_dev = exported(tmp_path / "train.jsonl"), exported(tmp_path / "dev.jsonl")
+    assert set(of_train) == set(train) and set(of_dev) == set(dev)
+    assert exported(tmp_path / "all.jsonl") == {**of_train, **of_dev}  # each mode's group has its own advantages
+    assert {s.mode for s in read_jsonl(tmp_path / "dev.jsonl")} == {"dev"}
+    pruned = agl_cli(tmp_path, "store", "prune", "--keep-last", "0", "--mode", "dev", "--store", str(db))
+    assert pruned.returncode == 0, pruned.stderr
+    with SqliteLightningStore(db) as store:
+        assert [bool(store.query_spans(i)) for i in train + dev] == [True, True, False, False, False]
 
 
 # -- findings 3 and 5: an export that finds nothing, or cannot write, leaves the previous file alone -----------

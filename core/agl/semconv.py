@@ -17,7 +17,7 @@ OTLP_ATTEMPT_ID = "agl.attempt.id"  # str: the attempt (rollout.attempt.attempt_
 OTLP_SEQUENCE_ID = "agl.sequence.id"  # int >= 0, optional: order within the attempt (default: start time in ns)
 # On the runner's root span (``agl.rollout``), for readers of the trace alone (an OTLP backend, agl inspect):
 ROLLOUT_TASK_ID = "agl.task_id"  # str: the rollout's task
-ROLLOUT_MODE = "agl.mode"  # train | val
+ROLLOUT_MODE = "agl.mode"  # train | val | dev
 
 # --- agents (OTel GenAI) ---------------------------------------------------------------------------------
 OPERATION_NAME = "gen_ai.operation.name"  # chat | invoke_agent | execute_tool | ...

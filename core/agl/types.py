@@ -24,7 +24,9 @@ current_rollout_ids: Callable[[], Optional[Tuple[str, str]]] = _no_rollout
 
 RolloutStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 AttemptStatus = Literal["running", "succeeded", "failed", "timeout", "unresponsive", "cancelled"]
-RolloutMode = Literal["train", "val"]
+# A rollout's mode: "train" (an algorithm's training rollouts), "val" (its validation ones) or "dev" (`agl dev`'s
+# runs, with no training: `agl export` leaves them out unless asked, --mode dev or all).
+RolloutMode = Literal["train", "val", "dev"]
 SpanKind = Literal["agent", "llm", "tool", "chain", "reward", "annotation"]
 
 TERMINAL_ROLLOUT_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})

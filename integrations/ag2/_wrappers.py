@@ -6,7 +6,8 @@ runs *around* a reply or a tool, so these methods are wrapped (the same anchors 
 - ``generate_reply`` / ``a_generate_reply`` -> an ``agent`` span named ``agent.name``, current while the
   agent produces its reply, so its model requests nest under it;
 - ``execute_function`` / ``a_execute_function`` -> a ``tool`` span (name, call id, arguments, result;
-  error status when the tool failed: AG2 catches the exception and returns ``is_exec_success=False``);
+  error status when the tool failed: AG2 catches the exception and returns ``is_exec_success=False`` with
+  the ``"Error: ..."`` text the model reads, which is then the result and the error);
 - ``initiate_chat`` / ``a_initiate_chat`` -> a ``chain`` span for the whole conversation;
 - ``_reflection_with_llm`` (the ``summary_method="reflection_with_llm"`` model call, made outside any
   reply) -> an ``agent`` span named after the agent whose client writes the summary.
@@ -27,11 +28,10 @@ import contextlib
 import contextvars
 from typing import Any, Callable, ContextManager, Dict, List, Tuple
 
-from opentelemetry.trace import StatusCode
-
 from agl import semconv
 from agl._util.safety import guard
 from agl.instrumentation.framework import PatchSet, agent_span, set_tool_result, tool_span
+from agl.instrumentation.tool_failures import mark_tool_failed
 from agl.integrations.ag2._context import ContextHandoff, enter_guarded, in_context
 from agl.tracing.context import current_scope
 from agl.tracing.tracer import get_tracer
@@ -109,14 +109,14 @@ def _tool_span(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> ContextManager[
 
 
 def _record_outcome(span: Any, outcome: Any) -> None:
-    """``(is_exec_success, {"name", "role", "content"})``: content is the result, or ``"Error: ..."``."""
+    """``(is_exec_success, {"name", "role", "content"})``: content is the result, or the ``"Error: ..."`` text
+    the model reads for a tool that raised (AG2 caught the exception, which is gone): that text is then the
+    span's result and its error, as agl's other adapters record a failure the model was told of."""
     success, message = outcome
     content = message.get("content")
-    if success:
-        set_tool_result(span, content)
-        return
-    span.set_attribute(semconv.ERROR_TYPE, "ToolExecutionError")
-    span.set_status(StatusCode.ERROR, str(content))
+    set_tool_result(span, content)
+    if not success:
+        mark_tool_failed(span, str(content))
 
 
 def _execute_function(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

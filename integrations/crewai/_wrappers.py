@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import sys
 import time
-from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Optional, Set, Tuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
@@ -211,24 +211,46 @@ def start_agent(agent: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> ot
     return start_agent_span(agent_name(agent), FRAMEWORK, attributes=attrs)
 
 
-_warned_litellm = False
+_NATIVE_OPENAI = 'CrewAI\'s native OpenAI provider: LLM(model=..., provider="openai", base_url=llm.get_base_url())'
+_LITELLM_WARNING = (
+    "CrewAI agent %r calls its model through LiteLLM, which agl does not trace: its LLM calls are not recorded "
+    f"or trained on. Use {_NATIVE_OPENAI}. (Said once.)"
+)
+_CUSTOM_LLM_WARNING = (
+    "CrewAI agent %r calls its model through %s, a custom BaseLLM: agl records its LLM calls only where it "
+    "makes them with the openai client (chat.completions.create, responses.create); others are not recorded "
+    f"or trained on. Call the openai client in it, or use {_NATIVE_OPENAI}. (Said once.)"
+)
+_warned_routes: Set[str] = set()  # the untraced model routes warned about in this process
 
 
 def _warn_if_untraced_model(agent: Any) -> None:
-    """An agent whose model goes through LiteLLM (CrewAI's route for ``openai/<name>`` it does not know as an
-    OpenAI model when LiteLLM is installed, or ``is_litellm=True``) makes calls agl cannot see: current
-    LiteLLM posts with the openai client's low-level ``post``. The rollout would succeed with nothing to
-    train on, so say so once."""
-    global _warned_litellm
-    if _warned_litellm or not getattr(getattr(agent, "llm", None), "is_litellm", False):
+    """An agent whose model calls agl may not see: the rollout would succeed with nothing to train on, so say
+    so once per route. LiteLLM (CrewAI's route for ``openai/<name>`` it does not know as an OpenAI model when
+    LiteLLM is installed, or ``is_litellm=True``) posts with the openai client's low-level ``post``, which
+    agl does not hook; a custom ``BaseLLM`` (CrewAI's base class for models of one's own) is seen only if
+    it calls the openai client."""
+    llm = getattr(agent, "llm", None)
+    if getattr(llm, "is_litellm", False):
+        _warn_once("litellm", _LITELLM_WARNING, agent_name(agent))
+    elif _is_custom_llm(llm):
+        _warn_once("custom", _CUSTOM_LLM_WARNING, agent_name(agent), type(llm).__qualname__)
+
+
+def _warn_once(route: str, message: str, *args: Any) -> None:
+    """Log ``message`` the first time an agent on ``route`` runs in this process."""
+    if route in _warned_routes:
         return
-    _warned_litellm = True
-    logger.warning(
-        "CrewAI agent %r calls its model through LiteLLM, which agl does not trace: its LLM calls are not "
-        'recorded or trained on. Use CrewAI\'s native OpenAI provider: LLM(model=..., provider="openai", '
-        "base_url=llm.get_base_url()). (Said once.)",
-        agent_name(agent),
-    )
+    _warned_routes.add(route)
+    logger.warning(message, *args)
+
+
+def _is_custom_llm(llm: Any) -> bool:
+    """A ``crewai.BaseLLM`` subclass defined outside CrewAI (CrewAI's own, ``LLM`` and the native providers,
+    are what the rest of this module and the LiteLLM check are about)."""
+    klass = type(llm)
+    is_base_llm = any(k.__name__ == "BaseLLM" and k.__module__.startswith("crewai.") for k in klass.__mro__)
+    return is_base_llm and not klass.__module__.startswith("crewai.")
 
 
 def start_agent_kickoff(agent: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[otel_trace.Span]:

@@ -566,15 +566,22 @@ if CLASSIC:
             assert "Summary" in summary.attributes[semconv.OUTPUT_MESSAGES]
             assert enclosing_agent(summary, spans) == "calculator"  # the recipient's client summarizes
 
-        def test_a_raising_tool_makes_an_error_span(self, fake_openai, ag2_instrumentor, sink):
+        def test_a_raising_tool_makes_an_error_span_with_the_text_the_model_read(
+            self, fake_openai, ag2_instrumentor, sink
+        ):
+            """AG2 classic catches the tool's exception and tells the model ``Error: ...``: that text was only the
+            span's error, with no result, unlike every other adapter's failed tool. It is both now, and the
+            error type is OpenTelemetry's ``_OTHER`` (AG2 keeps no exception to name), as in those adapters."""
             assistant, user = calculator_pair(fake_openai.base_url, tool=failing_add)
             with rollout_scope("ro-classic-error", "at-1"):
                 user.initiate_chat(assistant, message=QUESTION, max_turns=2, silent=True)
-            (tool,) = of_kind(sink.of("ro-classic-error"), "tool")
-            assert tool.status == "error"
-            assert "the adder is broken" in (tool.error or "")
-            assert tool.attributes[semconv.ERROR_TYPE] == "ToolExecutionError"
-            assert semconv.TOOL_CALL_RESULT not in tool.attributes
+            spans = sink.of("ro-classic-error")
+            (tool,) = of_kind(spans, "tool")
+            told = tool_messages(generation_requests(fake_openai)[1])[tool.attributes[semconv.TOOL_CALL_ID]]
+            assert "the adder is broken" in told
+            assert tool.status == "error" and tool.attributes[semconv.ERROR_TYPE] == "_OTHER"
+            assert tool.error == tool.attributes[semconv.TOOL_CALL_RESULT] == told
+            assert air_per_call(spans)[0]["air.tool_error"] == AIRConfig().tool_error
 
         def test_a_reward_emitted_in_a_tool_is_a_step_reward(self, fake_openai, ag2_instrumentor, sink):
             fake_openai.script(

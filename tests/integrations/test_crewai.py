@@ -22,7 +22,7 @@ import pytest
 os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")  # CrewAI's telemetry stays offline
 crewai = pytest.importorskip("crewai")
 
-from crewai import LLM, Agent, Crew, Flow, Process, Task
+from crewai import LLM, Agent, BaseLLM, Crew, Flow, Process, Task
 from crewai.flow.flow import listen, start
 from crewai.tools import tool
 
@@ -493,7 +493,7 @@ def test_an_agent_on_litellm_is_warned_about_once(
     (``is_litellm``) is what agl reads; LiteLLM itself is not installed here."""
     from agl.integrations.crewai import _wrappers
 
-    monkeypatch.setattr(_wrappers, "_warned_litellm", False)
+    monkeypatch.setattr(_wrappers, "_warned_routes", set())
     llm = fake_llm(fake_openai.base_url)
     llm.is_litellm = True
     fake_openai.script(FakeReply(content="1"), FakeReply(content="2"))
@@ -502,6 +502,37 @@ def test_an_agent_on_litellm_is_warned_about_once(
         solo_crew(llm, "Solver", "Say 2", tools=[]).kickoff()
     warned = [r.getMessage() for r in caplog.records if "LiteLLM" in r.getMessage()]
     assert len(warned) == 1 and "'Solver'" in warned[0] and 'provider="openai"' in warned[0]
+
+
+class CannedLLM(BaseLLM):
+    """A model of one's own (CrewAI's ``BaseLLM``) that answers without the openai client: agl cannot see it."""
+
+    def call(self, messages: Any, *args: Any, **kwargs: Any) -> str:
+        return "1"
+
+
+def test_an_agent_on_a_custom_base_llm_is_warned_about_once(
+    fake_openai: FakeOpenAIServer, instrumented: None, sink: Any, caplog: pytest.LogCaptureFixture, monkeypatch: Any
+) -> None:
+    """A custom ``BaseLLM`` that does not call the openai client made no llm span, and nothing said so (agl
+    warned only for LiteLLM): it is warned about once too, naming the agent and the class. CrewAI's own
+    native OpenAI provider, a ``BaseLLM`` as well, is not."""
+    monkeypatch.setattr(_wrappers, "_warned_routes", set())
+    fake_openai.script(FakeReply(content="1"))
+
+    def agls() -> List[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "agl.integrations.crewai"]
+
+    with caplog.at_level("WARNING", logger="agl.integrations.crewai"), rollout_scope("ro-custom-llm", "at-1"):
+        solo_crew(fake_llm(fake_openai.base_url), "Native", "Say 1", tools=[]).kickoff()
+        assert agls() == []
+        for question in ("Say 1", "Say 2"):
+            solo_crew(CannedLLM(model="canned"), "Canned", question, tools=[]).kickoff()
+    (warned,) = agls()
+    assert warned.startswith("CrewAI agent 'Canned' calls its model through CannedLLM, a custom BaseLLM")
+    assert 'provider="openai"' in warned
+    spans = sink.of("ro-custom-llm")
+    assert [agent_of(s, spans) for s in kind(spans, "llm")] == ["Native"]  # the canned answers left no span
 
 
 @tool("graded_add")

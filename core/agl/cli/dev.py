@@ -1,4 +1,7 @@
-"""``agl dev``: run an agent once per task with the current model, no training, and print a table."""
+"""``agl dev``: run an agent once per task with the current model, no training, and print a table.
+
+Its rollouts are stored with mode ``dev``: a look at the agent, not training data. ``agl export`` reads
+training rollouts by default and leaves them out; ``agl export --mode dev`` exports them."""
 
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         )
         if args.n_runners == 0:
             _say_runners_are_awaited(args, trainer.store)
-        rows = trainer.dev(agent, data)
+        rows = trainer.dev(agent, data, mode="dev")  # not training data: `agl export` leaves them out unasked
     where = f" --store {store_argument(args.store)}" if args.store else ""
     print(f"inspect one: agl inspect {rows[0].rollout_id}{where}" if rows else "no tasks")
     return 0 if all(r.status == "succeeded" for r in rows) else 1

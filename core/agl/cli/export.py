@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, get_args
 
 from agl.cli.common import FINISHED, STORE_HELP, UNFINISHED, existing_store, json_setting, positive_int
+from agl.types import RolloutMode
 
 
 def add_export_parser(sub: Any) -> None:
@@ -31,10 +32,10 @@ def add_export_parser(sub: Any) -> None:
     )
     export_.add_argument(
         "--mode",
-        choices=["train", "val", "all"],
+        choices=[*get_args(RolloutMode), "all"],
         default="train",
-        help="rollouts of this mode (default: train; 'all': train and val, grouped apart); each "
-        "record has its rollout's mode",
+        help="rollouts of this mode (default: train; val: validation; dev: agl dev's runs; 'all': every "
+        "mode, grouped apart); each record has its rollout's mode",
     )
     export_.add_argument(
         "--limit",
@@ -68,9 +69,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     batch = adapter.build_batch(store, rollouts)
     print(batch.report)
     if not batch.samples:  # a script that exports then trains must not go on with an empty (or an old) file
-        why = (
-            "the report above says why" if rollouts else "no finished rollout was read (agl store rollouts lists them)"
-        )
+        why = "the report above says why" if rollouts else _nothing_read(store, args.status or FINISHED, mode)
         raise SystemExit(f"agl: no samples to export from {len(rollouts)} rollouts; {why} ({args.out} was not written)")
     try:
         n = export(batch, args.out, fmt)
@@ -78,6 +77,19 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise SystemExit(f"agl: cannot write {args.out}: {exc}") from None
     print(f"wrote {n} samples to {args.out}")
     return 0
+
+
+def _nothing_read(store: Any, statuses: List[str], mode: Optional[str]) -> str:
+    """Why no rollout was read, naming the other modes that have some: `agl dev`'s runs (mode dev) are not
+    in the default export of training rollouts, and a user who exports after `agl dev` is told how to ask."""
+    modes = [m for m in get_args(RolloutMode) if m != mode] if mode is not None else []
+    others = [m for m in modes if store.query_rollouts(status=statuses, mode=m, limit=1)]
+    if not others:
+        return "no finished rollout was read (agl store rollouts lists them)"
+    return (
+        f"no finished {mode} rollout was read, and the store has {' and '.join(others)} rollouts: --mode "
+        f"{others[0]} (or --mode all) exports them"
+    )
 
 
 def _group(rollout: Any) -> Tuple[str, str]:

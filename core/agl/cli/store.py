@@ -46,7 +46,7 @@ def add_store_parser(sub: Any) -> Any:
         metavar="N",
         help="how many of the latest finished rollouts keep their spans (with their whole task groups)",
     )
-    prune.add_argument("--mode", choices=["train", "val"], help="only rollouts of this mode (default: both)")
+    prune.add_argument("--mode", choices=["train", "val", "dev"], help="only rollouts of this mode (default: all)")
     prune.add_argument(
         "--vacuum",
         action="store_true",

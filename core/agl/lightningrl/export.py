@@ -17,11 +17,12 @@ field                  type                meaning
 ``advantage``          float               its advantage (GRPO / RLOO)
 ``loss_weight``        float               1 / samples of its rollout (per policy)
 ``span_ids``           list[str]           the llm spans it was built from
-``mode``               str                 its rollout's mode, ``"train"`` or ``"val"`` (GRPO groups are
-                                           per ``(mode, task_id)``)
+``mode``               str                 its rollout's mode, ``"train"``, ``"val"`` or ``"dev"`` (GRPO
+                                           groups are per ``(mode, task_id)``)
 =====================  ==================  ==========================================================
 
-``agl export`` reads training rollouts only unless told otherwise (``--mode val`` / ``--mode all``).
+``agl export`` reads training rollouts only unless told otherwise: ``--mode val`` (validation), ``--mode dev``
+(``agl dev``'s runs, which are no training data unless one says so) or ``--mode all``.
 """
 
 from __future__ import annotations

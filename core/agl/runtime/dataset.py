@@ -16,8 +16,9 @@ _SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 #: The id prefix of tasks without an id, per dataset mode: ``task-<index>`` for training, ``val-<index>``
-#: for validation, so that a validation task never shares an id with a training task.
-ID_PREFIXES: Dict[str, str] = {"train": "task", "val": "val"}
+#: for validation, so that a validation task never shares an id with a training task; ``agl dev``'s runs
+#: (mode ``dev``) number their tasks as training does, so a task keeps its id from dev run to training.
+ID_PREFIXES: Dict[str, str] = {"train": "task", "val": "val", "dev": "task"}
 
 
 def as_tasks(dataset: Iterable[Any], *, mode: RolloutMode = "train", prefix: Optional[str] = None) -> List[Task]:
