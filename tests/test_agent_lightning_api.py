@@ -35,6 +35,8 @@ def test_seed_style_dev_run(tmp_path, fake_openai, instrumented):
     rows = trainer.dev(LitQAAgent(max_turns=3), dev_dataset=[{"question": "q1"}, {"question": "q2"}], print_table=False)
     assert [r.reward for r in rows] == [1.0, 1.0]
     assert all(r["body"]["temperature"] == 0.7 for r in fake_openai.requests)
+    # stored apart from training data, as `agl dev` stores its runs
+    assert [r.mode for r in trainer.store.query_rollouts()] == ["dev", "dev"]
 
 
 def test_seed_style_fit_with_the_deprecated_n_workers(tmp_path, fake_openai, instrumented):

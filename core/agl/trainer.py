@@ -324,10 +324,12 @@ class Trainer:
         agent: AgentLike,
         dev_dataset: Optional[Sequence[Any]] = None,
         *,
-        mode: RolloutMode = "train",
+        mode: RolloutMode = "dev",
         print_table: bool = True,
     ) -> List[RolloutSummary]:
-        """Run every task once with the current resources and no training; print a table of the results."""
+        """Run every task once with the current resources and no training; print a table of the results. The
+        rollouts are stored as ``mode="dev"``, which training exports leave out unless asked (``agl export --mode
+        dev``), as ``agl dev`` does."""
         if dev_dataset is None:
             raise ValueError("dev() needs a dataset: trainer.dev(agent, dev_dataset=[...])")
         with self.runners(agent):
