@@ -83,19 +83,20 @@ def _watch_subtasks(context: Any, span: otel_trace.Span, failed: List[TaskFailed
 
 
 def _record_outcome(span: Any, outcome: Any, failed_subtasks: List[TaskFailed]) -> None:
-    """AG2 turns a raising tool into a ``ToolErrorEvent`` (the model is told), so the error is read there.
+    """AG2 turns a raising tool into a ``ToolErrorEvent`` (the model is told), so the error is read there; its
+    result is the text the model read (the traceback), recorded as the result as agl's other adapters do.
 
     A result returned after a sub-task of this tool failed is the failure as AG2 told the model of it: the
     span fails like a raising tool's (LightningRL's AIR counts ``air.tool_error``, not ``air.tool_ok``).
     """
-    if isinstance(outcome, ToolErrorEvent):
+    if not isinstance(outcome, ToolResultEvent):
+        return  # a ClientToolCallEvent has no result: the client runs the tool
+    parts = list(outcome.result.parts)
+    set_tool_result(span, Computed(lambda: _render(parts)))
+    if isinstance(outcome, ToolErrorEvent):  # a ToolResultEvent whose result is the error's text
         record_exception(span, outcome.error)
-    elif isinstance(outcome, ToolResultEvent):
-        parts = list(outcome.result.parts)
-        set_tool_result(span, Computed(lambda: _render(parts)))
-        if failed_subtasks:
-            mark_tool_failed(span, _render(parts))
-    # a ClientToolCallEvent has no result: the client runs the tool
+    elif failed_subtasks:
+        mark_tool_failed(span, _render(parts))
 
 
 def _render(parts: Any) -> str:

@@ -222,7 +222,9 @@ if not CLASSIC:
             assert tool.status == "error"
             assert tool.attributes[semconv.ERROR_TYPE] == "ValueError"
             assert "the adder is broken" in (tool.error or "")
-            assert semconv.TOOL_CALL_RESULT not in tool.attributes
+            # the result is the text the model read (AG2 sends it the traceback), as in agl's other adapters
+            told = tool_messages(generation_requests(fake_openai)[1])[tool.attributes[semconv.TOOL_CALL_ID]]
+            assert "the adder is broken" in told and tool.attributes[semconv.TOOL_CALL_RESULT] == told
             assert len(of_kind(spans, "llm")) == 2
 
         def test_a_reward_emitted_in_a_tool_is_a_step_reward(self, fake_openai, ag2_instrumentor, sink):
