@@ -3,6 +3,7 @@ likely; the loss pieces follow their formulas."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, List, Tuple
 
 import pytest
@@ -136,6 +137,71 @@ def test_clipped_ratio_stops_the_gradient() -> None:
     assert grad[0] == 0.0
     assert grad[1] == pytest.approx(-0.5 * torch.exp(torch.tensor(-0.05)).item(), rel=1e-5)  # -(1/2 tokens) * ratio
     assert parts.stats["clipped_tokens"] == 1.0
+
+
+class IgnoresLogitsToKeep(torch.nn.Module):
+    """A causal LM whose forward takes ``logits_to_keep`` and returns every column's logits anyway, as
+    transformers 4.46-4.48's models do (the argument lands in their ``**kwargs``)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, logits_to_keep: int = 0, **kwargs: Any) -> Any:
+        return self.model(**kwargs)
+
+
+def _full_forward_logprobs(model: Any, sample: Sample) -> List[float]:
+    """The response tokens' logprobs from one unpadded forward pass over the sample alone, every column's
+    logits computed: the reference that batching, padding and ``logits_to_keep`` must not change."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0].float() / TEMPERATURE
+    predictions = torch.log_softmax(logits[len(sample.prompt_ids) - 1 : -1], dim=-1)
+    return predictions.gather(-1, torch.tensor(sample.response_ids).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize("honours_logits_to_keep", [True, False], ids=["keeps", "ignores"])
+def test_response_logprobs_are_those_of_a_full_forward_pass(
+    tiny: Tuple[Any, Any], honours_logits_to_keep: bool
+) -> None:
+    """The gather read the first columns of whatever logits came back: with a model that ignored
+    ``logits_to_keep`` those were prompt positions, and the loss trained on wrong logprobs without a word."""
+    model, tokenizer = tiny
+    samples = _group(tokenizer)  # four responses of different lengths: left padding in the batch
+    scored = model if honours_logits_to_keep else IgnoresLogitsToKeep(model)
+    batch = collate(samples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs = response_logprobs(scored, batch, TEMPERATURE)
+    for row, sample in zip(logprobs, samples, strict=True):
+        expected = torch.tensor(_full_forward_logprobs(model, sample))
+        assert torch.allclose(row[-len(sample.response_ids) :], expected, atol=1e-4), sample.rollout_id
+
+
+def test_a_huge_log_ratio_is_clamped_as_verl_clamps_it() -> None:
+    """A log-ratio of 100 made the ratio inf: the loss was inf and the gradient NaN, for one token."""
+    sample = trained_sample("r", [1], [2, 3], reward=0.0, advantage=-1.0, response_logprobs=[-100.5, -1.0])
+    batch = collate([sample], pad_id=0)
+    logprobs = torch.tensor([[-0.5, -1.0]], requires_grad=True)
+    parts = policy_loss(logprobs, batch.old_logprobs, batch, clip_eps=0.2, weight_total=1.0)  # type: ignore[arg-type]
+    parts.loss.backward()
+    assert parts.loss.item() == pytest.approx((math.exp(20.0) + 1.0) / 2)  # ratios e^20 and 1, advantage -1
+    assert torch.isfinite(logprobs.grad).all()  # type: ignore[arg-type]
+    assert math.isfinite(parts.stats["kl_old_sum"])
+
+
+def test_clip_frac_counts_the_tokens_whose_clipped_term_is_taken() -> None:
+    """verl's pg_clipfrac: a ratio outside [1 - eps, 1 + eps] counts only where clipping changes the loss
+    (above the band with a positive advantage, below it with a negative one)."""
+    old = [-1.5, -0.5]  # against new logprobs of -1.0: ratios e^0.5 (above the band) and e^-0.5 (below it)
+    samples = [
+        trained_sample("up", [1], [2, 3], reward=1.0, advantage=1.0, response_logprobs=old),
+        trained_sample("down", [1], [2, 3], reward=0.0, advantage=-1.0, response_logprobs=old),
+    ]
+    batch = collate(samples, pad_id=0)
+    logprobs = torch.full((2, 2), -1.0)
+    parts = policy_loss(logprobs, batch.old_logprobs, batch, clip_eps=0.2, weight_total=2.0)  # type: ignore[arg-type]
+    assert parts.stats["clipped_tokens"] == 2.0  # "up" above the band, "down" below it; not the other two
 
 
 def test_bad_samples_are_refused_with_the_rollout_named() -> None:

@@ -575,6 +575,16 @@ def test_load_weights_swaps_the_policy_and_the_version(greedy, tiny):
             "reads text only",
         ),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        (  # was rendered into the prompt as the string it is, and answered with a 200
+            {"tools": [ADD_TOOL, {"type": "function", "function": {"name": "sub", "parameters": "{}"}}]},
+            "tools[1].function.parameters",
+            "must be a JSON schema object, e.g. {'type': 'object', 'properties': {...}}, not \"{}\"",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "sub", "parameters": ["a"]}}], "tool_choice": "none"},
+            "tools[0].function.parameters",
+            "must be a JSON schema object",
+        ),
     ],
 )
 def test_bad_requests_get_a_400_that_names_the_parameter(server, change, param, words):
@@ -592,6 +602,50 @@ def test_bad_request_through_the_openai_client_and_invalid_json(client, server):
         f"{server.base_url}/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+def history_body(depth: int) -> bytes:
+    """A chat body whose earlier tool call has ``depth`` nested arrays as arguments: the body nests 6 + depth
+    levels (body, messages, message, tool_calls, call, function). Written by hand: ``json.dumps`` itself
+    would run out of recursion in this process."""
+    arguments = "[" * depth + "1" + "]" * depth
+    call = '{"id": "c", "type": "function", "function": {"name": "f", "arguments": ' + arguments + "}}"
+    messages = (
+        '[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [' + call + "]}, "
+        '{"role": "tool", "tool_call_id": "c", "content": "1"}]'
+    )
+    return ('{"model": "policy", "max_tokens": 2, "messages": ' + messages + "}").encode()
+
+
+DEEP_BODY = b'{"model": "policy", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("chat/completions", DEEP_BODY, None),  # too deep to parse
+        ("responses", DEEP_BODY, None),
+        ("completions", DEEP_BODY, None),
+        ("chat/completions", history_body(954), "messages"),  # parsed, then too deep to render
+        ("chat/completions", history_body(123), "messages"),  # one level beyond the limit
+    ],
+)
+def test_a_body_nested_too_deeply_gets_a_400(server, path, body, param):
+    """Python's JSON parser and the prompt renderer each met such a body as a RecursionError, which the
+    server answered with a bare 500."""
+    response = httpx.post(f"{server.base_url}/{path}", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"].startswith("the request body nests arrays and objects more than 128 levels deep")
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+
+
+def test_a_body_nested_128_levels_deep_is_served(server):
+    body = history_body(122)
+    response = httpx.post(
+        f"{server.base_url}/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
 
 
 LONG = "word " * 2100  # beyond the tiny model's context of 2048 tokens
@@ -770,6 +824,11 @@ def test_responses_input_items_render_the_same_prompt_as_the_chat_conversation(c
         ),
         ({"temperature": 3}, "temperature", "from 0 to 2"),
         ({"frobnicate": 1}, "frobnicate", "unsupported parameter"),
+        (
+            {"tools": [{"type": "function", "name": "sub", "parameters": "{}"}]},
+            "tools[0].parameters",
+            "tools[0].parameters must be a JSON schema object",
+        ),
     ],
 )
 def test_bad_responses_requests_get_a_400_that_names_the_parameter(server, change, param, words):

@@ -4,9 +4,9 @@ A batch of :class:`~agl.lightningrl.types.Sample` becomes padded tensors (:func:
 log-probabilities of the response tokens come from one forward pass (:func:`response_logprobs`); the loss
 (:func:`policy_loss`) is, for sample ``i`` with response tokens ``t`` where ``response_mask == 1``::
 
-    ratio_t  = exp(logp_t - old_logp_t)
+    ratio_t  = exp(logp_t - old_logp_t)                                      # log-ratio clamped to [-20, 20]
     pg_t     = -min(ratio_t * A_i, clip(ratio_t, 1 - eps, 1 + eps) * A_i)
-    kl_t     = exp(ref_logp_t - logp_t) - (ref_logp_t - logp_t) - 1          # k3 estimator, >= 0
+    kl_t     = exp(ref_logp_t - logp_t) - (ref_logp_t - logp_t) - 1          # k3 estimator, >= 0 (same clamp)
     L_i      = mean_t (pg_t + kl_coef * kl_t)                                # mean over the sample's tokens
     loss     = sum_i w_i * L_i / W                                           # w_i = loss_weight
 
@@ -26,6 +26,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from agl.lightningrl.types import Sample
+
+#: verl's bound on a log-ratio before ``exp`` (``compute_policy_loss``, ``kl_penalty``): e^20 is about 4.9e8
+LOG_RATIO_LIMIT = 20.0
 
 
 @dataclass
@@ -132,7 +135,9 @@ def response_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: fl
         logits_to_keep=width + 1,
         use_cache=False,
     )
-    logits = out.logits[:, :-1, :].float() / temperature  # (B, R, V): predictions for the R response columns
+    # Sliced here too: a model may return every column's logits whatever logits_to_keep says (transformers
+    # 4.46-4.48 take the argument and ignore it), and the first columns would then be read as the response's.
+    logits = out.logits[:, -(width + 1) : -1, :].float() / temperature  # (B, R, V): the R response columns
     logprobs = torch.log_softmax(logits, dim=-1)
     return logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
 
@@ -160,7 +165,7 @@ def policy_loss(
     mask = batch.response_mask
     tokens = mask.sum(-1).clamp(min=1.0)  # (B,)
     adv = batch.advantages.unsqueeze(-1)
-    log_ratio = (logprobs - old_logprobs) * mask
+    log_ratio = _clamped((logprobs - old_logprobs) * mask)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
@@ -169,24 +174,31 @@ def policy_loss(
     if kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        delta = (ref_logprobs - logprobs) * mask
+        delta = _clamped((ref_logprobs - logprobs) * mask)
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * kl
     per_sample = (per_token * mask).sum(-1) / tokens
     loss = (per_sample * batch.weights).sum() / weight_total
     with torch.no_grad():
         n_tokens = float(mask.sum())
-        clipped_frac = float((((ratio - 1.0).abs() > clip_eps).float() * mask).sum())
         stats = {
             "tokens": n_tokens,
-            "clipped_tokens": clipped_frac,
+            # as verl's pg_clipfrac: the tokens whose clipped term is the one taken (their gradient is cut)
+            "clipped_tokens": float(((clipped < unclipped).float() * mask).sum()),
             # k3 estimate of KL(old || new) per token (the tokens were sampled from old, r = new / old:
             # r - 1 - log r, whose mean under old is the KL), a drift gauge between epochs
-            "kl_old_sum": float(((torch.exp(log_ratio) - 1.0 - log_ratio) * mask).sum()),
+            "kl_old_sum": float(((ratio - 1.0 - log_ratio) * mask).sum()),
             "kl_ref_sum": float((kl * mask).sum()) if kl is not None else 0.0,
             "entropy_proxy_sum": float((-logprobs.detach() * mask).sum()),
         }
     return LossParts(loss=loss, stats=stats)
+
+
+def _clamped(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``log_ratio`` within ``[-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]``, as verl clamps it before ``exp``: a token
+    whose logprobs moved far apart (a long sample, a mismatched server) would otherwise make the ratio ``inf``
+    and the loss or its gradient NaN."""
+    return torch.clamp(log_ratio, min=-LOG_RATIO_LIMIT, max=LOG_RATIO_LIMIT)
 
 
 def split_micro_batches(

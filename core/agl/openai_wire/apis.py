@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Collection, Dict, Mapping, Optional
+from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
 
 CHAT = "chat.completions"
 RESPONSES = "responses"
@@ -23,6 +23,14 @@ CLIENT_TRACED_HEADER = "x-agl-client-traced"
 #: OpenAI's error code for a prompt (plus max_tokens) beyond the model's context, which clients match on
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 NOT_AN_OBJECT = "the request body must be a JSON object"
+#: How deeply a request body may nest arrays and objects (serde_json's default limit): far beyond any real
+#: request, and far short of Python's recursion limit, which a deeper body reaches while it is parsed, rendered
+#: or answered (a 500 where the client deserved a 400).
+MAX_JSON_DEPTH = 128
+TOO_DEEP = (
+    f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep: send a flatter body "
+    "(a JSON schema or tool arguments of reasonable depth)"
+)
 
 
 class BadRequest(ValueError):
@@ -43,6 +51,22 @@ def require(condition: bool, param: str, message: str) -> None:
 def require_object(body: Any) -> None:
     if not isinstance(body, Mapping):
         raise BadRequest(NOT_AN_OBJECT)
+
+
+def require_shallow(body: Any) -> None:
+    """A 400 for a body nested more than :data:`MAX_JSON_DEPTH` levels, naming its top-level field; walked
+    without recursion, since a deep value is what it guards against."""
+    stack: List[Tuple[Any, int, Optional[str]]] = (
+        [(value, 2, key) for key, value in body.items()] if isinstance(body, Mapping) else [(body, 1, None)]
+    )
+    while stack:
+        value, depth, field = stack.pop()
+        children = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(TOO_DEEP, field)
+        stack.extend((child, depth + 1, field) for child in children)
 
 
 def refuse_unknown(

@@ -75,7 +75,7 @@ def render_prompt(tokenizer: Any, messages: Sequence[Any], tools: Optional[Seque
     """The prompt text for ``messages`` (OpenAI chat format) and ``tools``, ending with the assistant cue."""
     plain = to_plain_messages(messages)
     if tools:
-        plain = _with_tools(plain, [_tool_function(tool, i) for i, tool in enumerate(tools)])
+        plain = _with_tools(plain, [tool_function(tool, i) for i, tool in enumerate(tools)])
     text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
     if not isinstance(text, str):
         raise BadRequest("the tokenizer's chat template did not produce text", "messages")
@@ -146,13 +146,22 @@ def _with_tools(plain: List[Dict[str, str]], functions: List[Dict[str, Any]]) ->
     return [{"role": "system", "content": block}] + plain
 
 
-def _tool_function(tool: Any, index: int) -> Dict[str, Any]:
+def tool_function(tool: Any, index: int) -> Dict[str, Any]:
+    """The ``function`` of ``tools[index]``, checked: a named function whose ``parameters``, if sent, are a
+    JSON schema object (a string there was rendered into the prompt as it was, and served with a 200)."""
     where = f"tools[{index}]"
     if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
         raise BadRequest(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
     function = tool.get("function")
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
         raise BadRequest(f"{where}.function must be an object with a string 'name'", f"{where}.function")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise BadRequest(
+            f"{where}.function.parameters must be a JSON schema object, e.g. {{'type': 'object', 'properties': "
+            f"{{...}}}}, not {json.dumps(parameters)[:60]}",
+            f"{where}.function.parameters",
+        )
     return dict(function)
 
 
@@ -301,4 +310,5 @@ __all__ = [
     "render_tool_call",
     "streamable_prefix",
     "to_plain_messages",
+    "tool_function",
 ]

@@ -30,7 +30,7 @@ from agl.openai_wire.apis import (
     response_header,
 )
 from agl.openai_wire.apis import RESOURCES_VERSION_FIELD as VERSION_FIELD
-from agl.openai_wire.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedOutput, ToolCall
+from agl.openai_wire.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedOutput, ToolCall, tool_function
 from agl.openai_wire.logprobs import token_logprobs
 from agl.openai_wire.sampling import TOKEN_LIMIT_NAMES
 from agl.openai_wire.sse import DONE, data_event
@@ -149,6 +149,8 @@ def parse_request(body: Any) -> ChatRequest:
     require(isinstance(messages, list) and bool(messages), "messages", "'messages' must be a non-empty list")
     tools = body.get("tools") or []
     require(isinstance(tools, list), "tools", "'tools' must be a list of function tools")
+    for index, tool in enumerate(tools):
+        tool_function(tool, index)  # checked even where the prompt leaves the tools out (tool_choice "none")
     tool_choice, forced_tool = _tool_choice(body.get("tool_choice"), tools)
     logprobs = optional_bool(body, "logprobs")
     top_logprobs = body.get("top_logprobs") or 0

@@ -28,7 +28,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agl._util.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, unless_disconnected
 from agl._util.http_thread import ThreadedServer
-from agl.openai_wire.apis import API_PATHS, CHAT, COMPLETIONS, CONTEXT_LENGTH_EXCEEDED, RESPONSES, BadRequest
+from agl.openai_wire.apis import (
+    API_PATHS,
+    CHAT,
+    COMPLETIONS,
+    CONTEXT_LENGTH_EXCEEDED,
+    RESPONSES,
+    TOO_DEEP,
+    BadRequest,
+    require_shallow,
+)
 from agl.openai_wire.chat_format import ParsedOutput, parse_output, render_prompt, streamable_prefix
 from agl.openai_wire.responses import in_responses_terms, to_chat_body
 from agl.openai_wire.sampling import with_defaults
@@ -404,11 +413,7 @@ async def _generate(
     version = server.engine.version
     path = http_request.url.path
     try:
-        body = await http_request.json()
-    except ValueError:
-        return _error(path, 400, "the request body is not valid JSON", version)
-    try:
-        job = job_for(server, body)
+        job = job_for(server, await _request_body(http_request))
     except BadRequest as exc:
         return _error(path, 400, str(exc), version, exc.param, exc.code)
     loop = asyncio.get_running_loop()
@@ -426,6 +431,19 @@ async def _generate(
     except ClientDisconnected:
         logger.info("%s: the client went away before its answer was ready; its generation was cancelled", path)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _request_body(http_request: Request) -> Any:
+    """The request's JSON, or a :class:`BadRequest`: not JSON, or nested too deeply (the parser meets that as
+    a ``RecursionError``, which the server answered with a bare 500)."""
+    try:
+        body = await http_request.json()
+    except RecursionError:
+        raise BadRequest(TOO_DEEP) from None
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    require_shallow(body)
+    return body
 
 
 async def _answer(path: str, version: int, events: asyncio.Queue[Any], handle: Any, job: _Job) -> Response:
