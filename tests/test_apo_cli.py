@@ -19,6 +19,7 @@ import agl
 from agl.cli import main
 from agl.testing.fake_openai import FakeOpenAIServer
 from agl.testing.fake_policy import FakeReply
+from agl.testing.interrupts import default_sigint
 
 AGENT = """
 import os, signal
@@ -118,6 +119,7 @@ def test_ctrl_c_saves_the_best_prompt_so_far_and_exits_130(files, fake_openai) -
             text=True,
             timeout=300,
             env={**os.environ, "AGL_TEST_MARK": str(files / "interrupted")},
+            preexec_fn=default_sigint,  # its Ctrl-C interrupts even where this test run ignores SIGINT
         )
     assert (files / "interrupted").exists(), done.stderr
     assert done.returncode == 130, done.stderr

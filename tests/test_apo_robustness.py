@@ -21,6 +21,7 @@ import agl
 from agl.algorithm.apo import APO, APOError, transcript
 from agl.testing.fake_openai import FakeOpenAIServer
 from agl.testing.fake_policy import FakeReply
+from agl.testing.interrupts import sigint_interrupts
 from agl.types import Span
 
 TASKS = [{"task_id": f"t{i}", "question": f"What is {i} plus {i}?"} for i in range(6)]
@@ -170,7 +171,7 @@ def test_ctrl_c_publishes_the_best_so_far_and_keeps_the_result(tmp_path, fake_op
     )
     algorithm = _small(optimizer.base_url)
     trainer = apo_trainer(tmp_path, fake_openai.base_url, algorithm)
-    with pytest.raises(KeyboardInterrupt):
+    with sigint_interrupts(), pytest.raises(KeyboardInterrupt):  # also where this test run ignores SIGINT
         trainer.fit(agent, TASKS)
     assert _interrupt_sent.is_set() and _published(trainer) == GOOD
     assert algorithm.result is not None and [c.template for c in algorithm.result.history] == [SEED, GOOD]

@@ -26,7 +26,10 @@ A function tool that timed out with ``timeout_behavior="error_as_result"`` gives
 message but leaves no ``SpanError``; see :func:`_timeout_message`. Nor does a cancelled one: a tool cancelled
 before it finished fails as ``CancelledError`` (see :func:`_end_tool`), and the spans of a run cancelled
 that way are marked ``agl.span.stopped``, as LangChain's adapter marks a run its caller stopped (see
-:meth:`AglTracingProcessor.on_trace_end`).
+:meth:`AglTracingProcessor.on_trace_end`). How a run ended is read from the exception leaving the SDK's
+block as it ends the span (see :func:`_leaving`); an agent span that an exception left without a
+``SpanError`` (SDKs before 0.19.4 put none there on a non-streamed run) gets the SDK's generic one,
+``Error in agent run``, as newer SDKs do.
 
 Parents come from the SDK's ``parent_id`` (else the trace), not from the ambient context, so concurrent
 runs cannot cross. Making a span current follows the SDK exactly: the SDK marks these spans current right
@@ -71,6 +74,7 @@ HANDOFF_TO = "openai_agents.handoff.to_agent"
 GUARDRAIL_TRIGGERED = "openai_agents.guardrail.triggered"
 TRACE_ID = "openai_agents.trace_id"
 TOOL_TIMEOUT = "ToolTimeoutError"  # error.type of a timed-out tool: the exception the SDK made of the timeout
+RUN_ERROR = "Error in agent run"  # the SDK's message on the agent span of a failed run (non-streamed: 0.19.4+)
 
 # The SDK's run-structure spans (``SpanData.type``; older SDKs make none, hence no import of their classes):
 # an error on one of them is the enclosing agent's failure.
@@ -115,6 +119,8 @@ class _Mirror:
     trace_id: str
     pending_calls: List[ToolCall] = field(default_factory=list)
     attachment: Optional[_Attachment] = None
+    # The exception the caller was handling when the SDK started it, if any: not one that ends it (see _leaving).
+    ambient: Optional[BaseException] = None
     # A function span's: its SDK data (read at its end, or at its trace's end if the SDK ends it later), the
     # span it hangs under, and that agent's pending calls (its call id is taken from them).
     tool: Optional[FunctionSpanData] = None
@@ -137,7 +143,7 @@ class AglTracingProcessor(TracingProcessor):
         span = get_tracer().start_span(
             f"workflow {trace.name}", "chain", {semconv.FRAMEWORK: FRAMEWORK, TRACE_ID: trace.trace_id}
         )
-        self._mirrors[trace.trace_id] = _Mirror(span, owned=True, trace_id=trace.trace_id)
+        self._mirrors[trace.trace_id] = _Mirror(span, owned=True, trace_id=trace.trace_id, ambient=sys.exc_info()[1])
 
     @guarded("openai_agents.trace_end")
     def on_trace_end(self, trace: Trace) -> None:
@@ -147,7 +153,9 @@ class AglTracingProcessor(TracingProcessor):
         the function span of the tool it was running (the SDK's later ``on_span_end`` of it is ignored).
         Such a tool is a failed call (``CancelledError``), with the arguments and call id it had by then (the
         SDK sets the arguments as the span starts); any other span, and then the trace's own, is marked
-        stopped (see :func:`_stopped`)."""
+        stopped (see :func:`_stopped`). The trace's own is marked stopped too when a cancellation ends it with
+        nothing left open (older SDKs, 0.5, end a cancelled tool's span, and its agent's, before the trace),
+        and not when a failure does (0.5 leaves the sibling tools of a failed one running)."""
         own = self._mirrors.pop(trace.trace_id, None)
         left_open = False
         for key, mirror in dict(self._mirrors).items():
@@ -162,7 +170,7 @@ class AglTracingProcessor(TracingProcessor):
                 _stopped(mirror.span)
                 finish_span(mirror.span)
         if own is not None:
-            if left_open:
+            if _was_stopped(_leaving(own.ambient), left_open):
                 _stopped(own.span)
             finish_span(own.span)
 
@@ -176,7 +184,7 @@ class AglTracingProcessor(TracingProcessor):
         if start is not None:
             anchor = parent.span if parent is not None else None
             ours = start(span.span_data, anchor)
-            mirror = _Mirror(ours, True, span.trace_id, attachment=_Attachment(ours))
+            mirror = _Mirror(ours, True, span.trace_id, attachment=_Attachment(ours), ambient=sys.exc_info()[1])
             if isinstance(span.span_data, FunctionSpanData):
                 mirror.tool, mirror.anchor = span.span_data, anchor
                 mirror.calls = parent.pending_calls if parent is not None else None
@@ -197,21 +205,32 @@ class AglTracingProcessor(TracingProcessor):
             if getattr(data, "type", None) in _RUN_SPAN_TYPES:
                 _mark_failed(mirror.span, span.error)  # mirror.span is the nearest mirrored ancestor's span
             return
+        leaving = _leaving(mirror.ambient)
         if isinstance(data, FunctionSpanData):
-            _end_tool(mirror.span, data, span.error, mirror.calls, _cancelled_now())
+            cancelled = isinstance(leaving, asyncio.CancelledError)
+            _end_tool(mirror.span, data, span.error, mirror.calls, _interrupted() if cancelled else None)
             return
         if isinstance(data, HandoffSpanData):
             _end_handoff(mirror.span, data)
         elif isinstance(data, GuardrailSpanData):
             mirror.span.set_attribute(GUARDRAIL_TRIGGERED, bool(data.triggered))
         _mark_failed(mirror.span, span.error)
-        if isinstance(data, AgentSpanData) and self._running_tools(mirror.span):
-            _stopped(mirror.span)  # cancelled while its tools ran: the SDK ends it with no error
+        if isinstance(data, AgentSpanData):
+            self._end_run(mirror.span, leaving)
         finish_span(mirror.span)
 
+    def _end_run(self, agent: otel_trace.Span, leaving: Optional[BaseException]) -> None:
+        """Records how an agent's run ended where its ``SpanError`` does not say: a failure leaving it is the
+        SDK's generic ``Error in agent run`` (kept behind a more specific error already there), a cancellation
+        marks it stopped (the SDK ends it with no error)."""
+        if isinstance(leaving, Exception):
+            _mark_failed(agent, SpanError(message=RUN_ERROR, data={"error": str(leaving)}))
+        elif _was_stopped(leaving, self._running_tools(agent)):
+            _stopped(agent)
+
     def _running_tools(self, agent: otel_trace.Span) -> bool:
-        """Whether a function span under ``agent`` is still open: the SDK ends an agent span with its tools
-        running only when its run is cancelled (it awaits every tool otherwise)."""
+        """Whether a function span under ``agent`` is still open: newer SDKs end an agent span with its tools
+        running only when its run is cancelled (they await every tool otherwise)."""
         return any(m.tool is not None and m.anchor is agent for m in list(self._mirrors.values()))
 
     # -- lifecycle ----------------------------------------------------------------------------------------
@@ -282,11 +301,18 @@ def _interrupted() -> asyncio.CancelledError:
     return asyncio.CancelledError("cancelled before the tool finished")
 
 
-def _cancelled_now() -> Optional[BaseException]:
-    """The cancellation a function span is ended by, if any. The SDK ends a function span in its ``with``
-    block's ``__exit__``, where the exception leaving the block is the one being handled."""
+def _leaving(ambient: Optional[BaseException]) -> Optional[BaseException]:
+    """The exception that ends an SDK span or trace, if any. The SDK ends them in a ``with`` block's
+    ``__exit__`` or a ``finally``, where the exception leaving the block is the one being handled; one the
+    caller was handling already when the span started (a run started in an ``except`` block) is not."""
     exc = sys.exc_info()[1]
-    return _interrupted() if isinstance(exc, asyncio.CancelledError) else None
+    return None if exc is ambient else exc
+
+
+def _was_stopped(leaving: Optional[BaseException], left_running: bool) -> bool:
+    """Whether a run was stopped by its caller: cancelled, or ended with work still running and no failure
+    leaving it."""
+    return isinstance(leaving, asyncio.CancelledError) or (left_running and not isinstance(leaving, Exception))
 
 
 def _stopped(span: otel_trace.Span) -> None:

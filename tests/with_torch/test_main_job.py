@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import agl
+from agl.testing.interrupts import default_sigint
 
 JOB = Path(__file__).resolve().parents[2] / "examples" / "main_job"
 
@@ -141,6 +142,7 @@ def test_ctrl_c_of_the_main_job_says_how_to_resume_and_loses_no_step(tmp_path: P
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=default_sigint,  # its Ctrl-C interrupts even where this test run ignores SIGINT
     )
     try:
         for line in proc.stdout:  # type: ignore[union-attr]

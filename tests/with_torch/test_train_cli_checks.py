@@ -21,6 +21,7 @@ from with_torch_helpers import CHAT_CALL_REWARDED_BY_LENGTH, tiny_train_args, wr
 import agl
 from agl.algorithm.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
 from agl.cli import main
+from agl.testing.interrupts import default_sigint
 
 AGENT = (
     """
@@ -243,6 +244,7 @@ def test_ctrl_c_ends_with_one_line_saying_how_to_resume(files: Path) -> None:
         capture_output=True,
         text=True,
         timeout=300,
+        preexec_fn=default_sigint,  # its Ctrl-C interrupts even where this test run ignores SIGINT
     )
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
