@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from agl.algorithm.metrics import MetricsLog, format_line
 
 
@@ -49,3 +51,50 @@ def test_warnings_still_reach_the_console_while_the_log_file_is_written(tmp_path
     configured = "import logging; logging.basicConfig(format='APP %(message)s')\n" + script
     done = subprocess.run([sys.executable, "-c", configured], capture_output=True, text=True, timeout=60)
     assert done.stderr.count("watch out") == 1 and "APP watch out" in done.stderr  # the app's own handler only
+
+
+def test_metrics_csv_has_the_held_out_success_before_and_after_training(tmp_path: Path) -> None:
+    """metrics.csv had no held-out column (only with eval_every): the before/after figures were in train.log only.
+    The untrained policy's evaluations get a row of step 0; a resumed run's log gets them from its checkpoint."""
+    log = MetricsLog(tmp_path, tensorboard=False, evaluations=[{"name": "val", "step": 0, "success": 0.06}])
+    log.evaluated(0, "greedy", 0.56)
+    for step in (1, 2):
+        log.log({"step": step, "reward_mean": 0.5})
+    log.evaluated(2, "val", 0.88)
+    log.close()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(r["step"], r["val_success"], r["val_success_greedy"]) for r in rows] == [
+        ("0", "0.06", "0.56"),
+        ("1", "", ""),
+        ("2", "0.88", ""),
+    ]
+    assert [row["step"] for row in log.rows] == [1, 2]  # the rows of the steps themselves stay the steps'
+
+
+def test_train_log_marks_where_each_run_starts(tmp_path: Path) -> None:
+    """train.log is appended to run after run, and nothing told where one ended and the next began."""
+    for _ in range(2):
+        MetricsLog(tmp_path, tensorboard=False).close()
+    assert (tmp_path / "train.log").read_text().count("==== a run starts: ") == 2
+
+
+def test_step_lines_count_to_the_steps_the_time_budget_fits() -> None:
+    """The main job printed "step 3/40" when its budget fits about 11 steps."""
+    row = {"step": 3, "reward_mean": 0.5}
+    assert format_line(row, 40, 11).startswith("step 3/~11 [#####---------------] (time budget; at most 40) reward")
+    assert format_line(row, 40, 40).startswith("step 3/40 [##--")  # the budget is not what ends it
+    assert format_line(row, 40).startswith("step 3/40 [##--")
+
+
+def test_progress_shows_as_plain_lines_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    """With the output redirected to a file the main job showed no progress, only a warning a minute."""
+    from agl._util.progress import progress_bar
+
+    with progress_bar("step 1: rollouts", total=16) as advance:
+        for _ in range(16):
+            advance(1)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [f"step 1: rollouts: {n}/16 done" for n in (4, 8, 12, 16)]
+    with progress_bar("quiet", total=4, enabled=False) as advance:
+        advance(4)
+    assert capsys.readouterr().err == ""

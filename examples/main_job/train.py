@@ -9,9 +9,12 @@ samples (``agent_match`` picks the ``solve`` and ``answer`` nodes), and TorchGRP
 between generation phases. It prints held-out success before and after training and the reward curve, and saves
 ``metrics.csv``, ``train.log`` and ``reward_curve.png`` under ``--out`` (default ``.agl/main_job``).
 
-``--minutes`` is the wall-time budget of the whole command (imports and model loading included):
-training stops early enough for the final evaluation to fit. A second run into the same ``--out`` stops and asks
-for ``--resume`` (continue the run there) or another ``--out``, as ``agl train`` does: it never replaces a run.
+``--minutes`` is the wall-time budget of the whole command (imports and model loading included), evaluations
+too: the held-out evaluations before training get a third of it (cut short to the tasks that fit, and the
+final ones run the same tasks), and training stops early enough for the final evaluations to fit. On a machine
+too busy for the budget it ends with one line saying so and one with the command to run instead (exit 1).
+A second run into the same ``--out`` stops and asks for ``--resume`` (continue the run there) or another
+``--out``, as ``agl train`` does: it never replaces a run.
 Ctrl-C ends it with one line: where the checkpoints are (one per step) and the command that continues them.
 """
 
@@ -99,12 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     total = time.monotonic() - STARTED
     print(f"\nmain job: {total / 60:.1f} min wall time in all; results in {out}")
-    if result.steps == 0:
+    if result.steps == 0:  # TorchGRPO's warning above says why, with its figures
+        again = _command(_with_more_time(argv, max(20.0, 2 * args.minutes)))
         print(
-            "main job: no training step ran: the held-out evaluations took the whole budget (this machine is slower "
-            "or busier than the 20-70 s per evaluation the README measured). Rerun with --resume (with no checkpoint "
-            f"in {out} it starts afresh there) and more time (--minutes 20) or a smaller evaluation (--heldout 20 "
-            "--no-greedy-eval).",
+            f"main job: nothing trained; rerun with more time and fewer held-out tasks: {with_resume(again)}",
             file=sys.stderr,
         )
         return 1
@@ -114,6 +115,20 @@ def main(argv: list[str] | None = None) -> int:
             f"({result.improvement * 100:+.0f} points)"
         )
     return 0
+
+
+def _with_more_time(argv: list[str], minutes: float) -> list[str]:
+    """``argv`` for a machine too busy for it: ``minutes`` and 20 held-out tasks evaluated once (sampled only),
+    the flags it had for them replaced."""
+    kept: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word.split("=", 1)[0] in ("--minutes", "--heldout"):
+            if "=" not in word:
+                next(words, None)  # its value
+        elif word != "--no-greedy-eval":
+            kept.append(word)
+    return [*kept, "--minutes", f"{minutes:g}", "--heldout", "20", "--no-greedy-eval"]
 
 
 def _command(argv: list[str]) -> list[str]:

@@ -157,11 +157,16 @@ def test_console_line_shows_failed_rollouts_and_steps_without_update() -> None:
             "failed_rollouts": 0,
             "samples": 4,
             "optimizer_steps": 1,
-            "loss": 0.5,
+            "loss": -1.2e-7,
+            "grad_norm": 0.5,
+            "clip_frac": 0.02,
+            "kl_old": 1e-4,
         },
         2,
     )
-    assert "failed" not in line and "no update" not in line and "loss +5.00e-01" in line
+    assert "failed" not in line and "no update" not in line
+    # the loss is ~0 on every on-policy step (it looked broken): the line shows what moves instead
+    assert "loss" not in line and "grad 0.500 clip 2.0% kl_old 1.0e-04" in line
 
 
 @pytest.mark.parametrize(
@@ -184,3 +189,35 @@ def test_reward_curve_y_axis_covers_rewards_outside_0_1(
     rows = [{"step": i + 1, "reward_mean": r, "success_rate": 0.5} for i, r in enumerate(rewards)]
     assert plot_reward_curve(rows, tmp_path / "curve.png", evaluations=[{"step": 0, "success": 0.5}]) is not None
     assert axes and axes[-1].get_ylim() == (pytest.approx(low), pytest.approx(high))  # as drawn
+
+
+def test_reward_curve_shows_the_reward_beside_the_success_and_what_the_updates_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With 0/1 rewards the success line was drawn over the reward line, hiding it; and nothing showed that the
+    updates did anything (the loss is ~0 on-policy)."""
+    from matplotlib.axes import Axes
+
+    drawn: List[Any] = []
+    plot = Axes.plot
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
+        lines = plot(self, *args, **kwargs)
+        drawn.extend((self, line) for line in lines)
+        return lines
+
+    monkeypatch.setattr(Axes, "plot", recording)
+    rows = [
+        {"step": i, "reward_mean": r, "success_rate": r, "grad_norm": 0.3, "clip_frac": 0.01, "kl_old": 1e-4}
+        for i, r in enumerate([0.25, 0.5, 1.0], start=1)
+    ]
+    assert plot_reward_curve(rows, tmp_path / "curve.png") is not None
+    width = {line.get_label(): line.get_linewidth() for _, line in drawn}
+    assert width["train success"] > width["train reward (mean)"]  # the success wide underneath, the reward on top
+    top, bottom = drawn[0][0], drawn[-1][0]
+    assert top is not bottom and bottom.get_yscale() == "log"
+    assert [line.get_label() for ax, line in drawn if ax is bottom] == [
+        "grad norm",
+        "clipped tokens (share)",
+        "KL(sampling || updated)",
+    ]

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -92,9 +94,11 @@ def test_fit_trains_evaluates_and_writes_metrics(tmp_path: Path) -> None:
     assert seen == rows  # on_step got every row as logged (a tracker such as wandb.log can take it)
     assert algo.server.version == rows[1]["policy_version"]
     csv_lines = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("step,") and len(csv_lines) == 3
+    assert csv_lines[0].startswith("step,") and len(csv_lines) == 4  # step 0: the untrained policy's evaluation
     header = csv_lines[0].split(",")
-    first = dict(zip(header, csv_lines[1].split(",")))
+    untrained = dict(zip(header, csv_lines[1].split(",")))
+    assert untrained["step"] == "0" and untrained["val_success"] != "" and untrained["samples"] == ""
+    first = dict(zip(header, csv_lines[2].split(",")))
     assert first["samples"] == "6" and first["optimizer_steps"] == "1"  # counts as counts, not "6.0"
     assert all(len(v.replace("-", "").replace(".", "").lstrip("0")) <= 10 for k, v in first.items() if "e" not in v)
     assert result.curve_png is not None and result.curve_png.stat().st_size > 1000
@@ -458,3 +462,40 @@ def test_an_update_that_makes_the_weights_non_finite_stops_the_run_and_keeps_the
     from safetensors.torch import load_file
 
     assert all(torch.isfinite(t).all() for t in load_file(str(adapter)).values())
+
+
+def test_the_requests_a_stopping_policy_server_drops_are_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Ctrl-C of the main job stopped the policy server with its agents' requests in flight: 21 bare lines of
+    "answered 500: generation failed", one per request. TorchGRPO's session stops its server with them said once."""
+    from agl.algorithm.torch_grpo_session import _one_line_for_unanswered_requests
+    from agl.serving import PolicyServer
+
+    model, tokenizer = load_policy("tiny", device="cpu", seed=0)
+    server = PolicyServer(model, tokenizer, model_name="policy")
+    server.start()
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    failed: List[Exception] = []
+
+    def ask() -> None:
+        try:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        except openai.APIError as exc:
+            failed.append(exc)
+
+    with caplog.at_level(logging.WARNING, logger="agl"):
+        with server.paused():  # the requests wait, as a step's do while the trainer updates
+            askers = [threading.Thread(target=ask) for _ in range(3)]
+            for asker in askers:
+                asker.start()
+            while server.engine.waiting < 3:
+                time.sleep(0.01)
+            with _one_line_for_unanswered_requests():
+                server.stop()
+        for asker in askers:
+            asker.join()
+    assert len(failed) == 3  # each request was still answered 500, its agent told
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "answered 500: generation failed" in m], messages
+    assert [m for m in messages if "unanswered" in m] == [
+        "the policy server stopped with 3 requests of running agents unanswered (each answered 500)"
+    ]

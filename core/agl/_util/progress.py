@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
+import time
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 if TYPE_CHECKING:
@@ -12,9 +14,13 @@ if TYPE_CHECKING:
 
 @contextlib.contextmanager
 def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
-    """Yields ``advance(n)``. Draws a bar on a terminal, nothing when disabled or not a TTY (CI logs)."""
-    if not enabled or not sys.stderr.isatty():
+    """Yields ``advance(n)``. Draws a bar on a terminal; with stderr redirected (a file, CI logs), where a bar
+    cannot redraw, a plain line at each quarter of ``total`` (:func:`plain_progress`); nothing when disabled."""
+    if not enabled:
         yield lambda n: None
+        return
+    if not sys.stderr.isatty():
+        yield plain_progress(description, total)
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -23,6 +29,24 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
     ) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
+
+
+def plain_progress(description: str, total: int) -> Callable[[int], None]:
+    """``advance(n)`` that prints ``DESCRIPTION: 8/16 done (12 s)`` to stderr each time another quarter of
+    ``total`` is done (every item when there are fewer than four), so a redirected log shows a slow phase move."""
+    every = max(1, math.ceil(total / 4))
+    started = time.monotonic()
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        before, done = done, done + n
+        if done // every > before // every or (done >= total > before):
+            print(
+                f"{description}: {done}/{total} done ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True
+            )
+
+    return advance
 
 
 NO_LLM_CALLS = (

@@ -106,7 +106,7 @@ class TorchGRPO(PolicyServerSession, Evaluations, TrainingLoop, Checkpoints, Alg
                 self._retain_earlier_runs()
             policy = self.policy
             assert policy is not None  # the session attached the model
-            metrics = MetricsLog(output, rows=self.state.rows)
+            metrics = MetricsLog(output, rows=self.state.rows, evaluations=self.state.evaluations)
             try:
                 metrics.note(
                     f"TorchGRPO: {policy.n_trainable() / 1e6:.2f}M trainable parameters "
@@ -120,10 +120,11 @@ class TorchGRPO(PolicyServerSession, Evaluations, TrainingLoop, Checkpoints, Alg
                 if self.state.step == 0:  # nothing trained: "after" would evaluate the same weights again
                     after = None
                 elif val_tasks:
-                    after = self._final_evaluation(val_tasks, metrics, "val", after)
+                    after = self._final_evaluation(val_tasks, metrics, "val", started, after)
                     extra = {
-                        name: (before[name], self._final_evaluation(val_tasks, metrics, name))
+                        name: (before[name], self._final_evaluation(val_tasks, metrics, name, started))
                         for name in self.extra_evals
+                        if name in before  # one skipped before training has nothing to compare with
                     }
                 png = plot_reward_curve(self.state.rows, metrics.png_path, evaluations=self.state.evaluations)
             finally:

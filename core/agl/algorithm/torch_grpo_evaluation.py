@@ -1,9 +1,17 @@
 """TorchGRPO's evaluations: the validation tasks run with the current policy before, during and after training
-(``val_sampling``, and each of ``extra_evals`` before and after only), and what a run returns and prints."""
+(``val_sampling``, and each of ``extra_evals`` before and after only), and what a run returns and prints.
+
+With a time budget the evaluations keep to it too: the ones before training share a third of it, and those
+after training end with it. An evaluation still running at its deadline is cut short: its queued rollouts are
+cancelled (the running ones end), it counts the tasks that ran, and every later evaluation runs those tasks
+only, so that "before" and "after" compare the same tasks. A rollout that ran past its timeout gave no answer:
+it is counted apart, not as a wrong answer."""
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,9 +19,15 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agl.algorithm.metrics import MetricsLog, ascii_curve, console
 from agl.algorithm.torch_grpo_config import TorchGRPOBase
+from agl.errors import IllegalTransitionError
 from agl.types import Rollout, Task
 
 logger = logging.getLogger("agl.train")
+
+#: the share of the time budget that the evaluations before training may take together (those after training
+#: take about as long again, which leaves training at least the rest)
+BEFORE_SHARE = 1 / 3
+CUT_POLL_S = 0.2  # past its deadline, how often an evaluation's queued rollouts are looked for and cancelled
 
 
 @dataclass
@@ -27,27 +41,37 @@ class Evaluation:
     n: int
     failed: int
     seconds: float
+    timed_out: int = 0  # rollouts past their timeout: no answer, so neither a success nor a wrong answer
+    cut: int = 0  # tasks not run: the evaluation reached its deadline (the time budget) first
+    task_ids: Optional[List[str]] = None  # the tasks it ran, when it ran fewer than it was given
 
     def as_row(self) -> Dict[str, Any]:
-        return {
-            "name": self.name,
-            "step": self.step,
-            "success": self.success,
-            "reward_mean": self.reward_mean,
-            "n": self.n,
-            "failed": self.failed,
-            "seconds": self.seconds,
-        }
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Evaluation:
-        return cls(**{k: row[k] for k in ("name", "step", "success", "reward_mean", "n", "failed", "seconds")})
+        """An evaluation kept in a checkpoint (one saved before ``timed_out``, ``cut`` and ``task_ids`` has none)."""
+        return cls(**{k: row[k] for k in cls.__dataclass_fields__ if k in row})
+
+    @property
+    def answered(self) -> int:
+        """Rollouts that ended in time (a failed one counts: it is the agent's failure, not the clock's)."""
+        return self.n - self.timed_out
 
     def __str__(self) -> str:
-        return (
-            f"[{self.name}] held-out success {self.success:.1%} ({round(self.success * self.n)}/{self.n}), mean reward "
-            f"{self.reward_mean:.3f}, {self.failed} failed rollouts, {self.seconds:.0f} s"
+        if self.answered:
+            rate = f"{self.success:.1%} ({round(self.success * self.answered)}/{self.answered})"
+        else:
+            rate = "- (no rollout answered in time)"
+        text = (
+            f"[{self.name}] held-out success {rate}, mean reward {self.reward_mean:.3f}, {self.failed} failed "
+            f"rollouts, {self.seconds:.0f} s"
         )
+        if self.timed_out:
+            text += f"; {self.timed_out} timed out (no answer: not counted)"
+        if self.cut:
+            text += f"; {self.cut} of {self.n + self.cut} tasks cut to fit the time budget"
+        return text
 
 
 @dataclass
@@ -65,8 +89,8 @@ class TrainResult:
 
     @property
     def improvement(self) -> Optional[float]:
-        """Held-out success after minus before (a fraction; 0.2 is 20 points)."""
-        if self.before is None or self.after is None:
+        """Held-out success after minus before (a fraction; 0.2 is 20 points); None when either has no answer."""
+        if self.before is None or self.after is None or not (self.before.answered and self.after.answered):
             return None
         return self.after.success - self.before.success
 
@@ -78,63 +102,134 @@ class Evaluations(TorchGRPOBase):
     def _first_evaluations(self, val_tasks: List[Task], metrics: MetricsLog, started: float) -> Dict[str, Evaluation]:
         """The untrained policy's evaluations by name (kept in the checkpoint: a resumed run reports them).
 
-        In a fresh run, once the evaluations made so far leave the time budget no room for a step (they take as
-        long again at the end), the extra ones are skipped: no step will run, so they would only delay the "no
-        training step" message (the main job on a busy machine: 4 more minutes after the budget was spent)."""
+        With a time budget they share its first third (:data:`BEFORE_SHARE`), each getting an equal part of
+        what is left of it when it starts; an extra one is skipped once that is gone, or once no training step
+        fits any more (no step will run, so it would only delay the "no training step" message: the main job
+        on a busy machine took 4 more minutes after the budget was spent)."""
         out: Dict[str, Evaluation] = {}
         if not val_tasks:
             return out
         names = ["val", *self.extra_evals]
+        share_end = None if self.time_budget_s is None else started + self.time_budget_s * BEFORE_SHARE
         for i, name in enumerate(names):
             saved = [e for e in self.state.evaluations if e["step"] == 0 and e.get("name") == name]
             if saved:
                 out[name] = Evaluation.from_row(saved[0])
                 continue
-            if i > 0 and self.state.step == 0 and self._over_budget(started):
+            now = time.monotonic()
+            if i > 0 and self.state.step == 0 and (self._over_budget(started) or (share_end or math.inf) <= now):
                 logger.warning(
                     "skipping the untrained policy's %s evaluation: after the %s one, the time budget of %.0f s "
-                    "leaves no room for a training step (%.0f s gone)",
+                    "leaves no room for it (%.0f s gone)",
                     ", ".join(names[i:]),
                     ", ".join(out),
                     self.time_budget_s,
-                    time.monotonic() - started,
+                    now - started,
                 )
                 break
-            out[name] = self._evaluate(val_tasks, metrics, name)
+            deadline = None if share_end is None else now + max(0.0, share_end - now) / (len(names) - i)
+            out[name] = self._evaluate(val_tasks, metrics, name, deadline)
         return out
 
     def _final_evaluation(
-        self, val_tasks: List[Task], metrics: MetricsLog, name: str, latest: Optional[Evaluation] = None
+        self,
+        val_tasks: List[Task],
+        metrics: MetricsLog,
+        name: str,
+        started: float,
+        latest: Optional[Evaluation] = None,
     ) -> Evaluation:
-        """The evaluation ``name`` of the current weights: one already made at this step (``latest``, or one a
-        resumed run finished with) is not run again."""
+        """The evaluation ``name`` of the current weights, cut short at the end of the time budget: one already
+        made at this step (``latest``, or one a resumed run finished with) is not run again."""
         if latest is not None and latest.name == name and latest.step == self.state.step:
             return latest
         saved = [e for e in self.state.evaluations if e["step"] == self.state.step and e.get("name") == name]
-        return Evaluation.from_row(saved[-1]) if saved else self._evaluate(val_tasks, metrics, name)
+        if saved:
+            return Evaluation.from_row(saved[-1])
+        deadline = None if self.time_budget_s is None else started + self.time_budget_s
+        return self._evaluate(val_tasks, metrics, name, deadline)
 
-    def _evaluate(self, val_tasks: List[Task], metrics: MetricsLog, name: str = "val") -> Evaluation:
+    def _evaluate(
+        self, val_tasks: List[Task], metrics: MetricsLog, name: str = "val", deadline: Optional[float] = None
+    ) -> Evaluation:
         started = time.monotonic()
         overrides = self.val_sampling if name == "val" else self.extra_evals[name]
-        sampling = {**self._train_sampling(), **(overrides or {})}
-        rollouts = self._run_rollouts(
-            val_tasks, self._publish(sampling), mode="val", description=f"eval (step {self.state.step})"
-        )
-        rewards = final_rewards(rollouts)
-        successes = sum(1 for r in rewards if r >= self.success_threshold)
-        evaluation = Evaluation(
-            name=name,
-            step=self.state.step,
-            success=successes / len(rollouts),
-            reward_mean=sum(rewards) / len(rollouts),  # failed rollouts count as reward 0 here
-            n=len(rollouts),
-            failed=len(rollouts) - len(rewards),
-            seconds=time.monotonic() - started,
-        )
+        resources_id = self._publish({**self._train_sampling(), **(overrides or {})})
+        tasks = self._evaluated_tasks(val_tasks, name)
+        rollouts = self._rollouts_until(tasks, resources_id, deadline, f"eval (step {self.state.step})")
+        evaluation = _score(name, self.state.step, rollouts, self.success_threshold, time.monotonic() - started)
         self.state.evaluations.append(evaluation.as_row())
+        metrics.evaluated(evaluation.step, name, evaluation.success)
         metrics.note(f"eval at step {evaluation.step}: {evaluation}")
         console(f"eval at step {evaluation.step}: {evaluation}")
         return evaluation
+
+    def _evaluated_tasks(self, val_tasks: List[Task], name: str) -> List[Task]:
+        """The tasks an evaluation runs: those of the untrained policy's evaluation of that name (else of its
+        "val" one) when it was cut short, so that every later evaluation compares the same tasks."""
+        first = {e.get("name"): e for e in self.state.evaluations if e["step"] == 0 and e.get("task_ids")}
+        chosen = first.get(name) or first.get("val")
+        if chosen is None:
+            return val_tasks
+        kept = set(chosen["task_ids"])
+        return [task for task in val_tasks if task.task_id in kept]
+
+    def _rollouts_until(
+        self, tasks: List[Task], resources_id: str, deadline: Optional[float], description: str
+    ) -> List[Rollout]:
+        """The evaluation's rollouts; at ``deadline`` the ones still queued are cancelled (the running ones end
+        as they would: cancelling them would not stop a sync agent, only its report)."""
+        if deadline is None:
+            return self._run_rollouts(tasks, resources_id, mode="val", description=description)
+        finished = threading.Event()
+        cutter = threading.Thread(
+            target=self._cut_at, args=(resources_id, deadline, finished), name="agl-eval-deadline", daemon=True
+        )
+        cutter.start()
+        try:
+            return self._run_rollouts(tasks, resources_id, mode="val", description=description)
+        finally:
+            finished.set()
+            cutter.join()
+
+    def _cut_at(self, resources_id: str, deadline: float, finished: threading.Event) -> None:
+        """From ``deadline`` until the evaluation has ``finished``: cancel its rollouts still queued, once one of
+        them has started (a deadline already past when the evaluation starts leaves it the rollouts the
+        runners took first, rather than none; the rollouts may also be enqueued after it)."""
+        if finished.wait(max(0.0, deadline - time.monotonic())):
+            return
+        while not finished.wait(CUT_POLL_S):
+            ours = [r for r in self.store.query_rollouts(mode="val") if r.resources_id == resources_id]
+            if not any(r.status != "queued" for r in ours):
+                continue
+            for rollout in ours:
+                if rollout.status == "queued":
+                    try:
+                        self.store.cancel_rollout(rollout.rollout_id)
+                    except IllegalTransitionError:  # a runner took it meanwhile: it runs to its end
+                        pass
+
+
+def _score(name: str, step: int, rollouts: Sequence[Rollout], threshold: float, seconds: float) -> Evaluation:
+    """An evaluation of ``rollouts``: a cancelled one was cut (not run), a timed-out one gave no answer (counted
+    apart), a failed one counts as a wrong answer with reward 0."""
+    ran = [r for r in rollouts if r.status != "cancelled"]
+    timed_out = sum(1 for r in ran if r.attempt is not None and r.attempt.status == "timeout")
+    rewards = final_rewards(ran)
+    answered = len(ran) - timed_out
+    cut = len(rollouts) - len(ran)
+    return Evaluation(
+        name=name,
+        step=step,
+        success=sum(1 for r in rewards if r >= threshold) / answered if answered else math.nan,
+        reward_mean=sum(rewards) / answered if answered else math.nan,  # failed rollouts count as reward 0 here
+        n=len(ran),
+        failed=answered - len(rewards),
+        seconds=seconds,
+        timed_out=timed_out,
+        cut=cut,
+        task_ids=list(dict.fromkeys(r.task_id for r in ran)) if cut else None,
+    )
 
 
 def print_summary(result: TrainResult) -> None:
@@ -147,6 +242,9 @@ def print_summary(result: TrainResult) -> None:
     if result.improvement is not None:
         lines.append(f"  held-out success {result.improvement * 100:+.1f} points")
     for name, (before, after) in result.extra.items():
+        if not (before.answered and after.answered):
+            lines.append(f"  {name}: no comparison: no rollout answered in time before or after training")
+            continue
         gain = (after.success - before.success) * 100
         lines.append(f"  {name}: {before.success:.1%} -> {after.success:.1%} ({gain:+.1f} points)")
     curve = [r["success_rate"] for r in result.rows if "success_rate" in r]

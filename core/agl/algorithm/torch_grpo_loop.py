@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import statistics
 import time
@@ -91,7 +92,11 @@ class TrainingLoop(TorchGRPOBase):
             if val_tasks and self.eval_every and self.state.step % self.eval_every == 0:
                 last_eval = self._evaluate(val_tasks, metrics)
                 row["val_success"] = last_eval.success
-            console(metrics.log(row, total_steps=total_steps))
+            console(
+                metrics.log(
+                    row, total_steps=total_steps, steps_that_fit=self._steps_that_fit(started, total_steps, row)
+                )
+            )
             self.state.rows = metrics.rows
             if self.state.step % self.checkpoint_every == 0 or self.state.step == total_steps:
                 self._save()
@@ -111,6 +116,9 @@ class TrainingLoop(TorchGRPOBase):
         if not _all_groups_equal(samples):
             return
         n_groups = len({(s.policy, s.mode, s.task_id) for s in samples})
+        if all(s.reward is not None and s.reward >= self.success_threshold for s in samples):
+            logger.info("step %d: every rollout succeeded: nothing left to learn from these tasks", self.state.step + 1)
+            return
         rewards = sorted({s.reward for s in samples if s.reward is not None})
         seen = ", ".join(f"{r:g}" for r in rewards[:5]) + (", ..." if len(rewards) > 5 else "")
         logger.warning(
@@ -131,15 +139,21 @@ class TrainingLoop(TorchGRPOBase):
 
     def _say_nothing_trained(self, elapsed_s: float) -> None:
         """The budget ends before step 1 when the first evaluations take most of it (a slow or busy machine):
-        the run would otherwise end quietly, reporting the untrained policy twice as "before" and "after"."""
-        evaluations = sum(e["seconds"] for e in self.state.evaluations if e["step"] == 0)
+        one line says so, with the figures that show it and what to do."""
+        first = [e for e in self.state.evaluations if e["step"] == 0]
+        timed_out = sum(e.get("timed_out", 0) for e in first)
         logger.warning(
-            "no training step ran: the time budget of %.0f s would be used up before one step and the final "
-            "evaluations could finish (%.0f s gone; the first evaluations took %.0f s, and the final ones need as "
-            "long). Give the run more time, or evaluate on fewer tasks (or fewer evaluation settings).",
+            "no training step ran: this machine is too busy or too slow for the time budget of %.0f s (load "
+            "average %s on %d cores; %.0f s gone, the evaluations before training took %.0f s%s, a step would take "
+            "about %.0f s and the evaluations after it as long again): give the run more time, or evaluate on fewer "
+            "tasks",
             self.time_budget_s,
+            f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "unknown",
+            os.cpu_count() or 1,
             elapsed_s,
-            evaluations,
+            sum(e["seconds"] for e in first),
+            f", {timed_out} of their rollouts past their timeout" if timed_out else "",
+            self._next_step_s(),
         )
 
     def _over_budget(self, started: float) -> bool:
@@ -149,10 +163,38 @@ class TrainingLoop(TorchGRPOBase):
         return time.monotonic() - started + self._still_needed_s() > self.time_budget_s
 
     def _still_needed_s(self) -> float:
-        """Time one more step and the final evaluations need: as long as the last step and the first
-        evaluations took."""
-        last_step = self.state.rows[-1].get("step_time_s", 0.0) if self.state.rows else 0.0
-        return last_step + sum(e["seconds"] for e in self.state.evaluations if e["step"] == 0)
+        """Time one more step and the final evaluations need: as long as the next step (:meth:`_next_step_s`)
+        and the first evaluations took."""
+        return self._next_step_s() + self._final_evaluations_s()
+
+    def _final_evaluations_s(self) -> float:
+        """Time the final evaluations need: as long as the first ones took."""
+        return sum(e["seconds"] for e in self.state.evaluations if e["step"] == 0)
+
+    def _next_step_s(self) -> float:
+        """How long the next step will take: as long as the last one; before the first, as long as the
+        untrained policy's evaluation took per wave of rollouts (as many as there are runners), times the
+        step's waves, plus half that again for the update (the training phase took 0.3-1.1 times the
+        generation phase in the main job's runs)."""
+        if self.state.rows:
+            return float(self.state.rows[-1].get("step_time_s", 0.0))
+        first = next((e for e in self.state.evaluations if e["step"] == 0 and e.get("name") == "val"), None)
+        if first is None or not first["n"]:
+            return 0.0
+        at_once = self.trainer.n_runners or first["n"]  # 0: runners elsewhere, as many as the evaluation had
+        waves = math.ceil(self.batch_tasks * self.group_size / at_once) / math.ceil(first["n"] / at_once)
+        return 1.5 * first["seconds"] * waves
+
+    def _steps_that_fit(self, started: float, total_steps: int, row: Dict[str, float]) -> Optional[int]:
+        """The time budget's estimate of the run's last step, once step ``row`` is done (None without a
+        budget): the steps done and as many more as fit before the final evaluations, at the mean duration of
+        this run's steps so far."""
+        if self.time_budget_s is None:
+            return None
+        durations = [r["step_time_s"] for r in [*self.state.rows, row] if "step_time_s" in r]
+        left = self.time_budget_s - (time.monotonic() - started) - self._final_evaluations_s()
+        more = max(0, math.floor(left / max(1e-9, statistics.fmean(durations))))
+        return min(total_steps, self.state.step + more)
 
     def _next_tasks(self, train_tasks: List[Task]) -> List[Task]:
         """The next ``batch_tasks`` tasks of a per-epoch shuffled order (seeded, so resuming continues it)."""
