@@ -7,7 +7,9 @@ Real servers on 127.0.0.1, raw TCP sockets for the half-sent requests, the real 
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 import socket
 import subprocess
@@ -132,7 +134,7 @@ def test_the_retry_cache_is_bounded_by_bytes_and_recent_answers_stay(tmp_path: P
     bound = 2 * 1024 * 1024
     server = Server(tmp_path / "store.db", ServerLimits(idempotency_bytes=bound))
     cache = server.context.cache
-    big = "x" * (256 * 1024)
+    big = base64.b64encode(os.urandom(192 * 1024)).decode()  # 256 KB that compression cannot shrink much
     try:
         for i in range(30):
             assert enqueue(server, f"big-{i}", {"requests": [{"input": big}]}).status_code == 200
@@ -146,6 +148,24 @@ def test_the_retry_cache_is_bounded_by_bytes_and_recent_answers_stay(tmp_path: P
         assert retry.status_code == 200 and retry.json() == first.json()
         assert server.backing.stats().rollouts["queued"] == 34, "the retry was not applied again"
         assert cache.kept_bytes <= bound
+    finally:
+        server.close()
+
+
+def test_long_answers_are_kept_compressed_so_more_retries_find_theirs(tmp_path: Path) -> None:
+    """An enqueue answer echoes each task's input: 30 answers of 256 KB of text fill 7.5 MB raw, far over a
+    2 MiB bound, so the first ones were gone when retried. Kept compressed, all 30 stay, and each retry gets
+    its first answer byte for byte (not a second rollout)."""
+    bound = 2 * 1024 * 1024
+    server = Server(tmp_path / "store.db", ServerLimits(idempotency_bytes=bound))
+    text = " ".join(f"step {i}: add the numbers and say the total." for i in range(6000))[: 256 * 1024]
+    try:
+        firsts = [enqueue(server, f"text-{i}", {"requests": [{"input": f"{i} {text}"}]}) for i in range(30)]
+        assert server.context.cache.kept_bytes < bound
+        for i, first in enumerate(firsts):
+            retry = enqueue(server, f"text-{i}", {"requests": [{"input": f"{i} {text}"}]})
+            assert retry.status_code == 200 and retry.content == first.content
+        assert server.backing.stats().rollouts["queued"] == 30, "no retry was applied again"
     finally:
         server.close()
 

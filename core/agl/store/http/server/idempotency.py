@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import zlib
 from typing import Awaitable, Callable, Dict, NamedTuple, Optional, Tuple
 
 import anyio
@@ -17,6 +18,9 @@ from agl.store.http.wire import IDEMPOTENCY_HEADER, ErrorBody
 
 # What an entry costs beyond its answer's body: the key, the digest, the entry and the Response objects.
 ENTRY_OVERHEAD = 600
+# Answers longer than this are kept compressed: they are mostly JSON, which zlib's fastest level shrinks several
+# fold (a task's text echoed back in each rollout), so more retries find their answer within the byte bound.
+COMPRESS_OVER = 4096
 
 
 class RetryKey(NamedTuple):
@@ -30,23 +34,35 @@ class RetryKey(NamedTuple):
 
 
 class _Entry:
-    """A key's first request: running until ``done`` is set, then its ``answer``."""
+    """A key's first request: running until ``done`` is set, then its answer (``body`` zlib-compressed when
+    ``compressed``)."""
 
-    __slots__ = ("answer", "digest", "done", "finished", "size")
+    __slots__ = ("body", "compressed", "digest", "done", "finished", "media_type", "size", "status")
 
     def __init__(self, digest: bytes) -> None:
         self.digest = digest
         self.done = threading.Event()
-        self.answer: Optional[Response] = None
+        self.body = b""
+        self.compressed = False
+        self.status = 0
+        self.media_type: Optional[str] = None
         self.finished = 0.0
         self.size = ENTRY_OVERHEAD
+
+    def keep(self, response: Response) -> None:
+        body = bytes(response.body)
+        self.compressed = len(body) > COMPRESS_OVER
+        self.body = zlib.compress(body, 1) if self.compressed else body
+        self.status, self.media_type = response.status_code, response.media_type
+        self.size = ENTRY_OVERHEAD + len(self.body)
 
 
 class IdempotencyCache:
     """The first answer to each ``Idempotency-Key``, so that a retried request is not applied twice.
 
     A retry that arrives while the first request still runs waits for its answer. Answers are kept ``ttl``
-    seconds after they were given, and at most ``max_bytes`` of them (their bodies plus a fixed cost per entry):
+    seconds after they were given, and at most ``max_bytes`` of them (their bodies, compressed when long, plus a
+    fixed cost per entry):
     the oldest go first, so a burst of large answers cannot grow the server without bound, and a retry, which
     comes within the client's back-off, still finds the recent ones. A key is bound to its body's digest: the
     same key with another body is refused (422), never given the first answer. The cache is per server
@@ -112,12 +128,12 @@ class IdempotencyCache:
 
     def _finish(self, key: RetryKey, entry: _Entry, response: Response) -> Response:
         """Keep ``response`` as the key's answer; a failure of our own (5xx) is not kept: a retry tries again."""
+        entry.keep(response)  # outside the lock: compressing a large answer takes milliseconds
         with self._lock:
-            entry.answer, entry.finished = response, time.monotonic()
+            entry.finished = time.monotonic()
             if response.status_code >= 500:
                 self._entries.pop(_slot(key), None)
             else:
-                entry.size += len(response.body)
                 self._finished[_slot(key)] = entry
                 self.kept_bytes += entry.size
                 self._expire()
@@ -153,6 +169,5 @@ def _reused(key: RetryKey) -> Response:
 
 def _copy_answer(entry: _Entry) -> Response:
     """The first try's answer, as a response of its own for the retry."""
-    answer = entry.answer
-    assert answer is not None  # set before done
-    return Response(answer.body, status_code=answer.status_code, media_type=answer.media_type)
+    body = zlib.decompress(entry.body) if entry.compressed else entry.body
+    return Response(body, status_code=entry.status, media_type=entry.media_type)
