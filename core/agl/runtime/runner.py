@@ -160,6 +160,7 @@ class Runner:
         self.abandoned: Optional[str] = None  # why the pool left this runner behind (see abandon)
         self._heartbeat: Optional[Heartbeat] = None  # of the rollout running now
         self._timeouts_warned: Set[float] = set()  # heartbeat timeouts too short for heartbeat_interval, said once
+        self._explained_left_running = False  # the advice on agents left running past their timeout: said once
         self.agent_name = rollout_agent_name(agent)
         self._executor = AgentThread()
         self._exits_when_stuck = False  # set by run_forever: a runner process leaves after an agent it gave up on
@@ -474,6 +475,10 @@ class Runner:
             if is_async
             else "its sync agent cannot be interrupted"
         )
+        if self._explained_left_running:  # the advice once per runner: a loaded machine times out many in a row
+            logger.warning("rollout %s did not stop at its timeout of %s s either: %s", rollout_id, timeout, why)
+            return
+        self._explained_left_running = True
         fate = (
             f"runner process {self.runner_id} leaves after reporting it and its pool starts a fresh one"
             if self._exits_when_stuck
