@@ -86,10 +86,19 @@ def test_step_lines_count_to_the_steps_the_time_budget_fits() -> None:
     assert format_line(row, 40).startswith("step 3/40 [##--")
 
 
-def test_progress_shows_as_plain_lines_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    """With the output redirected to a file the main job showed no progress, only a warning a minute."""
+def test_progress_shows_as_plain_lines_when_stderr_is_not_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the output redirected to a file the main job showed no progress, only a warning a minute. A phase
+    that ends at once (an export of two rollouts) prints nothing: its lines were noise before its one result."""
+    from agl._util import progress
     from agl._util.progress import progress_bar
 
+    with progress_bar("LightningRL batch", total=2) as advance:
+        advance(1)
+        advance(1)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress, "PLAIN_AFTER_S", 0.0)  # as if each item took a while
     with progress_bar("step 1: rollouts", total=16) as advance:
         for _ in range(16):
             advance(1)

@@ -31,9 +31,14 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
         yield lambda n: progress.advance(task, n)
 
 
+#: a phase that has run less than this prints no plain line (an export of a few rollouts takes no time)
+PLAIN_AFTER_S = 5.0
+
+
 def plain_progress(description: str, total: int) -> Callable[[int], None]:
     """``advance(n)`` that prints ``DESCRIPTION: 8/16 done (12 s)`` to stderr each time another quarter of
-    ``total`` is done (every item when there are fewer than four), so a redirected log shows a slow phase move."""
+    ``total`` is done (every item when there are fewer than four) once the phase has run
+    :data:`PLAIN_AFTER_S`, so a redirected log shows a slow phase move and a quick one stays quiet."""
     every = max(1, math.ceil(total / 4))
     started = time.monotonic()
     done = 0
@@ -41,6 +46,8 @@ def plain_progress(description: str, total: int) -> Callable[[int], None]:
     def advance(n: int) -> None:
         nonlocal done
         before, done = done, done + n
+        if time.monotonic() - started < PLAIN_AFTER_S:
+            return
         if done // every > before // every or (done >= total > before):
             print(
                 f"{description}: {done}/{total} done ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True
