@@ -395,18 +395,36 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _runner_processes(pid: int) -> List[int]:
+    """The runner processes of the pool process ``pid``: its children, less spawn's resource tracker."""
+    children = [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [child for child in children if b"resource_tracker" not in _cmdline(child)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child pids from Linux's /proc")
-def test_runner_processes_leave_when_agl_runner_is_killed(tmp_path: Path, agent_file: Path) -> None:
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_runner_processes_leave_when_agl_runner_is_killed(
+    tmp_path: Path, agent_file: Path, start_method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kill -9 of `agl runner` left its runner processes running as orphans, claiming work nobody watched;
-    a restarted `agl runner` then doubled the runners."""
+    a restarted `agl runner` then doubled the runners. Killed as its runner processes start (here: at once),
+    before they had read their parent's pid, they took their reaper for it and stayed (a CI failure; spawn's
+    slow start makes that window wide)."""
+    monkeypatch.setenv("AGL_START_METHOD", start_method)
     backing = SqliteLightningStore(tmp_path / "store.db")
     server = ServerThread(create_app(backing, tokens=TokenSet({"t": TOKEN}))).start()
     log = tmp_path / "runner.log"
     runners = start_runners(agent_file, server.url, 2, log)
     try:
-        children_file = Path(f"/proc/{runners.pid}/task/{runners.pid}/children")
-        eventually(lambda: len(children_file.read_text().split()) == 2, 60, f"two runner processes\n{log.read_text()}")
-        children = [int(pid) for pid in children_file.read_text().split()]
+        eventually(lambda: len(_runner_processes(runners.pid)) == 2, 60, f"two runner processes\n{log.read_text()}")
+        children = _runner_processes(runners.pid)
         runners.kill()
         runners.wait(10)
         eventually(lambda: not any(_alive(pid) for pid in children), 15, "the orphaned runner processes to leave")

@@ -142,9 +142,11 @@ def _process_main(
     kwargs: Dict[str, Any],
     instrumentation: Optional[Dict[str, Any]] = None,
     current: Any = None,
+    parent: Optional[int] = None,
 ) -> None:
     """A runner process. ``current`` (shared memory) holds "ROLLOUT_ID ATTEMPT_ID" of the rollout it works on,
-    so that the pool can end that attempt at once if it has to kill the process."""
+    so that the pool can end that attempt at once if it has to kill the process. ``parent`` is the pool
+    process's pid, taken there: one read here would be its reaper's if the pool died while this one started."""
     if instrumentation is not None:  # a spawned process: hook what the parent hooked
         from agl.instrumentation import instrument
 
@@ -158,7 +160,8 @@ def _process_main(
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us cleanly
-    threading.Thread(target=_leave_with_parent, args=(os.getppid(), on_sigterm), daemon=True).start()
+    parent = os.getppid() if parent is None else parent
+    threading.Thread(target=_leave_with_parent, args=(parent, on_sigterm), daemon=True).start()
     runner = Runner(agent, store, runner_id=runner_id, **kwargs)
     track = _tracking(current) if current is not None else None
 
@@ -178,16 +181,14 @@ def _process_main(
 def _leave_with_parent(parent: int, leave: Callable[[int, Any], None]) -> None:
     """A runner process whose pool process died (``kill -9`` of ``agl runner``) leaves as on SIGTERM: idle at
     once, busy after its rollout. Else orphans go on claiming work that nobody watches, and a restarted
-    ``agl runner`` doubles the runners.
+    ``agl runner`` doubles the runners. Checked at once, then every :data:`PARENT_CHECK_S`.
 
     A plain sleep, not the pool's stop event: a process killed while it waits on a multiprocessing Event
     leaves the Event's ``set()`` in every other process waiting forever for it to wake."""
-    while True:
+    while os.getppid() == parent:
         time.sleep(PARENT_CHECK_S)
-        if os.getppid() != parent:
-            logger.warning("runner process %d: its pool process %d is gone; leaving", os.getpid(), parent)
-            leave(signal.SIGTERM, None)
-            return
+    logger.warning("runner process %d: its pool process %d is gone; leaving", os.getpid(), parent)
+    leave(signal.SIGTERM, None)
 
 
 def end_attempt(store: LightningStore, rollout_id: str, attempt_id: str, error: str, *, dead: bool = True) -> None:
@@ -263,7 +264,16 @@ class RunnerPool:
             hooks = None if method == "fork" else instrumented()  # a forked child inherits the hooks
             proc = self._ctx.Process(
                 target=_process_main,
-                args=(self.agent, self.store, runner_id, self._stop, self.runner_kwargs, hooks, self._current[index]),
+                args=(
+                    self.agent,
+                    self.store,
+                    runner_id,
+                    self._stop,
+                    self.runner_kwargs,
+                    hooks,
+                    self._current[index],
+                    os.getpid(),
+                ),
                 name=f"agl-{runner_id}",
                 daemon=True,
             )
