@@ -55,9 +55,12 @@ _KEY_VALUE_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|.*?)()
 def _checked_dsn(dsn: str) -> str:
     """``dsn``, or AglError saying what is wrong with it (psycopg's ProgrammingError named no store or URL)."""
     try:
-        conninfo_to_dict(dsn)
+        params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
         raise invalid_url(dsn, exc) from None  # not chained: libpq's own message may quote the password
+    timeout = params.get("connect_timeout")
+    if timeout is not None and not str(timeout).strip().lstrip("-").isdigit():  # psycopg int()s it (3.1: bare)
+        raise invalid_url(dsn, ValueError(f"bad value for connect_timeout: {timeout!r} (whole seconds)"))
     return dsn
 
 

@@ -71,7 +71,7 @@ class PostgresDatabase:
                 f"cannot connect to PostgreSQL ({redacted(dsn)}): {_oneline(exc)}; check that the server is "
                 "running and the URL (postgresql://user:password@host:port/database)"
             ) from exc
-        except psycopg.ProgrammingError as exc:  # a parameter psycopg reads itself: ?connect_timeout=x
+        except psycopg.ProgrammingError as exc:  # a parameter psycopg reads itself
             raise invalid_url(dsn, exc) from None
         try:
             try:
