@@ -15,22 +15,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, List
+from typing import Any, List
 
 import pytest
 
 import agl
 from agl.runtime.runner_pool import RunnerPool
 from agl.store import EnqueueRequest, SqliteLightningStore
+from agl.testing.waiting import eventually
 from agl.types import RolloutConfig
-
-
-def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
 
 _RETURNED = threading.Event()
 

@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 import pytest
 from disk_full import CONTROL_ENV, limited
@@ -29,6 +29,7 @@ from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.store.http.server import ServerThread, create_app
 from agl.store.http.server.app import _reap_forever
 from agl.store.sqlite.database import SqliteDatabase
+from agl.testing.waiting import eventually
 
 BIG = "x" * 30_000  # a rollout input over several pages: claiming or ending its rollout rewrites them
 
@@ -50,14 +51,6 @@ def disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(SqliteDatabase, "_begin_operation", limited(control))
     yield control
     control.unlink(missing_ok=True)
-
-
-def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_a_full_disk_raises_a_store_storage_error_and_stores_nothing(tmp_path: Path, disk: Path) -> None:

@@ -15,13 +15,14 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
 from agl.store import EnqueueRequest, SqliteLightningStore
 from agl.store.http.client import RemoteLightningStore
 from agl.store.http.server import ServerThread, TokenSet, create_app
+from agl.testing.waiting import eventually
 from agl.types import RolloutConfig
 
 TOKEN = "ft-token"
@@ -51,14 +52,6 @@ def agent(task, rollout):
 #: What a finished attempt of the agent above stores: its three messages, the rollout's root span and the
 #: reward span the runner writes for the returned reward.
 FULL_ATTEMPT = Counter({"agl.message": 3, "agl.rollout": 1, "agl.reward": 1})
-
-
-def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def free_port() -> int:
