@@ -466,8 +466,7 @@ def test_an_update_that_makes_the_weights_non_finite_stops_the_run_and_keeps_the
 
 def test_the_requests_a_stopping_policy_server_drops_are_one_line(caplog: pytest.LogCaptureFixture) -> None:
     """Ctrl-C of the main job stopped the policy server with its agents' requests in flight: 21 bare lines of
-    "answered 500: generation failed", one per request. TorchGRPO's session stops its server with them said once."""
-    from agl.algorithm.torch_grpo_session import _one_line_for_unanswered_requests
+    "answered 500: generation failed", one per request. The server says them once as it stops."""
     from agl.serving import PolicyServer
 
     model, tokenizer = load_policy("tiny", device="cpu", seed=0)
@@ -489,8 +488,7 @@ def test_the_requests_a_stopping_policy_server_drops_are_one_line(caplog: pytest
                 asker.start()
             while server.engine.waiting < 3:
                 time.sleep(0.01)
-            with _one_line_for_unanswered_requests():
-                server.stop()
+            server.stop()
         for asker in askers:
             asker.join()
     assert len(failed) == 3  # each request was still answered 500, its agent told

@@ -51,8 +51,7 @@ class PolicyServerSession(TorchGRPOBase):
         try:
             yield adapter
         finally:
-            with _one_line_for_unanswered_requests():
-                self.server.stop()
+            self.server.stop()
 
     def _load_model(self) -> Tuple[Any, Any]:
         if isinstance(self.model_spec, tuple):
@@ -119,32 +118,3 @@ class PolicyServerSession(TorchGRPOBase):
     def _train_sampling(self) -> Dict[str, Any]:
         # logprobs: the server returns each token's logprob, the exact "old" logprobs of the PPO ratio.
         return {"temperature": self.temperature, "max_tokens": self.max_tokens, "logprobs": True, **self.sampling}
-
-
-#: what the policy server logs for each request it drops as it stops (agl.serving.server)
-_DROPPED_AS_IT_STOPPED = "generation failed: the policy server stopped"
-
-
-@contextlib.contextmanager
-def _one_line_for_unanswered_requests() -> Iterator[None]:
-    """While the server stops, the requests of agents still running (a Ctrl-C mid-step) are answered 500, each
-    with a warning of its own (21 lines after a Ctrl-C of the main job): they are said in one line instead."""
-    server_logger = logging.getLogger("agl.serving.server")
-    dropped: List[logging.LogRecord] = []
-
-    def one_line(record: logging.LogRecord) -> bool:
-        if _DROPPED_AS_IT_STOPPED in record.getMessage():
-            dropped.append(record)
-            return False
-        return True
-
-    server_logger.addFilter(one_line)
-    try:
-        yield
-    finally:
-        server_logger.removeFilter(one_line)
-        if dropped:
-            logger.warning(
-                "the policy server stopped with %d requests of running agents unanswered (each answered 500)",
-                len(dropped),
-            )

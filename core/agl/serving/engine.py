@@ -57,6 +57,7 @@ from agl.serving.generation import (
     Listener,
     RequestHandle,
     SamplingParams,
+    ServerStopped,
     Started,
     Step,
     Token,
@@ -134,6 +135,7 @@ class GenerationEngine:
         self._can_join = True  # cleared when the model's KV cache cannot be merged (see the module docs)
         self._was_training = False  # the model's mode before the running batch began (restored after)
         self._closed = False
+        self._dropped_running = 0  # requests in the batch as it closed (said with the queued ones)
         self._thread = threading.Thread(target=self._run, name="agl-generation", daemon=True)
         self._thread.start()
 
@@ -219,7 +221,13 @@ class GenerationEngine:
             leftover = list(self._waiting)
             self._waiting.clear()
         for request in leftover:
-            _notify(request, Failed(RuntimeError("the policy server stopped before this request ran")))
+            _notify(request, Failed(ServerStopped("the policy server stopped before this request ran")))
+        dropped = len(leftover) + self._dropped_running
+        if dropped:
+            logger.warning(
+                "the policy server stopped with %d requests of running agents unanswered (each answered 500)",
+                dropped,
+            )
 
     # --- worker ----------------------------------------------------------------------------------------------
 
@@ -228,7 +236,8 @@ class GenerationEngine:
         while True:
             admitted = self._next_admissions(batch.size)
             if admitted is None:
-                batch.fail_all(RuntimeError("the policy server stopped while this request was generating"))
+                self._dropped_running = len(batch.rows)
+                batch.fail_all(ServerStopped("the policy server stopped while this request was generating"))
                 self._leave_eval()
                 return
             if admitted and not batch.size:

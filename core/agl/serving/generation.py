@@ -97,6 +97,11 @@ class Failed:
     error: BaseException
 
 
+class ServerStopped(RuntimeError):
+    """A request's failure because the server stopped with it queued or running (a Ctrl-C mid-step): each is
+    answered 500 without a line of its own; the engine says how many in one line as it closes."""
+
+
 Event = Any  # Started | Step | Finished | Failed
 Listener = Callable[[Event], None]
 

@@ -58,6 +58,7 @@ from agl.serving.engine import (
     Generation,
     GenerationEngine,
     SamplingParams,
+    ServerStopped,
     Started,
     Step,
     Token,
@@ -460,7 +461,7 @@ async def _answer(path: str, version: int, events: asyncio.Queue[Any], handle: A
         first = await events.get()
         if isinstance(first, Failed):
             finished = True
-            return _error(path, 500, f"generation failed: {first.error}", version)
+            return _generation_failed(path, first.error, version)
         assert isinstance(first, Started)
         writer = job.writer(first.version)
         headers = {VERSION_HEADER: str(first.version)}
@@ -476,7 +477,7 @@ async def _answer(path: str, version: int, events: asyncio.Queue[Any], handle: A
                 return _versioned(writer.final(gen, job.parse(gen)), first.version)
             if isinstance(event, Failed):
                 finished = True
-                return _error(path, 500, f"generation failed: {event.error}", first.version)
+                return _generation_failed(path, event.error, first.version)
     finally:
         if not finished:
             handle.cancel()  # the client went away (or the server stops): stop generating for it
@@ -524,6 +525,15 @@ def _prompt_vocabulary(model: Any, tokenizer: Any) -> int:
 def _versioned(payload: Dict[str, Any], version: int, status: int = 200) -> JSONResponse:
     """Every response says which policy version it comes from, in a header too."""
     return JSONResponse(payload, status_code=status, headers={VERSION_HEADER: str(version)})
+
+
+def _generation_failed(path: str, error: BaseException, version: int) -> JSONResponse:
+    """A 500 for a generation that failed; one the server's stop ended is not logged here (the engine says how
+    many in one line as it closes: a Ctrl-C mid-step made a line per agent's request)."""
+    message = f"generation failed: {error}"
+    if isinstance(error, ServerStopped):
+        return _versioned(error_body(message, 500), version, 500)
+    return _error(path, 500, message, version)
 
 
 def _error(
