@@ -96,10 +96,10 @@ async def answer(app: Any, method: str, path: str, body: bytes = b"") -> Tuple[i
 
 async def measure(n: int) -> List[Tuple[str, float]]:
     store = InMemoryLightningStore()
-    store.add_resources({"llm": LLM(endpoint="http://127.0.0.1:1/v1", model="bench")})
+    await store.add_resources({"llm": LLM(endpoint="http://127.0.0.1:1/v1", model="bench")})  # awaitable here
     app = create_app(store, tokens=TokenSet({"bench": TOKEN}))
-    store.enqueue_many([EnqueueRequest(input={"i": 1})])
-    rollout = store.dequeue_many("bench", 1)[0]
+    await store.enqueue_many([EnqueueRequest(input={"i": 1})])
+    rollout = (await store.dequeue_many("bench", 1))[0]
     assert rollout.attempt is not None
     attempt = f"/v1/rollouts/{rollout.rollout_id}/attempts/{rollout.attempt.attempt_id}"
     cases = [
@@ -138,9 +138,10 @@ CYCLE_MODES: List[Tuple[str, ServerLimits]] = [
 
 async def rollout_cycles(store: LightningStore, limits: ServerLimits, n: int) -> float:
     """Server CPU microseconds per rollout cycle (four requests) with the store's calls made as ``limits`` say."""
-    resources = store.add_resources({"llm": LLM(endpoint="http://127.0.0.1:1/v1", model="bench")})
+    resources = await store.add_resources({"llm": LLM(endpoint="http://127.0.0.1:1/v1", model="bench")})
     app = create_app(store, tokens=TokenSet({"bench": TOKEN}), limits=limits)
-    store.enqueue_many([EnqueueRequest(input={"i": i}, resources_id=resources.resources_id) for i in range(n + 20)])
+    requests = [EnqueueRequest(input={"i": i}, resources_id=resources.resources_id) for i in range(n + 20)]
+    await store.enqueue_many(requests)
     claim = b'{"runner_id": "bench", "limit": 1, "timeout": 0}'
     spent = 0.0
     async with app.router.lifespan_context(app):

@@ -624,20 +624,20 @@ def test_async_calls_give_what_the_sync_calls_give(postgres_dsn: str, make_span:
     async def cycle() -> None:
         claimed = await store.aclaim("runner-1", 2)
         assert [r.input for r in claimed] == [0, 1] and all(r.status == "running" for r in claimed)
-        assert claimed == [store.get_rollout(r.rollout_id) for r in claimed]
+        assert claimed == [await store.get_rollout(r.rollout_id) for r in claimed]  # awaitable in a coroutine
         first = claimed[0]
         assert first.attempt is not None
         spans = [make_span(first, i) for i in range(3)]
         assert await store.aadd_spans(spans) == 3
         assert await store.aadd_spans(spans[1:]) == 0  # already stored: ignored, as add_spans does
         assert await store.aadd_spans([]) == 0
-        assert store.query_spans(first.rollout_id) == spans
+        assert await store.query_spans(first.rollout_id) == spans
         assert await store.aget_resources(resources.resources_id) == resources
         assert await store.aget_resources() == resources
         with pytest.raises(UnknownResourcesError):
             await store.aget_resources("res-missing")
         done = await store.acomplete_attempt(first.rollout_id, first.attempt.attempt_id, "succeeded", reward=0.5)
-        assert done == store.get_rollout(first.rollout_id) and done.final_reward == 0.5
+        assert done == await store.get_rollout(first.rollout_id) and done.final_reward == 0.5
         with pytest.raises(StaleAttemptError):
             await store.acomplete_attempt(first.rollout_id, first.attempt.attempt_id, "failed")
         with pytest.raises(UnknownAttemptError):

@@ -5,22 +5,55 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
-from typing import Optional
+from typing import Any, Optional
 
 from agl.errors import StoreAddressError, StoreNotFoundError, UnsupportedStoreError
-from agl.store.base import EnqueueRequest, LightningStore, StoreStats
+from agl.store.base import (
+    EnqueueRequest,
+    LightningStore,
+    LightningStoreCapabilities,
+    LightningStoreStatistics,
+    StoreStats,
+)
 from agl.store.memory import InMemoryLightningStore
 from agl.store.sqlite.store import SqliteLightningStore
 
 __all__ = [
     "DEFAULT_STORE_PATH",
+    "CollectionBasedLightningStore",
     "EnqueueRequest",
     "InMemoryLightningStore",
     "LightningStore",
+    "LightningStoreCapabilities",
+    "LightningStoreClient",
+    "LightningStoreServer",
+    "LightningStoreStatistics",
+    "LightningStoreThreaded",
+    "MongoLightningStore",
     "SqliteLightningStore",
     "StoreStats",
     "open_store",
 ]
+
+#: Agent Lightning's store classes (agl.store.peer), imported when first asked for: they need the HTTP client.
+_PEER = frozenset(
+    {
+        "CollectionBasedLightningStore",
+        "LightningStoreClient",
+        "LightningStoreServer",
+        "LightningStoreThreaded",
+        "MongoLightningStore",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PEER:
+        from agl.store import peer
+
+        return getattr(peer, name)
+    raise AttributeError(f"module 'agl.store' has no attribute {name!r}")
+
 
 #: Where ``open_store(None)`` keeps its SQLite file when ``$AGL_STORE`` is not set (relative to the cwd).
 DEFAULT_STORE_PATH = os.path.join(".agl", "store.db")

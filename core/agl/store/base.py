@@ -19,11 +19,32 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any, ClassVar, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+import os
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    Iterable,
+    List,
+    Literal,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    TypedDict,
+    cast,
+)
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
-from agl.store import _rules
+from agl.errors import (
+    UnknownAttemptError,
+    UnknownResourcesError,
+    UnknownRolloutError,
+    UnsupportedStoreError,
+)
+from agl.store import _rules, async_calls
 from agl.types import (
     Attempt,
     AttemptStatus,
@@ -54,6 +75,17 @@ class EnqueueRequest(BaseModel):
     resources_id: Optional[str] = None
     config: RolloutConfig = Field(default_factory=RolloutConfig)
     metadata: Dict[str, Any] = Field(default_factory=dict)
+    runner_id: Optional[str] = Field(
+        default=None,
+        description="start the rollout at once for this runner: it skips the queue and comes back running, its "
+        "first attempt in `attempt` (for code that runs the agent itself: `start_rollout`)",
+    )
+
+    @field_validator("runner_id")
+    @classmethod
+    def _storable_runner_id(cls, value: Optional[str]) -> Optional[str]:
+        _rules.check_id(value, "runner_id")
+        return value
 
 
 class Completion(NamedTuple):
@@ -92,6 +124,65 @@ class StoreStats(BaseModel):
     resources_versions: int = 0
 
 
+class LightningStoreStatistics(TypedDict, total=False):
+    """Agent Lightning's ``statistics()``: :class:`StoreStats` under its names."""
+
+    name: str
+    total_rollouts: int
+    total_attempts: int
+    total_spans: int
+    total_resources: int
+
+
+class LightningStoreCapabilities(TypedDict, total=False):
+    """Agent Lightning's ``capabilities``: every agl store is thread-safe; ``zero_copy``: processes share it."""
+
+    thread_safe: bool
+    async_safe: bool
+    zero_copy: bool
+    otlp_traces: bool
+
+
+#: Agent Lightning's rollout modes as well as agl's: "test" is agl's "val", None (no mode) "train".
+PeerMode = Optional[Literal["train", "val", "dev", "test"]]
+_MODES: Dict[Optional[str], RolloutMode] = {None: "train", "test": "val"}
+#: Agent Lightning's rollout statuses that agl names otherwise (it queues, requeues and prepares; agl queues and runs).
+_STATUSES: Dict[str, RolloutStatus] = {"queuing": "queued", "requeuing": "queued", "preparing": "running"}
+
+
+def _request(
+    input: Any,
+    mode: PeerMode,
+    resources_id: Optional[str],
+    config: Optional[RolloutConfig],
+    metadata: Optional[Dict[str, Any]],
+    **ids: Optional[str],
+) -> EnqueueRequest:
+    return EnqueueRequest(
+        input=input,
+        mode=_MODES.get(mode, mode),
+        resources_id=resources_id,
+        config=config or RolloutConfig(),
+        metadata=metadata or {},
+        **ids,
+    )
+
+
+def _statuses(statuses: Iterable[str]) -> List[RolloutStatus]:
+    return list(dict.fromkeys(_STATUSES.get(s, cast(RolloutStatus, s)) for s in statuses))
+
+
+def _not_in_agl(name: str, instead: str) -> Callable[..., Any]:
+    """A method of Agent Lightning's API that agl has no counterpart for: one line naming what to do instead."""
+
+    def refuse(self: LightningStore, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedStoreError(f"{name}() is Agent Lightning's; {instead}")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = f"Not in agl: {instead}."
+    return refuse
+
+
 class LightningStore(abc.ABC):
     """Abstract store. All methods are thread-safe; ids that do not exist raise ``Unknown*Error``."""
 
@@ -108,19 +199,14 @@ class LightningStore(abc.ABC):
         input: Any = None,
         *,
         task_id: Optional[str] = None,
-        mode: RolloutMode = "train",
+        mode: PeerMode = "train",
         resources_id: Optional[str] = None,
         config: Optional[RolloutConfig] = None,
         metadata: Optional[Dict[str, Any]] = None,
     ) -> Rollout:
-        request = EnqueueRequest(
-            input=input,
-            task_id=task_id,
-            mode=mode,
-            resources_id=resources_id,
-            config=config or RolloutConfig(),
-            metadata=metadata or {},
-        )
+        """Add one rollout to the queue. ``mode`` also takes Agent Lightning's ``"test"`` (agl's ``"val"``) and
+        ``None`` (``"train"``)."""
+        request = _request(input, mode, resources_id, config, metadata, task_id=task_id)
         return self.enqueue_many([request])[0]
 
     @abc.abstractmethod
@@ -131,8 +217,12 @@ class LightningStore(abc.ABC):
         polling where the backend can be woken). Returned rollouts have ``attempt`` set.
         """
 
-    def dequeue_rollout(self, runner_id: str, *, timeout: float = 0.0) -> Optional[Rollout]:
-        claimed = self.dequeue_many(runner_id, 1, timeout=timeout)
+    def dequeue_rollout(
+        self, runner_id: Optional[str] = None, *, timeout: float = 0.0, worker_id: Optional[str] = None
+    ) -> Optional[Rollout]:
+        """Claim one queued rollout (see ``dequeue_many``). ``worker_id`` is Agent Lightning's name for
+        ``runner_id``; with neither, the runner is named after this process."""
+        claimed = self.dequeue_many(runner_id or worker_id or f"pid-{os.getpid()}", 1, timeout=timeout)
         return claimed[0] if claimed else None
 
     @abc.abstractmethod
@@ -212,10 +302,17 @@ class LightningStore(abc.ABC):
         mode: Optional[RolloutMode] = None,
         limit: Optional[int] = None,
         offset: int = 0,
+        status_in: Optional[Iterable[str]] = None,
+        rollout_id_in: Optional[Iterable[str]] = None,
     ) -> List[Rollout]:
-        """Rollouts in enqueue order, filtered."""
+        """Rollouts in enqueue order, filtered. ``status_in`` and ``rollout_id_in`` are Agent Lightning's names
+        for ``status`` and ``rollout_ids`` (its statuses are read as agl's: queuing and requeuing are queued,
+        preparing is running); its ``limit=-1`` means no limit."""
+        status = status if status_in is None else _statuses(status_in)
+        rollout_ids = rollout_ids if rollout_id_in is None else rollout_id_in
         statuses = None if status is None else list(status)
         ids = None if rollout_ids is None else list(rollout_ids)
+        limit = None if limit == -1 else limit
         return self._query_rollouts(RolloutQuery(statuses, ids, task_id, mode, limit, offset))
 
     @abc.abstractmethod
@@ -301,6 +398,152 @@ class LightningStore(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every store's API is awaitable from user coroutines (:mod:`agl.store.async_calls` says why)."""
+        super().__init_subclass__(**kwargs)
+        async_calls.install(cls, _API)
+
+    # -- Agent Lightning v0.3's names for the calls above (docs/agent-lightning.md) -----------------------------
+    def start_rollout(
+        self,
+        input: Any = None,
+        mode: PeerMode = None,
+        resources_id: Optional[str] = None,
+        config: Optional[RolloutConfig] = None,
+        metadata: Optional[Dict[str, Any]] = None,
+        worker_id: Optional[str] = None,
+    ) -> Rollout:
+        """A rollout that skips the queue and comes back running, its first attempt in ``attempt``: for code that
+        runs the agent itself (a tracer's ``trace_context`` with ``rollout.attempt.attempt_id``), then ends the
+        attempt with ``complete_attempt``."""
+        request = _request(input, mode, resources_id, config, metadata, runner_id=worker_id or f"pid-{os.getpid()}")
+        rollout = self.enqueue_many([request])[0]
+        if rollout.attempt is None:  # a store server of an agl release before start_rollout: it only enqueued
+            raise UnsupportedStoreError(
+                f"the store behind {self!r} enqueued rollout {rollout.rollout_id} instead of starting it (an older agl "
+                "serves it): upgrade agl on the store server, or enqueue_rollout() and let a runner dequeue it"
+            )
+        return rollout
+
+    def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRequest]) -> List[Rollout]:
+        """Agent Lightning's name for ``enqueue_many``."""
+        return self.enqueue_many(rollouts)
+
+    def dequeue_many_rollouts(self, *, limit: int = 1, worker_id: Optional[str] = None) -> List[Rollout]:
+        """Agent Lightning's ``dequeue_many_rollouts``: ``dequeue_many`` without waiting."""
+        return self.dequeue_many(worker_id or f"pid-{os.getpid()}", limit)
+
+    def get_rollout_by_id(self, rollout_id: str) -> Optional[Rollout]:
+        """``get_rollout``, None for an unknown id."""
+        try:
+            return self.get_rollout(rollout_id)
+        except UnknownRolloutError:
+            return None
+
+    def get_latest_attempt(self, rollout_id: str) -> Optional[Attempt]:
+        """The rollout's newest attempt, None while it is queued for the first time."""
+        attempts = self.query_attempts(rollout_id)
+        return attempts[-1] if attempts else None
+
+    def get_latest_resources(self) -> Optional[ResourcesUpdate]:
+        """``get_resources()``: the latest version, None if there is none."""
+        return self.get_resources()
+
+    def get_resources_by_id(self, resources_id: str) -> Optional[ResourcesUpdate]:
+        """``get_resources(resources_id)``, None for an unknown id."""
+        try:
+            return self.get_resources(resources_id)
+        except UnknownResourcesError:
+            return None
+
+    def update_resources(self, resources_id: str, resources: Dict[str, Resource]) -> ResourcesUpdate:
+        """Agent Lightning's upsert, as far as agl's immutable versions allow: a new id is added as the latest
+        version; an id already stored raises DuplicateResourcesError (add a new version instead)."""
+        return self.add_resources(resources, resources_id)
+
+    def query_resources(self, *, resources_id: Optional[str] = None) -> List[ResourcesUpdate]:
+        """The version ``resources_id`` (a list of one, or none if unknown). agl's stores do not list every version:
+        without an id this refuses, naming ``get_latest_resources``."""
+        if resources_id is None:
+            raise UnsupportedStoreError(
+                "query_resources() without resources_id: agl's stores do not list every resources version; "
+                "ask get_latest_resources() or get_resources(resources_id)"
+            )
+        found = self.get_resources_by_id(resources_id)
+        return [] if found is None else [found]
+
+    def add_span(self, span: Span) -> Optional[Span]:
+        """``add_spans([span])``: the span, or None if it was already stored."""
+        return span if self.add_spans([span]) else None
+
+    def add_many_spans(self, spans: Sequence[Span]) -> List[Span]:
+        """``add_spans(spans)``; returns the spans given (any already stored were ignored)."""
+        self.add_spans(spans)
+        return list(spans)
+
+    def update_attempt(
+        self, rollout_id: str, attempt_id: str, status: Optional[str] = None, **unsupported: Any
+    ) -> Attempt:
+        """Agent Lightning's ``update_attempt`` for what agl has: a status that ends an attempt is
+        ``complete_attempt``, none (or "running") a ``heartbeat``; ``attempt_id="latest"`` is the newest attempt.
+        Other fields (worker, metadata, heartbeat time) are refused with the agl call to use."""
+        if unsupported:
+            raise UnsupportedStoreError(
+                f"update_attempt({', '.join(sorted(unsupported))}=...): agl's attempts keep no such field; end an "
+                "attempt with complete_attempt(rollout_id, attempt_id, status, reward=) and send heartbeat()"
+            )
+        if attempt_id == "latest":
+            latest = self.get_latest_attempt(rollout_id)
+            if latest is None:
+                raise UnknownAttemptError(rollout_id, attempt_id)
+            attempt_id = latest.attempt_id
+        if status is None or status in ("running", "preparing"):
+            return self.heartbeat(rollout_id, attempt_id)
+        ended = self.complete_attempt(rollout_id, attempt_id, status)  # type: ignore[arg-type]  # checked there
+        return next(a for a in self.query_attempts(ended.rollout_id) if a.attempt_id == attempt_id)
+
+    def statistics(self) -> LightningStoreStatistics:
+        """Agent Lightning's ``statistics()`` from ``stats()``."""
+        stats = self.stats()
+        return LightningStoreStatistics(
+            name=type(self).__name__,
+            total_rollouts=sum(stats.rollouts.values()),
+            total_attempts=stats.attempts,
+            total_spans=stats.spans,
+            total_resources=stats.resources_versions,
+        )
+
+    @property
+    def capabilities(self) -> LightningStoreCapabilities:
+        """Agent Lightning's ``capabilities``. agl's tracer sends spans itself, so no store takes OTLP from it."""
+        return LightningStoreCapabilities(
+            thread_safe=True, async_safe=True, zero_copy=self.multiprocess_safe, otlp_traces=False
+        )
+
+    update_rollout = _not_in_agl(
+        "update_rollout", "agl changes a rollout only through its attempts: cancel_rollout(), complete_attempt()"
+    )
+    start_attempt = _not_in_agl(
+        "start_attempt", "agl starts attempts when a runner dequeues: a failed attempt is retried per max_attempts"
+    )
+    add_otel_span = _not_in_agl(
+        "add_otel_span", "agl's tracer records spans itself: agl.instrument(), then add_spans() for Span objects"
+    )
+    get_next_span_sequence_id = _not_in_agl(
+        "get_next_span_sequence_id", "agl's tracer numbers spans itself (Span.sequence_id)"
+    )
+    get_many_span_sequence_ids = _not_in_agl(
+        "get_many_span_sequence_ids", "agl's tracer numbers spans itself (Span.sequence_id)"
+    )
+    query_workers = _not_in_agl("query_workers", "agl's stores track attempts, not workers: query_attempts()")
+    get_worker_by_id = _not_in_agl("get_worker_by_id", "agl's stores track attempts, not workers: query_attempts()")
+    update_worker = _not_in_agl("update_worker", "a runner's liveness is its attempt's heartbeat(): heartbeat()")
+
+
+#: The store API: awaitable from user coroutines on every store (:mod:`agl.store.async_calls`).
+_API = async_calls.public_methods(LightningStore)
+async_calls.install(LightningStore, _API)
 
 
 class AsyncRolloutCalls(abc.ABC):

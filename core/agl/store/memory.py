@@ -155,6 +155,10 @@ class InMemoryLightningStore(LightningStore):
             for record in records:
                 self._records[record.rollout.rollout_id] = record
                 self._queue[record.rollout.rollout_id] = None
+            for record, request in zip(records, requests):
+                if request.runner_id is not None:  # started at once: it never waits in the queue
+                    del self._queue[record.rollout.rollout_id]
+                    self._start(record, request.runner_id, now)
             self._cond.notify_all()
             return [self._view(record) for record in records]
 
@@ -177,27 +181,31 @@ class InMemoryLightningStore(LightningStore):
             rollout_id = next(iter(self._queue))
             del self._queue[rollout_id]
             record = self._records[rollout_id]
-            rollout = record.rollout
-            rollout.status, rollout.n_attempts = "running", rollout.n_attempts + 1
-            rollout.start_time = rollout.start_time or now
-            attempt = Attempt(
-                rollout_id=rollout_id,
-                attempt_id=new_id("at"),
-                sequence=rollout.n_attempts,
-                runner_id=runner_id,
-                start_time=now,
-                last_heartbeat=now,
-            )
-            record.attempts.append(attempt)
-            record.deadline = _rules.attempt_deadline(
-                now, now, rollout.config.timeout_seconds, rollout.config.heartbeat_timeout_seconds
-            )
-            self._live[rollout_id] = record
-            self._n_attempts += 1
+            self._start(record, runner_id, now)
             claimed.append(self._view(record))
         if any(self._records[r.rollout_id].deadline is not None for r in claimed):
             self._cond.notify_all()  # waiters recompute when to reap next
         return claimed
+
+    def _start(self, record: _Record, runner_id: str, now: float) -> None:
+        """Start a new attempt of a rollout taken off the queue (or never put on it: ``start_rollout``)."""
+        rollout = record.rollout
+        rollout.status, rollout.n_attempts = "running", rollout.n_attempts + 1
+        rollout.start_time = rollout.start_time or now
+        attempt = Attempt(
+            rollout_id=rollout.rollout_id,
+            attempt_id=new_id("at"),
+            sequence=rollout.n_attempts,
+            runner_id=runner_id,
+            start_time=now,
+            last_heartbeat=now,
+        )
+        record.attempts.append(attempt)
+        record.deadline = _rules.attempt_deadline(
+            now, now, rollout.config.timeout_seconds, rollout.config.heartbeat_timeout_seconds
+        )
+        self._live[rollout.rollout_id] = record
+        self._n_attempts += 1
 
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         with self._cond:

@@ -176,7 +176,8 @@ class RemoteLightningStore(LightningStore):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         url = state.pop("url")
-        self.__init__(url, **state)  # type: ignore[misc]  # unpickling rebuilds the client from its settings
+        # unpickling rebuilds the client from its settings (this class's constructor: a subclass may take others)
+        RemoteLightningStore.__init__(self, url, **state)
 
     def __repr__(self) -> str:
         return f"RemoteLightningStore({self.url!r})"

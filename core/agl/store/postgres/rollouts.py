@@ -29,6 +29,7 @@ from agl.store.postgres.schema import (
     RENEW_HEARTBEATS,
     SELECT_ROLLOUTS,
     SERVER_START,
+    START,
     claim_statement,
 )
 from agl.store.sqlite.schema import attempt_from_row, rollout_from_row
@@ -144,6 +145,7 @@ class PostgresRollouts(PostgresDatabase, LightningStore):
         ]
         resources_ids = list(dict.fromkeys(r.resources_id for r in requests if r.resources_id is not None))
         chosen = [r.rollout_id for r in requests if r.rollout_id is not None]
+        started: Dict[str, Rollout] = {}  # start_rollout's, by id, as this transaction started them
 
         def work(c: Any) -> None:
             if resources_ids:
@@ -175,6 +177,10 @@ class PostgresRollouts(PostgresDatabase, LightningStore):
                         for r, (inp, meta) in zip(rollouts, encoded)
                     ],
                 )
+            started.clear()
+            for rollout, request in zip(rollouts, requests):
+                if request.runner_id is not None:
+                    started[rollout.rollout_id] = self._start_now(c, rollout.rollout_id, request.runner_id)
             c.execute(f"NOTIFY {QUEUE_CHANNEL}")
 
         try:
@@ -183,9 +189,16 @@ class PostgresRollouts(PostgresDatabase, LightningStore):
             self._run(work)
         # what the caller gets back went through JSON as the stored copy did, and aliases nothing of theirs
         return [
-            r.model_copy(update={"input": from_json(inp), "metadata": from_json(meta)})
+            started.get(r.rollout_id) or r.model_copy(update={"input": from_json(inp), "metadata": from_json(meta)})
             for r, (inp, meta) in zip(rollouts, encoded)
         ]
+
+    def _start_now(self, c: Any, rollout_id: str, runner_id: str) -> Rollout:
+        """Start the first attempt of a rollout just enqueued in the transaction of ``c`` (``start_rollout``):
+        the claim statement, for that rollout only."""
+        params = {**self._claim_params(runner_id, 1), "rollout_id": rollout_id}
+        [rollout], _, _, _ = self._claimed(c.execute(START, params).fetchall(), params["now"])
+        return rollout
 
     def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
         _rules.check_claim(runner_id, limit)

@@ -119,7 +119,7 @@ INSERT_ROLLOUT = (
 # ends with the earliest deadline of the attempts that were running before (the snapshot precedes the
 # claim), which tells the caller whether it must reap, then whether it notified.
 _CLAIM = (
-    "WITH p AS (SELECT seq, queue_pos FROM agl_rollouts WHERE queue_pos IS NOT NULL ORDER BY queue_pos "
+    "WITH p AS (SELECT seq, queue_pos FROM agl_rollouts WHERE queue_pos IS NOT NULL{only} ORDER BY queue_pos "
     "LIMIT {limit} FOR UPDATE SKIP LOCKED), "
     "c AS (UPDATE agl_rollouts r SET status = 'running', queue_pos = NULL, n_attempts = r.n_attempts + 1, "
     "start_time = coalesce(r.start_time, %(now)s), latest_aid = nextval('agl_attempts_aid_seq') FROM p "
@@ -149,7 +149,11 @@ def claim_statement(limit: int) -> str:
     text the generic plan is the right one and is reused: ~260 µs. Runners use one or two limits, so this
     makes one or two prepared statements per connection.
     """
-    return _CLAIM.replace("{limit}", str(int(limit)))
+    return _CLAIM.replace("{limit}", str(int(limit))).replace("{only}", "")
+
+
+#: The claim of one rollout, ``%(rollout_id)s``, just enqueued in the same transaction (``start_rollout``).
+START = _CLAIM.replace("{limit}", "1").replace("{only}", " AND rollout_id = %(rollout_id)s")
 
 
 # The attempt's row joined with its rollout's bookkeeping, both rows locked (rollout first, as every state
@@ -286,6 +290,7 @@ __all__ = [
     "ADD_SPANS",
     "ATTEMPT_COLS",
     "claim_statement",
+    "START",
     "COMPLETE",
     "COPY_SPANS",
     "DONE_CHANNEL",

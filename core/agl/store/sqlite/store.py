@@ -184,11 +184,26 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?)",
                 [row + (base + i,) for i, row in enumerate(rows)],
             )
+            started = {r[0]: self._start_now(c, r[0], q.runner_id, now) for r, q in zip(rows, requests) if q.runner_id}
         self._queue_bell.ring()
+        if any(deadline is not None for _, deadline in started.values()):
+            self._done_bell.ring()  # a waiter sleeping until the next expiry must learn of these
         # the same columns a SELECT_ROLLOUTS row has: status, counters and times of a new rollout, no attempt
         return [
-            rollout_from_row(r[:4] + ("queued",) + r[4:9] + (0, None, None, now, None, None, None, None)) for r in rows
+            started[r[0]][0]
+            if r[0] in started
+            else rollout_from_row(r[:4] + ("queued",) + r[4:9] + (0, None, None, now, None, None, None, None))
+            for r in rows
         ]
+
+    def _start_now(
+        self, c: sqlite3.Connection, rollout_id: str, runner_id: str, now: float
+    ) -> Tuple[Rollout, Optional[float]]:
+        """Start the first attempt of a rollout just enqueued in this transaction (``start_rollout``)."""
+        sql = f"SELECT {ROLLOUT_COLS}, r.seq FROM rollouts r WHERE r.rollout_id = ?"
+        row = c.execute(sql, (rollout_id,)).fetchone()
+        [rollout], deadlines = self._start(c, [row], runner_id, now)
+        return rollout, deadlines[0] if deadlines else None
 
     def dequeue_many(self, runner_id: str, limit: int = 1, *, timeout: float = 0.0) -> List[Rollout]:
         _rules.check_claim(runner_id, limit)
@@ -213,22 +228,34 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
                 "WHERE r.queue_pos IS NOT NULL ORDER BY r.queue_pos LIMIT ?",
                 (limit,),
             ).fetchall()
-            aid = c.execute("SELECT coalesce(max(aid), 0) FROM attempts").fetchone()[0]
-            attempts = []  # INSERT INTO attempts parameters, one per claimed rollout
-            for row in rows:
-                aid += 1
-                deadline = _rules.attempt_deadline(now, now, row[7], row[8])
-                attempts.append((aid, row[0], new_id("at"), row[10] + 1, runner_id, now, now, deadline))
-            c.executemany(
-                "UPDATE rollouts SET status = 'running', queue_pos = NULL, n_attempts = ?, latest_aid = ?, "
-                "start_time = coalesce(start_time, ?) WHERE seq = ?",
-                [(a[3], a[0], now, row[16]) for row, a in zip(rows, attempts)],
-            )
-            c.executemany(
-                "INSERT INTO attempts (aid, rollout_id, attempt_id, sequence, runner_id, status, start_time, "
-                "last_heartbeat, deadline) VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?)",
-                attempts,
-            )
+            claimed, deadlines = self._start(c, rows, runner_id, now)
+        if deadlines:
+            self._done_bell.ring()  # a waiter sleeping until the next expiry must learn of these
+            next_expiry = min(deadlines + ([next_expiry] if next_expiry is not None else []))
+        return claimed, next_expiry
+
+    @staticmethod
+    def _start(
+        c: sqlite3.Connection, rows: List[Tuple[Any, ...]], runner_id: str, now: float
+    ) -> Tuple[List[Rollout], List[float]]:
+        """Start a new attempt of each queued rollout in ``rows`` (ROLLOUT_COLS and seq, in queue order) inside the
+        caller's write transaction: the rollouts as they now are, and the attempts' deadlines."""
+        aid = c.execute("SELECT coalesce(max(aid), 0) FROM attempts").fetchone()[0]
+        attempts = []  # INSERT INTO attempts parameters, one per claimed rollout
+        for row in rows:
+            aid += 1
+            deadline = _rules.attempt_deadline(now, now, row[7], row[8])
+            attempts.append((aid, row[0], new_id("at"), row[10] + 1, runner_id, now, now, deadline))
+        c.executemany(
+            "UPDATE rollouts SET status = 'running', queue_pos = NULL, n_attempts = ?, latest_aid = ?, "
+            "start_time = coalesce(start_time, ?) WHERE seq = ?",
+            [(a[3], a[0], now, row[16]) for row, a in zip(rows, attempts)],
+        )
+        c.executemany(
+            "INSERT INTO attempts (aid, rollout_id, attempt_id, sequence, runner_id, status, start_time, "
+            "last_heartbeat, deadline) VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?)",
+            attempts,
+        )
         claimed = [  # the SELECT_ROLLOUTS row each claimed rollout now has
             rollout_from_row(
                 row[:4]
@@ -241,11 +268,7 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
             )
             for row, a in zip(rows, attempts)
         ]
-        deadlines = [a[7] for a in attempts if a[7] is not None]
-        if deadlines:
-            self._done_bell.ring()  # a waiter sleeping until the next expiry must learn of these
-            next_expiry = min(deadlines + ([next_expiry] if next_expiry is not None else []))
-        return claimed, next_expiry
+        return claimed, [a[7] for a in attempts if a[7] is not None]
 
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         now = time.time()
