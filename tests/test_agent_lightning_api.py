@@ -191,10 +191,11 @@ def test_trained_agents_is_the_agent_match_when_the_adapter_names_none(
         initial_resources={"main_llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
         progress=False,
     )
+    before = trainer.adapter  # a dict of settings is kept as one whose settings read as attributes too
     with caplog.at_level("WARNING", logger="agl.trainer"):
         report = trainer.fit(agent, train_dataset=[{"question": "a"}])
     assert report.llm_spans == 1 and report.transitions == transitions
-    assert trainer.adapter is given  # the Trainer's own setting is left as it was
+    assert trainer.adapter is before and before == given  # the Trainer's own setting is left as it was
     ignored = [r.getMessage() for r in caplog.records if "is ignored" in r.getMessage()]
     assert ignored == (
         ["the agent's trained_agents='^writer$' is ignored: the Trainer's adapter selects agent_match='LitQA'"]

@@ -6,7 +6,10 @@
 Then run the agent through ``agl.Trainer(...).dev(...)`` or ``.fit(...)``; see README.md.
 """
 
+from typing import Any as _Any
+
 from agl.algorithm import APO, Algorithm, Baseline, TraceToMessages
+from agl.compat import aliases as _compat_aliases
 from agl.instrumentation import instrument, uninstrument
 from agl.lightningrl import LightningRL
 from agl.runtime.litagent import FunctionalLitAgent, LitAgent, rollout
@@ -42,10 +45,12 @@ def _installed_version() -> str:
 
 
 __version__ = _installed_version()
+_compat_aliases.install()  # Agent Lightning's module paths: agl.runner, agl.tracer.agentops, ...
 
 
-def __getattr__(name: str) -> object:
-    """``agl.VERL`` and ``agl.TorchGRPO`` are imported on first use: only training needs verl or torch."""
+def __getattr__(name: str) -> _Any:
+    """``agl.VERL`` and ``agl.TorchGRPO`` are imported on first use: only training needs verl or torch.
+    Agent Lightning's names (``agl.OtelTracer``, ``agl.LLMProxy``, ...) are served from agl.compat likewise."""
     if name == "VERL":
         from agl.algorithm.verl import VERL
 
@@ -54,7 +59,7 @@ def __getattr__(name: str) -> object:
         from agl.algorithm.torch_grpo import TorchGRPO
 
         return TorchGRPO
-    raise AttributeError(f"module 'agl' has no attribute {name!r}")
+    return _compat_aliases.peer_attribute(name)
 
 
 __all__ = [

@@ -7,6 +7,8 @@ See docs/semconv.md for the meaning and type of each attribute.
 
 from __future__ import annotations
 
+import enum
+
 # --- span kind (agl) ----------------------------------------------------------------------------------
 SPAN_KIND = "agl.span.kind"  # agent | llm | tool | chain | reward | annotation
 SPAN_STOPPED = "agl.span.stopped"  # True: the caller stopped the run (left its stream, cancelled it): no error
@@ -76,6 +78,8 @@ OPERATION = "agl.operation.name"
 OPERATION_INPUT = "agl.operation.input"
 OPERATION_OUTPUT = "agl.operation.output"
 OPERATION_SPAN_ID = "agl.operation.span_id"  # on llm, tool and reward spans made inside an agl.operation
+TAG = "agl.tag"  # agl.tag.N: tags of a span (agl.compat.utils.make_tag_attributes)
+LINK = "agl.link"  # agl.link.N.{key_match,value_match}: which spans a span judges (make_link_attributes)
 
 # --- span names written by agl itself --------------------------------------------------------------------
 SPAN_REWARD = "agl.reward"
@@ -83,4 +87,30 @@ SPAN_MESSAGE = "agl.message"
 SPAN_OBJECT = "agl.object"
 SPAN_EXCEPTION = "agl.exception"
 SPAN_OPERATION = "agl.operation"
+SPAN_ANNOTATION = "agl.annotation"
 SPAN_CHAT = "chat"  # llm spans: "chat {model}" per the GenAI conventions
+
+
+# --- Agent Lightning v0.3's names for agl's span names and attribute prefixes (its code imports them from
+# agentlightning.semconv): the same meaning, agl's values, so such code finds agl's spans.
+AGL_ANNOTATION = SPAN_ANNOTATION
+AGL_MESSAGE = SPAN_MESSAGE
+AGL_OBJECT = SPAN_OBJECT
+AGL_EXCEPTION = SPAN_EXCEPTION
+AGL_OPERATION = SPAN_OPERATION
+AGL_REWARD = SPAN_REWARD
+
+
+class LightningSpanAttributes(enum.Enum):
+    """Agent Lightning's attribute names, as agl writes them (``filter_and_unflatten_attributes(attrs,
+    LightningSpanAttributes.REWARD.value)`` reads agl's reward: ``{"value": ..., "primary": ...}``)."""
+
+    REWARD = "agl.reward"
+    LINK = LINK
+    TAG = TAG
+    MESSAGE_BODY = MESSAGE_BODY
+    OBJECT_TYPE = OBJECT_TYPE
+    OBJECT_JSON = OBJECT_JSON
+    OPERATION_NAME = OPERATION
+    OPERATION_INPUT = OPERATION_INPUT
+    OPERATION_OUTPUT = OPERATION_OUTPUT

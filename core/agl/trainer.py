@@ -1,7 +1,9 @@
 """Trainer: wires the store, the runner pool, the adapter and the algorithm together.
 
 ``Trainer(algorithm=..., n_runners=..., adapter={"agent_match": ...}, initial_resources=...)`` with
-``fit(agent, train_dataset, val_dataset=)`` and ``dev(agent, dev_dataset)`` — the Agent Lightning API.
+``fit(agent, train_dataset, val_dataset=)`` and ``dev(agent, dev_dataset)`` — the Agent Lightning API. Its
+other arguments (``tracer``, ``strategy``, ``hooks``, ``max_rollouts``, ...) are taken as
+:meth:`Trainer._take_peer_arguments` says: with their meaning where agl has one, else named in one log line.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Set, Tuple, Union
 
-from agl.algorithm.base import Algorithm, Baseline
+from agl.algorithm.base import Algorithm, Baseline, FastAlgorithm, run_algorithm
+from agl.checks import check_count
+from agl.errors import IllegalTransitionError
 from agl.instrumentation import instrument, instrumented, uninstrument
 from agl.instrumentation.base import any_instrumented, is_hooked
 from agl.runtime.dataset import as_tasks
@@ -23,7 +27,7 @@ from agl.runtime.runner_pool import RunnerMode, RunnerPool
 from agl.runtime.span_retention import SpanRetention
 from agl.store import LightningStore, open_store
 from agl.store.base import EnqueueRequest
-from agl.types import Resource, Rollout, RolloutConfig, RolloutMode, parse_resources
+from agl.types import Hook, Resource, Rollout, RolloutConfig, RolloutMode, parse_resources
 
 logger = logging.getLogger("agl.trainer")
 
@@ -31,6 +35,7 @@ logger = logging.getLogger("agl.trainer")
 # itself takes them over, so that it hooks the rest as if nothing were hooked and unhooks them all after.
 _kept_hooks: List[str] = []
 
+HOOK_METHODS = ("on_rollout_start", "on_trace_start", "on_trace_end", "on_rollout_end")
 QUIET_WAIT_S = 60.0  # a wait in which no rollout finished for this long says what it waits for
 
 AgentLike = Union[
@@ -62,7 +67,7 @@ class Trainer:
         store: Union[LightningStore, str, None] = None,
         adapter: Any = None,
         initial_resources: Optional[Dict[str, Union[Resource, Dict[str, Any]]]] = None,
-        runner_mode: Union[RunnerMode, Literal["ray"]] = "process",
+        runner_mode: Union[RunnerMode, Literal["ray"], None] = None,
         runner_resources: Optional[Mapping[str, Any]] = None,
         max_attempts: int = 1,
         rollout_timeout: Optional[float] = None,
@@ -73,6 +78,17 @@ class Trainer:
         span_retention_steps: Optional[int] = None,
         store_outage_timeout: float = 600.0,
         n_workers: Optional[int] = None,
+        max_rollouts: Optional[int] = None,
+        hooks: Any = None,
+        tracer: Any = None,
+        strategy: Any = None,
+        port: Optional[int] = None,
+        llm_proxy: Any = None,
+        runner: Any = None,
+        max_tasks: Optional[int] = None,
+        dev: bool = False,
+        daemon: bool = True,
+        triplet_exporter: Any = None,
     ) -> None:
         """``span_retention_steps``: keep the spans of the last N training steps and delete older ones (their
         rollouts and rewards stay, validation spans stay); None keeps every span. See agl.runtime.span_retention.
@@ -85,10 +101,37 @@ class Trainer:
         this process, ``$RAY_ADDRESS``'s, or starts a local one), placed by ``runner_resources`` (``num_cpus``,
         ``num_gpus``, ``memory``, ``resources``; default one CPU each) and opening ``store`` in their own
         processes: a store server's URL or PostgreSQL (a SQLite file when the cluster is this machine). See
-        :mod:`agl.runtime.ray_runners`."""
+        :mod:`agl.runtime.ray_runners`.
+
+        ``max_rollouts``: each runner stops after that many rollouts (a short smoke test); rollouts left queued
+        once every runner stopped are cancelled. ``hooks``: Agent Lightning ``Hook`` objects, called around each
+        rollout in the runner (:class:`agl.compat.execution.HookedAgent`). The rest of Agent Lightning's
+        arguments: :meth:`_take_peer_arguments`."""
         if n_workers is not None:
             warnings.warn("Trainer(n_workers=) is now n_runners=", DeprecationWarning, stacklevel=2)
             n_runners = n_workers
+        runner_mode, n_runners = self._take_peer_arguments(
+            runner_mode,
+            n_runners,
+            tracer=tracer,
+            strategy=strategy,
+            port=port,
+            llm_proxy=llm_proxy,
+            runner=runner,
+            daemon=daemon,
+        )
+        max_rollouts = _renamed("max_tasks", max_tasks, "max_rollouts", max_rollouts)
+        adapter = _renamed("triplet_exporter", triplet_exporter, "adapter", adapter)
+        if dev:
+            warnings.warn(
+                "Trainer(dev=True) is Agent Lightning's old switch: call trainer.dev(agent, dataset)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        if max_rollouts is not None:
+            check_count("max_rollouts", max_rollouts)
+        self.max_rollouts = max_rollouts
+        self.hooks = _as_hooks(hooks)
         if n_runners < 0:
             raise ValueError(f"n_runners must be >= 0 (0: only runners on other machines), got {n_runners}")
         if algorithm is not None and not callable(getattr(algorithm, "run", None)):
@@ -110,6 +153,8 @@ class Trainer:
             raise ValueError(f"runner_mode must be 'process', 'thread' or 'ray', got {runner_mode!r}")
         if runner_resources is not None and runner_mode != "ray":
             raise ValueError("runner_resources places Ray actors: it needs runner_mode='ray'")
+        if runner_mode == "ray" and (max_rollouts is not None or self.hooks):
+            raise ValueError("max_rollouts and hooks are for runner_mode='process' or 'thread', not Ray actors")
         self.algorithm = algorithm
         self.n_runners = n_runners
         self.store = store if isinstance(store, LightningStore) else open_store(store)
@@ -117,7 +162,7 @@ class Trainer:
             store_address(self.store)  # an in-memory store fails here, before any work
 
         self.store.ride_out_outages(store_outage_timeout)
-        self.adapter = adapter
+        self.adapter = _settings_object(adapter)
         self.runner_mode = runner_mode
         self.runner_resources = dict(runner_resources or {})
         self.rollout_config = RolloutConfig(
@@ -128,10 +173,59 @@ class Trainer:
         self.instrument = instrument
         self.span_retention = SpanRetention(self.store, span_retention_steps)
         self.resources_id: Optional[str] = None
-        if initial_resources:
-            self.resources_id = self.store.add_resources(parse_resources(dict(initial_resources))).resources_id
+        self.initial_resources = parse_resources(dict(initial_resources)) if initial_resources else None
+        if self.initial_resources:
+            self.resources_id = self.store.add_resources(self.initial_resources).resources_id
         self._pool: Optional[Union[RunnerPool, RayRunnerPool]] = None
         self._remote_runners_only = False
+
+    def _take_peer_arguments(
+        self,
+        runner_mode: Union[RunnerMode, Literal["ray"], None],
+        n_runners: int,
+        *,
+        tracer: Any,
+        strategy: Any,
+        port: Optional[int],
+        llm_proxy: Any,
+        runner: Any,
+        daemon: bool,
+    ) -> Tuple[Union[RunnerMode, Literal["ray"]], int]:
+        """Agent Lightning's Trainer arguments that agl has no own use for; returns the runner mode and count.
+
+        ``strategy``: ``"shm"`` is agl's ``runner_mode="thread"``, ``"cs"`` its ``"process"`` (its ``n_runners``
+        wins, as there). ``tracer`` and ``llm_proxy`` are kept (``trainer.tracer`` goes to hooks,
+        ``get_llm_proxy()`` gives the proxy to algorithms): agl records with its own instrumentation and
+        agl.VERL runs its own proxy. ``port``, ``runner`` and ``daemon=False`` have no use. Each argument agl
+        takes without its meaning is named in one log line."""
+        from agl.compat.execution import build_strategy, say_once
+
+        self.tracer, self.llm_proxy, self.port = tracer, llm_proxy, port
+        self.strategy = build_strategy(strategy) if strategy is not None else None
+        notes = {
+            "tracer": (tracer is not None, "agl records with its own instrumentation"),
+            "llm_proxy": (llm_proxy is not None, "given to algorithms (get_llm_proxy()); agl.VERL runs its own"),
+            "runner": (runner is not None, "agl's runner pool runs the agent (n_runners=, runner_mode=)"),
+            "port": (
+                port is not None or getattr(self.strategy, "server_port", None) is not None,
+                "agl's runners use the store directly; `agl store serve` serves it to other machines",
+            ),
+            "daemon": (not daemon, "agl's runner processes always stop with the Trainer"),
+        }
+        for name, (given, note) in notes.items():
+            if given:
+                say_once(name, "Trainer(%s=...): %s", name, note)
+        if self.strategy is None:
+            return runner_mode or "process", n_runners
+        chosen: RunnerMode = self.strategy.runner_mode or "process"
+        if runner_mode is not None and runner_mode != chosen:
+            raise ValueError(
+                f"strategy={strategy!r} runs runner_mode={chosen!r}, not {runner_mode!r}: give one of them"
+            )
+        n_runners = self.strategy.n_runners or n_runners
+        kind = "threads" if chosen == "thread" else "processes"
+        say_once("strategy", "Trainer(strategy=%r): agl runs %d runner %s against the store", strategy, n_runners, kind)
+        return chosen, n_runners
 
     # -- running tasks (used by dev and by algorithms) -----------------------------------------------------
     def run_tasks(
@@ -193,10 +287,26 @@ class Trainer:
                         quiet_since = time.monotonic()
                 if self._pool is not None:
                     self._pool.check()
+                    if isinstance(self._pool, RunnerPool) and self._pool.finished:
+                        self._cancel_unrun(pending)
                 if pending and time.monotonic() - quiet_since >= QUIET_WAIT_S:
                     self._say_what_is_waited_for(len(pending), description)
                     quiet_since = time.monotonic()
         return [finished[i] for i in ids]
+
+    def _cancel_unrun(self, pending: Set[str]) -> None:
+        """Every runner ran its ``max_rollouts`` and stopped: the queued ones of ``pending`` will never run, so
+        they are cancelled (said once per wait), and the wait ends with them."""
+        queued = [r.rollout_id for r in self.store.query_rollouts(rollout_ids=pending, status=["queued"])]
+        for rollout_id in queued:
+            with contextlib.suppress(IllegalTransitionError):  # claimed meanwhile by a runner elsewhere
+                self.store.cancel_rollout(rollout_id)
+        if queued:
+            logger.warning(
+                "every runner ran its max_rollouts=%d and stopped: %d queued rollouts cancelled",
+                self.max_rollouts,
+                len(queued),
+            )
 
     def _say_what_is_waited_for(self, n_pending: int, description: str) -> None:
         """No rollout finished for a while: say where the waited-for ones are (a trainer with ``n_runners=0``
@@ -242,7 +352,7 @@ class Trainer:
             finally:
                 self._remote_runners_only = False
             return
-        agent = as_agent(agent)
+        agent = self._with_hooks(as_agent(agent))
         hooked_here = self._hook_for_run()
         left_running = False
         try:
@@ -255,7 +365,12 @@ class Trainer:
                 )
             else:
                 pool = RunnerPool(
-                    agent, self.store, self.n_runners, mode=self.runner_mode, runner_kwargs=self.runner_kwargs
+                    agent,
+                    self.store,
+                    self.n_runners,
+                    mode=self.runner_mode,
+                    runner_kwargs=self.runner_kwargs,
+                    max_rollouts=self.max_rollouts,
                 )
             self._pool = pool.start()
             try:
@@ -267,6 +382,14 @@ class Trainer:
         finally:
             if hooked_here:
                 self._unhook_after_run(hooked_here, left_running)
+
+    def _with_hooks(self, agent: LitAgent[Any]) -> LitAgent[Any]:
+        """``agent`` with this Trainer's Agent Lightning hooks called around each rollout, if it has any."""
+        if not self.hooks:
+            return agent
+        from agl.compat.execution import HookedAgent
+
+        return HookedAgent(agent, self.hooks, self.store, self.tracer)
 
     @staticmethod
     def _unhook_after_run(hooked_here: List[str], left_running: bool) -> None:
@@ -324,16 +447,32 @@ class Trainer:
         agent: AgentLike,
         dev_dataset: Optional[Sequence[Any]] = None,
         *,
+        train_dataset: Optional[Sequence[Any]] = None,
+        val_dataset: Optional[Sequence[Any]] = None,
         mode: RolloutMode = "dev",
         print_table: bool = True,
     ) -> List[RolloutSummary]:
         """Run every task once with the current resources and no training; print a table of the results. The
         rollouts are stored as ``mode="dev"``, which training exports leave out unless asked (``agl export --mode
-        dev``), as ``agl dev`` does."""
-        if dev_dataset is None:
+        dev``), as ``agl dev`` does.
+
+        Agent Lightning's spelling, ``dev(agent, train_dataset, val_dataset=...)``, runs its training tasks so
+        (``dev_dataset`` is that same first argument), then its validation tasks as ``mode="val"`` (the agent's
+        ``validation_rollout``), as its ``Baseline`` does. A Trainer whose algorithm is an ``agl.FastAlgorithm``
+        of one's own runs that algorithm on them instead, as Agent Lightning's ``dev`` does (returning no
+        table)."""
+        if dev_dataset is not None and train_dataset is not None:
+            raise ValueError("dev() takes the tasks once: as dev_dataset (the first argument) or as train_dataset=")
+        first = dev_dataset if dev_dataset is not None else train_dataset
+        if isinstance(self.algorithm, FastAlgorithm) and not isinstance(self.algorithm, Baseline):
+            self.fit(agent, first, val_dataset=val_dataset)
+            return []
+        if first is None and val_dataset is None:
             raise ValueError("dev() needs a dataset: trainer.dev(agent, dev_dataset=[...])")
         with self.runners(agent):
-            rollouts = self.run_tasks(dev_dataset, mode=mode, description="dev")
+            rollouts = self.run_tasks(first, mode=mode, description="dev") if first is not None else []
+            if val_dataset is not None:
+                rollouts += self.run_tasks(val_dataset, mode="val", description="dev val")
         summaries = [self.summarize(r) for r in rollouts]
         if print_table:
             from agl._util.progress import print_rollout_table
@@ -350,6 +489,8 @@ class Trainer:
     ) -> Any:
         """Train ``agent`` with the algorithm (``Baseline`` if none was given: runs the data, learns nothing).
 
+        An ``async def run`` (Agent Lightning's algorithms, ``@agl.algo`` functions) runs to its end on an event
+        loop here while the runners work; its store calls are awaited (``await store.enqueue_rollout(...)``).
         An agent made with Agent Lightning's ``LitAgent(trained_agents=REGEX)`` trains those agents' calls
         when the adapter names no ``agent_match`` (the adapter's own wins)."""
         agent = as_agent(agent)
@@ -358,8 +499,8 @@ class Trainer:
         adapter = self.adapter
         self.adapter = _with_trained_agents(adapter, getattr(agent, "trained_agents", None))
         try:
-            with self.runners(agent):
-                return algorithm.run(train_dataset, val_dataset)
+            with self.runners(agent) as pool:
+                return run_algorithm(algorithm, train_dataset, val_dataset, watch=pool.check if pool else None)
         finally:
             self.adapter = adapter
 
@@ -392,5 +533,34 @@ def _with_trained_agents(adapter: Any, trained_agents: Optional[str]) -> Any:
             )
         return adapter
     if isinstance(adapter, Mapping):
-        return {**adapter, "agent_match": trained_agents}
+        return _settings_object({**adapter, "agent_match": trained_agents})
     return adapter.with_agent_match(trained_agents)
+
+
+def _settings_object(adapter: Any) -> Any:
+    """A plain dict of adapter settings as one whose settings read as attributes too (Agent Lightning's code
+    reads ``trainer.adapter.agent_match``); still a dict to every agl algorithm."""
+    if type(adapter) is not dict:
+        return adapter
+    from agl.compat.adapter import AdapterSettings
+
+    return AdapterSettings(adapter)
+
+
+def _renamed(old_name: str, old: Any, name: str, value: Any) -> Any:
+    """Agent Lightning's deprecated argument ``old_name`` as ``name`` (a DeprecationWarning); both given: ``name``."""
+    if old is None:
+        return value
+    warnings.warn(f"Trainer({old_name}=) is now {name}=", DeprecationWarning, stacklevel=3)
+    return value if value is not None else old
+
+
+def _as_hooks(hooks: Any) -> Tuple[Hook, ...]:
+    """``Trainer(hooks=)``: one ``agl.Hook`` or a sequence of them (anything with the hook methods works)."""
+    if hooks is None:
+        return ()
+    many = tuple(hooks) if isinstance(hooks, (list, tuple)) else (hooks,)
+    for hook in many:
+        if not any(callable(getattr(hook, name, None)) for name in HOOK_METHODS):
+            raise TypeError(f"hooks must be agl.Hook objects (with {', '.join(HOOK_METHODS)}), got {hook!r}")
+    return many

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Protocol, Tuple, Type, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -134,6 +134,10 @@ class Rollout(BaseModel):
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_ROLLOUT_STATUSES
+
+
+# Agent Lightning's name for a dequeued rollout with its attempt: agl's Rollout carries it in ``attempt``.
+AttemptedRollout = Rollout
 
 
 # Attribute values are kept as they were made, non-finite floats included (a -inf logprob is data): their JSON
@@ -269,6 +273,11 @@ class ResourcesUpdate(BaseModel):
     resources: Dict[str, Resource] = Field(default_factory=dict)
     create_time: float = Field(default_factory=now)
 
+    @property
+    def update_time(self) -> float:
+        """Agent Lightning's field: a snapshot in agl is never changed after it was stored."""
+        return self.create_time
+
 
 def parse_resources(raw: Dict[str, Any]) -> Dict[str, Resource]:
     """Turn ``{name: dict|model}`` into typed resources (dicts are told apart by ``resource_type``)."""
@@ -285,3 +294,48 @@ def parse_resources(raw: Dict[str, Any]) -> Dict[str, Resource]:
             raise ValueError(f"resource {name!r} has unknown resource_type {kind!r}")
         out[name] = cls.model_validate(value)  # type: ignore[attr-defined]  # mypy sees the classes as their metaclass
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Agent Lightning's names for types its code annotates with (``agl.Dataset[str]``, ``agl.Triplet``, ``agl.Hook``).
+# ---------------------------------------------------------------------------------------------------------
+
+T_co = TypeVar("T_co", covariant=True)
+TaskInput = Any  # what a task holds: any JSON-able value
+RolloutRawResult = Union[None, float, int, bool, Dict[str, Any]]  # what rollout() may return (docs/rewards.md)
+
+
+class Dataset(Protocol[T_co]):
+    """A dataset is anything indexable with a length: a list, a Hugging Face dataset."""
+
+    def __getitem__(self, index: int) -> T_co: ...
+
+    def __len__(self) -> int: ...
+
+
+class Triplet(BaseModel):
+    """One LLM call as Agent Lightning's adapters give it: prompt, response, the reward credited to it."""
+
+    prompt: Any = None
+    response: Any = None
+    reward: Optional[float] = None
+    metadata: Dict[str, Any] = Field(default_factory=dict)
+
+
+class Hook:
+    """Callbacks around each rollout (``Trainer(hooks=[...])``); override the ones needed. They run in the
+    runner, on the rollout's thread: ``runner`` is None in agl (its runner is internal), ``tracer`` the
+    Trainer's ``tracer=`` argument or agl's tracer, and ``spans`` the attempt's stored spans. An exception in a
+    hook is logged and the rollout goes on, as in Agent Lightning."""
+
+    async def on_rollout_start(self, *, agent: Any, runner: Any, rollout: Rollout) -> None:
+        """Before the agent runs."""
+
+    async def on_trace_start(self, *, agent: Any, runner: Any, tracer: Any, rollout: Rollout) -> None:
+        """Inside the rollout's trace, before the agent runs."""
+
+    async def on_trace_end(self, *, agent: Any, runner: Any, tracer: Any, rollout: Rollout) -> None:
+        """Inside the rollout's trace, after the agent returned."""
+
+    async def on_rollout_end(self, *, agent: Any, runner: Any, rollout: Rollout, spans: List[Span]) -> None:
+        """After the agent returned (or raised), with the spans stored so far."""

@@ -32,9 +32,27 @@ from agl.checks import check_count, check_number
 from agl.errors import AglError
 from agl.openai_wire.sampling import openai_arguments
 from agl.runtime.dataset import as_tasks
-from agl.types import LLM, PromptTemplate, Rollout, Span, Task, call_order_key
+from agl.types import LLM, PromptTemplate, Rollout, RolloutMode, Span, Task, call_order_key
 
 logger = logging.getLogger("agl.apo")
+AL_LOGGER = "agentlightning.algorithm.apo"  # Agent Lightning's examples attach their APO log handlers to it
+
+
+class _ToPeerLogger(logging.Filter):
+    """Hands each APO record to the handlers on Agent Lightning's APO logger too, so that a script that attaches
+    a file handler there (``logging.getLogger("agentlightning.algorithm.apo").addHandler(...)``) gets APO's log.
+    A filter, not a handler: with no logging set up, APO's warnings still reach Python's last-resort handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        peer = logging.getLogger(AL_LOGGER)
+        if not peer.level or record.levelno >= peer.level:
+            for handler in peer.handlers:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+        return True
+
+
+logger.addFilter(_ToPeerLogger())
 
 CRITIQUE_PROMPT = """You improve the prompt of an AI agent. The agent ran with this prompt:
 <prompt>
@@ -119,8 +137,21 @@ class APOResult:
 
 class TraceToMessages:
     """Agent Lightning's APO needs ``Trainer(adapter=agl.TraceToMessages())`` to turn spans into chat messages.
-    agl's APO reads the rollouts' spans itself (:func:`transcript`), so this class only lets such code run
-    unchanged; a training algorithm (LightningRL) refuses it as an adapter."""
+    agl's APO reads the rollouts' spans itself (:func:`transcript`), so as an adapter this class only lets such
+    code run unchanged; a training algorithm (LightningRL) refuses it as an adapter."""
+
+    def adapt(self, spans: Sequence[Span], /) -> List[Dict[str, Any]]:
+        """Each LLM call of ``spans``, in call order, as Agent Lightning's chat payload: ``{"messages": the
+        call's input and output messages, "tools": the tools it offered, or None}`` (for code that reads them)."""
+        return [
+            {
+                "messages": _json_list(s.attributes.get(semconv.INPUT_MESSAGES))
+                + _json_list(s.attributes.get(semconv.OUTPUT_MESSAGES)),
+                "tools": _json_list(s.attributes.get(semconv.TOOL_DEFINITIONS)) or None,
+            }
+            for s in sorted(spans, key=call_order_key)
+            if s.kind == "llm"
+        ]
 
 
 class APO(Algorithm, Generic[T_task]):
@@ -137,7 +168,11 @@ class APO(Algorithm, Generic[T_task]):
     rollouts (the ``max_transcripts`` worst are shown). Candidates are scored on ``val_batch_size``
     validation tasks (the validation set, else the training set), the same for every candidate. Failed
     rollouts and rollouts without a reward count as 0. ``APO[MyTask](...)``, Agent Lightning's spelling,
-    works too (the task type is only a hint).
+    works too (the task type is only a hint). ``rollout_batch_timeout``: how long to wait for one batch of
+    rollouts (None: no limit); past it the search stops with an ``APOError``, its best prompt published.
+    Agent Lightning's ``run_initial_validation`` and ``_poml_trace`` are accepted: the seed is always scored
+    once, and there are no POML files (the optimizer's requests are logged at DEBUG). APO's log also reaches
+    the handlers on Agent Lightning's logger ``agentlightning.algorithm.apo``.
 
     ``result`` holds the search so far, while it runs and after it stopped for any reason (an optimizer
     failure, Ctrl-C): a caller that catches the exception still has every prompt scored.
@@ -160,8 +195,18 @@ class APO(Algorithm, Generic[T_task]):
         apply_edit_model: Optional[str] = None,
         diversity_temperature: Optional[float] = None,
         beam_rounds: Optional[int] = None,
+        rollout_batch_timeout: Optional[float] = None,
+        run_initial_validation: bool = True,
+        _poml_trace: bool = False,
     ) -> None:
         rounds = _rounds(rounds, beam_rounds)
+        if rollout_batch_timeout is not None:
+            check_number("rollout_batch_timeout", rollout_batch_timeout, positive=True)
+        self.rollout_batch_timeout = rollout_batch_timeout
+        if not run_initial_validation:
+            logger.info("APO(run_initial_validation=False): agl's APO scores the seed prompt once, as every candidate")
+        if _poml_trace:
+            logger.info("APO(_poml_trace=True): agl's APO uses no POML files; its requests are logged at DEBUG")
         self.beam_width = beam_width
         self.branch_factor = branch_factor
         self.rounds = rounds
@@ -306,9 +351,7 @@ class APO(Algorithm, Generic[T_task]):
 
     def _scored(self, template: str, val: List[Task], round_: int, **origin: Any) -> Candidate:
         resources_id = self._publish(template)
-        rollouts = self.trainer.run_tasks(
-            val, mode="val", resources_id=resources_id, description=f"APO round {round_}: scoring"
-        )
+        rollouts = self._run_batch(val, "val", resources_id, f"APO round {round_}: scoring")
         error = _all_failed(rollouts)
         if error is not None and round_ == 0:
             raise APOError(
@@ -323,6 +366,15 @@ class APO(Algorithm, Generic[T_task]):
         logger.info("APO round %d: prompt scored %.3f on %d tasks", round_, score, len(rollouts))
         return Candidate(template=template, score=score, round=round_, resources_id=resources_id, **origin)
 
+    def _run_batch(self, tasks: List[Task], mode: RolloutMode, resources_id: str, description: str) -> List[Rollout]:
+        """One batch of rollouts, waited for up to ``rollout_batch_timeout`` (then the search stops: APOError)."""
+        try:
+            return self.trainer.run_tasks(
+                tasks, mode=mode, resources_id=resources_id, description=description, timeout=self.rollout_batch_timeout
+            )
+        except TimeoutError as exc:
+            raise APOError(f"{description}: {exc} (rollout_batch_timeout); raise it, or add runners") from exc
+
     def _publish(self, template: str) -> str:
         resources = dict(self._base)
         resources[self._name] = PromptTemplate(template=template)
@@ -332,9 +384,7 @@ class APO(Algorithm, Generic[T_task]):
 
     def _critique(self, candidate: Candidate, train: List[Task]) -> str:
         batch = self.rng.sample(train, min(self.gradient_batch_size, len(train)))
-        rollouts = self.trainer.run_tasks(
-            batch, mode="train", resources_id=candidate.resources_id, description="APO: rollouts to critique"
-        )
+        rollouts = self._run_batch(batch, "train", candidate.resources_id, "APO: rollouts to critique")
         error = _all_failed(rollouts)
         if error is not None:
             logger.warning(
@@ -388,6 +438,7 @@ class APO(Algorithm, Generic[T_task]):
                 except openai.OpenAIError as exc:
                     raise APOError(f"the optimizer model {model!r} at {llm.get_base_url()} failed: {exc}") from exc
                 replies.append(_reply_text(completion, model, llm.get_base_url()))
+                logger.debug("APO asked %s:\n%s\nreply:\n%s", model, content, replies[-1])
         return replies
 
 

@@ -1,7 +1,8 @@
 """LitAgent: the user's agent as the runner sees it, in class form or as a decorated function.
 
 Same shape as Agent Lightning's ``LitAgent[T].rollout(task, resources, rollout)`` so existing code runs
-with ``import agl``. A rollout may be sync or async; it returns the episode reward (a number), None
+with ``import agl``. A rollout may be sync or async (``async def rollout``, or Agent Lightning's
+``rollout_async`` and its training/validation variants); it returns the episode reward (a number), None
 (reward emitted with ``agl.emit_reward`` or none at all), or a dict with a ``"reward"`` key.
 """
 
@@ -12,6 +13,7 @@ import importlib
 import inspect
 import logging
 import sys
+import weakref
 from typing import Any, Callable, Dict, Generic, Optional, Set, TypeVar, Union
 
 from agl.types import LLM, NamedResources, PromptTemplate, Rollout
@@ -22,13 +24,16 @@ RolloutResult = Union[None, float, int, bool, Dict[str, Any]]
 
 
 class LitAgent(Generic[T]):
-    """Subclass and implement ``rollout`` (sync or ``async def``); override ``validation_rollout`` to
-    behave differently on validation tasks (``rollout.mode == "val"``)."""
+    """Subclass and implement ``rollout`` (sync or ``async def``), or Agent Lightning's ``rollout_async``;
+    override ``validation_rollout`` (``validation_rollout_async``) to behave differently on validation
+    rollouts (``rollout.mode == "val"``), ``training_rollout`` (``training_rollout_async``) on the others."""
 
     def __init__(self, *, trained_agents: Optional[str] = None) -> None:
         # ``trained_agents``: Agent Lightning's regex of the agents to train; ``Trainer.fit`` uses it as the
         # adapter's agent_match when the adapter names none.
         self.trained_agents = trained_agents
+        self._runner_ref: Optional[weakref.ReferenceType[Any]] = None
+        self._trainer_ref: Optional[weakref.ReferenceType[Any]] = None
 
     def rollout(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
         raise NotImplementedError(
@@ -42,17 +47,104 @@ class LitAgent(Generic[T]):
     def training_rollout(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
         return self.rollout(task, resources, rollout)
 
+    async def rollout_async(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement rollout_async(self, task, resources, rollout) "
+            "(or rollout, sync or async def)"
+        )
+
+    async def training_rollout_async(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
+        return await self.rollout_async(task, resources, rollout)
+
+    async def validation_rollout_async(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
+        return await self.rollout_async(task, resources, rollout)
+
+    def _overrides_async(self) -> bool:
+        """Whether the subclass overrides one of Agent Lightning's ``*_async`` methods: then the runner calls
+        those, as Agent Lightning's does."""
+        return any(getattr(type(self), name) is not getattr(LitAgent, name) for name in _ASYNC_METHODS)
+
+    def is_async(self) -> bool:
+        """True when the rollout runs as a coroutine: an ``*_async`` method is overridden, or a rollout method
+        is an ``async def``."""
+        return self._overrides_async() or any(
+            inspect.iscoroutinefunction(getattr(self, name)) for name in _SYNC_METHODS
+        )
+
     def run(self, task: T, resources: NamedResources, rollout: Rollout) -> Any:
-        """What the runner calls: dispatches on the rollout's mode. May return an awaitable."""
-        if rollout.mode == "val":
-            return self.validation_rollout(task, resources, rollout)
-        return self.training_rollout(task, resources, rollout)
+        """What the runner calls: the validation method when ``rollout.mode`` is ``"val"``, the training one
+        otherwise (``"dev"`` runs try the agent as training would run it, as Agent Lightning's ``dev`` does), async
+        ones if overridden. May return an awaitable."""
+        training = rollout.mode != "val"
+        if self._overrides_async():
+            return (self.training_rollout_async if training else self.validation_rollout_async)(
+                task, resources, rollout
+            )
+        return (self.training_rollout if training else self.validation_rollout)(task, resources, rollout)
+
+    # -- Agent Lightning's links from the agent to what runs it ---------------------------------------------
+    def set_runner(self, runner: Any) -> None:
+        self._runner_ref = weakref.ref(runner)
+
+    def get_runner(self) -> Any:
+        return _referent(
+            getattr(self, "_runner_ref", None), "runner", "only agl.LitAgentRunner (runner.run_context) sets it"
+        )
 
     @property
-    def tracer(self) -> Any:
+    def runner(self) -> Any:
+        return self.get_runner()
+
+    def set_trainer(self, trainer: Any) -> None:
+        self._trainer_ref = weakref.ref(trainer)
+
+    def get_trainer(self) -> Any:
+        return _referent(
+            getattr(self, "_trainer_ref", None),
+            "trainer",
+            "agl's Trainer does not hand itself to the agent (its runners may be other processes); call "
+            "agent.set_trainer(trainer) where the agent needs it",
+        )
+
+    @property
+    def trainer(self) -> Any:
+        return self.get_trainer()
+
+    def get_tracer(self) -> Any:
+        """The tracer of the runner that runs this agent (an Agent Lightning tracer given to
+        ``agl.LitAgentRunner``), else agl's own: both have ``get_langchain_handler()``."""
+        ref = getattr(self, "_runner_ref", None)
+        runner = ref() if ref is not None else None
+        if runner is not None and getattr(runner, "tracer", None) is not None:
+            return runner.tracer
         from agl.tracing.tracer import get_tracer
 
         return get_tracer()
+
+    @property
+    def tracer(self) -> Any:
+        return self.get_tracer()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickled without the runner and trainer links (weak references cannot be pickled): a runner process
+        gets the agent, not the objects of the process that sent it."""
+        state = dict(self.__dict__)
+        state.pop("_runner_ref", None)
+        state.pop("_trainer_ref", None)
+        return state
+
+
+_SYNC_METHODS = ("rollout", "training_rollout", "validation_rollout")
+_ASYNC_METHODS = ("rollout_async", "training_rollout_async", "validation_rollout_async")
+
+
+def _referent(ref: Optional[weakref.ReferenceType[Any]], what: str, how: str) -> Any:
+    """The object a link of the agent points to, or a ValueError that says why there is none."""
+    target = ref() if ref is not None else None
+    if target is None:
+        state = "is gone (it was garbage-collected)" if ref is not None else "is not set"
+        raise ValueError(f"the agent's {what} {state}: {how}")
+    return target
 
 
 # The resource an ``llm`` / ``prompt_template`` argument gets when there are several of its kind: the names the
@@ -136,6 +228,9 @@ class FunctionalLitAgent(LitAgent[Any]):
     def rollout(self, task: Any, resources: NamedResources, rollout: Rollout) -> Any:
         kwargs = {name: self._SUPPLIERS[name](resources, rollout) for name in self._extra}
         return self.fn(task, **kwargs)
+
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calling the decorated function directly still runs the plain function."""

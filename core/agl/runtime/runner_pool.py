@@ -110,9 +110,10 @@ def _death(code: Optional[int], mode: str) -> str:
 class _RunnerThread(threading.Thread):
     """A thread-mode worker, with an ``exitcode`` like a process's (None while it runs)."""
 
-    def __init__(self, runner: Runner, stop: threading.Event, current: Any) -> None:
+    def __init__(self, runner: Runner, stop: threading.Event, current: Any, max_rollouts: Optional[int] = None) -> None:
         super().__init__(name=f"agl-{runner.runner_id}", daemon=True)
         self.runner = runner
+        self.max_rollouts = max_rollouts
         self.stop_event = stop
         self.current = current
         self.exitcode: Optional[int] = None
@@ -126,7 +127,9 @@ class _RunnerThread(threading.Thread):
             track(rollout)
 
         try:  # threads cannot be signalled: check the stop flag often
-            self.exitcode = _run_worker(self.runner, self.stop_event, wait_timeout=0.25, on_busy=on_busy)
+            self.exitcode = _run_worker(
+                self.runner, self.stop_event, wait_timeout=0.25, on_busy=on_busy, max_rollouts=self.max_rollouts
+            )
         except BaseException:
             # run_forever's ``finally`` cleared the record while the exception unwound: put back the rollout it ran
             # so that the pool ends its attempt (one that already ended is left alone: StaleAttemptError)
@@ -143,6 +146,7 @@ def _process_main(
     instrumentation: Optional[Dict[str, Any]] = None,
     current: Any = None,
     parent: Optional[int] = None,
+    max_rollouts: Optional[int] = None,
 ) -> None:
     """A runner process. ``current`` (shared memory) holds "ROLLOUT_ID ATTEMPT_ID" of the rollout it works on,
     so that the pool can end that attempt at once if it has to kill the process. ``parent`` is the pool
@@ -170,7 +174,7 @@ def _process_main(
         if track is not None:
             track(rollout)
 
-    code = _run_worker(runner, stop, exit_when_stuck=True, on_busy=set_busy)
+    code = _run_worker(runner, stop, exit_when_stuck=True, on_busy=set_busy, max_rollouts=max_rollouts)
     if code in (0, _STUCK_EXIT_CODE):
         runner.close()
         agent_loops.close()  # os._exit skips atexit: end what agents left (an abandoned stream's span too)
@@ -223,7 +227,9 @@ class RunnerPool:
         *,
         mode: RunnerMode = "process",
         runner_kwargs: Optional[Dict[str, Any]] = None,
+        max_rollouts: Optional[int] = None,
     ) -> None:
+        """``max_rollouts``: each runner stops after that many rollouts and is not replaced (None: no limit)."""
         if n_runners < 1:
             raise ValueError(f"n_runners must be at least 1, got {n_runners}")
         check_runner_settings(**(runner_kwargs or {}))
@@ -237,6 +243,7 @@ class RunnerPool:
         self.n_runners = n_runners
         self.mode = mode
         self.runner_kwargs = runner_kwargs or {}
+        self.max_rollouts = max_rollouts
         self.respawned = 0
         self._ctx = _mp_context()
         self._stop: Union[threading.Event, Any] = self._ctx.Event() if mode == "process" else threading.Event()
@@ -273,6 +280,7 @@ class RunnerPool:
                     hooks,
                     self._current[index],
                     os.getpid(),
+                    self.max_rollouts,
                 ),
                 name=f"agl-{runner_id}",
                 daemon=True,
@@ -291,9 +299,18 @@ class RunnerPool:
         runner = Runner(self.agent, self.store, runner_id=runner_id, **self.runner_kwargs)
         self._runners.append(runner)
         self._current[index].value = b""
-        thread = _RunnerThread(runner, self._stop, self._current[index])
+        thread = _RunnerThread(runner, self._stop, self._current[index], self.max_rollouts)
         thread.start()
         return thread
+
+    def _ran_its_share(self, worker: Any) -> bool:
+        """Whether ``worker`` left after running its ``max_rollouts``: done, not dead."""
+        return self.max_rollouts is not None and getattr(worker, "exitcode", None) == 0
+
+    @property
+    def finished(self) -> bool:
+        """Every runner ran its ``max_rollouts`` and left: no rollout will run any more."""
+        return bool(self._workers) and all(self._ran_its_share(worker) for worker in self._workers)
 
     @property
     def left_agents_running(self) -> bool:
@@ -313,7 +330,7 @@ class RunnerPool:
             return 0
         replaced = 0
         for i, worker in enumerate(self._workers):
-            if worker.is_alive():
+            if worker.is_alive() or self._ran_its_share(worker):
                 continue
             code = getattr(worker, "exitcode", None)
             how = _death(code, self.mode)

@@ -303,6 +303,7 @@ def _compose_with_hydra(group_choices: List[str]) -> Any:
 
 def build_verl_config(config: ConfigInput = None, overrides: Sequence[str] = ()) -> Any:
     """verl's ``ppo_trainer`` DictConfig with agl's defaults and the user's keys applied, type-checked."""
+    verl_config_dir()  # first: without the verl extra (omegaconf comes with it) say how to install it
     from omegaconf import OmegaConf, open_dict
 
     settings = _settings(config, overrides)
