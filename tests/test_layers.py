@@ -31,6 +31,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 # Framework adapters sit beside the core: they may use layers up to instrumentation, and nothing above.
 INTEGRATIONS_MAY_USE = {"foundation", "tracing", "openai_wire", "instrumentation", "integrations"}
 ROOT_MODULES_AT_MOST = 8
+MODULE_LINES_AT_MOST = 600
 
 
 def layer_of(module: str) -> int:
@@ -161,6 +162,13 @@ def test_no_import_circles():
 def test_the_package_root_stays_small():
     root_modules = sorted(p.name for p in CORE.glob("*.py"))
     assert len(root_modules) <= ROOT_MODULES_AT_MOST, root_modules
+
+
+def test_no_module_is_over_600_lines():
+    """A module over 600 lines has grown two jobs: split it by what each part does (docs/architecture.md)."""
+    sizes = {path: len(path.read_text().splitlines()) for base in (CORE, INTEGRATIONS) for path in base.rglob("*.py")}
+    too_long = sorted(f"{path.relative_to(ROOT)}: {n} lines" for path, n in sizes.items() if n > MODULE_LINES_AT_MOST)
+    assert too_long == []
 
 
 @pytest.mark.parametrize(
