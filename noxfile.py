@@ -17,11 +17,13 @@
   ``openai<3``, the OpenAI Agents SDK ``openai>=3``).
 - ``lowest``: the core suite with agl's own requirements at their lower bounds (pyproject.toml's ``>=``).
 - ``pythons``: the core suite on Python 3.10, 3.12 and 3.13 (``nox -t pythons``; those found on PATH).
+- ``browser``: tests under ``tests/browser``: the web view (``agl ui``) in the distribution's Chromium, driven
+  by Playwright (``apt-get install chromium chromium-driver``; no browser download).
 - ``lint``: ruff (lint + format check) and mypy over the tree.
 - ``benchmarks``: prints the speed figures of benchmarks/ (figures, not pass/fail).
 
 `nox -t ci` runs what CI runs: lint, the core suite (also at the lowest versions), torch (also at
-transformers' floor), verl, ray, manifests and every framework session: its oldest line and its latest line(s),
+transformers' floor), verl, ray, manifests, browser and every framework session: its oldest line and its latest line(s),
 so the oldest supported version is kept working.
 `nox -t matrix` runs every framework session (oldest and latest) and nothing else; see docs/integrations.md.
 """
@@ -58,6 +60,7 @@ def _core_suite(session: nox.Session, *constraints: str) -> None:
         "--ignore=tests/with_verl",
         "--ignore=tests/with_ray",
         "--ignore=tests/deploy",
+        "--ignore=tests/browser",
         *session.posargs,
     )
 
@@ -154,6 +157,18 @@ def manifests(session: nox.Session) -> None:
     """tests/deploy: deploy/kubernetes against Kubernetes' schemas (kubernetes-validate) and agl's command line."""
     session.install("-e", ".[dev]", "kubernetes-validate==1.37.0")  # pinned: its schemas change between releases
     session.run("python", "-m", "pytest", "-q", "tests/deploy", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def browser(session: nox.Session) -> None:
+    """tests/browser: the web view (``agl ui``) in the distribution's Chromium (/usr/bin/chromium, from
+    ``apt-get install chromium``; no browser download), driven by Playwright. Screenshots go to
+    .nox/browser/tmp/screenshots."""
+    session.env["PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD"] = "1"
+    session.install("-e", ".[dev]", "playwright==1.65.2")  # pinned: each release drives the Chromium of its day
+    session.env["AGL_SCREENSHOTS"] = str(Path(session.create_tmp()) / "screenshots")
+    session.run("python", "-m", "pytest", "-q", "tests/browser", *session.posargs)
+    session.log(f"screenshots in {session.env['AGL_SCREENSHOTS']}")
 
 
 @nox.session(python=PYTHON, tags=["ci"])

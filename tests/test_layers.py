@@ -24,6 +24,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("store", ("agl.store",)),
     ("lightningrl", ("agl.lightningrl",)),
     ("serving", ("agl.serving", "agl.testing")),
+    ("ui", ("agl.ui",)),
     ("runtime", ("agl.runtime",)),
     ("algorithm", ("agl.algorithm",)),
     ("top", ("agl.trainer", "agl.cli", "agl.compat", "agl")),

@@ -1,5 +1,5 @@
 """The ``agl`` command line: one module per command group (``dev``, ``store``, ``export``, ``train``, ``remote``,
-``serve``); this one builds the parser and runs the command."""
+``serve``, ``ui``); this one builds the parser and runs the command."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub, STORE_HELP)  # agl train
     add_export_model_parser(sub)  # agl export-model
     add_export_parser(sub)  # agl export
+    from agl.cli.ui import add_ui_parser
+
+    add_ui_parser(sub, STORE_HELP)  # agl ui
     return parser
 
 

@@ -70,6 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from agl.store import open_store
     from agl.store.http.server import TokenSet, serve
     from agl.store.http.wire import TOKEN_ENV
+    from agl.ui import create_ui
 
     if args.store and args.store.split("://", 1)[0].lower() in ("http", "https"):
         raise SystemExit("agl: --store names the store to serve (a .db file or postgresql://...), not another server")
@@ -85,10 +86,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = _serve_limits(args)
     store = open_store(args.store)
     print(
-        f"agl: serving {store!r} on http://{args.host}:{args.port} ({len(tokens)} token(s)); API docs at /docs",
+        f"agl: serving {store!r} on http://{args.host}:{args.port} ({len(tokens)} token(s)); API docs at /docs, "
+        "web pages at /ui (open /ui/?token=TOKEN once)",
         flush=True,
     )
-    serve(store, args.host, args.port, tokens=tokens, allow_anonymous=args.insecure_no_auth, limits=limits)
+    pages = {"/ui": create_ui(store, tokens=tokens or None)}  # the web view, behind the same tokens (docs/ui.md)
+    serve(
+        store, args.host, args.port, tokens=tokens, allow_anonymous=args.insecure_no_auth, limits=limits, mounts=pages
+    )
     print(f"agl: store server stopped; {store!r} closed", flush=True)
     return 0
 

@@ -22,6 +22,7 @@ FOLDERS: Dict[str, ExtraFolder] = {
     "with_verl": ExtraFolder("verl", ("verl", "ray", "omegaconf")),
     "with_ray": ExtraFolder("ray", ("ray",)),
     "deploy": ExtraFolder("manifests", ("kubernetes_validate", "yaml")),
+    "browser": ExtraFolder("browser", ("playwright",)),
 }
 
 

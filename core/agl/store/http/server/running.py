@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from fastapi import FastAPI
 
@@ -51,8 +51,12 @@ def serve(
     allow_anonymous: bool = False,
     limits: Optional[ServerLimits] = None,
     log_level: str = "info",
+    mounts: Optional[Mapping[str, Any]] = None,
 ) -> None:
     """Serve ``store`` until SIGINT/SIGTERM (uvicorn stops gracefully on both), then close it and return.
+
+    ``mounts``: more ASGI apps served beside the store's endpoints, by path (``agl store serve`` mounts its web
+    pages at ``/ui``; they check the token themselves).
 
     uvicorn raises the signal again once it has shut down, so that the process dies of it: ``store.close()``
     then never ran, and a clean stop exited 143, which process managers report as a failure. A handler of
@@ -61,6 +65,8 @@ def serve(
 
     limits = limits or ServerLimits()
     app = create_app(store, tokens=tokens, allow_anonymous=allow_anonymous, limits=limits)
+    for path, mounted in (mounts or {}).items():
+        app.mount(path, mounted)
     warn_if_open_to_all(host, tokens, allow_anonymous)
     hardening = hardened_config(limits.header_timeout, limits.body_timeout, limits.max_connections)
     previous = {}
