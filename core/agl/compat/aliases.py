@@ -42,6 +42,7 @@ MODULES: Dict[str, str] = {
     "agl.tracer.dummy": "agl.compat.tracer",
     "agl.tracer.otel": "agl.compat.tracer",
     "agl.utils": "agl.compat.utils",
+    "agl.utils.metrics": "agl.compat.metrics",
     "agl.utils.otel": "agl.compat.utils",
 }
 
@@ -53,7 +54,6 @@ MISSING_MODULES: Dict[str, str] = {
     "agl.store.collection_based": "agl's stores are not built on collections; subclass agl.LightningStore",
     "agl.store.mongo": "agl has no MongoDB store; use PostgreSQL (agl.open_store('postgresql://...')) or SQLite",
     "agl.tracer.weave": "agl has no Weave tracer; agl.instrument() records the frameworks' calls",
-    "agl.utils.metrics": "agl has no metrics backends; training metrics go to the run folder (docs/training.md)",
 }
 
 _SPANS = "agl's spans are agl.Span (agl.types), their attribute names are in agl.semconv"
