@@ -27,6 +27,8 @@ list (the output says which). Every span is checked to be in the store.
    Both include the garbage collections the instrumentation causes; the count is printed.
 3. End-of-rollout flush: last call returned -> ``flush()`` returned, after a 2,000-call rollout on each
    transport (the writer having worked during the rollout, as it does).
+   The same again with OTLP export on (``agl.instrument(otlp_endpoint=...)``) to a real receiver on
+   127.0.0.1: the hand-off to the exporter's queue is all it adds here; its thread encodes and sends.
 4. Writer throughput: 2,000 spans queued with no store attached, then one flush: the writer's full cost
    per span (encoding, SQLite insert), a worst case no real rollout hits.
 
@@ -49,6 +51,7 @@ import wrapt
 
 from agl.instrumentation import openai_client
 from agl.instrumentation.openai_client import OpenAIInstrumentor
+from agl.testing.otlp_receiver import OtlpReceiver
 from agl.tracing.context import RolloutScope, enter_scope, exit_scope
 from agl.tracing.tracer import get_tracer
 
@@ -180,6 +183,20 @@ def hot_path(store: Store, instrumentor: OpenAIInstrumentor, n: int, rounds: int
         get_tracer().flush(120)
         stored += store.count(rollout_id)
     return statistics.median(per_call), stored
+
+
+def hot_path_with_otlp(store: Store, instrumentor: OpenAIInstrumentor, rounds: int) -> Tuple[float, int]:
+    """:func:`hot_path` with the tracer also exporting to a real OTLP receiver on 127.0.0.1 (agl.testing's);
+    returns its figure and how many spans the receiver decoded."""
+    tracer = get_tracer()
+    with OtlpReceiver(keep=False) as receiver:
+        tracer.set_otlp(receiver.url)
+        try:
+            us, _ = hot_path(store, instrumentor, HOT_CALLS, rounds)
+            assert tracer.otlp is not None and tracer.otlp.flush(120)
+        finally:
+            tracer.set_otlp(None)
+        return us, receiver.received
 
 
 def in_rollout(store: Store, fn: Callable[[], Tuple[float, float]]) -> Tuple[Tuple[float, float], str]:
@@ -328,6 +345,7 @@ def main() -> None:
 
         instrumentor.instrument()  # the wrapper passes calls through untraced while agl is not instrumenting
         hot_us, hot_stored = hot_path(store, instrumentor, HOT_CALLS, args.rounds)
+        otlp_us, otlp_received = hot_path_with_otlp(store, instrumentor, args.rounds)
         instrumentor.uninstrument()
         results = {w: measure_writer(w, store, fast, slow, instrumentor, args) for w in writers}
         tracer.set_writer("thread")
@@ -386,6 +404,12 @@ def main() -> None:
             per_call,
             [hot_us <= CALL_TARGET_US] * len(writers),
         ),
+        (
+            "  the same with OTLP export on (us)",
+            [f"{otlp_us:.1f}"] * len(writers),
+            per_call,
+            [otlp_us <= CALL_TARGET_US] * len(writers),
+        ),
         *overhead_rows("latent", f"{latency} (us)", f"{latency}, flush included (us)"),
         *overhead_rows("cpu", "CPU-bound, 0 ms (us)", "CPU-bound, writer and flush included (us)"),
         per_writer(
@@ -420,6 +444,10 @@ def main() -> None:
         cells = "".join(f" {v:>15} {'' if ok is None else ('yes' if ok else 'NO'):<3}" for v, ok in zip(values, oks))
         print(f"{name:<62}{cells} {target:>8}")
     print(f"hot-path spans stored: {hot_stored}/{HOT_CALLS * args.rounds} {'yes' if hot_ok else 'NO'}")
+    otlp_ok = otlp_received == HOT_CALLS * args.rounds
+    print(
+        f"hot-path spans at the OTLP receiver: {otlp_received}/{HOT_CALLS * args.rounds} {'yes' if otlp_ok else 'NO'}"
+    )
     print(f"(tracer: dropped={stats.dropped} export_errors={stats.export_errors} rejected={stats.rejected})")
 
 

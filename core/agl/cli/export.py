@@ -11,7 +11,19 @@ from agl.types import RolloutMode
 
 def add_export_parser(sub: Any) -> None:
     export_ = sub.add_parser("export", help="build a LightningRL batch from stored rollouts; write JSONL or Parquet")
-    export_.add_argument("out", help="output file (.jsonl, or .parquet with pyarrow installed)")
+    export_.add_argument("out", nargs="?", help="output file (.jsonl, or .parquet with pyarrow installed)")
+    export_.add_argument(
+        "--otlp",
+        metavar="URL",
+        help="instead of a file: send the rollouts' spans to this OTLP/HTTP traces endpoint (docs/otlp.md)",
+    )
+    export_.add_argument(
+        "--rollout",
+        dest="rollouts",
+        action="append",
+        metavar="ID",
+        help="with --otlp: send this rollout (repeatable; default: every finished rollout)",
+    )
     export_.add_argument("--format", choices=["jsonl", "parquet"], help="default: from the file suffix")
     export_.add_argument("--config", default="{}", help="LightningRL settings as JSON, or @file.json")
     export_.add_argument(
@@ -33,9 +45,8 @@ def add_export_parser(sub: Any) -> None:
     export_.add_argument(
         "--mode",
         choices=[*get_args(RolloutMode), "all"],
-        default="train",
-        help="rollouts of this mode (default: train; val: validation; dev: agl dev's runs; 'all': every "
-        "mode, grouped apart); each record has its rollout's mode",
+        help="rollouts of this mode (default: train, with --otlp all; val: validation; dev: agl dev's runs; "
+        "'all': every mode, grouped apart); each record has its rollout's mode",
     )
     export_.add_argument(
         "--limit",
@@ -52,6 +63,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from agl.lightningrl import LightningRL
     from agl.lightningrl.export import check_target, export
 
+    if args.otlp:
+        from agl.cli.export_otlp import cmd_export_otlp
+
+        return cmd_export_otlp(args, existing_store(args.store))
+    if args.out is None:
+        raise SystemExit("agl: export needs an output file (.jsonl or .parquet), or --otlp URL to send spans")
+    if args.rollouts:
+        raise SystemExit("agl: --rollout chooses rollouts to send with --otlp; a batch file takes whole task groups")
     try:
         fmt = check_target(args.out, args.format)  # before the batch, which may take minutes to build
     except (ImportError, ValueError, OSError) as exc:
@@ -59,7 +78,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     settings = adapter_settings(args.adapter_settings, args.agent_match, json_setting(args.config, "--config"))
     adapter = LightningRL.from_config(settings)
     store = existing_store(args.store)
-    mode = None if args.mode == "all" else args.mode
+    mode = None if args.mode == "all" else args.mode or "train"
     rollouts = _finished_groups(
         store.query_rollouts(status=args.status or FINISHED, mode=mode),
         store.query_rollouts(status=UNFINISHED, mode=mode),

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from agl import semconv
+from agl._util.chat import call_function, json_attribute, message_text, tool_calls_of
 from agl.lightningrl.tree import TraceTree, TreeNode, build_tree
-from agl.types import Span, call_order_key
+from agl.types import Rollout, Span, call_order_key
+
+if TYPE_CHECKING:
+    from agl.ui.queries import Selection
 
 
 def span_tree(spans: Sequence[Span]) -> List[Tuple[int, Span]]:
@@ -102,13 +106,92 @@ def one_line(text: str, width: int = 160) -> str:
     return line + (f" (+{len(lines) - 1} lines)" if len(lines) > 1 else "")
 
 
-def render(spans: Sequence[Span]) -> str:
+def render(
+    spans: Sequence[Span], *, text: bool = False, rollout: Optional[Rollout] = None, agent_match: Optional[str] = None
+) -> str:
     """The tree, one line per span; a span whose recorded parent link was repaired says so, and a last line
-    counts the repairs (the same ones ``agl export`` reports)."""
+    counts the repairs (the same ones ``agl export`` reports). ``text``: then each LLM call's prompt and response
+    and each tool call's arguments and result. ``agent_match`` (with the ``rollout``): each LLM call marked with
+    whether LightningRL's selection under that regex trains on it, and a line that counts them."""
     lines = []
     for tree in _trees(spans):
+        selection = _selection(rollout, tree, agent_match)
         for depth, node in _walk(tree):
-            lines.append("  " * depth + describe(node.span) + ("  (parent link repaired)" if node.repaired else ""))
+            repaired = "  (parent link repaired)" if node.repaired else ""
+            lines.append("  " * depth + describe(node.span) + _mark(node.span, selection) + repaired)
         if tree.repairs.total:
             lines.append(f"tree repairs: {tree.repairs}")
+        if selection is not None:
+            lines.append(_selection_summary(selection))
+        if text:
+            lines.extend(_texts(tree, selection))
     return "\n".join(lines)
+
+
+def _selection(rollout: Optional[Rollout], tree: TraceTree, agent_match: Optional[str]) -> Optional[Selection]:
+    """LightningRL's selection in this attempt (the web view's entry point, :func:`agl.ui.queries.select_samples`)."""
+    if agent_match is None or rollout is None:
+        return None
+    from agl.ui.queries import select_samples
+
+    return select_samples(rollout, list(tree.spans()), agent_match)
+
+
+def _mark(span: Span, selection: Optional[Selection]) -> str:
+    if selection is None or span.kind != "llm" or selection.error:
+        return ""
+    sample = selection.samples.get(span.span_id)
+    return f"  << TRAINS (reward {sample.reward:g})" if sample is not None else "  (not trained)"
+
+
+def _selection_summary(selection: Selection) -> str:
+    head = f"agent_match {selection.agent_match!r}"
+    if selection.error:
+        return f"{head}: no calls selected: {one_line(selection.error)}"
+    left = "; ".join(f"{reason}: {n}" for reason, n in selection.left_out.items())
+    counted = f"{head}: {len(selection.samples)} of {selection.llm_calls} LLM calls become samples"
+    return counted + (f" ({left})" if left else "")
+
+
+def _texts(tree: TraceTree, selection: Optional[Selection]) -> List[str]:
+    """Each LLM call's prompt and response and each tool call's arguments and result, in tree order."""
+    lines: List[str] = []
+    for _, node in _walk(tree):
+        span, a = node.span, node.span.attributes
+        if span.kind == "llm":
+            lines += ["", describe(span) + _mark(span, selection), "  prompt:"]
+            lines += _messages(a.get(semconv.INPUT_MESSAGES, a.get(semconv.LLM_PROMPT)))
+            lines += ["  response:", *_messages(a.get(semconv.OUTPUT_MESSAGES))]
+        elif span.kind == "tool":
+            lines += ["", describe(span), "  arguments:", *_indented(_value_text(a.get(semconv.TOOL_CALL_ARGUMENTS)))]
+            lines += ["  result:", *_indented(_value_text(a.get(semconv.TOOL_CALL_RESULT)))]
+    return lines
+
+
+def _messages(raw: object) -> List[str]:
+    """Chat messages as ``role: text`` lines, tool calls as ``tool call name(arguments)``; other values as text."""
+    messages = json_attribute(raw)
+    if not isinstance(messages, list):
+        return _indented(_value_text(raw))
+    lines: List[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            lines += _indented(_value_text(message))
+            continue
+        role = str(message.get("role", "?"))
+        content = message_text(message.get("content"))
+        lines += _indented(f"{role}: {content}" if content else f"{role}:")
+        for call in tool_calls_of(message):
+            function = call_function(call)
+            lines += _indented(f"  tool call {function.get('name')}({function.get('arguments')})")
+    return lines
+
+
+def _value_text(value: object) -> str:
+    if value is None:
+        return "(none recorded)"
+    return value if isinstance(value, str) else json.dumps(value, default=repr)
+
+
+def _indented(text: str) -> List[str]:
+    return ["    " + line for line in text.splitlines() or [""]]

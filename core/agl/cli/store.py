@@ -4,6 +4,7 @@ old spans); ``agl store serve`` is in :mod:`agl.cli.remote`."""
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any, List, Optional, Tuple
 
 from agl.cli.common import FINISHED, STORE_HELP, UNFINISHED, existing_store, non_negative_int
@@ -14,6 +15,12 @@ def add_inspect_parser(sub: Any) -> None:
     inspect_ = sub.add_parser("inspect", help="print a rollout's span tree")
     inspect_.add_argument("rollout_id")
     inspect_.add_argument("--attempt", default="latest", help="attempt id, 'latest' (default) or 'all'")
+    inspect_.add_argument(
+        "--text", action="store_true", help="also print each LLM call's prompt and response, each tool call's result"
+    )
+    inspect_.add_argument(
+        "--agent-match", metavar="REGEX", help="mark the LLM calls LightningRL would train with this agent_match"
+    )
     inspect_.add_argument("--store", default=None, help=STORE_HELP)
     inspect_.set_defaults(func=cmd_inspect)
 
@@ -62,6 +69,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from agl.cli.inspection import render
     from agl.errors import UnknownAttemptError
 
+    if args.agent_match is not None:
+        try:
+            re.compile(args.agent_match)
+        except re.error as exc:
+            raise SystemExit(f"agl: --agent-match {args.agent_match!r} is not a regular expression: {exc}") from None
     store = existing_store(args.store)
     rollout_ = store.get_rollout(args.rollout_id)
     attempt: Optional[str] = None if args.attempt == "all" else args.attempt
@@ -80,7 +92,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if rollout_.error:
         print(f"error: {rollout_.error}")
     if spans:
-        print(render(spans) if attempt is not None else _render_attempts(store.query_attempts(args.rollout_id), spans))
+        shown = {"text": args.text, "rollout": rollout_, "agent_match": args.agent_match}
+        attempts = store.query_attempts(args.rollout_id) if attempt is None else []
+        print(render(spans, **shown) if attempt is not None else _render_attempts(attempts, spans, **shown))
     elif rollout_.is_terminal and rollout_.n_attempts:
         print(
             "(no spans: the agent recorded none, or they were deleted afterwards by span retention, "
@@ -91,7 +105,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _render_attempts(attempts: List[Any], spans: List[Any]) -> str:
+def _render_attempts(attempts: List[Any], spans: List[Any], **shown: Any) -> str:
     """``--attempt all``: each attempt's tree under a header of its own (id, number, status, error), so that
     a retried rollout's attempts are not read as one tree."""
     from agl.cli.inspection import one_line, render
@@ -104,7 +118,7 @@ def _render_attempts(attempts: List[Any], spans: List[Any]) -> str:
             f"attempt {attempt.attempt_id} ({attempt.sequence} of {len(attempts)}) {attempt.status}{error}"
             f"  spans={len(own)}"
         )
-        lines.append(render(own) if own else "(no spans)")
+        lines.append(render(own, **shown) if own else "(no spans)")
     return "\n".join(lines)
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import threading
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from agl.instrumentation.base import Instrumentor
+from agl.tracing.tracer import get_tracer
 
 logger = logging.getLogger("agl.instrumentation")
 
@@ -48,15 +49,25 @@ def available_integrations() -> List[str]:
     return sorted(_discover())
 
 
-def instrument(frameworks: Optional[Iterable[str]] = None, *, request_token_ids: Optional[bool] = None) -> List[str]:
+def instrument(
+    frameworks: Optional[Iterable[str]] = None,
+    *,
+    request_token_ids: Optional[bool] = None,
+    otlp_endpoint: Optional[str] = None,
+    otlp_headers: Optional[Mapping[str, str]] = None,
+) -> List[str]:
     """Instrument the OpenAI client and the installed frameworks (or only ``frameworks``).
 
     ``request_token_ids=True`` makes every OpenAI call ask the server for token ids (vLLM / agl server);
-    by default they are asked for inside training rollouts only. Idempotent; returns what is hooked.
+    by default they are asked for inside training rollouts only. ``otlp_endpoint`` (an OTLP/HTTP traces URL,
+    e.g. Phoenix's ``http://127.0.0.1:6006/v1/traces``) also sends every span to it, besides the store
+    (docs/otlp.md; ``AGL_OTLP_ENDPOINT`` does the same). Idempotent; returns what is hooked.
     """
     from agl.instrumentation.openai_client import OpenAIInstrumentor
     from agl.instrumentation.thread_pools import ThreadPoolInstrumentor
 
+    if otlp_endpoint is not None:
+        get_tracer().set_otlp(otlp_endpoint, otlp_headers)
     with _lock:
         hooked: List[str] = []
         openai_inst = _instance("openai", lambda: OpenAIInstrumentor)
@@ -90,14 +101,20 @@ def instrumented() -> Optional[Dict[str, Any]]:
         if not hooked:
             return None
         openai_inst = _instances.get("openai")
+        otlp = get_tracer().otlp
         return {
             "frameworks": [name for name in hooked if name not in _ALWAYS],
             "request_token_ids": getattr(openai_inst, "request_token_ids", None),
+            "otlp_endpoint": otlp.endpoint if otlp is not None else None,
+            "otlp_headers": otlp.headers if otlp is not None else None,
         }
 
 
 def uninstrument(frameworks: Optional[Iterable[str]] = None) -> None:
-    """Undo ``instrument()``: every hooked function and handler is restored exactly."""
+    """Undo ``instrument()``: every hooked function and handler is restored exactly (with no ``frameworks``,
+    OTLP export stops too)."""
+    if frameworks is None:
+        get_tracer().set_otlp(None)
     with _lock:
         names = list(_instances) if frameworks is None else list(frameworks)
         for name in names:

@@ -23,12 +23,12 @@ so the step rewards of a rollout add up to what was emitted.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Set
 
 from agl import semconv
+from agl._util.chat import json_attribute, tool_calls_of
 from agl.lightningrl.tree import TraceTree
 from agl.types import Span, call_order_key
 
@@ -37,28 +37,12 @@ def is_operation(span: Span) -> bool:
     return span.name == semconv.SPAN_OPERATION and semconv.OPERATION in span.attributes
 
 
-def json_attribute(value: Any) -> Any:
-    """A span attribute that holds JSON text, decoded (None if it is not JSON); any other value as it is."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return None
-    return value
-
-
 def output_message(span: Span) -> Dict[str, Any]:
     """The first assistant message of an llm span's ``gen_ai.output.messages`` ({} if none or unreadable)."""
     messages = json_attribute(span.attributes.get(semconv.OUTPUT_MESSAGES))
     if isinstance(messages, list) and messages and isinstance(messages[0], dict):
         return messages[0]
     return {}
-
-
-def tool_calls_of(message: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The tool calls of an assistant message in the chat format (``[{"id", "function": {...}}]``)."""
-    calls = message.get("tool_calls")
-    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
 
 
 class CallLinks:

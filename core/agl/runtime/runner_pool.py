@@ -159,6 +159,7 @@ def _process_main(
 
     def on_sigterm(signum: int, frame: Any) -> None:
         if not busy["now"]:
+            _send_otlp_queue()
             os._exit(0)
         stop.set()  # finish the current rollout, then leave
 
@@ -179,7 +180,16 @@ def _process_main(
         runner.close()
         agent_loops.close()  # os._exit skips atexit: end what agents left (an abandoned stream's span too)
         runner.tracer.flush(5.0)
+        _send_otlp_queue()
     os._exit(code)
+
+
+def _send_otlp_queue(timeout: float = 5.0) -> None:
+    """Send what the OTLP exporter (``agl.instrument(otlp_endpoint=...)``) holds: a runner process leaves with
+    ``os._exit``, which skips the exporter's own exit hook. Nothing without an endpoint."""
+    otlp = get_tracer().otlp
+    if otlp is not None:
+        otlp.flush(timeout)
 
 
 def _leave_with_parent(parent: int, leave: Callable[[int, Any], None]) -> None:

@@ -9,7 +9,7 @@ import os
 import pickle
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 from agl import semconv
 from agl.tracing.context import ended_scope, rollouts_running
@@ -17,6 +17,9 @@ from agl.tracing.encoding import Finished, finished, without_callables
 from agl.tracing.export import SpanExporter, TracerStats
 from agl.tracing.spans import AglSpan
 from agl.tracing.writer_process import WriterProcess
+
+if TYPE_CHECKING:
+    from agl.tracing.otlp import OtlpExporter
 
 logger = logging.getLogger("agl.tracing.tracer")
 
@@ -45,6 +48,7 @@ class StoreSpanProcessor:
         self.interval = interval
         self.writer = checked_writer(writer)
         self.sink: Any = None  # anything with add_spans(list[Span])
+        self.otlp: Optional[OtlpExporter] = None  # also sends each queued span to an OTLP endpoint (its own thread)
         self.stats = TracerStats()
         self.generation = 0  # + 1 in each forked child: spans started before the fork are not the child's
         self._process: Optional[WriterProcess] = None
@@ -186,6 +190,9 @@ class StoreSpanProcessor:
                     span.name,
                 )
             return
+        item = finished(span)
+        if self.otlp is not None:
+            self.otlp.offer(item)
         if len(self._queue) >= self.max_queue:
             self.stats.dropped += 1
             with self._done:
@@ -198,7 +205,7 @@ class StoreSpanProcessor:
                     self.max_queue,
                 )
             return
-        self._queue.append(finished(span))
+        self._queue.append(item)
         self.stats.enqueued += 1
         if self._worker is None:
             self._start_worker()

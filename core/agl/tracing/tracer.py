@@ -16,6 +16,8 @@ Why this shape:
   while a process works on another core (:mod:`agl.tracing.writer_process`). Conversion lives in
   :mod:`agl.tracing.encoding`, the store write in :mod:`agl.tracing.export`, the same for both.
 - A full queue drops the span and counts it (``stats().dropped``) with a warning: never silent.
+- With an OTLP endpoint (``set_otlp``, ``agl.instrument(otlp_endpoint=...)``, ``AGL_OTLP_ENDPOINT``) each queued span
+  is also handed to :mod:`agl.tracing.otlp`'s exporter: a bounded queue of its own and a thread that posts batches.
 - ``flush()`` at rollout end waits until every span finished so far is in the store.
 """
 
@@ -38,6 +40,8 @@ from agl.tracing.context import current_scope, ended_scope
 from agl.tracing.context_keys import resolve_parent
 from agl.tracing.encoding import encode_attribute
 from agl.tracing.export import TracerStats
+from agl.tracing.otlp import OtlpExporter, traces_url
+from agl.tracing.otlp import from_environment as otlp_from_environment
 from agl.tracing.span_processor import WRITER_ENV, StoreSpanProcessor
 from agl.tracing.spans import AglSpan, clean_attributes, new_id
 from agl.types import SpanKind
@@ -66,6 +70,7 @@ class Tracer:
         self.processor = StoreSpanProcessor(
             max_queue=max_queue, batch_size=batch_size, writer=writer or os.environ.get(WRITER_ENV) or "thread"
         )
+        self.processor.otlp = otlp_from_environment()
         self._start_hooks: Tuple[StartHook, ...] = ()  # replaced, never mutated: start_span reads it unlocked
         self._warned_late = False  # a span in a task a rollout left running when it returned (said once)
         self._warned_late_timed_out = False  # a span of an agent that went on past its rollout's timeout (said once)
@@ -80,6 +85,24 @@ class Tracer:
         process on another core, for CPU-bound agents whose GIL the writer thread would otherwise share.
         The process needs a store several processes can share; with any other, a thread writes (warned)."""
         self.processor.set_writer(writer)
+
+    def set_otlp(self, endpoint: Optional[str], headers: Optional[Mapping[str, str]] = None) -> None:
+        """Also send every span of a rollout to this OTLP/HTTP traces endpoint (None: stop), from a thread of
+        its own (:mod:`agl.tracing.otlp`). ImportError naming ``agl[otlp]`` when opentelemetry-proto is missing,
+        ValueError for an endpoint that is not an http(s) URL."""
+        current = self.processor.otlp
+        if current is not None and endpoint is not None and current.endpoint == traces_url(endpoint):
+            if current.headers == dict(headers or {}):
+                return
+        exporter = OtlpExporter(endpoint, headers) if endpoint is not None else None
+        self.processor.otlp = exporter
+        if current is not None:
+            threading.Thread(target=current.close, name="agl-otlp-close", daemon=True).start()
+
+    @property
+    def otlp(self) -> Optional[OtlpExporter]:
+        """The live OTLP exporter (its ``endpoint``, ``stats``, ``flush()``), or None."""
+        return self.processor.otlp
 
     @property
     def store(self) -> Any:
