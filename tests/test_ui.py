@@ -1,30 +1,34 @@
 """Issue 38, parts 1-2: the web view (agl.ui) over a SQLite store filled by a real Trainer run against the fake
 OpenAI server (tests/ui_run.py), through FastAPI's TestClient, a store server's HTTP client, and the real
-``agl ui`` and ``agl store serve`` processes."""
+``agl ui`` and ``agl store serve`` processes; and the same pages over a real PostgreSQL store."""
 
 from __future__ import annotations
 
+import html
 import re
 import socket
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, List
+from typing import Dict, Iterator, List
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from ui_run import SCRIPT, TASKS, fill_store
+from ui_run import SCRIPT, TASKS, fill_store, solver
 
 import agl
 from agl.cli import main
-from agl.store import SqliteLightningStore
+from agl.lightningrl import LightningRL
+from agl.store import LightningStore, SqliteLightningStore, open_store
 from agl.store.http.client import RemoteLightningStore
 from agl.store.http.server import ServerThread, TokenSet, create_app
 from agl.testing import FakeOpenAIServer
 from agl.testing.waiting import eventually
-from agl.types import Span
+from agl.types import Rollout, Span
 from agl.ui import create_ui
+from agl.ui.html import number
 
 TOKEN = "ui-secret"
 ROW = re.compile(r'href="(?:/ui)?/rollouts/(ro-[0-9a-f]+)"')
@@ -40,13 +44,13 @@ def db(tmp_path_factory: pytest.TempPathFactory, _fake_openai_server: FakeOpenAI
 
 
 @pytest.fixture
-def store(db: Path) -> Iterator[SqliteLightningStore]:
+def store(db: Path) -> Iterator[LightningStore]:
     with SqliteLightningStore(db) as opened:
         yield opened
 
 
 @pytest.fixture
-def client(store: SqliteLightningStore) -> TestClient:
+def client(store: LightningStore) -> TestClient:
     return TestClient(create_ui(store))
 
 
@@ -54,7 +58,7 @@ def rows(html: str) -> List[str]:
     return ROW.findall(html)
 
 
-def first_dev_rollout(store: SqliteLightningStore) -> str:
+def first_dev_rollout(store: LightningStore) -> str:
     """The dev rollout of the task whose question holds a <script> tag."""
     return next(r.rollout_id for r in store.query_rollouts(mode="dev") if r.task_id == TASKS[0]["id"])
 
@@ -114,7 +118,11 @@ def test_a_bad_agent_match_is_said_on_the_page(client, store):
 
 
 def test_the_training_view_has_a_point_per_step_and_one_per_evaluation(client, store):
-    page = client.get("/training").text
+    assert_training_view(client.get("/training").text, store)
+
+
+def assert_training_view(page: str, store: LightningStore) -> None:
+    """Three steps of eight rollouts and one evaluation (tests/ui_run.py), each step's mean reward a point."""
     train = [r for r in store.query_rollouts(mode="train")]
     steps = list(dict.fromkeys(r.resources_id for r in train))
     means = [sum(r.final_reward or 0 for r in train if r.resources_id == s) / 8 for s in steps]
@@ -123,6 +131,68 @@ def test_the_training_view_has_a_point_per_step_and_one_per_evaluation(client, s
     for step, mean in enumerate(means, 1):
         assert f"train reward (mean): {mean:.3g} at step {step}" in page
     assert '<meta http-equiv="refresh"' in page
+
+
+def advantages_shown(page: str) -> Dict[str, str]:
+    """Span id -> the advantage its sample badge shows (the badge is in the span's title line)."""
+    title = r'id="span-([0-9a-f]+)"[^>]*><div>(?:(?!</div>).)*?advantage <b class="advantage">([^<]+)</b>'
+    return dict(re.findall(title, page))
+
+
+def step_advantages(store: LightningStore, rollout: Rollout, agent_match: str) -> Dict[str, float]:
+    """Span id -> advantage of ``rollout``'s samples in the batch a TorchGRPO step builds: LightningRL's
+    ``build_batch`` over every train rollout of the step (its resources version)."""
+    step = [r for r in store.query_rollouts(mode="train") if r.resources_id == rollout.resources_id]
+    batch = LightningRL(agent_match=agent_match).build_batch(store, step, progress=False)
+    return {i: s.advantage for s in batch.samples if s.rollout_id == rollout.rollout_id for i in s.span_ids}
+
+
+def assert_advantages_as_in_training(client: TestClient, store: LightningStore) -> None:
+    """Every train rollout's samples show the advantage its step's batch gives them; some are not 0."""
+    values: List[float] = []
+    for rollout in store.query_rollouts(mode="train"):
+        page = client.get(f"/rollouts/{rollout.rollout_id}", params={"agent_match": "^solver$"}).text
+        expected = step_advantages(store, rollout, "^solver$")
+        assert len(expected) == 2 and advantages_shown(page) == {k: number(v) for k, v in expected.items()}
+        assert f"Advantage over its group: 2 finished rollouts of task {rollout.task_id} at this policy" in page
+        values += expected.values()
+    assert any(v > 0 for v in values) and any(v < 0 for v in values)
+
+
+def test_each_training_sample_shows_the_advantage_of_its_steps_batch(client, store):
+    assert_advantages_as_in_training(client, store)
+
+
+@pytest.mark.parametrize(
+    "mode, said", [("dev", "dev rollouts (Trainer.dev) are never trained on"), ("val", "held-out evaluations")]
+)
+def test_a_rollout_that_is_never_trained_on_says_why_it_has_no_advantage(client, store, mode, said):
+    rollout = store.query_rollouts(mode=mode)[0]
+    page = client.get(f"/rollouts/{rollout.rollout_id}", params={"agent_match": "^solver$"}).text
+    assert len(highlighted(page)) == 2 and advantages_shown(page) == {}
+    assert f"No advantage: {said}" in page
+
+
+def test_a_group_of_one_and_an_unfinished_group_say_why_they_have_no_advantage(
+    db, tmp_path, fake_trainer, instrumented
+):
+    copy = tmp_path / "store.db"
+    with sqlite3.connect(db) as source, sqlite3.connect(copy) as target:
+        source.backup(target)
+    with SqliteLightningStore(copy) as store:
+        trainer = fake_trainer(store, n_runners=1)
+        first = next(r for r in store.query_rollouts(mode="train") if r.task_id == TASKS[0]["id"])
+        with trainer.runners(solver):
+            version = store.add_resources(store.get_resources(first.resources_id).resources).resources_id
+            (alone,) = trainer.run_tasks([TASKS[5]], mode="train", resources_id=version)
+        store.enqueue_rollout(TASKS[0], task_id=TASKS[0]["id"], mode="train", resources_id=first.resources_id)
+        client = TestClient(create_ui(store))
+        page = client.get(f"/rollouts/{alone.rollout_id}", params={"agent_match": "^solver$"}).text
+        assert len(highlighted(page)) == 2 and advantages_shown(page) == {}
+        assert f"No advantage: a group of one (task {TASKS[5]['id']} at this policy version)" in page
+        page = client.get(f"/rollouts/{first.rollout_id}", params={"agent_match": "^solver$"}).text
+        assert len(highlighted(page)) == 2 and advantages_shown(page) == {}
+        assert f"No advantage yet: 1 of the 3 rollouts of its group (task {TASKS[0]['id']} at this policy" in page
 
 
 @pytest.mark.parametrize(
@@ -213,3 +283,42 @@ def test_agl_store_serve_has_the_pages_under_ui_behind_its_token(db, store):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def postgres(_fake_openai_server: FakeOpenAIServer) -> Iterator[LightningStore]:
+    """A PostgreSQL store (a database of its own on a throwaway server) filled as the SQLite one."""
+    from agl.testing.postgres import postgres_for_tests
+
+    with postgres_for_tests() as server, server.store_database() as dsn:
+        _fake_openai_server.reset()
+        fill_store(dsn, _fake_openai_server.base_url)
+        opened = open_store(dsn, create=False)
+        try:
+            yield opened
+        finally:
+            opened.close()
+
+
+def test_the_list_pages_through_a_postgresql_store(postgres):
+    client = TestClient(create_ui(postgres))
+    seen: List[str] = []
+    address = "/?limit=7"
+    while address:
+        page = client.get(address).text
+        seen += rows(page)
+        following = re.search(r'href="([^"]+)">next</a>', page)
+        address = html.unescape(following.group(1)) if following else ""
+    assert seen == [r.rollout_id for r in postgres.query_rollouts()] and len(seen) == 6 + 24 + 3
+    train = client.get("/", params={"mode": "train", "limit": 5, "offset": 20}).text
+    assert rows(train) == [r.rollout_id for r in postgres.query_rollouts(mode="train")][20:]
+
+
+def test_a_rollout_and_the_training_view_over_a_postgresql_store(postgres):
+    client = TestClient(create_ui(postgres))
+    rollout_id = first_dev_rollout(postgres)
+    page = client.get(f"/rollouts/{rollout_id}", params={"agent_match": "^solver$"}).text
+    assert "The answer is 10." in page and "tool call add(" in page and len(highlighted(page)) == 2
+    assert SCRIPT not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert_advantages_as_in_training(client, postgres)
+    assert_training_view(client.get("/training").text, postgres)

@@ -4,13 +4,16 @@ way TorchGRPO runs them (each publishes its resources version, then ``run_tasks`
 
 The agent asks a ``planner`` agent for a plan (one call, no tool), then answers as ``solver`` with the ``add``
 tool (two calls), so ``agent_match="^solver$"`` trains two of its three calls. One task's question holds a
-``<script>`` tag that must reach the pages escaped."""
+``<script>`` tag that must reach the pages escaped. The grader halves the reward of every second run of a task,
+so that the two rollouts of a task in one training step differ and their samples get advantages other than 0."""
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Union
 
 from openai import OpenAI
 
@@ -39,6 +42,10 @@ TASKS: List[Dict[str, Any]] = [
 TASKS[0]["question"] += f" {SCRIPT}"
 
 
+RUNS: Counter[str] = Counter()  # task id -> rollouts graded so far
+_GRADING = threading.Lock()
+
+
 @agl.tool
 def add(a: float, b: float) -> float:
     return a + b
@@ -58,12 +65,22 @@ def solver(task: Dict[str, Any], llm: Any) -> None:
         {"role": "tool", "tool_call_id": call.id, "content": f"{result:g}"},
     ]
     answer = client.chat.completions.create(model=llm.model, messages=messages).choices[0].message.content or ""
-    agl.emit_reward(1.0 if str(task["answer"]) in answer else 0.0)
+    agl.emit_reward(grade(task, answer))
+
+
+def grade(task: Dict[str, Any], answer: str) -> float:
+    """1 for the right answer, 0 for a wrong one; halved on every second run of the task (the first, Trainer.dev's,
+    is not)."""
+    with _GRADING:
+        RUNS[task["id"]] += 1
+        factor = 0.5 if RUNS[task["id"]] % 2 == 0 else 1.0
+    return factor * (1.0 if str(task["answer"]) in answer else 0.0)
 
 
 def fill(trainer: agl.Trainer, llm: agl.LLM, steps: int = 3) -> None:
     """``trainer.dev`` over :data:`TASKS`, then ``steps`` training steps of four tasks (two rollouts each, each
     step with its own resources version, as TorchGRPO publishes one per step) and one held-out evaluation."""
+    RUNS.clear()
     trainer.dev(solver, TASKS, print_table=False)
     with trainer.runners(solver):
         for step in range(steps):
@@ -73,9 +90,10 @@ def fill(trainer: agl.Trainer, llm: agl.LLM, steps: int = 3) -> None:
         trainer.run_tasks(TASKS[:3], mode="val", resources_id=version)
 
 
-def fill_store(path: Path, base_url: str) -> None:
-    """A new SQLite store at ``path`` filled by :func:`fill` through a real Trainer (thread runners) whose LLM is
-    ``fake-model`` at ``base_url`` (the fake OpenAI server); instrumented only while it runs."""
+def fill_store(path: Union[Path, str], base_url: str) -> None:
+    """The new store at ``path`` (a SQLite file, or a PostgreSQL address) filled by :func:`fill` through a real
+    Trainer (thread runners) whose LLM is ``fake-model`` at ``base_url`` (the fake OpenAI server); instrumented
+    only while it runs."""
     llm = agl.LLM(endpoint=base_url, model="fake-model")
     agl.instrument()
     try:

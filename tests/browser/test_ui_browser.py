@@ -3,32 +3,24 @@
 store filled by a real ``Trainer.dev`` run and training steps against the fake OpenAI server
 (tests/ui_run.py); it follows one rollout from the list to the prompt and response that became a sample,
 and opens the training chart. Screenshots go to $AGL_SCREENSHOTS (``nox -s browser``:
-.nox/browser/tmp/screenshots), else to a temporary folder named in the test's output.
-
-A TorchGRPO run on the tiny model would need torch, which this session does not install: not covered here."""
+.nox/browser/tmp/screenshots), else to a temporary folder named in the test's output. The same pages over a
+TorchGRPO run: test_ui_torch_browser.py."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Iterator, List
 
 import pytest
-from playwright.sync_api import Browser, sync_playwright
 from ui_run import SCRIPT, TASKS, fill_store
 
 from agl._util.http_thread import ThreadedServer
-from agl.store import SqliteLightningStore
+from agl.store import LightningStore, SqliteLightningStore
 from agl.testing import FakeOpenAIServer
 from agl.ui import create_ui
 
-CHROMIUM = os.environ.get("AGL_CHROMIUM", "/usr/bin/chromium")
-
 
 @pytest.fixture(scope="module")
-def store(
-    tmp_path_factory: pytest.TempPathFactory, _fake_openai_server: FakeOpenAIServer
-) -> Iterator[SqliteLightningStore]:
+def store(tmp_path_factory: pytest.TempPathFactory, _fake_openai_server: FakeOpenAIServer) -> Iterator[LightningStore]:
     path = tmp_path_factory.mktemp("browser") / "store.db"
     _fake_openai_server.reset()
     fill_store(path, _fake_openai_server.base_url)
@@ -37,26 +29,9 @@ def store(
 
 
 @pytest.fixture(scope="module")
-def site(store: SqliteLightningStore) -> Iterator[str]:
+def site(store: LightningStore) -> Iterator[str]:
     with ThreadedServer(create_ui(store), name="agl ui under test") as server:
         yield f"http://127.0.0.1:{server.port}"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        # --no-sandbox: CI containers run as root, where Chromium's sandbox refuses to start
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield launched
-        launched.close()
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = Path(os.environ.get("AGL_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
-    folder.mkdir(parents=True, exist_ok=True)
-    print(f"screenshots in {folder}")
-    return folder
 
 
 def test_from_the_list_to_the_prompt_and_response_that_became_a_sample(browser, site, store, shots):

@@ -135,6 +135,8 @@ def _selection_form(detail: RolloutDetail, root: str) -> str:
         return f'<h2>Training samples</h2>{form}<div class="error-box">{esc(s.error)}</div>'
     lines = [f"{len(s.samples)} of {s.llm_calls} LLM calls become training samples (highlighted)."]
     lines += [f"{n} left out: {reason}." for reason, n in s.left_out.items()]
+    if s.advantages.note:
+        lines.append(s.advantages.note)
     return f"<h2>Training samples</h2>{form}" + "".join(f'<p class="note">{esc(line)}</p>' for line in lines)
 
 
@@ -150,7 +152,7 @@ def _span(node: TreeNode, selection: Selection) -> str:
     if sample is not None:
         title.append(
             f'<span class="badge sample">training sample: policy {esc(sample.policy)}, call {sample.step}, '
-            f"reward {esc(number(sample.reward))}</span>"
+            f"reward {esc(number(sample.reward))}{_advantage(selection, span.span_id)}</span>"
         )
     elif span.kind == "llm" and not selection.error:
         title.append('<span class="badge skip">not trained</span>')
@@ -170,6 +172,12 @@ def _span(node: TreeNode, selection: Selection) -> str:
         f'<div class="{" ".join(classes)}" id="span-{esc(span.span_id)}" style="margin-left:{node.depth * 22}px">'
         f"<div>{' &middot; '.join(title)}</div>{body}</div>"
     )
+
+
+def _advantage(selection: Selection, span_id: str) -> str:
+    """ ", advantage A" when the sample's group gave it one (the page's note says why not otherwise)."""
+    value = selection.advantages.by_span.get(span_id)
+    return "" if value is None else f', advantage <b class="advantage">{esc(number(value))}</b>'
 
 
 def _llm(a: Dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """What the pages read from a store, through the store's own query API only (any backend: SQLite,
 PostgreSQL, the HTTP client): a page of rollouts, one rollout with its attempts and spans, and which of its
-LLM calls an ``agent_match`` turns into training samples (LightningRL's own selection, not a copy of it)."""
+LLM calls an ``agent_match`` turns into training samples (LightningRL's own selection, not a copy of it), with
+their advantages (:mod:`agl.ui.advantages`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from agl.lightningrl.tree import TreeNode, build_tree
 from agl.lightningrl.types import Transition
 from agl.store.base import LightningStore
 from agl.types import Attempt, Rollout, Span
+from agl.ui.advantages import Advantages, group_advantages
 
 STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"]
 MODES = ["train", "val", "dev"]
@@ -118,6 +120,7 @@ class Selection:
     llm_calls: int = 0
     left_out: Dict[str, int] = field(default_factory=dict)  # reason -> calls
     error: Optional[str] = None  # a bad pattern, or why LightningRL refuses this attempt
+    advantages: Advantages = field(default_factory=Advantages)  # of the samples, in their group's batch
 
 
 @dataclass
@@ -138,18 +141,22 @@ def rollout_detail(
     agent_match: Optional[str],
 ) -> RolloutDetail:
     """One rollout: its attempts, the spans of ``attempt_id`` (default: the latest) as a tree, and the samples
-    ``agent_match`` selects there. Unknown ids raise the store's Unknown*Error (a 404 page)."""
+    ``agent_match`` selects there with their advantages. Unknown ids raise the store's Unknown*Error (a 404 page)."""
     rollout = store.get_rollout(rollout_id)
     attempts = store.query_attempts(rollout_id)
     shown = attempt_id or (attempts[-1].attempt_id if attempts else None)
     spans = store.query_spans(rollout_id, shown) if shown else []
     nodes = list(build_tree(spans).walk()) if spans else []
+    selection = select_samples(rollout, spans, agent_match)
+    if selection.samples:
+        adapter = LightningRL(agent_match=selection.agent_match)
+        selection.advantages = group_advantages(store, rollout, shown, attempts[-1].attempt_id, adapter)
     return RolloutDetail(
         rollout=rollout,
         attempts=attempts,
         attempt_id=shown,
         tree=nodes,
-        selection=select_samples(rollout, spans, agent_match),
+        selection=selection,
         versions=versions.of(store, [rollout.resources_id]),
     )
 
