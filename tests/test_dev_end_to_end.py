@@ -14,21 +14,9 @@ import agl
 from agl import semconv
 from agl.cli import main as agl_main
 from agl.store import EnqueueRequest, SqliteLightningStore
+from agl.testing import ADD_TOOL
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two numbers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                "required": ["a", "b"],
-            },
-        },
-    }
-]
+TOOLS = [ADD_TOOL]
 
 
 @agl.tool

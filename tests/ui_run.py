@@ -19,22 +19,10 @@ from openai import OpenAI
 
 import agl
 from agl import semconv
+from agl.testing import ADD_TOOL
 
 SCRIPT = "<script>alert(1)</script>"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two numbers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                "required": ["a", "b"],
-            },
-        },
-    }
-]
+TOOLS = [ADD_TOOL]
 # The fake model always adds right: a task whose expected answer is off gets reward 0 (a wrong answer).
 TASKS: List[Dict[str, Any]] = [
     {"id": f"t{i}", "question": f"What is {i} plus {i + 10}?", "answer": 2 * i + 10 + (i % 3 == 2)} for i in range(6)

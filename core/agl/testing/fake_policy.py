@@ -28,6 +28,20 @@ ChatTool = Mapping[str, Any]
 ToolChoice = str | Mapping[str, Any] | None
 """``"auto" | "none" | "required"`` or a named function, in the chat or the Responses spelling."""
 
+#: A calculator tool for tests and examples: the default policy calls it with the question's numbers.
+ADD_TOOL: ChatTool = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _WORD = re.compile(r"\S+\s*|\s+")
 _ARGUMENT_PIECE = 8  # characters of tool call arguments per streamed delta
