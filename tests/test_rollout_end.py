@@ -143,8 +143,8 @@ def test_the_agent_of_a_timed_out_rollout_can_no_longer_call_the_model(
         rollout_timeout=1.0,
         initial_resources={"llm": agl.LLM(endpoint=fake_openai.base_url, model="m")},
     )
-    late, following = trainer.dev(
-        _slow_sync, [{"q": "late", "delay": 1.5}, {"q": "next", "delay": 0.1}], print_table=False
+    late, following = trainer.dev(  # the late call comes 2 s after the timeout: dev() has returned by then
+        _slow_sync, [{"q": "late", "delay": 3.0}, {"q": "next", "delay": 0.1}], print_table=False
     )
     assert not _AGENT_DONE.is_set(), "the late call came before dev() returned: it tests nothing"
     assert _AGENT_DONE.wait(10)
