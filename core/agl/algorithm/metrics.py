@@ -39,6 +39,8 @@ _CONSOLE = (
     ("gen_tokens_per_s", "gen {:.0f} tok/s"),
     ("train_tokens_per_s", "train {:.0f} tok/s"),
     ("step_time_s", "{:.0f}s"),
+    ("llm_calls_per_rollout", "calls/rollout {:.1f}"),  # agl.algorithm.tool_calls
+    ("tool_call_validity", "tool calls ok {:.0%}"),  # only when the model tried tool calls
 )
 
 

