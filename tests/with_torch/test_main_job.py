@@ -5,7 +5,6 @@ itself is measured with SmolLM2 by the job (docs/training.md), not asserted here
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import signal
 import subprocess
@@ -14,35 +13,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from example_jobs import job_module, load
 
-import agl
 from agl.testing.interrupts import default_sigint
 
 JOB = Path(__file__).resolve().parents[2] / "examples" / "main_job"
 
 
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"main_job_{name}", JOB / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def job() -> Any:
-    sys.path.insert(0, str(JOB))
-    try:
-        yield _load("train")
-    finally:
-        sys.path.remove(str(JOB))
-        agl.uninstrument()
+    with job_module("main_job") as module:
+        yield module
 
 
 def test_reward_wants_the_exact_sentence_with_the_right_number() -> None:
     sys.path.insert(0, str(JOB))
     try:
-        agent = _load("langgraph_math_agent")
+        agent = load("main_job", "langgraph_math_agent")
     finally:
         sys.path.remove(str(JOB))
     assert agent.reward(" The answer is 52.\n", 52) == 1.0

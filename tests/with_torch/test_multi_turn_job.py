@@ -6,12 +6,12 @@ measured with SmolLM2 by the job (docs/training.md), not asserted here."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from example_jobs import job_module
 
 import agl
 from agl.algorithm.tool_calls import ToolCallStats
@@ -19,22 +19,10 @@ from agl.algorithm.tool_calls import ToolCallStats
 JOB = Path(__file__).resolve().parents[2] / "examples" / "multi_turn"
 
 
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"multi_turn_{name}", JOB / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def job() -> Any:
-    sys.path.insert(0, str(JOB))
-    try:
-        yield _load("train")
-    finally:
-        sys.path.remove(str(JOB))
-        agl.uninstrument()
+    with job_module("multi_turn") as module:
+        yield module
 
 
 def test_reward_wants_the_right_number_from_the_last_tool_or_the_structured_answer(job: Any) -> None:
