@@ -14,6 +14,7 @@ import agl
 from agl.errors import StoreUnavailableError
 from agl.store import SqliteLightningStore
 from agl.store.http.server import ServerThread, TokenSet, create_app
+from agl.testing.spans import incompressible_text
 from agl.types import Rollout, Span
 
 
@@ -118,7 +119,7 @@ def test_a_failed_deletion_is_logged_and_training_goes_on(tmp_path: Path, caplog
 
 @agl.rollout
 def wordy_agent(task: Dict[str, Any]) -> None:
-    agl.emit_message("x" * 20_000)  # a long prompt's worth of text per rollout
+    agl.emit_message(incompressible_text(20_000, seed=task["n"]))  # a long prompt's worth of text per rollout
     agl.emit_reward(1.0)
 
 

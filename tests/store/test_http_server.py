@@ -34,6 +34,7 @@ from agl.store.http.client import RemoteLightningStore
 from agl.store.http.server import ServerLimits, ServerThread, TokenSet, create_app
 from agl.store.memory import InMemoryLightningStore
 from agl.store.postgres.store import PostgresLightningStore
+from agl.testing.spans import incompressible_text
 from agl.types import LLM, RolloutConfig
 
 TOKEN = "s3cret-token"
@@ -342,7 +343,7 @@ def test_oversize_bodies_get_413_and_change_nothing(tmp_path: Path) -> None:
 
         assert served.client.add_spans([Span.model_validate(s) for s in spans]) == 60
         assert len(served.backing.query_spans(rollout.rollout_id)) == 60
-        huge = Span.model_validate(span_json(rollout, "f" * 16, attributes={"pad": "x" * 10_000}))
+        huge = Span.model_validate(span_json(rollout, "f" * 16, attributes={"pad": incompressible_text(10_000)}))
         with pytest.raises(StoreRequestError, match="limit of 4096 bytes"):
             served.client.add_spans([huge])
     finally:

@@ -12,9 +12,10 @@ import pytest
 
 from agl.store import SqliteLightningStore
 from agl.store.sqlite import database as sqlite_module
+from agl.testing.spans import incompressible_text
 
 fork = multiprocessing.get_context("fork")
-HEAVY = {"payload": "x" * 9_000}  # an LLM span with its token ids is a row of this size
+HEAVY = {"payload": incompressible_text(9_000)}  # a row of ~9 KB, as a long LLM span is
 
 
 def _write_heavy(store: SqliteLightningStore, make_span: Any, n: int, batch: int = 50) -> None:

@@ -73,24 +73,6 @@ def check_new_rollout_ids(requests: Sequence[Any], is_stored: Callable[[str], bo
         seen.add(rollout_id)
 
 
-def encode_span(span: Any) -> bytes:
-    """A span's JSON as every backend stores it (see :func:`storable_span`), or the InvalidSpanError every
-    backend raises for a non-Span or an unserialisable value."""
-    span = storable_span(span)
-    try:
-        try:
-            return span.model_dump_json().encode()
-        except PydanticSerializationError as exc:
-            if not is_surrogate_error(exc):
-                raise
-        return json_value(span).model_dump_json().encode()  # its attributes or events hold a lone surrogate
-    except PydanticSerializationError as exc:
-        raise InvalidSpanError(
-            f"span {span.span_id!r} ({span.name!r}) has a value that is not JSON-serialisable: {exc}; "
-            "nothing of this batch was stored"
-        ) from exc
-
-
 def check_limit(limit: int) -> None:
     if limit < 1:
         raise ValueError(f"dequeue limit must be at least 1, got {limit}")

@@ -55,6 +55,8 @@ class Dialect:
     arrival: str
     #: The expression of a queue position behind every queued rollout.
     next_queue_pos: str
+    #: What a span is read as: ``SPAN_COLS``, or the schema's own expressions for its columns.
+    span_cols: str = SPAN_COLS
 
     @property
     def param(self) -> str:
@@ -115,19 +117,19 @@ def query_spans(d: Dialect, c: Any, rollout_id: str, attempt_id: Optional[str]) 
     spans, attempts, p, by_arrival = f"{d.prefix}spans", f"{d.prefix}attempts", d.param, f"s.sequence_id, {d.arrival}"
     if attempt_id == "latest":
         sql = (
-            f"SELECT {SPAN_COLS} FROM {spans} s "
+            f"SELECT {d.span_cols} FROM {spans} s "
             f"WHERE s.aid = (SELECT latest_aid FROM {d.prefix}rollouts WHERE rollout_id = {p}) ORDER BY {by_arrival}"
         )
         rows = c.execute(sql, (rollout_id,)).fetchall()
     elif attempt_id is None:
         sql = (
-            f"SELECT {SPAN_COLS} FROM {attempts} a JOIN {spans} s ON s.aid = a.aid "
+            f"SELECT {d.span_cols} FROM {attempts} a JOIN {spans} s ON s.aid = a.aid "
             f"WHERE a.rollout_id = {p} ORDER BY a.sequence, {by_arrival}"
         )
         rows = c.execute(sql, (rollout_id,)).fetchall()
     else:
         sql = (
-            f"SELECT {SPAN_COLS} FROM {attempts} a JOIN {spans} s ON s.aid = a.aid "
+            f"SELECT {d.span_cols} FROM {attempts} a JOIN {spans} s ON s.aid = a.aid "
             f"WHERE a.rollout_id = {p} AND a.attempt_id = {p} ORDER BY {by_arrival}"
         )
         rows = c.execute(sql, (rollout_id, attempt_id)).fetchall()

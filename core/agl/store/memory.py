@@ -1,8 +1,8 @@
 """The in-memory store: one process, one lock, a Condition to wake waiters. For tests and notebooks.
 
 It behaves exactly like the persistent backends (it passes the same contract suite): inputs, metadata
-and spans go through the same JSON encoding on the way in, so what is not JSON-serialisable fails here
-too, and nothing a caller gets back aliases the store's own state.
+and spans go through the same encoding on the way in (spans kept as SQLite's compact rows), so what is not
+JSON-serialisable fails here too, and nothing a caller gets back aliases the store's own state.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from agl.errors import (
 )
 from agl.store import _rules
 from agl.store.base import Completion, EnqueueRequest, LightningStore, RolloutQuery, StoreStats
+from agl.store.sqlite.schema import span_from_row, storable_row
 from agl.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
@@ -41,9 +42,19 @@ class _Record:
 
     rollout: Rollout
     attempts: List[Attempt] = field(default_factory=list)
-    # attempt_id -> span_id -> (sequence_id, encoded span); dicts keep insertion order for ties
-    spans: Dict[str, Dict[str, Tuple[int, bytes]]] = field(default_factory=dict)
+    # attempt_id -> span_id -> the span's row as SQLite stores it (compact attributes); insertion order breaks ties
+    spans: Dict[str, Dict[str, Tuple[Any, ...]]] = field(default_factory=dict)
     deadline: Optional[float] = None  # of the live attempt
+
+
+def span_row(span: Span) -> Tuple[Any, ...]:
+    """A span as this store keeps it: SQLite's row, whose attributes are compact bytes (a span takes a third of
+    the memory its objects would, and nothing returned aliases what is kept)."""
+    return storable_row(span)
+
+
+def _sequence_id(row: Tuple[Any, ...]) -> int:
+    return row[3]
 
 
 def _json_copy(value: Any, what: str) -> Any:
@@ -306,7 +317,7 @@ class InMemoryLightningStore(LightningStore):
 
     # -- spans ---------------------------------------------------------------------------------------------
     def add_spans(self, spans: Sequence[Span]) -> int:
-        encoded: List[Tuple[Span, bytes]] = [(span, _rules.encode_span(span)) for span in spans]
+        encoded: List[Tuple[Span, Tuple[Any, ...]]] = [(span, span_row(span)) for span in spans]
         with self._cond:
             attempts: Dict[Tuple[str, str], Tuple[_Record, Attempt]] = {}
             for span, _ in encoded:
@@ -318,7 +329,7 @@ class InMemoryLightningStore(LightningStore):
             for span, data in encoded:
                 by_id = attempts[(span.rollout_id, span.attempt_id)][0].spans.setdefault(span.attempt_id, {})
                 if span.span_id not in by_id:
-                    by_id[span.span_id] = (span.sequence_id, data)
+                    by_id[span.span_id] = data
                     stored += 1
             now = time.time()
             for record, attempt in attempts.values():
@@ -336,8 +347,8 @@ class InMemoryLightningStore(LightningStore):
                 chosen = record.attempts
             else:
                 chosen = [self._attempt(record, attempt_id)]
-            rows = [sorted(record.spans.get(a.attempt_id, {}).values(), key=lambda item: item[0]) for a in chosen]
-        return [Span.model_validate_json(data) for per_attempt in rows for _, data in per_attempt]
+            rows = [sorted(record.spans.get(a.attempt_id, {}).values(), key=_sequence_id) for a in chosen]
+        return [span_from_row(row) for per_attempt in rows for row in per_attempt]
 
     def delete_spans(self, rollout_ids: Sequence[str]) -> int:
         with self._cond:

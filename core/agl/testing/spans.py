@@ -3,6 +3,8 @@ emitted in a framework's tool must get (every adapter's suite checks the same co
 
 from __future__ import annotations
 
+import base64
+import random
 from typing import Any, List, Sequence, Tuple
 
 from agl import semconv
@@ -39,3 +41,9 @@ def assert_tool_reward_credited(spans: Sequence[Span], value: float) -> None:
     first_call = min((s for s in spans if s.kind == "llm"), key=lambda s: s.sequence_id)
     step = CallLinks(build_tree(spans)).step_rewards()
     assert step.by_call == {first_call.span_id: {"primary": value}} and step.unattributed == 0, step
+
+
+def incompressible_text(n_bytes: int, seed: int = 0) -> str:
+    """Text whose stored size is about ``n_bytes`` however it is compressed (random bytes as base64): for tests
+    about large rows and bodies, which spans' compression would otherwise shrink to nothing."""
+    return base64.b64encode(random.Random(seed).randbytes(n_bytes)).decode()

@@ -33,7 +33,7 @@ from agl.store.postgres.failures import (
     _raise_failure,
 )
 from agl.store.postgres.notifications import _Notifications
-from agl.store.postgres.schema import SCHEMA, SCHEMA_LOCK_KEY, SCHEMA_VERSION
+from agl.store.postgres.schema import MIGRATIONS, SCHEMA, SCHEMA_LOCK_KEY, SCHEMA_VERSION
 
 logger = logging.getLogger("agl.store.postgres.store")  # the store's one logger, whichever module logs
 
@@ -137,7 +137,13 @@ class PostgresDatabase:
                     )
                 if version == SCHEMA_VERSION:
                     return
-                raise AglError(  # no older schema exists yet: this can only be a damaged or foreign table
+                if version in MIGRATIONS:  # an older agl's store: brought up to date in this transaction
+                    for old in range(version, SCHEMA_VERSION):
+                        for statement in MIGRATIONS[old]:
+                            conn.execute(statement)  # constant SQL
+                    conn.execute("UPDATE agl_schema SET version = %s", (SCHEMA_VERSION,))
+                    return
+                raise AglError(  # no older schema than 1 exists: this can only be a damaged or foreign table
                     f"the database {redacted(self.dsn)} has an agl_schema table with version {version}, which no agl "
                     "wrote; use an empty database (or drop the agl_* tables)"
                 )

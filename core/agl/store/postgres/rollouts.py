@@ -25,6 +25,7 @@ from agl.store.postgres.schema import (
     INSERT_ROLLOUT,
     LIVE_ATTEMPT,
     NEXT_DEADLINE,
+    PG_SPAN_COLS,
     QUEUE_CHANNEL,
     RENEW_HEARTBEATS,
     SELECT_ROLLOUTS,
@@ -38,7 +39,14 @@ from agl.types import Attempt, Rollout, new_id
 T = TypeVar("T")
 
 #: How the statements shared with the SQLite store (:mod:`agl.store._sql`) are spelled here.
-DIALECT = _sql.Dialect(_sql.FORMAT, "agl_", SELECT_ROLLOUTS, arrival="s.sid", next_queue_pos="nextval('agl_queue_pos')")
+DIALECT = _sql.Dialect(
+    _sql.FORMAT,
+    "agl_",
+    SELECT_ROLLOUTS,
+    arrival="s.sid",
+    next_queue_pos="nextval('agl_queue_pos')",
+    span_cols=PG_SPAN_COLS,
+)
 
 ROLLOUT_EXISTS = "SELECT 1 FROM agl_rollouts WHERE rollout_id = %s"
 

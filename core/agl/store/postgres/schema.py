@@ -2,8 +2,12 @@
 
 Layout choices:
 - The same columns, in the same order, as the SQLite store (:mod:`agl.store.sqlite.schema`), so both
-  share one set of row conversions. Inputs, metadata, attributes and events are JSON kept as ``text``,
-  not ``jsonb``: ``jsonb`` reorders object keys, and what a caller stored must read back as it was.
+  share one set of row conversions. Inputs, metadata and events are JSON kept as ``text``, not ``jsonb``:
+  ``jsonb`` reorders object keys, and what a caller stored must read back as it was. A span's attributes are
+  compact bytes (:mod:`agl.store.span_codec`) in ``payload``; rows of schema 1 keep their JSON ``attributes``
+  (and a NULL ``payload``), which read the same. Rows up to half a page stay in the table
+  (``toast_tuple_target``): payloads are compressed already, and moving each ~2 KB one to TOAST took ~12% more
+  bytes; longer ones go to TOAST, as a row of more than half a page would leave the rest of its page empty.
 - Tables are prefixed ``agl_`` so that the store can live in a database that holds other tables.
 - ``agl_rollouts.queue_pos`` comes from a sequence: a requeued rollout goes to the back of the queue.
   The queue is a partial index over queued rollouts only, read with ``FOR UPDATE SKIP LOCKED`` so that
@@ -19,7 +23,11 @@ import functools
 
 from agl.store.sqlite.schema import ATTEMPT_COLS, ROLLOUT_COLS, SPAN_COLS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: What turns an older schema into this one, by the version it starts from.
+MIGRATIONS = {
+    1: ("ALTER TABLE agl_spans ADD COLUMN payload bytea", "ALTER TABLE agl_spans SET (toast_tuple_target = 4080)")
+}
 
 #: Serialises schema creation between machines that open a new database at the same moment.
 SCHEMA_LOCK_KEY = 0x61676C5F73636865  # "agl_sche"
@@ -85,8 +93,9 @@ CREATE TABLE agl_spans (
     error text,
     attributes text NOT NULL,
     events text NOT NULL,
+    payload bytea,
     UNIQUE (aid, span_id)
-);
+) WITH (toast_tuple_target = 4080);
 CREATE TABLE agl_resources (
     version integer PRIMARY KEY,
     resources_id text NOT NULL UNIQUE,
@@ -227,15 +236,17 @@ SERVER_START = "SELECT extract(epoch FROM pg_postmaster_start_time())::float8"
 
 SPAN_COLUMNS = (
     "aid, rollout_id, attempt_id, span_id, sequence_id, trace_id, parent_id, name, kind, start_time, end_time, "
-    "status, error, attributes, events"
+    "status, error, attributes, events, payload"
 )
+#: SPAN_COLS as read here: the compact payload, or a schema-1 row's JSON attributes as bytes.
+PG_SPAN_COLS = SPAN_COLS.replace("s.attributes", "coalesce(s.payload, convert_to(s.attributes, 'UTF8'))")
 # The fast way in for spans none of which is stored yet (a stored one makes it fail: UniqueViolation).
 COPY_SPANS = f"COPY agl_spans ({SPAN_COLUMNS}) FROM STDIN"
 # The way that skips stored spans; one array per column: one statement for a batch of any size.
 INSERT_SPANS = (
     f"INSERT INTO agl_spans ({SPAN_COLUMNS}) "
     "SELECT * FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::text[], %s::bigint[], %s::text[], %s::text[], "
-    "%s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::text[], %s::text[]) "
+    "%s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::text[], %s::text[], %s::bytea[]) "
     "ON CONFLICT (aid, span_id) DO NOTHING"
 )
 
@@ -263,7 +274,8 @@ SPAN_ATTEMPTS = (
 )
 
 # A small batch of spans in one statement (one round trip, committed on its own; COPY_SPANS takes more
-# round trips but is faster for big batches): the spans come as one JSON array of span_to_row rows, without
+# round trips but is faster for big batches): the spans come as one JSON array of ``pg_row`` rows (the payload
+# in base64), without
 # repeats (a JSON text is ~50 times cheaper to build than psycopg's text arrays, which escape every element
 # with a regular expression); they are stored only if every (rollout_id, attempt_id) of the batch is known
 # (``n_keys`` pairs); stored ones are skipped; each running attempt named gets a heartbeat (its deadline per
@@ -272,13 +284,14 @@ SPAN_ATTEMPTS = (
 ADD_SPANS = (
     "WITH v AS (SELECT e->>0 AS rollout_id, e->>1 AS attempt_id, e->>2 AS span_id, (e->>3)::bigint AS sequence_id, "
     "e->>4 AS trace_id, e->>5 AS parent_id, e->>6 AS name, e->>7 AS kind, (e->>8)::bigint AS start_time, "
-    "(e->>9)::bigint AS end_time, e->>10 AS status, e->>11 AS error, e->>12 AS attributes, e->>13 AS events, k "
+    "(e->>9)::bigint AS end_time, e->>10 AS status, e->>11 AS error, e->>12 AS attributes, e->>13 AS events, "
+    "decode(e->>14, 'base64') AS payload, k "
     "FROM jsonb_array_elements(%(spans)s::jsonb) WITH ORDINALITY AS j(e, k)), "
     f"k AS (SELECT a.* FROM (SELECT DISTINCT rollout_id, attempt_id FROM v) q, {_ATTEMPT_OF_KEY} a), "
     "ok AS (SELECT count(*) = %(n_keys)s AS known FROM k), "
     f"ins AS (INSERT INTO agl_spans ({SPAN_COLUMNS}) SELECT k.aid, v.rollout_id, v.attempt_id, v.span_id, "
     "v.sequence_id, v.trace_id, v.parent_id, v.name, v.kind, v.start_time, v.end_time, v.status, v.error, "
-    "v.attributes, v.events FROM v JOIN k ON k.rollout_id = v.rollout_id AND k.attempt_id = v.attempt_id "
+    "v.attributes, v.events, v.payload FROM v JOIN k ON k.rollout_id = v.rollout_id AND k.attempt_id = v.attempt_id "
     "WHERE (SELECT known FROM ok) ORDER BY v.k ON CONFLICT (aid, span_id) DO NOTHING RETURNING 1), "
     "hb AS (UPDATE agl_attempts a SET last_heartbeat = %(now)s, "
     "deadline = least(k.start_time + k.timeout_seconds, %(now)s + k.heartbeat_timeout_seconds) FROM k "
@@ -311,4 +324,6 @@ __all__ = [
     "SELECT_ROLLOUTS",
     "SPAN_ATTEMPTS",
     "SPAN_COLS",
+    "PG_SPAN_COLS",
+    "MIGRATIONS",
 ]

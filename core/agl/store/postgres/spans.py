@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from psycopg import errors as pg_errors
@@ -12,7 +13,7 @@ from agl.errors import UnknownRolloutError
 from agl.store import _rules, _sql
 from agl.store.postgres.rollouts import DIALECT, PostgresRollouts
 from agl.store.postgres.schema import ADD_SPANS, COPY_SPANS, HEARTBEATS, INSERT_SPANS, SPAN_ATTEMPTS
-from agl.store.sqlite.schema import span_to_row
+from agl.store.sqlite.schema import storable_row
 from agl.types import Span
 
 # Batches of up to this many spans go in with one statement (ADD_SPANS); bigger ones with COPY, which takes
@@ -20,11 +21,19 @@ from agl.types import Span
 _SMALL_SPAN_BATCH = 64
 
 
+def pg_row(span: Span) -> Tuple[Any, ...]:
+    """``span_to_row`` for ``agl_spans``: the compact attributes go to ``payload``; ``attributes`` stays empty
+    (it holds JSON in rows of schema 1 only)."""
+    row = storable_row(span)
+    return row[:12] + ("", row[13], row[12])
+
+
 def _small_batch_params(rows: List[Tuple[Any, ...]], keys: List[Tuple[str, str]]) -> Dict[str, Any]:
-    """ADD_SPANS's parameters: the batch as one JSON array (the first copy of a span in it wins)."""
+    """ADD_SPANS's parameters: the batch as one JSON array, payloads in base64 (the first copy of a span wins)."""
     first: Dict[Tuple[str, str, str], Tuple[Any, ...]] = {}
     for row in rows:
-        first.setdefault(row[:3], row)
+        if row[:3] not in first:
+            first[row[:3]] = row[:14] + (base64.b64encode(row[14]).decode(),)
     return {"spans": to_json(list(first.values())).decode(), "n_keys": len(keys)}
 
 
@@ -35,7 +44,7 @@ class PostgresSpans(PostgresRollouts):
         if not spans:
             self._state()
             return 0
-        rows = [span_to_row(_rules.storable_span(span)) for span in spans]  # encoded before any round trip
+        rows = [pg_row(span) for span in spans]  # encoded before any round trip
         keys = list(dict.fromkeys((row[0], row[1]) for row in rows))
         if len(rows) <= _SMALL_SPAN_BATCH:
             return self._add_small_batch(rows, keys)

@@ -13,13 +13,14 @@ it touched to the WAL):
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence, Tuple
+from typing import Any, Dict, Iterable, Sequence, Tuple
 
 from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from agl.errors import InvalidSpanError
 from agl.store import _rules
-from agl.types import Attempt, Rollout, RolloutConfig, Span, trusted
+from agl.store.span_codec import decode_attributes, encode_attributes
+from agl.types import Attempt, Rollout, RolloutConfig, Span, SpanEvent, trusted
 
 SCHEMA_VERSION = 1
 
@@ -99,8 +100,9 @@ ATTEMPT_COLS = (
     "a.rollout_id, a.attempt_id, a.sequence, a.runner_id, a.status, a.start_time, a.end_time, a.last_heartbeat, a.error"
 )
 SELECT_ROLLOUTS = f"SELECT {ROLLOUT_COLS}, {ATTEMPT_COLS} FROM rollouts r LEFT JOIN attempts a ON a.aid = r.latest_aid"
+# In INSERT_SPAN's order, so that a row as inserted (span_to_row) reads back as one selected (span_from_row).
 SPAN_COLS = (
-    "s.rollout_id, s.attempt_id, s.sequence_id, s.trace_id, s.span_id, s.parent_id, s.name, s.kind, "
+    "s.rollout_id, s.attempt_id, s.span_id, s.sequence_id, s.trace_id, s.parent_id, s.name, s.kind, "
     "s.start_time, s.end_time, s.status, s.error, s.attributes, s.events"
 )
 #: The Span field of each of ``SPAN_COLS``, in order (``s.rollout_id`` holds ``rollout_id``).
@@ -169,11 +171,12 @@ def rollout_from_row(row: Sequence[Any]) -> Rollout:
 
 
 def span_to_row(span: Span) -> Tuple[Any, ...]:
-    """``INSERT_SPAN`` parameters without the leading ``aid`` (known only inside the transaction)."""
+    """``INSERT_SPAN`` parameters without the leading ``aid`` (known only inside the transaction); the attributes in
+    their compact form (:mod:`agl.store.span_codec`), which every backend stores."""
     if not isinstance(span, Span):
         raise InvalidSpanError(f"add_spans takes agl.types.Span objects, got {type(span).__name__}")
     try:
-        attributes = _rules.json_bytes(span.attributes).decode() if span.attributes else "{}"
+        attributes = encode_attributes(span.attributes)
         events = _rules.json_bytes(span.events).decode() if span.events else "[]"
     except PydanticSerializationError as exc:
         raise InvalidSpanError(
@@ -198,11 +201,25 @@ def span_to_row(span: Span) -> Tuple[Any, ...]:
     )
 
 
-def span_from_row(row: Sequence[Any]) -> Span:
-    """A ``SPAN_COLS`` row."""
+def storable_row(span: Any) -> Tuple[Any, ...]:
+    """``span_to_row`` of ``span`` as every backend stores it (``_rules.storable_span``), or its InvalidSpanError."""
+    return span_to_row(_rules.storable_span(span))
+
+
+def span_fields(row: Sequence[Any]) -> Dict[str, Any]:
+    """A ``SPAN_COLS`` row as a Span's fields, events as plain dicts. Its attributes are compact or, in rows an
+    older agl wrote, JSON text; both read the same."""
     fields = dict(zip(_SPAN_FIELDS, row))
-    fields["attributes"], fields["events"] = from_json(fields["attributes"]), from_json(fields["events"])
-    return Span(**fields)
+    fields["attributes"] = decode_attributes(fields["attributes"])
+    fields["events"] = from_json(fields["events"])
+    return fields
+
+
+def span_from_row(row: Sequence[Any]) -> Span:
+    """A ``SPAN_COLS`` row (the store's own, so built without validation; see ``agl.types.trusted``)."""
+    fields = span_fields(row)
+    fields["events"] = [trusted(SpanEvent, event) for event in fields["events"]]
+    return trusted(Span, fields)
 
 
 def json_list(values: Iterable[str]) -> str:

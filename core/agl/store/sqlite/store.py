@@ -36,7 +36,7 @@ from agl.store.sqlite.schema import (
     insert_spans_sql,
     json_list,
     rollout_from_row,
-    span_to_row,
+    storable_row,
 )
 from agl.types import TERMINAL_ROLLOUT_STATUSES, Attempt, Resource, ResourcesUpdate, Rollout, Span, new_id
 
@@ -365,7 +365,7 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
     def add_spans(self, spans: Sequence[Span]) -> int:
         if not spans:
             return 0
-        rows = [span_to_row(_rules.storable_span(span)) for span in spans]  # encoded before taking the write lock
+        rows = [storable_row(span) for span in spans]  # encoded before taking the write lock
         now = time.time()
         with self._write() as c:
             aids: Dict[Tuple[str, str], int] = {}

@@ -3,21 +3,37 @@ an attempt's spans, delete the spans of finished rollouts. OpenTelemetry exporte
 
 from __future__ import annotations
 
+from typing import List
+
 from fastapi import Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from agl.store.base import AsyncRolloutCalls
 from agl.store.http.server.context import context_of
 from agl.store.http.server.routing import StoreRouter, as_json, parse_body
 from agl.store.http.wire import Deleted, DeleteSpansBody, SpanList, SpansBody, Stored
+from agl.store.span_codec import SPANS_MEDIA_TYPE, frame_rows, span_frame
+from agl.store.sqlite.schema import span_fields, span_to_row
+from agl.types import Span
 
 router = StoreRouter("spans")
 
 
-@router.post("/spans", body=SpansBody, response_model=Stored, summary="store spans (insert-only, idempotent)")
+@router.post(
+    "/spans",
+    body=SpansBody,
+    response_model=Stored,
+    summary="store spans (insert-only, idempotent)",
+    description=f"JSON, or agl's binary span batch (Content-Type: {SPANS_MEDIA_TYPE}, as agl's client sends).",
+)
 async def add_spans(request: Request) -> Response:
     ctx = context_of(request)
-    body = await parse_body(request, SpansBody)
+    if request.headers.get("content-type") == SPANS_MEDIA_TYPE:
+        body = await _framed_spans(request)
+    else:
+        body = await parse_body(request, SpansBody)
 
     async def on_loop(native: AsyncRolloutCalls) -> Response:
         return as_json(Stored(stored=await native.aadd_spans(body.spans)))
@@ -38,7 +54,11 @@ async def delete_spans(request: Request) -> Response:
     return await ctx.run(lambda: ctx.once(request, call))
 
 
-@router.get("/rollouts/{rollout_id}/spans", response_model=SpanList)
+@router.get(
+    "/rollouts/{rollout_id}/spans",
+    response_model=SpanList,
+    description=f"JSON, or agl's binary span batch for a request that accepts {SPANS_MEDIA_TYPE}.",
+)
 async def query_spans(
     request: Request,
     rollout_id: str,
@@ -46,4 +66,22 @@ async def query_spans(
 ) -> Response:
     ctx = context_of(request)
     which = None if attempt_id == "all" else attempt_id
+    if SPANS_MEDIA_TYPE in request.headers.get("accept", ""):
+        return await ctx.run(lambda: _frames(ctx.store.query_spans(rollout_id, which)))
     return await ctx.run(lambda: as_json(SpanList(spans=ctx.store.query_spans(rollout_id, which))))
+
+
+async def _framed_spans(request: Request) -> SpansBody:
+    """A binary span batch, validated as its JSON would be (a malformed one: the same 422)."""
+    try:
+        rows = frame_rows(await request.body())
+        return SpansBody.model_validate({"spans": [span_fields(row) for row in rows]})
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+    except ValueError as exc:
+        problem = {"type": "value_error", "loc": ("body",), "msg": str(exc), "input": None}
+        raise RequestValidationError([problem]) from None
+
+
+def _frames(spans: List[Span]) -> Response:
+    return Response(b"".join(span_frame(span_to_row(span)) for span in spans), media_type=SPANS_MEDIA_TYPE)

@@ -1,0 +1,170 @@
+"""Compact span attributes: token ids and logprobs as packed binary arrays, the rest JSON, compressed when large.
+
+Why: an LLM span's token ids as JSON text are ~7 bytes an id (61% of a span's bytes), and its prompt
+messages are text that compresses 2-3x. Packed, an id from a 50k vocabulary takes 2 bytes; logprobs that a
+server computed in float32 take 4. Every backend stores this one blob (SQLite and the in-memory store in the
+attributes column, PostgreSQL in ``payload``), and the store server sends it on the wire, so a span is encoded
+once on its way in and decoded once on its way out. Reads return exactly what was written: ids as ints, a
+logprob list as the same floats (float64 when float32 would change one), the attributes in their order.
+
+Layout (little-endian): ``MAGIC``, the number of arrays, then per array its key's index in ``PACKED_KEYS``,
+its position among the attributes, its type code and length, and its bytes; then a flag (0 plain, 1 zstd) and
+the other attributes as one JSON object. A JSON text (what agl wrote before) starts with ``{``, never ``MAGIC``.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
+
+import zstandard
+from pydantic_core import from_json
+
+from agl import semconv
+from agl.store import _rules
+
+MAGIC = 0xA9
+#: Attributes stored as packed arrays, and whether they hold ints (token ids) or floats (logprobs). The
+#: semantic conventions declare these list[int] / list[float]; a bool among ids reads back as 0 or 1.
+PACKED_KEYS: Tuple[Tuple[str, bool], ...] = (
+    (semconv.PROMPT_TOKEN_IDS, True),
+    (semconv.RESPONSE_TOKEN_IDS, True),
+    (semconv.RESPONSE_LOGPROBS, False),
+)
+_KEY_INDEX = {key: (index, is_int) for index, (key, is_int) in enumerate(PACKED_KEYS)}
+_INT_CODES = "HIq"  # the first that holds every id: 2 bytes for vocabularies up to 65,536, 4, then 8
+_SIZES = {"H": 2, "I": 4, "q": 8, "f": 4, "d": 8}
+_HEAD = struct.Struct("<BB")
+_ARRAY_HEAD = struct.Struct("<BHBI")  # key index, position, type code, length
+#: JSON of at least this many bytes is compressed (below it zstd's frame costs more than it saves).
+COMPRESS_FROM = 200
+_PLAIN, _ZSTD = 0, 1
+_local = threading.local()  # zstandard's (de)compressors must not be shared between threads
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    found = getattr(_local, "compressor", None)
+    if found is None:
+        found = _local.compressor = zstandard.ZstdCompressor(level=1)
+    return found
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    found = getattr(_local, "decompressor", None)
+    if found is None:
+        found = _local.decompressor = zstandard.ZstdDecompressor()
+    return found
+
+
+def _packed(values: Any, is_int: bool) -> Union[Tuple[str, bytes], None]:
+    """(type code, bytes) of a list of ids or logprobs, or None if it is not one (it then stays JSON)."""
+    if type(values) not in (list, tuple) or not values:
+        return None
+    n = len(values)
+    if is_int:
+        if type(values[0]) is not int or type(values[-1]) is not int:
+            return None
+        for code in _INT_CODES:
+            try:
+                return code, struct.pack(f"<{n}{code}", *values)
+            except struct.error:  # a value beyond this width (or not an int): try the next
+                continue
+        return None
+    if type(values[0]) is not float or type(values[-1]) is not float:
+        return None
+    try:
+        data = struct.pack(f"<{n}f", *values)
+    except (struct.error, OverflowError):  # beyond float32's range, or not numbers
+        data = b""
+    if data and list(struct.unpack(f"<{n}f", data)) == list(values):  # float32 keeps every value exactly
+        return "f", data
+    try:
+        return "d", struct.pack(f"<{n}d", *values)
+    except struct.error:
+        return None
+
+
+def encode_attributes(attributes: Mapping[str, Any]) -> bytes:
+    """The stored form of a span's attributes. Raises what ``_rules.json_bytes`` raises for a value JSON cannot hold."""
+    arrays: List[bytes] = []
+    rest: Dict[str, Any] = {}
+    for position, (key, value) in enumerate(attributes.items()):
+        found = _KEY_INDEX.get(key)
+        if found is not None:
+            packed = _packed(value, found[1])
+            if packed is not None:
+                code, data = packed
+                arrays.append(_ARRAY_HEAD.pack(found[0], position, ord(code), len(data) // _SIZES[code]))
+                arrays.append(data)
+                continue
+        rest[key] = value
+    text = _rules.json_bytes(rest) if rest else b""
+    flag = _PLAIN
+    if len(text) >= COMPRESS_FROM:
+        squeezed = _compressor().compress(text)
+        if len(squeezed) < len(text):
+            text, flag = squeezed, _ZSTD
+    return b"".join((_HEAD.pack(MAGIC, len(arrays) // 2), *arrays, bytes((flag,)), text))
+
+
+def decode_attributes(stored: Union[bytes, str]) -> Dict[str, Any]:
+    """Attributes as :func:`encode_attributes` stored them, or the JSON text (or bytes) agl wrote before it."""
+    if type(stored) is str or not stored or stored[0] != MAGIC:
+        return from_json(stored) if stored else {}
+    data = memoryview(stored)  # type: ignore[arg-type]
+    _, n_arrays = _HEAD.unpack_from(data, 0)
+    offset = _HEAD.size
+    placed: List[Tuple[int, str, List[Any]]] = []
+    for _ in range(n_arrays):
+        index, position, code, count = _ARRAY_HEAD.unpack_from(data, offset)
+        offset += _ARRAY_HEAD.size
+        kind = chr(code)
+        values = list(struct.unpack_from(f"<{count}{kind}", data, offset))
+        offset += count * _SIZES[kind]
+        placed.append((position, PACKED_KEYS[index][0], values))
+    flag = data[offset]
+    text = bytes(data[offset + 1 :])
+    if flag == _ZSTD:
+        text = _decompressor().decompress(text)
+    rest: Dict[str, Any] = from_json(text) if text else {}
+    if not placed:
+        return rest
+    items = list(rest.items())
+    for position, key, values in placed:  # in position order, as encoded: each lands where it was
+        items.insert(position, (key, values))
+    return dict(items)
+
+
+#: The store server's binary span batches (``POST /v1/spans``, and ``GET .../spans`` when accepted): JSON stays
+#: for every other client, but token ids as JSON text are most of a span's bytes.
+SPANS_MEDIA_TYPE = "application/vnd.agl.spans"
+_U32 = struct.Struct("<I")
+
+
+def span_frame(row: Sequence[Any]) -> bytes:
+    """One span of a binary batch, from its ``span_to_row`` row: the other fields as a JSON list, then the
+    compact attributes, each behind its length. A batch is its spans' frames one after another."""
+    meta = _rules.json_bytes([*row[:12], row[13]])
+    blob = row[12]
+    return b"".join((_U32.pack(len(meta)), meta, _U32.pack(len(blob)), blob))
+
+
+def frame_rows(body: bytes) -> List[Tuple[Any, ...]]:
+    """The ``span_to_row`` rows of a binary batch; ValueError if ``body`` is not one."""
+    rows: List[Tuple[Any, ...]] = []
+    offset, end = 0, len(body)
+    try:
+        while offset < end:
+            (size,) = _U32.unpack_from(body, offset)
+            meta = from_json(body[offset + 4 : offset + 4 + size])
+            offset += 4 + size
+            (size,) = _U32.unpack_from(body, offset)
+            blob = body[offset + 4 : offset + 4 + size]
+            offset += 4 + size
+            if offset > end or not isinstance(meta, list) or len(meta) != 13:
+                raise ValueError("a frame is cut short or its fields are not 13")
+            rows.append((*meta[:12], blob, meta[12]))
+    except (struct.error, ValueError) as exc:
+        raise ValueError(f"not a {SPANS_MEDIA_TYPE} body ({exc})") from None
+    return rows
