@@ -21,6 +21,8 @@
   by Playwright (``apt-get install chromium chromium-driver``; no browser download).
 - ``lint``: ruff (lint + format check) and mypy over the tree.
 - ``benchmarks``: prints the speed figures of benchmarks/ (figures, not pass/fail).
+- ``vs_agent_lightning``: agl and Agent Lightning 0.3.0 on the same workloads in one run, each in its own venv
+  (benchmarks/vs_agent_lightning; ``-- --quick`` for a smoke run). Figures, not pass/fail.
 
 `nox -t ci` runs what CI runs: lint, the core suite (also at the lowest versions), torch (also at
 transformers' floor), verl, ray, manifests, browser and every framework session: its oldest line and its latest line(s),
@@ -201,6 +203,21 @@ def _framework_session(framework: str, requirements: Path) -> None:
 
 for _req in sorted(ROOT.glob("integrations/*/requirements-*.txt")):
     _framework_session(_req.parent.name, _req)
+
+
+@nox.session(python=PYTHON)
+def vs_agent_lightning(session: nox.Session) -> None:
+    """agl and Agent Lightning 0.3.0 on the same workloads in one run (benchmarks/vs_agent_lightning/run.py;
+    ``-- --quick`` for a smoke run, ``-- --only tracer``, ``-- --json PATH``). The peer gets a venv of its
+    own, .nox/vs_agent_lightning-peer: its OpenTelemetry pins clash with agl's. Figures, not pass/fail."""
+    session.install("-e", ".[dev,postgres]")
+    peer = ROOT / ".nox" / "vs_agent_lightning-peer"
+    peer_python = peer / "bin" / "python"
+    if not peer_python.exists():
+        session.run(f"python{PYTHON}", "-m", "venv", str(peer), external=True)
+    pins = "benchmarks/vs_agent_lightning/peer-constraints.txt"
+    session.run(str(peer_python), "-m", "pip", "install", "-q", "-c", pins, "agentlightning==0.3.0", external=True)
+    session.run("python", "benchmarks/vs_agent_lightning/run.py", "--peer-python", str(peer_python), *session.posargs)
 
 
 @nox.session(python=PYTHON)

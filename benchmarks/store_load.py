@@ -351,7 +351,7 @@ def main() -> int:
                 )
     print(
         f"targets with 8 clients: >= {ROLLOUTS_TARGET} rollouts/s, >= {SPANS_TARGET:,} spans/s (batches of "
-        f"{SPAN_BATCH}); reference framework: 84 rollouts/s, 3,450 spans/s"
+        f"{SPAN_BATCH}); comparisons with Agent Lightning: `nox -s vs_agent_lightning`"
     )
     step = "complete_attempt, then dequeue" if args.separate_calls else "complete_and_dequeue (as agl's Runner)"
     print(
