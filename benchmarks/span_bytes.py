@@ -25,6 +25,7 @@ import random
 import sqlite3
 import struct
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -35,8 +36,9 @@ try:
 except ImportError:  # pragma: no cover - openai 1.x/2.x
     import httpx  # type: ignore[no-redef]
 
+from agl import semconv
 from agl.instrumentation.openai_client import OpenAIInstrumentor
-from agl.store import SqliteLightningStore
+from agl.store import EnqueueRequest, LightningStore, SqliteLightningStore, open_store
 from agl.store.span_codec import decode_attributes, span_frame
 from agl.store.sqlite.schema import INSERT_SPAN, storable_row
 from agl.testing.postgres import PostgresUnavailableError, postgres_for_tests
@@ -94,7 +96,19 @@ def messages(rng: random.Random, english: bool) -> List[dict[str, str]]:
 def llm_spans(n: int, logprobs: bool, english: bool, seed: int = 0) -> List[Span]:
     """``n`` spans of real instrumented calls, each with new random ids (and text, if English)."""
     rng = random.Random(seed)
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=completion(rng, logprobs, english)))
+    extra: Dict[str, Any] = {"logprobs": True} if logprobs else {}
+
+    def calls(client: openai.OpenAI) -> None:
+        for _ in range(n):
+            client.chat.completions.create(model="bench-model", messages=messages(rng, english), **extra)  # type: ignore[arg-type]
+
+    return recorded(lambda request: completion(rng, logprobs, english), {"ro-bench": calls})
+
+
+def recorded(answer: Callable[[Any], bytes], rollouts: Dict[str, Callable[[openai.OpenAI], None]]) -> List[Span]:
+    """The LLM spans agl's instrumentation records while each of ``rollouts`` makes its calls in a rollout of
+    that id, against a transport whose answers ``answer(request)`` makes."""
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=answer(request)))
     client = openai.OpenAI(
         base_url="http://bench.invalid/v1", api_key="x", http_client=httpx.Client(transport=transport)
     )
@@ -102,13 +116,12 @@ def llm_spans(n: int, logprobs: bool, english: bool, seed: int = 0) -> List[Span
     instrumentor.instrument()
     try:
         with tracer_writes_to(ListSink()) as sink:
-            token = enter_scope(RolloutScope("ro-bench", "at-bench"))
-            try:
-                for _ in range(n):
-                    extra: Dict[str, Any] = {"logprobs": True} if logprobs else {}
-                    client.chat.completions.create(model="bench-model", messages=messages(rng, english), **extra)  # type: ignore[arg-type]
-            finally:
-                exit_scope(token)
+            for rollout_id, calls in rollouts.items():
+                token = enter_scope(RolloutScope(rollout_id, "at-bench"))
+                try:
+                    calls(client)
+                finally:
+                    exit_scope(token)
     finally:
         instrumentor.uninstrument()
     return [s for s in sink.spans if s.kind == "llm"]
@@ -180,6 +193,8 @@ def row(label: str, n: int, measure: Optional[Callable[[], int]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spans", type=int, default=1000)
+    parser.add_argument("--rollouts", type=int, default=512, help="rollouts of the multi-turn step")
+    parser.add_argument("--turns", type=int, default=10, help="LLM calls per rollout of the multi-turn step")
     parser.add_argument("--postgres", default=os.environ.get("AGL_TEST_POSTGRES_DSN"), help="a database to write into")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
@@ -190,6 +205,7 @@ def main() -> None:
             except PostgresUnavailableError as exc:
                 print(f"PostgreSQL skipped: {exc}")
         report(args.spans, dsn)
+        report_step(args.rollouts, args.turns, dsn)
 
 
 SETS = (
@@ -197,6 +213,105 @@ SETS = (
     ("English messages", False, True),
     ("English messages, 200 logprobs", True, True),
 )
+
+
+def text_ids(message: Dict[str, Any]) -> List[int]:
+    """A message's token ids as a tokenizer would give them: the same text always gives the same ids (one per
+    four characters, random from the vocabulary), with two ids of the chat template around each message."""
+    rng = random.Random(zlib.crc32(f"{message['role']}:{message['content']}".encode()))
+    return [1] + [rng.randrange(VOCAB) for _ in range(len(message["content"]) // 4)] + [2]
+
+
+def conversation_answer(request: Any) -> bytes:
+    """The fake model of a multi-turn agent: the prompt is its messages' ids, the answer 800 characters of the docs."""
+    sent = json.loads(request.content)["messages"]
+    answer = {"role": "assistant", "content": DOCS[zlib.crc32(request.content) % (len(DOCS) - 800) :][:800]}
+    prompt = [i for message in sent for i in text_ids(message)]
+    response = text_ids(answer)
+    return json.dumps(
+        {
+            "id": f"chatcmpl-{len(prompt)}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "bench-model",
+            "prompt_token_ids": prompt,
+            "choices": [{"index": 0, "message": answer, "finish_reason": "stop", "token_ids": response}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(response), "total_tokens": 0},
+        }
+    ).encode()
+
+
+def conversation(index: int, turns: int) -> Callable[[openai.OpenAI], None]:
+    """An agent's rollout: a 1,600-character task, then per turn the model's answer and a 640-character tool
+    result are added to the conversation (the context grows from ~400 to ~4k tokens over 10 turns)."""
+
+    def calls(client: openai.OpenAI) -> None:
+        start = index * 97 % (len(DOCS) - 2_000)
+        sent: List[Dict[str, Any]] = [{"role": "user", "content": DOCS[start : start + 1_600]}]
+        for turn in range(turns):
+            answer = client.chat.completions.create(model="bench-model", messages=sent)  # type: ignore[arg-type]
+            tool = DOCS[(start + 1_600 + 640 * turn) % (len(DOCS) - 640) :][:640]
+            sent = sent + [
+                {"role": "assistant", "content": answer.choices[0].message.content},
+                {"role": "user", "content": tool},
+            ]
+
+    return calls
+
+
+def step_bytes(spans: List[Span], backend: Callable[[], LightningStore], size: Callable[[LightningStore], int]) -> int:
+    """Bytes a store grows by when each rollout's spans are added turn by turn, as its runner's writer adds them."""
+    store = backend()
+    try:
+        by_rollout: Dict[str, List[Span]] = {}
+        for span in spans:
+            by_rollout.setdefault(span.rollout_id, []).append(span)
+        store.enqueue_many([EnqueueRequest(input=None) for _ in by_rollout])
+        claimed = store.dequeue_many("bench", limit=len(by_rollout))
+        before = size(store)
+        for rollout, own in zip(claimed, by_rollout.values()):
+            assert rollout.attempt is not None
+            ids = {"rollout_id": rollout.rollout_id, "attempt_id": rollout.attempt.attempt_id}
+            for span in own:
+                store.add_spans([span.model_copy(update=ids)])
+        return size(store) - before
+    finally:
+        store.close()
+
+
+def report_step(rollouts: int, turns: int, dsn: Optional[str]) -> None:
+    spans = recorded(conversation_answer, {f"ro-{i}": conversation(i, turns) for i in range(rollouts)})
+    prompts = [len(s.attributes[semconv.PROMPT_TOKEN_IDS]) for s in spans]
+    print(f"A multi-turn step: {rollouts} rollouts x {turns} turns, prompts of {min(prompts)} to {max(prompts)} ids:")
+    row_mb("SQLite, JSON attributes (before)", sqlite_bytes(spans, as_json=True))
+    row_mb("SQLite, compact, prompts in full", sqlite_bytes(spans, as_json=False))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "store.db")
+        row_mb("SQLite, compact, shared ids once", step_bytes(spans, lambda: SqliteLightningStore(path), _sqlite_size))
+    if dsn:
+        row_mb("PostgreSQL, compact, shared ids once", step_bytes(spans, lambda: open_store(dsn), _postgres_size))
+
+
+def row_mb(label: str, found: int) -> None:
+    mark = "  (target <= 50 MB: met)" if found <= 50e6 else "  (target <= 50 MB: NOT met)"
+    print(f"  {label:<38} {found / 1e6:7.1f} MB{'' if 'before' in label or 'full' in label else mark}")
+
+
+def _sqlite_size(store: LightningStore) -> int:
+    """The database's pages as its latest commit left them (the WAL's included)."""
+    assert isinstance(store, SqliteLightningStore)
+    with contextlib.closing(sqlite3.connect(store.path)) as conn:
+        return int(
+            conn.execute("SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()").fetchone()[0]
+        )
+
+
+def _postgres_size(store: LightningStore) -> int:
+    import psycopg
+
+    with psycopg.connect(store.dsn, autocommit=True) as conn:
+        conn.execute("VACUUM agl_spans")
+        return _relation_size(conn)
 
 
 def report(n: int, dsn: Optional[str]) -> None:

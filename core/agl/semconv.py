@@ -53,6 +53,9 @@ LLM_PROMPT = "agl.llm.prompt"  # completions API: the prompt as sent, a string o
 PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"  # list[int], exactly as the server tokenized the prompt
 RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"  # list[int], exactly as sampled
 RESPONSE_LOGPROBS = "agl.llm.response_logprobs"  # list[float], one per response token
+#: Set by a store on a span whose prompt began with an earlier span's ids when that span was deleted first: how
+#: many ids are missing from the front of its prompt_token_ids (agl.store.prefixes).
+PROMPT_PREFIX_MISSING = "agl.llm.prompt_prefix_missing"
 TOKEN_IDS_SOURCE = "agl.llm.token_ids_source"  # server | absent | refused (the server rejects the request for them)
 RESOURCES_VERSION = "agl.llm.resources_version"  # the policy version that answered (agl server)
 # structured output (``parse``): the answer arrived but did not parse (``ValidationError: ...``); still a sample

@@ -16,7 +16,8 @@ from agl.errors import DuplicateResourcesError, UnknownAttemptError, UnknownReso
 from agl.store import _rules
 from agl.store._rules import AttemptEnd
 from agl.store.base import RolloutQuery
-from agl.store.sqlite.schema import SPAN_COLS, json_list, rollout_from_row, span_from_row
+from agl.store.prefixes import spans_with_prefixes
+from agl.store.sqlite.schema import SPAN_COLS, json_list, rollout_from_row
 from agl.types import ResourcesUpdate, Rollout, Span, new_id, parse_resources
 
 
@@ -139,7 +140,7 @@ def query_spans(d: Dialect, c: Any, rollout_id: str, attempt_id: Optional[str]) 
             sql = f"SELECT 1 FROM {attempts} WHERE rollout_id = {p} AND attempt_id = {p}"
             if c.execute(sql, (rollout_id, attempt_id)).fetchone() is None:
                 raise UnknownAttemptError(rollout_id, attempt_id)
-    return [span_from_row(row) for row in rows]
+    return spans_with_prefixes(rows)
 
 
 def insert_resources(d: Dialect, c: Any, resources_id: Optional[str], encoded: str, now: float) -> Tuple[str, int]:

@@ -23,7 +23,7 @@ from agl.errors import (
 )
 from agl.store import _rules
 from agl.store.base import Completion, EnqueueRequest, LightningStore, RolloutQuery, StoreStats
-from agl.store.sqlite.schema import span_from_row, storable_row
+from agl.store.prefixes import SharedPrefixes, spans_with_prefixes
 from agl.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
@@ -42,15 +42,10 @@ class _Record:
 
     rollout: Rollout
     attempts: List[Attempt] = field(default_factory=list)
-    # attempt_id -> span_id -> the span's row as SQLite stores it (compact attributes); insertion order breaks ties
+    # attempt_id -> span_id -> the span's row as SQLite stores it (compact attributes: a span takes a third of the
+    # memory its objects would, and nothing returned aliases what is kept); insertion order breaks ties
     spans: Dict[str, Dict[str, Tuple[Any, ...]]] = field(default_factory=dict)
     deadline: Optional[float] = None  # of the live attempt
-
-
-def span_row(span: Span) -> Tuple[Any, ...]:
-    """A span as this store keeps it: SQLite's row, whose attributes are compact bytes (a span takes a third of
-    the memory its objects would, and nothing returned aliases what is kept)."""
-    return storable_row(span)
 
 
 def _sequence_id(row: Tuple[Any, ...]) -> int:
@@ -61,7 +56,7 @@ def _json_copy(value: Any, what: str) -> Any:
     return from_json(_rules.encode_json(value, what))
 
 
-class InMemoryLightningStore(LightningStore):
+class InMemoryLightningStore(SharedPrefixes, LightningStore):
     """A LightningStore kept in this process's memory (lost when it exits; not shareable with children)."""
 
     def __init__(self) -> None:
@@ -317,7 +312,8 @@ class InMemoryLightningStore(LightningStore):
 
     # -- spans ---------------------------------------------------------------------------------------------
     def add_spans(self, spans: Sequence[Span]) -> int:
-        encoded: List[Tuple[Span, Tuple[Any, ...]]] = [(span, span_row(span)) for span in spans]
+        rows, learnt = self._prefixes.rows(spans)
+        encoded = list(zip(spans, rows))
         with self._cond:
             attempts: Dict[Tuple[str, str], Tuple[_Record, Attempt]] = {}
             for span, _ in encoded:
@@ -336,6 +332,7 @@ class InMemoryLightningStore(LightningStore):
                 if attempt.status == "running":
                     self._beat(record, attempt, now)
             self._n_spans += stored
+            self._prefixes.learn(learnt)
             return stored
 
     def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
@@ -348,7 +345,7 @@ class InMemoryLightningStore(LightningStore):
             else:
                 chosen = [self._attempt(record, attempt_id)]
             rows = [sorted(record.spans.get(a.attempt_id, {}).values(), key=_sequence_id) for a in chosen]
-        return [span_from_row(row) for per_attempt in rows for row in per_attempt]
+        return spans_with_prefixes([row for per_attempt in rows for row in per_attempt])
 
     def delete_spans(self, rollout_ids: Sequence[str]) -> int:
         with self._cond:
@@ -360,6 +357,7 @@ class InMemoryLightningStore(LightningStore):
                 deleted += sum(len(by_id) for by_id in record.spans.values())
                 record.spans = {}
             self._n_spans -= deleted
+            self._prefixes.forget([record.rollout.rollout_id for record in records])
             return deleted
 
     # -- resources -----------------------------------------------------------------------------------------

@@ -8,15 +8,17 @@ once on its way in and decoded once on its way out. Reads return exactly what wa
 logprob list as the same floats (float64 when float32 would change one), the attributes in their order.
 
 Layout (little-endian): ``MAGIC``, the number of arrays, then per array its key's index in ``PACKED_KEYS``,
-its position among the attributes, its type code and length, and its bytes; then a flag (0 plain, 1 zstd) and
-the other attributes as one JSON object. A JSON text (what agl wrote before) starts with ``{``, never ``MAGIC``.
+its position among the attributes, its type code and length (for a prompt sharing an earlier span's ids: the
+code ``R``, how many it shares, its own type code and that span's id), and its bytes; then a flag (0 plain,
+1 zstd) and the other attributes as one JSON object. A JSON text (what agl wrote before) starts with ``{``,
+never ``MAGIC``.
 """
 
 from __future__ import annotations
 
 import struct
 import threading
-from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import zstandard
 from pydantic_core import from_json
@@ -37,6 +39,8 @@ _INT_CODES = "HIq"  # the first that holds every id: 2 bytes for vocabularies up
 _SIZES = {"H": 2, "I": 4, "q": 8, "f": 4, "d": 8}
 _HEAD = struct.Struct("<BB")
 _ARRAY_HEAD = struct.Struct("<BHBI")  # key index, position, type code, length
+_REF = ord("R")  # the type code of a prompt that begins with an earlier span's ids; then _REF_HEAD and the id
+_REF_HEAD = struct.Struct("<IBB")  # ids shared, the rest's type code, the span id's length
 #: JSON of at least this many bytes is compressed (below it zstd's frame costs more than it saves).
 COMPRESS_FROM = 200
 _PLAIN, _ZSTD = 0, 1
@@ -85,18 +89,33 @@ def _packed(values: Any, is_int: bool) -> Union[Tuple[str, bytes], None]:
         return None
 
 
-def encode_attributes(attributes: Mapping[str, Any]) -> bytes:
-    """The stored form of a span's attributes. Raises what ``_rules.json_bytes`` raises for a value JSON cannot hold."""
+class PrefixRef(NamedTuple):
+    """A decoded span whose prompt ids begin with ``shared`` ids of an earlier span of its attempt (that span's
+    prompt, then its response): ``attributes`` holds only the rest until :mod:`agl.store.prefixes` resolves it."""
+
+    attributes: Dict[str, Any]
+    span_id: str
+    shared: int
+
+
+def encode_attributes(attributes: Mapping[str, Any], prefix: Optional[Tuple[str, int]] = None) -> bytes:
+    """The stored form of a span's attributes; ``prefix`` = (span id, n): its prompt ids begin with the first n
+    of that earlier span's (see :mod:`agl.store.prefixes`), which are not stored again. Raises what
+    ``_rules.json_bytes`` raises for a value JSON cannot hold."""
     arrays: List[bytes] = []
     rest: Dict[str, Any] = {}
     for position, (key, value) in enumerate(attributes.items()):
         found = _KEY_INDEX.get(key)
         if found is not None:
+            if prefix is not None and key == semconv.PROMPT_TOKEN_IDS:
+                entry = _prefix_entry(found[0], position, value, prefix)
+                if entry is not None:
+                    arrays.append(entry)
+                    continue
             packed = _packed(value, found[1])
             if packed is not None:
                 code, data = packed
-                arrays.append(_ARRAY_HEAD.pack(found[0], position, ord(code), len(data) // _SIZES[code]))
-                arrays.append(data)
+                arrays.append(_ARRAY_HEAD.pack(found[0], position, ord(code), len(data) // _SIZES[code]) + data)
                 continue
         rest[key] = value
     text = _rules.json_bytes(rest) if rest else b""
@@ -105,24 +124,47 @@ def encode_attributes(attributes: Mapping[str, Any]) -> bytes:
         squeezed = _compressor().compress(text)
         if len(squeezed) < len(text):
             text, flag = squeezed, _ZSTD
-    return b"".join((_HEAD.pack(MAGIC, len(arrays) // 2), *arrays, bytes((flag,)), text))
+    return b"".join((_HEAD.pack(MAGIC, len(arrays)), *arrays, bytes((flag,)), text))
 
 
-def decode_attributes(stored: Union[bytes, str]) -> Dict[str, Any]:
-    """Attributes as :func:`encode_attributes` stored them, or the JSON text (or bytes) agl wrote before it."""
+def _prefix_entry(index: int, position: int, values: List[int], prefix: Tuple[str, int]) -> Optional[bytes]:
+    """The prompt's array as a reference to ``prefix`` and its own rest; None if the rest is not one to pack."""
+    span_id, shared = prefix
+    rest = values[shared:]
+    packed = _packed(rest, True) if rest else ("H", b"")
+    if packed is None:
+        return None
+    code, data = packed
+    ref = span_id.encode()
+    head = _ARRAY_HEAD.pack(index, position, _REF, len(data) // _SIZES[code])
+    return head + _REF_HEAD.pack(shared, ord(code), len(ref)) + ref + data
+
+
+def decode_attributes(stored: Union[bytes, str], refs: Optional[List[PrefixRef]] = None) -> Dict[str, Any]:
+    """Attributes as :func:`encode_attributes` stored them, or the JSON text (or bytes) agl wrote before it. A
+    prompt stored as a reference to an earlier span is added to ``refs`` (ValueError where none is expected)."""
     if type(stored) is str or not stored or stored[0] != MAGIC:
         return from_json(stored) if stored else {}
     data = memoryview(stored)  # type: ignore[arg-type]
     _, n_arrays = _HEAD.unpack_from(data, 0)
     offset = _HEAD.size
     placed: List[Tuple[int, str, List[Any]]] = []
+    shared: List[Tuple[str, str, int]] = []
     for _ in range(n_arrays):
         index, position, code, count = _ARRAY_HEAD.unpack_from(data, offset)
         offset += _ARRAY_HEAD.size
+        key = PACKED_KEYS[index][0]
+        if code == _REF:
+            n_shared, code, id_size = _REF_HEAD.unpack_from(data, offset)
+            offset += _REF_HEAD.size
+            if refs is None:
+                raise ValueError("a span's prompt refers to another span's ids, which only a store may write")
+            shared.append((key, bytes(data[offset : offset + id_size]).decode(), n_shared))
+            offset += id_size
         kind = chr(code)
         values = list(struct.unpack_from(f"<{count}{kind}", data, offset))
         offset += count * _SIZES[kind]
-        placed.append((position, PACKED_KEYS[index][0], values))
+        placed.append((position, key, values))
     flag = data[offset]
     text = bytes(data[offset + 1 :])
     if flag == _ZSTD:
@@ -133,7 +175,10 @@ def decode_attributes(stored: Union[bytes, str]) -> Dict[str, Any]:
     items = list(rest.items())
     for position, key, values in placed:  # in position order, as encoded: each lands where it was
         items.insert(position, (key, values))
-    return dict(items)
+    attributes = dict(items)
+    if refs is not None:
+        refs.extend(PrefixRef(attributes, span_id, n_shared) for _, span_id, n_shared in shared)
+    return attributes
 
 
 #: The store server's binary span batches (``POST /v1/spans``, and ``GET .../spans`` when accepted): JSON stays

@@ -13,7 +13,8 @@ from agl.errors import UnknownRolloutError
 from agl.store import _rules, _sql
 from agl.store.postgres.rollouts import DIALECT, PostgresRollouts
 from agl.store.postgres.schema import ADD_SPANS, COPY_SPANS, HEARTBEATS, INSERT_SPANS, SPAN_ATTEMPTS
-from agl.store.sqlite.schema import storable_row
+from agl.store.prefixes import Key, Last, SharedPrefixes
+from agl.store.sqlite.schema import Row
 from agl.types import Span
 
 # Batches of up to this many spans go in with one statement (ADD_SPANS); bigger ones with COPY, which takes
@@ -21,10 +22,9 @@ from agl.types import Span
 _SMALL_SPAN_BATCH = 64
 
 
-def pg_row(span: Span) -> Tuple[Any, ...]:
-    """``span_to_row`` for ``agl_spans``: the compact attributes go to ``payload``; ``attributes`` stays empty
-    (it holds JSON in rows of schema 1 only)."""
-    row = storable_row(span)
+def pg_row(row: Row) -> Row:
+    """A ``span_to_row`` row for ``agl_spans``: the compact attributes go to ``payload``; ``attributes`` stays
+    empty (it holds JSON in rows of schema 1 only)."""
     return row[:12] + ("", row[13], row[12])
 
 
@@ -37,14 +37,24 @@ def _small_batch_params(rows: List[Tuple[Any, ...]], keys: List[Tuple[str, str]]
     return {"spans": to_json(list(first.values())).decode(), "n_keys": len(keys)}
 
 
-class PostgresSpans(PostgresRollouts):
+class PostgresSpans(SharedPrefixes, PostgresRollouts):
     """The span calls of the LightningStore contract on PostgreSQL."""
+
+    def _pg_rows(self, spans: Sequence[Span]) -> Tuple[List[Row], Dict[Key, Last]]:
+        """The batch's rows (encoded before any round trip), and what the prefix cache learns once stored."""
+        rows, learnt = self._prefixes.rows(spans)
+        return [pg_row(row) for row in rows], learnt
 
     def add_spans(self, spans: Sequence[Span]) -> int:
         if not spans:
             self._state()
             return 0
-        rows = [pg_row(span) for span in spans]  # encoded before any round trip
+        rows, learnt = self._pg_rows(spans)
+        stored = self._add_rows(rows)
+        self._prefixes.learn(learnt)
+        return stored
+
+    def _add_rows(self, rows: List[Row]) -> int:
         keys = list(dict.fromkeys((row[0], row[1]) for row in rows))
         if len(rows) <= _SMALL_SPAN_BATCH:
             return self._add_small_batch(rows, keys)
@@ -125,4 +135,6 @@ class PostgresSpans(PostgresRollouts):
                 "DELETE FROM agl_spans WHERE aid IN (SELECT aid FROM agl_attempts WHERE rollout_id = ANY(%s))", (ids,)
             ).rowcount
 
-        return self._run(work) if ids else 0
+        deleted = self._run(work) if ids else 0
+        self._prefixes.forget(ids)
+        return deleted

@@ -43,7 +43,7 @@ from agl.store.base import AsyncRolloutCalls, Completion, LightningStore, StoreS
 from agl.store.postgres.connections import redacted
 from agl.store.postgres.rollouts import DIALECT, ROLLOUT_EXISTS, _unknown
 from agl.store.postgres.schema import ADD_SPANS, COMPLETE, claim_statement
-from agl.store.postgres.spans import _SMALL_SPAN_BATCH, PostgresSpans, _small_batch_params, pg_row
+from agl.store.postgres.spans import _SMALL_SPAN_BATCH, PostgresSpans, _small_batch_params
 from agl.types import Resource, ResourcesUpdate, Rollout, Span
 
 
@@ -102,13 +102,14 @@ class PostgresLightningStore(PostgresSpans, LightningStore, AsyncRolloutCalls):
             return 0
         if len(spans) > _SMALL_SPAN_BATCH:
             return await asyncio.to_thread(self.add_spans, spans)  # big batches go in with COPY, on a thread
-        rows = [pg_row(span) for span in spans]
+        rows, learnt = self._pg_rows(spans)
         keys = list(dict.fromkeys((row[0], row[1]) for row in rows))
         params = _small_batch_params(rows, keys)
         while True:
             params["now"] = self._now()
             known, stored = await self._arun(ADD_SPANS, params, write=True)
             if known:
+                self._prefixes.learn(learnt)
                 return int(stored)
             await asyncio.to_thread(self._check_span_attempts, keys)
 

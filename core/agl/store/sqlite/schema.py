@@ -13,13 +13,13 @@ it touched to the WAL):
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from agl.errors import InvalidSpanError
 from agl.store import _rules
-from agl.store.span_codec import decode_attributes, encode_attributes
+from agl.store.span_codec import PrefixRef, decode_attributes, encode_attributes
 from agl.types import Attempt, Rollout, RolloutConfig, Span, SpanEvent, trusted
 
 SCHEMA_VERSION = 1
@@ -112,6 +112,8 @@ INSERT_SPAN = (
     "kind, start_time, end_time, status, error, attributes, events) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+#: A span as ``span_to_row`` gives it: ``INSERT_SPAN``'s parameters after ``aid``, in ``SPAN_COLS``'s order.
+Row = Tuple[Any, ...]
 SPAN_PARAMS = 15  # parameters per row of INSERT_SPAN
 # Rows per multi-row INSERT: within SQLite's oldest parameter limit (999). One statement per chunk instead of
 # one per row matters: Python's sqlite3 releases the GIL around every statement step, and in a process
@@ -170,13 +172,13 @@ def rollout_from_row(row: Sequence[Any]) -> Rollout:
     )
 
 
-def span_to_row(span: Span) -> Tuple[Any, ...]:
+def span_to_row(span: Span, prefix: Optional[Tuple[str, int]] = None) -> Row:
     """``INSERT_SPAN`` parameters without the leading ``aid`` (known only inside the transaction); the attributes in
-    their compact form (:mod:`agl.store.span_codec`), which every backend stores."""
+    their compact form (:mod:`agl.store.span_codec`, with ``prefix`` as it says), which every backend stores."""
     if not isinstance(span, Span):
         raise InvalidSpanError(f"add_spans takes agl.types.Span objects, got {type(span).__name__}")
     try:
-        attributes = encode_attributes(span.attributes)
+        attributes = encode_attributes(span.attributes, prefix)
         events = _rules.json_bytes(span.events).decode() if span.events else "[]"
     except PydanticSerializationError as exc:
         raise InvalidSpanError(
@@ -201,23 +203,24 @@ def span_to_row(span: Span) -> Tuple[Any, ...]:
     )
 
 
-def storable_row(span: Any) -> Tuple[Any, ...]:
+def storable_row(span: Any, prefix: Optional[Tuple[str, int]] = None) -> Row:
     """``span_to_row`` of ``span`` as every backend stores it (``_rules.storable_span``), or its InvalidSpanError."""
-    return span_to_row(_rules.storable_span(span))
+    return span_to_row(_rules.storable_span(span), prefix)
 
 
-def span_fields(row: Sequence[Any]) -> Dict[str, Any]:
+def span_fields(row: Sequence[Any], refs: Optional[List[PrefixRef]] = None) -> Dict[str, Any]:
     """A ``SPAN_COLS`` row as a Span's fields, events as plain dicts. Its attributes are compact or, in rows an
-    older agl wrote, JSON text; both read the same."""
+    older agl wrote, JSON text; both read the same. A prompt stored as a reference goes to ``refs``
+    (:func:`agl.store.prefixes.spans_with_prefixes` resolves them); ValueError without ``refs``."""
     fields = dict(zip(_SPAN_FIELDS, row))
-    fields["attributes"] = decode_attributes(fields["attributes"])
+    fields["attributes"] = decode_attributes(fields["attributes"], refs)
     fields["events"] = from_json(fields["events"])
     return fields
 
 
-def span_from_row(row: Sequence[Any]) -> Span:
+def span_from_row(row: Sequence[Any], refs: Optional[List[PrefixRef]] = None) -> Span:
     """A ``SPAN_COLS`` row (the store's own, so built without validation; see ``agl.types.trusted``)."""
-    fields = span_fields(row)
+    fields = span_fields(row, refs)
     fields["events"] = [trusted(SpanEvent, event) for event in fields["events"]]
     return trusted(Span, fields)
 

@@ -25,6 +25,7 @@ from agl.errors import UnknownAttemptError, UnknownResourcesError, UnknownRollou
 from agl.store import _rules, _sql
 from agl.store._waiting import wait_for_rollouts, wait_until
 from agl.store.base import Completion, EnqueueRequest, LightningStore, RolloutQuery, StoreStats
+from agl.store.prefixes import SharedPrefixes
 from agl.store.sqlite.database import SqliteDatabase
 from agl.store.sqlite.schema import (
     ATTEMPT_COLS,
@@ -36,7 +37,6 @@ from agl.store.sqlite.schema import (
     insert_spans_sql,
     json_list,
     rollout_from_row,
-    storable_row,
 )
 from agl.types import TERMINAL_ROLLOUT_STATUSES, Attempt, Resource, ResourcesUpdate, Rollout, Span, new_id
 
@@ -75,7 +75,7 @@ _LIVE_ATTEMPT = (
 )
 
 
-class SqliteLightningStore(SqliteDatabase, LightningStore):
+class SqliteLightningStore(SqliteDatabase, SharedPrefixes, LightningStore):
     """A LightningStore in one SQLite file, shared by every thread and process that opens the same path.
 
     Its connections, transactions and fork safety come from :class:`~agl.store.sqlite.database.SqliteDatabase`.
@@ -365,7 +365,7 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
     def add_spans(self, spans: Sequence[Span]) -> int:
         if not spans:
             return 0
-        rows = [storable_row(span) for span in spans]  # encoded before taking the write lock
+        rows, learnt = self._prefixes.rows(spans)  # encoded before taking the write lock
         now = time.time()
         with self._write() as c:
             aids: Dict[Tuple[str, str], int] = {}
@@ -389,6 +389,7 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
                 c.execute(insert_spans_sql(len(chunk)), params)
             stored = c.total_changes - before
             c.executemany("UPDATE attempts SET last_heartbeat = ?, deadline = ? WHERE aid = ?", beats)
+        self._prefixes.learn(learnt)
         return stored
 
     def query_spans(self, rollout_id: str, attempt_id: Optional[str] = "latest") -> List[Span]:
@@ -411,7 +412,9 @@ class SqliteLightningStore(SqliteDatabase, LightningStore):
                 "(SELECT aid FROM attempts WHERE rollout_id IN (SELECT value FROM json_each(?)))",
                 listed,
             )
-            return c.total_changes - before
+            deleted = c.total_changes - before
+        self._prefixes.forget(ids)
+        return deleted
 
     # -- resources -----------------------------------------------------------------------------------------
     def add_resources(self, resources: Dict[str, Resource], resources_id: Optional[str] = None) -> ResourcesUpdate:
