@@ -33,8 +33,10 @@ __all__ = ["AggregationResult", "PrefixMismatch", "aggregate_trajectories", "to_
 
 
 def to_samples(transitions: Iterable[Transition]) -> List[Sample]:
-    """One sample per transition, in input order: the whole response is generated (mask all ones)."""
-    return [_sample(t, None if t.response_logprobs is None else list(t.response_logprobs)) for t in transitions]
+    """One sample per transition, in input order: the whole response is generated (mask all ones). A sample
+    holds its transition's token and logprob lists, not copies: neither is changed once made, and copying
+    a batch's token lists was a tenth of the time it took to build."""
+    return [_sample(t, t.prompt_ids, t.response_ids, t.response_logprobs) for t in transitions]
 
 
 @dataclass(frozen=True)
@@ -98,15 +100,16 @@ def _logprobs(t: Transition) -> Optional[List[float]]:
     return list(t.response_logprobs)
 
 
-def _sample(t: Transition, logprobs: Optional[List[float]]) -> Sample:
-    """A sample of one transition's own tokens: the whole response is generated (mask all ones)."""
+def _sample(t: Transition, prompt_ids: List[int], response_ids: List[int], logprobs: Optional[List[float]]) -> Sample:
+    """A sample of one transition's own tokens (``t``'s lists or copies): the whole response is generated
+    (mask all ones)."""
     return Sample(
         rollout_id=t.rollout_id,
         task_id=t.task_id,
         policy=t.policy,
-        prompt_ids=list(t.prompt_ids),
-        response_ids=list(t.response_ids),
-        response_mask=[1] * len(t.response_ids),
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        response_mask=[1] * len(response_ids),
         reward=t.reward,
         response_logprobs=logprobs,
         span_ids=[t.span_id],
@@ -150,6 +153,6 @@ def aggregate_trajectories(transitions: Iterable[Transition]) -> AggregationResu
                 result.prefix_mismatches.append(
                     PrefixMismatch(t.rollout_id, t.attempt_id, t.policy, t.step, t.span_id, index)
                 )
-            sample = _sample(t, _logprobs(t))
+            sample = _sample(t, list(t.prompt_ids), list(t.response_ids), _logprobs(t))  # copies: merging extends them
             result.samples.append(sample)
     return result

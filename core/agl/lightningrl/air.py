@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Pattern, Set, T
 
 from agl import semconv
 from agl.checks import is_finite_number
-from agl.lightningrl.links import CallLinks, output_message, tool_calls_of
+from agl.lightningrl.links import CallLinks, tool_calls_of
 from agl.types import Span
 
 
@@ -93,15 +93,17 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
             named = out.setdefault(call, {})
             named[name] = named.get(name, 0.0) + weight
 
+    checked = _checked_tool_calls(links, wanted)
     # Tool calls whose arguments did not parse: some frameworks still run (and fail) the tool, others do not;
     # that failure is the same mistake, already counted once as air.args_invalid.
-    unparsed = _UnparsedCalls(links, wanted)
-    last_runs = _last_runs(links)
+    unparsed = _UnparsedCalls(checked)
+    callers = _counted_tools(links)
+    last_runs = _last_runs(links, callers)
     for span in links.ordered:
         if span.kind == "tool":
-            if _inner_record_of_its_parent(links, span):
+            if span.span_id not in callers:
                 continue
-            caller = links.caller_of_tool(span)
+            caller = callers[span.span_id]
             if caller in wanted and span.span_id in last_runs and not _interrupted(span):
                 if span.status == "error" and unparsed.excuse(span, caller):
                     continue
@@ -110,13 +112,12 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
                 else:
                     add(caller, "air.tool_ok", config.tool_ok)
         elif span.kind == "llm" and span.span_id in wanted:
-            message = output_message(span)
-            for call in tool_calls_of(message):
-                if _arguments_parse((call.get("function") or {}).get("arguments")):
+            for _, parses in checked[span.span_id]:
+                if parses:
                     add(span.span_id, "air.args_valid", config.args_valid)
                 else:
                     add(span.span_id, "air.args_invalid", config.args_invalid)
-            text = message.get("content")
+            text = links.message(span).get("content")
             if config.format is not None and isinstance(text, str) and text:
                 if re.search(config.format, text):
                     add(span.span_id, "air.format_ok", config.format_ok)
@@ -125,21 +126,36 @@ def air_rewards(links: CallLinks, calls: Iterable[str], config: AIRConfig) -> Di
     return out
 
 
+ToolCalls = Dict[str, List[Tuple[Dict[str, Any], bool]]]
+"""``{llm span id: [(tool call, whether its arguments parse)]}``, calls in output order."""
+
+
+def _checked_tool_calls(links: CallLinks, wanted: Set[str]) -> ToolCalls:
+    """The tool calls of each selected call, each with whether its arguments parse (each parsed once)."""
+    return {
+        span.span_id: [
+            (call, _arguments_parse((call.get("function") or {}).get("arguments")))
+            for call in tool_calls_of(links.message(span))
+        ]
+        for span in links.ordered
+        if span.kind == "llm" and span.span_id in wanted
+    }
+
+
 class _UnparsedCalls:
     """The selected calls' tool calls whose arguments did not parse, each to excuse one failed tool span."""
 
-    def __init__(self, links: CallLinks, wanted: Set[str]) -> None:
+    def __init__(self, checked: ToolCalls) -> None:
         self.ids: Set[str] = set()
         self.pending: Dict[str, List[Tuple[Optional[str], Any]]] = {}  # llm span id -> [(call id, tool name)]
-        for span in links.ordered:
-            if span.kind == "llm" and span.span_id in wanted:
-                for call in tool_calls_of(output_message(span)):
+        for span_id, calls in checked.items():
+            for call, parses in calls:
+                if not parses:
                     function = call.get("function") or {}
-                    if not _arguments_parse(function.get("arguments")):
-                        call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else None
-                        if call_id is not None:
-                            self.ids.add(call_id)
-                        self.pending.setdefault(span.span_id, []).append((call_id, function.get("name")))
+                    call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else None
+                    if call_id is not None:
+                        self.ids.add(call_id)
+                    self.pending.setdefault(span_id, []).append((call_id, function.get("name")))
 
     def excuse(self, tool: Span, caller: str) -> bool:
         """Whether the failed tool span ran an unparsed call: by its call id, or, without one, by tool name
@@ -165,14 +181,23 @@ def _interrupted(tool: Span) -> bool:
     return bool(attributes.get(semconv.SPAN_STOPPED)) or attributes.get(semconv.ERROR_TYPE) == "CancelledError"
 
 
-def _last_runs(links: CallLinks) -> Set[str]:
+def _counted_tools(links: CallLinks) -> Dict[str, Optional[str]]:
+    """``{tool span id: the call that caused it}`` for the tool spans AIR counts: all but inner records."""
+    return {
+        span.span_id: links.caller_of_tool(span)
+        for span in links.ordered
+        if span.kind == "tool" and not _inner_record_of_its_parent(links, span)
+    }
+
+
+def _last_runs(links: CallLinks, callers: Dict[str, Optional[str]]) -> Set[str]:
     """The tool spans that count: of the runs of one tool call (one call id from one calling call), the last
     in call order; every tool span without a call id."""
     last: Dict[Any, str] = {}
     for span in links.ordered:
-        if span.kind == "tool" and not _inner_record_of_its_parent(links, span):
+        if span.span_id in callers:
             call_id = span.attributes.get(semconv.TOOL_CALL_ID)
-            key = (links.caller_of_tool(span), call_id) if isinstance(call_id, str) and call_id else span.span_id
+            key = (callers[span.span_id], call_id) if isinstance(call_id, str) and call_id else span.span_id
             last[key] = span.span_id
     return set(last.values())
 

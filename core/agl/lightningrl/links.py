@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from agl import semconv
 from agl._util.chat import json_attribute, tool_calls_of
@@ -51,7 +51,10 @@ class CallLinks:
     def __init__(self, tree: TraceTree) -> None:
         self.tree = tree
         self.ordered: List[Span] = sorted(tree.spans(), key=call_order_key)
-        self._agent_of = self._nearest_agents()
+        self._agent_of: Dict[str, Optional[str]] = {}
+        self._anchor_of: Dict[str, Optional[str]] = {}
+        self._operations_above: Dict[str, Tuple[str, ...]] = {}
+        self._scan()
         self._fallback_caller: Dict[str, Optional[str]] = {}
         last_call_of_agent: Dict[Optional[str], str] = {}
         for span in self.ordered:
@@ -61,37 +64,53 @@ class CallLinks:
                 self._fallback_caller[span.span_id] = last_call_of_agent.get(self._agent_of[span.span_id])
         self._caller_by_call_id: Optional[Dict[str, str]] = None
         self._calls_of_operation: Optional[Dict[str, List[str]]] = None
+        self._messages: Dict[str, Dict[str, Any]] = {}
+        self._callers: Dict[str, Optional[str]] = {}
 
-    def _nearest_agents(self) -> Dict[str, Optional[str]]:
-        """span id -> span id of its nearest enclosing agent span (None outside any agent), in one pass."""
-        agent_of: Dict[str, Optional[str]] = {}
-        for node in self.tree.walk():  # parents come before their children
-            parent = node.parent_id
-            if parent is None:
-                agent_of[node.span_id] = None
-            else:
-                parent_span = self.tree.span(parent)
-                agent_of[node.span_id] = parent if parent_span.kind == "agent" else agent_of[parent]
-        return agent_of
+    def _scan(self) -> None:
+        """One pass down the tree, parents before children, for what each span inherits from the spans above
+        it: its nearest agent span (``_agent_of``), its nearest llm, tool or operation span, the one a step
+        reward under it is linked through (``_anchor_of``), and every operation span above it
+        (``_operations_above``, nearest last). None or () at the roots. Each span hands its values down to its
+        children."""
+        agent_of, anchor_of, operations_above = self._agent_of, self._anchor_of, self._operations_above
+        for root in self.tree.roots:
+            agent_of[root.span_id] = anchor_of[root.span_id] = None
+            operations_above[root.span_id] = ()
+        for node in self.tree.walk():
+            if not node.children:
+                continue
+            span = node.span
+            span_id = span.span_id
+            operation = is_operation(span)
+            agent = span_id if span.kind == "agent" else agent_of[span_id]
+            anchor = span_id if operation or span.kind in ("llm", "tool") else anchor_of[span_id]
+            above = operations_above[span_id] + (span_id,) if operation else operations_above[span_id]
+            for child in node.children:
+                child_id = child.span.span_id
+                agent_of[child_id], anchor_of[child_id], operations_above[child_id] = agent, anchor, above
 
-    def ancestors(self, span_id: str) -> Iterator[Span]:
-        """The spans above ``span_id`` in the (repaired) tree, nearest first."""
-        parent_id = self.tree.node(span_id).parent_id
-        while parent_id is not None:
-            node = self.tree.node(parent_id)
-            yield node.span
-            parent_id = node.parent_id
+    def message(self, call: Span) -> Dict[str, Any]:
+        """:func:`output_message` of an llm span, decoded once however often the links and AIR ask for it."""
+        found = self._messages.get(call.span_id)
+        if found is None:
+            found = self._messages[call.span_id] = output_message(call)
+        return found
 
     # -- tools --------------------------------------------------------------------------------------------
     def caller_of_tool(self, tool: Span) -> Optional[str]:
         """The llm call that caused the tool span (by tool call id, else the agent's previous call)."""
+        if tool.span_id in self._callers:
+            return self._callers[tool.span_id]
+        caller = None
         if tool.attributes.get(semconv.TOOL_CALL_ID):
             if self._caller_by_call_id is None:
                 self._caller_by_call_id = self._callers_by_call_id()
             caller = self._caller_by_call_id.get(tool.span_id)
-            if caller is not None:
-                return caller
-        return self._fallback_caller.get(tool.span_id)
+        if caller is None:
+            caller = self._fallback_caller.get(tool.span_id)
+        self._callers[tool.span_id] = caller
+        return caller
 
     def _callers_by_call_id(self) -> Dict[str, str]:
         """{tool span id: llm span id} for tool spans whose call id an llm call that started before them
@@ -100,7 +119,7 @@ class CallLinks:
         callers: Dict[str, str] = {}
         for span in self.ordered:
             if span.kind == "llm":
-                for call in tool_calls_of(output_message(span)):
+                for call in tool_calls_of(self.message(span)):
                     if isinstance(call.get("id"), str):
                         latest[call["id"]] = span.span_id
             elif span.kind == "tool":
@@ -121,25 +140,26 @@ class CallLinks:
         for span in self.ordered:
             if span.kind != "llm":
                 continue
-            operations: Set[str] = {a.span_id for a in self.ancestors(span.span_id) if is_operation(a)}
+            operations: Set[str] = set(self._operations_above[span.span_id])
             linked = span.attributes.get(semconv.OPERATION_SPAN_ID)
             if isinstance(linked, str) and linked in self.tree:
                 operations.add(linked)
-                operations.update(a.span_id for a in self.ancestors(linked) if is_operation(a))
+                operations.update(self._operations_above[linked])
             for operation_id in operations:
                 calls[operation_id].append(span.span_id)
         return calls
 
     def calls_for_reward(self, reward: Span) -> List[str]:
         """The llm calls a step reward span belongs to (empty: unattributed)."""
-        for ancestor in self.ancestors(reward.span_id):
-            if ancestor.kind == "llm":
-                return [ancestor.span_id]
-            if ancestor.kind == "tool":
-                caller = self.caller_of_tool(ancestor)
+        anchor_id = self._anchor_of[reward.span_id]
+        if anchor_id is not None:
+            anchor = self.tree.span(anchor_id)
+            if anchor.kind == "llm":
+                return [anchor_id]
+            if anchor.kind == "tool":
+                caller = self.caller_of_tool(anchor)
                 return [caller] if caller is not None else []
-            if is_operation(ancestor):
-                return self.calls_of_operation(ancestor.span_id)
+            return self.calls_of_operation(anchor_id)
         linked = reward.attributes.get(semconv.OPERATION_SPAN_ID)
         return self.calls_of_operation(linked) if isinstance(linked, str) and linked in self.tree else []
 

@@ -3,7 +3,8 @@
 :class:`TraceBuilder` writes one attempt's spans the way agl's tracer does (sequence ids in start order,
 parents from what is open, spans listed in end order, attributes under the semconv names), without the
 tracer, a store or a model. :func:`synthetic_rollouts` makes many multi-agent rollouts from it for
-benchmarks. Real traces from real frameworks are in examples/lightningrl_worked_example.py.
+benchmarks; with a :class:`TokenShape` their calls carry token ids and logprobs of a real model's size.
+Real traces from real frameworks are in examples/lightningrl_worked_example.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+from array import array
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from agl import semconv
@@ -168,38 +171,70 @@ class TraceBuilder:
         return self.spans
 
 
+@dataclass(frozen=True)
+class TokenShape:
+    """Token ids of a real model's size for synthetic calls: each prompt about ``prompt`` ids and each response
+    about ``response`` ids (within 25%), random from a ``vocab``-token vocabulary, with a logprob per response
+    token. Without one, calls carry a few small ids that grow turn by turn (quick to make, for tests)."""
+
+    prompt: int = 600
+    response: int = 200
+    vocab: int = 50_000
+
+    def ids(self, rng: random.Random, size: int) -> List[int]:
+        return rng.choices(range(self.vocab), k=rng.randint(size * 3 // 4, size * 5 // 4))
+
+    def logprobs(self, rng: random.Random, n: int) -> List[float]:
+        """Float32 values, as a server computes them."""
+        return array("f", [-rng.expovariate(4.0) for _ in range(n)]).tolist()
+
+
 def synthetic_attempt(
     rollout_id: str,
     n_spans: int,
     rng: random.Random,
     agents: Sequence[str] = ("writer", "checker", "rewriter"),
+    tokens: Optional[TokenShape] = None,
 ) -> List[Span]:
     """About ``n_spans`` spans of a multi-agent attempt: turns of ``agent > operation > llm call (tool
-    call) > tool > step reward``, 5 spans a turn, each prompt extending the previous call's context."""
+    call) > tool > step reward``, 5 spans a turn; each prompt extends the previous call's context, or with
+    ``tokens`` is a fresh prompt of that shape."""
     builder = TraceBuilder(rollout_id, "at-1", root_agent="team")
     context: List[int] = [rng.randrange(256) for _ in range(16)]
     turn = 0
     while len(builder.spans) + 6 <= n_spans:  # 5 spans a turn, 1 for the root
         call_id = f"call-{rollout_id}-{turn}"
+        if tokens is None:
+            prompt = list(context)
+            response = [rng.randrange(256) for _ in range(rng.randint(4, 24))]
+            logprobs = [-0.1] * len(response)
+        else:
+            prompt, response = tokens.ids(rng, tokens.prompt), tokens.ids(rng, tokens.response)
+            logprobs = tokens.logprobs(rng, len(response))
         with builder.agent(agents[turn % len(agents)]):
             with builder.operation("turn") as operation:
-                response = [rng.randrange(256) for _ in range(rng.randint(4, 24))]
                 builder.llm(
-                    list(context),
+                    prompt,
                     response,
-                    logprobs=[-0.1] * len(response),
+                    logprobs=logprobs,
                     tool_calls=[{"id": call_id, "name": "search", "arguments": '{"q": "x"}'}],
                     operation=operation,
                 )
                 builder.tool("search", call_id=call_id, error=rng.random() < 0.1)
                 builder.reward(rng.random(), operation=operation)
-        context += response + [rng.randrange(256) for _ in range(8)]
+        if tokens is None:
+            context += response + [rng.randrange(256) for _ in range(8)]
         turn += 1
     return builder.finish()
 
 
 def synthetic_rollouts(
-    n_spans: int, *, spans_per_rollout: int = 100, rollouts_per_task: int = 4, seed: int = 0
+    n_spans: int,
+    *,
+    spans_per_rollout: int = 100,
+    rollouts_per_task: int = 4,
+    seed: int = 0,
+    tokens: Optional[TokenShape] = None,
 ) -> Iterator[Tuple[Rollout, List[Span]]]:
     """``(succeeded rollout, its spans)`` pairs adding up to about ``n_spans`` spans, made lazily."""
     rng = random.Random(seed)
@@ -210,4 +245,4 @@ def synthetic_rollouts(
             status="succeeded",
             final_reward=float(rng.random() < 0.5),
         )
-        yield rollout, synthetic_attempt(rollout.rollout_id, spans_per_rollout, rng)
+        yield rollout, synthetic_attempt(rollout.rollout_id, spans_per_rollout, rng, tokens=tokens)

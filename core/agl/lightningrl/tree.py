@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from operator import attrgetter
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from agl import semconv
 from agl.types import Span, call_order_key
@@ -34,9 +35,8 @@ from agl.types import Span, call_order_key
 DEFAULT_TOLERANCE_NS = 1_000_000  # 1 ms of clock skew between the spans of one attempt
 
 
-def _order_key(span: Span) -> Tuple[int, int, str]:
-    """Repair order (which duplicate is kept, where a cycle is cut): sequence id, then start time, then span id."""
-    return (span.sequence_id, span.start_time, span.span_id)
+#: Repair order (which duplicate is kept, where a cycle is cut): sequence id, then start time, then span id.
+_order_key: Callable[[Span], Tuple[int, int, str]] = attrgetter("sequence_id", "start_time", "span_id")
 
 
 @dataclass
@@ -91,6 +91,7 @@ class TraceTree:
         self._nodes = nodes
         self.roots = roots
         self.repairs = repairs
+        self._walked = _depth_first(roots)
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -115,16 +116,12 @@ class TraceTree:
         return None if parent_id is None else self._nodes[parent_id].span
 
     def walk(self) -> Iterator[TreeNode]:
-        """Every node once, depth-first, children in call order (iterative: deep trees are fine)."""
-        stack = list(reversed(self.roots))
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(reversed(node.children))
+        """Every node once, depth-first, children in call order."""
+        return iter(self._walked)
 
     def spans(self) -> List[Span]:
         """Every span in ``walk`` order."""
-        return [n.span for n in self.walk()]
+        return [n.span for n in self._walked]
 
     def llm_spans(self) -> List[Span]:
         """The llm spans in call order (by start time, then ``sequence_id``: :func:`call_order_key`)."""
@@ -206,6 +203,10 @@ def _break_cycles(
     cut_loose: List[str] = []
     state: Dict[str, int] = {}  # 1 on the chain being followed, 2 done
     for s in kept:
+        up = parent[s.span_id]
+        if up is None or state.get(up) == 2:  # the usual case (parents come first): no chain to follow
+            state[s.span_id] = 2
+            continue
         chain: List[str] = []
         sid: Optional[str] = s.span_id
         while sid is not None and sid not in state:
@@ -272,19 +273,30 @@ def _assemble(
     repairs: RepairReport,
 ) -> TraceTree:
     """4. Nodes, children in call order (built from the kept spans, so only lists with orphans need a sort)."""
-    rank = {sid: i for i, sid in enumerate(by_id)}
     nodes = {sid: TreeNode(s, parent[sid]) for sid, s in by_id.items()}
+    rank: Dict[str, int] = {}
     for pid, kids in children.items():
-        if pid in touched:
+        if pid in touched and len(kids) > 1:
+            rank = rank or {sid: i for i, sid in enumerate(by_id)}
             kids.sort(key=rank.__getitem__)
         if pid is not None:
             nodes[pid].children = [nodes[k] for k in kids]
-    roots = [nodes[k] for k in children[None]]
-    tree = TraceTree(nodes, roots, repairs)
-    for node in tree.walk():
+    return TraceTree(nodes, [nodes[k] for k in children[None]], repairs)
+
+
+def _depth_first(roots: List[TreeNode]) -> List[TreeNode]:
+    """Every node once, depth-first, children in call order, each node's depth set on the way (iterative:
+    deep trees are fine). Computed once per tree: LightningRL walks each tree several times."""
+    order: List[TreeNode] = []
+    stack = list(reversed(roots))
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        depth = node.depth + 1
         for child in node.children:
-            child.depth = node.depth + 1
-    return tree
+            child.depth = depth
+        stack.extend(reversed(node.children))
+    return order
 
 
 def _length(span: Span) -> int:
