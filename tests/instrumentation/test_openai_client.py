@@ -946,3 +946,25 @@ def test_streamed_raw_responses_are_reassembled_when_parsed(client, fake_openai,
         assert span.attributes[semconv.LLM_STREAM] is True
         assert span.attributes[semconv.PROMPT_TOKEN_IDS] and span.attributes[semconv.RESPONSE_TOKEN_IDS]
     assert fake_openai.tokenizer.decode(chat_span.attributes[semconv.RESPONSE_TOKEN_IDS]) == text
+
+
+def test_outside_rollouts_a_call_goes_as_written_without_a_span(client, fake_openai, sink, rollout):
+    """Outside every rollout nothing would store the call's span, so agl starts none (its cost was ~30 us a
+    call): the request carries the user's own arguments, and the user's spans see no agl span as parent."""
+    from opentelemetry import trace as otel_trace
+
+    seen: List[Any] = []
+
+    def request_hook(request: Any) -> None:  # runs on the calling thread, inside the SDK's call
+        seen.append((otel_trace.get_current_span(), json.loads(request.content)))
+
+    http = type(client._client)(event_hooks={"request": [request_hook]})
+    hooked = openai.OpenAI(base_url=fake_openai.base_url, api_key="x", max_retries=0, http_client=http)
+    before = get_tracer().stats().unscoped
+    hooked.chat.completions.create(model="fake-model", messages=MESSAGES)
+    with rollout() as scope:
+        hooked.chat.completions.create(model="fake-model", messages=MESSAGES)
+    (outside_span, outside_body), (inside_span, inside_body) = seen
+    assert not outside_span.get_span_context().is_valid and "return_token_ids" not in outside_body
+    assert inside_span.get_span_context().is_valid and inside_body.get("return_token_ids") is True
+    assert get_tracer().stats().unscoped == before + 1 and len(sink.of(scope.rollout_id)) == 1

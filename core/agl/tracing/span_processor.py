@@ -165,30 +165,35 @@ class StoreSpanProcessor:
         else:
             span.deferred.update(attributes)
 
+    def unscoped(self, name: str, is_llm: bool) -> None:
+        """Count a span (or an LLM call recorded without one) outside every rollout; warn once of an LLM call
+        made so while rollouts run, as an agent's own thread that did not inherit the rollout makes them."""
+        self.stats.unscoped += 1
+        if not self._warned_unscoped:
+            self._warned_unscoped = True
+            logger.debug("span %r ended outside any rollout; agl stores spans of rollouts only", name)
+        if (
+            not self._warned_stray_call
+            and is_llm
+            and rollouts_running()
+            and ended_scope() is None  # (a call of a rollout that has returned is warned of at its start)
+        ):
+            self._warned_stray_call = True
+            logger.warning(
+                "an LLM call (span %r) ended outside every rollout while rollouts run in this process, so it is "
+                "not stored or trained on. If the agent made it in a thread of its own (a threading.Thread, "
+                "or a thread pool without agl.instrument()), that thread did not inherit the rollout's context: "
+                "wrap the function with agl.propagate(fn), or submit with agl.submit(executor, fn, ...). Said "
+                "once; tracer stats().unscoped counts such spans.",
+                name,
+            )
+
     def on_end(self, span: AglSpan) -> None:
         self.open_steps.pop(span.span_id, None)
         if span.scope is not None:
             span.scope.open_spans.pop(span.span_id, None)
         if span.rollout_id is None or span.generation != self.generation:
-            self.stats.unscoped += 1
-            if not self._warned_unscoped:
-                self._warned_unscoped = True
-                logger.debug("span %r ended outside any rollout; agl stores spans of rollouts only", span.name)
-            if (
-                not self._warned_stray_call
-                and rollouts_running()
-                and span.attributes.get(semconv.SPAN_KIND) == "llm"
-                and ended_scope() is None  # (a call of a rollout that has returned is warned of at its start)
-            ):
-                self._warned_stray_call = True
-                logger.warning(
-                    "an LLM call (span %r) ended outside every rollout while rollouts run in this process, so it is "
-                    "not stored or trained on. If the agent made it in a thread of its own (a threading.Thread, "
-                    "or a thread pool without agl.instrument()), that thread did not inherit the rollout's context: "
-                    "wrap the function with agl.propagate(fn), or submit with agl.submit(executor, fn, ...). Said "
-                    "once; tracer stats().unscoped counts such spans.",
-                    span.name,
-                )
+            self.unscoped(span.name, span.attributes.get(semconv.SPAN_KIND) == "llm")
             return
         item = finished(span)
         if self.otlp is not None:

@@ -203,6 +203,13 @@ class Tracer:
             hook(span)
         return span
 
+    def unrecorded(self, name: str, kind: SpanKind) -> None:
+        """A call outside every rollout that an instrumentation did not record at all (nothing would store its
+        span): counted, and warned of, as its span would have been when it started and ended."""
+        if not (self._warned_late and self._warned_late_timed_out):
+            self._warn_if_late(name)
+        self.processor.unscoped(name, kind == "llm")
+
     def _warn_if_late(self, name: str) -> None:
         """Once for each way a rollout ends: a span started in the context of a rollout that has returned (see
         ``current_scope``), or that timed out. They call for different fixes, and the first must not use up
