@@ -17,7 +17,9 @@ never ``MAGIC``.
 from __future__ import annotations
 
 import struct
+import sys
 import threading
+from array import array
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import zstandard
@@ -36,6 +38,7 @@ PACKED_KEYS: Tuple[Tuple[str, bool], ...] = (
 )
 _KEY_INDEX = {key: (index, is_int) for index, (key, is_int) in enumerate(PACKED_KEYS)}
 _INT_CODES = "HIq"  # the first that holds every id: 2 bytes for vocabularies up to 65,536, 4, then 8
+_BIG_ENDIAN = sys.byteorder == "big"  # stored little-endian; arrays read in the machine's order
 _SIZES = {"H": 2, "I": 4, "q": 8, "f": 4, "d": 8}
 _HEAD = struct.Struct("<BB")
 _ARRAY_HEAD = struct.Struct("<BHBI")  # key index, position, type code, length
@@ -143,14 +146,15 @@ def _prefix_entry(index: int, position: int, values: List[int], prefix: Tuple[st
 def decode_attributes(stored: Union[bytes, str], refs: Optional[List[PrefixRef]] = None) -> Dict[str, Any]:
     """Attributes as :func:`encode_attributes` stored them, or the JSON text (or bytes) agl wrote before it. A
     prompt stored as a reference to an earlier span is added to ``refs`` (ValueError where none is expected)."""
-    if type(stored) is str or not stored or stored[0] != MAGIC:
+    if isinstance(stored, str) or not stored or stored[0] != MAGIC:
         return from_json(stored) if stored else {}
-    data = memoryview(stored)  # type: ignore[arg-type]
-    _, n_arrays = _HEAD.unpack_from(data, 0)
+    if stored[1] == 0 and stored[2] == _PLAIN:  # no arrays, JSON as it is: most spans
+        return from_json(stored[3:]) if len(stored) > 3 else {}
+    data = memoryview(stored)
     offset = _HEAD.size
     placed: List[Tuple[int, str, List[Any]]] = []
     shared: List[Tuple[str, str, int]] = []
-    for _ in range(n_arrays):
+    for _ in range(stored[1]):
         index, position, code, count = _ARRAY_HEAD.unpack_from(data, offset)
         offset += _ARRAY_HEAD.size
         key = PACKED_KEYS[index][0]
@@ -162,9 +166,13 @@ def decode_attributes(stored: Union[bytes, str], refs: Optional[List[PrefixRef]]
             shared.append((key, bytes(data[offset : offset + id_size]).decode(), n_shared))
             offset += id_size
         kind = chr(code)
-        values = list(struct.unpack_from(f"<{count}{kind}", data, offset))
-        offset += count * _SIZES[kind]
-        placed.append((position, key, values))
+        end = offset + count * _SIZES[kind]
+        packed = array(kind)
+        packed.frombytes(data[offset:end])
+        if _BIG_ENDIAN:
+            packed.byteswap()
+        placed.append((position, key, packed.tolist()))
+        offset = end
     flag = data[offset]
     text = bytes(data[offset + 1 :])
     if flag == _ZSTD:

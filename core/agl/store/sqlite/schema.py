@@ -214,7 +214,8 @@ def span_fields(row: Sequence[Any], refs: Optional[List[PrefixRef]] = None) -> D
     (:func:`agl.store.prefixes.spans_with_prefixes` resolves them); ValueError without ``refs``."""
     fields = dict(zip(_SPAN_FIELDS, row))
     fields["attributes"] = decode_attributes(fields["attributes"], refs)
-    fields["events"] = from_json(fields["events"])
+    events = fields["events"]
+    fields["events"] = [] if events == "[]" else from_json(events)  # most spans have none
     return fields
 
 
