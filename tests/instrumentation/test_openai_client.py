@@ -968,3 +968,31 @@ def test_outside_rollouts_a_call_goes_as_written_without_a_span(client, fake_ope
     assert not outside_span.get_span_context().is_valid and "return_token_ids" not in outside_body
     assert inside_span.get_span_context().is_valid and inside_body.get("return_token_ids") is True
     assert get_tracer().stats().unscoped == before + 1 and len(sink.of(scope.rollout_id)) == 1
+
+
+def test_queued_spans_keep_no_answer_objects_alive(client, fake_openai, rollout):
+    """While a span waits for the writer (a CPU-bound agent starves its thread), it holds plain values only: a
+    span that kept the answer's logprob objects made the collector walk them at every collection until then."""
+    from openai.types.chat import ChatCompletionTokenLogprob
+
+    released = threading.Event()
+
+    class SlowSink:
+        def add_spans(self, spans: List[Any]) -> int:
+            released.wait(10)
+            return len(spans)
+
+    tracer = get_tracer()
+    previous = tracer.store
+    tracer.set_store(SlowSink())
+    try:
+        with rollout():
+            for _ in range(5):
+                client.chat.completions.create(model="fake-model", messages=MESSAGES, logprobs=True)
+        gc.collect()
+        alive = sum(type(o) is ChatCompletionTokenLogprob for o in gc.get_objects())  # type(): lazy proxies raise
+    finally:
+        released.set()
+        tracer.flush(10)
+        tracer.set_store(previous)
+    assert alive == 0
