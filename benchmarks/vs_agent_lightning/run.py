@@ -30,6 +30,11 @@ every sample of every round, with the ratio of the medians, agl / peer.
    one span per request.
 5. dev: ``Trainer.dev`` on 20 one-call tasks (a fake model server on 127.0.0.1, started before timing), 1 and
    4 runners, wall time after import. The peer with its default polling (5 s) and with its polling tuned down.
+
+Then agl's own figures that have no peer counterpart, each against its own reference in the same run
+(``--no-agl-only`` skips them): bytes per stored span against the JSON agl stored before
+(benchmarks/span_bytes.py) and LightningRL from a store to samples against commit 8a58a22
+(benchmarks/lightningrl_store.py). The date and the machine's load at the start and the end are printed.
 """
 
 from __future__ import annotations
@@ -128,6 +133,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one round of small workloads: a smoke run")
     parser.add_argument("--only", default=",".join(common.WORKLOADS), help="workloads, comma-separated")
     parser.add_argument("--json", help="also write the rows and every sample here")
+    parser.add_argument("--no-agl-only", action="store_true", help="skip agl's own figures (span bytes, LightningRL)")
     args = parser.parse_args()
     workloads = [w.strip() for w in args.only.split(",") if w.strip()]
     unknown = sorted(set(workloads) - set(common.WORKLOADS))
@@ -138,6 +144,7 @@ def main() -> int:
     pythons = {"agl": args.agl_python, "peer": args.peer_python}
     runs: List[Dict[str, Any]] = []
     started = time.perf_counter()
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, load at the start {load()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="vs-agl-") as tmp:
         for workload in workloads:
             for r in range(1 if args.quick else ROUNDS[workload]):
@@ -155,7 +162,29 @@ def main() -> int:
     print(f"({os.cpu_count()} CPUs; {time.perf_counter() - started:.0f} s; {'quick' if args.quick else 'full'} run)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": all_rows, "notes": notes, "samples": merged}, indent=1))
-    return 1 if any("FAILED" in note for note in notes) else 0
+    failed = any("FAILED" in note for note in notes)
+    if not args.no_agl_only:
+        failed = agl_only(args.agl_python, args.quick) or failed
+    print(f"load at the end {load()}")
+    return 1 if failed else 0
+
+
+def load() -> str:
+    """The 1, 5 and 15 minute load averages."""
+    return " / ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def agl_only(python: str, quick: bool) -> bool:
+    """agl's figures without a peer counterpart, each script printing its own reference; True if one failed."""
+    scripts = [
+        ["span_bytes.py", *(["--spans", "200", "--rollouts", "32"] if quick else [])],
+        ["lightningrl_store.py", *(["--sizes", "10000", "--repeat", "1"] if quick else [])],
+    ]
+    failed = False
+    for script, *options in scripts:
+        print(f"\n$ python benchmarks/{script} {' '.join(options)}", flush=True)
+        failed = subprocess.call([python, str(HERE.parent / script), *options]) != 0 or failed
+    return failed
 
 
 if __name__ == "__main__":
