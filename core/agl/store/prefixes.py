@@ -76,9 +76,8 @@ class PrefixCache:
             with self._lock:
                 last = learnt.get(key) or self._last.get(key)
             prefix = None
-            if last is not None:
-                shared = shared_length(prompt, last[1])
-                prefix = (last[0], shared) if shared >= MIN_SHARED else None
+            if last is not None and prompt[:MIN_SHARED] == last[1][:MIN_SHARED]:  # most unrelated prompts end here
+                prefix = (last[0], shared_length(prompt, last[1]))
             rows.append(storable_row(span, prefix))
             learnt[key] = (span.span_id, prompt + (_token_ids(span, _RESPONSE) or []))
         return rows, learnt
