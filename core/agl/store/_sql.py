@@ -15,7 +15,7 @@ from pydantic_core import from_json
 from agl.errors import DuplicateResourcesError, UnknownAttemptError, UnknownResourcesError, UnknownRolloutError
 from agl.store import _rules
 from agl.store._rules import AttemptEnd
-from agl.store.base import RolloutQuery
+from agl.store.base import EnqueueRequest, RolloutQuery
 from agl.store.prefixes import spans_with_prefixes
 from agl.store.sqlite.schema import SPAN_COLS, json_list, rollout_from_row
 from agl.types import ResourcesUpdate, Rollout, Span, new_id, parse_resources
@@ -63,6 +63,33 @@ class Dialect:
     def param(self) -> str:
         """The parameter placeholder of :attr:`style`."""
         return self.style.param
+
+
+def new_rollout_rows(requests: Sequence[EnqueueRequest], now: float) -> List[Tuple[Any, ...]]:
+    """Each request's row as both stores insert it (ids the caller left to the store picked here, input and metadata
+    as JSON text): ``rollout_id, task_id, input, mode, resources_id, max_attempts, timeout_seconds,
+    heartbeat_timeout_seconds, metadata, create_time``."""
+    return [
+        (
+            request.rollout_id or new_id("ro"),
+            request.task_id or new_id("task"),
+            _rules.encode_json(request.input, "rollout input"),
+            request.mode,
+            request.resources_id,
+            request.config.max_attempts,
+            request.config.timeout_seconds,
+            request.config.heartbeat_timeout_seconds,
+            _rules.encode_json(request.metadata, "rollout metadata"),
+            now,
+        )
+        for request in requests
+    ]
+
+
+def queued_rollout(row: Tuple[Any, ...]) -> Rollout:
+    """The rollout a :func:`new_rollout_rows` row makes once stored, as a read would give it back (without the read):
+    queued, no attempt yet."""
+    return rollout_from_row(row[:4] + ("queued",) + row[4:9] + (0, None, None, row[9], None, None, None, None))
 
 
 def select_rollout(d: Dialect, c: Any, rollout_id: str) -> Rollout:

@@ -8,9 +8,8 @@ import functools
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, TypeVar
 
 from psycopg import errors as pg_errors
-from pydantic_core import from_json
 
-from agl.errors import UnknownAttemptError, UnknownResourcesError, UnknownRolloutError
+from agl.errors import DuplicateRolloutError, UnknownAttemptError, UnknownResourcesError, UnknownRolloutError
 from agl.store import _rules, _sql
 from agl.store._waiting import wait_for_rollouts, wait_until
 from agl.store.base import Completion, EnqueueRequest, LightningStore, RolloutQuery
@@ -49,6 +48,31 @@ DIALECT = _sql.Dialect(
 )
 
 ROLLOUT_EXISTS = "SELECT 1 FROM agl_rollouts WHERE rollout_id = %s"
+
+# One rollout enqueued and QUEUE_CHANNEL notified at commit, in one statement, unless it names a resources version
+# that is not stored; returns how many were enqueued (1, or 0 for that). Its parameters: a _sql.new_rollout_rows
+# row, named by _NEW_ROLLOUT.
+_NEW_ROLLOUT = (
+    "rollout_id",
+    "task_id",
+    "input",
+    "mode",
+    "resources_id",
+    "max_attempts",
+    "timeout_seconds",
+    "heartbeat_timeout_seconds",
+    "metadata",
+    "create_time",
+)
+_ENQUEUE_ONE = (
+    f"WITH i AS (INSERT INTO agl_rollouts ({', '.join(_NEW_ROLLOUT)}, status, queue_pos) "
+    "SELECT %(rollout_id)s::text, %(task_id)s::text, %(input)s::text, %(mode)s::text, %(resources_id)s::text, "
+    "%(max_attempts)s::integer, %(timeout_seconds)s::float8, %(heartbeat_timeout_seconds)s::float8, "
+    "%(metadata)s::text, %(create_time)s::float8, 'queued', nextval('agl_queue_pos') "
+    "WHERE %(resources_id)s::text IS NULL "
+    "OR EXISTS (SELECT 1 FROM agl_resources WHERE resources_id = %(resources_id)s::text) RETURNING 1) "
+    f"SELECT count(pg_notify('{QUEUE_CHANNEL}', '')) FROM i"
+)
 
 
 def _unknown(rollout_exists: bool, rollout_id: str, attempt_id: str) -> Exception:
@@ -133,24 +157,10 @@ class PostgresRollouts(PostgresDatabase, LightningStore):
             self._state()
             return []
         _rules.check_request_ids(requests)
-        now = self._now()
-        rollouts = [
-            Rollout(
-                rollout_id=request.rollout_id or new_id("ro"),
-                task_id=request.task_id or new_id("task"),
-                input=request.input,
-                mode=request.mode,
-                resources_id=request.resources_id,
-                config=request.config.model_copy(),
-                metadata=request.metadata,
-                create_time=now,
-            )
-            for request in requests
-        ]
-        encoded = [
-            (_rules.encode_json(r.input, "rollout input"), _rules.encode_json(r.metadata, "rollout metadata"))
-            for r in rollouts
-        ]
+        rows = _sql.new_rollout_rows(requests, self._now())
+        if len(requests) == 1 and requests[0].runner_id is None:
+            self._enqueue_one(rows[0], chosen=requests[0].rollout_id is not None)
+            return [_sql.queued_rollout(rows[0])]
         resources_ids = list(dict.fromkeys(r.resources_id for r in requests if r.resources_id is not None))
         chosen = [r.rollout_id for r in requests if r.rollout_id is not None]
         started: Dict[str, Rollout] = {}  # start_rollout's, by id, as this transaction started them
@@ -167,39 +177,32 @@ class PostgresRollouts(PostgresDatabase, LightningStore):
                 stored = {row[0] for row in c.execute(sql, (chosen,))}
                 _rules.check_new_rollout_ids(requests, stored.__contains__)
             with c.cursor() as cur:
-                cur.executemany(
-                    INSERT_ROLLOUT,
-                    [
-                        (
-                            r.rollout_id,
-                            r.task_id,
-                            inp,
-                            r.mode,
-                            r.resources_id,
-                            r.config.max_attempts,
-                            r.config.timeout_seconds,
-                            r.config.heartbeat_timeout_seconds,
-                            meta,
-                            now,
-                        )
-                        for r, (inp, meta) in zip(rollouts, encoded)
-                    ],
-                )
+                cur.executemany(INSERT_ROLLOUT, rows)
             started.clear()
-            for rollout, request in zip(rollouts, requests):
+            for row, request in zip(rows, requests):
                 if request.runner_id is not None:
-                    started[rollout.rollout_id] = self._start_now(c, rollout.rollout_id, request.runner_id)
+                    started[row[0]] = self._start_now(c, row[0], request.runner_id)
             c.execute(f"NOTIFY {QUEUE_CHANNEL}")
 
         try:
             self._run(work)
         except pg_errors.UniqueViolation:  # another machine stored a chosen id since our check: say which
             self._run(work)
-        # what the caller gets back went through JSON as the stored copy did, and aliases nothing of theirs
-        return [
-            started.get(r.rollout_id) or r.model_copy(update={"input": from_json(inp), "metadata": from_json(meta)})
-            for r, (inp, meta) in zip(rollouts, encoded)
-        ]
+        return [started.get(row[0]) or _sql.queued_rollout(row) for row in rows]
+
+    def _enqueue_one(self, row: Tuple[Any, ...], *, chosen: bool) -> None:
+        """Enqueue one rollout (a :func:`~agl.store._sql.new_rollout_rows` row) with one statement, committed on
+        its own: a round trip, where a transaction takes four. Its resources version must be stored, and an id the
+        caller chose (``chosen``) not yet."""
+        try:
+            params = dict(zip(_NEW_ROLLOUT, row))
+            enqueued = self._run(lambda c: c.execute(_ENQUEUE_ONE, params).fetchone()[0], single=True)
+        except pg_errors.UniqueViolation:
+            if chosen:
+                raise DuplicateRolloutError(row[0]) from None
+            raise
+        if not enqueued:
+            raise UnknownResourcesError(row[4])
 
     def _start_now(self, c: Any, rollout_id: str, runner_id: str) -> Rollout:
         """Start the first attempt of a rollout just enqueued in the transaction of ``c`` (``start_rollout``):

@@ -44,6 +44,21 @@ _DIALECT = _sql.Dialect(_sql.QMARK, "", SELECT_ROLLOUTS, arrival="s.rowid", next
 
 _NEXT_DEADLINE = "SELECT min(deadline) FROM attempts WHERE status = 'running' AND deadline IS NOT NULL"
 
+# Each row goes to the back of the queue as it is inserted: no statement of its own to read the queue's end.
+_INSERT_ROLLOUT = (
+    "INSERT INTO rollouts (rollout_id, task_id, input, mode, resources_id, max_attempts, timeout_seconds, "
+    "heartbeat_timeout_seconds, metadata, create_time, status, queue_pos) "
+    f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', {NEXT_QUEUE_POS})"
+)
+
+# A dequeue's first read: the next attempt deadline (is there anything to reap?) and whether anything is queued.
+_CLAIM_CHECK = f"SELECT ({_NEXT_DEADLINE}), EXISTS (SELECT 1 FROM rollouts WHERE queue_pos IS NOT NULL)"
+# What _start reads of a rollout it starts: its columns, its seq, and the greatest attempt aid so far (the
+# same in every row: the new attempts' aids follow it), so that a claim needs no statement to read it.
+_STARTABLE_COLS = f"{ROLLOUT_COLS}, r.seq, (SELECT coalesce(max(aid), 0) FROM attempts)"
+_CLAIMABLE = f"SELECT {_STARTABLE_COLS} FROM rollouts r WHERE r.queue_pos IS NOT NULL ORDER BY r.queue_pos LIMIT ?"
+_STARTABLE = f"SELECT {_STARTABLE_COLS} FROM rollouts r WHERE r.rollout_id = ?"
+
 # complete_attempt's read: the rollout with the attempt it names (a SELECT_ROLLOUTS row, but that attempt
 # rather than the latest: they are the same when it is live), then the attempt's aid.
 _COMPLETING = (
@@ -153,21 +168,7 @@ class SqliteLightningStore(SqliteDatabase, SharedPrefixes, LightningStore):
             return []
         _rules.check_request_ids(requests)
         now = time.time()
-        rows = [
-            (
-                request.rollout_id or new_id("ro"),
-                request.task_id or new_id("task"),
-                _rules.encode_json(request.input, "rollout input"),
-                request.mode,
-                request.resources_id,
-                request.config.max_attempts,
-                request.config.timeout_seconds,
-                request.config.heartbeat_timeout_seconds,
-                _rules.encode_json(request.metadata, "rollout metadata"),
-                now,
-            )
-            for request in requests
-        ]
+        rows = _sql.new_rollout_rows(requests, now)
         resources_ids = {r.resources_id for r in requests if r.resources_id is not None}
         with self._write() as c:
             for resources_id in resources_ids:
@@ -177,31 +178,18 @@ class SqliteLightningStore(SqliteDatabase, SharedPrefixes, LightningStore):
             if chosen:
                 sql = "SELECT 1 FROM rollouts WHERE rollout_id = ?"
                 _rules.check_new_rollout_ids(requests, lambda i: c.execute(sql, (i,)).fetchone() is not None)
-            base = c.execute(f"SELECT {NEXT_QUEUE_POS}").fetchone()[0]
-            c.executemany(
-                "INSERT INTO rollouts (rollout_id, task_id, input, mode, resources_id, max_attempts, timeout_seconds, "
-                "heartbeat_timeout_seconds, metadata, create_time, status, queue_pos) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?)",
-                [row + (base + i,) for i, row in enumerate(rows)],
-            )
+            c.executemany(_INSERT_ROLLOUT, rows)
             started = {r[0]: self._start_now(c, r[0], q.runner_id, now) for r, q in zip(rows, requests) if q.runner_id}
         self._queue_bell.ring()
         if any(deadline is not None for _, deadline in started.values()):
             self._done_bell.ring()  # a waiter sleeping until the next expiry must learn of these
-        # the same columns a SELECT_ROLLOUTS row has: status, counters and times of a new rollout, no attempt
-        return [
-            started[r[0]][0]
-            if r[0] in started
-            else rollout_from_row(r[:4] + ("queued",) + r[4:9] + (0, None, None, now, None, None, None, None))
-            for r in rows
-        ]
+        return [started[r[0]][0] if r[0] in started else _sql.queued_rollout(r) for r in rows]
 
     def _start_now(
         self, c: sqlite3.Connection, rollout_id: str, runner_id: str, now: float
     ) -> Tuple[Rollout, Optional[float]]:
         """Start the first attempt of a rollout just enqueued in this transaction (``start_rollout``)."""
-        sql = f"SELECT {ROLLOUT_COLS}, r.seq FROM rollouts r WHERE r.rollout_id = ?"
-        row = c.execute(sql, (rollout_id,)).fetchone()
+        row = c.execute(_STARTABLE, (rollout_id,)).fetchone()
         [rollout], deadlines = self._start(c, [row], runner_id, now)
         return rollout, deadlines[0] if deadlines else None
 
@@ -216,18 +204,16 @@ class SqliteLightningStore(SqliteDatabase, SharedPrefixes, LightningStore):
 
     def _claim(self, runner_id: str, limit: int) -> Tuple[List[Rollout], Optional[float]]:
         """Reap, then claim up to ``limit`` queued rollouts in one transaction; also returns the next expiry."""
-        _, next_expiry = self._reap()
-        with self._session as conn:
-            queued = conn.execute("SELECT 1 FROM rollouts WHERE queue_pos IS NOT NULL LIMIT 1").fetchone()
-        if queued is None:
+        with self._session as conn:  # one read tells whether to reap and whether there is anything to claim
+            next_expiry, queued = conn.execute(_CLAIM_CHECK).fetchone()
+        if next_expiry is not None and next_expiry <= time.time():
+            _, next_expiry = self._reap()
+            queued = True  # the reap may have requeued some: the claim's own read tells
+        if not queued:
             return [], next_expiry  # nothing queued: no need for the write lock
         now = time.time()
         with self._write() as c:
-            rows = c.execute(
-                f"SELECT {ROLLOUT_COLS}, r.seq FROM rollouts r "
-                "WHERE r.queue_pos IS NOT NULL ORDER BY r.queue_pos LIMIT ?",
-                (limit,),
-            ).fetchall()
+            rows = c.execute(_CLAIMABLE, (limit,)).fetchall()
             claimed, deadlines = self._start(c, rows, runner_id, now)
         if deadlines:
             self._done_bell.ring()  # a waiter sleeping until the next expiry must learn of these
@@ -238,9 +224,9 @@ class SqliteLightningStore(SqliteDatabase, SharedPrefixes, LightningStore):
     def _start(
         c: sqlite3.Connection, rows: List[Tuple[Any, ...]], runner_id: str, now: float
     ) -> Tuple[List[Rollout], List[float]]:
-        """Start a new attempt of each queued rollout in ``rows`` (ROLLOUT_COLS and seq, in queue order) inside the
+        """Start a new attempt of each queued rollout in ``rows`` (``_STARTABLE_COLS``, in queue order) inside the
         caller's write transaction: the rollouts as they now are, and the attempts' deadlines."""
-        aid = c.execute("SELECT coalesce(max(aid), 0) FROM attempts").fetchone()[0]
+        aid = rows[0][17] if rows else 0  # the greatest aid so far; the new attempts take the next ones
         attempts = []  # INSERT INTO attempts parameters, one per claimed rollout
         for row in rows:
             aid += 1
