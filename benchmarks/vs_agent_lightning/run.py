@@ -114,6 +114,18 @@ def table(all_rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def markdown(all_rows: List[Dict[str, Any]], header: str) -> str:
+    """The rows as docs/benchmarks.md shows them: one table per figure, under ``header`` (date, load)."""
+    out = [header]
+    for measure in dict.fromkeys(row["measure"] for row in all_rows):
+        out += ["", f"### {measure}", "", "| | agl: median [middle half] | peer: median [middle half] | agl / peer |"]
+        out.append("|---|---:|---:|---:|")
+        for row in (r for r in all_rows if r["measure"] == measure):
+            ratio = "-" if row["ratio"] is None else number(row["ratio"])
+            out.append(f"| {row['variant']} | {figure(row['agl'])} | {figure(row['peer'])} | {ratio} |")
+    return "\n".join(out) + "\n"
+
+
 def run_side(side: str, python: str, workload: str, quick: bool, tmp: Path) -> Dict[str, Any]:
     """One side's run of one workload in its own process; its results, or an error note with its log's tail."""
     out, log = tmp / f"{side}-{workload}-{time.perf_counter_ns()}.json", tmp / f"{side}-{workload}.log"
@@ -133,6 +145,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one round of small workloads: a smoke run")
     parser.add_argument("--only", default=",".join(common.WORKLOADS), help="workloads, comma-separated")
     parser.add_argument("--json", help="also write the rows and every sample here")
+    parser.add_argument("--markdown", help="also write the tables here as docs/benchmarks.md shows them")
     parser.add_argument("--no-agl-only", action="store_true", help="skip agl's own figures (span bytes, LightningRL)")
     args = parser.parse_args()
     workloads = [w.strip() for w in args.only.split(",") if w.strip()]
@@ -144,7 +157,8 @@ def main() -> int:
     pythons = {"agl": args.agl_python, "peer": args.peer_python}
     runs: List[Dict[str, Any]] = []
     started = time.perf_counter()
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, load at the start {load()}", flush=True)
+    header = f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load at the start {load()}"
+    print(header, flush=True)
     with tempfile.TemporaryDirectory(prefix="vs-agl-") as tmp:
         for workload in workloads:
             for r in range(1 if args.quick else ROUNDS[workload]):
@@ -162,6 +176,8 @@ def main() -> int:
     print(f"({os.cpu_count()} CPUs; {time.perf_counter() - started:.0f} s; {'quick' if args.quick else 'full'} run)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": all_rows, "notes": notes, "samples": merged}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(all_rows, f"{header}, at the end {load()}"))
     failed = any("FAILED" in note for note in notes)
     if not args.no_agl_only:
         failed = agl_only(args.agl_python, args.quick) or failed
