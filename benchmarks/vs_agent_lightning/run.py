@@ -114,9 +114,10 @@ def table(all_rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(all_rows: List[Dict[str, Any]], header: str) -> str:
-    """The rows as docs/benchmarks.md shows them: one table per figure, under ``header`` (date, load)."""
-    out = [header]
+def markdown(all_rows: List[Dict[str, Any]], header: str, notes: List[str]) -> str:
+    """The rows as docs/benchmarks.md shows them: one table per figure, under ``header`` (date, load) and the
+    run's notes (what each side ran)."""
+    out = [header, "", *(f"- {note}" for note in notes)]
     for measure in dict.fromkeys(row["measure"] for row in all_rows):
         out += ["", f"### {measure}", "", "| | agl: median [middle half] | peer: median [middle half] | agl / peer |"]
         out.append("|---|---:|---:|---:|")
@@ -177,7 +178,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": all_rows, "notes": notes, "samples": merged}, indent=1))
     if args.markdown:
-        Path(args.markdown).write_text(markdown(all_rows, f"{header}, at the end {load()}"))
+        Path(args.markdown).write_text(markdown(all_rows, f"{header}, at the end {load()}", notes))
     failed = any("FAILED" in note for note in notes)
     if not args.no_agl_only:
         failed = agl_only(args.agl_python, args.quick) or failed
