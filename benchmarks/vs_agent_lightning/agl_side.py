@@ -82,14 +82,16 @@ def tracer(results: common.Results, quick: bool) -> None:
                 results, variant, rounds, n, plain, functools.partial(new_attempt, store), traced, check
             )
         measure.paired_blocks(
-            results, "outside a rollout", rounds, n, plain, lambda: None, lambda _, k: outside(k), lambda *_: None
+            results,
+            "outside a rollout",
+            rounds,
+            n,
+            plain,
+            lambda: None,
+            lambda _, k: common.calls(client, k),
+            lambda *_: None,
         )
     results.note("agl: spans to an InMemoryLightningStore (in-process) or to `agl store serve` over SQLite (HTTP)")
-
-
-def outside(n: int) -> None:
-    for _ in range(n):
-        common.call(client)
 
 
 # -- workload 2 -------------------------------------------------------------------------------------------------
@@ -122,12 +124,7 @@ def rollout_end(results: common.Results, quick: bool) -> None:
 # -- workload 5 -------------------------------------------------------------------------------------------------
 @agl.rollout
 def server_agent(task: Dict[str, Any], llm: agl.LLM) -> float:
-    import openai
-
-    reply = openai.OpenAI(base_url=llm.get_base_url(), api_key="x").chat.completions.create(
-        model=llm.model, messages=[{"role": "user", "content": task["q"]}]
-    )
-    return 1.0 if reply.choices[0].message.content else 0.0
+    return common.served_reward(llm.get_base_url(), llm.model, task["q"])
 
 
 def dev(results: common.Results, quick: bool) -> None:

@@ -84,6 +84,22 @@ def call(client: Any, model: str = MODEL) -> Any:
     return client.chat.completions.create(model=model, messages=MESSAGES, temperature=0.7)
 
 
+def calls(client: Any, n: int) -> None:
+    """``n`` calls (workload 1 outside a rollout)."""
+    for _ in range(n):
+        call(client)
+
+
+def served_reward(base_url: str, model: str, question: str) -> float:
+    """Workload 5's agent body on both sides: one call to the fake model server, 1.0 if it answered."""
+    import openai
+
+    reply = openai.OpenAI(base_url=base_url, api_key="x").chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}]
+    )
+    return 1.0 if reply.choices[0].message.content else 0.0
+
+
 class FakeModelServer:
     """An OpenAI-compatible server on 127.0.0.1 answering every chat completion with :func:`canned_completion`."""
 

@@ -90,17 +90,19 @@ def tracer(results: common.Results, quick: bool) -> None:
                 results, variant, rounds, n, plain, functools.partial(new_attempt, store), traced, check
             )
         measure.paired_blocks(
-            results, "outside a rollout", rounds, n, plain, lambda: None, lambda _, k: outside(k), lambda *_: None
+            results,
+            "outside a rollout",
+            rounds,
+            n,
+            plain,
+            lambda: None,
+            lambda _, k: common.calls(client, k),
+            lambda *_: None,
         )
     results.note(
         "peer: AgentOpsTracer; spans to InMemoryLightningStore(thread_safe=True) in-process (each written as it "
         "ends), or by OTLP to its store server over HTTP (its choice for a server)"
     )
-
-
-def outside(n: int) -> None:
-    for _ in range(n):
-        common.call(client)
 
 
 # -- workload 2 -------------------------------------------------------------------------------------------------
@@ -130,12 +132,7 @@ def rollout_end(results: common.Results, quick: bool) -> None:
 # -- workload 5 -------------------------------------------------------------------------------------------------
 @al.rollout
 def server_agent(task: Dict[str, Any], llm: al.LLM) -> float:
-    import openai
-
-    reply = openai.OpenAI(base_url=llm.get_base_url(), api_key="x").chat.completions.create(
-        model=llm.model, messages=[{"role": "user", "content": task["q"]}]
-    )
-    return 1.0 if reply.choices[0].message.content else 0.0
+    return common.served_reward(llm.get_base_url(), llm.model, task["q"])
 
 
 def dev(results: common.Results, quick: bool) -> None:
