@@ -28,3 +28,18 @@ class LocalListener:
 
     def close(self) -> None:
         self._listener.close()
+
+
+class Forwarder(LocalListener):
+    """A proxy to ``127.0.0.1:target``: each connection is piped both ways by ``_pipe`` (a subclass's), one
+    daemon thread a direction; ``from_client`` tells which."""
+
+    target: int
+
+    def _handle(self, client: socket.socket) -> None:
+        server = socket.create_connection(("127.0.0.1", self.target))
+        threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        raise NotImplementedError

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
-from local_tcp_listener import LocalListener
+from local_tcp_listener import Forwarder
 
 from agl.errors import AglError, StoreUnavailableError
 from agl.store import EnqueueRequest
@@ -26,7 +26,7 @@ from agl.testing.postgres import PostgresServer, TemporaryPostgres
 COMPLETION_MARK = COMPLETE.split("%(")[0][-40:].encode()
 
 
-class CuttingProxy(LocalListener):
+class CuttingProxy(Forwarder):
     """A TCP proxy on 127.0.0.1 in front of a PostgreSQL server. ``cut_after(mark)``: the first connection
     whose client sends bytes holding ``mark`` is cut right after they were forwarded, as a network cut or a
     database crash at that moment: the server got the statement, the client never hears back; with
@@ -48,9 +48,7 @@ class CuttingProxy(LocalListener):
         if self.down:
             client.close()
             return
-        server = socket.create_connection(("127.0.0.1", self.target))
-        threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
-        threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+        super()._handle(client)
 
     def _pipe(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
         try:

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, List, Tuple, TypeVar
 from urllib.parse import urlsplit
 
 import pytest
-from local_tcp_listener import LocalListener
+from local_tcp_listener import Forwarder
 
 from agl.errors import DuplicateRolloutError, UnknownResourcesError
 from agl.store import EnqueueRequest, LightningStore, SqliteLightningStore
@@ -56,7 +56,7 @@ def test_a_sqlite_dequeue_reads_once_then_claims_in_one_transaction(sqlite_store
     ]
 
 
-class RoundTripCounter(LocalListener):
+class RoundTripCounter(Forwarder):
     """A TCP proxy on 127.0.0.1 in front of a PostgreSQL server, counting round trips: each time the server
     answers after the client has sent something."""
 
@@ -66,11 +66,6 @@ class RoundTripCounter(LocalListener):
         self._client_spoke = False
         self._lock = threading.Lock()
         super().__init__()
-
-    def _handle(self, client: socket.socket) -> None:
-        server = socket.create_connection(("127.0.0.1", self.target))
-        threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
-        threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
         try:
