@@ -59,7 +59,7 @@ def new_attempt(store: LightningStore) -> Tuple[str, str]:
 
 # -- workload 1 -------------------------------------------------------------------------------------------------
 def tracer(results: common.Results, quick: bool) -> None:
-    n, rounds = (20, 2) if quick else (50, 10)
+    n, rounds = measure.TRACER_QUICK if quick else measure.TRACER_FULL
     agl.instrument()
     tracer = agl.get_tracer()
 

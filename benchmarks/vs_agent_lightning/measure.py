@@ -3,6 +3,7 @@ names of the measures, which pair the two sides' figures up in run.py. Standard 
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import time
 from typing import Any, Callable, Tuple
@@ -15,6 +16,10 @@ TRACER_CPU = "1 tracer: CPU overhead per call (us)"
 TRACER_WALL = "1 tracer: wall overhead per call (us)"
 PLAIN_CPU = "1 tracer: plain call, CPU (us)"
 ROLLOUT_END = "2 rollout end: agent returned -> rollout complete (ms)"
+# workload 1's (calls per block, pairs of blocks): many short pairs, each block starting from a collected heap,
+# so that a full collection landing in one block of a pair weighs on one pair out of many, not on the median
+TRACER_QUICK = (20, 2)
+TRACER_FULL = (20, 30)
 
 
 def dev_measure(runners: int) -> str:
@@ -61,6 +66,7 @@ def paired_blocks(
     wall microseconds."""
 
     def plain_block() -> Tuple[float, float]:
+        gc.collect()
         cpu, wall = cpu_wall()
         for _ in range(n):
             plain()
@@ -69,6 +75,7 @@ def paired_blocks(
 
     def traced_block() -> Tuple[float, float]:
         context = prepare()
+        gc.collect()
         cpu, wall = cpu_wall()
         traced(context, n)
         end_cpu, end_wall = cpu_wall()

@@ -8,10 +8,11 @@ in odd ones. Each figure is printed as its median and middle half (quartiles; mi
 every sample of every round, with the ratio of the medians, agl / peer.
 
 1. tracer: the real ``openai`` client calling an in-process fake (httpx MockTransport; a chat completion with
-   600 prompt and 200 response token ids and their logprobs; 8 input messages). Paired blocks in one process,
-   order alternating: N uninstrumented calls, then N calls instrumented inside a new rollout with every span
-   stored before the block ends. Figures: process CPU time (time.process_time, all threads) instrumented /
-   plain, and overhead per call in CPU and wall us. agl: ``agl.instrument()``, ``agl.rollout_scope``, the
+   600 prompt and 200 response token ids and their logprobs; 8 input messages). Paired blocks in one process
+   (30 pairs of 20 calls), order alternating, each block after a full collection: N uninstrumented calls,
+   then N calls instrumented inside a new rollout with every span stored before the block ends. Figures:
+   process CPU time (time.process_time, all threads) instrumented / plain, and overhead per call in CPU and
+   wall us. agl: ``agl.instrument()``, ``agl.rollout_scope``, the
    tracer's flush. Peer: AgentOpsTracer (AgentOps' OpenAI instrumentation with the peer's token-id patch)
    in ``trace_context(rollout_id=, attempt_id=)``. Placements: a store in the process (both: in memory), a
    store server in its own process over HTTP (agl: ``agl store serve`` over SQLite and its HTTP client; peer:
