@@ -54,10 +54,9 @@ def test_a_thread_runner_busy_past_the_stop_timeout_has_its_attempt_ended_and_re
     ).start()
     try:
         eventually(lambda: store.get_rollout(rollout.rollout_id).status == "running", 10, "the rollout to start")
-        started = time.monotonic()
         with caplog.at_level(logging.INFO):
             pool.stop(timeout=0.5, reason="the test stops it")
-            assert time.monotonic() - started < 1.5, "stop waited for the busy agent thread"
+            assert not _RETURNED.is_set(), "stop waited for the busy agent thread (it naps 2 s)"
             (attempt,) = store.query_attempts(rollout.rollout_id)
             assert attempt.status == "failed", "the attempt of the runner left behind is ended at once"
             assert attempt.error == (
