@@ -27,8 +27,9 @@ logger = logging.getLogger("agl.store")
 
 #: Fewer shared ids than this are stored in full (a reference costs ~30 bytes).
 MIN_SHARED = 32
-#: Attempts remembered per store instance, the least recently written forgotten first.
-MAX_ATTEMPTS = 4096
+#: Attempts remembered per store instance, the least recently written forgotten first. Each keeps a copy of its
+#: last call's ids (~36 bytes an id as Python ints: ~150 KB at a 4k context), so this bounds it at ~150 MB.
+MAX_ATTEMPTS = 1024
 _PROMPT, _RESPONSE = semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS
 Key = Tuple[str, str]  # (rollout_id, attempt_id)
 Last = Tuple[str, List[int]]  # (span id, its prompt ids followed by its response ids)
